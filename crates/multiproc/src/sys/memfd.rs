@@ -1,0 +1,94 @@
+//! Anonymous memory files (`memfd_create`), their page reservation and their seals.
+
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+
+use rustix::fs::{FallocateFlags, MemfdFlags, SealFlags};
+use rustix::io::Errno;
+
+use crate::{Error, Result};
+
+/// Creates a close-on-exec memfd of `len` bytes whose pages are reserved now, so that a
+/// later write can never SIGBUS for lack of memory. Sealing is allowed; call
+/// [`seal_size`] once the size is final.
+pub(crate) fn create(name: &str, len: u64) -> Result<OwnedFd> {
+    let fd = rustix::fs::memfd_create(name, MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)
+        .map_err(|e| Error::os(format!("memfd_create({name})"), e))?;
+    reserve(
+        fd.as_fd(),
+        len,
+        "an anonymous shared-memory segment (memfd)",
+    )?;
+    Ok(fd)
+}
+
+/// Sizes `fd` to `len` bytes and reserves its pages (`fallocate`), turning a full
+/// filesystem into an error now instead of a SIGBUS later.
+pub(crate) fn reserve(fd: BorrowedFd<'_>, len: u64, what: &str) -> Result<()> {
+    if len == 0 {
+        return Ok(());
+    }
+    match rustix::fs::fallocate(fd, FallocateFlags::empty(), 0, len) {
+        Ok(()) => Ok(()),
+        Err(Errno::NOSPC) | Err(Errno::NOMEM) => Err(Error::OutOfSharedMemory(format!(
+            "cannot reserve {} for {what}: {}. {}",
+            human_bytes(len),
+            free_shm_description(),
+            SHM_ADVICE
+        ))),
+        Err(Errno::OPNOTSUPP) => {
+            // Not every filesystem can reserve; fall back to sizing without reservation.
+            rustix::fs::ftruncate(fd, len).map_err(|e| Error::os(format!("ftruncate({len})"), e))
+        }
+        Err(e) => Err(Error::os(format!("fallocate({len} bytes) for {what}"), e)),
+    }
+}
+
+/// How to get more shared memory, for error messages.
+pub(crate) const SHM_ADVICE: &str = "Free shared memory, or grow /dev/shm: in docker run with \
+     `--shm-size=8g` or `--ipc=host`; elsewhere `mount -o remount,size=8G /dev/shm`";
+
+/// "/dev/shm has 12 MiB free of 16 MiB".
+pub(crate) fn free_shm_description() -> String {
+    match rustix::fs::statvfs("/dev/shm") {
+        Ok(s) => format!(
+            "/dev/shm has {} free of {}",
+            human_bytes(s.f_bavail * s.f_frsize),
+            human_bytes(s.f_blocks * s.f_frsize)
+        ),
+        Err(e) => format!("the free space of /dev/shm is unknown ({e})"),
+    }
+}
+
+/// Bytes in the unit a person reads best.
+pub(crate) fn human_bytes(n: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = n as f64;
+    let mut unit = 0;
+    while v >= 1024.0 && unit + 1 < UNITS.len() {
+        v /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{n} B")
+    } else {
+        format!("{v:.1} {}", UNITS[unit])
+    }
+}
+
+/// Seals a memfd against shrinking and growing, so a receiver that checked its size
+/// can map it without fear of SIGBUS.
+pub(crate) fn seal_size(fd: BorrowedFd<'_>) -> Result<()> {
+    rustix::fs::fcntl_add_seals(fd, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)
+        .map_err(|e| Error::os("sealing a memfd (F_ADD_SEALS)", e))
+}
+
+/// Whether `fd` is a memfd sealed against shrinking.
+pub(crate) fn is_shrink_sealed(fd: BorrowedFd<'_>) -> bool {
+    rustix::fs::fcntl_get_seals(fd).is_ok_and(|s| s.contains(SealFlags::SHRINK))
+}
+
+/// The size in bytes of the file behind `fd`.
+pub(crate) fn file_size(fd: BorrowedFd<'_>) -> Result<u64> {
+    let st = rustix::fs::fstat(fd).map_err(|e| Error::os("fstat of a received segment", e))?;
+    Ok(st.st_size as u64)
+}

@@ -1,0 +1,71 @@
+//! Shared mappings of a file, unmapped on drop.
+
+use std::os::fd::BorrowedFd;
+use std::ptr::NonNull;
+
+use rustix::mm::{MapFlags, ProtFlags};
+
+use crate::{Error, Result};
+
+/// A `MAP_SHARED` read-write mapping of `len` bytes of a file.
+///
+/// The memory may be written by other processes at any time, so this type never hands
+/// out references to it: only a raw pointer.
+#[derive(Debug)]
+pub(crate) struct SharedMapping {
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: the mapping is plain memory owned by this value; moving or sharing the owner
+// between threads does not change what the pointer refers to. Access to the bytes is
+// through raw pointers whose users uphold their own synchronisation.
+unsafe impl Send for SharedMapping {}
+// SAFETY: as above; `&SharedMapping` only exposes the pointer and length.
+unsafe impl Sync for SharedMapping {}
+
+impl SharedMapping {
+    /// Maps the first `len` bytes of `fd` (`len > 0`). The caller has checked that the
+    /// file is at least `len` bytes long and cannot shrink (or accepts that it is ours).
+    pub(crate) fn map(fd: BorrowedFd<'_>, len: usize) -> Result<Self> {
+        if len == 0 {
+            return Err(Error::InvalidArgument(
+                "cannot map a segment of 0 bytes".into(),
+            ));
+        }
+        // SAFETY: a fresh mapping at an address the kernel chooses cannot alias any Rust
+        // object; the result is only used through raw pointers.
+        let ptr = unsafe {
+            rustix::mm::mmap(
+                std::ptr::null_mut(),
+                len,
+                ProtFlags::READ | ProtFlags::WRITE,
+                MapFlags::SHARED,
+                fd,
+                0,
+            )
+        }
+        .map_err(|e| Error::os(format!("mmap of a {len}-byte shared segment"), e))?;
+        let ptr = NonNull::new(ptr.cast::<u8>())
+            .ok_or_else(|| Error::os("mmap", std::io::Error::other("returned null")))?;
+        Ok(Self { ptr, len })
+    }
+
+    /// The start of the mapping.
+    pub(crate) fn as_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+
+    /// Its length in bytes.
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+}
+
+impl Drop for SharedMapping {
+    fn drop(&mut self) {
+        // SAFETY: `ptr..ptr+len` is exactly the mapping this value created and owns;
+        // nothing refers to it once its owner is dropped.
+        let _ = unsafe { rustix::mm::munmap(self.ptr.as_ptr().cast(), self.len) };
+    }
+}

@@ -1,0 +1,15 @@
+//! The system layer: the only place that talks to the kernel directly.
+//!
+//! Everything above this module sees owned file descriptors, byte buffers and our
+//! [`Error`](crate::Error); everything below is rustix (and, where rustix has no safe
+//! wrapper, a few `libc` calls, each with a `// SAFETY:` comment).
+//!
+//! Contract: every fd created here is close-on-exec; every fd received from another
+//! process is an [`OwnedFd`](std::os::fd::OwnedFd) from the moment it arrives; sockets
+//! are non-blocking and every wait goes through [`wait_fd`] with a deadline.
+
+pub(crate) mod memfd;
+pub(crate) mod mmap;
+pub(crate) mod socket;
+
+pub(crate) use socket::{Deadline, Readiness, deadline_after, wait_fd};

@@ -1,0 +1,280 @@
+//! Unix `SOCK_SEQPACKET` sockets that carry bytes and file descriptors together.
+//!
+//! One `sendmsg` carries one whole packet and its fds (`SCM_RIGHTS`); the kernel
+//! delivers each packet whole to exactly one reader, which is what makes a socket shared
+//! by many processes a correct multi-producer multi-consumer channel without locks.
+
+use std::io::{IoSlice, IoSliceMut};
+use std::mem::MaybeUninit;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::time::{Duration, Instant};
+
+use rustix::event::{PollFd, PollFlags, Timespec, poll};
+use rustix::io::Errno;
+use rustix::net::{
+    AddressFamily, RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, ReturnFlags,
+    SendAncillaryBuffer, SendAncillaryMessage, SendFlags, SocketFlags, SocketType, recvmsg,
+    sendmsg, socketpair,
+};
+
+use crate::{Error, Result};
+
+/// The most fds one packet can carry (the kernel's `SCM_MAX_FD`).
+pub(crate) const MAX_FDS_PER_PACKET: usize = 253;
+
+/// When a blocking operation gives up: `None` waits forever.
+pub(crate) type Deadline = Option<Instant>;
+
+/// Turns an optional timeout into a deadline measured from now.
+pub(crate) fn deadline_after(timeout: Option<Duration>) -> Deadline {
+    timeout.map(|t| Instant::now() + t)
+}
+
+/// What [`wait_fd`] waits for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Readiness {
+    /// Data to read (or a hang-up).
+    Readable,
+    /// Room to write.
+    Writable,
+}
+
+/// Waits until `fd` is ready or the deadline passes. Returns `false` on timeout.
+/// A hang-up or error condition counts as ready: the following operation reports it.
+pub(crate) fn wait_fd(
+    fd: BorrowedFd<'_>,
+    readiness: Readiness,
+    deadline: Deadline,
+) -> Result<bool> {
+    let flags = match readiness {
+        Readiness::Readable => PollFlags::IN,
+        Readiness::Writable => PollFlags::OUT,
+    };
+    loop {
+        let timeout = match deadline {
+            None => None,
+            Some(d) => {
+                let left = d.saturating_duration_since(Instant::now());
+                Some(Timespec {
+                    tv_sec: left.as_secs() as i64,
+                    tv_nsec: left.subsec_nanos() as _,
+                })
+            }
+        };
+        let mut fds = [PollFd::from_borrowed_fd(fd, flags)];
+        match poll(&mut fds, timeout.as_ref()) {
+            Ok(0) => {
+                if deadline.is_some_and(|d| Instant::now() >= d) {
+                    return Ok(false);
+                }
+            }
+            Ok(_) => return Ok(true),
+            Err(Errno::INTR) => {}
+            Err(e) => return Err(Error::os("poll", e)),
+        }
+    }
+}
+
+/// A connected pair of non-blocking, close-on-exec `SOCK_SEQPACKET` sockets.
+pub(crate) fn seqpacket_pair() -> Result<(OwnedFd, OwnedFd)> {
+    let (a, b) = socketpair(
+        AddressFamily::UNIX,
+        SocketType::SEQPACKET,
+        SocketFlags::CLOEXEC | SocketFlags::NONBLOCK,
+        None,
+    )
+    .map_err(|e| Error::os("socketpair(AF_UNIX, SOCK_SEQPACKET)", e))?;
+    grow_send_buffer(&a);
+    grow_send_buffer(&b);
+    Ok((a, b))
+}
+
+/// How much data may wait in a socket before a sender blocks. Larger than the
+/// default (~208 KiB) so that a producer can run ahead of its consumers by thousands of
+/// small messages. `SO_SNDBUFFORCE` needs CAP_NET_ADMIN; without it the kernel caps
+/// `SO_SNDBUF` at `net.core.wmem_max`, which is still correct, only less buffered.
+const SEND_BUFFER_BYTES: usize = 32 << 20;
+
+fn grow_send_buffer(fd: &OwnedFd) {
+    // Both calls are best effort: a smaller buffer only means earlier back-pressure.
+    let forced = {
+        let value = SEND_BUFFER_BYTES as libc::c_int;
+        // SAFETY: `fd` is a valid socket for the duration of the call, and we pass a
+        // pointer to a live c_int together with its exact size.
+        unsafe {
+            libc::setsockopt(
+                std::os::fd::AsRawFd::as_raw_fd(fd),
+                libc::SOL_SOCKET,
+                libc::SO_SNDBUFFORCE,
+                (&value as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            ) == 0
+        }
+    };
+    if !forced {
+        let _ = rustix::net::sockopt::set_socket_send_buffer_size(fd, SEND_BUFFER_BYTES);
+    }
+}
+
+/// Outcome of a non-blocking send or receive.
+pub(crate) enum Attempt<T> {
+    /// It happened.
+    Done(T),
+    /// The socket was not ready; wait and try again.
+    WouldBlock,
+}
+
+/// Sends one packet (`header` then `body`, gathered) with `fds` attached. Non-blocking.
+/// A closed peer is [`Error::Closed`].
+pub(crate) fn try_send_packet(
+    sock: BorrowedFd<'_>,
+    header: &[u8],
+    body: &[u8],
+    fds: &[BorrowedFd<'_>],
+) -> Result<Attempt<()>> {
+    if fds.len() > MAX_FDS_PER_PACKET {
+        return Err(Error::FdLimit(format!(
+            "a message carries {} file descriptors; one message can carry at most {MAX_FDS_PER_PACKET} — \
+             send fewer tensors per message, or use the file_system sharing strategy",
+            fds.len()
+        )));
+    }
+    let mut space =
+        vec![MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(fds.len().max(1)))];
+    let mut control = SendAncillaryBuffer::new(&mut space);
+    if !fds.is_empty() && !control.push(SendAncillaryMessage::ScmRights(fds)) {
+        return Err(Error::Encode(format!(
+            "cannot attach {} fds to one packet",
+            fds.len()
+        )));
+    }
+    let iov = [IoSlice::new(header), IoSlice::new(body)];
+    match sendmsg(sock, &iov, &mut control, SendFlags::DONTWAIT | SendFlags::NOSIGNAL) {
+        Ok(n) if n == header.len() + body.len() => Ok(Attempt::Done(())),
+        Ok(n) => Err(Error::Encode(format!(
+            "the kernel accepted {n} of {} bytes of one packet",
+            header.len() + body.len()
+        ))),
+        Err(Errno::AGAIN) | Err(Errno::INTR) => Ok(Attempt::WouldBlock),
+        Err(Errno::PIPE) | Err(Errno::CONNRESET) | Err(Errno::NOTCONN) => Err(Error::Closed(
+            "the other end of the channel is closed (every receiver has gone)".into(),
+        )),
+        Err(Errno::MSGSIZE) => Err(Error::Encode(format!(
+            "a packet of {} bytes is larger than the socket allows",
+            header.len() + body.len()
+        ))),
+        Err(Errno::TOOMANYREFS) => Err(Error::FdLimit(
+            "too many file descriptors are in flight on unix sockets (the kernel counts them against \
+             RLIMIT_NOFILE); receive pending messages, raise `ulimit -n`, or use the file_system strategy"
+                .into(),
+        )),
+        Err(e) => Err(Error::os("sendmsg on a multiproc channel", e)),
+    }
+}
+
+/// One received packet.
+pub(crate) struct Packet {
+    /// The bytes of the packet.
+    pub bytes: Vec<u8>,
+    /// The fds that came with it, owned and close-on-exec.
+    pub fds: Vec<OwnedFd>,
+}
+
+/// Receives one packet of at most `max_len` bytes. Non-blocking. End of stream (every
+/// sender gone) is [`Error::Closed`]. A packet that was truncated, or whose fds did not
+/// all fit, is [`Error::InvalidMessage`] (the packet is consumed either way, so the
+/// channel stays usable).
+pub(crate) fn try_recv_packet(sock: BorrowedFd<'_>, buf: &mut [u8]) -> Result<Attempt<Packet>> {
+    let mut space =
+        [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS_PER_PACKET))];
+    let mut control = RecvAncillaryBuffer::new(&mut space);
+    let mut iov = [IoSliceMut::new(buf)];
+    let flags = RecvFlags::DONTWAIT | RecvFlags::CMSG_CLOEXEC;
+    let msg = match recvmsg(sock, &mut iov, &mut control, flags) {
+        Ok(m) => m,
+        Err(Errno::AGAIN) | Err(Errno::INTR) => return Ok(Attempt::WouldBlock),
+        Err(Errno::CONNRESET) => {
+            return Err(Error::Closed(
+                "the other end of the channel is closed".into(),
+            ));
+        }
+        Err(e) => return Err(Error::os("recvmsg on a multiproc channel", e)),
+    };
+    let mut fds = Vec::new();
+    for m in control.drain() {
+        if let RecvAncillaryMessage::ScmRights(rights) = m {
+            fds.extend(rights);
+        }
+    }
+    if msg.bytes == 0 && fds.is_empty() {
+        return Err(Error::Closed(
+            "the other end of the channel is closed (every sender has gone)".into(),
+        ));
+    }
+    if msg.flags.contains(ReturnFlags::TRUNC) {
+        return Err(Error::InvalidMessage(format!(
+            "a packet larger than {} bytes arrived; it was dropped",
+            buf.len()
+        )));
+    }
+    if msg.flags.contains(ReturnFlags::CTRUNC) {
+        return Err(Error::FdLimit(format!(
+            "a message's file descriptors did not all arrive ({} did): the receiver is at its fd limit \
+             (RLIMIT_NOFILE soft limit {}); raise `ulimit -n` or use the file_system sharing strategy",
+            fds.len(),
+            rustix::process::getrlimit(rustix::process::Resource::Nofile)
+                .current
+                .map_or("unlimited".to_string(), |v| v.to_string())
+        )));
+    }
+    Ok(Attempt::Done(Packet {
+        bytes: buf[..msg.bytes].to_vec(),
+        fds,
+    }))
+}
+
+/// Sends one packet, waiting for room until the deadline.
+pub(crate) fn send_packet(
+    sock: BorrowedFd<'_>,
+    header: &[u8],
+    body: &[u8],
+    fds: &[BorrowedFd<'_>],
+    deadline: Deadline,
+) -> Result<()> {
+    loop {
+        match try_send_packet(sock, header, body, fds)? {
+            Attempt::Done(()) => return Ok(()),
+            Attempt::WouldBlock => {
+                if !wait_fd(sock, Readiness::Writable, deadline)? {
+                    return Err(Error::Timeout(
+                        "timed out waiting for room in the channel (no receiver is reading)".into(),
+                    ));
+                }
+            }
+        }
+    }
+}
+
+/// Receives one packet, waiting until the deadline. Several processes may wait on one
+/// socket: whoever loses the race for a packet goes back to waiting.
+pub(crate) fn recv_packet(
+    sock: BorrowedFd<'_>,
+    buf: &mut [u8],
+    deadline: Deadline,
+) -> Result<Option<Packet>> {
+    loop {
+        match try_recv_packet(sock, buf)? {
+            Attempt::Done(p) => return Ok(Some(p)),
+            Attempt::WouldBlock => {
+                if !wait_fd(sock, Readiness::Readable, deadline)? {
+                    return Ok(None);
+                }
+            }
+        }
+    }
+}
+
+/// Borrows every fd in `fds`.
+pub(crate) fn borrow_all(fds: &[OwnedFd]) -> Vec<BorrowedFd<'_>> {
+    fds.iter().map(AsFd::as_fd).collect()
+}

@@ -1,0 +1,449 @@
+//! The wire: how a value becomes one packet on a socket, and back.
+//!
+//! A message is a serde value encoded with postcard. Values that stand for kernel
+//! objects — tensors' shared segments, queues, events, locks — do not serialize their
+//! fds as numbers: their `Serialize` impls hand the fd to the encoder's side table with
+//! [`attach_fd`] and write the table index instead; on the other side, their
+//! `Deserialize` impls take the fd back with [`received_fd`]. The table travels as
+//! `SCM_RIGHTS` in the same `sendmsg` as the bytes, so a message and its handles arrive
+//! together or not at all, and the sender may exit as soon as the send returns.
+//!
+//! Packet layout (all little-endian):
+//!
+//! | bytes | field |
+//! |---|---|
+//! | 0..4 | magic `b"MPW\x01"` |
+//! | 4 | version ([`VERSION`]) |
+//! | 5 | kind: 0 inline payload, 1 payload in a sealed memfd (the last fd) |
+//! | 6..8 | zero |
+//! | 8..12 | number of fds the payload uses (not counting the payload memfd) |
+//! | 12..16 | payload length in bytes |
+//!
+//! Payloads above [`INLINE_MAX`] go into a sealed memfd so every message is a single
+//! packet whatever its size: one packet is delivered whole to exactly one reader, which
+//! is what lets many processes put and get on one socket without locks.
+//!
+//! Invariant: decoding never panics and never trusts the sender. Every length, count
+//! and index is checked; anything malformed is [`Error::InvalidMessage`] saying what.
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
+
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use crate::sys::memfd;
+use crate::sys::socket::{self, Attempt, Deadline, MAX_FDS_PER_PACKET, Packet};
+use crate::{Error, Result};
+
+/// The packet magic.
+const MAGIC: [u8; 4] = *b"MPW\x01";
+/// The wire format version; a packet of another version is refused.
+pub(crate) const VERSION: u8 = 1;
+const HEADER_LEN: usize = 16;
+const KIND_INLINE: u8 = 0;
+const KIND_MEMFD: u8 = 1;
+/// Largest payload sent inside the packet itself.
+pub(crate) const INLINE_MAX: usize = 60 * 1024;
+/// Largest payload accepted from a memfd (a sanity bound against hostile lengths).
+const MEMFD_PAYLOAD_MAX: u64 = 1 << 40;
+
+/// A value encoded and ready to send, possibly several times.
+pub(crate) struct Encoded {
+    header: [u8; HEADER_LEN],
+    /// The inline payload (empty when it is in the memfd).
+    payload: Vec<u8>,
+    /// The handles, the payload memfd last when there is one.
+    fds: Vec<OwnedFd>,
+    /// Run if the message is dropped without being sent: releases references that
+    /// were taken on behalf of the receiver.
+    on_unsent: Vec<Box<dyn FnOnce() + Send>>,
+    sent: bool,
+}
+
+impl Drop for Encoded {
+    fn drop(&mut self) {
+        if !self.sent {
+            for undo in self.on_unsent.drain(..) {
+                undo();
+            }
+        }
+    }
+}
+
+#[derive(Default)]
+struct EncodeTable {
+    fds: Vec<OwnedFd>,
+    index_of: HashMap<RawFd, u32>,
+    on_unsent: Vec<Box<dyn FnOnce() + Send>>,
+}
+
+struct DecodeTable {
+    fds: Vec<OwnedFd>,
+    used: Vec<bool>,
+}
+
+thread_local! {
+    static ENCODER: RefCell<Option<EncodeTable>> = const { RefCell::new(None) };
+    static DECODER: RefCell<Option<DecodeTable>> = const { RefCell::new(None) };
+}
+
+/// The error a handle type gives when it is serialized outside a multiproc channel.
+pub(crate) fn outside_channel(what: &str) -> String {
+    format!(
+        "{what} can only be serialized by a multiproc channel (Queue, SimpleQueue, pipe, Pool, \
+         worker arguments): it carries a file descriptor"
+    )
+}
+
+/// Adds `fd` to the side table of the message being encoded on this thread and
+/// returns its index. The same fd attached twice gets the same index. For use in
+/// `Serialize` impls; fails outside [`encode`].
+pub(crate) fn attach_fd(fd: BorrowedFd<'_>, what: &str) -> std::result::Result<u32, String> {
+    ENCODER.with(|e| {
+        let mut e = e.borrow_mut();
+        let table = e.as_mut().ok_or_else(|| outside_channel(what))?;
+        if let Some(&i) = table.index_of.get(&fd.as_raw_fd()) {
+            return Ok(i);
+        }
+        let i = table.fds.len() as u32;
+        let dup = fd
+            .try_clone_to_owned()
+            .map_err(|err| format!("cannot duplicate the fd of {what}: {err}"))?;
+        table.index_of.insert(fd.as_raw_fd(), i);
+        table.fds.push(dup);
+        Ok(i)
+    })
+}
+
+/// Registers work to undo if the message being encoded is never sent.
+pub(crate) fn on_unsent(undo: Box<dyn FnOnce() + Send>) -> std::result::Result<(), String> {
+    ENCODER.with(|e| match e.borrow_mut().as_mut() {
+        Some(table) => {
+            table.on_unsent.push(undo);
+            Ok(())
+        }
+        None => {
+            undo();
+            Err(outside_channel("this value"))
+        }
+    })
+}
+
+/// Whether this thread is encoding a message right now.
+pub(crate) fn is_encoding() -> bool {
+    ENCODER.with(|e| e.borrow().is_some())
+}
+
+/// Takes (a duplicate of) fd number `index` of the message being decoded on this
+/// thread. For use in `Deserialize` impls.
+pub(crate) fn received_fd(index: u32, what: &str) -> std::result::Result<OwnedFd, String> {
+    DECODER.with(|d| {
+        let mut d = d.borrow_mut();
+        let table = d
+            .as_mut()
+            .ok_or_else(|| format!("{what} can only be deserialized by a multiproc channel"))?;
+        let i = index as usize;
+        let fd = table.fds.get(i).ok_or_else(|| {
+            format!(
+                "{what} refers to file descriptor #{index}, but the message carried {}",
+                table.fds.len()
+            )
+        })?;
+        table.used[i] = true;
+        fd.try_clone()
+            .map_err(|err| format!("cannot duplicate received fd #{index} of {what}: {err}"))
+    })
+}
+
+/// Resets a thread-local table on every exit path, panics included.
+struct TableGuard<'a, T: 'static>(
+    &'static std::thread::LocalKey<RefCell<Option<T>>>,
+    std::marker::PhantomData<&'a ()>,
+);
+
+impl<T: 'static> Drop for TableGuard<'_, T> {
+    fn drop(&mut self) {
+        let _ = self.0.try_with(|t| t.borrow_mut().take());
+    }
+}
+
+/// Encodes `value` into a packet, attaching the fds of every handle inside it.
+pub(crate) fn encode<T: Serialize + ?Sized>(value: &T) -> Result<Encoded> {
+    if is_encoding() {
+        return Err(Error::Encode(
+            "a value is being sent from inside the serialization of another message".into(),
+        ));
+    }
+    ENCODER.with(|e| *e.borrow_mut() = Some(EncodeTable::default()));
+    let guard = TableGuard(&ENCODER, std::marker::PhantomData);
+    let bytes = postcard::to_stdvec(value);
+    let table = ENCODER.with(|e| e.borrow_mut().take()).unwrap_or_default();
+    drop(guard);
+    let EncodeTable {
+        mut fds, on_unsent, ..
+    } = table;
+    let mut encoded = Encoded {
+        header: [0; HEADER_LEN],
+        payload: Vec::new(),
+        fds: Vec::new(),
+        on_unsent,
+        sent: false,
+    };
+    let payload = bytes.map_err(|e| Error::Encode(e.to_string()))?;
+    let nfds = fds.len();
+    if nfds > MAX_FDS_PER_PACKET - 1 {
+        return Err(Error::FdLimit(format!(
+            "a message would carry {nfds} file descriptors but one message carries at most {}: \
+             send fewer unshared-storage tensors or queues per message, or use the file_system sharing strategy",
+            MAX_FDS_PER_PACKET - 1
+        )));
+    }
+    let payload_len = payload.len();
+    if payload_len > u32::MAX as usize {
+        return Err(Error::Encode(format!(
+            "a message of {payload_len} bytes is larger than 4 GiB; put large data in tensors"
+        )));
+    }
+    let kind = if payload_len > INLINE_MAX {
+        let fd = memfd::create("multiproc-message", payload.len() as u64)?;
+        write_all_at(fd.as_fd(), &payload)?;
+        rustix::fs::fcntl_add_seals(
+            &fd,
+            rustix::fs::SealFlags::SHRINK
+                | rustix::fs::SealFlags::GROW
+                | rustix::fs::SealFlags::WRITE
+                | rustix::fs::SealFlags::SEAL,
+        )
+        .map_err(|e| Error::os("sealing a message memfd", e))?;
+        fds.push(fd);
+        KIND_MEMFD
+    } else {
+        encoded.payload = payload;
+        KIND_INLINE
+    };
+    encoded.header[0..4].copy_from_slice(&MAGIC);
+    encoded.header[4] = VERSION;
+    encoded.header[5] = kind;
+    encoded.header[8..12].copy_from_slice(&(nfds as u32).to_le_bytes());
+    encoded.header[12..16].copy_from_slice(&(payload_len as u32).to_le_bytes());
+    encoded.fds = fds;
+    Ok(encoded)
+}
+
+fn write_all_at(fd: BorrowedFd<'_>, mut bytes: &[u8]) -> Result<()> {
+    let mut offset = 0u64;
+    while !bytes.is_empty() {
+        match rustix::io::pwrite(fd, bytes, offset) {
+            Ok(0) => return Err(Error::Encode("a message memfd accepted no bytes".into())),
+            Ok(n) => {
+                bytes = &bytes[n..];
+                offset += n as u64;
+            }
+            Err(rustix::io::Errno::INTR) => {}
+            Err(e) => return Err(Error::os("writing a message into a memfd", e)),
+        }
+    }
+    Ok(())
+}
+
+impl Encoded {
+    /// Sends the packet without waiting.
+    pub(crate) fn try_send(&mut self, sock: BorrowedFd<'_>) -> Result<bool> {
+        let fds = socket::borrow_all(&self.fds);
+        match socket::try_send_packet(sock, &self.header, &self.payload, &fds)? {
+            Attempt::Done(()) => {
+                self.sent = true;
+                Ok(true)
+            }
+            Attempt::WouldBlock => Ok(false),
+        }
+    }
+
+    /// Sends the packet, waiting for room until the deadline.
+    pub(crate) fn send(&mut self, sock: BorrowedFd<'_>, deadline: Deadline) -> Result<()> {
+        let fds = socket::borrow_all(&self.fds);
+        socket::send_packet(sock, &self.header, &self.payload, &fds, deadline)?;
+        self.sent = true;
+        Ok(())
+    }
+}
+
+thread_local! {
+    static RECV_BUF: RefCell<Vec<u8>> = RefCell::new(vec![0; HEADER_LEN + INLINE_MAX + 1]);
+}
+
+/// Receives one packet (without decoding it), waiting until the deadline;
+/// `Ok(None)` on timeout.
+pub(crate) fn recv_packet(sock: BorrowedFd<'_>, deadline: Deadline) -> Result<Option<Packet>> {
+    RECV_BUF.with(|b| socket::recv_packet(sock, &mut b.borrow_mut(), deadline))
+}
+
+/// Receives one packet without waiting; `Ok(None)` when none is there.
+pub(crate) fn try_recv_packet(sock: BorrowedFd<'_>) -> Result<Option<Packet>> {
+    RECV_BUF.with(
+        |b| match socket::try_recv_packet(sock, &mut b.borrow_mut())? {
+            Attempt::Done(p) => Ok(Some(p)),
+            Attempt::WouldBlock => Ok(None),
+        },
+    )
+}
+
+/// Decodes a received packet. Never panics; a malformed packet is an error that says
+/// what was wrong with it.
+pub(crate) fn decode<T: DeserializeOwned>(packet: Packet) -> Result<T> {
+    let Packet { bytes, mut fds } = packet;
+    let bad = |what: String| Err(Error::InvalidMessage(what));
+    if bytes.len() < HEADER_LEN {
+        return bad(format!(
+            "a packet of {} bytes is shorter than the {HEADER_LEN}-byte header",
+            bytes.len()
+        ));
+    }
+    if bytes[0..4] != MAGIC {
+        return bad(
+            "the packet does not start with multiproc's magic bytes (not a multiproc message)"
+                .into(),
+        );
+    }
+    if bytes[4] != VERSION {
+        return bad(format!(
+            "wire version {} is not supported (this build speaks version {VERSION}): \
+             are both processes running the same multiproc?",
+            bytes[4]
+        ));
+    }
+    let kind = bytes[5];
+    let nfds = u32::from_le_bytes([bytes[8], bytes[9], bytes[10], bytes[11]]) as usize;
+    let len = u32::from_le_bytes([bytes[12], bytes[13], bytes[14], bytes[15]]) as usize;
+    let payload: Vec<u8> = match kind {
+        KIND_INLINE => {
+            if nfds != fds.len() {
+                return bad(format!(
+                    "the header declares {nfds} fds but {} arrived",
+                    fds.len()
+                ));
+            }
+            if bytes.len() - HEADER_LEN != len {
+                return bad(format!(
+                    "the header declares a {len}-byte payload but {} bytes arrived",
+                    bytes.len() - HEADER_LEN
+                ));
+            }
+            bytes[HEADER_LEN..].to_vec()
+        }
+        KIND_MEMFD => {
+            if fds.len() != nfds + 1 {
+                return bad(format!(
+                    "the header declares {nfds} fds plus a payload memfd but {} fds arrived",
+                    fds.len()
+                ));
+            }
+            if bytes.len() != HEADER_LEN {
+                return bad("an out-of-band message carries inline bytes".into());
+            }
+            let Some(fd) = fds.pop() else {
+                return bad("the payload memfd is missing".into());
+            };
+            read_sealed_payload(fd.as_fd(), len)?
+        }
+        other => return bad(format!("unknown packet kind {other}")),
+    };
+    let used = vec![false; fds.len()];
+    DECODER.with(|d| *d.borrow_mut() = Some(DecodeTable { fds, used }));
+    let guard = TableGuard(&DECODER, std::marker::PhantomData);
+    let result = postcard::take_from_bytes::<T>(&payload);
+    let table = DECODER.with(|d| d.borrow_mut().take());
+    drop(guard);
+    let (value, rest) =
+        result.map_err(|e| Error::InvalidMessage(format!("cannot decode the payload: {e}")))?;
+    if !rest.is_empty() {
+        return bad(format!("{} bytes follow the end of the value", rest.len()));
+    }
+    if let Some(table) = table {
+        if let Some(i) = table.used.iter().position(|u| !u) {
+            return bad(format!(
+                "the message carried {} fds but fd #{i} is not referred to by its payload",
+                table.fds.len()
+            ));
+        }
+    }
+    Ok(value)
+}
+
+fn read_sealed_payload(fd: BorrowedFd<'_>, len: usize) -> Result<Vec<u8>> {
+    let seals = rustix::fs::fcntl_get_seals(fd).map_err(|e| {
+        Error::InvalidMessage(format!("the payload fd is not a sealed memfd ({e})"))
+    })?;
+    use rustix::fs::SealFlags;
+    if !seals.contains(SealFlags::SHRINK | SealFlags::WRITE) {
+        return Err(Error::InvalidMessage(
+            "the payload memfd is not sealed against writing and shrinking".into(),
+        ));
+    }
+    let size = memfd::file_size(fd)?;
+    if (len as u64) > size || size > MEMFD_PAYLOAD_MAX {
+        return Err(Error::InvalidMessage(format!(
+            "the header declares a {len}-byte payload but its memfd holds {size} bytes"
+        )));
+    }
+    let mut out = vec![0u8; len];
+    let mut done = 0;
+    while done < len {
+        match rustix::io::pread(fd, &mut out[done..], done as u64) {
+            Ok(0) => {
+                return Err(Error::InvalidMessage(format!(
+                    "the payload memfd ended after {done} of {len} bytes"
+                )));
+            }
+            Ok(n) => done += n,
+            Err(rustix::io::Errno::INTR) => {}
+            Err(e) => return Err(Error::os("reading a message memfd", e)),
+        }
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn roundtrip<T: Serialize + DeserializeOwned>(v: &T) -> Result<T> {
+        let (a, b) = socket::seqpacket_pair()?;
+        let mut enc = encode(v)?;
+        enc.send(a.as_fd(), None)?;
+        let p = recv_packet(b.as_fd(), None)?.expect("no deadline");
+        decode(p)
+    }
+
+    #[test]
+    fn small_and_large_values_round_trip() {
+        assert_eq!(
+            roundtrip(&(1u32, "x".to_string())).unwrap(),
+            (1, "x".to_string())
+        );
+        let big: Vec<u8> = (0..3_000_000u32).map(|i| i as u8).collect();
+        assert_eq!(roundtrip(&big).unwrap(), big);
+    }
+
+    #[test]
+    fn garbage_is_an_error_not_a_panic() {
+        for bytes in [
+            vec![],
+            vec![1, 2, 3],
+            b"MPW\x01\x09\0\0\0\0\0\0\0\0\0\0\0".to_vec(),
+        ] {
+            let err = decode::<String>(Packet { bytes, fds: vec![] }).unwrap_err();
+            assert!(matches!(err, Error::InvalidMessage(_)), "{err}");
+        }
+        let mut header = MAGIC.to_vec();
+        header.extend([VERSION, KIND_INLINE, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0]);
+        let err = decode::<()>(Packet {
+            bytes: header,
+            fds: vec![],
+        })
+        .unwrap_err();
+        assert!(err.to_string().contains("declares 1 fds"), "{err}");
+    }
+}
