@@ -5,8 +5,12 @@
 #![deny(unsafe_code)]
 
 mod error;
+mod queue;
+mod sync;
 #[allow(unsafe_code)]
 mod sys;
 mod wire;
 
 pub use error::{Error, Failure, PutError, Result};
+pub use queue::{Connection, JoinableQueue, Queue, SimpleQueue, pipe};
+pub use sync::Event;

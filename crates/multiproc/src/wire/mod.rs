@@ -74,12 +74,16 @@ impl Drop for Encoded {
 
 #[derive(Default)]
 struct EncodeTable {
+    /// The first error a handle's `Serialize` reported (postcard keeps only "custom error").
+    error: Option<String>,
     fds: Vec<OwnedFd>,
     index_of: HashMap<RawFd, u32>,
     on_unsent: Vec<Box<dyn FnOnce() + Send>>,
 }
 
 struct DecodeTable {
+    /// The first error a handle's `Deserialize` reported.
+    error: Option<String>,
     fds: Vec<OwnedFd>,
     used: Vec<bool>,
 }
@@ -97,10 +101,28 @@ pub(crate) fn outside_channel(what: &str) -> String {
     )
 }
 
+/// Records `message` as the reason the current encode or decode fails, so the error
+/// the caller sees says what was wrong (postcard itself keeps only "custom error").
+/// Returns it, for `serde::ser::Error::custom` / `serde::de::Error::custom`.
+pub(crate) fn fail(message: String) -> String {
+    let record = |slot: &mut Option<String>| {
+        if slot.is_none() {
+            *slot = Some(message.clone());
+        }
+    };
+    ENCODER.with(|e| e.borrow_mut().as_mut().map(|t| record(&mut t.error)));
+    DECODER.with(|d| d.borrow_mut().as_mut().map(|t| record(&mut t.error)));
+    message
+}
+
 /// Adds `fd` to the side table of the message being encoded on this thread and
 /// returns its index. The same fd attached twice gets the same index. For use in
 /// `Serialize` impls; fails outside [`encode`].
 pub(crate) fn attach_fd(fd: BorrowedFd<'_>, what: &str) -> std::result::Result<u32, String> {
+    attach_fd_inner(fd, what).map_err(fail)
+}
+
+fn attach_fd_inner(fd: BorrowedFd<'_>, what: &str) -> std::result::Result<u32, String> {
     ENCODER.with(|e| {
         let mut e = e.borrow_mut();
         let table = e.as_mut().ok_or_else(|| outside_channel(what))?;
@@ -139,6 +161,10 @@ pub(crate) fn is_encoding() -> bool {
 /// Takes (a duplicate of) fd number `index` of the message being decoded on this
 /// thread. For use in `Deserialize` impls.
 pub(crate) fn received_fd(index: u32, what: &str) -> std::result::Result<OwnedFd, String> {
+    received_fd_inner(index, what).map_err(fail)
+}
+
+fn received_fd_inner(index: u32, what: &str) -> std::result::Result<OwnedFd, String> {
     DECODER.with(|d| {
         let mut d = d.borrow_mut();
         let table = d
@@ -182,7 +208,10 @@ pub(crate) fn encode<T: Serialize + ?Sized>(value: &T) -> Result<Encoded> {
     let table = ENCODER.with(|e| e.borrow_mut().take()).unwrap_or_default();
     drop(guard);
     let EncodeTable {
-        mut fds, on_unsent, ..
+        mut fds,
+        on_unsent,
+        error,
+        ..
     } = table;
     let mut encoded = Encoded {
         header: [0; HEADER_LEN],
@@ -191,7 +220,7 @@ pub(crate) fn encode<T: Serialize + ?Sized>(value: &T) -> Result<Encoded> {
         on_unsent,
         sent: false,
     };
-    let payload = bytes.map_err(|e| Error::Encode(e.to_string()))?;
+    let payload = bytes.map_err(|e| Error::Encode(error.unwrap_or_else(|| e.to_string())))?;
     let nfds = fds.len();
     if nfds > MAX_FDS_PER_PACKET - 1 {
         return Err(Error::FdLimit(format!(
@@ -249,18 +278,6 @@ fn write_all_at(fd: BorrowedFd<'_>, mut bytes: &[u8]) -> Result<()> {
 }
 
 impl Encoded {
-    /// Sends the packet without waiting.
-    pub(crate) fn try_send(&mut self, sock: BorrowedFd<'_>) -> Result<bool> {
-        let fds = socket::borrow_all(&self.fds);
-        match socket::try_send_packet(sock, &self.header, &self.payload, &fds)? {
-            Attempt::Done(()) => {
-                self.sent = true;
-                Ok(true)
-            }
-            Attempt::WouldBlock => Ok(false),
-        }
-    }
-
     /// Sends the packet, waiting for room until the deadline.
     pub(crate) fn send(&mut self, sock: BorrowedFd<'_>, deadline: Deadline) -> Result<()> {
         let fds = socket::borrow_all(&self.fds);
@@ -351,13 +368,26 @@ pub(crate) fn decode<T: DeserializeOwned>(packet: Packet) -> Result<T> {
         other => return bad(format!("unknown packet kind {other}")),
     };
     let used = vec![false; fds.len()];
-    DECODER.with(|d| *d.borrow_mut() = Some(DecodeTable { fds, used }));
+    DECODER.with(|d| {
+        *d.borrow_mut() = Some(DecodeTable {
+            error: None,
+            fds,
+            used,
+        })
+    });
     let guard = TableGuard(&DECODER, std::marker::PhantomData);
     let result = postcard::take_from_bytes::<T>(&payload);
     let table = DECODER.with(|d| d.borrow_mut().take());
     drop(guard);
-    let (value, rest) =
-        result.map_err(|e| Error::InvalidMessage(format!("cannot decode the payload: {e}")))?;
+    let (value, rest) = match result {
+        Ok(v) => v,
+        Err(e) => {
+            let why = table
+                .and_then(|t| t.error)
+                .unwrap_or_else(|| format!("cannot decode the payload: {e}"));
+            return Err(Error::InvalidMessage(why));
+        }
+    };
     if !rest.is_empty() {
         return bad(format!("{} bytes follow the end of the value", rest.len()));
     }

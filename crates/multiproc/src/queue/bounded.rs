@@ -1,0 +1,486 @@
+//! [`Queue`] and [`JoinableQueue`]: a [`Channel`] plus counters in a shared block.
+//!
+//! Words of the block: `SLOTS` — free places left (a semaphore; only when bounded),
+//! `ITEMS` — messages put and not yet taken (approximate `qsize`), `UNFINISHED` — items
+//! put and not yet marked done (for `JoinableQueue::join`), `CAPACITY` (0 = unbounded).
+//!
+//! A process killed between taking a slot and sending (or between receiving and giving
+//! the slot back) costs the queue one place of capacity, never a message or a hang of
+//! others beyond their own deadlines.
+
+use std::fmt;
+use std::marker::PhantomData;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+use super::channel::Channel;
+use crate::sync::block::SharedBlock;
+use crate::sync::futex;
+use crate::sys::{Deadline, deadline_after};
+use crate::{Error, PutError, Result};
+
+const KIND: u32 = 0x5155_4555; // "QUEU"
+const SLOTS: usize = 1;
+const ITEMS: usize = 2;
+const UNFINISHED: usize = 3;
+const CAPACITY: usize = 4;
+const SLOT_WAITERS: usize = 5;
+
+/// What [`Queue`] and [`JoinableQueue`] share.
+#[derive(Debug)]
+struct Shared {
+    channel: Channel,
+    block: SharedBlock,
+}
+
+impl Shared {
+    fn new(capacity: Option<usize>) -> Result<Self> {
+        let capacity = match capacity {
+            None => 0,
+            Some(0) => {
+                return Err(Error::InvalidArgument(
+                    "a queue's capacity must be at least 1 (use Queue::new for an unbounded queue)"
+                        .into(),
+                ));
+            }
+            Some(c) => u32::try_from(c).map_err(|_| {
+                Error::InvalidArgument(format!("a queue's capacity must be below 2^32, got {c}"))
+            })?,
+        };
+        let block = SharedBlock::new(KIND)?;
+        block.word(CAPACITY).store(capacity, Ordering::Release);
+        block.word(SLOTS).store(capacity, Ordering::Release);
+        Ok(Self {
+            channel: Channel::new()?,
+            block,
+        })
+    }
+
+    fn bounded(&self) -> bool {
+        self.block.word(CAPACITY).load(Ordering::Relaxed) != 0
+    }
+
+    /// Takes one free place, waiting until the deadline. `Ok(false)` on timeout.
+    fn acquire_slot(&self, deadline: Deadline) -> Result<bool> {
+        let slots = self.block.word(SLOTS);
+        let waiters = self.block.word(SLOT_WAITERS);
+        loop {
+            let free = slots.load(Ordering::Acquire);
+            if free > 0 {
+                if slots
+                    .compare_exchange_weak(free, free - 1, Ordering::AcqRel, Ordering::Relaxed)
+                    .is_ok()
+                {
+                    return Ok(true);
+                }
+                continue;
+            }
+            waiters.fetch_add(1, Ordering::AcqRel);
+            let woke = futex::wait(slots, 0, deadline);
+            waiters.fetch_sub(1, Ordering::AcqRel);
+            if !woke? {
+                return Ok(false);
+            }
+        }
+    }
+
+    fn release_slot(&self) {
+        let slots = self.block.word(SLOTS);
+        slots.fetch_add(1, Ordering::AcqRel);
+        if self.block.word(SLOT_WAITERS).load(Ordering::Acquire) > 0 {
+            futex::wake(slots, 1);
+        }
+    }
+
+    fn put<T: Serialize>(
+        &self,
+        item: T,
+        deadline: Deadline,
+        joinable: bool,
+    ) -> Result<(), PutError<T>> {
+        if self.bounded() {
+            match self.acquire_slot(deadline) {
+                Ok(true) => {}
+                Ok(false) => {
+                    return Err(PutError {
+                        error: Error::Timeout(
+                            "timed out waiting for a free place in a full queue".into(),
+                        ),
+                        item,
+                    });
+                }
+                Err(error) => return Err(PutError { error, item }),
+            }
+        }
+        if joinable {
+            self.block.word(UNFINISHED).fetch_add(1, Ordering::AcqRel);
+        }
+        self.block.word(ITEMS).fetch_add(1, Ordering::AcqRel);
+        let result = self.channel.put(item, deadline);
+        if result.is_err() {
+            saturating_dec(self.block.word(ITEMS));
+            if joinable {
+                self.task_done_unchecked();
+            }
+            if self.bounded() {
+                self.release_slot();
+            }
+        }
+        result
+    }
+
+    fn taken<T>(&self, got: &Result<Option<T>>) {
+        // A malformed message was still a message taken off the queue.
+        if matches!(got, Ok(Some(_)) | Err(Error::InvalidMessage(_))) {
+            saturating_dec(self.block.word(ITEMS));
+            if self.bounded() {
+                self.release_slot();
+            }
+        }
+    }
+
+    fn get<T: DeserializeOwned>(&self, deadline: Deadline) -> Result<Option<T>> {
+        let got = self.channel.get(deadline);
+        self.taken(&got);
+        got
+    }
+
+    fn try_get<T: DeserializeOwned>(&self) -> Result<Option<T>> {
+        let got = self.channel.try_get();
+        self.taken(&got);
+        got
+    }
+
+    fn task_done_unchecked(&self) {
+        let unfinished = self.block.word(UNFINISHED);
+        if saturating_dec(unfinished) == 1 {
+            futex::wake_all(unfinished);
+        }
+    }
+}
+
+/// Decrements without going below zero; returns the previous value.
+fn saturating_dec(word: &AtomicU32) -> u32 {
+    word.fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| v.checked_sub(1))
+        .unwrap_or(0)
+}
+
+/// A multi-producer, multi-consumer queue between processes, like
+/// `torch.multiprocessing.Queue`: optionally bounded, with timeouts and an approximate
+/// size.
+///
+/// Every [`Tensor`](crate::Tensor) inside an item travels as a handle to its shared
+/// memory (a tensor not yet shared is moved to shared memory when put). Putting and
+/// getting on the same queue in one process works. `Clone` gives another handle; pass
+/// the queue to other processes as a worker argument or through another queue.
+///
+/// # Examples
+///
+/// ```
+/// let q = multiproc::Queue::with_capacity(2)?;
+/// q.put(vec![1u8, 2, 3]).map_err(multiproc::Error::from)?;
+/// assert_eq!(q.get()?, vec![1, 2, 3]);
+/// # Ok::<(), multiproc::Error>(())
+/// ```
+pub struct Queue<T> {
+    shared: Arc<Shared>,
+    _items: PhantomData<fn(T) -> T>,
+}
+
+impl<T> Clone for Queue<T> {
+    fn clone(&self) -> Self {
+        Self {
+            shared: Arc::clone(&self.shared),
+            _items: PhantomData,
+        }
+    }
+}
+
+impl<T: Serialize + DeserializeOwned> Queue<T> {
+    /// An unbounded queue: `put` waits only when the kernel's socket buffer is full.
+    ///
+    /// # Errors
+    /// When the socket pair or the shared counters cannot be made (fd or memory limits).
+    pub fn new() -> Result<Self> {
+        Self::build(None)
+    }
+
+    /// A queue holding at most `capacity` items: `put` waits for room.
+    ///
+    /// # Errors
+    /// As [`new`](Self::new), and [`Error::InvalidArgument`] for a capacity of 0.
+    pub fn with_capacity(capacity: usize) -> Result<Self> {
+        Self::build(Some(capacity))
+    }
+
+    fn build(capacity: Option<usize>) -> Result<Self> {
+        Ok(Self {
+            shared: Arc::new(Shared::new(capacity)?),
+            _items: PhantomData,
+        })
+    }
+
+    /// Puts `item`, waiting for room as long as it takes.
+    ///
+    /// # Errors
+    /// When the item cannot be encoded or sent; the item comes back in the error.
+    pub fn put(&self, item: T) -> Result<(), PutError<T>> {
+        self.shared.put(item, None, false)
+    }
+
+    /// Puts `item`, waiting for room at most `timeout`.
+    ///
+    /// # Errors
+    /// As [`put`](Self::put); [`Error::Timeout`] when no room came in time.
+    pub fn put_timeout(&self, item: T, timeout: Duration) -> Result<(), PutError<T>> {
+        self.shared.put(item, deadline_after(Some(timeout)), false)
+    }
+
+    /// Takes the next item, waiting as long as it takes.
+    ///
+    /// # Errors
+    /// [`Error::InvalidMessage`] for a malformed message (the queue stays usable),
+    /// [`Error::Closed`] after [`close`](Self::close).
+    pub fn get(&self) -> Result<T> {
+        self.shared
+            .get(None)?
+            .ok_or_else(|| Error::Timeout("a get without deadline returned nothing".into()))
+    }
+
+    /// Takes the next item, waiting at most `timeout`; `Ok(None)` if none came.
+    ///
+    /// # Errors
+    /// As [`get`](Self::get).
+    pub fn get_timeout(&self, timeout: Duration) -> Result<Option<T>> {
+        self.shared.get(deadline_after(Some(timeout)))
+    }
+
+    /// Takes the next item if one is waiting.
+    ///
+    /// # Errors
+    /// As [`get`](Self::get).
+    pub fn try_get(&self) -> Result<Option<T>> {
+        self.shared.try_get()
+    }
+
+    /// The number of items put and not yet taken, across all processes. Approximate:
+    /// others may put or get at the same moment.
+    pub fn qsize(&self) -> usize {
+        self.shared.block.word(ITEMS).load(Ordering::Acquire) as usize
+    }
+
+    /// Whether no item is waiting right now (approximate, like [`qsize`](Self::qsize)).
+    pub fn empty(&self) -> bool {
+        !self.shared.channel.has_waiting()
+    }
+
+    /// Whether the queue holds its capacity (never for an unbounded queue).
+    pub fn full(&self) -> bool {
+        self.shared.bounded() && self.shared.block.word(SLOTS).load(Ordering::Acquire) == 0
+    }
+
+    /// Closes this process's handles: later puts and gets through them fail with
+    /// [`Error::Closed`]. Items already put stay on the queue for other processes.
+    pub fn close(&self) {
+        self.shared.channel.close();
+    }
+}
+
+impl<T> fmt::Debug for Queue<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Queue")
+            .field(
+                "qsize",
+                &self.shared.block.word(ITEMS).load(Ordering::Relaxed),
+            )
+            .field(
+                "capacity",
+                &self.shared.block.word(CAPACITY).load(Ordering::Relaxed),
+            )
+            .finish()
+    }
+}
+
+impl Serialize for Shared {
+    fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        use serde::ser::SerializeTuple;
+        let mut t = s.serialize_tuple(2)?;
+        t.serialize_element(&self.channel)?;
+        t.serialize_element(&BlockRef(&self.block))?;
+        t.end()
+    }
+}
+
+struct BlockRef<'a>(&'a SharedBlock);
+
+impl Serialize for BlockRef<'_> {
+    fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        self.0.serialize_as("a queue", s)
+    }
+}
+
+struct OwnedBlock(SharedBlock);
+
+impl<'de> Deserialize<'de> for OwnedBlock {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        SharedBlock::deserialize_as(KIND, "a queue", d).map(OwnedBlock)
+    }
+}
+
+impl<'de> Deserialize<'de> for Shared {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        let (channel, OwnedBlock(block)) = <(Channel, OwnedBlock)>::deserialize(d)?;
+        Ok(Self { channel, block })
+    }
+}
+
+impl<T> Serialize for Queue<T> {
+    fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        self.shared.serialize(s)
+    }
+}
+
+impl<'de, T> Deserialize<'de> for Queue<T> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        Ok(Self {
+            shared: Arc::new(Shared::deserialize(d)?),
+            _items: PhantomData,
+        })
+    }
+}
+
+/// A [`Queue`] that also counts unfinished tasks, like `multiprocessing.JoinableQueue`:
+/// every `put` adds one, every [`task_done`](Self::task_done) takes one away, and
+/// [`join`](Self::join) waits until none is left.
+pub struct JoinableQueue<T> {
+    queue: Queue<T>,
+}
+
+impl<T> Clone for JoinableQueue<T> {
+    fn clone(&self) -> Self {
+        Self {
+            queue: self.queue.clone(),
+        }
+    }
+}
+
+impl<T: Serialize + DeserializeOwned> JoinableQueue<T> {
+    /// An unbounded joinable queue.
+    ///
+    /// # Errors
+    /// As [`Queue::new`].
+    pub fn new() -> Result<Self> {
+        Ok(Self {
+            queue: Queue::new()?,
+        })
+    }
+
+    /// A joinable queue holding at most `capacity` items.
+    ///
+    /// # Errors
+    /// As [`Queue::with_capacity`].
+    pub fn with_capacity(capacity: usize) -> Result<Self> {
+        Ok(Self {
+            queue: Queue::with_capacity(capacity)?,
+        })
+    }
+
+    /// Puts `item` and counts it as an unfinished task.
+    ///
+    /// # Errors
+    /// As [`Queue::put`].
+    pub fn put(&self, item: T) -> Result<(), PutError<T>> {
+        self.queue.shared.put(item, None, true)
+    }
+
+    /// Puts `item` waiting at most `timeout` for room.
+    ///
+    /// # Errors
+    /// As [`Queue::put_timeout`].
+    pub fn put_timeout(&self, item: T, timeout: Duration) -> Result<(), PutError<T>> {
+        self.queue
+            .shared
+            .put(item, deadline_after(Some(timeout)), true)
+    }
+
+    /// Marks one task taken from the queue as done.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when called more times than items were put.
+    pub fn task_done(&self) -> Result<()> {
+        let unfinished = self.queue.shared.block.word(UNFINISHED);
+        match unfinished.fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| v.checked_sub(1)) {
+            Ok(1) => {
+                futex::wake_all(unfinished);
+                Ok(())
+            }
+            Ok(_) => Ok(()),
+            Err(_) => Err(Error::InvalidArgument(
+                "task_done() called more times than items were put on the JoinableQueue".into(),
+            )),
+        }
+    }
+
+    /// Waits until every item put has been marked done, at most `timeout` (`None`:
+    /// forever). Returns whether that happened.
+    ///
+    /// # Errors
+    /// Only when the kernel refuses the wait.
+    pub fn join(&self, timeout: Option<Duration>) -> Result<bool> {
+        let deadline = deadline_after(timeout);
+        let unfinished = self.queue.shared.block.word(UNFINISHED);
+        loop {
+            let left = unfinished.load(Ordering::Acquire);
+            if left == 0 {
+                return Ok(true);
+            }
+            if !futex::wait(unfinished, left, deadline)? {
+                return Ok(unfinished.load(Ordering::Acquire) == 0);
+            }
+        }
+    }
+}
+
+impl<T> std::ops::Deref for JoinableQueue<T> {
+    type Target = Queue<T>;
+
+    /// The queue's other operations (`get`, `qsize`, `close`, ...).
+    fn deref(&self) -> &Queue<T> {
+        &self.queue
+    }
+}
+
+impl<T> fmt::Debug for JoinableQueue<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("JoinableQueue")
+            .field("queue", &self.queue)
+            .field(
+                "unfinished",
+                &self
+                    .queue
+                    .shared
+                    .block
+                    .word(UNFINISHED)
+                    .load(Ordering::Relaxed),
+            )
+            .finish()
+    }
+}
+
+impl<T> Serialize for JoinableQueue<T> {
+    fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        self.queue.serialize(s)
+    }
+}
+
+impl<'de, T> Deserialize<'de> for JoinableQueue<T> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        Ok(Self {
+            queue: Queue::deserialize(d)?,
+        })
+    }
+}

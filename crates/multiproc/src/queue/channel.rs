@@ -1,0 +1,133 @@
+//! The socket pair under every queue: what goes in at `tx` comes out at `rx`, one whole
+//! message to exactly one reader, whichever process it is in.
+
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+use crate::sys::Deadline;
+use crate::sys::socket::seqpacket_pair;
+use crate::{Error, PutError, Result, wire};
+
+/// Both ends of one `SOCK_SEQPACKET` pair. Every process holding the queue holds both,
+/// so none of them ever sees end-of-stream: a getter waits (with its deadline) until some
+/// holder puts.
+#[derive(Debug)]
+pub(crate) struct Channel {
+    tx: OwnedFd,
+    rx: OwnedFd,
+    closed: AtomicBool,
+}
+
+impl Channel {
+    pub(crate) fn new() -> Result<Self> {
+        let (tx, rx) = seqpacket_pair()?;
+        Ok(Self {
+            tx,
+            rx,
+            closed: AtomicBool::new(false),
+        })
+    }
+
+    fn check_open(&self, what: &str) -> Result<()> {
+        if self.closed.load(Ordering::Acquire) {
+            Err(Error::Closed(format!(
+                "{what} on a queue that this process closed"
+            )))
+        } else {
+            Ok(())
+        }
+    }
+
+    /// Marks this handle closed: later puts and gets through it fail.
+    pub(crate) fn close(&self) {
+        self.closed.store(true, Ordering::Release);
+    }
+
+    /// Encodes and sends `item`, waiting for room until the deadline. On failure the
+    /// item comes back.
+    pub(crate) fn put<T: Serialize>(&self, item: T, deadline: Deadline) -> Result<(), PutError<T>> {
+        let result = self
+            .check_open("put")
+            .and_then(|()| wire::encode(&item))
+            .and_then(|mut encoded| encoded.send(self.tx.as_fd(), deadline));
+        match result {
+            Ok(()) => Ok(()),
+            Err(error) => Err(PutError { error, item }),
+        }
+    }
+
+    /// Receives and decodes one message; `Ok(None)` at the deadline. A malformed message
+    /// is consumed and reported; the queue stays usable.
+    pub(crate) fn get<T: DeserializeOwned>(&self, deadline: Deadline) -> Result<Option<T>> {
+        self.check_open("get")?;
+        match wire::recv_packet(self.rx.as_fd(), deadline)? {
+            Some(packet) => wire::decode(packet).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// Receives one message if one is waiting.
+    pub(crate) fn try_get<T: DeserializeOwned>(&self) -> Result<Option<T>> {
+        self.check_open("get")?;
+        match wire::try_recv_packet(self.rx.as_fd())? {
+            Some(packet) => wire::decode(packet).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// Whether a message is waiting right now.
+    pub(crate) fn has_waiting(&self) -> bool {
+        crate::sys::wait_fd(
+            self.rx.as_fd(),
+            crate::sys::Readiness::Readable,
+            Some(std::time::Instant::now()),
+        )
+        .unwrap_or(false)
+    }
+
+    /// The sending socket, for tests that inject raw packets.
+    #[cfg(test)]
+    pub(crate) fn tx_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        self.tx.as_fd()
+    }
+}
+
+impl Serialize for Channel {
+    fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        let tx = wire::attach_fd(self.tx.as_fd(), "a queue").map_err(serde::ser::Error::custom)?;
+        let rx = wire::attach_fd(self.rx.as_fd(), "a queue").map_err(serde::ser::Error::custom)?;
+        (tx, rx).serialize(s)
+    }
+}
+
+impl<'de> Deserialize<'de> for Channel {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        let (tx, rx) = <(u32, u32)>::deserialize(d)?;
+        let tx = wire::received_fd(tx, "a queue").map_err(serde::de::Error::custom)?;
+        let rx = wire::received_fd(rx, "a queue").map_err(serde::de::Error::custom)?;
+        for fd in [&tx, &rx] {
+            check_seqpacket(fd).map_err(serde::de::Error::custom)?;
+        }
+        Ok(Self {
+            tx,
+            rx,
+            closed: AtomicBool::new(false),
+        })
+    }
+}
+
+/// A received queue or pipe end must be a unix seqpacket socket; anything else would
+/// make every later get fail in confusing ways.
+pub(crate) fn check_seqpacket(fd: &OwnedFd) -> std::result::Result<(), String> {
+    match rustix::net::sockopt::socket_type(fd) {
+        // O_NONBLOCK lives in the open file description, so it arrives already set.
+        Ok(rustix::net::SocketType::SEQPACKET) => Ok(()),
+        Ok(other) => Err(format!(
+            "a received queue end is a socket of type {other:?}, not SEQPACKET"
+        )),
+        Err(e) => Err(format!("a received queue end is not a socket ({e})")),
+    }
+}

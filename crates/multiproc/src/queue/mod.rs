@@ -1,0 +1,139 @@
+//! Channels between processes: [`SimpleQueue`], [`Queue`], [`JoinableQueue`] and
+//! [`pipe`]/[`Connection`].
+//!
+//! All of them are `SOCK_SEQPACKET` sockets carrying [`wire`](crate::wire) messages, so
+//! one message is one packet, delivered whole to exactly one reader, with its handles
+//! attached. Queues keep both ends in every process that holds them, which makes them
+//! multi-producer multi-consumer across processes with no lock and no feeder thread;
+//! the counters a `Queue` needs (capacity, size, unfinished tasks) live in a shared
+//! block of atomics.
+
+mod bounded;
+mod channel;
+mod pipe;
+mod simple;
+
+pub use bounded::{JoinableQueue, Queue};
+pub use pipe::{Connection, pipe};
+pub use simple::SimpleQueue;
+
+#[cfg(test)]
+use crate::Event;
+
+#[cfg(test)]
+mod tests {
+    use std::os::fd::AsFd;
+    use std::time::{Duration, Instant};
+
+    use super::*;
+    use crate::Error;
+
+    #[test]
+    fn put_then_get_in_one_process() {
+        let q = Queue::with_capacity(4).unwrap();
+        for i in 0..4u32 {
+            q.put(i).unwrap();
+        }
+        assert_eq!(q.qsize(), 4);
+        assert!(q.full());
+        let start = Instant::now();
+        let back = q.put_timeout(9, Duration::from_millis(50)).unwrap_err();
+        assert!(start.elapsed() >= Duration::from_millis(50));
+        assert!(matches!(back.error, Error::Timeout(_)));
+        assert_eq!(back.into_inner(), 9, "a failed put hands the item back");
+        assert_eq!(
+            (0..4).map(|_| q.get().unwrap()).collect::<Vec<_>>(),
+            [0, 1, 2, 3]
+        );
+        assert!(q.empty());
+        assert_eq!(q.try_get().unwrap(), None);
+        assert_eq!(q.get_timeout(Duration::from_millis(10)).unwrap(), None);
+    }
+
+    #[test]
+    fn a_queue_travels_through_a_queue() {
+        let outer: SimpleQueue<Queue<String>> = SimpleQueue::new().unwrap();
+        let inner = Queue::new().unwrap();
+        outer.put(inner.clone()).unwrap();
+        let received = outer.get().unwrap();
+        received.put("through".to_string()).unwrap();
+        assert_eq!(inner.get().unwrap(), "through");
+        assert_eq!(inner.qsize(), 0);
+    }
+
+    #[test]
+    fn garbage_is_reported_and_the_queue_stays_usable() {
+        let q: SimpleQueue<u64> = SimpleQueue::new().unwrap();
+        let raw = &q.channel;
+        crate::sys::socket::send_packet(raw.tx_fd(), b"garbage", &[], &[], None).unwrap();
+        let err = q.get().unwrap_err();
+        assert!(matches!(err, Error::InvalidMessage(_)), "{err}");
+        q.put(7).unwrap();
+        assert_eq!(q.get().unwrap(), 7);
+    }
+
+    #[test]
+    fn fd_claiming_message_without_fds_is_an_error() {
+        let q: SimpleQueue<Event> = SimpleQueue::new().unwrap();
+        let ev = Event::new().unwrap();
+        // A well-formed Event message, then the same bytes with the fd stripped.
+        let mut encoded = crate::wire::encode(&ev).unwrap();
+        let (a, b) = crate::sys::socket::seqpacket_pair().unwrap();
+        encoded.send(a.as_fd(), None).unwrap();
+        let packet = crate::wire::recv_packet(b.as_fd(), None).unwrap().unwrap();
+        let mut bytes = packet.bytes.clone();
+        bytes[8] = 0; // declare no fds
+        crate::sys::socket::send_packet(q.channel.tx_fd(), &bytes, &[], &[], None).unwrap();
+        let err = q.get().unwrap_err();
+        assert!(err.to_string().contains("file descriptor #0"), "{err}");
+    }
+
+    #[test]
+    fn joinable_queue_counts_tasks() {
+        let q = JoinableQueue::new().unwrap();
+        q.put(1u8).unwrap();
+        q.put(2u8).unwrap();
+        assert!(!q.join(Some(Duration::from_millis(10))).unwrap());
+        q.get().unwrap();
+        q.task_done().unwrap();
+        q.get().unwrap();
+        q.task_done().unwrap();
+        assert!(q.join(Some(Duration::from_millis(10))).unwrap());
+        assert!(q.task_done().is_err(), "one task_done too many is an error");
+    }
+
+    #[test]
+    fn pipe_carries_16_mib_and_reports_a_closed_peer() {
+        let (a, b) = pipe::<Vec<u8>>().unwrap();
+        let big: Vec<u8> = (0..16 << 20).map(|i: u32| (i % 251) as u8).collect();
+        a.send(big.clone()).unwrap();
+        assert!(b.poll(Some(Duration::from_secs(5))).unwrap());
+        assert_eq!(b.recv().unwrap(), big);
+        b.send(vec![1]).unwrap();
+        assert_eq!(a.recv().unwrap(), vec![1]);
+        drop(b);
+        assert!(matches!(a.recv(), Err(Error::Closed(_))));
+        let back = a.send(vec![2]).unwrap_err();
+        assert!(matches!(back.error, Error::Closed(_)));
+        assert_eq!(back.item, vec![2]);
+    }
+
+    #[test]
+    fn closed_handle_refuses_puts_and_gets() {
+        let q: SimpleQueue<u8> = SimpleQueue::new().unwrap();
+        q.close();
+        assert!(matches!(q.put(1).unwrap_err().error, Error::Closed(_)));
+        assert!(matches!(q.get(), Err(Error::Closed(_))));
+    }
+
+    #[test]
+    fn event_set_wakes_a_waiting_thread() {
+        let ev = Event::new().unwrap();
+        let ev2 = ev.clone();
+        let waiter = std::thread::spawn(move || ev2.wait(Some(Duration::from_secs(10))).unwrap());
+        ev.set();
+        assert!(waiter.join().unwrap());
+        ev.clear();
+        assert!(!ev.is_set());
+    }
+}

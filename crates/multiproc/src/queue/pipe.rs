@@ -1,0 +1,138 @@
+//! [`pipe`] and [`Connection`]: a duplex channel between two ends.
+
+use std::fmt;
+use std::marker::PhantomData;
+use std::os::fd::{AsFd, OwnedFd};
+use std::time::{Duration, Instant};
+
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+use super::channel::check_seqpacket;
+use crate::sys::socket::seqpacket_pair;
+use crate::sys::{Deadline, Readiness, deadline_after, wait_fd};
+use crate::{Error, PutError, Result, wire};
+
+/// Two connected ends, like `multiprocessing.Pipe()`: what one end sends, the other
+/// receives, in both directions.
+///
+/// # Errors
+/// When the socket pair cannot be made (usually the fd limit).
+///
+/// # Examples
+///
+/// ```
+/// let (a, b) = multiproc::pipe::<String>()?;
+/// a.send("hello".to_string()).map_err(multiproc::Error::from)?;
+/// assert_eq!(b.recv()?, "hello");
+/// # Ok::<(), multiproc::Error>(())
+/// ```
+pub fn pipe<T: Serialize + DeserializeOwned>() -> Result<(Connection<T>, Connection<T>)> {
+    let (a, b) = seqpacket_pair()?;
+    Ok((Connection::from_fd(a), Connection::from_fd(b)))
+}
+
+/// One end of a [`pipe`]. Send it to another process as a worker argument or through a
+/// queue; when every holder of the other end has gone, `recv` reports [`Error::Closed`].
+pub struct Connection<T> {
+    sock: OwnedFd,
+    _items: PhantomData<fn(T) -> T>,
+}
+
+impl<T> Connection<T> {
+    fn from_fd(sock: OwnedFd) -> Self {
+        Self {
+            sock,
+            _items: PhantomData,
+        }
+    }
+}
+
+impl<T: Serialize + DeserializeOwned> Connection<T> {
+    /// Sends `item` to the other end, waiting for room as long as it takes.
+    ///
+    /// # Errors
+    /// [`Error::Closed`] when the other end is gone, or an encoding error; the item
+    /// comes back in the error.
+    pub fn send(&self, item: T) -> Result<(), PutError<T>> {
+        self.send_until(item, None)
+    }
+
+    /// Sends `item`, waiting for room at most `timeout`.
+    ///
+    /// # Errors
+    /// As [`send`](Self::send), and [`Error::Timeout`].
+    pub fn send_timeout(&self, item: T, timeout: Duration) -> Result<(), PutError<T>> {
+        self.send_until(item, deadline_after(Some(timeout)))
+    }
+
+    fn send_until(&self, item: T, deadline: Deadline) -> Result<(), PutError<T>> {
+        match wire::encode(&item).and_then(|mut e| e.send(self.sock.as_fd(), deadline)) {
+            Ok(()) => Ok(()),
+            Err(error) => Err(PutError { error, item }),
+        }
+    }
+
+    /// Receives the next item, waiting as long as it takes.
+    ///
+    /// # Errors
+    /// [`Error::Closed`] when the other end is gone and nothing is left to read;
+    /// [`Error::InvalidMessage`] for a malformed message (the connection stays usable).
+    pub fn recv(&self) -> Result<T> {
+        self.recv_until(None)?
+            .ok_or_else(|| Error::Timeout("a recv without deadline returned nothing".into()))
+    }
+
+    /// Receives the next item, waiting at most `timeout`; `Ok(None)` if none came.
+    ///
+    /// # Errors
+    /// As [`recv`](Self::recv).
+    pub fn recv_timeout(&self, timeout: Duration) -> Result<Option<T>> {
+        self.recv_until(deadline_after(Some(timeout)))
+    }
+
+    fn recv_until(&self, deadline: Deadline) -> Result<Option<T>> {
+        match wire::recv_packet(self.sock.as_fd(), deadline)? {
+            Some(packet) => wire::decode(packet).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// Whether an item (or the end of the stream) can be received within `timeout`
+    /// (`None`: wait as long as it takes).
+    ///
+    /// # Errors
+    /// Only when the kernel refuses the wait.
+    pub fn poll(&self, timeout: Option<Duration>) -> Result<bool> {
+        let deadline = match timeout {
+            None => None,
+            Some(t) => Some(Instant::now() + t),
+        };
+        wait_fd(self.sock.as_fd(), Readiness::Readable, deadline)
+    }
+}
+
+impl<T> fmt::Debug for Connection<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Connection")
+            .field("fd", &self.sock)
+            .finish()
+    }
+}
+
+impl<T> Serialize for Connection<T> {
+    fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        wire::attach_fd(self.sock.as_fd(), "a Connection")
+            .map_err(serde::ser::Error::custom)?
+            .serialize(s)
+    }
+}
+
+impl<'de, T> Deserialize<'de> for Connection<T> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        let index = u32::deserialize(d)?;
+        let sock = wire::received_fd(index, "a Connection").map_err(serde::de::Error::custom)?;
+        check_seqpacket(&sock).map_err(serde::de::Error::custom)?;
+        Ok(Self::from_fd(sock))
+    }
+}

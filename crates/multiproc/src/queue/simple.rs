@@ -1,0 +1,118 @@
+//! [`SimpleQueue`]: the smallest multi-process queue.
+
+use std::fmt;
+use std::marker::PhantomData;
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+use super::channel::Channel;
+use crate::sys::deadline_after;
+use crate::{Error, PutError, Result};
+
+/// An unbounded multi-producer, multi-consumer queue between processes, like
+/// `multiprocessing.SimpleQueue`.
+///
+/// Any number of processes may put and get: each message goes whole to exactly one
+/// getter. Every [`Tensor`](crate::Tensor) inside a message travels as a handle to its
+/// shared memory. `Clone` gives another handle in this process; to use the queue in
+/// another process, pass it as a worker argument or through another queue.
+///
+/// `put` returns once the message is in the kernel's socket buffer: the putter may exit
+/// at once and nothing is lost. When the buffer is full (tens of thousands of small
+/// messages, or fewer large ones), `put` waits for a getter.
+pub struct SimpleQueue<T> {
+    pub(super) channel: Arc<Channel>,
+    _items: PhantomData<fn(T) -> T>,
+}
+
+impl<T> Clone for SimpleQueue<T> {
+    fn clone(&self) -> Self {
+        Self {
+            channel: Arc::clone(&self.channel),
+            _items: PhantomData,
+        }
+    }
+}
+
+impl<T: Serialize + DeserializeOwned> SimpleQueue<T> {
+    /// A new, empty queue.
+    ///
+    /// # Errors
+    /// When the socket pair cannot be made (usually the fd limit).
+    pub fn new() -> Result<Self> {
+        Ok(Self {
+            channel: Arc::new(Channel::new()?),
+            _items: PhantomData,
+        })
+    }
+
+    /// Puts `item` on the queue.
+    ///
+    /// # Errors
+    /// When it cannot be encoded or sent; the item comes back in the error.
+    pub fn put(&self, item: T) -> Result<(), PutError<T>> {
+        self.channel.put(item, None)
+    }
+
+    /// Takes the next item, waiting for one.
+    ///
+    /// # Errors
+    /// [`Error::InvalidMessage`] for a malformed message (the queue stays usable),
+    /// [`Error::Closed`] after [`close`](Self::close).
+    pub fn get(&self) -> Result<T> {
+        self.channel
+            .get(None)?
+            .ok_or_else(|| Error::Timeout("unreachable: no deadline".into()))
+    }
+
+    /// Takes the next item, waiting at most `timeout`; `Ok(None)` if none came.
+    ///
+    /// # Errors
+    /// As [`get`](Self::get).
+    pub fn get_timeout(&self, timeout: Duration) -> Result<Option<T>> {
+        self.channel.get(deadline_after(Some(timeout)))
+    }
+
+    /// Takes the next item if one is waiting.
+    ///
+    /// # Errors
+    /// As [`get`](Self::get).
+    pub fn try_get(&self) -> Result<Option<T>> {
+        self.channel.try_get()
+    }
+
+    /// Whether no item is waiting right now (another process may put or get at once).
+    pub fn empty(&self) -> bool {
+        !self.channel.has_waiting()
+    }
+
+    /// Closes this process's handles: later puts and gets through any clone of this
+    /// handle fail with [`Error::Closed`]. Other processes are not affected.
+    pub fn close(&self) {
+        self.channel.close();
+    }
+}
+
+impl<T> fmt::Debug for SimpleQueue<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SimpleQueue").finish_non_exhaustive()
+    }
+}
+
+impl<T> Serialize for SimpleQueue<T> {
+    fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        self.channel.serialize(s)
+    }
+}
+
+impl<'de, T> Deserialize<'de> for SimpleQueue<T> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        Ok(Self {
+            channel: Arc::new(Channel::deserialize(d)?),
+            _items: PhantomData,
+        })
+    }
+}

@@ -1,0 +1,48 @@
+//! Waiting on a shared 32-bit word: process-shared futexes with deadlines.
+
+use std::sync::atomic::AtomicU32;
+use std::time::Instant;
+
+use rustix::io::Errno;
+use rustix::thread::futex;
+
+use crate::sys::Deadline;
+use crate::{Error, Result};
+
+/// Sleeps while `*word == expected`, until woken or the deadline passes. Returns
+/// `false` only when the deadline has passed; spurious wake-ups return `true`, so
+/// callers re-check their condition in a loop.
+pub(crate) fn wait(word: &AtomicU32, expected: u32, deadline: Deadline) -> Result<bool> {
+    let timeout = match deadline {
+        None => None,
+        Some(d) => {
+            let now = Instant::now();
+            if now >= d {
+                return Ok(false);
+            }
+            let left = d - now;
+            Some(futex::Timespec {
+                tv_sec: left.as_secs() as i64,
+                tv_nsec: left.subsec_nanos() as _,
+            })
+        }
+    };
+    // Not FUTEX_PRIVATE: the word lives in memory shared with other processes.
+    match futex::wait(word, futex::Flags::empty(), expected, timeout.as_ref()) {
+        Ok(()) | Err(Errno::AGAIN) | Err(Errno::INTR) => Ok(true),
+        Err(Errno::TIMEDOUT) => Ok(deadline.is_none_or(|d| Instant::now() < d)),
+        Err(e) => Err(Error::os("futex wait on a process-shared word", e)),
+    }
+}
+
+/// Wakes up to `n` waiters on `word`.
+pub(crate) fn wake(word: &AtomicU32, n: u32) {
+    // A failed wake can only be EFAULT/EINVAL on a bad address, which `&AtomicU32`
+    // rules out.
+    let _ = futex::wake(word, futex::Flags::empty(), n);
+}
+
+/// Wakes every waiter on `word`.
+pub(crate) fn wake_all(word: &AtomicU32) {
+    wake(word, i32::MAX as u32);
+}
