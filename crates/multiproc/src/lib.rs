@@ -13,4 +13,7 @@ mod wire;
 
 pub use error::{Error, Failure, PutError, Result};
 pub use queue::{Connection, JoinableQueue, Queue, SimpleQueue, pipe};
-pub use sync::Event;
+pub use sync::{
+    Barrier, BoundedSemaphore, Condition, Event, Lock, LockGuard, RLock, Semaphore, SharedValue,
+    Value,
+};
