@@ -22,10 +22,17 @@ fn put_three_mib_and_exit(_rank: usize, q: SimpleQueue<Vec<u8>>) {
 fn producer_exits_before_the_consumer_reads() {
     common::run(DEADLINE, || {
         let q = SimpleQueue::new().unwrap();
-        let mut ctx = start_processes(put_three_mib_and_exit, q.clone(), 1, StartMethod::Spawn).unwrap();
-        assert!(ctx.join(Some(Duration::from_secs(30))).unwrap(), "producer did not finish");
+        let mut ctx =
+            start_processes(put_three_mib_and_exit, q.clone(), 1, StartMethod::Spawn).unwrap();
+        assert!(
+            ctx.join(Some(Duration::from_secs(30))).unwrap(),
+            "producer did not finish"
+        );
         for i in 0..3u8 {
-            let got = q.get_timeout(Duration::from_secs(10)).unwrap().expect("message lost");
+            let got = q
+                .get_timeout(Duration::from_secs(10))
+                .unwrap()
+                .expect("message lost");
             assert_eq!(got.len(), 1 << 20);
             assert!(got.iter().all(|&b| b == i));
         }
@@ -44,7 +51,10 @@ fn sixteen_mib_message_through_a_pipe() {
         let mut ctx = start_processes(echo_big, there, 1, StartMethod::Spawn).unwrap();
         let big: Vec<u8> = (0..(16u32 << 20) + 3).map(|i| (i % 253) as u8).collect();
         here.send(big.clone()).unwrap();
-        let back = here.recv_timeout(Duration::from_secs(30)).unwrap().expect("no echo");
+        let back = here
+            .recv_timeout(Duration::from_secs(30))
+            .unwrap()
+            .expect("no echo");
         assert_eq!(back, big);
         assert!(ctx.join(Some(Duration::from_secs(30))).unwrap());
     });
@@ -66,7 +76,11 @@ fn mpmc_worker(rank: usize, q: Mpmc) {
     } else {
         // Each consumer takes until it sees the end marker; the parent sends one each.
         loop {
-            let v = q.work.get_timeout(Duration::from_secs(30)).expect("get").expect("stalled");
+            let v = q
+                .work
+                .get_timeout(Duration::from_secs(30))
+                .expect("get")
+                .expect("stalled");
             if v == u32::MAX {
                 break;
             }
@@ -107,8 +121,10 @@ fn two_putters_two_getters_lose_and_duplicate_nothing() {
 fn send_garbage(_rank: usize, conn: multiproc::Connection<u64>) {
     // Raw bytes on the connection's socket: to the receiver, a forged message.
     use std::os::fd::AsFd;
-    let raw = std::os::unix::net::UnixDatagram::from(conn.as_fd().try_clone_to_owned().expect("dup"));
-    raw.send(b"MPW\x01 definitely not a multiproc message").expect("send");
+    let raw =
+        std::os::unix::net::UnixDatagram::from(conn.as_fd().try_clone_to_owned().expect("dup"));
+    raw.send(b"MPW\x01 definitely not a multiproc message")
+        .expect("send");
     raw.send(&[0xff; 3]).expect("send");
     conn.send(42).expect("send");
 }
@@ -122,7 +138,10 @@ fn a_forged_message_is_an_error_and_the_pipe_stays_usable() {
             let err = here.recv_timeout(Duration::from_secs(30)).unwrap_err();
             assert!(matches!(err, Error::InvalidMessage(_)), "{err}");
         }
-        assert_eq!(here.recv_timeout(Duration::from_secs(30)).unwrap(), Some(42));
+        assert_eq!(
+            here.recv_timeout(Duration::from_secs(30)).unwrap(),
+            Some(42)
+        );
         assert!(ctx.join(Some(Duration::from_secs(30))).unwrap());
     });
 }

@@ -96,7 +96,9 @@ pub fn our_segments() -> BTreeSet<String> {
 
 /// The number of fds this process has open.
 pub fn open_fds() -> usize {
-    std::fs::read_dir("/proc/self/fd").map(|d| d.count()).unwrap_or(0)
+    std::fs::read_dir("/proc/self/fd")
+        .map(|d| d.count())
+        .unwrap_or(0)
 }
 
 /// What each open fd refers to, for leak reports.
@@ -127,7 +129,9 @@ pub fn children() -> BTreeSet<u32> {
         let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
             continue;
         };
-        let Some(close) = stat.rfind(')') else { continue };
+        let Some(close) = stat.rfind(')') else {
+            continue;
+        };
         let mut fields = stat[close + 1..].split_whitespace();
         let _state = fields.next();
         if fields.next().and_then(|p| p.parse::<u32>().ok()) == Some(me) {
@@ -141,7 +145,9 @@ pub fn children() -> BTreeSet<u32> {
 pub fn alive(pid: u32) -> bool {
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
         Ok(stat) => {
-            let state = stat.rfind(')').and_then(|i| stat[i + 1..].trim_start().chars().next());
+            let state = stat
+                .rfind(')')
+                .and_then(|i| stat[i + 1..].trim_start().chars().next());
             !matches!(state, Some('Z') | Some('X'))
         }
         Err(_) => false,
