@@ -5,6 +5,8 @@
 #![deny(unsafe_code)]
 
 mod error;
+mod manager;
+mod process;
 mod queue;
 mod sync;
 #[allow(unsafe_code)]
@@ -12,6 +14,10 @@ mod sys;
 mod wire;
 
 pub use error::{Error, Failure, PutError, Result};
+pub use process::{
+    ExitStatus, Process, ProcessContext, SpawnOptions, StartMethod, WorkerResult,
+    ensure_forkserver_running, init, spawn, start_processes,
+};
 pub use queue::{Connection, JoinableQueue, Queue, SimpleQueue, pipe};
 pub use sync::{
     Barrier, BoundedSemaphore, Condition, Event, Lock, LockGuard, RLock, Semaphore, SharedValue,

@@ -10,6 +10,7 @@
 
 pub(crate) mod memfd;
 pub(crate) mod mmap;
+pub(crate) mod process;
 pub(crate) mod socket;
 
 pub(crate) use socket::{Deadline, Readiness, deadline_after, wait_fd};
