@@ -6,6 +6,8 @@
 
 mod error;
 mod manager;
+#[allow(unsafe_code)]
+mod pool;
 mod process;
 mod queue;
 mod sync;
@@ -14,6 +16,7 @@ mod sys;
 mod wire;
 
 pub use error::{Error, Failure, PutError, Result};
+pub use pool::{AsyncResult, Imap, Pool, PoolBuilder};
 pub use process::{
     ExitStatus, Process, ProcessContext, SpawnOptions, StartMethod, WorkerResult,
     ensure_forkserver_running, init, spawn, start_processes,

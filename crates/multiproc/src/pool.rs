@@ -63,18 +63,27 @@ where
     R: Serialize + DeserializeOwned,
     E: Display,
 {
-    let items: Vec<A> = args.decode().map_err(|e| format!("cannot decode the task's arguments: {e}"))?;
+    let items: Vec<A> = args
+        .decode()
+        .map_err(|e| format!("cannot decode the task's arguments: {e}"))?;
     // SAFETY: the parent took this offset from a `fn(A) -> Result<R, E>` for exactly
     // these types (this trampoline is the one monomorphized for them) in the same
     // executable, which `CodeRef` checks.
     let f = unsafe { function.resolve::<fn(A) -> std::result::Result<R, E>>() }?;
-    let results: Vec<std::result::Result<R, String>> = items
+    let results: Vec<std::result::Result<Opaque, String>> = items
         .into_iter()
-        .map(|a| match std::panic::catch_unwind(AssertUnwindSafe(|| f(a))) {
-            Ok(Ok(r)) => Ok(r),
-            Ok(Err(e)) => Err(format!("returned an error: {e}")),
-            Err(payload) => Err(format!("panicked: {}", crate::process::panic_text(&*payload))),
-        })
+        .map(
+            |a| match std::panic::catch_unwind(AssertUnwindSafe(|| f(a))) {
+                Ok(Ok(r)) => {
+                    Opaque::encode(&r).map_err(|e| format!("cannot encode its result: {e}"))
+                }
+                Ok(Err(e)) => Err(format!("returned an error: {e}")),
+                Err(payload) => Err(format!(
+                    "panicked: {}",
+                    crate::process::panic_text(&*payload)
+                )),
+            },
+        )
         .collect();
     Opaque::encode(&results).map_err(|e| format!("cannot encode the task's results: {e}"))
 }
@@ -115,7 +124,15 @@ fn pool_worker(_rank: usize, args: WorkerArgs) -> std::result::Result<(), String
             Ok(t) => t(function, chunk),
             Err(e) => Err(e),
         };
-        if args.conn.send(PoolMsg::Done { job, first, outcome }).is_err() {
+        if args
+            .conn
+            .send(PoolMsg::Done {
+                job,
+                first,
+                outcome,
+            })
+            .is_err()
+        {
             return Ok(());
         }
         done += 1;
@@ -255,7 +272,9 @@ impl Pool {
 
     fn start(options: PoolBuilder) -> Result<Self> {
         if options.processes == 0 {
-            return Err(Error::InvalidArgument("a pool needs at least 1 process".into()));
+            return Err(Error::InvalidArgument(
+                "a pool needs at least 1 process".into(),
+            ));
         }
         let (wake_tx, wake_rx) = pipe::<u8>()?;
         let shared = Arc::new(Shared {
@@ -300,7 +319,9 @@ impl Pool {
         let (tx, rx) = mpsc::channel();
         let mut state = self.lock();
         if state.closed || state.terminate {
-            return Err(Error::Closed("the pool is closed: no new tasks are accepted".into()));
+            return Err(Error::Closed(
+                "the pool is closed: no new tasks are accepted".into(),
+            ));
         }
         state.jobs.insert(job, tx);
         Ok((job, rx))
@@ -400,7 +421,11 @@ impl Pool {
         result
     }
 
-    fn collect_all<R: DeserializeOwned>(&self, rx: &mpsc::Receiver<ChunkOutcome>, n: usize) -> Result<Vec<R>> {
+    fn collect_all<R: DeserializeOwned>(
+        &self,
+        rx: &mpsc::Receiver<ChunkOutcome>,
+        n: usize,
+    ) -> Result<Vec<R>> {
         let mut out: Vec<Option<Result<R>>> = (0..n).map(|_| None).collect();
         let mut got = 0;
         while got < n {
@@ -408,18 +433,27 @@ impl Pool {
             for (i, r) in results.into_iter().enumerate() {
                 let index = first + i;
                 if let Some(slot) = out.get_mut(index) {
-                    *slot = Some(r.and_then(|o| o.decode::<R>()).map_err(|e| with_index(e, index)));
+                    *slot = Some(
+                        r.and_then(|o| o.decode::<R>())
+                            .map_err(|e| with_index(e, index)),
+                    );
                     got += 1;
                 }
             }
         }
-        out.into_iter().map(|r| r.unwrap_or_else(|| Err(dispatcher_gone()))).collect()
+        out.into_iter()
+            .map(|r| r.unwrap_or_else(|| Err(dispatcher_gone())))
+            .collect()
     }
 
     /// Runs `f` on every item and yields the results in order, as they become
     /// available. Items are submitted as the iterator is consumed, a few per worker
     /// ahead.
-    pub fn imap<A, R, E, I>(&self, f: fn(A) -> std::result::Result<R, E>, items: I) -> Imap<'_, A, R, E, I::IntoIter>
+    pub fn imap<A, R, E, I>(
+        &self,
+        f: fn(A) -> std::result::Result<R, E>,
+        items: I,
+    ) -> Imap<'_, A, R, E, I::IntoIter>
     where
         A: Serialize + DeserializeOwned,
         R: Serialize + DeserializeOwned,
@@ -449,7 +483,11 @@ impl Pool {
     ///
     /// # Errors
     /// [`Error::Closed`] after [`close`](Self::close); an encoding error for `arg`.
-    pub fn apply_async<A, R, E>(&self, f: fn(A) -> std::result::Result<R, E>, arg: A) -> Result<AsyncResult<R>>
+    pub fn apply_async<A, R, E>(
+        &self,
+        f: fn(A) -> std::result::Result<R, E>,
+        arg: A,
+    ) -> Result<AsyncResult<R>>
     where
         A: Serialize + DeserializeOwned,
         R: Serialize + DeserializeOwned,
@@ -498,7 +536,13 @@ impl Pool {
         let mut state = self.lock();
         while !state.finished {
             match deadline {
-                None => state = self.shared.changed.wait(state).unwrap_or_else(|p| p.into_inner()),
+                None => {
+                    state = self
+                        .shared
+                        .changed
+                        .wait(state)
+                        .unwrap_or_else(|p| p.into_inner())
+                }
                 Some(d) => {
                     let left = d.saturating_duration_since(Instant::now());
                     if left.is_zero() {
@@ -532,7 +576,9 @@ impl Drop for Pool {
 
 impl fmt::Debug for Pool {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Pool").field("processes", &self.processes).finish()
+        f.debug_struct("Pool")
+            .field("processes", &self.processes)
+            .finish()
     }
 }
 
@@ -572,7 +618,9 @@ impl<R: Serialize + DeserializeOwned> AsyncResult<R> {
             Some(t) => match self.rx.recv_timeout(t) {
                 Ok(o) => o,
                 Err(mpsc::RecvTimeoutError::Timeout) => {
-                    return Err(Error::Timeout(format!("the task did not finish within {t:?}")));
+                    return Err(Error::Timeout(format!(
+                        "the task did not finish within {t:?}"
+                    )));
                 }
                 Err(mpsc::RecvTimeoutError::Disconnected) => return Err(dispatcher_gone()),
             },
@@ -672,14 +720,22 @@ where
                 return None;
             }
             let pick = if self.ordered {
-                self.ready.contains_key(&self.yielded).then_some(self.yielded)
+                self.ready
+                    .contains_key(&self.yielded)
+                    .then_some(self.yielded)
             } else {
                 self.ready.keys().next().copied()
             };
             if let Some(index) = pick {
-                let r = self.ready.remove(&index).unwrap_or_else(|| Err(dispatcher_gone()));
+                let r = self
+                    .ready
+                    .remove(&index)
+                    .unwrap_or_else(|| Err(dispatcher_gone()));
                 self.yielded += 1;
-                return Some(r.and_then(|o| o.decode::<R>()).map_err(|e| with_index(e, index)));
+                return Some(
+                    r.and_then(|o| o.decode::<R>())
+                        .map_err(|e| with_index(e, index)),
+                );
             }
             let rx = &self.job.as_ref()?.1;
             match rx.recv() {
@@ -730,9 +786,9 @@ impl Worker {
             initializer: options.initializer.map(|f| CodeRef::of(f as usize)),
             max_tasks: options.max_tasks_per_child,
         };
-        let mut process = Process::new(pool_worker, rank, args);
-        process.set_start_method(options.start_method);
-        process.set_daemon(true);
+        let mut process = Process::new(pool_worker, rank, args)
+            .start_method(options.start_method)
+            .daemon(true);
         process.start()?;
         // `process` dropped its copy of the worker's end when it started, so the pipe
         // closes the moment the worker dies.
@@ -786,7 +842,10 @@ impl Dispatcher {
             if let Err(e) = self.feed() {
                 tracing::warn!("pool dispatcher: {e}");
             }
-            if closed && self.lock().queue.is_empty() && self.workers.iter().all(|w| w.running.is_none()) {
+            if closed
+                && self.lock().queue.is_empty()
+                && self.workers.iter().all(|w| w.running.is_none())
+            {
                 self.shutdown(false);
                 break;
             }
@@ -877,12 +936,19 @@ impl Dispatcher {
     /// Reads what worker `i` sent: a result, or the end of its pipe.
     fn collect(&mut self, i: usize) {
         match self.workers[i].conn.recv_timeout(Duration::ZERO) {
-            Ok(Some(PoolMsg::Done { job, first, outcome })) => {
+            Ok(Some(PoolMsg::Done {
+                job,
+                first,
+                outcome,
+            })) => {
                 let Some((rjob, rfirst, len)) = self.workers[i].running.take() else {
                     return;
                 };
                 if (rjob, rfirst) != (job, first) {
-                    tracing::warn!("pool worker {} answered for a chunk it was not running", self.workers[i].rank);
+                    tracing::warn!(
+                        "pool worker {} answered for a chunk it was not running",
+                        self.workers[i].rank
+                    );
                 }
                 let results = match outcome.and_then(|o| {
                     o.decode::<Vec<std::result::Result<Opaque, String>>>()

@@ -18,8 +18,8 @@ use serde::{Deserialize, Serialize};
 
 use super::forkserver;
 use super::job::{Failed, JobHeader};
-use crate::sys::process as sys;
 use crate::sys::deadline_after;
+use crate::sys::process as sys;
 use crate::wire;
 
 /// Which job a process started by multiproc has: `worker`, `forkserver`, `shm-manager`.
@@ -156,9 +156,8 @@ pub(crate) fn run_worker(sock: OwnedFd) -> i32 {
         Report::Ok => 0,
         Report::Raised { .. } => EXIT_RAISED,
     };
-    let sent = wire::encode(&report).and_then(|mut m| {
-        m.send(sock.as_fd(), deadline_after(Some(Duration::from_secs(10))))
-    });
+    let sent = wire::encode(&report)
+        .and_then(|mut m| m.send(sock.as_fd(), deadline_after(Some(Duration::from_secs(10)))));
     if let Err(e) = sent {
         // The parent is gone or not listening: say it here so it is not lost.
         match &report {
@@ -196,7 +195,12 @@ fn install_panic_hook() {
 fn describe_panic(info: &PanicHookInfo<'_>) -> String {
     let mut text = payload_text(info.payload());
     if let Some(loc) = info.location() {
-        text.push_str(&format!(" (at {}:{}:{})", loc.file(), loc.line(), loc.column()));
+        text.push_str(&format!(
+            " (at {}:{}:{})",
+            loc.file(),
+            loc.line(),
+            loc.column()
+        ));
     }
     let backtrace = Backtrace::capture();
     if backtrace.status() == BacktraceStatus::Captured {
@@ -217,4 +221,10 @@ fn payload_text(payload: &(dyn std::any::Any + Send)) -> String {
     } else {
         "a panic with a non-string payload".to_string()
     }
+}
+
+/// The text of a panic caught on the job thread: the recorded message with its
+/// location (and backtrace when enabled), else the payload's text.
+pub(crate) fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
+    take_recorded_panic().unwrap_or_else(|| payload_text(payload))
 }

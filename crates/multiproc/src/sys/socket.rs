@@ -86,7 +86,10 @@ pub(crate) fn poll_readable(fds: &[BorrowedFd<'_>], deadline: Deadline) -> Resul
                 tv_nsec: left.subsec_nanos() as _,
             }
         });
-        let mut polled: Vec<PollFd<'_>> = fds.iter().map(|fd| PollFd::from_borrowed_fd(*fd, PollFlags::IN)).collect();
+        let mut polled: Vec<PollFd<'_>> = fds
+            .iter()
+            .map(|fd| PollFd::from_borrowed_fd(*fd, PollFlags::IN))
+            .collect();
         match poll(&mut polled, timeout.as_ref()) {
             Ok(_) => return Ok(polled.iter().map(|p| !p.revents().is_empty()).collect()),
             Err(Errno::INTR) => {}
