@@ -161,8 +161,9 @@ fn receive_named(name: SegmentName, nbytes: u64) -> Result<Arc<Segment>> {
     let key = CacheKey::Name(name.clone());
     let (segment, fresh) = cache::get_or_try_insert(key, || Segment::open_named(name, nbytes))?;
     if !fresh {
-        segment.absorb_in_flight();
+        // A claim that does not fit is refused before the reference count is touched.
         check_claim(&segment, nbytes)?;
+        segment.absorb_in_flight();
     } else if let Some(name) = segment.name() {
         // This process now holds a reference: connect to the manager, so it does not
         // clean up while we live, and so a restarted manager learns of the name again.

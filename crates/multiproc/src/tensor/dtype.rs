@@ -117,7 +117,8 @@ pub(crate) mod sealed {
         /// `v != 0` for bool), as Rust's `as` does.
         fn from_f64_lossy(v: f64) -> Self;
         /// `v` itself if this type can hold it exactly (integers: integral and in
-        /// range; bool: 0 or 1; floats: always, rounded to nearest).
+        /// range; bool: 0 or 1; floats: rounded to nearest, unless a finite `v`
+        /// would overflow to infinity).
         fn from_f64_exact(v: f64) -> Option<Self>;
         /// `self + other` (wrapping for integers, logical or for bool).
         fn add(self, other: Self) -> Self;
@@ -190,7 +191,10 @@ macro_rules! float_element {
                 $from(v)
             }
             fn from_f64_exact(v: f64) -> Option<Self> {
-                Some($from(v))
+                // Rounding is fine; overflowing a finite value to infinity is not (torch
+                // refuses it too).
+                let r = $from(v);
+                (!v.is_finite() || $to(r).is_finite()).then_some(r)
             }
             fn add(self, other: Self) -> Self {
                 self + other
