@@ -160,9 +160,7 @@ pub(super) fn bind(addr: &str) -> Result<Option<OwnedFd>> {
         Ok(()) => {}
         Err(Errno::ADDRINUSE) => return Ok(None),
         Err(e) => {
-            return Err(Error::Manager(format!(
-                "cannot listen at @{addr}: {e}"
-            )));
+            return Err(Error::Manager(format!("cannot listen at @{addr}: {e}")));
         }
     }
     rustix::net::listen(&sock, 128)

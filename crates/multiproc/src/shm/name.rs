@@ -22,7 +22,10 @@ impl SegmentName {
     pub(crate) fn generate() -> Result<SegmentName> {
         let mut random = [0u8; RANDOM_HEX / 2];
         getrandom::fill(&mut random).map_err(|e| {
-            Error::os("getrandom for a segment name", std::io::Error::other(e.to_string()))
+            Error::os(
+                "getrandom for a segment name",
+                std::io::Error::other(e.to_string()),
+            )
         })?;
         let mut name = format!("{PREFIX}{}_", std::process::id());
         for b in random {
@@ -86,7 +89,10 @@ mod tests {
         let b = SegmentName::generate().unwrap();
         assert_ne!(a, b);
         assert_eq!(SegmentName::parse(a.as_str()).unwrap(), a);
-        assert!(a.as_str().starts_with(&format!("multiproc_{}_", std::process::id())));
+        assert!(
+            a.as_str()
+                .starts_with(&format!("multiproc_{}_", std::process::id()))
+        );
         assert!(shm_path(&a).starts_with("/dev/shm/multiproc_"));
     }
 

@@ -159,7 +159,9 @@ impl Segment {
             )));
         }
         let len = usize::try_from(size).map_err(|_| {
-            Error::InvalidMessage(format!("a received segment of {size} bytes cannot be mapped"))
+            Error::InvalidMessage(format!(
+                "a received segment of {size} bytes cannot be mapped"
+            ))
         })?;
         let mapping = SharedMapping::map(fd.as_fd(), len)?;
         Ok(Segment {
@@ -196,7 +198,12 @@ impl Segment {
                     "{path} is a symbolic link, not a shared-memory segment; refusing to open it"
                 )));
             }
-            Err(e) => return Err(Error::os(format!("opening shared-memory segment {path}"), e)),
+            Err(e) => {
+                return Err(Error::os(
+                    format!("opening shared-memory segment {path}"),
+                    e,
+                ));
+            }
         };
         let st = rustix::fs::fstat(&fd).map_err(|e| Error::os(format!("fstat of {path}"), e))?;
         let me = rustix::process::geteuid().as_raw();

@@ -320,7 +320,10 @@ mod tests {
         assert_eq!(u8::from_f64_exact(-1.0), None);
         assert_eq!(i32::from_f64_exact(1.5), None);
         assert_eq!(i64::from_f64_exact(9.223372036854775807e18), None);
-        assert_eq!(i64::from_f64_exact(-9.223372036854775808e18), Some(i64::MIN));
+        assert_eq!(
+            i64::from_f64_exact(-9.223372036854775808e18),
+            Some(i64::MIN)
+        );
         assert_eq!(bool::from_f64_exact(2.0), None);
         assert_eq!(f16::from_f64_exact(0.5), Some(f16::from_f32(0.5)));
         assert!(!f32::from_f64_exact(f64::NAN).is_some_and(|v| !v.is_nan()));
@@ -331,6 +334,9 @@ mod tests {
         assert_eq!(f32::from_bits((-2.5f32).to_bits()), -2.5);
         assert_eq!(<i16 as Sealed>::from_bits((-3i16).to_bits()), -3);
         assert!(<bool as Sealed>::from_bits(2));
-        assert_eq!(bf16::from_bits(bf16::from_f32(1.0).to_bits() as u64 as u16), bf16::ONE);
+        assert_eq!(
+            bf16::from_bits(bf16::from_f32(1.0).to_bits() as u64 as u16),
+            bf16::ONE
+        );
     }
 }

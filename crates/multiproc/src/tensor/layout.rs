@@ -29,9 +29,14 @@ pub(crate) fn contiguous_strides(shape: &[usize]) -> Vec<usize> {
 
 /// The number of elements of `shape`, or an error when it overflows.
 pub(crate) fn numel_of(shape: &[usize]) -> Result<usize> {
-    shape.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d)).ok_or_else(|| {
-        Error::Tensor(format!("a tensor of shape {shape:?} has more elements than memory can hold"))
-    })
+    shape
+        .iter()
+        .try_fold(1usize, |acc, &d| acc.checked_mul(d))
+        .ok_or_else(|| {
+            Error::Tensor(format!(
+                "a tensor of shape {shape:?} has more elements than memory can hold"
+            ))
+        })
 }
 
 impl Layout {
@@ -139,8 +144,7 @@ impl Layout {
                 || (old_shape[tensor_d - 1] != 1
                     && old_strides[tensor_d - 1] != tensor_numel.checked_mul(chunk_base_stride)?);
             if chunk_ends {
-                while view_d >= 0
-                    && (view_numel < tensor_numel || new_shape[view_d as usize] == 1)
+                while view_d >= 0 && (view_numel < tensor_numel || new_shape[view_d as usize] == 1)
                 {
                     new_strides[view_d as usize] = view_numel.checked_mul(chunk_base_stride)?;
                     view_numel = view_numel.checked_mul(new_shape[view_d as usize])?;
@@ -188,8 +192,16 @@ mod tests {
         assert!(layout(&[2, 3], &[3, 1], 1).check_bounds(4, 24).is_err());
         assert!(layout(&[2, 3], &[3, 1], 0).check_bounds(4, 23).is_err());
         assert!(layout(&[2], &[usize::MAX], 0).check_bounds(1, 100).is_err());
-        assert!(layout(&[usize::MAX, 2], &[1, 1], 0).check_bounds(1, 100).is_err());
-        assert!(layout(&[1], &[usize::MAX], usize::MAX).check_bounds(1, 100).is_err());
+        assert!(
+            layout(&[usize::MAX, 2], &[1, 1], 0)
+                .check_bounds(1, 100)
+                .is_err()
+        );
+        assert!(
+            layout(&[1], &[usize::MAX], usize::MAX)
+                .check_bounds(1, 100)
+                .is_err()
+        );
         assert!(layout(&[0], &[1], 4).check_bounds(4, 16).is_ok());
         assert!(layout(&[0], &[1], 5).check_bounds(4, 16).is_err());
         assert!(layout(&[2], &[1, 1], 0).check_bounds(4, 16).is_err());

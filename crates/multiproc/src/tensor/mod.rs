@@ -38,9 +38,9 @@ use std::fmt;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-pub use dtype::{DType, Element};
 pub(crate) use dtype::dispatch;
 use dtype::sealed::Sealed;
+pub use dtype::{DType, Element};
 use layout::{Layout, MAX_DIMS, numel_of};
 use raw::Region;
 pub use storage::Storage;
@@ -722,7 +722,9 @@ impl<'de> Deserialize<'de> for Tensor {
         }
         let to_usize = |v: &[u64]| -> std::result::Result<Vec<usize>, D::Error> {
             v.iter()
-                .map(|&x| usize::try_from(x).map_err(|_| invalid(format!("{x} does not fit usize"))))
+                .map(|&x| {
+                    usize::try_from(x).map_err(|_| invalid(format!("{x} does not fit usize")))
+                })
                 .collect()
         };
         let shape = to_usize(&w.shape)?;

@@ -161,7 +161,12 @@ fn each_index<T: Element>(r: &Region<'_, T>, mut f: impl FnMut(usize)) {
             f(i);
         }
     } else {
-        walk(&r.layout.shape, [&r.layout.strides], [r.layout.offset], |[i]| f(i));
+        walk(
+            &r.layout.shape,
+            [&r.layout.strides],
+            [r.layout.offset],
+            |[i]| f(i),
+        );
     }
 }
 
@@ -216,7 +221,9 @@ pub(crate) fn zip_map<T: Element, U: Element>(
     f: impl Fn(T, U) -> T,
 ) -> Result<()> {
     // SAFETY: `each_index_pair` yields indices each layout addresses.
-    each_index_pair(dst, src, |i, j| unsafe { dst.store(i, f(dst.load(i), src.load(j))) })
+    each_index_pair(dst, src, |i, j| unsafe {
+        dst.store(i, f(dst.load(i), src.load(j)))
+    })
 }
 
 /// Sets every element of `dst` to `f(y)`, `y` the element of `src` at the same position.

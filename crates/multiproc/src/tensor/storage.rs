@@ -37,7 +37,9 @@ unsafe impl Sync for PrivateBuf {}
 impl PrivateBuf {
     fn zeroed(len: usize) -> Result<PrivateBuf> {
         let layout = Layout::from_size_align(len, ALIGN).map_err(|_| {
-            Error::Tensor(format!("a storage of {len} bytes is larger than memory can hold"))
+            Error::Tensor(format!(
+                "a storage of {len} bytes is larger than memory can hold"
+            ))
         })?;
         // SAFETY: `layout` has a non-zero size (callers never ask for 0 bytes).
         let ptr = unsafe { std::alloc::alloc_zeroed(layout) };

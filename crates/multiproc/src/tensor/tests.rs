@@ -33,26 +33,41 @@ fn constructors_give_expected_values() {
     assert_eq!(z.storage().nbytes(), 24);
     assert_eq!(f32s(&z), [0.0; 6]);
     assert_eq!(
-        Tensor::ones(&[3], DType::I64).unwrap().to_vec::<i64>().unwrap(),
+        Tensor::ones(&[3], DType::I64)
+            .unwrap()
+            .to_vec::<i64>()
+            .unwrap(),
         [1, 1, 1]
     );
     assert_eq!(
-        Tensor::full(&[2], 2.5, DType::F16).unwrap().to_vec::<f16>().unwrap(),
+        Tensor::full(&[2], 2.5, DType::F16)
+            .unwrap()
+            .to_vec::<f16>()
+            .unwrap(),
         [f16::from_f32(2.5); 2]
     );
     assert_eq!(
-        Tensor::full(&[2], 1.0, DType::Bool).unwrap().to_vec::<bool>().unwrap(),
+        Tensor::full(&[2], 1.0, DType::Bool)
+            .unwrap()
+            .to_vec::<bool>()
+            .unwrap(),
         [true, true]
     );
     assert_eq!(
-        Tensor::arange(0.0, 5.0, 2.0, DType::I32).unwrap().to_vec::<i32>().unwrap(),
+        Tensor::arange(0.0, 5.0, 2.0, DType::I32)
+            .unwrap()
+            .to_vec::<i32>()
+            .unwrap(),
         [0, 2, 4]
     );
     assert_eq!(
         f32s(&Tensor::arange(1.0, 0.0, -0.25, DType::F32).unwrap()),
         [1.0, 0.75, 0.5, 0.25]
     );
-    assert_eq!(Tensor::arange(3.0, 0.0, 1.0, DType::F32).unwrap().numel(), 0);
+    assert_eq!(
+        Tensor::arange(3.0, 0.0, 1.0, DType::F32).unwrap().numel(),
+        0
+    );
     let t = Tensor::from_vec(vec![1u8, 2, 3, 4], &[2, 2]).unwrap();
     assert_eq!(t.dtype(), DType::U8);
     assert_eq!(t.to_vec::<u8>().unwrap(), [1, 2, 3, 4]);
@@ -84,10 +99,34 @@ fn from_storage_checks_bounds() {
     let ok = Tensor::from_storage(storage.clone(), DType::F32, &[2, 3], &[3, 1], 0).unwrap();
     assert!(Storage::ptr_eq(ok.storage(), &storage));
     Tensor::from_storage(storage.clone(), DType::F32, &[3, 2], &[1, 3], 0).unwrap();
-    is_tensor_error(Tensor::from_storage(storage.clone(), DType::F32, &[2, 3], &[3, 1], 1));
-    is_tensor_error(Tensor::from_storage(storage.clone(), DType::F64, &[2, 3], &[3, 1], 0));
-    is_tensor_error(Tensor::from_storage(storage.clone(), DType::F32, &[2], &[1, 1], 0));
-    is_tensor_error(Tensor::from_storage(storage.clone(), DType::U8, &[2], &[usize::MAX], 0));
+    is_tensor_error(Tensor::from_storage(
+        storage.clone(),
+        DType::F32,
+        &[2, 3],
+        &[3, 1],
+        1,
+    ));
+    is_tensor_error(Tensor::from_storage(
+        storage.clone(),
+        DType::F64,
+        &[2, 3],
+        &[3, 1],
+        0,
+    ));
+    is_tensor_error(Tensor::from_storage(
+        storage.clone(),
+        DType::F32,
+        &[2],
+        &[1, 1],
+        0,
+    ));
+    is_tensor_error(Tensor::from_storage(
+        storage.clone(),
+        DType::U8,
+        &[2],
+        &[usize::MAX],
+        0,
+    ));
     Tensor::from_storage(storage, DType::F32, &[0, 9], &[100, 100], 6).unwrap();
 }
 
@@ -108,7 +147,10 @@ fn views_address_the_expected_elements() {
     assert_eq!(f32s(&g.narrow(0, 2, 1).unwrap()), [8., 9., 10., 11.]);
     assert_eq!(g.narrow(0, 3, 0).unwrap().numel(), 0);
     let col = g.select(1, 2).unwrap();
-    assert_eq!((col.shape(), col.strides(), col.storage_offset()), (&[3][..], &[4][..], 2));
+    assert_eq!(
+        (col.shape(), col.strides(), col.storage_offset()),
+        (&[3][..], &[4][..], 2)
+    );
     assert_eq!(f32s(&col), [2., 6., 10.]);
     assert_eq!(f32s(&g.select(0, 1).unwrap()), [4., 5., 6., 7.]);
     let t = g.transpose(0, 1).unwrap();
@@ -116,7 +158,10 @@ fn views_address_the_expected_elements() {
     assert!(!t.is_contiguous());
     assert_eq!(f32s(&t), [0., 4., 8., 1., 5., 9., 2., 6., 10., 3., 7., 11.]);
     assert_eq!(f32s(&t.select(0, 3).unwrap()), [3., 7., 11.]);
-    assert_eq!(f32s(&g.view(&[2, 6]).unwrap().select(0, 1).unwrap()), [6., 7., 8., 9., 10., 11.]);
+    assert_eq!(
+        f32s(&g.view(&[2, 6]).unwrap().select(0, 1).unwrap()),
+        [6., 7., 8., 9., 10., 11.]
+    );
     assert_eq!(f32s(&g.view(&[12]).unwrap()), f32s(&g));
 }
 
@@ -126,15 +171,24 @@ fn view_refuses_what_needs_a_copy_and_reshape_copies() {
     assert!(is_tensor_error(t.view(&[12])).contains("reshape"));
     is_tensor_error(grid().view(&[5, 2]));
     let flat = t.reshape(&[12]).unwrap();
-    assert!(!Storage::ptr_eq(flat.storage(), t.storage()), "reshape copied");
-    assert_eq!(f32s(&flat), [0., 4., 8., 1., 5., 9., 2., 6., 10., 3., 7., 11.]);
+    assert!(
+        !Storage::ptr_eq(flat.storage(), t.storage()),
+        "reshape copied"
+    );
+    assert_eq!(
+        f32s(&flat),
+        [0., 4., 8., 1., 5., 9., 2., 6., 10., 3., 7., 11.]
+    );
     let g = grid();
     let v = g.reshape(&[4, 3]).unwrap();
     assert!(Storage::ptr_eq(v.storage(), g.storage()), "reshape viewed");
     let c = t.contiguous().unwrap();
     assert!(c.is_contiguous());
     assert_eq!(f32s(&c), f32s(&t));
-    assert!(Storage::ptr_eq(g.contiguous().unwrap().storage(), g.storage()));
+    assert!(Storage::ptr_eq(
+        g.contiguous().unwrap().storage(),
+        g.storage()
+    ));
 }
 
 #[test]
@@ -152,7 +206,12 @@ fn writes_through_views_reach_the_base() {
     let g = grid();
     g.select(1, 0).unwrap().fill_(-1.0).unwrap();
     g.narrow(0, 1, 1).unwrap().add_scalar_(100.0).unwrap();
-    g.transpose(0, 1).unwrap().select(0, 3).unwrap().mul_scalar_(2.0).unwrap();
+    g.transpose(0, 1)
+        .unwrap()
+        .select(0, 3)
+        .unwrap()
+        .mul_scalar_(2.0)
+        .unwrap();
     assert_eq!(
         f32s(&g),
         [-1., 1., 2., 6., 99., 105., 106., 214., -1., 9., 10., 22.]
@@ -183,7 +242,8 @@ fn integer_and_bool_arithmetic() {
     let a = Tensor::from_vec(vec![i8::MAX, 1, -3], &[3]).unwrap();
     a.add_scalar_(1.0).unwrap();
     assert_eq!(a.to_vec::<i8>().unwrap(), [i8::MIN, 2, -2], "wrapping");
-    a.add_(&Tensor::from_vec(vec![1i8, 1, 1], &[3]).unwrap(), 3.0).unwrap();
+    a.add_(&Tensor::from_vec(vec![1i8, 1, 1], &[3]).unwrap(), 3.0)
+        .unwrap();
     assert_eq!(a.to_vec::<i8>().unwrap(), [-125, 5, 1]);
     is_tensor_error(a.add_scalar_(0.5));
     is_tensor_error(a.add_(&a.deep_clone().unwrap(), 0.5));
@@ -191,7 +251,8 @@ fn integer_and_bool_arithmetic() {
     let q = Tensor::from_vec(vec![true, true, false], &[3]).unwrap();
     p.add_(&q, 1.0).unwrap();
     assert_eq!(p.to_vec::<bool>().unwrap(), [true, true, false]);
-    p.mul_(&Tensor::from_vec(vec![false, true, true], &[3]).unwrap()).unwrap();
+    p.mul_(&Tensor::from_vec(vec![false, true, true], &[3]).unwrap())
+        .unwrap();
     assert_eq!(p.to_vec::<bool>().unwrap(), [false, true, false]);
     assert_eq!(p.sum(), 1.0);
 }
@@ -205,16 +266,26 @@ fn copy_converts_between_dtypes() {
     let b = f.to_dtype(DType::Bool).unwrap();
     assert_eq!(b.to_vec::<bool>().unwrap(), [true, true, true, false]);
     let big = Tensor::from_vec(vec![i64::MAX - 1], &[1]).unwrap();
-    assert_eq!(big.deep_clone().unwrap().to_vec::<i64>().unwrap(), [i64::MAX - 1], "same-dtype copies are exact");
+    assert_eq!(
+        big.deep_clone().unwrap().to_vec::<i64>().unwrap(),
+        [i64::MAX - 1],
+        "same-dtype copies are exact"
+    );
 }
 
 #[test]
 fn overlapping_copies_read_the_source_first() {
-    let g = Tensor::arange(0.0, 4.0, 1.0, DType::F32).unwrap().view(&[2, 2]).unwrap();
+    let g = Tensor::arange(0.0, 4.0, 1.0, DType::F32)
+        .unwrap()
+        .view(&[2, 2])
+        .unwrap();
     g.copy_(&g.transpose(0, 1).unwrap()).unwrap();
     assert_eq!(f32s(&g), [0., 2., 1., 3.]);
     let v = Tensor::arange(0.0, 5.0, 1.0, DType::F32).unwrap();
-    v.narrow(0, 1, 4).unwrap().add_(&v.narrow(0, 0, 4).unwrap(), 1.0).unwrap();
+    v.narrow(0, 1, 4)
+        .unwrap()
+        .add_(&v.narrow(0, 0, 4).unwrap(), 1.0)
+        .unwrap();
     assert_eq!(f32s(&v), [0., 1., 3., 5., 7.]);
     v.add_(&v, 1.0).unwrap();
     assert_eq!(f32s(&v), [0., 2., 6., 10., 14.]);
@@ -224,16 +295,30 @@ fn overlapping_copies_read_the_source_first() {
 fn sum_and_allclose() {
     let g = grid();
     assert_eq!(g.sum(), 66.0);
-    assert_eq!(g.transpose(0, 1).unwrap().narrow(0, 1, 2).unwrap().sum(), 1. + 5. + 9. + 2. + 6. + 10.);
+    assert_eq!(
+        g.transpose(0, 1).unwrap().narrow(0, 1, 2).unwrap().sum(),
+        1. + 5. + 9. + 2. + 6. + 10.
+    );
     let long = Tensor::ones(&[1001], DType::F16).unwrap();
     assert_eq!(long.sum(), 1001.0);
     assert_eq!(Tensor::zeros(&[0], DType::F32).unwrap().sum(), 0.0);
     let a = Tensor::from_vec(vec![1.0f32, 2.0], &[2]).unwrap();
     let b = Tensor::from_vec(vec![1.0f32 + 1e-7, 2.0], &[2]).unwrap();
     assert!(a.allclose(&b, 1e-5, 1e-8));
-    assert!(!a.allclose(&Tensor::from_vec(vec![1.1f32, 2.0], &[2]).unwrap(), 1e-5, 1e-8));
-    assert!(a.allclose(&Tensor::from_vec(vec![1.0f64, 2.0], &[2]).unwrap(), 0.0, 0.0));
-    assert!(!a.allclose(&a.view(&[1, 2]).unwrap(), 1e-5, 1e-8), "shapes differ");
+    assert!(!a.allclose(
+        &Tensor::from_vec(vec![1.1f32, 2.0], &[2]).unwrap(),
+        1e-5,
+        1e-8
+    ));
+    assert!(a.allclose(
+        &Tensor::from_vec(vec![1.0f64, 2.0], &[2]).unwrap(),
+        0.0,
+        0.0
+    ));
+    assert!(
+        !a.allclose(&a.view(&[1, 2]).unwrap(), 1e-5, 1e-8),
+        "shapes differ"
+    );
     assert!(a.allclose(&a, 0.0, 0.0));
     let nan = Tensor::full(&[1], f64::NAN, DType::F32).unwrap();
     assert!(!nan.allclose(&nan.deep_clone().unwrap(), 1.0, 1.0));
@@ -254,7 +339,10 @@ fn clone_shares_and_deep_clone_copies() {
 #[test]
 fn debug_shows_layout_and_values() {
     let s = format!("{:?}", grid().select(1, 1).unwrap());
-    assert!(s.contains("F32") && s.contains("[1.0, 5.0, 9.0]") && s.contains("offset: 1"), "{s}");
+    assert!(
+        s.contains("F32") && s.contains("[1.0, 5.0, 9.0]") && s.contains("offset: 1"),
+        "{s}"
+    );
     let s = format!("{:?}", Tensor::zeros(&[100], DType::U8).unwrap());
     assert!(s.contains("first_values"), "{s}");
 }
@@ -296,7 +384,10 @@ fn share_memory_moves_in_place_and_views_follow() {
                 let name = g.storage().shm_name().unwrap();
                 assert!(std::path::Path::new(&format!("/dev/shm/{name}")).exists());
                 drop((g, col));
-                assert!(!std::path::Path::new(&format!("/dev/shm/{name}")).exists(), "last user unlinks");
+                assert!(
+                    !std::path::Path::new(&format!("/dev/shm/{name}")).exists(),
+                    "last user unlinks"
+                );
             }
             SharingStrategy::FileDescriptor => assert_eq!(g.storage().shm_name(), None),
         }
@@ -346,7 +437,10 @@ fn hogwild_updates_from_many_threads_are_defined() {
     });
     // Racing read-modify-writes may lose updates, never produce garbage.
     let v = f32s(&t);
-    assert!(v.iter().all(|&x| (50.0..=200.0).contains(&x) && x.fract() == 0.0));
+    assert!(
+        v.iter()
+            .all(|&x| (50.0..=200.0).contains(&x) && x.fract() == 0.0)
+    );
 }
 
 // ----- through the wire -----
@@ -399,7 +493,11 @@ fn views_alias_within_one_message_and_across_messages() {
         assert_eq!(f32s(&again.select(0, 2).unwrap()), [7.0; 4]);
         if let Some(seg) = g.storage().segment() {
             if *strategy == SharingStrategy::FileSystem {
-                assert_eq!(seg.refcount(), Some(1), "in-flight references were absorbed");
+                assert_eq!(
+                    seg.refcount(),
+                    Some(1),
+                    "in-flight references were absorbed"
+                );
             }
         }
     }
@@ -451,7 +549,9 @@ fn serializing_outside_a_channel_is_an_error_and_shares_nothing() {
 #[test]
 fn an_unsent_file_system_message_gives_its_reference_back() {
     let t = Tensor::zeros(&[16], DType::U8).unwrap();
-    t.storage().share_memory_with(SharingStrategy::FileSystem).unwrap();
+    t.storage()
+        .share_memory_with(SharingStrategy::FileSystem)
+        .unwrap();
     let seg = t.storage().segment().unwrap();
     let enc = wire::encode(&t).unwrap();
     assert_eq!(seg.refcount(), Some(2));
@@ -516,7 +616,13 @@ fn roundtrip_forged<S: Serialize>(t: &ForgedTensor<S>) -> Result<Tensor> {
     receive(&b)
 }
 
-fn forged(storage: impl Serialize, dtype: u8, shape: &[u64], strides: &[u64], offset: u64) -> Error {
+fn forged(
+    storage: impl Serialize,
+    dtype: u8,
+    shape: &[u64],
+    strides: &[u64],
+    offset: u64,
+) -> Error {
     decode_forged(ForgedTensor {
         dtype,
         shape: shape.to_vec(),
@@ -539,16 +645,34 @@ fn forged_handles_are_errors_not_crashes() {
     );
     // A memfd that can shrink under us.
     let unsealed = crate::sys::memfd::create("forged", 4096).unwrap();
-    check(forged(ForgedFd(unsealed, 4096), 0, &[16], &[1], 0), "sealed");
+    check(
+        forged(ForgedFd(unsealed, 4096), 0, &[16], &[1], 0),
+        "sealed",
+    );
     // Not a memfd at all.
     let null: OwnedFd = std::fs::File::open("/dev/null").unwrap().into();
     check(forged(ForgedFd(null, 16), 0, &[1], &[1], 0), "sealed");
     // A layout past the storage, an overflowing one, too many strides, unknown dtype.
-    check(forged(ForgedFd(sealed_memfd(64), 64), 0, &[17], &[1], 0), "layout");
-    check(forged(ForgedFd(sealed_memfd(64), 64), 0, &[2], &[u64::MAX], 0), "layout");
-    check(forged(ForgedFd(sealed_memfd(64), 64), 0, &[2], &[1], u64::MAX), "layout");
-    check(forged(ForgedFd(sealed_memfd(64), 64), 0, &[2], &[1, 1], 0), "strides");
-    check(forged(ForgedFd(sealed_memfd(64), 64), 77, &[2], &[1], 0), "dtype code 77");
+    check(
+        forged(ForgedFd(sealed_memfd(64), 64), 0, &[17], &[1], 0),
+        "layout",
+    );
+    check(
+        forged(ForgedFd(sealed_memfd(64), 64), 0, &[2], &[u64::MAX], 0),
+        "layout",
+    );
+    check(
+        forged(ForgedFd(sealed_memfd(64), 64), 0, &[2], &[1], u64::MAX),
+        "layout",
+    );
+    check(
+        forged(ForgedFd(sealed_memfd(64), 64), 0, &[2], &[1, 1], 0),
+        "strides",
+    );
+    check(
+        forged(ForgedFd(sealed_memfd(64), 64), 77, &[2], &[1], 0),
+        "dtype code 77",
+    );
     // Named segments: a name that is not ours, one that does not exist.
     let named = |name: &str| {
         ForgedStorage::Segment(ForgedHandle::Named {
@@ -556,9 +680,18 @@ fn forged_handles_are_errors_not_crashes() {
             nbytes: 64,
         })
     };
-    check(forged(named("../../etc/passwd"), 0, &[1], &[1], 0), "not a multiproc segment name");
     check(
-        forged(named("multiproc_1_00000000000000000000000000000000"), 0, &[1], &[1], 0),
+        forged(named("../../etc/passwd"), 0, &[1], &[1], 0),
+        "not a multiproc segment name",
+    );
+    check(
+        forged(
+            named("multiproc_1_00000000000000000000000000000000"),
+            0,
+            &[1],
+            &[1],
+            0,
+        ),
         "no longer exists",
     );
 }
@@ -566,7 +699,9 @@ fn forged_handles_are_errors_not_crashes() {
 #[test]
 fn a_forged_length_on_a_real_named_segment_is_an_error() {
     let t = Tensor::zeros(&[16], DType::U8).unwrap();
-    t.storage().share_memory_with(SharingStrategy::FileSystem).unwrap();
+    t.storage()
+        .share_memory_with(SharingStrategy::FileSystem)
+        .unwrap();
     let name = t.storage().shm_name().unwrap();
     let seg = t.storage().segment().unwrap();
     // Mapped here already: judged against the mapping.
@@ -581,6 +716,10 @@ fn a_forged_length_on_a_real_named_segment_is_an_error() {
         0,
     );
     assert!(e.to_string().contains("claims 1073741824 bytes"), "{e}");
-    assert_eq!(seg.refcount(), Some(1), "a refused handle does not touch the count");
+    assert_eq!(
+        seg.refcount(),
+        Some(1),
+        "a refused handle does not touch the count"
+    );
     assert!(std::path::Path::new(&format!("/dev/shm/{name}")).exists());
 }
