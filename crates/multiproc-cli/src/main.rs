@@ -73,7 +73,13 @@ fn main() {
                 }
             }
         }
-        Command::ShmManager => multiproc::run_shm_manager(),
+        Command::ShmManager => match multiproc::run_shm_manager_from_env() {
+            Ok(_) => 0,
+            Err(e) => {
+                eprintln!("shm manager: {e}");
+                1
+            }
+        },
         Command::Doctor => i32::from(!doctor::run()),
         Command::Gc { dry_run } => {
             gc::run(dry_run);

@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
-use multiproc::{DType, Queue, SharingStrategy, StartMethod, Tensor};
+use multiproc::{Queue, SharingStrategy, StartMethod, Tensor};
 use serde::{Deserialize, Serialize};
 
 /// Load batches of images with worker processes.
