@@ -104,10 +104,7 @@ impl<T: Serialize + DeserializeOwned> Connection<T> {
     /// # Errors
     /// Only when the kernel refuses the wait.
     pub fn poll(&self, timeout: Option<Duration>) -> Result<bool> {
-        let deadline = match timeout {
-            None => None,
-            Some(t) => Some(Instant::now() + t),
-        };
+        let deadline = timeout.map(|t| Instant::now() + t);
         wait_fd(self.sock.as_fd(), Readiness::Readable, deadline)
     }
 }

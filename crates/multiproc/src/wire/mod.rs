@@ -466,60 +466,6 @@ fn read_sealed_payload(fd: BorrowedFd<'_>, len: usize) -> Result<Vec<u8>> {
     Ok(out)
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn roundtrip<T: Serialize + DeserializeOwned>(v: &T) -> Result<T> {
-        let (a, b) = socket::seqpacket_pair()?;
-        let mut enc = encode(v)?;
-        enc.send(a.as_fd(), None)?;
-        let p = recv_packet(b.as_fd(), None)?.expect("no deadline");
-        decode(p)
-    }
-
-    #[test]
-    fn small_and_large_values_round_trip() {
-        assert_eq!(
-            roundtrip(&(1u32, "x".to_string())).unwrap(),
-            (1, "x".to_string())
-        );
-        let big: Vec<u8> = (0..3_000_000u32).map(|i| i as u8).collect();
-        assert_eq!(roundtrip(&big).unwrap(), big);
-    }
-
-    #[test]
-    fn nested_messages_carry_their_fds() {
-        let (a, b) = socket::seqpacket_pair().unwrap();
-        let inner = Opaque::encode(&crate::Event::new().unwrap()).unwrap();
-        let outer: (u8, Opaque) = roundtrip(&(7u8, inner)).unwrap();
-        let ev: crate::Event = outer.1.decode().unwrap();
-        ev.set();
-        assert!(ev.is_set());
-        drop((a, b));
-    }
-
-    #[test]
-    fn garbage_is_an_error_not_a_panic() {
-        for bytes in [
-            vec![],
-            vec![1, 2, 3],
-            b"MPW\x01\x09\0\0\0\0\0\0\0\0\0\0\0".to_vec(),
-        ] {
-            let err = decode::<String>(Packet { bytes, fds: vec![] }).unwrap_err();
-            assert!(matches!(err, Error::InvalidMessage(_)), "{err}");
-        }
-        let mut header = MAGIC.to_vec();
-        header.extend([VERSION, KIND_INLINE, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0]);
-        let err = decode::<()>(Packet {
-            bytes: header,
-            fds: vec![],
-        })
-        .unwrap_err();
-        assert!(err.to_string().contains("declares 1 fds"), "{err}");
-    }
-}
-
 /// A message inside a message: a value encoded on its own, to be decoded later by code
 /// that knows its type (a pool worker that receives tasks of many types through one
 /// channel).
@@ -602,5 +548,59 @@ impl std::fmt::Debug for Opaque {
             .field("bytes", &self.bytes.len())
             .field("fds", &self.fds.len())
             .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn roundtrip<T: Serialize + DeserializeOwned>(v: &T) -> Result<T> {
+        let (a, b) = socket::seqpacket_pair()?;
+        let mut enc = encode(v)?;
+        enc.send(a.as_fd(), None)?;
+        let p = recv_packet(b.as_fd(), None)?.expect("no deadline");
+        decode(p)
+    }
+
+    #[test]
+    fn small_and_large_values_round_trip() {
+        assert_eq!(
+            roundtrip(&(1u32, "x".to_string())).unwrap(),
+            (1, "x".to_string())
+        );
+        let big: Vec<u8> = (0..3_000_000u32).map(|i| i as u8).collect();
+        assert_eq!(roundtrip(&big).unwrap(), big);
+    }
+
+    #[test]
+    fn nested_messages_carry_their_fds() {
+        let (a, b) = socket::seqpacket_pair().unwrap();
+        let inner = Opaque::encode(&crate::Event::new().unwrap()).unwrap();
+        let outer: (u8, Opaque) = roundtrip(&(7u8, inner)).unwrap();
+        let ev: crate::Event = outer.1.decode().unwrap();
+        ev.set();
+        assert!(ev.is_set());
+        drop((a, b));
+    }
+
+    #[test]
+    fn garbage_is_an_error_not_a_panic() {
+        for bytes in [
+            vec![],
+            vec![1, 2, 3],
+            b"MPW\x01\x09\0\0\0\0\0\0\0\0\0\0\0".to_vec(),
+        ] {
+            let err = decode::<String>(Packet { bytes, fds: vec![] }).unwrap_err();
+            assert!(matches!(err, Error::InvalidMessage(_)), "{err}");
+        }
+        let mut header = MAGIC.to_vec();
+        header.extend([VERSION, KIND_INLINE, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0]);
+        let err = decode::<()>(Packet {
+            bytes: header,
+            fds: vec![],
+        })
+        .unwrap_err();
+        assert!(err.to_string().contains("declares 1 fds"), "{err}");
     }
 }
