@@ -77,6 +77,8 @@ pub(crate) fn worker_env(rank: usize, world_size: Option<usize>) -> Vec<(&'stati
             env.push((key, value));
         }
     }
+    // The sharing strategy and the shm manager of this process tree.
+    env.extend(crate::sharing::env_for_child());
     env
 }
 
