@@ -48,7 +48,10 @@ fn producer(_rank: usize, (q, floats, count): (Queue<Msg>, usize, u64)) -> multi
 }
 
 /// Worker of `ping`: sends every tensor it gets straight back.
-fn ponger(_rank: usize, (inbox, outbox, count): (Queue<Msg>, Queue<Msg>, u64)) -> multiproc::Result<()> {
+fn ponger(
+    _rank: usize,
+    (inbox, outbox, count): (Queue<Msg>, Queue<Msg>, u64),
+) -> multiproc::Result<()> {
     outbox.put(Msg::Ready)?;
     for _ in 0..count {
         let m = inbox.get()?;
@@ -62,14 +65,22 @@ fn noop(_rank: usize, _: ()) {}
 fn expect_ready(q: &Queue<Msg>) -> multiproc::Result<()> {
     match q.get_timeout(Duration::from_secs(60))? {
         Some(Msg::Ready) => Ok(()),
-        _ => Err(multiproc::Error::Timeout("the benchmark worker did not start".into())),
+        _ => Err(multiproc::Error::Timeout(
+            "the benchmark worker did not start".into(),
+        )),
     }
 }
 
-fn fresh(strategy: SharingStrategy, bytes: u64, count: u64, scenario: &'static str) -> multiproc::Result<Figure> {
+fn fresh(
+    strategy: SharingStrategy,
+    bytes: u64,
+    count: u64,
+    scenario: &'static str,
+) -> multiproc::Result<Figure> {
     let q = Queue::with_capacity(4)?;
     let floats = (bytes / 4) as usize;
-    let mut ctx = multiproc::start_processes(producer, (q.clone(), floats, count), 1, StartMethod::Spawn)?;
+    let mut ctx =
+        multiproc::start_processes(producer, (q.clone(), floats, count), 1, StartMethod::Spawn)?;
     expect_ready(&q)?;
     let start = Instant::now();
     let mut total = 0.0;
@@ -98,8 +109,12 @@ fn fresh(strategy: SharingStrategy, bytes: u64, count: u64, scenario: &'static s
 fn ping(strategy: SharingStrategy, bytes: u64, count: u64) -> multiproc::Result<Figure> {
     let there = Queue::with_capacity(4)?;
     let back = Queue::with_capacity(4)?;
-    let mut ctx =
-        multiproc::start_processes(ponger, (there.clone(), back.clone(), count), 1, StartMethod::Spawn)?;
+    let mut ctx = multiproc::start_processes(
+        ponger,
+        (there.clone(), back.clone(), count),
+        1,
+        StartMethod::Spawn,
+    )?;
     expect_ready(&back)?;
     let mut t = Tensor::zeros(&[(bytes / 4) as usize], DType::F32)?;
     t.share_memory_()?;
@@ -175,8 +190,16 @@ pub fn run(plan: &Plan, mut report: impl FnMut(&Figure)) -> multiproc::Result<Ve
     for &strategy in &strategies {
         multiproc::set_sharing_strategy(strategy);
         if wanted("fresh") {
-            for (bytes, count) in [(4u64 << 10, 2000u64), (1 << 20, 500), (64 << 20, 40), (256 << 20, 10)] {
-                record(fresh(strategy, bytes, scaled(count), "fresh")?, &mut figures);
+            for (bytes, count) in [
+                (4u64 << 10, 2000u64),
+                (1 << 20, 500),
+                (64 << 20, 40),
+                (256 << 20, 10),
+            ] {
+                record(
+                    fresh(strategy, bytes, scaled(count), "fresh")?,
+                    &mut figures,
+                );
             }
         }
         if wanted("small") {

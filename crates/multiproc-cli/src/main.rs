@@ -54,9 +54,16 @@ fn main() {
             only,
             strategy,
         } => {
-            let plan = bench::Plan { scale, only, strategy };
+            let plan = bench::Plan {
+                scale,
+                only,
+                strategy,
+            };
             if !json {
-                println!("{:<7} {:<16} {:>9} {:>7}  result", "scenario", "strategy", "size", "count");
+                println!(
+                    "{:<7} {:<16} {:>9} {:>7}  result",
+                    "scenario", "strategy", "size", "count"
+                );
             }
             let result = bench::run(&plan, |f| {
                 if json {

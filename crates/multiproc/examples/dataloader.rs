@@ -100,13 +100,15 @@ impl Source {
                     h ^= h >> 7;
                     h ^= h << 17;
                     let noise = (h >> 40) as f32 / (1u64 << 24) as f32;
-                    *v = 0.5 * ((p % 97) as f32 / 97.0 + f32::from(label) / 10.0) * 0.5 + 0.5 * noise;
+                    *v = 0.5 * ((p % 97) as f32 / 97.0 + f32::from(label) / 10.0) * 0.5
+                        + 0.5 * noise;
                 }
                 Ok(label)
             }
             Source::Files(files) => {
                 let path = &files[i % files.len()];
-                let bytes = std::fs::read(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+                let bytes = std::fs::read(path)
+                    .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
                 for (k, v) in out.iter_mut().enumerate() {
                     *v = f32::from(bytes.get(k).copied().unwrap_or(0)) / 255.0;
                 }
@@ -130,16 +132,22 @@ fn loader(rank: usize, job: Job) -> Result<(), String> {
     let pixels = 3 * args.side * args.side;
     for index in (rank..args.batches).step_by(args.workers) {
         if args.fail_at == Some(index) {
-            return Err(format!("could not decode the samples of batch {index} (requested by --fail-at)"));
+            return Err(format!(
+                "could not decode the samples of batch {index} (requested by --fail-at)"
+            ));
         }
         let mut images = vec![0f32; args.batch_size * pixels];
         let mut labels = vec![0u8; args.batch_size];
         for (s, label) in labels.iter_mut().enumerate() {
-            *label = source.sample(index * args.batch_size + s, &mut images[s * pixels..(s + 1) * pixels])?;
+            *label = source.sample(
+                index * args.batch_size + s,
+                &mut images[s * pixels..(s + 1) * pixels],
+            )?;
         }
         let batch = Batch {
             index,
-            images: Tensor::from_vec(images, &[args.batch_size, 3, args.side, args.side]).map_err(|e| e.to_string())?,
+            images: Tensor::from_vec(images, &[args.batch_size, 3, args.side, args.side])
+                .map_err(|e| e.to_string())?,
             labels: Tensor::from_vec(labels, &[args.batch_size]).map_err(|e| e.to_string())?,
         };
         if let Err(e) = job.batches.put(batch) {
@@ -157,8 +165,9 @@ fn main() -> multiproc::Result<()> {
     let interrupted = Arc::new(AtomicBool::new(false));
     {
         let flag = Arc::clone(&interrupted);
-        ctrlc::set_handler(move || flag.store(true, Ordering::SeqCst))
-            .map_err(|e| multiproc::Error::InvalidArgument(format!("cannot install the Ctrl-C handler: {e}")))?;
+        ctrlc::set_handler(move || flag.store(true, Ordering::SeqCst)).map_err(|e| {
+            multiproc::Error::InvalidArgument(format!("cannot install the Ctrl-C handler: {e}"))
+        })?;
     }
 
     let batches = Queue::with_capacity(args.workers * args.prefetch)?;

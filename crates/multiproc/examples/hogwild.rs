@@ -79,7 +79,9 @@ struct Data {
 
 fn make_data(seed: u64, n: usize, stream: u64) -> Data {
     let mut centers = Rng(seed);
-    let c: Vec<f32> = (0..CLASSES * DIM).map(|_| centers.normal() * 0.55).collect();
+    let c: Vec<f32> = (0..CLASSES * DIM)
+        .map(|_| centers.normal() * 0.55)
+        .collect();
     let mut rng = Rng(seed ^ stream.wrapping_mul(0x5851_f42d_4c95_7f2d));
     let mut x = Vec::with_capacity(n * DIM);
     let mut y = Vec::with_capacity(n);
@@ -113,7 +115,9 @@ fn evaluate(w: &[f32], data: &Data) -> (f64, f64) {
     for (i, &label) in data.y.iter().enumerate() {
         let p = probabilities(w, &data.x[i * DIM..(i + 1) * DIM]);
         loss -= f64::from(p[label].max(1e-12).ln());
-        let best = (0..CLASSES).max_by(|&a, &b| p[a].total_cmp(&p[b])).unwrap_or(0);
+        let best = (0..CLASSES)
+            .max_by(|&a, &b| p[a].total_cmp(&p[b]))
+            .unwrap_or(0);
         correct += usize::from(best == label);
     }
     let n = data.y.len().max(1) as f64;
@@ -122,7 +126,14 @@ fn evaluate(w: &[f32], data: &Data) -> (f64, f64) {
 
 /// One epoch of SGD on this worker's shard, reading and updating the shared
 /// parameters without locks. Returns the summed loss and the sample count.
-fn train_epoch(params: &Tensor, data: &Data, rank: usize, world: usize, epoch: usize, args: &Args) -> (f64, usize) {
+fn train_epoch(
+    params: &Tensor,
+    data: &Data,
+    rank: usize,
+    world: usize,
+    epoch: usize,
+    args: &Args,
+) -> (f64, usize) {
     let mut order: Vec<usize> = (rank..data.y.len()).step_by(world).collect();
     let mut rng = Rng(args.seed ^ ((epoch as u64) << 32) ^ rank as u64);
     for i in (1..order.len()).rev() {
@@ -165,7 +176,8 @@ struct Job {
 fn worker(rank: usize, job: Job) {
     let data = make_data(job.args.seed, job.args.samples, 1);
     for epoch in 0..job.args.epochs {
-        let (loss, seen) = train_epoch(&job.params, &data, rank, job.args.workers, epoch, &job.args);
+        let (loss, seen) =
+            train_epoch(&job.params, &data, rank, job.args.workers, epoch, &job.args);
         job.reports.put((epoch, rank, loss, seen)).expect("report");
         // Epochs stay in step so the parent's per-epoch figures mean something.
         job.epoch_done
@@ -194,7 +206,8 @@ fn main() -> multiproc::Result<()> {
         args: args.clone(),
     };
     let start = Instant::now();
-    let mut ctx = multiproc::start_processes(worker, job, args.workers, multiproc::StartMethod::Spawn)?;
+    let mut ctx =
+        multiproc::start_processes(worker, job, args.workers, multiproc::StartMethod::Spawn)?;
     let mut trained = 0usize;
     for epoch in 0..args.epochs {
         let (mut loss, mut seen) = (0.0, 0);

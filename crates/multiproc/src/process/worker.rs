@@ -137,6 +137,9 @@ pub(crate) fn run_worker(sock: OwnedFd) -> i32 {
     let rank = header.rank;
     install_panic_hook();
     let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| header.run(sock.as_fd())));
+    // The worker leaves with `_exit`: give back its shared-memory references now,
+    // before the parent can learn that it has finished.
+    crate::shm::release_before_exit();
     let report = match outcome {
         Ok(Ok(())) => Report::Ok,
         Ok(Err(Failed::Returned(text))) => Report::Raised {

@@ -86,6 +86,16 @@ pub(crate) fn get_or_try_insert(
     })
 }
 
+/// Releases every named-segment reference this process holds (see
+/// [`Segment::release_before_exit`]); for a worker about to `_exit`.
+pub(crate) fn release_before_exit() {
+    let live: Vec<Arc<Segment>> =
+        with_cache(|c| c.entries.values().filter_map(Weak::upgrade).collect());
+    for segment in live {
+        segment.release_before_exit();
+    }
+}
+
 /// The live segment under `key`, if this process maps it.
 #[cfg(test)]
 pub(crate) fn get(key: &CacheKey) -> Option<Arc<Segment>> {

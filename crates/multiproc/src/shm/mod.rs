@@ -35,7 +35,7 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-pub(crate) use cache::CacheKey;
+pub(crate) use cache::{CacheKey, release_before_exit};
 pub(crate) use name::SegmentName;
 pub(crate) use segment::Segment;
 

@@ -414,6 +414,24 @@ impl Segment {
     }
 }
 
+impl Segment {
+    /// Releases the reference this process holds, if any, so that a process about to
+    /// end without running destructors (a worker leaving with `_exit`, whose memory
+    /// still holds copies of its parent's handles after a `fork`) leaves no count
+    /// behind. The mapping stays valid until the process ends.
+    pub(crate) fn release_before_exit(&self) {
+        if let Backing::Named { owner_pid, .. } = &self.backing {
+            let me = pid();
+            if owner_pid
+                .compare_exchange(me, 0, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
+            {
+                self.release_reference();
+            }
+        }
+    }
+}
+
 impl Drop for Segment {
     fn drop(&mut self) {
         if let Backing::Named { owner_pid, name } = &self.backing {

@@ -475,7 +475,10 @@ fn read_sealed_payload(fd: BorrowedFd<'_>, len: usize) -> Result<Vec<u8>> {
 pub(crate) struct Opaque {
     bytes: Vec<u8>,
     fds: Vec<OwnedFd>,
-    on_unsent: Vec<Box<dyn FnOnce() + Send>>,
+    /// References taken for the eventual receiver. Serializing the `Opaque` into an
+    /// outer message hands them to that message, which releases them only if it is
+    /// never sent; dropping an `Opaque` that was never serialized releases them.
+    on_unsent: std::sync::Mutex<Vec<Box<dyn FnOnce() + Send>>>,
 }
 
 impl Opaque {
@@ -491,14 +494,15 @@ impl Opaque {
             fds: std::mem::take(&mut inner.fds),
             on_unsent: {
                 inner.sent = true; // ownership of the undo work moves to the Opaque
-                std::mem::take(&mut inner.on_unsent)
+                std::sync::Mutex::new(std::mem::take(&mut inner.on_unsent))
             },
         })
     }
 
     /// Decodes the value.
     pub(crate) fn decode<T: DeserializeOwned>(mut self) -> Result<T> {
-        self.on_unsent.clear();
+        // Decoding here adopts the references taken for the receiver.
+        self.undo_list().clear();
         decode(Packet {
             bytes: std::mem::take(&mut self.bytes),
             fds: std::mem::take(&mut self.fds),
@@ -506,9 +510,15 @@ impl Opaque {
     }
 }
 
+impl Opaque {
+    fn undo_list(&self) -> std::sync::MutexGuard<'_, Vec<Box<dyn FnOnce() + Send>>> {
+        self.on_unsent.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
 impl Drop for Opaque {
     fn drop(&mut self) {
-        for undo in self.on_unsent.drain(..) {
+        for undo in self.undo_list().drain(..) {
             undo();
         }
     }
@@ -520,6 +530,10 @@ impl Serialize for Opaque {
         let mut indices = Vec::with_capacity(self.fds.len());
         for fd in &self.fds {
             indices.push(attach_fd(fd.as_fd(), "a nested message").map_err(S::Error::custom)?);
+        }
+        // The outer message now carries the receiver's references.
+        for undo in self.undo_list().drain(..) {
+            on_unsent(undo).map_err(S::Error::custom)?;
         }
         (&self.bytes, indices).serialize(s)
     }
@@ -537,7 +551,7 @@ impl<'de> serde::Deserialize<'de> for Opaque {
         Ok(Self {
             bytes,
             fds,
-            on_unsent: Vec::new(),
+            on_unsent: std::sync::Mutex::new(Vec::new()),
         })
     }
 }

@@ -51,6 +51,7 @@ impl Guard {
     /// Serialises leak-checked tests and records the starting state.
     pub fn new() -> Self {
         let serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+        warm_up();
         Self {
             _serial: serial,
             segments: our_segments(),
@@ -80,6 +81,20 @@ impl Guard {
             std::thread::sleep(Duration::from_millis(20));
         }
     }
+}
+
+/// Makes the process-wide resources that live as long as the process (the connection
+/// to the shm manager) before the first snapshot, so they do not count as leaks.
+fn warm_up() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let before = multiproc::get_sharing_strategy();
+        multiproc::set_sharing_strategy(multiproc::SharingStrategy::FileSystem);
+        let t = multiproc::Tensor::zeros(&[1], multiproc::DType::U8).expect("warm-up tensor");
+        t.share_memory_().expect("warm-up share");
+        drop(t);
+        multiproc::set_sharing_strategy(before);
+    });
 }
 
 /// Our named segments in /dev/shm.
