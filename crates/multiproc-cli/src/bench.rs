@@ -29,6 +29,29 @@ pub struct Figure {
     implementation: &'static str,
 }
 
+impl Figure {
+    /// A figure of the raw floor (`impl: "floor"`).
+    pub fn floor(
+        scenario: &'static str,
+        bytes: Option<u64>,
+        count: u64,
+        seconds: f64,
+        us_per_roundtrip: Option<f64>,
+    ) -> Self {
+        Figure {
+            scenario,
+            strategy: None,
+            bytes,
+            count,
+            per_s: Some(count as f64 / seconds),
+            gb_s: bytes.map(|b| (b * count) as f64 / seconds / 1e9),
+            us_per_roundtrip,
+            seconds,
+            implementation: "floor",
+        }
+    }
+}
+
 #[derive(Serialize, Deserialize)]
 enum Msg {
     Ready,

@@ -2,6 +2,7 @@
 
 mod bench;
 mod doctor;
+mod floor;
 mod gc;
 
 use clap::{Parser, Subcommand};
@@ -40,12 +41,25 @@ enum Command {
         #[arg(long)]
         strategy: Option<multiproc::SharingStrategy>,
     },
+    /// Measure the raw floor: a SEQPACKET + SCM_RIGHTS ping-pong and an in-process
+    /// fill+sum on a reused buffer (what `scripts/compare_torch.py` divides by).
+    BenchFloor {
+        /// One JSON object per line instead of a table.
+        #[arg(long)]
+        json: bool,
+        /// Scale every count by this factor.
+        #[arg(long, default_value_t = 1.0)]
+        scale: f64,
+    },
     /// Run the shm manager daemon in the foreground (normally started for you).
     ShmManager,
 }
 
 fn main() {
     multiproc::init();
+    if floor::serve_child_if_asked() {
+        return;
+    }
     let cli = Cli::parse();
     let code = match cli.command {
         Command::Bench {
@@ -80,6 +94,22 @@ fn main() {
                 }
             }
         }
+        Command::BenchFloor { json, scale } => match floor::run(scale) {
+            Ok(figures) => {
+                for f in &figures {
+                    if json {
+                        println!("{}", serde_json::to_string(f).unwrap_or_default());
+                    } else {
+                        println!("{}", bench::row(f));
+                    }
+                }
+                0
+            }
+            Err(e) => {
+                eprintln!("floor benchmark failed: {e}");
+                1
+            }
+        },
         Command::ShmManager => match multiproc::run_shm_manager_from_env() {
             Ok(_) => 0,
             Err(e) => {
