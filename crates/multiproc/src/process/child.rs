@@ -339,7 +339,10 @@ impl Drop for Child {
             Ok(_) => {}
             Err(e) => {
                 // Cannot wait (should not happen): make sure it dies, and try once more.
-                tracing::warn!(pid = self.pid, "multiproc: waiting for a dropped worker failed: {e}");
+                tracing::warn!(
+                    pid = self.pid,
+                    "multiproc: waiting for a dropped worker failed: {e}"
+                );
                 let _ = self.signal(libc::SIGKILL);
                 let _ = self.wait(None);
             }

@@ -14,9 +14,9 @@ use std::time::Duration;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use super::{ExitStatus, StartMethod};
 use super::child::{Child, JobSpec, worker_env};
 use super::job::{JobHeader, WorkerResult};
+use super::{ExitStatus, StartMethod};
 use crate::sys::process as sys;
 use crate::sys::{Deadline, deadline_after};
 use crate::{Error, Result, wire};

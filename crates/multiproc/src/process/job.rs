@@ -164,8 +164,11 @@ where
     // SAFETY: the parent took this offset from a `fn(usize, A) -> R` for these very
     // types (this trampoline is the one monomorphized for them, and the type name
     // matches), in the same executable.
-    let worker = unsafe { std::mem::transmute::<usize, fn(usize, A) -> R>(address_at(job.function)) };
-    worker(job.rank, args).into_outcome().map_err(Failed::Returned)
+    let worker =
+        unsafe { std::mem::transmute::<usize, fn(usize, A) -> R>(address_at(job.function)) };
+    worker(job.rank, args)
+        .into_outcome()
+        .map_err(Failed::Returned)
 }
 
 #[cfg(test)]
@@ -200,10 +203,16 @@ mod tests {
         let (_a, b) = crate::sys::socket::seqpacket_pair().unwrap();
         let mut header = JobHeader::new(double, 0);
         header.check ^= 1;
-        assert!(matches!(header.run(std::os::fd::AsFd::as_fd(&b)), Err(Failed::Setup(_))));
+        assert!(matches!(
+            header.run(std::os::fd::AsFd::as_fd(&b)),
+            Err(Failed::Setup(_))
+        ));
         let mut header = JobHeader::new(double, 0);
         header.args_type = "String".into();
         // The trampoline refuses before reading anything.
-        assert!(matches!(header.run(std::os::fd::AsFd::as_fd(&b)), Err(Failed::Setup(_))));
+        assert!(matches!(
+            header.run(std::os::fd::AsFd::as_fd(&b)),
+            Err(Failed::Setup(_))
+        ));
     }
 }

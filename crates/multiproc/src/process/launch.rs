@@ -88,7 +88,11 @@ fn serve(requests: Receiver<Request>) {
 
 fn start(launch: Launch) -> Result<Launched> {
     let pid = match launch {
-        Launch::Exec { mut env, fd_var, fd } => {
+        Launch::Exec {
+            mut env,
+            fd_var,
+            fd,
+        } => {
             env.push((fd_var, std::os::fd::AsRawFd::as_raw_fd(&fd).to_string()));
             sys::spawn_self(&env, fd.as_fd())?
             // `fd` (the child's end) closes here, in the parent.

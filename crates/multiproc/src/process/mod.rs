@@ -77,7 +77,11 @@ pub enum StartMethod {
 
 impl StartMethod {
     /// Every start method, like `multiprocessing.get_all_start_methods()`.
-    pub const ALL: [StartMethod; 3] = [StartMethod::Spawn, StartMethod::Fork, StartMethod::Forkserver];
+    pub const ALL: [StartMethod; 3] = [
+        StartMethod::Spawn,
+        StartMethod::Fork,
+        StartMethod::Forkserver,
+    ];
 
     /// torch's name: `spawn`, `fork` or `forkserver`.
     pub fn name(self) -> &'static str {

@@ -18,8 +18,8 @@ use serde::{Deserialize, Serialize};
 
 use super::forkserver;
 use super::job::{Failed, JobHeader};
-use crate::sys::process as sys;
 use crate::sys::deadline_after;
+use crate::sys::process as sys;
 use crate::wire;
 
 /// Which job a process started by multiproc has: `worker`, `forkserver`, `shm-manager`.
@@ -156,9 +156,8 @@ pub(crate) fn run_worker(sock: OwnedFd) -> i32 {
         Report::Ok => 0,
         Report::Raised { .. } => EXIT_RAISED,
     };
-    let sent = wire::encode(&report).and_then(|mut m| {
-        m.send(sock.as_fd(), deadline_after(Some(Duration::from_secs(10))))
-    });
+    let sent = wire::encode(&report)
+        .and_then(|mut m| m.send(sock.as_fd(), deadline_after(Some(Duration::from_secs(10)))));
     if let Err(e) = sent {
         // The parent is gone or not listening: say it here so it is not lost.
         match &report {
@@ -196,13 +195,63 @@ fn install_panic_hook() {
 fn describe_panic(info: &PanicHookInfo<'_>) -> String {
     let mut text = payload_text(info.payload());
     if let Some(loc) = info.location() {
-        text.push_str(&format!(" (at {}:{}:{})", loc.file(), loc.line(), loc.column()));
+        text.push_str(&format!(
+            " (at {}:{}:{})",
+            loc.file(),
+            loc.line(),
+            loc.column()
+        ));
     }
     let backtrace = Backtrace::capture();
     if backtrace.status() == BacktraceStatus::Captured {
-        text.push_str(&format!("\n\nstack backtrace:\n{backtrace}"));
+        let full = backtrace.to_string();
+        let shown = if std::env::var("RUST_BACKTRACE").as_deref() == Ok("full") {
+            full
+        } else {
+            trim_backtrace(&full)
+        };
+        text.push_str(&format!("\n\nstack backtrace:\n{shown}"));
     }
     text
+}
+
+/// Keeps the frames between the panic machinery and multiproc's job trampoline: the
+/// user's code. `RUST_BACKTRACE=full` keeps everything.
+fn trim_backtrace(full: &str) -> String {
+    let mut frames: Vec<String> = Vec::new();
+    for line in full.lines() {
+        let starts_frame = line
+            .trim_start()
+            .split_once(": ")
+            .is_some_and(|(n, _)| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()));
+        match frames.last_mut() {
+            Some(frame) if !starts_frame => {
+                frame.push('\n');
+                frame.push_str(line);
+            }
+            _ => frames.push(line.to_string()),
+        }
+    }
+    let end = frames
+        .iter()
+        .position(|f| f.contains("multiproc::process::job::trampoline"))
+        .unwrap_or(frames.len());
+    let start = frames[..end]
+        .iter()
+        .rposition(|f| {
+            f.contains("core::panicking::")
+                || f.contains("rust_begin_unwind")
+                || f.contains("std::panicking::")
+        })
+        .map_or(0, |i| i + 1);
+    if start >= end {
+        return full.to_string();
+    }
+    let mut out = frames[start..end].join("\n");
+    out.push_str(
+        "\n(panic machinery and multiproc's worker frames omitted; RUST_BACKTRACE=full shows them)",
+    );
+    out
 }
 
 fn take_recorded_panic() -> Option<String> {

@@ -45,7 +45,9 @@ pub(crate) struct RawExit {
 /// to the forking thread.
 pub(crate) fn spawn_self(env: &[(&str, String)], keep_fd: BorrowedFd<'_>) -> Result<i32> {
     let mut args = std::env::args_os();
-    let argv0 = args.next().unwrap_or_else(|| OsString::from("multiproc-worker"));
+    let argv0 = args
+        .next()
+        .unwrap_or_else(|| OsString::from("multiproc-worker"));
     let mut cmd = Command::new("/proc/self/exe");
     cmd.arg0(&argv0).args(args);
     for (key, value) in env {
@@ -68,7 +70,10 @@ pub(crate) fn spawn_self(env: &[(&str, String)], keep_fd: BorrowedFd<'_>) -> Res
     unsafe { cmd.pre_exec(in_child) };
     let child = cmd.spawn().map_err(|e| {
         Error::os(
-            format!("re-executing /proc/self/exe ({}) as a worker", argv0.to_string_lossy()),
+            format!(
+                "re-executing /proc/self/exe ({}) as a worker",
+                argv0.to_string_lossy()
+            ),
             e,
         )
     })?;
@@ -155,7 +160,10 @@ pub(crate) fn send_signal(pidfd: BorrowedFd<'_>, sig: i32) -> Result<bool> {
     match rustix::process::pidfd_send_signal(pidfd, signal) {
         Ok(()) => Ok(true),
         Err(Errno::SRCH) => Ok(false),
-        Err(e) => Err(Error::os(format!("sending {} to a worker", signal_name(sig)), e)),
+        Err(e) => Err(Error::os(
+            format!("sending {} to a worker", signal_name(sig)),
+            e,
+        )),
     }
 }
 
@@ -219,7 +227,9 @@ pub(crate) fn wait_any_readable(fds: &[BorrowedFd<'_>], deadline: Deadline) -> R
 /// again so that processes the worker starts do not inherit it.
 pub(crate) fn take_inherited_socket(raw: RawFd, var: &str) -> Result<OwnedFd> {
     if raw < 0 {
-        return Err(Error::InvalidArgument(format!("{var}={raw} is not an fd number")));
+        return Err(Error::InvalidArgument(format!(
+            "{var}={raw} is not an fd number"
+        )));
     }
     // SAFETY: F_GETFD only inspects the descriptor table; an unused number gives EBADF.
     let flags = unsafe { libc::fcntl(raw, libc::F_GETFD) };
@@ -232,9 +242,8 @@ pub(crate) fn take_inherited_socket(raw: RawFd, var: &str) -> Result<OwnedFd> {
     // it was handed to us across exec and its number is known only through `var`,
     // which the caller removes from the environment.
     let fd = unsafe { OwnedFd::from_raw_fd(raw) };
-    rustix::net::sockopt::socket_type(&fd).map_err(|e| {
-        Error::InvalidArgument(format!("{var}={raw} is not a socket ({e})"))
-    })?;
+    rustix::net::sockopt::socket_type(&fd)
+        .map_err(|e| Error::InvalidArgument(format!("{var}={raw} is not a socket ({e})")))?;
     rustix::io::fcntl_setfd(&fd, rustix::io::FdFlags::CLOEXEC)
         .map_err(|e| Error::os(format!("marking inherited fd {raw} close-on-exec"), e))?;
     Ok(fd)
