@@ -180,7 +180,7 @@ fn nested_failure(_rank: usize, q: SimpleQueue<Error>) {
 fn test_init_makes_spawned_workers_run_their_job() {
     // Were `test_init!` not working, the workers would run libtest instead and never
     // put their rank.
-    guarded(secs(20), || {
+    guarded(secs(120), || {
         let q = SimpleQueue::new().unwrap();
         spawn(put_rank, q.clone(), 2).unwrap();
         let mut got = vec![q.get().unwrap(), q.get().unwrap()];
@@ -192,7 +192,7 @@ fn test_init_makes_spawned_workers_run_their_job() {
 // torch: test_success (for each start method)
 #[test]
 fn success_with_each_start_method() {
-    guarded(secs(30), || {
+    guarded(secs(120), || {
         for method in StartMethod::ALL {
             SpawnOptions::new()
                 .start_method(method)
@@ -205,7 +205,7 @@ fn success_with_each_start_method() {
 // torch: test_success_non_blocking
 #[test]
 fn join_without_joining_until_true() {
-    guarded(secs(30), || {
+    guarded(secs(120), || {
         for method in StartMethod::ALL {
             let mut ctx = start_processes(sleep_then_ok, 50u64, 2, method).unwrap();
             assert_eq!(ctx.pids().len(), 2);
@@ -231,7 +231,7 @@ fn join_without_joining_until_true() {
 // torch: test_first_argument_index / args delivered
 #[test]
 fn args_are_delivered_with_the_rank() {
-    guarded(secs(30), || {
+    guarded(secs(120), || {
         for method in StartMethod::ALL {
             let q = SimpleQueue::new().unwrap();
             SpawnOptions::new()
@@ -247,7 +247,7 @@ fn args_are_delivered_with_the_rank() {
 // torch: test_exception_single
 #[test]
 fn exception_in_one_process_while_the_other_sleeps() {
-    guarded(secs(60), || {
+    guarded(secs(120), || {
         for method in StartMethod::ALL {
             for target in [0usize, 1] {
                 let mut ctx = start_processes(raise_in, target, 2, method).unwrap();
@@ -294,7 +294,7 @@ fn exception_in_one_process_while_the_other_sleeps() {
 // torch: test_exception_all
 #[test]
 fn exception_in_both_processes() {
-    guarded(secs(30), || {
+    guarded(secs(120), || {
         let err = spawn(raise_all, (), 2).expect_err("both raise");
         let Error::ProcessRaised {
             error_index,
@@ -321,7 +321,7 @@ fn exception_in_both_processes() {
 
 #[test]
 fn a_returned_err_counts_as_raised() {
-    guarded(secs(30), || {
+    guarded(secs(120), || {
         let err = spawn(return_err, (), 2).expect_err("rank 1 returns Err");
         let Error::ProcessRaised {
             error_index,
@@ -343,7 +343,7 @@ fn a_returned_err_counts_as_raised() {
 // torch: test_terminate_signal
 #[test]
 fn abort_is_reported_with_its_signal_name() {
-    guarded(secs(30), || {
+    guarded(secs(120), || {
         for method in StartMethod::ALL {
             let err = SpawnOptions::new()
                 .start_method(method)
@@ -373,7 +373,7 @@ fn abort_is_reported_with_its_signal_name() {
 // torch: test_terminate_exit
 #[test]
 fn exit_code_is_reported_long_before_the_sleeper_ends() {
-    guarded(secs(30), || {
+    guarded(secs(120), || {
         for method in StartMethod::ALL {
             let start = Instant::now();
             let mut ctx = start_processes(exit_rank0, (123, 4000u64), 2, method).unwrap();
@@ -395,9 +395,13 @@ fn exit_code_is_reported_long_before_the_sleeper_ends() {
             assert_eq!(*signal_name, None);
             assert_eq!(message, "process 0 terminated with exit code 123");
             assert!(others.is_empty(), "{others:?}");
-            assert!(
-                elapsed < Duration::from_millis(2500),
-                "{method}: took {elapsed:?}"
+            // Reported well before the sleeper's 4 s were up: it was terminated.
+            assert!(elapsed < secs(4), "{method}: took {elapsed:?}");
+            let sleeper = ctx.exit_statuses()[1].expect("reaped");
+            assert_eq!(
+                sleeper.signal_name().as_deref(),
+                Some("SIGTERM"),
+                "{method}: {sleeper}"
             );
             for pid in pids {
                 assert!(process_is_gone(pid), "{method}: worker {pid} still exists");
@@ -411,7 +415,7 @@ fn exit_code_is_reported_long_before_the_sleeper_ends() {
 // torch: test_success_first_then_exception / join with a timeout
 #[test]
 fn join_with_a_short_timeout_returns_false() {
-    guarded(secs(30), || {
+    guarded(secs(120), || {
         let mut ctx = SpawnOptions::new()
             .daemon(true)
             .start(sleep_then_ok, 5000u64, 1)
@@ -428,7 +432,7 @@ fn join_with_a_short_timeout_returns_false() {
 // torch: test_process_exited / terminate by signal
 #[test]
 fn sigterm_to_a_worker_is_reported() {
-    guarded(secs(30), || {
+    guarded(secs(120), || {
         for method in StartMethod::ALL {
             let mut ctx = start_processes(sleep_then_ok, 30_000u64, 2, method).unwrap();
             let pid = ctx.pids()[1];
@@ -454,7 +458,7 @@ fn sigterm_to_a_worker_is_reported() {
 
 #[test]
 fn a_worker_ignoring_sigterm_is_killed_after_the_grace_period() {
-    guarded(secs(30), || {
+    guarded(secs(120), || {
         let grace = Duration::from_millis(300);
         let ready = SimpleQueue::new().unwrap();
         let mut ctx = SpawnOptions::new()
@@ -478,7 +482,7 @@ fn a_worker_ignoring_sigterm_is_killed_after_the_grace_period() {
 
 #[test]
 fn torchrun_environment_is_set() {
-    guarded(secs(30), || {
+    guarded(secs(120), || {
         for method in StartMethod::ALL {
             let q = SimpleQueue::new().unwrap();
             SpawnOptions::new()
@@ -503,7 +507,7 @@ fn torchrun_environment_is_set() {
 
 #[test]
 fn errors_survive_postcard_and_a_queue_from_a_worker() {
-    guarded(secs(30), || {
+    guarded(secs(120), || {
         let q = SimpleQueue::new().unwrap();
         spawn(nested_failure, q.clone(), 1).unwrap();
         let err: Error = q.get().unwrap();
@@ -533,7 +537,7 @@ fn errors_survive_postcard_and_a_queue_from_a_worker() {
 
 #[test]
 fn single_process_lifecycle() {
-    guarded(secs(30), || {
+    guarded(secs(120), || {
         for method in StartMethod::ALL {
             let mut p = Process::new(sleep_then_ok, 0, 30_000u64).start_method(method);
             assert!(p.pid().is_none() && !p.is_alive());
@@ -575,7 +579,7 @@ fn single_process_lifecycle() {
 
 #[test]
 fn dropping_a_daemon_process_kills_it() {
-    guarded(secs(30), || {
+    guarded(secs(120), || {
         let mut p = Process::new(sleep_then_ok, 0, 30_000u64).daemon(true);
         p.start().unwrap();
         let pid = p.pid().unwrap();
@@ -590,7 +594,7 @@ fn dropping_a_daemon_process_kills_it() {
 fn workers_started_from_a_short_lived_thread_survive_it() {
     // The parent-death signal is tied to the forking thread: multiproc forks from its
     // own long-lived thread, so the worker outlives the thread that asked for it.
-    guarded(secs(30), || {
+    guarded(secs(120), || {
         for method in StartMethod::ALL {
             let ctx = std::thread::spawn(move || start_processes(sleep_then_ok, 300u64, 1, method))
                 .join()
