@@ -70,16 +70,16 @@ fn anchor_address() -> usize {
     (anchor as fn() -> usize) as usize
 }
 
-fn offset_of(address: usize) -> u64 {
+pub(super) fn offset_of(address: usize) -> u64 {
     address.wrapping_sub(anchor_address()) as u64
 }
 
-fn address_at(offset: u64) -> usize {
+pub(super) fn address_at(offset: u64) -> usize {
     anchor_address().wrapping_add(offset as usize)
 }
 
 /// The offset of a function the worker knows, to detect a job from another build.
-fn check_offset() -> u64 {
+pub(super) fn check_offset() -> u64 {
     offset_of(crate::process::init as fn() as usize)
 }
 

@@ -35,6 +35,8 @@ use crate::Error;
 use crate::sys::process::{RawExit, signal_name};
 
 mod child;
+#[allow(unsafe_code)]
+pub(crate) mod code;
 mod context;
 mod forkserver;
 #[allow(unsafe_code)]
@@ -47,6 +49,7 @@ pub use context::{ProcessContext, SpawnOptions, spawn, start_processes};
 pub use forkserver::ensure_forkserver_running;
 pub use job::WorkerResult;
 pub use worker::init;
+pub(crate) use worker::panic_text;
 
 /// How a worker process is started (torch's `start_method`).
 ///

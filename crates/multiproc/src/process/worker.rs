@@ -267,3 +267,9 @@ fn payload_text(payload: &(dyn std::any::Any + Send)) -> String {
         "a panic with a non-string payload".to_string()
     }
 }
+
+/// The text of a panic caught on the job thread: the recorded message with its
+/// location (and backtrace when enabled), else the payload's text.
+pub(crate) fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
+    take_recorded_panic().unwrap_or_else(|| payload_text(payload))
+}

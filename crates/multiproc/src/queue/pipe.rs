@@ -112,6 +112,15 @@ impl<T: Serialize + DeserializeOwned> Connection<T> {
     }
 }
 
+/// The socket, for waiting on several connections at once (`poll`/`epoll`), as
+/// Python's `Connection.fileno()` allows. Reading or writing it directly bypasses the
+/// framing: the other end reports such bytes as [`Error::InvalidMessage`].
+impl<T> AsFd for Connection<T> {
+    fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        self.sock.as_fd()
+    }
+}
+
 impl<T> fmt::Debug for Connection<T> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Connection")

@@ -8,6 +8,7 @@
 //! process is an [`OwnedFd`](std::os::fd::OwnedFd) from the moment it arrives; sockets
 //! are non-blocking and every wait goes through [`wait_fd`] with a deadline.
 
+pub(crate) mod daemon;
 pub(crate) mod memfd;
 pub(crate) mod mmap;
 pub(crate) mod process;

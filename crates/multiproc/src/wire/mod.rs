@@ -76,6 +76,8 @@ impl Drop for Encoded {
 struct EncodeTable {
     /// The first error a handle's `Serialize` reported (postcard keeps only "custom error").
     error: Option<String>,
+    /// The first error a handle reported with [`fail_with`], kept with its variant.
+    typed: Option<Error>,
     fds: Vec<OwnedFd>,
     index_of: HashMap<RawFd, u32>,
     on_unsent: Vec<Box<dyn FnOnce() + Send>>,
@@ -84,6 +86,8 @@ struct EncodeTable {
 struct DecodeTable {
     /// The first error a handle's `Deserialize` reported.
     error: Option<String>,
+    /// The first error a handle reported with [`fail_with`], kept with its variant.
+    typed: Option<Error>,
     fds: Vec<OwnedFd>,
     used: Vec<bool>,
 }
@@ -113,6 +117,22 @@ pub(crate) fn fail(message: String) -> String {
     ENCODER.with(|e| e.borrow_mut().as_mut().map(|t| record(&mut t.error)));
     DECODER.with(|d| d.borrow_mut().as_mut().map(|t| record(&mut t.error)));
     message
+}
+
+/// Like [`fail`], but keeps the error's variant: the caller of [`encode`] or [`decode`]
+/// gets `err` itself (an `OutOfSharedMemory` stays one) instead of a generic
+/// `Encode`/`InvalidMessage`. Returns its text, for `serde::ser::Error::custom` /
+/// `serde::de::Error::custom`.
+pub(crate) fn fail_with(err: Error) -> String {
+    let message = err.to_string();
+    let record = |slot: &mut Option<Error>| {
+        if slot.is_none() {
+            *slot = Some(err.clone());
+        }
+    };
+    ENCODER.with(|e| e.borrow_mut().as_mut().map(|t| record(&mut t.typed)));
+    DECODER.with(|d| d.borrow_mut().as_mut().map(|t| record(&mut t.typed)));
+    fail(message)
 }
 
 /// Adds `fd` to the side table of the message being encoded on this thread and
@@ -156,6 +176,11 @@ pub(crate) fn on_unsent(undo: Box<dyn FnOnce() + Send>) -> std::result::Result<(
 /// Whether this thread is encoding a message right now.
 pub(crate) fn is_encoding() -> bool {
     ENCODER.with(|e| e.borrow().is_some())
+}
+
+/// Whether this thread is decoding a message right now.
+pub(crate) fn is_decoding() -> bool {
+    DECODER.with(|d| d.borrow().is_some())
 }
 
 /// Takes (a duplicate of) fd number `index` of the message being decoded on this
@@ -211,6 +236,7 @@ pub(crate) fn encode<T: Serialize + ?Sized>(value: &T) -> Result<Encoded> {
         mut fds,
         on_unsent,
         error,
+        typed,
         ..
     } = table;
     let mut encoded = Encoded {
@@ -220,7 +246,9 @@ pub(crate) fn encode<T: Serialize + ?Sized>(value: &T) -> Result<Encoded> {
         on_unsent,
         sent: false,
     };
-    let payload = bytes.map_err(|e| Error::Encode(error.unwrap_or_else(|| e.to_string())))?;
+    let payload = bytes.map_err(|e| {
+        typed.unwrap_or_else(|| Error::Encode(error.unwrap_or_else(|| e.to_string())))
+    })?;
     let nfds = fds.len();
     if nfds > MAX_FDS_PER_PACKET - 1 {
         return Err(Error::FdLimit(format!(
@@ -371,6 +399,7 @@ pub(crate) fn decode<T: DeserializeOwned>(packet: Packet) -> Result<T> {
     DECODER.with(|d| {
         *d.borrow_mut() = Some(DecodeTable {
             error: None,
+            typed: None,
             fds,
             used,
         })
@@ -382,10 +411,12 @@ pub(crate) fn decode<T: DeserializeOwned>(packet: Packet) -> Result<T> {
     let (value, rest) = match result {
         Ok(v) => v,
         Err(e) => {
-            let why = table
-                .and_then(|t| t.error)
-                .unwrap_or_else(|| format!("cannot decode the payload: {e}"));
-            return Err(Error::InvalidMessage(why));
+            let (typed, error) = table.map_or((None, None), |t| (t.typed, t.error));
+            return Err(typed.unwrap_or_else(|| {
+                Error::InvalidMessage(
+                    error.unwrap_or_else(|| format!("cannot decode the payload: {e}")),
+                )
+            }));
         }
     };
     if !rest.is_empty() {
@@ -458,6 +489,17 @@ mod tests {
     }
 
     #[test]
+    fn nested_messages_carry_their_fds() {
+        let (a, b) = socket::seqpacket_pair().unwrap();
+        let inner = Opaque::encode(&crate::Event::new().unwrap()).unwrap();
+        let outer: (u8, Opaque) = roundtrip(&(7u8, inner)).unwrap();
+        let ev: crate::Event = outer.1.decode().unwrap();
+        ev.set();
+        assert!(ev.is_set());
+        drop((a, b));
+    }
+
+    #[test]
     fn garbage_is_an_error_not_a_panic() {
         for bytes in [
             vec![],
@@ -475,5 +517,90 @@ mod tests {
         })
         .unwrap_err();
         assert!(err.to_string().contains("declares 1 fds"), "{err}");
+    }
+}
+
+/// A message inside a message: a value encoded on its own, to be decoded later by code
+/// that knows its type (a pool worker that receives tasks of many types through one
+/// channel).
+///
+/// Its handles ride in the outer message's fd table, so a tensor inside an `Opaque`
+/// travels by handle like any other.
+pub(crate) struct Opaque {
+    bytes: Vec<u8>,
+    fds: Vec<OwnedFd>,
+    on_unsent: Vec<Box<dyn FnOnce() + Send>>,
+}
+
+impl Opaque {
+    /// Encodes `value` now.
+    pub(crate) fn encode<T: Serialize + ?Sized>(value: &T) -> Result<Self> {
+        let mut inner = encode(value)?;
+        // The inner packet: header plus inline payload, or header alone with the
+        // payload memfd as its last fd; either way it decodes with `decode`.
+        let mut bytes = inner.header.to_vec();
+        bytes.extend_from_slice(&inner.payload);
+        Ok(Self {
+            bytes,
+            fds: std::mem::take(&mut inner.fds),
+            on_unsent: {
+                inner.sent = true; // ownership of the undo work moves to the Opaque
+                std::mem::take(&mut inner.on_unsent)
+            },
+        })
+    }
+
+    /// Decodes the value.
+    pub(crate) fn decode<T: DeserializeOwned>(mut self) -> Result<T> {
+        self.on_unsent.clear();
+        decode(Packet {
+            bytes: std::mem::take(&mut self.bytes),
+            fds: std::mem::take(&mut self.fds),
+        })
+    }
+}
+
+impl Drop for Opaque {
+    fn drop(&mut self) {
+        for undo in self.on_unsent.drain(..) {
+            undo();
+        }
+    }
+}
+
+impl Serialize for Opaque {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        use serde::ser::Error as _;
+        let mut indices = Vec::with_capacity(self.fds.len());
+        for fd in &self.fds {
+            indices.push(attach_fd(fd.as_fd(), "a nested message").map_err(S::Error::custom)?);
+        }
+        (&self.bytes, indices).serialize(s)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for Opaque {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        use serde::de::Error as _;
+        let (bytes, indices) = <(Vec<u8>, Vec<u32>)>::deserialize(d)?;
+        let fds = indices
+            .into_iter()
+            .map(|i| received_fd(i, "a nested message"))
+            .collect::<std::result::Result<Vec<_>, _>>()
+            .map_err(D::Error::custom)?;
+        Ok(Self {
+            bytes,
+            fds,
+            on_unsent: Vec::new(),
+        })
+    }
+}
+
+impl std::fmt::Debug for Opaque {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Opaque")
+            .field("bytes", &self.bytes.len())
+            .field("fds", &self.fds.len())
+            .finish()
     }
 }

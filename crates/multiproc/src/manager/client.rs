@@ -1,0 +1,283 @@
+//! The client side: one connection per process, the names this process holds, and
+//! starting (or restarting) the daemon.
+//!
+//! Invariant: `live` holds every named segment this process maps (created or
+//! received); after any (re)connection all of them are registered again, so a manager
+//! started after a crash of the previous one knows every name a living process uses.
+
+use std::collections::HashSet;
+use std::io::Read;
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::{LazyLock, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use rustix::io::Errno;
+use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
+
+use super::{ADDRESS_ENV, ROLE, ROLE_ENV, Request, address};
+use crate::shm::SegmentName;
+use crate::sys::socket::send_packet;
+use crate::sys::{Readiness, deadline_after, wait_fd};
+use crate::{Error, Result};
+
+/// How long a request may wait for room in the manager's socket.
+const SEND_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a starting manager has to report that it listens.
+const START_TIMEOUT: Duration = Duration::from_secs(10);
+
+struct Client {
+    sock: Option<OwnedFd>,
+    live: HashSet<SegmentName>,
+}
+
+static CLIENT: LazyLock<Mutex<Client>> = LazyLock::new(|| {
+    Mutex::new(Client {
+        sock: None,
+        live: HashSet::new(),
+    })
+});
+
+fn lock() -> std::sync::MutexGuard<'static, Client> {
+    CLIENT.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Tells the manager (starting it if needed) about `name` before the segment exists,
+/// and remembers it as live in this process.
+pub(crate) fn register(name: &SegmentName) -> Result<()> {
+    let mut c = lock();
+    c.live.insert(name.clone());
+    let request = Request::Register(name.as_str().to_owned());
+    // Two rounds: the second one follows a restart of a manager that was gone.
+    let mut last = None;
+    for _ in 0..2 {
+        if let Err(e) = c.ensure_connected() {
+            c.live.remove(name);
+            return Err(e);
+        }
+        match c.send(&request) {
+            Ok(()) => return Ok(()),
+            Err(e @ Error::Closed(_)) => {
+                c.sock = None;
+                last = Some(e);
+            }
+            Err(e) => {
+                c.sock = None;
+                c.live.remove(name);
+                return Err(manager_error("cannot send to", &e));
+            }
+        }
+    }
+    c.live.remove(name);
+    Err(manager_error(
+        "the connection keeps closing at",
+        &last.unwrap_or_else(|| Error::Closed("closed".into())),
+    ))
+}
+
+/// Tells the manager that `name` was unlinked. Best effort: the manager only uses the
+/// name for cleanup, where a missing file is not an error.
+pub(crate) fn unregister(name: &SegmentName) {
+    let mut c = lock();
+    c.live.remove(name);
+    if c.sock.is_some() {
+        if let Err(e) = c.send(&Request::Unregister(name.as_str().to_owned())) {
+            tracing::debug!(segment = %name, "cannot unregister from the shm manager: {e}");
+            c.sock = None;
+        }
+    }
+}
+
+/// Forgets `name` as live in this process (its mapping here is gone) without telling
+/// the manager.
+pub(crate) fn forget(name: &SegmentName) {
+    lock().live.remove(name);
+}
+
+fn manager_error(what: &str, e: &Error) -> Error {
+    Error::Manager(format!("{what} the shm manager at @{}: {e}", address()))
+}
+
+impl Client {
+    fn send(&self, request: &Request) -> Result<()> {
+        let Some(sock) = &self.sock else {
+            return Err(Error::Closed("not connected".into()));
+        };
+        send_packet(
+            sock.as_fd(),
+            &request.encode(),
+            &[],
+            &[],
+            deadline_after(Some(SEND_TIMEOUT)),
+        )
+    }
+
+    /// Connects, starting a manager when none listens, and registers every live name
+    /// (again).
+    fn ensure_connected(&mut self) -> Result<()> {
+        if self.sock.is_some() {
+            return Ok(());
+        }
+        let addr = address();
+        let sock = match connect(addr)? {
+            Some(s) => s,
+            None => {
+                start(addr)?;
+                connect_after_start(addr)?
+            }
+        };
+        self.sock = Some(sock);
+        let names: Vec<String> = self.live.iter().map(|n| n.as_str().to_owned()).collect();
+        for name in names {
+            if let Err(e) = self.send(&Request::Register(name)) {
+                self.sock = None;
+                return Err(manager_error("cannot register live segments with", &e));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Connects to the manager at `addr`; `None` when nobody listens there.
+pub(super) fn connect(addr: &str) -> Result<Option<OwnedFd>> {
+    let sock = rustix::net::socket_with(
+        AddressFamily::UNIX,
+        SocketType::SEQPACKET,
+        SocketFlags::CLOEXEC,
+        None,
+    )
+    .map_err(|e| Error::os("socket(AF_UNIX, SOCK_SEQPACKET) for the shm manager", e))?;
+    let sockaddr = SocketAddrUnix::new_abstract_name(addr.as_bytes())
+        .map_err(|e| Error::Manager(format!("bad manager address @{addr}: {e}")))?;
+    loop {
+        match rustix::net::connect(&sock, &sockaddr) {
+            Ok(()) => return Ok(Some(sock)),
+            Err(Errno::INTR) => {}
+            Err(Errno::CONNREFUSED) | Err(Errno::NOENT) => return Ok(None),
+            Err(e) => {
+                return Err(Error::Manager(format!(
+                    "cannot connect to the shm manager at @{addr}: {e}"
+                )));
+            }
+        }
+    }
+}
+
+/// Connects to a manager that just reported it listens (allowing for a short race
+/// with a manager that is exiting at the same address).
+fn connect_after_start(addr: &str) -> Result<OwnedFd> {
+    let deadline = Instant::now() + START_TIMEOUT;
+    loop {
+        if let Some(s) = connect(addr)? {
+            return Ok(s);
+        }
+        if Instant::now() >= deadline {
+            return Err(Error::Manager(format!(
+                "the shm manager reported it listens at @{addr}, but nothing accepts connections there"
+            )));
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Starts a manager at `addr` by re-executing this binary in manager mode, and waits
+/// until it reports that it listens (or that another one already does).
+#[cfg(not(test))]
+fn start(addr: &str) -> Result<()> {
+    use std::process::{Command, Stdio};
+
+    if std::env::var(ROLE_ENV).is_ok_and(|r| r == ROLE) {
+        return Err(Error::Manager(
+            "this process was started to be the shm manager but is running the program instead: \
+             does main() call multiproc::init() first?"
+                .into(),
+        ));
+    }
+    let exe = std::fs::read_link("/proc/self/exe")
+        .map_or_else(|_| "/proc/self/exe".to_owned(), |p| p.display().to_string());
+    let mut child = Command::new("/proc/self/exe")
+        .env(ROLE_ENV, ROLE)
+        .env(ADDRESS_ENV, addr)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .map_err(|e| Error::Manager(format!("cannot start {exe} as the shm manager: {e}")))?;
+    let line = child
+        .stdout
+        .take()
+        .ok_or_else(|| Error::Manager("the manager's stdout pipe is missing".into()))
+        .and_then(|out| read_status_line(out, START_TIMEOUT));
+    let line = match line {
+        Ok(l) => l,
+        Err(e) => {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(Error::Manager(format!(
+                "{exe} did not start as the shm manager ({e}); does main() call multiproc::init() first?"
+            )));
+        }
+    };
+    // The process we started exits right after reporting (its forked child serves).
+    let status = child.wait();
+    interpret_status_line(&line, &exe).map_err(|e| match status {
+        Ok(s) if !s.success() => Error::Manager(format!("{e} ({exe} {s})")),
+        _ => e,
+    })
+}
+
+/// In unit tests the binary is the test harness, which cannot serve: run the daemon's
+/// loop on a thread of this process instead.
+#[cfg(test)]
+fn start(addr: &str) -> Result<()> {
+    let _ = (ADDRESS_ENV, ROLE, ROLE_ENV);
+    match super::daemon::bind(addr)? {
+        Some(listener) => {
+            let grace = super::grace();
+            std::thread::spawn(move || super::daemon::serve(listener, grace));
+            Ok(())
+        }
+        None => Ok(()),
+    }
+}
+
+/// Reads the one line a starting manager writes, waiting at most `timeout`.
+#[cfg_attr(test, allow(dead_code))]
+fn read_status_line(mut out: std::process::ChildStdout, timeout: Duration) -> Result<String> {
+    let deadline = deadline_after(Some(timeout));
+    let mut line = Vec::new();
+    let mut byte = [0u8; 1];
+    while line.len() < 4096 {
+        if !wait_fd(out.as_fd(), Readiness::Readable, deadline)? {
+            return Err(Error::Timeout(format!(
+                "no answer within {} s",
+                timeout.as_secs()
+            )));
+        }
+        match out.read(&mut byte) {
+            Ok(0) => break,
+            Ok(_) if byte[0] == b'\n' => break,
+            Ok(_) => line.push(byte[0]),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(Error::os("reading the shm manager's status", e)),
+        }
+    }
+    Ok(String::from_utf8_lossy(&line).into_owned())
+}
+
+/// `ready …` or `in-use …` is success; `error: …` is the manager's own explanation.
+pub(super) fn interpret_status_line(line: &str, exe: &str) -> Result<()> {
+    if line.starts_with("ready") || line.starts_with("in-use") {
+        Ok(())
+    } else if let Some(why) = line.strip_prefix("error: ") {
+        Err(Error::Manager(why.to_owned()))
+    } else if line.is_empty() {
+        Err(Error::Manager(format!(
+            "{exe} exited without starting the shm manager; does main() call multiproc::init() first?"
+        )))
+    } else {
+        Err(Error::Manager(format!(
+            "{exe} answered {line:?} instead of starting the shm manager; does main() call \
+             multiproc::init() first?"
+        )))
+    }
+}

@@ -1,0 +1,265 @@
+//! The daemon side: detaching, the accept/read loop, and the bookkeeping that decides
+//! when to clean up.
+
+use std::collections::HashSet;
+use std::io::Write;
+use std::os::fd::{AsFd, OwnedFd};
+use std::time::{Duration, Instant};
+
+use rustix::event::{PollFd, PollFlags, Timespec, poll};
+use rustix::io::Errno;
+use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
+
+use super::{ADDRESS_ENV, Request, grace, is_valid_address};
+use crate::sys::daemon::{Forked, fork_single_threaded, redirect_stdio_to_null};
+use crate::sys::socket::{Attempt, try_recv_packet};
+use crate::{Error, Result};
+
+/// How long a new manager waits for its first client before giving up.
+const STARTUP_WINDOW: Duration = Duration::from_secs(10);
+
+/// What the manager knows: registered names and connected clients.
+#[derive(Debug)]
+pub(super) struct Registry {
+    names: HashSet<String>,
+    clients: usize,
+    /// Since when no client has been connected, and how long that may last.
+    idle: Option<(Instant, Duration)>,
+    grace: Duration,
+}
+
+impl Registry {
+    /// A registry that gives up if no client arrives within `max(grace, 10 s)`.
+    pub(super) fn new(now: Instant, grace: Duration) -> Registry {
+        Registry {
+            names: HashSet::new(),
+            clients: 0,
+            idle: Some((now, grace.max(STARTUP_WINDOW))),
+            grace,
+        }
+    }
+
+    pub(super) fn connected(&mut self) {
+        self.clients += 1;
+        self.idle = None;
+    }
+
+    pub(super) fn disconnected(&mut self, now: Instant) {
+        self.clients = self.clients.saturating_sub(1);
+        if self.clients == 0 {
+            self.idle = Some((now, self.grace));
+        }
+    }
+
+    pub(super) fn apply(&mut self, request: Request) {
+        match request {
+            Request::Register(name) => {
+                self.names.insert(name);
+            }
+            Request::Unregister(name) => {
+                self.names.remove(&name);
+            }
+        }
+    }
+
+    /// When the manager should clean up and exit, if no client comes.
+    pub(super) fn deadline(&self) -> Option<Instant> {
+        self.idle.map(|(since, wait)| since + wait)
+    }
+
+    pub(super) fn expired(&self, now: Instant) -> bool {
+        self.deadline().is_some_and(|d| now >= d)
+    }
+
+    /// The names still registered.
+    pub(super) fn leftovers(&self) -> impl Iterator<Item = &str> {
+        self.names.iter().map(String::as_str)
+    }
+}
+
+/// The entry point of a process started with `MULTIPROC_ROLE=shm-manager` (called by
+/// `init()`): becomes the manager at `MULTIPROC_SHM_MANAGER` and exits.
+#[allow(dead_code)] // called by `init()`, in the process module
+pub(crate) fn serve_from_env() -> ! {
+    let code = match run_shm_manager_from_env() {
+        Ok(_) => 0,
+        Err(_) => 1,
+    };
+    std::process::exit(code)
+}
+
+/// Starts the shm manager for the process tree whose address is in the environment
+/// variable `MULTIPROC_SHM_MANAGER` (what `multiproc shm-manager` runs; a program that
+/// uses the `file_system` strategy starts one on its own, so this is rarely needed).
+///
+/// The manager detaches (a forked child in its own session, stdio on `/dev/null`); this
+/// call returns in the calling process once it listens: `Ok(true)` when it started one,
+/// `Ok(false)` when one already listened at that address. It also writes one status
+/// line on stdout (`ready @<address>`, `in-use @<address>` or `error: <why>`), which is
+/// how a process that started it learns the outcome.
+///
+/// # Errors
+///
+/// [`Error::Manager`] when the variable is missing or invalid, or the socket cannot be
+/// bound; [`Error::InvalidArgument`] when called from a multithreaded process (the
+/// manager forks to detach, which is only sound single-threaded).
+pub fn run_shm_manager_from_env() -> Result<bool> {
+    let outcome = detach_and_serve();
+    let mut out = std::io::stdout();
+    let _ = match &outcome {
+        Ok((true, addr)) => writeln!(out, "ready @{addr}"),
+        Ok((false, addr)) => writeln!(out, "in-use @{addr}"),
+        Err(e) => writeln!(out, "error: {e}"),
+    };
+    let _ = out.flush();
+    outcome.map(|(started, _)| started)
+}
+
+fn detach_and_serve() -> Result<(bool, String)> {
+    let addr = std::env::var(ADDRESS_ENV).map_err(|_| {
+        Error::Manager(format!(
+            "{ADDRESS_ENV} is not set: it names the abstract socket the manager listens on \
+             (multiproc-shm-<uid>-<pid>-<random>)"
+        ))
+    })?;
+    if !is_valid_address(&addr) {
+        return Err(Error::Manager(format!(
+            "{ADDRESS_ENV}={addr:?} is not a manager address (multiproc-shm-<uid>-<pid>-<random>)"
+        )));
+    }
+    let Some(listener) = bind(&addr)? else {
+        return Ok((false, addr));
+    };
+    match fork_single_threaded()? {
+        Forked::Parent(_) => Ok((true, addr)),
+        Forked::Child => {
+            // A new session: no controlling terminal, not in the starter's process group,
+            // so signals aimed at the program's group do not reach the manager.
+            let _ = rustix::process::setsid();
+            let _ = std::env::set_current_dir("/");
+            let _ = redirect_stdio_to_null();
+            serve(listener, grace());
+            std::process::exit(0)
+        }
+    }
+}
+
+/// Binds and listens at abstract address `addr`; `None` when another process already
+/// listens there.
+pub(super) fn bind(addr: &str) -> Result<Option<OwnedFd>> {
+    let sock = rustix::net::socket_with(
+        AddressFamily::UNIX,
+        SocketType::SEQPACKET,
+        SocketFlags::CLOEXEC | SocketFlags::NONBLOCK,
+        None,
+    )
+    .map_err(|e| Error::os("socket for the shm manager", e))?;
+    let sockaddr = SocketAddrUnix::new_abstract_name(addr.as_bytes())
+        .map_err(|e| Error::Manager(format!("bad manager address @{addr}: {e}")))?;
+    match rustix::net::bind(&sock, &sockaddr) {
+        Ok(()) => {}
+        Err(Errno::ADDRINUSE) => return Ok(None),
+        Err(e) => {
+            return Err(Error::Manager(format!("cannot listen at @{addr}: {e}")));
+        }
+    }
+    rustix::net::listen(&sock, 128)
+        .map_err(|e| Error::Manager(format!("cannot listen at @{addr}: {e}")))?;
+    Ok(Some(sock))
+}
+
+/// The manager's loop: accepts clients of our uid, applies their requests, and returns
+/// after unlinking every leftover name once no client has been connected for the grace
+/// period.
+pub(super) fn serve(listener: OwnedFd, grace: Duration) {
+    let uid = rustix::process::getuid();
+    let mut registry = Registry::new(Instant::now(), grace);
+    let mut clients: Vec<OwnedFd> = Vec::new();
+    let mut buf = vec![0u8; 4096];
+    loop {
+        let now = Instant::now();
+        if registry.expired(now) {
+            break;
+        }
+        let timeout = registry.deadline().map(|d| {
+            let left = d.saturating_duration_since(now);
+            Timespec {
+                tv_sec: left.as_secs() as i64,
+                tv_nsec: left.subsec_nanos() as _,
+            }
+        });
+        let ready: Vec<bool> = {
+            let mut fds: Vec<PollFd<'_>> = std::iter::once(&listener)
+                .chain(clients.iter())
+                .map(|fd| PollFd::new(fd, PollFlags::IN))
+                .collect();
+            match poll(&mut fds, timeout.as_ref()) {
+                Ok(_) => {}
+                Err(Errno::INTR) => continue,
+                Err(e) => {
+                    tracing::warn!("shm manager poll failed: {e}");
+                    std::thread::sleep(Duration::from_millis(10));
+                    continue;
+                }
+            }
+            fds.iter().map(|f| !f.revents().is_empty()).collect()
+        };
+        for i in (0..clients.len()).rev() {
+            if ready[i + 1] && !drain(clients[i].as_fd(), &mut registry, &mut buf) {
+                clients.swap_remove(i);
+                registry.disconnected(Instant::now());
+            }
+        }
+        if ready[0] {
+            accept_all(&listener, uid, &mut clients, &mut registry);
+        }
+    }
+    for name in registry.leftovers() {
+        match rustix::fs::unlink(format!("/dev/shm/{name}")) {
+            Ok(()) | Err(Errno::NOENT) => {}
+            Err(e) => tracing::warn!(segment = name, "shm manager cannot unlink: {e}"),
+        }
+    }
+}
+
+fn accept_all(
+    listener: &OwnedFd,
+    uid: rustix::process::Uid,
+    clients: &mut Vec<OwnedFd>,
+    registry: &mut Registry,
+) {
+    loop {
+        match rustix::net::accept_with(listener, SocketFlags::CLOEXEC | SocketFlags::NONBLOCK) {
+            Ok(sock) => match rustix::net::sockopt::socket_peercred(&sock) {
+                Ok(cred) if cred.uid == uid => {
+                    clients.push(sock);
+                    registry.connected();
+                }
+                Ok(cred) => tracing::warn!(
+                    "shm manager refused a client of uid {} (pid {})",
+                    cred.uid.as_raw(),
+                    cred.pid.as_raw_nonzero()
+                ),
+                Err(e) => tracing::warn!("shm manager cannot check a client's credentials: {e}"),
+            },
+            Err(Errno::INTR) | Err(Errno::CONNABORTED) => {}
+            Err(_) => return,
+        }
+    }
+}
+
+/// Applies every request waiting on `sock`; false once the client has gone.
+fn drain(sock: std::os::fd::BorrowedFd<'_>, registry: &mut Registry, buf: &mut [u8]) -> bool {
+    loop {
+        match try_recv_packet(sock, buf) {
+            Ok(Attempt::Done(packet)) => {
+                if let Some(request) = Request::decode(&packet.bytes) {
+                    registry.apply(request);
+                }
+            }
+            Ok(Attempt::WouldBlock) => return true,
+            Err(Error::InvalidMessage(_)) | Err(Error::FdLimit(_)) => {}
+            Err(_) => return false,
+        }
+    }
+}

@@ -1,0 +1,93 @@
+//! The per-process map cache: which segments this process has mapped.
+//!
+//! Entries are `Weak`, so the cache never keeps a segment alive; a dead entry is
+//! replaced when its key comes back (inode numbers are reused once a memfd is freed) and
+//! dead entries are swept whenever the table has doubled since the last sweep. Lookup,
+//! mapping and insertion happen under one lock, so two threads receiving the same new
+//! segment at once still end up with one mapping.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError, Weak};
+
+use super::{Segment, SegmentName};
+use crate::Result;
+
+/// What identifies a segment across processes.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum CacheKey {
+    /// A memfd: its device and inode.
+    Inode {
+        /// `st_dev`.
+        dev: u64,
+        /// `st_ino`.
+        ino: u64,
+    },
+    /// A named segment.
+    Name(SegmentName),
+}
+
+impl CacheKey {
+    /// The key of a segment.
+    pub(crate) fn of(segment: &Segment) -> Option<CacheKey> {
+        if let Some((dev, ino)) = segment.inode() {
+            Some(CacheKey::Inode { dev, ino })
+        } else {
+            segment.name().cloned().map(CacheKey::Name)
+        }
+    }
+}
+
+struct MapCache {
+    entries: HashMap<CacheKey, Weak<Segment>>,
+    sweep_at: usize,
+}
+
+static CACHE: Mutex<Option<MapCache>> = Mutex::new(None);
+
+fn with_cache<R>(f: impl FnOnce(&mut MapCache) -> R) -> R {
+    let mut guard = CACHE.lock().unwrap_or_else(PoisonError::into_inner);
+    let cache = guard.get_or_insert_with(|| MapCache {
+        entries: HashMap::new(),
+        sweep_at: 64,
+    });
+    f(cache)
+}
+
+impl MapCache {
+    fn put(&mut self, key: CacheKey, segment: &Arc<Segment>) {
+        self.entries.insert(key, Arc::downgrade(segment));
+        if self.entries.len() >= self.sweep_at {
+            self.entries.retain(|_, w| w.strong_count() > 0);
+            self.sweep_at = (self.entries.len() * 2).max(64);
+        }
+    }
+}
+
+/// Records a segment this process created.
+pub(crate) fn insert(segment: &Arc<Segment>) {
+    if let Some(key) = CacheKey::of(segment) {
+        with_cache(|c| c.put(key, segment));
+    }
+}
+
+/// The live segment under `key`, or the one `open` maps (then cached). The flag is true
+/// when `open` ran.
+pub(crate) fn get_or_try_insert(
+    key: CacheKey,
+    open: impl FnOnce() -> Result<Segment>,
+) -> Result<(Arc<Segment>, bool)> {
+    with_cache(|c| {
+        if let Some(live) = c.entries.get(&key).and_then(Weak::upgrade) {
+            return Ok((live, false));
+        }
+        let segment = Arc::new(open()?);
+        c.put(key, &segment);
+        Ok((segment, true))
+    })
+}
+
+/// The live segment under `key`, if this process maps it.
+#[cfg(test)]
+pub(crate) fn get(key: &CacheKey) -> Option<Arc<Segment>> {
+    with_cache(|c| c.entries.get(key).and_then(Weak::upgrade))
+}

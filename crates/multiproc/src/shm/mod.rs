@@ -1,0 +1,188 @@
+//! Shared-memory segments: how storage bytes come to live where other processes can map
+//! them, how a segment travels as a handle, and the per-process map cache.
+//!
+//! Two backends, one per [`SharingStrategy`]:
+//!
+//! - **`file_descriptor`** — an anonymous memfd, pages reserved with `fallocate`, sealed
+//!   against shrinking and growing. The fd is the handle; the kernel counts references
+//!   (open fds and mappings), so nothing can leak. A memfd is charged to the memory
+//!   cgroup like any shmem page but is **not** bounded by the size of the `/dev/shm`
+//!   mount: docker's `--shm-size` does not limit it. This is deliberate — the commonest
+//!   torch DataLoader failure ("bus error, insufficient shared memory") cannot happen.
+//! - **`file_system`** — a named file `/dev/shm/multiproc_<pid>_<random>` (0600, created
+//!   with `O_EXCL | O_NOFOLLOW`), pages reserved with `fallocate` so a full `/dev/shm` is
+//!   an [`Error::OutOfSharedMemory`] now rather than a SIGBUS later. A 64-byte header
+//!   holds a cross-process refcount: one reference per process that maps it plus one per
+//!   message in flight; the last user unlinks the name. Names are registered with the
+//!   [shm manager](crate::manager) *before* the file is created, so a SIGKILLed tree
+//!   leaves nothing behind.
+//!
+//! Received handles are checked before anything is mapped (memfd seals include
+//! `SHRINK`; a named file is a regular 0600 file of ours; sizes cover what the handle
+//! claims), so a short or forged segment is [`Error::InvalidMessage`], never a SIGBUS.
+//!
+//! Invariant of the [`MapCache`]: a process maps each segment at most once while it is
+//! alive (keyed by device+inode for memfds, by name for named segments), so the same
+//! storage sent twice, or two views of one storage, alias on the receiving side.
+
+mod cache;
+pub(crate) mod name;
+#[allow(unsafe_code)]
+mod segment;
+
+use std::os::fd::OwnedFd;
+use std::sync::Arc;
+
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+pub(crate) use cache::CacheKey;
+pub(crate) use name::SegmentName;
+pub(crate) use segment::Segment;
+
+use crate::{Error, Result, SharingStrategy, wire};
+
+/// Creates a segment of `len > 0` bytes with `strategy`, already in this process's map
+/// cache.
+pub(crate) fn create(strategy: SharingStrategy, len: usize) -> Result<Arc<Segment>> {
+    let segment = match strategy {
+        SharingStrategy::FileDescriptor => Segment::create_anonymous(len)?,
+        SharingStrategy::FileSystem => {
+            let name = SegmentName::generate()?;
+            // Registered before it exists, so that no crash can leave it unknown to the
+            // manager; unregistered again if creation fails.
+            crate::manager::register(&name)?;
+            match Segment::create_named(name.clone(), len) {
+                Ok(s) => s,
+                Err(e) => {
+                    crate::manager::unregister(&name);
+                    return Err(e);
+                }
+            }
+        }
+    };
+    let segment = Arc::new(segment);
+    cache::insert(&segment);
+    Ok(segment)
+}
+
+/// The wire form of a segment.
+#[derive(Serialize, Deserialize)]
+enum HandleWire {
+    /// Index of the memfd in the message's fd table, and the bytes the storage uses.
+    Fd { index: u32, nbytes: u64 },
+    /// A named segment and the bytes the storage uses.
+    Named { name: String, nbytes: u64 },
+}
+
+/// A segment as a value inside a message: serializing attaches its fd, or takes an
+/// in-flight reference on its name; deserializing maps it (through the cache).
+pub(crate) struct SegmentHandle {
+    /// The segment.
+    pub(crate) segment: Arc<Segment>,
+    /// How many of its bytes the storage uses.
+    pub(crate) nbytes: u64,
+}
+
+impl Serialize for SegmentHandle {
+    fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        use serde::ser::Error as _;
+        let wire = if let Some(fd) = self.segment.fd() {
+            let index = wire::attach_fd(fd, "a shared tensor").map_err(S::Error::custom)?;
+            HandleWire::Fd {
+                index,
+                nbytes: self.nbytes,
+            }
+        } else if let Some(name) = self.segment.name() {
+            if !wire::is_encoding() {
+                return Err(S::Error::custom(wire::fail(wire::outside_channel(
+                    "a shared tensor",
+                ))));
+            }
+            // The receiver adopts this reference (or drops it when it already maps the
+            // segment); if the message is never sent, `on_unsent` gives it back.
+            self.segment
+                .acquire_in_flight()
+                .map_err(|e| S::Error::custom(wire::fail_with(e)))?;
+            let segment = Arc::clone(&self.segment);
+            wire::on_unsent(Box::new(move || segment.release_reference()))
+                .map_err(|e| S::Error::custom(wire::fail(e)))?;
+            HandleWire::Named {
+                name: name.as_str().to_owned(),
+                nbytes: self.nbytes,
+            }
+        } else {
+            return Err(S::Error::custom(wire::fail(
+                "a segment with neither fd nor name".into(),
+            )));
+        };
+        wire.serialize(s)
+    }
+}
+
+impl<'de> Deserialize<'de> for SegmentHandle {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        use serde::de::Error as _;
+        let fail = |e: Error| D::Error::custom(wire::fail_with(e));
+        match HandleWire::deserialize(d)? {
+            HandleWire::Fd { index, nbytes } => {
+                let fd = wire::received_fd(index, "a shared tensor").map_err(D::Error::custom)?;
+                let segment = receive_fd(fd, nbytes).map_err(fail)?;
+                Ok(SegmentHandle { segment, nbytes })
+            }
+            HandleWire::Named { name, nbytes } => {
+                if !wire::is_decoding() {
+                    return Err(D::Error::custom(wire::fail(
+                        "a shared tensor can only be deserialized by a multiproc channel".into(),
+                    )));
+                }
+                let name = SegmentName::parse(&name).map_err(fail)?;
+                let segment = receive_named(name, nbytes).map_err(fail)?;
+                Ok(SegmentHandle { segment, nbytes })
+            }
+        }
+    }
+}
+
+/// Maps a received memfd, or finds it already mapped here.
+fn receive_fd(fd: OwnedFd, nbytes: u64) -> Result<Arc<Segment>> {
+    let st = rustix::fs::fstat(&fd).map_err(|e| Error::os("fstat of a received segment", e))?;
+    let key = CacheKey::Inode {
+        dev: st.st_dev,
+        ino: st.st_ino,
+    };
+    let segment = cache::get_or_try_insert(key, || Segment::open_anonymous(fd, nbytes))?.0;
+    check_claim(&segment, nbytes)?;
+    Ok(segment)
+}
+
+/// Maps a received named segment, adopting the message's in-flight reference, or finds
+/// it already mapped here and drops that reference.
+fn receive_named(name: SegmentName, nbytes: u64) -> Result<Arc<Segment>> {
+    let key = CacheKey::Name(name.clone());
+    let (segment, fresh) = cache::get_or_try_insert(key, || Segment::open_named(name, nbytes))?;
+    if !fresh {
+        // A claim that does not fit is refused before the reference count is touched.
+        check_claim(&segment, nbytes)?;
+        segment.absorb_in_flight();
+    } else if let Some(name) = segment.name() {
+        // This process now holds a reference: connect to the manager, so it does not
+        // clean up while we live, and so a restarted manager learns of the name again.
+        if let Err(e) = crate::manager::register(name) {
+            tracing::warn!(segment = %name, "cannot register a received segment: {e}");
+        }
+    }
+    Ok(segment)
+}
+
+fn check_claim(segment: &Segment, nbytes: u64) -> Result<()> {
+    if nbytes > segment.len() as u64 {
+        return Err(Error::InvalidMessage(format!(
+            "a received tensor's handle claims {nbytes} bytes but its segment holds {}",
+            segment.len()
+        )));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,117 @@
+//! Names of named segments: `multiproc_<pid>_<32 hex digits>` in `/dev/shm`.
+//!
+//! Invariant: a [`SegmentName`] always matches that pattern, so it is a single path
+//! component (no `/`, no `..`) and can only ever name one of our own segments; names that
+//! arrive from other processes are parsed, never trusted. The 128 random bits come from
+//! `getrandom`, so names are unguessable and never reused.
+
+use std::fmt;
+
+use crate::{Error, Result};
+
+/// The prefix of every segment we name (also what `multiproc gc` looks for).
+pub(crate) const PREFIX: &str = "multiproc_";
+const RANDOM_HEX: usize = 32;
+
+/// A valid segment name (without the leading `/` or `/dev/shm/`).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct SegmentName(String);
+
+impl SegmentName {
+    /// A fresh name for a segment created by this process.
+    pub(crate) fn generate() -> Result<SegmentName> {
+        let mut random = [0u8; RANDOM_HEX / 2];
+        getrandom::fill(&mut random).map_err(|e| {
+            Error::os(
+                "getrandom for a segment name",
+                std::io::Error::other(e.to_string()),
+            )
+        })?;
+        let mut name = format!("{PREFIX}{}_", std::process::id());
+        for b in random {
+            name.push_str(&format!("{b:02x}"));
+        }
+        Ok(SegmentName(name))
+    }
+
+    /// Parses a name that came from elsewhere.
+    pub(crate) fn parse(name: &str) -> Result<SegmentName> {
+        if Self::is_valid(name) {
+            Ok(SegmentName(name.to_owned()))
+        } else {
+            Err(Error::InvalidMessage(format!(
+                "{name:?} is not a multiproc segment name (expected {PREFIX}<pid>_<32 hex digits>)"
+            )))
+        }
+    }
+
+    /// Whether `name` matches `multiproc_<pid>_<32 lowercase hex digits>`.
+    pub(crate) fn is_valid(name: &str) -> bool {
+        let Some(rest) = name.strip_prefix(PREFIX) else {
+            return false;
+        };
+        let Some((pid, random)) = rest.split_once('_') else {
+            return false;
+        };
+        !pid.is_empty()
+            && pid.len() <= 10
+            && pid.bytes().all(|b| b.is_ascii_digit())
+            && random.len() == RANDOM_HEX
+            && random
+                .bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    }
+
+    /// The name as a string.
+    pub(crate) fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for SegmentName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// `/dev/shm/<name>`.
+pub(crate) fn shm_path(name: &SegmentName) -> String {
+    format!("/dev/shm/{}", name.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn generated_names_parse_and_are_unique() {
+        let a = SegmentName::generate().unwrap();
+        let b = SegmentName::generate().unwrap();
+        assert_ne!(a, b);
+        assert_eq!(SegmentName::parse(a.as_str()).unwrap(), a);
+        assert!(
+            a.as_str()
+                .starts_with(&format!("multiproc_{}_", std::process::id()))
+        );
+        assert!(shm_path(&a).starts_with("/dev/shm/multiproc_"));
+    }
+
+    #[test]
+    fn hostile_names_are_refused() {
+        for bad in [
+            "",
+            "multiproc_",
+            "multiproc_1_",
+            "multiproc_1_0123456789abcdef0123456789abcde",
+            "multiproc_1_0123456789abcdef0123456789abcdeF",
+            "multiproc_1_0123456789abcdef0123456789abcdef0",
+            "multiproc_x_0123456789abcdef0123456789abcdef",
+            "multiproc_1_../../etc/passwd_89abcdef0123456",
+            "../multiproc_1_0123456789abcdef0123456789abcdef",
+            "torch_1_0123456789abcdef0123456789abcdef",
+        ] {
+            assert!(SegmentName::parse(bad).is_err(), "{bad:?}");
+        }
+        assert!(SegmentName::parse("multiproc_42_0123456789abcdef0123456789abcdef").is_ok());
+    }
+}

@@ -1,0 +1,426 @@
+//! A mapped shared-memory segment: anonymous (a sealed memfd) or named (a file in
+//! `/dev/shm` with a 64-byte header holding a cross-process refcount).
+//!
+//! # Safety
+//!
+//! The mapping is memory other processes may write at any time. This module never makes
+//! a Rust reference to the data; the only references it makes into the mapping are to the
+//! header's atomics (`&AtomicU32`/`&AtomicU64`), which are defined for memory written
+//! concurrently by atomics elsewhere. Every header access is in bounds because a named
+//! segment's mapping is always at least [`HEADER_LEN`] bytes (checked before mapping).
+
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::sync::atomic::{AtomicI32, AtomicU32, AtomicU64, Ordering};
+
+use rustix::fs::{Mode, OFlags};
+use rustix::io::Errno;
+
+use super::name::{SegmentName, shm_path};
+use crate::sys::memfd;
+use crate::sys::mmap::SharedMapping;
+use crate::{Error, Result, SharingStrategy};
+
+/// Bytes before the data of a named segment.
+pub(crate) const HEADER_LEN: usize = 64;
+/// `b"MPSHMSEG"` as a little-endian u64.
+const HEADER_MAGIC: u64 = u64::from_le_bytes(*b"MPSHMSEG");
+/// The header layout version; a segment of another version is refused.
+const HEADER_VERSION: u32 = 1;
+
+/// The header at the start of a named segment. All fields are atomics because every
+/// process that maps the segment may read or write them at any time.
+#[repr(C)]
+struct Header {
+    magic: AtomicU64,
+    version: AtomicU32,
+    /// How many processes hold a reference (one per process that maps it, plus one per
+    /// message in flight). Whoever takes it to zero unlinks the name.
+    refcount: AtomicU32,
+    /// Bytes of data after the header.
+    data_len: AtomicU64,
+    /// Pid of the creator (for diagnostics and `multiproc gc`).
+    creator_pid: AtomicU32,
+    _reserved: [AtomicU32; 9],
+}
+
+const _: () = assert!(std::mem::size_of::<Header>() == HEADER_LEN);
+
+/// What backs a segment.
+#[derive(Debug)]
+enum Backing {
+    /// A sealed memfd; the fd is the handle, the kernel counts the references.
+    Anonymous { fd: OwnedFd, dev: u64, ino: u64 },
+    /// A named `/dev/shm` file.
+    Named {
+        name: SegmentName,
+        /// The pid whose reference this value holds, 0 for none. A child created by
+        /// `fork` inherits the value but not the reference, so it must not release it.
+        owner_pid: AtomicI32,
+    },
+}
+
+/// A shared-memory segment mapped into this process. Unmapped (and, for the last
+/// user of a named one, unlinked) on drop.
+#[derive(Debug)]
+pub(crate) struct Segment {
+    mapping: SharedMapping,
+    /// Offset of the data in the mapping: 0 anonymous, [`HEADER_LEN`] named.
+    data_offset: usize,
+    /// Bytes of data.
+    len: usize,
+    backing: Backing,
+}
+
+fn pid() -> i32 {
+    rustix::process::getpid().as_raw_nonzero().get()
+}
+
+impl Segment {
+    /// Creates an anonymous segment of `len > 0` bytes: a memfd whose pages are
+    /// reserved and whose size is sealed.
+    pub(crate) fn create_anonymous(len: usize) -> Result<Segment> {
+        let fd = memfd::create("multiproc-tensor", len as u64)?;
+        memfd::seal_size(fd.as_fd())?;
+        let st = rustix::fs::fstat(&fd).map_err(|e| Error::os("fstat of a new memfd", e))?;
+        let mapping = SharedMapping::map(fd.as_fd(), len)?;
+        Ok(Segment {
+            mapping,
+            data_offset: 0,
+            len,
+            backing: Backing::Anonymous {
+                fd,
+                dev: st.st_dev,
+                ino: st.st_ino,
+            },
+        })
+    }
+
+    /// Creates the named segment `name` with `len` bytes of data, refcount 1 (ours).
+    /// On failure nothing is left in `/dev/shm`.
+    pub(crate) fn create_named(name: SegmentName, len: usize) -> Result<Segment> {
+        let path = shm_path(&name);
+        let total = HEADER_LEN
+            .checked_add(len)
+            .ok_or_else(|| Error::InvalidArgument(format!("a {len}-byte segment is too large")))?;
+        let fd = rustix::fs::open(
+            &path,
+            OFlags::CREATE | OFlags::EXCL | OFlags::RDWR | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+            Mode::RUSR | Mode::WUSR,
+        )
+        .map_err(|e| Error::os(format!("creating shared-memory segment {path}"), e))?;
+        let made = memfd::reserve(
+            fd.as_fd(),
+            total as u64,
+            &format!("the shared-memory segment {path}"),
+        )
+        .and_then(|()| SharedMapping::map(fd.as_fd(), total));
+        let mapping = match made {
+            Ok(m) => m,
+            Err(e) => {
+                let _ = rustix::fs::unlink(&path);
+                return Err(e);
+            }
+        };
+        let segment = Segment {
+            mapping,
+            data_offset: HEADER_LEN,
+            len,
+            backing: Backing::Named {
+                name,
+                owner_pid: AtomicI32::new(pid()),
+            },
+        };
+        if let Some(h) = segment.header() {
+            h.data_len.store(len as u64, Ordering::Relaxed);
+            h.version.store(HEADER_VERSION, Ordering::Relaxed);
+            h.creator_pid.store(pid() as u32, Ordering::Relaxed);
+            h.refcount.store(1, Ordering::Relaxed);
+            h.magic.store(HEADER_MAGIC, Ordering::Release);
+        }
+        Ok(segment)
+    }
+
+    /// Maps a received memfd after checking it: it must be sealed against shrinking and
+    /// hold at least `claimed` bytes. The whole file is mapped, so a later handle for the
+    /// same file that claims more than an earlier one is judged against the real size.
+    pub(crate) fn open_anonymous(fd: OwnedFd, claimed: u64) -> Result<Segment> {
+        let st = rustix::fs::fstat(&fd).map_err(|e| Error::os("fstat of a received segment", e))?;
+        if !memfd::is_shrink_sealed(fd.as_fd()) {
+            return Err(Error::InvalidMessage(
+                "a received tensor's segment is not a memfd sealed against shrinking; \
+                 refusing to map it (it could shrink under us and crash this process)"
+                    .into(),
+            ));
+        }
+        let size = st.st_size.max(0) as u64;
+        if size < claimed || size == 0 {
+            return Err(Error::InvalidMessage(format!(
+                "a received tensor's handle claims {claimed} bytes but its segment holds {size}"
+            )));
+        }
+        let len = usize::try_from(size).map_err(|_| {
+            Error::InvalidMessage(format!(
+                "a received segment of {size} bytes cannot be mapped"
+            ))
+        })?;
+        let mapping = SharedMapping::map(fd.as_fd(), len)?;
+        Ok(Segment {
+            mapping,
+            data_offset: 0,
+            len,
+            backing: Backing::Anonymous {
+                fd,
+                dev: st.st_dev,
+                ino: st.st_ino,
+            },
+        })
+    }
+
+    /// Maps the named segment `name` after checking it (a regular file of ours, mode
+    /// 0600, large enough, with our header claiming exactly `claimed` bytes). The
+    /// in-flight reference the sender took becomes this process's reference.
+    pub(crate) fn open_named(name: SegmentName, claimed: u64) -> Result<Segment> {
+        let path = shm_path(&name);
+        let fd = match rustix::fs::open(
+            &path,
+            OFlags::RDWR | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+            Mode::empty(),
+        ) {
+            Ok(fd) => fd,
+            Err(Errno::NOENT) => {
+                return Err(Error::InvalidMessage(format!(
+                    "shared-memory segment {path} no longer exists: its last user released it, or the \
+                     shm manager removed it after every process that used it had exited"
+                )));
+            }
+            Err(Errno::LOOP) => {
+                return Err(Error::InvalidMessage(format!(
+                    "{path} is a symbolic link, not a shared-memory segment; refusing to open it"
+                )));
+            }
+            Err(e) => {
+                return Err(Error::os(
+                    format!("opening shared-memory segment {path}"),
+                    e,
+                ));
+            }
+        };
+        let st = rustix::fs::fstat(&fd).map_err(|e| Error::os(format!("fstat of {path}"), e))?;
+        let me = rustix::process::geteuid().as_raw();
+        if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::RegularFile
+            || st.st_uid != me
+            || st.st_mode & 0o077 != 0
+        {
+            return Err(Error::InvalidMessage(format!(
+                "{path} is not a private shared-memory segment of this user (uid {}, mode {:o}); \
+                 refusing to map it",
+                st.st_uid,
+                st.st_mode & 0o7777
+            )));
+        }
+        let size = st.st_size.max(0) as u64;
+        let needed = claimed.checked_add(HEADER_LEN as u64);
+        if needed.is_none_or(|n| size < n) {
+            return Err(Error::InvalidMessage(format!(
+                "a received tensor's handle claims {claimed} bytes but segment {path} holds {}",
+                size.saturating_sub(HEADER_LEN as u64)
+            )));
+        }
+        let total = usize::try_from(claimed)
+            .ok()
+            .and_then(|c| c.checked_add(HEADER_LEN))
+            .ok_or_else(|| {
+                Error::InvalidMessage(format!("a {claimed}-byte segment cannot be mapped"))
+            })?;
+        let mapping = SharedMapping::map(fd.as_fd(), total)?;
+        let segment = Segment {
+            mapping,
+            data_offset: HEADER_LEN,
+            len: total - HEADER_LEN,
+            // No reference yet: if a check below fails, dropping must not release the
+            // sender's in-flight reference on our behalf twice.
+            backing: Backing::Named {
+                name,
+                owner_pid: AtomicI32::new(0),
+            },
+        };
+        let h = segment
+            .header()
+            .ok_or_else(|| Error::InvalidMessage(format!("{path} has no header")))?;
+        let magic = h.magic.load(Ordering::Acquire);
+        let version = h.version.load(Ordering::Relaxed);
+        let data_len = h.data_len.load(Ordering::Relaxed);
+        if magic != HEADER_MAGIC || version != HEADER_VERSION {
+            return Err(Error::InvalidMessage(format!(
+                "{path} does not carry a multiproc segment header of version {HEADER_VERSION}"
+            )));
+        }
+        if data_len != claimed {
+            return Err(Error::InvalidMessage(format!(
+                "a received tensor's handle claims {claimed} bytes but the header of {path} says {data_len}"
+            )));
+        }
+        if h.refcount.load(Ordering::Acquire) == 0 {
+            return Err(Error::InvalidMessage(format!(
+                "{path} has no references left (it is being removed); the message that named it \
+                 was probably sent twice or forged"
+            )));
+        }
+        segment.adopt_reference();
+        Ok(segment)
+    }
+
+    /// The first data byte. Valid for [`len`](Self::len) bytes while `self` lives.
+    pub(crate) fn data_ptr(&self) -> *mut u8 {
+        self.mapping.as_ptr().wrapping_add(self.data_offset)
+    }
+
+    /// Bytes of data.
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Which strategy made it.
+    pub(crate) fn strategy(&self) -> SharingStrategy {
+        match self.backing {
+            Backing::Anonymous { .. } => SharingStrategy::FileDescriptor,
+            Backing::Named { .. } => SharingStrategy::FileSystem,
+        }
+    }
+
+    /// The memfd of an anonymous segment.
+    pub(crate) fn fd(&self) -> Option<BorrowedFd<'_>> {
+        match &self.backing {
+            Backing::Anonymous { fd, .. } => Some(fd.as_fd()),
+            Backing::Named { .. } => None,
+        }
+    }
+
+    /// Device and inode of an anonymous segment (its identity in the map cache).
+    pub(crate) fn inode(&self) -> Option<(u64, u64)> {
+        match &self.backing {
+            Backing::Anonymous { dev, ino, .. } => Some((*dev, *ino)),
+            Backing::Named { .. } => None,
+        }
+    }
+
+    /// The name of a named segment.
+    pub(crate) fn name(&self) -> Option<&SegmentName> {
+        match &self.backing {
+            Backing::Named { name, .. } => Some(name),
+            Backing::Anonymous { .. } => None,
+        }
+    }
+
+    fn header(&self) -> Option<&Header> {
+        match self.backing {
+            Backing::Named { .. } if self.mapping.len() >= HEADER_LEN => {
+                let ptr = self.mapping.as_ptr().cast::<Header>();
+                // SAFETY: the mapping is page-aligned and at least HEADER_LEN bytes long and
+                // lives as long as `&self`; Header is all atomics, valid for any bit pattern
+                // and for concurrent access from other processes.
+                Some(unsafe { &*ptr })
+            }
+            _ => None,
+        }
+    }
+
+    /// The current cross-process refcount of a named segment (tests).
+    #[cfg(test)]
+    pub(crate) fn refcount(&self) -> Option<u32> {
+        self.header().map(|h| h.refcount.load(Ordering::Acquire))
+    }
+
+    /// Makes the in-flight reference a message carried this process's own reference.
+    fn adopt_reference(&self) {
+        if let Backing::Named { owner_pid, .. } = &self.backing {
+            owner_pid.store(pid(), Ordering::Release);
+        }
+    }
+
+    /// Called when a received named handle finds the segment already mapped here:
+    /// the message's in-flight reference is not needed, unless this value holds no
+    /// reference for this process (a `fork` child), in which case it adopts it.
+    pub(crate) fn absorb_in_flight(&self) {
+        if let Backing::Named { owner_pid, .. } = &self.backing {
+            let me = pid();
+            let held = owner_pid.load(Ordering::Acquire);
+            if held != me
+                && owner_pid
+                    .compare_exchange(held, me, Ordering::AcqRel, Ordering::Acquire)
+                    .is_ok()
+            {
+                return;
+            }
+            self.release_reference();
+        }
+    }
+
+    /// Takes a reference on behalf of a message about to carry this named segment's
+    /// name. Fails when no reference is left (the name is being removed).
+    pub(crate) fn acquire_in_flight(&self) -> Result<()> {
+        let Some(h) = self.header() else {
+            return Ok(());
+        };
+        let mut cur = h.refcount.load(Ordering::Acquire);
+        loop {
+            if cur == 0 || cur == u32::MAX {
+                return Err(Error::Encode(format!(
+                    "shared-memory segment {} cannot be sent: its reference count is {cur}",
+                    self.name().map_or_else(String::new, shm_path)
+                )));
+            }
+            match h.refcount.compare_exchange_weak(
+                cur,
+                cur + 1,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => return Ok(()),
+                Err(v) => cur = v,
+            }
+        }
+    }
+
+    /// Drops one reference of a named segment; the last one unlinks the name and tells
+    /// the shm manager. Never goes below zero (a forged count is left alone).
+    pub(crate) fn release_reference(&self) {
+        let (Some(h), Some(name)) = (self.header(), self.name()) else {
+            return;
+        };
+        let mut cur = h.refcount.load(Ordering::Acquire);
+        loop {
+            if cur == 0 {
+                tracing::warn!(segment = %name, "released a segment whose refcount is already 0");
+                return;
+            }
+            match h.refcount.compare_exchange_weak(
+                cur,
+                cur - 1,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => break,
+                Err(v) => cur = v,
+            }
+        }
+        if cur == 1 {
+            match rustix::fs::unlink(shm_path(name)) {
+                Ok(()) | Err(Errno::NOENT) => {}
+                Err(e) => tracing::warn!(segment = %name, "cannot unlink: {e}"),
+            }
+            crate::manager::unregister(name);
+        }
+    }
+}
+
+impl Drop for Segment {
+    fn drop(&mut self) {
+        if let Backing::Named { owner_pid, name } = &self.backing {
+            if owner_pid.load(Ordering::Acquire) == pid() {
+                self.release_reference();
+            }
+            crate::manager::forget(name);
+        }
+    }
+}

@@ -1,0 +1,123 @@
+//! Segments in one process: creation, the checks on received segments, the header
+//! refcount, and the map cache.
+
+use std::os::fd::AsFd;
+use std::path::Path;
+
+use rustix::fs::{Mode, OFlags, SealFlags};
+
+use super::cache::{self, CacheKey};
+use super::*;
+
+fn exists(name: &SegmentName) -> bool {
+    Path::new(&name::shm_path(name)).exists()
+}
+
+fn invalid(r: Result<Segment>) -> String {
+    match r {
+        Err(Error::InvalidMessage(m)) => m,
+        Err(e) => panic!("expected InvalidMessage, got {e:?}"),
+        Ok(_) => panic!("expected InvalidMessage, got a segment"),
+    }
+}
+
+#[test]
+fn anonymous_segments_are_sealed_reserved_and_cached() {
+    let seg = create(SharingStrategy::FileDescriptor, 10_000).unwrap();
+    let fd = seg.fd().unwrap();
+    let seals = rustix::fs::fcntl_get_seals(fd).unwrap();
+    assert!(seals.contains(SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL));
+    let st = rustix::fs::fstat(fd).unwrap();
+    assert_eq!(st.st_size, 10_000);
+    assert!(st.st_blocks * 512 >= 10_000, "pages are reserved");
+    let key = CacheKey::of(&seg).unwrap();
+    assert!(Arc::ptr_eq(&cache::get(&key).unwrap(), &seg));
+    // Receiving its fd again finds the same mapping.
+    let again = receive_fd(fd.try_clone_to_owned().unwrap(), 10_000).unwrap();
+    assert!(Arc::ptr_eq(&again, &seg));
+    assert!(receive_fd(fd.try_clone_to_owned().unwrap(), 10_001).is_err());
+    drop((seg, again));
+    assert!(
+        cache::get(&key).is_none(),
+        "the cache does not keep segments alive"
+    );
+}
+
+#[test]
+fn received_memfds_are_checked_before_mapping() {
+    let fd = crate::sys::memfd::create("t", 4096).unwrap();
+    assert!(invalid(Segment::open_anonymous(fd.try_clone().unwrap(), 4096)).contains("sealed"));
+    crate::sys::memfd::seal_size(fd.as_fd()).unwrap();
+    assert!(invalid(Segment::open_anonymous(fd.try_clone().unwrap(), 4097)).contains("4096"));
+    let seg = Segment::open_anonymous(fd, 100).unwrap();
+    assert_eq!(seg.len(), 4096, "the whole file is mapped");
+    let empty = crate::sys::memfd::create("t", 0).unwrap();
+    crate::sys::memfd::seal_size(empty.as_fd()).unwrap();
+    invalid(Segment::open_anonymous(empty, 0));
+}
+
+#[test]
+fn named_segments_count_references_and_the_last_user_unlinks() {
+    let seg = create(SharingStrategy::FileSystem, 1000).unwrap();
+    let name = seg.name().unwrap().clone();
+    let st = rustix::fs::stat(name::shm_path(&name)).unwrap();
+    assert_eq!(st.st_mode & 0o777, 0o600);
+    assert_eq!(st.st_size as usize, segment::HEADER_LEN + 1000);
+    assert_eq!(seg.refcount(), Some(1));
+    // What a message does: an in-flight reference, adopted by a fresh mapping.
+    seg.acquire_in_flight().unwrap();
+    assert_eq!(seg.refcount(), Some(2));
+    let other = Segment::open_named(name.clone(), 1000).unwrap();
+    assert_eq!(other.refcount(), Some(2));
+    drop(other);
+    assert_eq!(seg.refcount(), Some(1));
+    assert!(exists(&name));
+    // Another message, received where the segment is already mapped: absorbed.
+    seg.acquire_in_flight().unwrap();
+    let same = receive_named(name.clone(), 1000).unwrap();
+    assert!(Arc::ptr_eq(&same, &seg));
+    assert_eq!(seg.refcount(), Some(1));
+    drop((seg, same));
+    assert!(!exists(&name), "the last user unlinked the name");
+}
+
+#[test]
+fn received_named_segments_are_checked_before_mapping() {
+    let seg = create(SharingStrategy::FileSystem, 256).unwrap();
+    let name = seg.name().unwrap().clone();
+    assert!(invalid(Segment::open_named(name.clone(), 257)).contains("holds 256"));
+    // A file of the right name pattern that is not one of our segments.
+    let other = SegmentName::generate().unwrap();
+    let path = name::shm_path(&other);
+    let fd = rustix::fs::open(
+        &path,
+        OFlags::CREATE | OFlags::EXCL | OFlags::RDWR,
+        Mode::from_raw_mode(0o644),
+    )
+    .unwrap();
+    rustix::fs::fchmod(&fd, Mode::from_raw_mode(0o644)).unwrap();
+    rustix::fs::ftruncate(&fd, 4096).unwrap();
+    assert!(invalid(Segment::open_named(other.clone(), 16)).contains("not a private"));
+    rustix::fs::fchmod(&fd, Mode::from_raw_mode(0o600)).unwrap();
+    assert!(invalid(Segment::open_named(other.clone(), 16)).contains("header"));
+    rustix::fs::unlink(&path).unwrap();
+    // A symbolic link is never followed.
+    std::os::unix::fs::symlink(name::shm_path(&name), &path).unwrap();
+    assert!(invalid(Segment::open_named(other.clone(), 256)).contains("symbolic link"));
+    rustix::fs::unlink(&path).unwrap();
+    assert_eq!(seg.refcount(), Some(1), "failed opens took no reference");
+}
+
+#[test]
+fn segments_alias_across_mappings() {
+    let seg = create(SharingStrategy::FileDescriptor, 8).unwrap();
+    let fresh =
+        Segment::open_anonymous(seg.fd().unwrap().try_clone_to_owned().unwrap(), 8).unwrap();
+    assert_ne!(fresh.data_ptr(), seg.data_ptr());
+    let a = crate::Storage::from_segment(seg, 8).unwrap();
+    let b = crate::Storage::from_segment(Arc::new(fresh), 8).unwrap();
+    let ta = crate::Tensor::from_storage(a, crate::DType::I64, &[1], &[1], 0).unwrap();
+    let tb = crate::Tensor::from_storage(b, crate::DType::I64, &[1], &[1], 0).unwrap();
+    ta.fill_(42.0).unwrap();
+    assert_eq!(tb.to_vec::<i64>().unwrap(), [42]);
+}

@@ -1,0 +1,229 @@
+//! Shape, strides and offset (all in elements), and the arithmetic of views.
+//!
+//! Invariant checked by [`Layout::check_bounds`]: every element the layout addresses
+//! lies inside the storage. All arithmetic on untrusted values is checked.
+
+use crate::{Error, Result};
+
+/// Most dimensions a tensor may have (also a bound on what a message may claim).
+pub(crate) const MAX_DIMS: usize = 64;
+
+/// Where a tensor's elements are in its storage.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Layout {
+    pub(crate) shape: Vec<usize>,
+    pub(crate) strides: Vec<usize>,
+    pub(crate) offset: usize,
+}
+
+/// Row-major strides for `shape`.
+pub(crate) fn contiguous_strides(shape: &[usize]) -> Vec<usize> {
+    let mut strides = vec![0; shape.len()];
+    let mut acc = 1usize;
+    for (s, &d) in strides.iter_mut().zip(shape).rev() {
+        *s = acc;
+        acc = acc.saturating_mul(d.max(1));
+    }
+    strides
+}
+
+/// The number of elements of `shape`, or an error when it overflows.
+pub(crate) fn numel_of(shape: &[usize]) -> Result<usize> {
+    shape
+        .iter()
+        .try_fold(1usize, |acc, &d| acc.checked_mul(d))
+        .ok_or_else(|| {
+            Error::Tensor(format!(
+                "a tensor of shape {shape:?} has more elements than memory can hold"
+            ))
+        })
+}
+
+impl Layout {
+    /// A contiguous layout of `shape` at offset 0.
+    pub(crate) fn contiguous(shape: &[usize]) -> Result<Layout> {
+        if shape.len() > MAX_DIMS {
+            return Err(Error::Tensor(format!(
+                "a tensor may have at most {MAX_DIMS} dimensions, not {}",
+                shape.len()
+            )));
+        }
+        numel_of(shape)?;
+        Ok(Layout {
+            shape: shape.to_vec(),
+            strides: contiguous_strides(shape),
+            offset: 0,
+        })
+    }
+
+    /// Elements addressed (cannot overflow once [`check_bounds`](Self::check_bounds)
+    /// passed; saturates otherwise).
+    pub(crate) fn numel(&self) -> usize {
+        self.shape.iter().fold(1usize, |a, &d| a.saturating_mul(d))
+    }
+
+    /// Whether the elements are exactly `offset..offset + numel` in row-major order.
+    pub(crate) fn is_contiguous(&self) -> bool {
+        if self.numel() == 0 {
+            return true;
+        }
+        let mut expected = 1usize;
+        for (&d, &s) in self.shape.iter().zip(&self.strides).rev() {
+            if d != 1 {
+                if s != expected {
+                    return false;
+                }
+                expected = expected.saturating_mul(d);
+            }
+        }
+        true
+    }
+
+    /// Checks that every addressed element of `elem_size` bytes lies inside a storage of
+    /// `nbytes` bytes.
+    pub(crate) fn check_bounds(&self, elem_size: usize, nbytes: usize) -> Result<()> {
+        let outside = |what: String| {
+            Err(Error::Tensor(format!(
+                "shape {:?}, strides {:?} and offset {} {what} (storage of {nbytes} bytes, {elem_size}-byte elements)",
+                self.shape, self.strides, self.offset
+            )))
+        };
+        if self.shape.len() != self.strides.len() {
+            return outside(format!(
+                "disagree: {} dimensions but {} strides",
+                self.shape.len(),
+                self.strides.len()
+            ));
+        }
+        if self.shape.len() > MAX_DIMS {
+            return outside(format!("have more than {MAX_DIMS} dimensions"));
+        }
+        let capacity = nbytes / elem_size;
+        if numel_of(&self.shape).is_err() {
+            return outside("address more elements than memory can hold".into());
+        }
+        if self.numel() == 0 {
+            return if self.offset <= capacity {
+                Ok(())
+            } else {
+                outside("start past the end of the storage".into())
+            };
+        }
+        let mut last = Some(self.offset);
+        for (&d, &s) in self.shape.iter().zip(&self.strides) {
+            last = last.and_then(|l| (d - 1).checked_mul(s).and_then(|x| l.checked_add(x)));
+        }
+        match last {
+            Some(l) if l < capacity => Ok(()),
+            Some(l) => outside(format!(
+                "reach element {l}, past the storage's {capacity} elements"
+            )),
+            None => outside("overflow when computing the last element".into()),
+        }
+    }
+
+    /// The strides that view this layout's elements as `new_shape` without copying,
+    /// if there are any (torch's `computeStride`).
+    pub(crate) fn view_strides(&self, new_shape: &[usize]) -> Option<Vec<usize>> {
+        if self.numel() == 0 {
+            return Some(contiguous_strides(new_shape));
+        }
+        let (old_shape, old_strides): (&[usize], &[usize]) = if self.shape.is_empty() {
+            (&[1], &[1])
+        } else {
+            (&self.shape, &self.strides)
+        };
+        let mut new_strides = vec![0usize; new_shape.len()];
+        let mut view_d = new_shape.len() as isize - 1;
+        let mut chunk_base_stride = *old_strides.last()?;
+        let mut tensor_numel = 1usize;
+        let mut view_numel = 1usize;
+        for tensor_d in (0..old_shape.len()).rev() {
+            tensor_numel = tensor_numel.checked_mul(old_shape[tensor_d])?;
+            let chunk_ends = tensor_d == 0
+                || (old_shape[tensor_d - 1] != 1
+                    && old_strides[tensor_d - 1] != tensor_numel.checked_mul(chunk_base_stride)?);
+            if chunk_ends {
+                while view_d >= 0 && (view_numel < tensor_numel || new_shape[view_d as usize] == 1)
+                {
+                    new_strides[view_d as usize] = view_numel.checked_mul(chunk_base_stride)?;
+                    view_numel = view_numel.checked_mul(new_shape[view_d as usize])?;
+                    view_d -= 1;
+                }
+                if view_numel != tensor_numel {
+                    return None;
+                }
+                if tensor_d > 0 {
+                    chunk_base_stride = old_strides[tensor_d - 1];
+                    tensor_numel = 1;
+                    view_numel = 1;
+                }
+            }
+        }
+        (view_d == -1).then_some(new_strides)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn layout(shape: &[usize], strides: &[usize], offset: usize) -> Layout {
+        Layout {
+            shape: shape.to_vec(),
+            strides: strides.to_vec(),
+            offset,
+        }
+    }
+
+    #[test]
+    fn strides_and_contiguity() {
+        assert_eq!(contiguous_strides(&[2, 3, 4]), [12, 4, 1]);
+        assert_eq!(contiguous_strides(&[]), [0usize; 0]);
+        assert!(layout(&[2, 3], &[3, 1], 5).is_contiguous());
+        assert!(!layout(&[3, 2], &[1, 3], 0).is_contiguous());
+        assert!(layout(&[3, 1], &[1, 99], 0).is_contiguous());
+        assert!(layout(&[0, 4], &[7, 7], 0).is_contiguous());
+    }
+
+    #[test]
+    fn bounds_are_checked_without_overflow() {
+        assert!(layout(&[2, 3], &[3, 1], 0).check_bounds(4, 24).is_ok());
+        assert!(layout(&[2, 3], &[3, 1], 1).check_bounds(4, 24).is_err());
+        assert!(layout(&[2, 3], &[3, 1], 0).check_bounds(4, 23).is_err());
+        assert!(layout(&[2], &[usize::MAX], 0).check_bounds(1, 100).is_err());
+        assert!(
+            layout(&[usize::MAX, 2], &[1, 1], 0)
+                .check_bounds(1, 100)
+                .is_err()
+        );
+        assert!(
+            layout(&[1], &[usize::MAX], usize::MAX)
+                .check_bounds(1, 100)
+                .is_err()
+        );
+        assert!(layout(&[0], &[1], 4).check_bounds(4, 16).is_ok());
+        assert!(layout(&[0], &[1], 5).check_bounds(4, 16).is_err());
+        assert!(layout(&[2], &[1, 1], 0).check_bounds(4, 16).is_err());
+        assert!(layout(&[], &[], 3).check_bounds(4, 16).is_ok());
+        assert!(layout(&[], &[], 4).check_bounds(4, 16).is_err());
+    }
+
+    #[test]
+    fn views_follow_torch() {
+        let c = Layout::contiguous(&[2, 3, 4]).unwrap();
+        assert_eq!(c.view_strides(&[6, 4]), Some(vec![4, 1]));
+        assert_eq!(c.view_strides(&[24]), Some(vec![1]));
+        assert_eq!(c.view_strides(&[1, 24, 1]), Some(vec![24, 1, 1]));
+        // The transpose of a 2x3 cannot be flattened without a copy.
+        let t = layout(&[3, 2], &[1, 3], 0);
+        assert_eq!(t.view_strides(&[6]), None);
+        // But splitting a dimension of a transposed tensor can.
+        let t = layout(&[4, 2], &[1, 4], 0);
+        assert_eq!(t.view_strides(&[2, 2, 2]), Some(vec![2, 1, 4]));
+        // A scalar views as ones.
+        let s = layout(&[], &[], 0);
+        assert_eq!(s.view_strides(&[1, 1]), Some(vec![1, 1]));
+        assert_eq!(s.view_strides(&[]), Some(vec![]));
+    }
+}

@@ -1,0 +1,334 @@
+//! The element kernels: every read and write of tensor data happens here.
+//!
+//! # Safety
+//!
+//! Tensor memory may be written at any moment by other threads (handles are cheap
+//! clones) and other processes (shared segments), so it is never seen as `&[T]`. Each
+//! element is read and written with a relaxed atomic of its width (`AtomicU32` for an
+//! `f32`…), which makes concurrent Hogwild-style updates defined behaviour (a racing
+//! update may be lost, never torn or undefined). The bits are turned back into `T` with
+//! a total conversion, so any pattern is a valid value.
+//!
+//! A [`Region`] is the only way into the kernels. Building one checks, once, that every
+//! element it addresses lies inside the storage and is aligned; it borrows the storage's
+//! read guard, so the memory stays mapped while it lives. The kernels then index without
+//! further checks, which keeps contiguous loops at memory speed.
+
+use std::marker::PhantomData;
+use std::sync::atomic::{AtomicU8, AtomicU16, AtomicU32, AtomicU64, Ordering::Relaxed};
+
+use super::dtype::Element;
+use super::layout::Layout;
+use super::storage::StorageRead;
+use crate::{Error, Result};
+
+/// The elements of one tensor, checked to lie inside a read-locked storage.
+pub(crate) struct Region<'a, T> {
+    base: *mut u8,
+    layout: &'a Layout,
+    numel: usize,
+    contiguous: bool,
+    _borrow: PhantomData<(&'a StorageRead<'a>, T)>,
+}
+
+impl<'a, T: Element> Region<'a, T> {
+    /// Checks `layout` against the storage behind `read` for elements of type `T`.
+    pub(crate) fn new(read: &'a StorageRead<'_>, layout: &'a Layout) -> Result<Self> {
+        let size = std::mem::size_of::<T>();
+        layout.check_bounds(size, read.len())?;
+        if (read.ptr() as usize) % std::mem::align_of::<T>() != 0 {
+            return Err(Error::Tensor(format!(
+                "storage at {:p} is not aligned for {}",
+                read.ptr(),
+                T::DTYPE
+            )));
+        }
+        Ok(Region {
+            base: read.ptr(),
+            layout,
+            numel: layout.numel(),
+            contiguous: layout.is_contiguous(),
+            _borrow: PhantomData,
+        })
+    }
+
+    /// Reads element `index` (in elements from the storage start).
+    ///
+    /// # Safety
+    ///
+    /// `index` must be one the region's layout addresses.
+    #[inline(always)]
+    unsafe fn load(&self, index: usize) -> T {
+        // SAFETY: the caller guarantees `index` is addressed by the layout, which `new`
+        // checked to be in bounds and aligned; the guard keeps the memory alive.
+        let p = unsafe { self.base.add(index * std::mem::size_of::<T>()) };
+        // SAFETY: `p` is in bounds, aligned for T (hence for the atomic of T's width),
+        // and only ever accessed atomically.
+        let bits = unsafe {
+            match std::mem::size_of::<T>() {
+                1 => AtomicU8::from_ptr(p).load(Relaxed) as u64,
+                2 => AtomicU16::from_ptr(p.cast()).load(Relaxed) as u64,
+                4 => AtomicU32::from_ptr(p.cast()).load(Relaxed) as u64,
+                _ => AtomicU64::from_ptr(p.cast()).load(Relaxed),
+            }
+        };
+        T::from_bits(bits)
+    }
+
+    /// Writes element `index`.
+    ///
+    /// # Safety
+    ///
+    /// As for [`load`](Self::load).
+    #[inline(always)]
+    unsafe fn store(&self, index: usize, value: T) {
+        let bits = value.to_bits();
+        // SAFETY: as in `load`.
+        let p = unsafe { self.base.add(index * std::mem::size_of::<T>()) };
+        // SAFETY: as in `load`; the truncating casts keep exactly T's bytes.
+        unsafe {
+            match std::mem::size_of::<T>() {
+                1 => AtomicU8::from_ptr(p).store(bits as u8, Relaxed),
+                2 => AtomicU16::from_ptr(p.cast()).store(bits as u16, Relaxed),
+                4 => AtomicU32::from_ptr(p.cast()).store(bits as u32, Relaxed),
+                _ => AtomicU64::from_ptr(p.cast()).store(bits, Relaxed),
+            }
+        }
+    }
+
+    /// The shape.
+    pub(crate) fn shape(&self) -> &[usize] {
+        &self.layout.shape
+    }
+}
+
+/// Calls `f` with the element index in each of `N` layouts of one shape, for every
+/// position in row-major order. Index arithmetic wraps: a dimension of size 1 may have
+/// any stride, and indices are only used when the position exists.
+#[inline(always)]
+fn walk<const N: usize>(
+    shape: &[usize],
+    strides: [&[usize]; N],
+    offsets: [usize; N],
+    mut f: impl FnMut([usize; N]),
+) {
+    if shape.contains(&0) {
+        return;
+    }
+    let Some(last) = shape.len().checked_sub(1) else {
+        f(offsets);
+        return;
+    };
+    let inner = shape[last];
+    let inner_strides: [usize; N] = std::array::from_fn(|k| strides[k][last]);
+    let mut index = vec![0usize; last];
+    let mut base = offsets;
+    loop {
+        let mut pos = base;
+        for _ in 0..inner {
+            f(pos);
+            for k in 0..N {
+                pos[k] = pos[k].wrapping_add(inner_strides[k]);
+            }
+        }
+        let mut d = last;
+        loop {
+            if d == 0 {
+                return;
+            }
+            d -= 1;
+            index[d] += 1;
+            for k in 0..N {
+                base[k] = base[k].wrapping_add(strides[k][d]);
+            }
+            if index[d] < shape[d] {
+                break;
+            }
+            for k in 0..N {
+                base[k] = base[k].wrapping_sub(strides[k][d].wrapping_mul(shape[d]));
+            }
+            index[d] = 0;
+        }
+    }
+}
+
+/// Calls `f` with every element index of `r`, in row-major order.
+#[inline(always)]
+fn each_index<T: Element>(r: &Region<'_, T>, mut f: impl FnMut(usize)) {
+    if r.contiguous {
+        let start = r.layout.offset;
+        for i in start..start + r.numel {
+            f(i);
+        }
+    } else {
+        walk(
+            &r.layout.shape,
+            [&r.layout.strides],
+            [r.layout.offset],
+            |[i]| f(i),
+        );
+    }
+}
+
+/// Calls `f` with the element indices of the same position in `a` and `b` (same shape).
+#[inline(always)]
+fn each_index_pair<T: Element, U: Element>(
+    a: &Region<'_, T>,
+    b: &Region<'_, U>,
+    mut f: impl FnMut(usize, usize),
+) -> Result<()> {
+    if a.shape() != b.shape() {
+        return Err(Error::Tensor(format!(
+            "shapes {:?} and {:?} differ",
+            a.shape(),
+            b.shape()
+        )));
+    }
+    if a.contiguous && b.contiguous {
+        let (sa, sb) = (a.layout.offset, b.layout.offset);
+        for i in 0..a.numel {
+            f(sa + i, sb + i);
+        }
+    } else {
+        walk(
+            &a.layout.shape,
+            [&a.layout.strides, &b.layout.strides],
+            [a.layout.offset, b.layout.offset],
+            |[i, j]| f(i, j),
+        );
+    }
+    Ok(())
+}
+
+/// Sets every element to `value`.
+pub(crate) fn fill<T: Element>(r: &Region<'_, T>, value: T) {
+    // SAFETY: `each_index` yields only indices the layout addresses.
+    each_index(r, |i| unsafe { r.store(i, value) });
+}
+
+/// Replaces every element `x` by `f(x)` (a load then a store: a racing writer's update
+/// may be lost, as in Hogwild).
+pub(crate) fn map<T: Element>(r: &Region<'_, T>, f: impl Fn(T) -> T) {
+    // SAFETY: `each_index` yields only indices the layout addresses.
+    each_index(r, |i| unsafe { r.store(i, f(r.load(i))) });
+}
+
+/// Replaces every element `x` of `dst` by `f(x, y)`, `y` the element of `src` at the
+/// same position.
+pub(crate) fn zip_map<T: Element, U: Element>(
+    dst: &Region<'_, T>,
+    src: &Region<'_, U>,
+    f: impl Fn(T, U) -> T,
+) -> Result<()> {
+    // SAFETY: `each_index_pair` yields indices each layout addresses.
+    each_index_pair(dst, src, |i, j| unsafe {
+        dst.store(i, f(dst.load(i), src.load(j)))
+    })
+}
+
+/// Sets every element of `dst` to `f(y)`, `y` the element of `src` at the same position.
+pub(crate) fn convert<T: Element, U: Element>(
+    dst: &Region<'_, T>,
+    src: &Region<'_, U>,
+    f: impl Fn(U) -> T,
+) -> Result<()> {
+    // SAFETY: `each_index_pair` yields indices each layout addresses.
+    each_index_pair(dst, src, |i, j| unsafe { dst.store(i, f(src.load(j))) })
+}
+
+/// Copies `values` into the elements of `dst`, in row-major order.
+pub(crate) fn write_all<T: Element>(dst: &Region<'_, T>, values: &[T]) -> Result<()> {
+    if values.len() != dst.numel {
+        return Err(Error::Tensor(format!(
+            "{} values for a tensor of {} elements",
+            values.len(),
+            dst.numel
+        )));
+    }
+    let mut it = values.iter();
+    each_index(dst, |i| {
+        if let Some(&v) = it.next() {
+            // SAFETY: `each_index` yields only indices the layout addresses.
+            unsafe { dst.store(i, v) }
+        }
+    });
+    Ok(())
+}
+
+/// The elements of `r`, copied out in row-major order.
+pub(crate) fn read_all<T: Element>(r: &Region<'_, T>) -> Vec<T> {
+    let mut out = Vec::with_capacity(r.numel);
+    // SAFETY: `each_index` yields only indices the layout addresses.
+    each_index(r, |i| out.push(unsafe { r.load(i) }));
+    out
+}
+
+/// Calls `f` on every element (row-major), stopping at the first `false`; returns
+/// whether all returned `true`.
+pub(crate) fn all_pairs<T: Element, U: Element>(
+    a: &Region<'_, T>,
+    b: &Region<'_, U>,
+    mut f: impl FnMut(T, U) -> bool,
+) -> Result<bool> {
+    let mut all = true;
+    each_index_pair(a, b, |i, j| {
+        if all {
+            // SAFETY: `each_index_pair` yields indices each layout addresses.
+            let (x, y) = unsafe { (a.load(i), b.load(j)) };
+            all = f(x, y);
+        }
+    })?;
+    Ok(all)
+}
+
+/// The sum of all elements, accumulated in f64. Contiguous regions use eight
+/// independent accumulators so the loop runs at memory speed rather than at the
+/// latency of one floating-point add.
+pub(crate) fn sum<T: Element>(r: &Region<'_, T>) -> f64 {
+    if r.contiguous {
+        let start = r.layout.offset;
+        let mut acc = [0f64; 8];
+        let chunks = r.numel / 8;
+        for c in 0..chunks {
+            let i = start + c * 8;
+            for (k, a) in acc.iter_mut().enumerate() {
+                // SAFETY: `i + k < start + numel`, addressed by the contiguous layout.
+                *a += unsafe { r.load(i + k) }.to_f64();
+            }
+        }
+        for i in start + chunks * 8..start + r.numel {
+            // SAFETY: `i < start + numel`, addressed by the contiguous layout.
+            acc[0] += unsafe { r.load(i) }.to_f64();
+        }
+        acc.iter().sum()
+    } else {
+        let mut total = 0.0;
+        // SAFETY: `each_index` yields only indices the layout addresses.
+        each_index(r, |i| total += unsafe { r.load(i) }.to_f64());
+        total
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn positions(shape: &[usize], strides: &[usize], offset: usize) -> Vec<usize> {
+        let mut out = Vec::new();
+        walk(shape, [strides], [offset], |[i]| out.push(i));
+        out
+    }
+
+    #[test]
+    fn walk_visits_row_major() {
+        assert_eq!(positions(&[2, 3], &[3, 1], 0), [0, 1, 2, 3, 4, 5]);
+        assert_eq!(positions(&[3, 2], &[1, 3], 1), [1, 4, 2, 5, 3, 6]);
+        assert_eq!(positions(&[], &[], 7), [7]);
+        assert_eq!(positions(&[2, 0], &[1, 1], 0), [0usize; 0]);
+        assert_eq!(positions(&[1, 2], &[usize::MAX, 1], 0), [0, 1]);
+        assert_eq!(
+            positions(&[2, 2, 2], &[4, 1, 2], 0),
+            [0, 2, 1, 3, 4, 6, 5, 7]
+        );
+    }
+}

@@ -1,0 +1,340 @@
+//! [`Storage`]: the bytes under tensors, private or in a shared segment.
+//!
+//! # Safety
+//!
+//! A storage's bytes are reachable from other threads (every clone of the handle) and,
+//! once shared, from other processes, so this module never makes a Rust reference to
+//! them: it hands out the base pointer inside a [`StorageRead`] guard, and all element
+//! access goes through `raw`'s relaxed atomics. The pointer is stable while a read guard
+//! lives: only [`Storage::share_memory_`] replaces the backing, and it holds the write
+//! lock. The byte length never changes after creation.
+
+use std::alloc::Layout;
+use std::fmt;
+use std::ptr::NonNull;
+use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard};
+
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+use crate::shm::{self, Segment, SegmentHandle};
+use crate::{Error, Result, SharingStrategy, get_sharing_strategy, wire};
+
+/// Alignment of private storage (a cache line; at least every element's alignment).
+pub(crate) const ALIGN: usize = 64;
+
+/// A 64-byte-aligned, zero-initialised heap buffer of `len > 0` bytes.
+struct PrivateBuf {
+    ptr: NonNull<u8>,
+    layout: Layout,
+}
+
+// SAFETY: the buffer is plain memory owned by this value; it is only accessed through
+// raw pointers under the storage's lock discipline and atomics.
+unsafe impl Send for PrivateBuf {}
+// SAFETY: as above: `&PrivateBuf` exposes only the pointer.
+unsafe impl Sync for PrivateBuf {}
+
+impl PrivateBuf {
+    fn zeroed(len: usize) -> Result<PrivateBuf> {
+        let layout = Layout::from_size_align(len, ALIGN).map_err(|_| {
+            Error::Tensor(format!(
+                "a storage of {len} bytes is larger than memory can hold"
+            ))
+        })?;
+        // SAFETY: `layout` has a non-zero size (callers never ask for 0 bytes).
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        let ptr = NonNull::new(ptr).ok_or_else(|| {
+            Error::Tensor(format!(
+                "cannot allocate {} for a tensor: out of memory",
+                crate::sys::memfd::human_bytes(len as u64)
+            ))
+        })?;
+        Ok(PrivateBuf { ptr, layout })
+    }
+}
+
+impl Drop for PrivateBuf {
+    fn drop(&mut self) {
+        // SAFETY: `ptr` was allocated with exactly `layout` and is freed once, here.
+        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), self.layout) };
+    }
+}
+
+enum Backing {
+    /// No bytes. `shared` is what `is_shared` reports (an empty storage that was
+    /// "shared" or received needs no segment).
+    Empty { shared: bool },
+    /// Bytes on this process's heap.
+    Private(PrivateBuf),
+    /// Bytes in a shared segment, at its data start.
+    Shared(Arc<Segment>),
+}
+
+struct StorageInner {
+    nbytes: usize,
+    backing: RwLock<Backing>,
+}
+
+/// The bytes under one or more tensors: a cheap handle (cloning shares the bytes, like
+/// an `Arc`).
+///
+/// The bytes live on this process's heap until [`share_memory_`](Self::share_memory_)
+/// moves them into a shared segment — in place, so every tensor and view on this storage
+/// follows. A storage never changes size.
+#[derive(Clone)]
+pub struct Storage {
+    inner: Arc<StorageInner>,
+}
+
+/// A read lock on a storage's backing: the base pointer is valid for
+/// [`len`](Self::len) bytes while this lives.
+pub(crate) struct StorageRead<'a> {
+    _guard: RwLockReadGuard<'a, Backing>,
+    ptr: *mut u8,
+    len: usize,
+}
+
+impl StorageRead<'_> {
+    /// The first byte (dangling but aligned when the storage is empty).
+    pub(crate) fn ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+
+    /// The byte length.
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+}
+
+impl Storage {
+    /// A private, zero-filled storage of `nbytes` bytes.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Tensor`] when the memory cannot be allocated.
+    pub fn new(nbytes: usize) -> Result<Storage> {
+        let backing = if nbytes == 0 {
+            Backing::Empty { shared: false }
+        } else {
+            Backing::Private(PrivateBuf::zeroed(nbytes)?)
+        };
+        Ok(Storage::with_backing(nbytes, backing))
+    }
+
+    fn with_backing(nbytes: usize, backing: Backing) -> Storage {
+        Storage {
+            inner: Arc::new(StorageInner {
+                nbytes,
+                backing: RwLock::new(backing),
+            }),
+        }
+    }
+
+    /// A storage over `nbytes` bytes of a received segment.
+    pub(crate) fn from_segment(segment: Arc<Segment>, nbytes: usize) -> Result<Storage> {
+        if nbytes > segment.len() {
+            return Err(Error::InvalidMessage(format!(
+                "a storage of {nbytes} bytes cannot live in a segment of {}",
+                segment.len()
+            )));
+        }
+        Ok(Storage::with_backing(nbytes, Backing::Shared(segment)))
+    }
+
+    /// An empty storage that reports itself shared (received from another process).
+    pub(crate) fn empty_shared() -> Storage {
+        Storage::with_backing(0, Backing::Empty { shared: true })
+    }
+
+    /// The byte length.
+    pub fn nbytes(&self) -> usize {
+        self.inner.nbytes
+    }
+
+    /// Whether the bytes live in shared memory (every storage received from another
+    /// process does).
+    pub fn is_shared(&self) -> bool {
+        matches!(
+            *self.backing(),
+            Backing::Shared(_) | Backing::Empty { shared: true }
+        )
+    }
+
+    /// The strategy of the segment the bytes live in; `None` while private or empty.
+    pub fn sharing_strategy(&self) -> Option<SharingStrategy> {
+        match &*self.backing() {
+            Backing::Shared(s) => Some(s.strategy()),
+            _ => None,
+        }
+    }
+
+    /// The `/dev/shm` name of a `file_system` segment (torch's `_share_filename_`), e.g.
+    /// `multiproc_1234_…`; `None` otherwise.
+    pub fn shm_name(&self) -> Option<String> {
+        match &*self.backing() {
+            Backing::Shared(s) => s.name().map(|n| n.as_str().to_owned()),
+            _ => None,
+        }
+    }
+
+    /// The address of the first byte, for identity checks (two tensors alias when they
+    /// point into the same bytes) and FFI. It changes when
+    /// [`share_memory_`](Self::share_memory_) moves the bytes. Reading or writing through
+    /// it is `unsafe` and races with other threads and processes.
+    pub fn data_ptr(&self) -> *mut u8 {
+        self.read().ptr()
+    }
+
+    /// Whether two handles are the same storage.
+    pub fn ptr_eq(a: &Storage, b: &Storage) -> bool {
+        Arc::ptr_eq(&a.inner, &b.inner)
+    }
+
+    /// Moves the bytes into shared memory, with the current
+    /// [`get_sharing_strategy`](crate::get_sharing_strategy). Does nothing if already
+    /// shared. Every tensor on this storage follows (torch's `share_memory_`).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::OutOfSharedMemory`] (with the size asked, the free space and how to grow
+    /// `/dev/shm`), [`Error::Manager`] (`file_system` needs the shm manager) or
+    /// [`Error::Os`]. The storage is unchanged and usable (private) after an error.
+    pub fn share_memory_(&self) -> Result<()> {
+        self.share_memory_with(get_sharing_strategy())
+    }
+
+    /// [`share_memory_`](Self::share_memory_) with an explicit strategy.
+    pub(crate) fn share_memory_with(&self, strategy: SharingStrategy) -> Result<()> {
+        if self.is_shared() {
+            return Ok(());
+        }
+        let mut backing = self
+            .inner
+            .backing
+            .write()
+            .unwrap_or_else(PoisonError::into_inner);
+        let segment = match &*backing {
+            Backing::Shared(_) | Backing::Empty { shared: true } => return Ok(()),
+            Backing::Empty { shared: false } => {
+                *backing = Backing::Empty { shared: true };
+                return Ok(());
+            }
+            Backing::Private(buf) => {
+                let segment = shm::create(strategy, self.inner.nbytes)?;
+                // SAFETY: both ranges are `nbytes` long (the segment was made that size);
+                // they cannot overlap (fresh mapping vs heap); we hold the write lock, so
+                // no thread of this process touches the private buffer, and no other
+                // process knows the new segment yet.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        buf.ptr.as_ptr(),
+                        segment.data_ptr(),
+                        self.inner.nbytes,
+                    )
+                };
+                segment
+            }
+        };
+        *backing = Backing::Shared(segment);
+        Ok(())
+    }
+
+    fn backing(&self) -> RwLockReadGuard<'_, Backing> {
+        self.inner
+            .backing
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Read-locks the backing for element access.
+    pub(crate) fn read(&self) -> StorageRead<'_> {
+        let guard = self.backing();
+        let ptr = match &*guard {
+            Backing::Empty { .. } => NonNull::<u64>::dangling().as_ptr().cast(),
+            Backing::Private(buf) => buf.ptr.as_ptr(),
+            Backing::Shared(s) => s.data_ptr(),
+        };
+        StorageRead {
+            _guard: guard,
+            ptr,
+            len: self.inner.nbytes,
+        }
+    }
+
+    /// The segment under a shared storage (for tests and the wire).
+    pub(crate) fn segment(&self) -> Option<Arc<Segment>> {
+        match &*self.backing() {
+            Backing::Shared(s) => Some(Arc::clone(s)),
+            _ => None,
+        }
+    }
+
+    /// An order on storages, to lock two of them without deadlock.
+    pub(crate) fn addr(&self) -> usize {
+        Arc::as_ptr(&self.inner) as usize
+    }
+}
+
+impl fmt::Debug for Storage {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut d = f.debug_struct("Storage");
+        d.field("nbytes", &self.nbytes());
+        match &*self.backing() {
+            Backing::Empty { shared } => d.field("shared", shared),
+            Backing::Private(_) => d.field("shared", &false),
+            Backing::Shared(s) => d.field("shared", &s.strategy().name()),
+        };
+        d.finish()
+    }
+}
+
+/// The wire form of a storage.
+#[derive(Serialize, Deserialize)]
+enum StorageWire {
+    Empty,
+    Segment(SegmentHandle),
+}
+
+impl Serialize for Storage {
+    /// Inside a multiproc channel: moves the storage to shared memory if it is not yet
+    /// (torch does the same), then writes its handle. Anywhere else: an error (a storage
+    /// is a reference to memory, not data).
+    fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        use serde::ser::Error as _;
+        if !wire::is_encoding() {
+            return Err(S::Error::custom(wire::outside_channel("a tensor")));
+        }
+        self.share_memory_()
+            .map_err(|e| S::Error::custom(wire::fail_with(e)))?;
+        let wire = if self.nbytes() == 0 {
+            StorageWire::Empty
+        } else {
+            let segment = self.segment().ok_or_else(|| {
+                S::Error::custom(wire::fail("a shared storage without a segment".into()))
+            })?;
+            StorageWire::Segment(SegmentHandle {
+                segment,
+                nbytes: self.nbytes() as u64,
+            })
+        };
+        wire.serialize(s)
+    }
+}
+
+impl<'de> Deserialize<'de> for Storage {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        use serde::de::Error as _;
+        match StorageWire::deserialize(d)? {
+            StorageWire::Empty => Ok(Storage::empty_shared()),
+            StorageWire::Segment(SegmentHandle { segment, nbytes }) => {
+                let nbytes = usize::try_from(nbytes).map_err(|_| {
+                    D::Error::custom(wire::fail_with(Error::InvalidMessage(format!(
+                        "a storage of {nbytes} bytes does not fit this machine"
+                    ))))
+                })?;
+                Storage::from_segment(segment, nbytes)
+                    .map_err(|e| D::Error::custom(wire::fail_with(e)))
+            }
+        }
+    }
+}

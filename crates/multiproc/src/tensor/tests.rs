@@ -1,0 +1,725 @@
+//! Tensor operations, views and sharing in one process, and tensors through the wire
+//! (encode → seqpacket pair → receive → decode).
+
+use std::os::fd::{AsFd, OwnedFd};
+
+use half::{bf16, f16};
+use serde::{Deserialize, Serialize, Serializer};
+
+use super::*;
+use crate::SharingStrategy;
+use crate::sys::socket;
+
+fn f32s(t: &Tensor) -> Vec<f32> {
+    t.to_vec::<f32>().unwrap()
+}
+
+fn is_tensor_error<T: fmt::Debug>(r: Result<T>) -> String {
+    match r {
+        Err(Error::Tensor(m)) => m,
+        other => panic!("expected Error::Tensor, got {other:?}"),
+    }
+}
+
+// ----- construction -----
+
+#[test]
+fn constructors_give_expected_values() {
+    let z = Tensor::zeros(&[2, 3], DType::F32).unwrap();
+    assert_eq!(z.shape(), [2, 3]);
+    assert_eq!(z.strides(), [3, 1]);
+    assert_eq!(z.numel(), 6);
+    assert_eq!(z.dim(), 2);
+    assert_eq!(z.storage().nbytes(), 24);
+    assert_eq!(f32s(&z), [0.0; 6]);
+    assert_eq!(
+        Tensor::ones(&[3], DType::I64)
+            .unwrap()
+            .to_vec::<i64>()
+            .unwrap(),
+        [1, 1, 1]
+    );
+    assert_eq!(
+        Tensor::full(&[2], 2.5, DType::F16)
+            .unwrap()
+            .to_vec::<f16>()
+            .unwrap(),
+        [f16::from_f32(2.5); 2]
+    );
+    assert_eq!(
+        Tensor::full(&[2], 1.0, DType::Bool)
+            .unwrap()
+            .to_vec::<bool>()
+            .unwrap(),
+        [true, true]
+    );
+    assert_eq!(
+        Tensor::arange(0.0, 5.0, 2.0, DType::I32)
+            .unwrap()
+            .to_vec::<i32>()
+            .unwrap(),
+        [0, 2, 4]
+    );
+    assert_eq!(
+        f32s(&Tensor::arange(1.0, 0.0, -0.25, DType::F32).unwrap()),
+        [1.0, 0.75, 0.5, 0.25]
+    );
+    assert_eq!(
+        Tensor::arange(3.0, 0.0, 1.0, DType::F32).unwrap().numel(),
+        0
+    );
+    let t = Tensor::from_vec(vec![1u8, 2, 3, 4], &[2, 2]).unwrap();
+    assert_eq!(t.dtype(), DType::U8);
+    assert_eq!(t.to_vec::<u8>().unwrap(), [1, 2, 3, 4]);
+    let s = Tensor::from_slice(&[bf16::ONE, bf16::ZERO], &[2]).unwrap();
+    assert_eq!(s.to_vec::<bf16>().unwrap(), [bf16::ONE, bf16::ZERO]);
+    let scalar = Tensor::from_vec(vec![7.0f64], &[]).unwrap();
+    assert_eq!((scalar.dim(), scalar.numel(), scalar.sum()), (0, 1, 7.0));
+}
+
+#[test]
+fn bad_constructor_arguments_are_errors() {
+    assert!(is_tensor_error(Tensor::from_vec(vec![1.0f32; 5], &[2, 3])).contains("5 values"));
+    assert!(is_tensor_error(Tensor::full(&[2], 1.5, DType::I32)).contains("1.5"));
+    is_tensor_error(Tensor::full(&[2], 256.0, DType::U8));
+    is_tensor_error(Tensor::full(&[2], 2.0, DType::Bool));
+    is_tensor_error(Tensor::full(&[2], 1e10, DType::F16));
+    is_tensor_error(Tensor::arange(0.0, 1.0, 0.0, DType::F32));
+    is_tensor_error(Tensor::zeros(&[usize::MAX, 2], DType::F32));
+    is_tensor_error(Tensor::zeros(&[usize::MAX / 2], DType::F64));
+    is_tensor_error(Tensor::zeros(&[1 << 62], DType::U8));
+    is_tensor_error(Tensor::zeros(&[1; 65], DType::U8));
+    let t = Tensor::zeros(&[2], DType::F32).unwrap();
+    assert!(is_tensor_error(t.to_vec::<f64>()).contains("float32"));
+}
+
+#[test]
+fn from_storage_checks_bounds() {
+    let storage = Storage::new(24).unwrap();
+    let ok = Tensor::from_storage(storage.clone(), DType::F32, &[2, 3], &[3, 1], 0).unwrap();
+    assert!(Storage::ptr_eq(ok.storage(), &storage));
+    Tensor::from_storage(storage.clone(), DType::F32, &[3, 2], &[1, 3], 0).unwrap();
+    is_tensor_error(Tensor::from_storage(
+        storage.clone(),
+        DType::F32,
+        &[2, 3],
+        &[3, 1],
+        1,
+    ));
+    is_tensor_error(Tensor::from_storage(
+        storage.clone(),
+        DType::F64,
+        &[2, 3],
+        &[3, 1],
+        0,
+    ));
+    is_tensor_error(Tensor::from_storage(
+        storage.clone(),
+        DType::F32,
+        &[2],
+        &[1, 1],
+        0,
+    ));
+    is_tensor_error(Tensor::from_storage(
+        storage.clone(),
+        DType::U8,
+        &[2],
+        &[usize::MAX],
+        0,
+    ));
+    Tensor::from_storage(storage, DType::F32, &[0, 9], &[100, 100], 6).unwrap();
+}
+
+// ----- views -----
+
+fn grid() -> Tensor {
+    // [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    Tensor::arange(0.0, 12.0, 1.0, DType::F32)
+        .unwrap()
+        .view(&[3, 4])
+        .unwrap()
+}
+
+#[test]
+fn views_address_the_expected_elements() {
+    let g = grid();
+    assert_eq!(f32s(&g.narrow(1, 1, 2).unwrap()), [1., 2., 5., 6., 9., 10.]);
+    assert_eq!(f32s(&g.narrow(0, 2, 1).unwrap()), [8., 9., 10., 11.]);
+    assert_eq!(g.narrow(0, 3, 0).unwrap().numel(), 0);
+    let col = g.select(1, 2).unwrap();
+    assert_eq!(
+        (col.shape(), col.strides(), col.storage_offset()),
+        (&[3][..], &[4][..], 2)
+    );
+    assert_eq!(f32s(&col), [2., 6., 10.]);
+    assert_eq!(f32s(&g.select(0, 1).unwrap()), [4., 5., 6., 7.]);
+    let t = g.transpose(0, 1).unwrap();
+    assert_eq!(t.shape(), [4, 3]);
+    assert!(!t.is_contiguous());
+    assert_eq!(f32s(&t), [0., 4., 8., 1., 5., 9., 2., 6., 10., 3., 7., 11.]);
+    assert_eq!(f32s(&t.select(0, 3).unwrap()), [3., 7., 11.]);
+    assert_eq!(
+        f32s(&g.view(&[2, 6]).unwrap().select(0, 1).unwrap()),
+        [6., 7., 8., 9., 10., 11.]
+    );
+    assert_eq!(f32s(&g.view(&[12]).unwrap()), f32s(&g));
+}
+
+#[test]
+fn view_refuses_what_needs_a_copy_and_reshape_copies() {
+    let t = grid().transpose(0, 1).unwrap();
+    assert!(is_tensor_error(t.view(&[12])).contains("reshape"));
+    is_tensor_error(grid().view(&[5, 2]));
+    let flat = t.reshape(&[12]).unwrap();
+    assert!(
+        !Storage::ptr_eq(flat.storage(), t.storage()),
+        "reshape copied"
+    );
+    assert_eq!(
+        f32s(&flat),
+        [0., 4., 8., 1., 5., 9., 2., 6., 10., 3., 7., 11.]
+    );
+    let g = grid();
+    let v = g.reshape(&[4, 3]).unwrap();
+    assert!(Storage::ptr_eq(v.storage(), g.storage()), "reshape viewed");
+    let c = t.contiguous().unwrap();
+    assert!(c.is_contiguous());
+    assert_eq!(f32s(&c), f32s(&t));
+    assert!(Storage::ptr_eq(
+        g.contiguous().unwrap().storage(),
+        g.storage()
+    ));
+}
+
+#[test]
+fn view_arguments_out_of_range_are_errors() {
+    let g = grid();
+    is_tensor_error(g.narrow(2, 0, 1));
+    is_tensor_error(g.narrow(1, 3, 2));
+    is_tensor_error(g.narrow(1, usize::MAX, 2));
+    is_tensor_error(g.select(0, 3));
+    is_tensor_error(g.transpose(0, 2));
+}
+
+#[test]
+fn writes_through_views_reach_the_base() {
+    let g = grid();
+    g.select(1, 0).unwrap().fill_(-1.0).unwrap();
+    g.narrow(0, 1, 1).unwrap().add_scalar_(100.0).unwrap();
+    g.transpose(0, 1)
+        .unwrap()
+        .select(0, 3)
+        .unwrap()
+        .mul_scalar_(2.0)
+        .unwrap();
+    assert_eq!(
+        f32s(&g),
+        [-1., 1., 2., 6., 99., 105., 106., 214., -1., 9., 10., 22.]
+    );
+}
+
+// ----- operations -----
+
+#[test]
+fn in_place_operations() {
+    let a = Tensor::from_vec(vec![1.0f64, 2., 3., 4.], &[2, 2]).unwrap();
+    let b = Tensor::from_vec(vec![10.0f64, 20., 30., 40.], &[2, 2]).unwrap();
+    a.add_(&b, 0.5).unwrap();
+    assert_eq!(a.to_vec::<f64>().unwrap(), [6., 12., 18., 24.]);
+    a.mul_(&b.transpose(0, 1).unwrap()).unwrap();
+    assert_eq!(a.to_vec::<f64>().unwrap(), [60., 360., 360., 960.]);
+    a.copy_(&b.transpose(0, 1).unwrap()).unwrap();
+    assert_eq!(a.to_vec::<f64>().unwrap(), [10., 30., 20., 40.]);
+    a.add_scalar_(1.0).unwrap();
+    a.mul_scalar_(-1.0).unwrap();
+    assert_eq!(a.to_vec::<f64>().unwrap(), [-11., -31., -21., -41.]);
+    is_tensor_error(a.add_(&Tensor::zeros(&[4], DType::F64).unwrap(), 1.0));
+    is_tensor_error(a.add_(&Tensor::zeros(&[2, 2], DType::F32).unwrap(), 1.0));
+}
+
+#[test]
+fn integer_and_bool_arithmetic() {
+    let a = Tensor::from_vec(vec![i8::MAX, 1, -3], &[3]).unwrap();
+    a.add_scalar_(1.0).unwrap();
+    assert_eq!(a.to_vec::<i8>().unwrap(), [i8::MIN, 2, -2], "wrapping");
+    a.add_(&Tensor::from_vec(vec![1i8, 1, 1], &[3]).unwrap(), 3.0)
+        .unwrap();
+    assert_eq!(a.to_vec::<i8>().unwrap(), [-125, 5, 1]);
+    is_tensor_error(a.add_scalar_(0.5));
+    is_tensor_error(a.add_(&a.deep_clone().unwrap(), 0.5));
+    let p = Tensor::from_vec(vec![true, false, false], &[3]).unwrap();
+    let q = Tensor::from_vec(vec![true, true, false], &[3]).unwrap();
+    p.add_(&q, 1.0).unwrap();
+    assert_eq!(p.to_vec::<bool>().unwrap(), [true, true, false]);
+    p.mul_(&Tensor::from_vec(vec![false, true, true], &[3]).unwrap())
+        .unwrap();
+    assert_eq!(p.to_vec::<bool>().unwrap(), [false, true, false]);
+    assert_eq!(p.sum(), 1.0);
+}
+
+#[test]
+fn copy_converts_between_dtypes() {
+    let f = Tensor::from_vec(vec![1.9f32, -2.7, 300.0, 0.0], &[4]).unwrap();
+    let i = Tensor::zeros(&[4], DType::U8).unwrap();
+    i.copy_(&f).unwrap();
+    assert_eq!(i.to_vec::<u8>().unwrap(), [1, 0, 255, 0]);
+    let b = f.to_dtype(DType::Bool).unwrap();
+    assert_eq!(b.to_vec::<bool>().unwrap(), [true, true, true, false]);
+    let big = Tensor::from_vec(vec![i64::MAX - 1], &[1]).unwrap();
+    assert_eq!(
+        big.deep_clone().unwrap().to_vec::<i64>().unwrap(),
+        [i64::MAX - 1],
+        "same-dtype copies are exact"
+    );
+}
+
+#[test]
+fn overlapping_copies_read_the_source_first() {
+    let g = Tensor::arange(0.0, 4.0, 1.0, DType::F32)
+        .unwrap()
+        .view(&[2, 2])
+        .unwrap();
+    g.copy_(&g.transpose(0, 1).unwrap()).unwrap();
+    assert_eq!(f32s(&g), [0., 2., 1., 3.]);
+    let v = Tensor::arange(0.0, 5.0, 1.0, DType::F32).unwrap();
+    v.narrow(0, 1, 4)
+        .unwrap()
+        .add_(&v.narrow(0, 0, 4).unwrap(), 1.0)
+        .unwrap();
+    assert_eq!(f32s(&v), [0., 1., 3., 5., 7.]);
+    v.add_(&v, 1.0).unwrap();
+    assert_eq!(f32s(&v), [0., 2., 6., 10., 14.]);
+}
+
+#[test]
+fn sum_and_allclose() {
+    let g = grid();
+    assert_eq!(g.sum(), 66.0);
+    assert_eq!(
+        g.transpose(0, 1).unwrap().narrow(0, 1, 2).unwrap().sum(),
+        1. + 5. + 9. + 2. + 6. + 10.
+    );
+    let long = Tensor::ones(&[1001], DType::F16).unwrap();
+    assert_eq!(long.sum(), 1001.0);
+    assert_eq!(Tensor::zeros(&[0], DType::F32).unwrap().sum(), 0.0);
+    let a = Tensor::from_vec(vec![1.0f32, 2.0], &[2]).unwrap();
+    let b = Tensor::from_vec(vec![1.0f32 + 1e-7, 2.0], &[2]).unwrap();
+    assert!(a.allclose(&b, 1e-5, 1e-8));
+    assert!(!a.allclose(
+        &Tensor::from_vec(vec![1.1f32, 2.0], &[2]).unwrap(),
+        1e-5,
+        1e-8
+    ));
+    assert!(a.allclose(
+        &Tensor::from_vec(vec![1.0f64, 2.0], &[2]).unwrap(),
+        0.0,
+        0.0
+    ));
+    assert!(
+        !a.allclose(&a.view(&[1, 2]).unwrap(), 1e-5, 1e-8),
+        "shapes differ"
+    );
+    assert!(a.allclose(&a, 0.0, 0.0));
+    let nan = Tensor::full(&[1], f64::NAN, DType::F32).unwrap();
+    assert!(!nan.allclose(&nan.deep_clone().unwrap(), 1.0, 1.0));
+}
+
+#[test]
+fn clone_shares_and_deep_clone_copies() {
+    let a = Tensor::zeros(&[3], DType::I16).unwrap();
+    let shallow = a.clone();
+    let deep = a.deep_clone().unwrap();
+    a.fill_(5.0).unwrap();
+    assert_eq!(shallow.to_vec::<i16>().unwrap(), [5, 5, 5]);
+    assert_eq!(deep.to_vec::<i16>().unwrap(), [0, 0, 0]);
+    assert_eq!(shallow.data_ptr(), a.data_ptr());
+    assert_ne!(deep.data_ptr(), a.data_ptr());
+}
+
+#[test]
+fn debug_shows_layout_and_values() {
+    let s = format!("{:?}", grid().select(1, 1).unwrap());
+    assert!(
+        s.contains("F32") && s.contains("[1.0, 5.0, 9.0]") && s.contains("offset: 1"),
+        "{s}"
+    );
+    let s = format!("{:?}", Tensor::zeros(&[100], DType::U8).unwrap());
+    assert!(s.contains("first_values"), "{s}");
+}
+
+#[test]
+fn every_dtype_round_trips_through_to_vec() {
+    for dtype in DType::ALL {
+        let t = Tensor::ones(&[2, 2], dtype).unwrap();
+        t.select(0, 0).unwrap().fill_(0.0).unwrap();
+        assert_eq!(t.sum(), 2.0, "{dtype}");
+        dispatch!(dtype, T => {
+            let v = t.to_vec::<T>().unwrap();
+            let back = Tensor::from_vec(v.clone(), &[2, 2]).unwrap();
+            assert_eq!(back.to_vec::<T>().unwrap(), v);
+            assert_eq!(back.dtype(), dtype);
+        });
+    }
+}
+
+// ----- sharing in one process -----
+
+#[test]
+fn share_memory_moves_in_place_and_views_follow() {
+    for strategy in crate::get_all_sharing_strategies() {
+        let g = grid();
+        let col = g.select(1, 1).unwrap();
+        assert!(!g.is_shared());
+        let before = col.data_ptr() as usize - g.data_ptr() as usize;
+        g.storage().share_memory_with(*strategy).unwrap();
+        assert!(g.is_shared() && col.is_shared());
+        assert_eq!(g.storage().sharing_strategy(), Some(*strategy));
+        assert_eq!(col.data_ptr() as usize - g.data_ptr() as usize, before);
+        assert_eq!(f32s(&col), [1., 5., 9.]);
+        col.fill_(0.0).unwrap();
+        assert_eq!(g.sum(), 66.0 - 15.0);
+        g.storage().share_memory_with(*strategy).unwrap();
+        match strategy {
+            SharingStrategy::FileSystem => {
+                let name = g.storage().shm_name().unwrap();
+                assert!(std::path::Path::new(&format!("/dev/shm/{name}")).exists());
+                drop((g, col));
+                assert!(
+                    !std::path::Path::new(&format!("/dev/shm/{name}")).exists(),
+                    "last user unlinks"
+                );
+            }
+            SharingStrategy::FileDescriptor => assert_eq!(g.storage().shm_name(), None),
+        }
+    }
+}
+
+#[test]
+fn empty_storage_shares_without_a_segment() {
+    let t = Tensor::zeros(&[0, 3], DType::F64).unwrap();
+    t.share_memory_().unwrap();
+    assert!(t.is_shared());
+    assert_eq!(t.storage().sharing_strategy(), None);
+}
+
+#[test]
+fn share_memory_waits_for_concurrent_writers_and_loses_no_update() {
+    let t = Tensor::zeros(&[8, 1024], DType::I64).unwrap();
+    std::thread::scope(|s| {
+        for row in 0..8 {
+            let r = t.select(0, row).unwrap();
+            s.spawn(move || {
+                for _ in 0..200 {
+                    r.add_scalar_(1.0).unwrap();
+                }
+            });
+        }
+        let t = t.clone();
+        s.spawn(move || t.share_memory_().unwrap());
+    });
+    assert!(t.is_shared());
+    assert_eq!(t.sum(), 200.0 * 8.0 * 1024.0);
+}
+
+#[test]
+fn hogwild_updates_from_many_threads_are_defined() {
+    let t = Tensor::zeros(&[4096], DType::F32).unwrap();
+    t.share_memory_().unwrap();
+    std::thread::scope(|s| {
+        for _ in 0..4 {
+            let t = t.clone();
+            s.spawn(move || {
+                for _ in 0..50 {
+                    t.add_scalar_(1.0).unwrap();
+                }
+            });
+        }
+    });
+    // Racing read-modify-writes may lose updates, never produce garbage.
+    let v = f32s(&t);
+    assert!(
+        v.iter()
+            .all(|&x| (50.0..=200.0).contains(&x) && x.fract() == 0.0)
+    );
+}
+
+// ----- through the wire -----
+
+fn send_all<T: Serialize>(value: &T) -> Result<(OwnedFd, OwnedFd)> {
+    let (a, b) = socket::seqpacket_pair()?;
+    let mut enc = wire::encode(value)?;
+    enc.send(a.as_fd(), None)?;
+    Ok((a, b))
+}
+
+fn receive<T: serde::de::DeserializeOwned>(b: &OwnedFd) -> Result<T> {
+    let p = wire::recv_packet(b.as_fd(), None)?.expect("no deadline");
+    wire::decode(p)
+}
+
+fn roundtrip<T: Serialize + serde::de::DeserializeOwned>(value: &T) -> Result<T> {
+    let (_a, b) = send_all(value)?;
+    receive(&b)
+}
+
+#[test]
+fn a_tensor_round_trips_and_aliases_the_original() {
+    let g = grid();
+    let view = g.transpose(0, 1).unwrap().narrow(0, 1, 2).unwrap();
+    let back: Tensor = roundtrip(&view).unwrap();
+    assert!(g.is_shared(), "sending shared the storage in place");
+    assert!(back.is_shared());
+    assert_eq!(back.shape(), view.shape());
+    assert_eq!(back.strides(), view.strides());
+    assert_eq!(back.storage_offset(), view.storage_offset());
+    assert_eq!(back.dtype(), DType::F32);
+    assert_eq!(f32s(&back), f32s(&view));
+    assert_eq!(back.data_ptr(), view.data_ptr(), "one mapping per process");
+    back.fill_(0.0).unwrap();
+    assert_eq!(g.sum(), 66.0 - (1. + 5. + 9. + 2. + 6. + 10.));
+}
+
+#[test]
+fn views_alias_within_one_message_and_across_messages() {
+    for strategy in crate::get_all_sharing_strategies() {
+        let g = grid();
+        g.storage().share_memory_with(*strategy).unwrap();
+        let (r0, r1): (Tensor, Tensor) =
+            roundtrip(&(g.select(0, 0).unwrap(), g.select(0, 2).unwrap())).unwrap();
+        let again: Tensor = roundtrip(&g).unwrap();
+        assert_eq!(r0.data_ptr() as usize + 8 * 4, r1.data_ptr() as usize);
+        assert_eq!(again.data_ptr(), g.data_ptr());
+        r1.fill_(7.0).unwrap();
+        assert_eq!(f32s(&again.select(0, 2).unwrap()), [7.0; 4]);
+        if let Some(seg) = g.storage().segment() {
+            if *strategy == SharingStrategy::FileSystem {
+                assert_eq!(
+                    seg.refcount(),
+                    Some(1),
+                    "in-flight references were absorbed"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn empty_tensors_of_every_dtype_round_trip() {
+    for dtype in DType::ALL {
+        for shape in [&[0][..], &[2, 0, 3][..]] {
+            let t = Tensor::zeros(shape, dtype).unwrap();
+            let back: Tensor = roundtrip(&t).unwrap();
+            assert_eq!((back.dtype(), back.shape()), (dtype, shape));
+            assert!(back.is_shared());
+            assert_eq!(back.numel(), 0);
+        }
+    }
+}
+
+#[test]
+fn tensors_nested_in_values_travel() {
+    #[derive(Serialize, Deserialize)]
+    struct Batch {
+        id: u32,
+        xs: Vec<Tensor>,
+        named: std::collections::BTreeMap<String, (Tensor, i8)>,
+    }
+    let x = Tensor::ones(&[4], DType::F64).unwrap();
+    let mut named = std::collections::BTreeMap::new();
+    named.insert("x".to_string(), (x.narrow(0, 1, 2).unwrap(), -1));
+    let batch = Batch {
+        id: 3,
+        xs: vec![x.clone(), Tensor::zeros(&[2], DType::I32).unwrap()],
+        named,
+    };
+    let back: Batch = roundtrip(&batch).unwrap();
+    assert_eq!(back.id, 3);
+    assert_eq!(back.xs[0].data_ptr(), x.data_ptr());
+    assert_eq!(back.named["x"].0.to_vec::<f64>().unwrap(), [1.0, 1.0]);
+}
+
+#[test]
+fn serializing_outside_a_channel_is_an_error_and_shares_nothing() {
+    let t = Tensor::zeros(&[3], DType::F32).unwrap();
+    let err = serde_json::to_string(&t).unwrap_err();
+    assert!(err.to_string().contains("multiproc channel"), "{err}");
+    assert!(!t.is_shared());
+}
+
+#[test]
+fn an_unsent_file_system_message_gives_its_reference_back() {
+    let t = Tensor::zeros(&[16], DType::U8).unwrap();
+    t.storage()
+        .share_memory_with(SharingStrategy::FileSystem)
+        .unwrap();
+    let seg = t.storage().segment().unwrap();
+    let enc = wire::encode(&t).unwrap();
+    assert_eq!(seg.refcount(), Some(2));
+    drop(enc);
+    assert_eq!(seg.refcount(), Some(1));
+    let name = t.storage().shm_name().unwrap();
+    drop((t, seg));
+    assert!(!std::path::Path::new(&format!("/dev/shm/{name}")).exists());
+}
+
+// A forged tensor message: the same wire layout with handles we choose.
+#[derive(Serialize)]
+enum ForgedHandle {
+    Fd { index: u32, nbytes: u64 },
+    Named { name: String, nbytes: u64 },
+}
+
+#[derive(Serialize)]
+enum ForgedStorage {
+    #[allow(dead_code)]
+    Empty,
+    Segment(ForgedHandle),
+}
+
+struct ForgedFd(OwnedFd, u64);
+
+impl Serialize for ForgedFd {
+    fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        let index = wire::attach_fd(self.0.as_fd(), "forged").map_err(serde::ser::Error::custom)?;
+        ForgedStorage::Segment(ForgedHandle::Fd {
+            index,
+            nbytes: self.1,
+        })
+        .serialize(s)
+    }
+}
+
+#[derive(Serialize)]
+struct ForgedTensor<S> {
+    dtype: u8,
+    shape: Vec<u64>,
+    strides: Vec<u64>,
+    offset: u64,
+    storage: S,
+}
+
+fn sealed_memfd(len: u64) -> OwnedFd {
+    let fd = crate::sys::memfd::create("forged", len).unwrap();
+    crate::sys::memfd::seal_size(fd.as_fd()).unwrap();
+    fd
+}
+
+fn decode_forged<S: Serialize>(t: ForgedTensor<S>) -> Error {
+    match roundtrip_forged(&t) {
+        Ok(t) => panic!("a forged tensor was accepted: {t:?}"),
+        Err(e) => e,
+    }
+}
+
+fn roundtrip_forged<S: Serialize>(t: &ForgedTensor<S>) -> Result<Tensor> {
+    let (_a, b) = send_all(t)?;
+    receive(&b)
+}
+
+fn forged(
+    storage: impl Serialize,
+    dtype: u8,
+    shape: &[u64],
+    strides: &[u64],
+    offset: u64,
+) -> Error {
+    decode_forged(ForgedTensor {
+        dtype,
+        shape: shape.to_vec(),
+        strides: strides.to_vec(),
+        offset,
+        storage,
+    })
+}
+
+#[test]
+fn forged_handles_are_errors_not_crashes() {
+    let check = |e: Error, what: &str| {
+        assert!(matches!(e, Error::InvalidMessage(_)), "{e:?}");
+        assert!(e.to_string().contains(what), "{e} should mention {what:?}");
+    };
+    // A length bigger than the segment.
+    check(
+        forged(ForgedFd(sealed_memfd(4096), 1 << 20), 0, &[16], &[1], 0),
+        "claims 1048576 bytes but its segment holds 4096",
+    );
+    // A memfd that can shrink under us.
+    let unsealed = crate::sys::memfd::create("forged", 4096).unwrap();
+    check(
+        forged(ForgedFd(unsealed, 4096), 0, &[16], &[1], 0),
+        "sealed",
+    );
+    // Not a memfd at all.
+    let null: OwnedFd = std::fs::File::open("/dev/null").unwrap().into();
+    check(forged(ForgedFd(null, 16), 0, &[1], &[1], 0), "sealed");
+    // A layout past the storage, an overflowing one, too many strides, unknown dtype.
+    check(
+        forged(ForgedFd(sealed_memfd(64), 64), 0, &[17], &[1], 0),
+        "layout",
+    );
+    check(
+        forged(ForgedFd(sealed_memfd(64), 64), 0, &[2], &[u64::MAX], 0),
+        "layout",
+    );
+    check(
+        forged(ForgedFd(sealed_memfd(64), 64), 0, &[2], &[1], u64::MAX),
+        "layout",
+    );
+    check(
+        forged(ForgedFd(sealed_memfd(64), 64), 0, &[2], &[1, 1], 0),
+        "strides",
+    );
+    check(
+        forged(ForgedFd(sealed_memfd(64), 64), 77, &[2], &[1], 0),
+        "dtype code 77",
+    );
+    // Named segments: a name that is not ours, one that does not exist.
+    let named = |name: &str| {
+        ForgedStorage::Segment(ForgedHandle::Named {
+            name: name.to_string(),
+            nbytes: 64,
+        })
+    };
+    check(
+        forged(named("../../etc/passwd"), 0, &[1], &[1], 0),
+        "not a multiproc segment name",
+    );
+    check(
+        forged(
+            named("multiproc_1_00000000000000000000000000000000"),
+            0,
+            &[1],
+            &[1],
+            0,
+        ),
+        "no longer exists",
+    );
+}
+
+#[test]
+fn a_forged_length_on_a_real_named_segment_is_an_error() {
+    let t = Tensor::zeros(&[16], DType::U8).unwrap();
+    t.storage()
+        .share_memory_with(SharingStrategy::FileSystem)
+        .unwrap();
+    let name = t.storage().shm_name().unwrap();
+    let seg = t.storage().segment().unwrap();
+    // Mapped here already: judged against the mapping.
+    let e = forged(
+        ForgedStorage::Segment(ForgedHandle::Named {
+            name: name.clone(),
+            nbytes: 1 << 30,
+        }),
+        0,
+        &[1],
+        &[1],
+        0,
+    );
+    assert!(e.to_string().contains("claims 1073741824 bytes"), "{e}");
+    assert_eq!(
+        seg.refcount(),
+        Some(1),
+        "a refused handle does not touch the count"
+    );
+    assert!(std::path::Path::new(&format!("/dev/shm/{name}")).exists());
+}
