@@ -607,3 +607,67 @@ fn workers_started_from_a_short_lived_thread_survive_it() {
         }
     });
 }
+
+#[test]
+fn the_fork_server_serves_several_threads_at_once() {
+    guarded(secs(120), || {
+        let threads: Vec<_> = (0..4)
+            .map(|_| {
+                std::thread::spawn(|| {
+                    let q = SimpleQueue::new().unwrap();
+                    SpawnOptions::new()
+                        .start_method(StartMethod::Forkserver)
+                        .spawn(put_rank, q.clone(), 3)
+                        .unwrap();
+                    let got: BTreeSet<usize> = (0..3).map(|_| q.get().unwrap()).collect();
+                    assert_eq!(got, BTreeSet::from([0, 1, 2]));
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+    });
+}
+
+#[test]
+fn a_dead_fork_server_is_replaced() {
+    guarded(secs(120), || {
+        let me = std::process::id() as i32;
+        let server = std::fs::read_dir("/proc")
+            .unwrap()
+            .flatten()
+            .filter_map(|e| e.file_name().to_string_lossy().parse::<i32>().ok())
+            .find(|pid| {
+                std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+                    stat.contains("(multiproc-fsrv)")
+                        && stat
+                            .rsplit(')')
+                            .next()
+                            .and_then(|rest| rest.split_whitespace().nth(1))
+                            == Some(&me.to_string())
+                })
+            })
+            .expect("the harness started the fork server");
+        // Kill it and wait until it is dead (a zombie: we are its parent).
+        // SAFETY: pidfd_open has no memory-safety preconditions.
+        let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, server, 0) } as i32;
+        assert!(pidfd >= 0);
+        // SAFETY: kill has no memory-safety preconditions.
+        assert_eq!(unsafe { libc::kill(server, libc::SIGKILL) }, 0);
+        let mut poll = libc::pollfd {
+            fd: pidfd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd; the pidfd is closed right after.
+        assert_eq!(unsafe { libc::poll(&mut poll, 1, 10_000) }, 1);
+        // SAFETY: we opened `pidfd` above and nothing else uses it.
+        unsafe { libc::close(pidfd) };
+        SpawnOptions::new()
+            .start_method(StartMethod::Forkserver)
+            .spawn(noop, (), 2)
+            .unwrap();
+        assert!(process_is_gone(server), "the dead server was reaped");
+    });
+}
