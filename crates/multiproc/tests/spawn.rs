@@ -107,6 +107,19 @@ fn put_rank(rank: usize, q: SimpleQueue<usize>) -> Result<(), multiproc::Error> 
     Ok(())
 }
 
+/// Checks a large argument (it travels out of band, in a sealed memfd).
+fn check_big(rank: usize, (data, sum): (Vec<u8>, u64)) -> Result<(), String> {
+    let got: u64 = data.iter().map(|&b| u64::from(b)).sum();
+    if got == sum && data.len() == 3 << 20 {
+        Ok(())
+    } else {
+        Err(format!(
+            "rank {rank} got {} bytes summing to {got}, expected {sum}",
+            data.len()
+        ))
+    }
+}
+
 /// `target` raises at once; the others sleep 1 s (torch's `_test_exception_single_func`).
 fn raise_in(rank: usize, target: usize) {
     if rank == target {
@@ -240,6 +253,20 @@ fn args_are_delivered_with_the_rank() {
                 .unwrap();
             let got: BTreeSet<usize> = [q.get().unwrap(), q.get().unwrap()].into();
             assert_eq!(got, BTreeSet::from([0, 1]), "{method}");
+        }
+    });
+}
+
+#[test]
+fn large_arguments_arrive_intact() {
+    guarded(secs(120), || {
+        let data: Vec<u8> = (0..3u32 << 20).map(|i| (i % 251) as u8).collect();
+        let sum = data.iter().map(|&b| u64::from(b)).sum::<u64>();
+        for method in StartMethod::ALL {
+            SpawnOptions::new()
+                .start_method(method)
+                .spawn(check_big, (data.clone(), sum), 2)
+                .unwrap_or_else(|e| panic!("{method}: {e}"));
         }
     });
 }
@@ -669,5 +696,29 @@ fn a_dead_fork_server_is_replaced() {
             .spawn(noop, (), 2)
             .unwrap();
         assert!(process_is_gone(server), "the dead server was reaped");
+    });
+}
+
+#[test]
+fn init_refuses_a_worker_role_without_its_socket() {
+    guarded(secs(120), || {
+        let exe = std::env::current_exe().unwrap();
+        for (role, fd, expected) in [
+            ("worker", None, "MULTIPROC_WORKER_FD"),
+            ("worker", Some("1"), "is not a socket"),
+            ("worker", Some("999"), "names no open file descriptor"),
+            ("no-such-role", None, "unknown MULTIPROC_ROLE"),
+        ] {
+            let mut cmd = std::process::Command::new(&exe);
+            cmd.env("MULTIPROC_ROLE", role)
+                .stdout(std::process::Stdio::null());
+            if let Some(fd) = fd {
+                cmd.env("MULTIPROC_WORKER_FD", fd);
+            }
+            let out = cmd.output().unwrap();
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(out.status.code(), Some(2), "{role} {fd:?}: {stderr}");
+            assert!(stderr.contains(expected), "{role} {fd:?}: {stderr}");
+        }
     });
 }
