@@ -111,7 +111,7 @@ pub(crate) enum Report {
     /// The function returned normally.
     Ok,
     /// It panicked, returned `Err`, or could not start: the full message for the user,
-    /// starting with "process <rank>".
+    /// starting with "process RANK".
     Raised {
         /// "process 1 raised: ..." with location and backtrace when there are some.
         message: String,
