@@ -82,6 +82,23 @@ pub(crate) fn worker_env(rank: usize, world_size: Option<usize>) -> Vec<(&'stati
     env
 }
 
+/// A process that multiproc started as a worker, but whose `main` did not call
+/// [`init`](crate::init), runs the parent's `main` again: if that starts workers, each
+/// of them would do the same, without end. The role variable that `init` removes is
+/// still set in such a process, so refuse here, with the fix.
+fn refuse_in_uninitialized_worker() -> Result<()> {
+    match std::env::var_os(ROLE_VAR) {
+        None => Ok(()),
+        Some(role) => Err(Error::InvalidArgument(format!(
+            "this process was started by multiproc (MULTIPROC_ROLE={}) but did not call \
+             multiproc::init(): call it first thing in main (in integration tests, put \
+             `multiproc::test_init!();` at the top of the test file); refusing to start \
+             workers, which would do the same",
+            role.to_string_lossy()
+        ))),
+    }
+}
+
 impl Child {
     /// Sends the job into a fresh socket and starts the worker that will read it.
     pub(crate) fn start(spec: JobSpec) -> Result<Child> {
@@ -93,6 +110,7 @@ impl Child {
             daemon,
         } = spec;
         let rank = header.rank;
+        refuse_in_uninitialized_worker()?;
         let (channel, job_end) = seqpacket_pair()?;
         let deadline = deadline_after(Some(JOB_SEND_TIMEOUT));
         wire::encode(&header)?.send(channel.as_fd(), deadline)?;

@@ -3,26 +3,28 @@
 //! forks workers on request. Forking a single-threaded process is safe in a way forking
 //! a multithreaded parent is not (no lock can be held by a thread that vanishes).
 //!
-//! Protocol, over one seqpacket socket per client process (wire messages):
+//! Protocol (wire messages):
 //!
-//! - request [`ForkRequest`]: the worker's job socket and a status socket (both as
-//!   fds), and the environment the worker gets;
-//! - reply [`ForkReply`]: the worker's pid and a pidfd for it, opened by the server
-//!   before it could reap the child, so the client's signals can never hit a recycled pid.
+//! - request [`ForkRequest`], on the one request socket of the client process: the
+//!   worker's job socket and a fresh status socket (both as fds), and the environment
+//!   the worker gets;
+//! - reply [`ForkReply`], on that worker's status socket: its pid and a pidfd for it,
+//!   opened by the server before it could reap the child, so the client's signals can
+//!   never hit a recycled pid;
+//! - later, on the same status socket, the worker's [`ExitStatus`]: the server reaps
+//!   its children as their pidfds become readable, sends the status and closes the
+//!   socket (the client cannot `waitpid` a grandchild).
 //!
-//! The server reaps its children as their pidfds become readable and writes each exit
-//! status ([`ExitStatus`]) on that child's status socket, then closes it: the client
-//! cannot `waitpid` a grandchild. The server exits when the client's socket closes; its
-//! children have the parent-death signal, so they follow it.
+//! Because each reply has its own socket, client threads need no lock from request to
+//! reply. The server exits when the client's request socket closes; its children have
+//! the parent-death signal, so they follow it.
 //!
-//! Invariants: requests are answered in order, one at a time (the client holds a lock
-//! from request to reply); the server never blocks on a client write (sockets are
-//! non-blocking and a status that does not fit is dropped with its socket, which the
-//! client sees as a hang-up).
+//! Invariant: the server never blocks on a client (its sends do not wait; a fresh
+//! status socket always has room for its two small packets).
 
 use std::collections::HashMap;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
@@ -30,9 +32,9 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use super::ExitStatus;
 use super::launch::{self, Launch, Launched};
 use super::worker::{self, ROLE_VAR};
+use crate::sys::deadline_after;
 use crate::sys::process as sys;
 use crate::sys::socket::seqpacket_pair;
-use crate::sys::{Readiness, deadline_after, wait_fd};
 use crate::{Error, Result, wire};
 
 /// The number of the inherited request socket of the fork server.
@@ -87,10 +89,22 @@ pub(crate) struct ServerChild {
 struct Client {
     /// The process that started the server: a forked child must start its own.
     owner: i32,
-    sock: OwnedFd,
+    /// Shared with requests in flight, so the lock is held only to look it up.
+    sock: Arc<OwnedFd>,
     server: Launched,
 }
 
+impl Client {
+    /// Makes sure the server is gone and reaped (it is our child).
+    fn shut_down(self) {
+        let _ = sys::send_signal(self.server.pidfd.as_fd(), libc::SIGKILL);
+        let _ = sys::wait_any_readable(&[self.server.pidfd.as_fd()], None);
+        let _ = sys::try_reap(self.server.pidfd.as_fd());
+    }
+}
+
+/// Held only to look up or replace the client, never across a request: a `Fork`
+/// child made while another thread holds it would find it locked forever.
 static CLIENT: Mutex<Option<Client>> = Mutex::new(None);
 
 /// How long a request may wait for the server's reply (it forks, so it is quick unless
@@ -104,8 +118,7 @@ const REPLY_TIMEOUT: Duration = Duration::from_secs(60);
 /// # Errors
 /// When the server cannot be started (see [`Error::Os`]).
 pub fn ensure_forkserver_running() -> Result<()> {
-    let mut slot = lock_client()?;
-    connected(&mut slot).map(|_| ())
+    connect().map(|_| ())
 }
 
 fn lock_client() -> Result<std::sync::MutexGuard<'static, Option<Client>>> {
@@ -114,9 +127,10 @@ fn lock_client() -> Result<std::sync::MutexGuard<'static, Option<Client>>> {
         .map_err(|_| Error::InvalidArgument("the fork-server client lock is poisoned".into()))
 }
 
-/// The live client in `slot`, (re)starting the server when there is none, it belongs
-/// to the process we were forked from, or it has exited.
-fn connected(slot: &mut Option<Client>) -> Result<&Client> {
+/// The request socket of a live server and the server's pid, (re)starting the server
+/// when there is none, it belongs to the process we were forked from, or it has exited.
+fn connect() -> Result<(Arc<OwnedFd>, i32)> {
+    let mut slot = lock_client()?;
     let me = sys::current_pid();
     let alive = slot
         .as_ref()
@@ -124,13 +138,10 @@ fn connected(slot: &mut Option<Client>) -> Result<&Client> {
     if !alive {
         if let Some(old) = slot.take() {
             if old.owner == me {
-                // Our own server died: reap it (it is our child).
-                let _ = sys::send_signal(old.server.pidfd.as_fd(), libc::SIGKILL);
-                let _ = sys::wait_any_readable(&[old.server.pidfd.as_fd()], None);
-                let _ = sys::try_reap(old.server.pidfd.as_fd());
+                old.shut_down();
             }
-            // A parent's client in a forked child: its fds are ours to close, its
-            // server is not ours to touch.
+            // Otherwise it is the client of the process we were forked from: its fds
+            // are copies for us to close, its server is not ours to touch.
         }
         let (sock, server_end) = seqpacket_pair()?;
         let server = launch::launch(Launch::Exec {
@@ -140,17 +151,32 @@ fn connected(slot: &mut Option<Client>) -> Result<&Client> {
         })?;
         *slot = Some(Client {
             owner: me,
-            sock,
+            sock: Arc::new(sock),
             server,
         });
     }
     slot.as_ref()
+        .map(|c| (Arc::clone(&c.sock), c.server.pid))
         .ok_or_else(|| Error::Closed("the fork server is not running".into()))
 }
 
-/// Asks the fork server to start a worker that runs the job arriving on `job`.
-pub(crate) fn start(job: OwnedFd, env: Vec<(String, String)>) -> Result<ServerChild> {
+/// Forgets the server behind `sock` (it hung up), so that the next request starts
+/// another.
+fn forget(sock: &Arc<OwnedFd>) -> Result<()> {
     let mut slot = lock_client()?;
+    if slot.as_ref().is_some_and(|c| Arc::ptr_eq(&c.sock, sock)) {
+        if let Some(old) = slot.take() {
+            old.shut_down();
+        }
+    }
+    Ok(())
+}
+
+/// Asks the fork server to start a worker that runs the job arriving on `job`.
+///
+/// The reply comes on the worker's own status socket, so requests from several
+/// threads need no lock between request and reply.
+pub(crate) fn start(job: OwnedFd, env: Vec<(String, String)>) -> Result<ServerChild> {
     let (status, status_server_end) = seqpacket_pair()?;
     let request = ForkRequest {
         job: PassedFd(job),
@@ -160,27 +186,33 @@ pub(crate) fn start(job: OwnedFd, env: Vec<(String, String)>) -> Result<ServerCh
     let mut message = wire::encode(&request)?;
     drop(request); // the message holds duplicates of the fds
     let mut tries = 0;
-    let client = loop {
-        let client = connected(&mut slot)?;
-        match message.send(client.sock.as_fd(), deadline_after(Some(REPLY_TIMEOUT))) {
-            Ok(()) => break client,
+    let server_pid = loop {
+        let (sock, server_pid) = connect()?;
+        match message.send(sock.as_fd(), deadline_after(Some(REPLY_TIMEOUT))) {
+            Ok(()) => break server_pid,
             // The server died since we last used it: start another, once.
             Err(Error::Closed(_)) if tries == 0 => {
                 tries += 1;
-                if let Some(c) = slot.as_mut() {
-                    c.owner = -1;
-                }
+                forget(&sock)?;
             }
             Err(e) => return Err(e),
         }
     };
-    let packet = wire::recv_packet(client.sock.as_fd(), deadline_after(Some(REPLY_TIMEOUT)))?
-        .ok_or_else(|| {
-            Error::Timeout(format!(
-                "the fork server (pid {}) did not answer within {REPLY_TIMEOUT:?}",
-                client.server.pid
-            ))
-        })?;
+    drop(message); // our copies of the worker's fds: the server has its own now
+    let packet = match wire::recv_packet(status.as_fd(), deadline_after(Some(REPLY_TIMEOUT))) {
+        Ok(Some(packet)) => packet,
+        Ok(None) => {
+            return Err(Error::Timeout(format!(
+                "the fork server (pid {server_pid}) did not answer within {REPLY_TIMEOUT:?}"
+            )));
+        }
+        Err(Error::Closed(_)) => {
+            return Err(Error::Closed(format!(
+                "the fork server (pid {server_pid}) exited before it started the worker"
+            )));
+        }
+        Err(e) => return Err(e),
+    };
     match wire::decode::<ForkReply>(packet)? {
         ForkReply::Started { pid, pidfd } => Ok(ServerChild {
             pid,
@@ -188,7 +220,7 @@ pub(crate) fn start(job: OwnedFd, env: Vec<(String, String)>) -> Result<ServerCh
             status,
         }),
         ForkReply::Failed(why) => Err(Error::Os {
-            context: format!("the fork server (pid {}) could not fork", client.server.pid),
+            context: format!("the fork server (pid {server_pid}) could not fork"),
             message: why,
             errno: None,
         }),
@@ -267,31 +299,23 @@ fn serve(sock: OwnedFd) -> Result<()> {
         let Some(sock) = server.sock.as_ref() else {
             return Ok(());
         };
-        let now = Some(std::time::Instant::now());
-        if !wait_fd(sock.as_fd(), Readiness::Readable, now)? {
-            continue;
-        }
         let packet = match wire::try_recv_packet(sock.as_fd()) {
             Ok(Some(p)) => p,
             Ok(None) => continue,
             // The client is gone: so are we (our children follow by their death signal).
             Err(Error::Closed(_)) => return Ok(()),
+            // A bad packet is consumed; the next one may be fine.
+            Err(e @ (Error::InvalidMessage(_) | Error::FdLimit(_))) => {
+                eprintln!("multiproc fork server: dropped a request: {e}");
+                continue;
+            }
             Err(e) => return Err(e),
         };
-        let reply = match wire::decode::<ForkRequest>(packet) {
-            Ok(request) => match server.fork_worker(request) {
-                Ok((pid, pidfd)) => ForkReply::Started {
-                    pid,
-                    pidfd: PassedFd(pidfd),
-                },
-                Err(e) => ForkReply::Failed(e.to_string()),
-            },
-            Err(e) => ForkReply::Failed(format!("a malformed fork request: {e}")),
-        };
-        let Some(sock) = server.sock.as_ref() else {
-            return Ok(());
-        };
-        wire::encode(&reply)?.send(sock.as_fd(), deadline_after(Some(REPLY_TIMEOUT)))?;
+        match wire::decode::<ForkRequest>(packet) {
+            Ok(request) => server.handle(request),
+            // Nothing to answer on: the status socket is inside the malformed message.
+            Err(e) => eprintln!("multiproc fork server: a malformed fork request: {e}"),
+        }
     }
 }
 
@@ -323,11 +347,51 @@ impl Server {
         Ok(())
     }
 
-    /// Forks a worker for `request`; returns its pid and a pidfd for the client.
-    fn fork_worker(&mut self, request: ForkRequest) -> Result<(i32, OwnedFd)> {
+    /// Forks a worker for `request` and answers on its status socket.
+    fn handle(&mut self, request: ForkRequest) {
         let ForkRequest { job, status, env } = request;
-        let mut job = Some(job.0);
         let mut status = Some(status.0);
+        let result = self.fork_worker(job.0, &mut status, &env);
+        let Some(status) = status else {
+            return; // only a forked child gets here without it, and it never returns
+        };
+        let (reply, running) = match result {
+            Ok((pid, pidfd)) => match pidfd.try_clone() {
+                Ok(for_client) => (
+                    ForkReply::Started {
+                        pid,
+                        pidfd: PassedFd(for_client),
+                    },
+                    Some((pid, pidfd)),
+                ),
+                Err(e) => {
+                    // The client cannot track it: stop it (it is still reaped below).
+                    let _ = sys::send_signal(pidfd.as_fd(), libc::SIGKILL);
+                    let reply = ForkReply::Failed(format!("cannot duplicate a pidfd: {e}"));
+                    (reply, Some((pid, pidfd)))
+                }
+            },
+            Err(e) => (ForkReply::Failed(e.to_string()), None),
+        };
+        // Without waiting: the status socket is fresh, so one small packet always
+        // fits, and a client that went away must not stall the server.
+        if let Ok(mut m) = wire::encode(&reply) {
+            let _ = m.send(status.as_fd(), Some(std::time::Instant::now()));
+        }
+        if let Some((pid, pidfd)) = running {
+            self.children.insert(pid, Running { pidfd, status });
+        }
+    }
+
+    /// Forks a worker that runs the job arriving on `job`; returns its pid and a pidfd
+    /// for it. The child closes `status` and every socket of the server.
+    fn fork_worker(
+        &mut self,
+        job: OwnedFd,
+        status: &mut Option<OwnedFd>,
+        env: &[(String, String)],
+    ) -> Result<(i32, OwnedFd)> {
+        let mut job = Some(job);
         let server = &mut *self;
         let pid = sys::fork_child(|| {
             // In the child (single-threaded, like the server): close the server's
@@ -335,28 +399,20 @@ impl Server {
             // this worker does.
             server.sock = None;
             server.children.clear();
-            status = None;
+            *status = None;
             let Some(job) = job.take() else {
                 return 2;
             };
-            worker::set_worker_env(&env);
-            let code = worker::run_worker(job);
-            sys::flush_stdio();
-            code
+            worker::set_worker_env(env);
+            worker::run_worker(job)
         })?;
         drop(job); // the worker has its copy
-        let status = status.ok_or_else(|| Error::Closed("lost a worker's status socket".into()))?;
-        let pidfd = match sys::pidfd_open(pid) {
-            Ok(fd) => fd,
+        match sys::pidfd_open(pid) {
+            Ok(pidfd) => Ok((pid, pidfd)),
             Err(e) => {
                 sys::kill_and_reap_by_pid(pid);
-                return Err(e);
+                Err(e)
             }
-        };
-        let for_client = pidfd
-            .try_clone()
-            .map_err(|e| Error::os("duplicating a worker's pidfd", e))?;
-        self.children.insert(pid, Running { pidfd, status });
-        Ok((pid, for_client))
+        }
     }
 }

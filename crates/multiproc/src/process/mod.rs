@@ -98,7 +98,7 @@ impl StartMethod {
 
 impl fmt::Display for StartMethod {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
+        f.pad(self.name())
     }
 }
 

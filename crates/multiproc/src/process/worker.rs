@@ -111,7 +111,7 @@ pub(crate) enum Report {
     /// The function returned normally.
     Ok,
     /// It panicked, returned `Err`, or could not start: the full message for the user,
-    /// starting with "process <rank>".
+    /// starting with "process RANK".
     Raised {
         /// "process 1 raised: ..." with location and backtrace when there are some.
         message: String,
@@ -207,9 +207,54 @@ fn describe_panic(info: &PanicHookInfo<'_>) -> String {
     }
     let backtrace = Backtrace::capture();
     if backtrace.status() == BacktraceStatus::Captured {
-        text.push_str(&format!("\n\nstack backtrace:\n{backtrace}"));
+        let full = backtrace.to_string();
+        let shown = if std::env::var("RUST_BACKTRACE").as_deref() == Ok("full") {
+            full
+        } else {
+            trim_backtrace(&full)
+        };
+        text.push_str(&format!("\n\nstack backtrace:\n{shown}"));
     }
     text
+}
+
+/// Keeps the frames between the panic machinery and multiproc's job trampoline: the
+/// user's code. `RUST_BACKTRACE=full` keeps everything.
+fn trim_backtrace(full: &str) -> String {
+    let mut frames: Vec<String> = Vec::new();
+    for line in full.lines() {
+        let starts_frame = line
+            .trim_start()
+            .split_once(": ")
+            .is_some_and(|(n, _)| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()));
+        match frames.last_mut() {
+            Some(frame) if !starts_frame => {
+                frame.push('\n');
+                frame.push_str(line);
+            }
+            _ => frames.push(line.to_string()),
+        }
+    }
+    let end = frames
+        .iter()
+        .position(|f| f.contains("multiproc::process::job::trampoline"))
+        .unwrap_or(frames.len());
+    let start = frames[..end]
+        .iter()
+        .rposition(|f| {
+            f.contains("core::panicking::")
+                || f.contains("rust_begin_unwind")
+                || f.contains("std::panicking::")
+        })
+        .map_or(0, |i| i + 1);
+    if start >= end {
+        return full.to_string();
+    }
+    let mut out = frames[start..end].join("\n");
+    out.push_str(
+        "\n(panic machinery and multiproc's worker frames omitted; RUST_BACKTRACE=full shows them)",
+    );
+    out
 }
 
 fn take_recorded_panic() -> Option<String> {
