@@ -5,7 +5,7 @@
 #![deny(unsafe_code)]
 
 mod error;
-pub mod manager;
+mod manager;
 mod queue;
 mod sharing;
 mod shm;

@@ -177,7 +177,7 @@ impl Segment {
     }
 
     /// Maps the named segment `name` after checking it (a regular file of ours, mode
-    /// 0600, large enough, with our header claiming exactly `claimed` bytes). The
+    /// 0600, with our header, holding at least `claimed` bytes of data). The
     /// in-flight reference the sender took becomes this process's reference.
     pub(crate) fn open_named(name: SegmentName, claimed: u64) -> Result<Segment> {
         let path = shm_path(&name);
@@ -226,19 +226,18 @@ impl Segment {
                 size.saturating_sub(HEADER_LEN as u64)
             )));
         }
-        let total = usize::try_from(claimed)
-            .ok()
-            .and_then(|c| c.checked_add(HEADER_LEN))
-            .ok_or_else(|| {
-                Error::InvalidMessage(format!("a {claimed}-byte segment cannot be mapped"))
-            })?;
+        // The whole file is mapped (the size is known to cover the claim and the header);
+        // the header then says how much of it is data.
+        let total = usize::try_from(size).map_err(|_| {
+            Error::InvalidMessage(format!("segment {path} of {size} bytes cannot be mapped"))
+        })?;
         let mapping = SharedMapping::map(fd.as_fd(), total)?;
-        let segment = Segment {
+        let mut segment = Segment {
             mapping,
             data_offset: HEADER_LEN,
-            len: total - HEADER_LEN,
+            len: 0,
             // No reference yet: if a check below fails, dropping must not release the
-            // sender's in-flight reference on our behalf twice.
+            // sender's in-flight reference on our behalf.
             backing: Backing::Named {
                 name,
                 owner_pid: AtomicI32::new(0),
@@ -255,9 +254,11 @@ impl Segment {
                 "{path} does not carry a multiproc segment header of version {HEADER_VERSION}"
             )));
         }
-        if data_len != claimed {
+        if data_len < claimed || data_len > size - HEADER_LEN as u64 {
             return Err(Error::InvalidMessage(format!(
-                "a received tensor's handle claims {claimed} bytes but the header of {path} says {data_len}"
+                "a received tensor's handle claims {claimed} bytes; the header of {path} says {data_len} \
+                 and the file holds {}",
+                size - HEADER_LEN as u64
             )));
         }
         if h.refcount.load(Ordering::Acquire) == 0 {
@@ -266,6 +267,7 @@ impl Segment {
                  was probably sent twice or forged"
             )));
         }
+        segment.len = data_len as usize;
         segment.adopt_reference();
         Ok(segment)
     }

@@ -530,7 +530,7 @@ impl Tensor {
             let dst = Region::<T>::new(&dst_read, &self.layout)?;
             let src = Region::<T>::new(&src_read, &other.layout)?;
             match op {
-                BinaryOp::Add { alpha } if alpha == 1.0 => raw::zip_map(&dst, &src, |a, b| a.add(b)),
+                BinaryOp::Add { alpha: 1.0 } => raw::zip_map(&dst, &src, |a, b| a.add(b)),
                 BinaryOp::Add { alpha } => {
                     let alpha: T = scalar(alpha)?;
                     raw::zip_map(&dst, &src, |a, b| a.add(alpha.mul(b)))
