@@ -72,11 +72,17 @@ fn run_child(role: &str) -> i32 {
         }
         "manager_restart" => {
             let first = shared_fs_tensor(1.0).expect("share");
-            say(&format!("name {}", first.storage().shm_name().expect("a name")));
+            say(&format!(
+                "name {}",
+                first.storage().shm_name().expect("a name")
+            ));
             wait_for_stdin_line();
             match shared_fs_tensor(2.0) {
                 Ok(second) => {
-                    say(&format!("name {}", second.storage().shm_name().expect("a name")));
+                    say(&format!(
+                        "name {}",
+                        second.storage().shm_name().expect("a name")
+                    ));
                     wait_for_stdin_line();
                     // Exit holding both: the restarted manager must clean up both.
                     std::mem::forget((first, second));
@@ -265,8 +271,11 @@ fn manager_pids(address: &str) -> Vec<i32> {
             continue;
         };
         let vars: Vec<&[u8]> = env.split(|&b| b == 0).collect();
-        let zombie = std::fs::read_to_string(format!("/proc/{pid}/stat"))
-            .map_or(true, |s| s.rsplit(')').next().is_some_and(|r| r.trim_start().starts_with('Z')));
+        let zombie = std::fs::read_to_string(format!("/proc/{pid}/stat")).map_or(true, |s| {
+            s.rsplit(')')
+                .next()
+                .is_some_and(|r| r.trim_start().starts_with('Z'))
+        });
         if !zombie && vars.contains(&role) && vars.contains(&addr.as_bytes()) {
             pids.push(pid);
         }
@@ -297,9 +306,16 @@ fn a_sigkilled_file_system_producer_leaves_nothing_in_dev_shm() {
     let kid = spawn_child("fs_producer");
     let names = kid.names(4);
     assert_eq!(kid.line(), "ready");
-    assert!(names.iter().all(|n| shm_exists(n)), "segments exist while the producer lives");
+    assert!(
+        names.iter().all(|n| shm_exists(n)),
+        "segments exist while the producer lives"
+    );
     let manager = wait_for_manager(&kid.address);
-    assert_ne!(manager, kid.child.id() as i32, "the manager is a process of its own");
+    assert_ne!(
+        manager,
+        kid.child.id() as i32,
+        "the manager is a process of its own"
+    );
     let address = kid.address.clone();
     sigkill(kid.child.id() as i32);
     let killed = Instant::now();
@@ -308,7 +324,10 @@ fn a_sigkilled_file_system_producer_leaves_nothing_in_dev_shm() {
     println!("cleaned up {:?} after the SIGKILL", killed.elapsed());
     let deadline = Instant::now() + Duration::from_secs(5);
     while !manager_pids(&address).is_empty() {
-        assert!(Instant::now() < deadline, "the manager did not exit after cleaning up");
+        assert!(
+            Instant::now() < deadline,
+            "the manager did not exit after cleaning up"
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
 }
@@ -350,7 +369,13 @@ fn a_small_dev_shm_is_a_clear_error_and_memfds_are_not_bounded_by_it() {
     let msg = line
         .strip_prefix("oom ")
         .unwrap_or_else(|| panic!("expected OutOfSharedMemory, got {line}"));
-    for part in ["32.0 MiB", "/dev/shm has", "of 16.0 MiB", "--shm-size", "/dev/shm/multiproc_"] {
+    for part in [
+        "32.0 MiB",
+        "/dev/shm has",
+        "of 16.0 MiB",
+        "--shm-size",
+        "/dev/shm/multiproc_",
+    ] {
         assert!(msg.contains(part), "{msg:?} should mention {part:?}");
     }
     assert_eq!(kid.line(), format!("private true sum {}", 32 << 20));

@@ -150,7 +150,24 @@ pub(super) fn connect(addr: &str) -> Result<Option<OwnedFd>> {
         .map_err(|e| Error::Manager(format!("bad manager address @{addr}: {e}")))?;
     loop {
         match rustix::net::connect(&sock, &sockaddr) {
-            Ok(()) => return Ok(Some(sock)),
+            Ok(()) => {
+                // The manager checks our uid; we check its, so that names are never
+                // handed to another user's process squatting on the address.
+                let me = rustix::process::getuid();
+                return match rustix::net::sockopt::socket_peercred(&sock) {
+                    Ok(cred) if cred.uid == me => Ok(Some(sock)),
+                    Ok(cred) => Err(Error::Manager(format!(
+                        "the process listening at @{addr} (pid {}) belongs to uid {}, not to us \
+                         (uid {}); unset {ADDRESS_ENV} or choose another address",
+                        cred.pid.as_raw_nonzero(),
+                        cred.uid.as_raw(),
+                        me.as_raw()
+                    ))),
+                    Err(e) => Err(Error::Manager(format!(
+                        "cannot check who listens at @{addr}: {e}"
+                    ))),
+                };
+            }
             Err(Errno::INTR) => {}
             Err(Errno::CONNREFUSED) | Err(Errno::NOENT) => return Ok(None),
             Err(e) => {
