@@ -1,1 +1,97 @@
-fn main() {}
+//! The `multiproc` command: tools around the multiproc library.
+
+mod bench;
+mod doctor;
+mod gc;
+
+use clap::{Parser, Subcommand};
+
+/// Tools for multiproc: shared-memory tensors and worker processes for Rust.
+#[derive(Parser, Debug)]
+#[command(name = "multiproc", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Check /dev/shm, fd limits, memfd support and leftovers; advise what to change.
+    /// Exits 0 when healthy, 1 otherwise.
+    Doctor,
+    /// Remove multiproc segments in /dev/shm whose creator is dead.
+    Gc {
+        /// List what would be removed, remove nothing.
+        #[arg(long)]
+        dry_run: bool,
+    },
+    /// Run the benchmark scenarios (fresh, small, ping, spawn) with both strategies.
+    Bench {
+        /// One JSON object per line instead of a table.
+        #[arg(long)]
+        json: bool,
+        /// Scale every count by this factor (0.1 for a quick look).
+        #[arg(long, default_value_t = 1.0)]
+        scale: f64,
+        /// Run only these scenarios (fresh, small, ping, spawn); repeatable.
+        #[arg(long = "scenario")]
+        only: Vec<String>,
+        /// Only this sharing strategy (file_descriptor or file_system).
+        #[arg(long)]
+        strategy: Option<multiproc::SharingStrategy>,
+    },
+    /// Run the shm manager daemon in the foreground (normally started for you).
+    ShmManager,
+}
+
+fn main() {
+    multiproc::init();
+    let cli = Cli::parse();
+    let code = match cli.command {
+        Command::Bench {
+            json,
+            scale,
+            only,
+            strategy,
+        } => {
+            let plan = bench::Plan {
+                scale,
+                only,
+                strategy,
+            };
+            if !json {
+                println!(
+                    "{:<7} {:<16} {:>9} {:>7}  result",
+                    "scenario", "strategy", "size", "count"
+                );
+            }
+            let result = bench::run(&plan, |f| {
+                if json {
+                    println!("{}", serde_json::to_string(f).unwrap_or_default());
+                } else {
+                    println!("{}", bench::row(f));
+                }
+            });
+            match result {
+                Ok(_) => 0,
+                Err(e) => {
+                    eprintln!("benchmark failed: {e}");
+                    1
+                }
+            }
+        }
+        Command::ShmManager => match multiproc::run_shm_manager_from_env() {
+            Ok(_) => 0,
+            Err(e) => {
+                eprintln!("shm manager: {e}");
+                1
+            }
+        },
+        Command::Doctor => i32::from(!doctor::run()),
+        Command::Gc { dry_run } => {
+            gc::run(dry_run);
+            0
+        }
+    };
+    std::process::exit(code);
+}

@@ -86,6 +86,15 @@ pub enum Error {
     /// inconsistent. The lock is now held by the caller.
     #[error("{0}")]
     OwnerDied(String),
+    /// One task of a [`Pool`](crate::Pool) failed: it panicked, returned `Err`, or its
+    /// worker process died while running it. The pool and its other tasks carry on.
+    #[error("task {index} failed: {message}")]
+    TaskFailed {
+        /// The task's index in the submitted items.
+        index: usize,
+        /// What happened (the panic text, the error, or how the worker died).
+        message: String,
+    },
     /// An argument was out of range or otherwise unusable.
     #[error("{0}")]
     InvalidArgument(String),

@@ -133,7 +133,6 @@ pub fn set_sharing_strategy(strategy: SharingStrategy) {
 /// The environment a process started by multiproc needs to share memory the way its
 /// parent does: the sharing strategy and the address of the shm manager of this
 /// process tree. The process-start code adds these to every child's environment.
-#[allow(dead_code)] // used by the process-start code
 pub(crate) fn env_for_child() -> Vec<(&'static str, String)> {
     vec![
         (STRATEGY_ENV, get_sharing_strategy().name().to_owned()),

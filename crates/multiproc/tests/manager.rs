@@ -2,11 +2,8 @@
 //! binary, cleaning up after a SIGKILLed producer, restarting after being SIGKILLed
 //! itself, and a full /dev/shm reported as an error.
 //!
-//! Children are this binary re-executed with `TEST_CHILD=<role>`; a hook that runs
-//! before `main` (below) sends them to their role, and sends a process started as the
-//! manager (`MULTIPROC_ROLE=shm-manager`) to the manager. Each child gets a manager
-//! address of its own, so the tests do not share managers with each other or with this
-//! process.
+//! Each child gets a manager address of its own, so the tests do not share managers with
+//! each other or with this process.
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::Path;
@@ -16,16 +13,21 @@ use std::time::{Duration, Instant};
 
 use multiproc::{DType, Error, SharingStrategy, Tensor};
 
-// TODO(process merge): replace this hook with `multiproc::test_init!();`.
-mod hook {
+multiproc::test_init!();
+
+// Children of these tests are this binary re-executed with `TEST_CHILD=<role>`: a hook
+// that runs before `main` (after `test_init!`'s, which sends a process started as the
+// manager to the manager) sends them to their role.
+mod child_hook {
     #[used]
     #[unsafe(link_section = ".init_array")]
     static BEFORE_MAIN: extern "C" fn() = before_main;
 
     extern "C" fn before_main() {
-        if std::env::var("MULTIPROC_ROLE").as_deref() == Ok("shm-manager") {
-            let ok = multiproc::run_shm_manager_from_env().is_ok();
-            std::process::exit(if ok { 0 } else { 1 });
+        // A process multiproc started (the manager, a worker) is `test_init!`'s, whichever
+        // hook runs first.
+        if std::env::var_os("MULTIPROC_ROLE").is_some() {
+            return;
         }
         if let Ok(role) = std::env::var("TEST_CHILD") {
             std::process::exit(super::run_child(&role));

@@ -104,11 +104,17 @@ impl<T: Serialize + DeserializeOwned> Connection<T> {
     /// # Errors
     /// Only when the kernel refuses the wait.
     pub fn poll(&self, timeout: Option<Duration>) -> Result<bool> {
-        let deadline = match timeout {
-            None => None,
-            Some(t) => Some(Instant::now() + t),
-        };
+        let deadline = timeout.map(|t| Instant::now() + t);
         wait_fd(self.sock.as_fd(), Readiness::Readable, deadline)
+    }
+}
+
+/// The socket, for waiting on several connections at once (`poll`/`epoll`), as
+/// Python's `Connection.fileno()` allows. Reading or writing it directly bypasses the
+/// framing: the other end reports such bytes as [`Error::InvalidMessage`].
+impl<T> AsFd for Connection<T> {
+    fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        self.sock.as_fd()
     }
 }
 

@@ -7,7 +7,7 @@
 //! may be written concurrently by anyone, other processes included.
 
 use std::os::fd::{AsFd, OwnedFd};
-use std::sync::atomic::AtomicU32;
+use std::sync::atomic::{AtomicU32, AtomicU64};
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
@@ -78,6 +78,24 @@ impl SharedBlock {
         // SAFETY: `index < WORDS` keeps the address inside the BLOCK_BYTES mapping, which
         // is page-aligned so every word is 4-aligned; the mapping outlives `&self`.
         unsafe { &*self.map.as_ptr().cast::<AtomicU32>().add(index) }
+    }
+
+    /// The 64-bit word made of 32-bit words `index` and `index + 1` (`index` even).
+    pub(crate) fn word64(&self, index: usize) -> &AtomicU64 {
+        assert!(
+            index % 2 == 0 && index + 1 < WORDS,
+            "shared block word64 {index} out of range"
+        );
+        // SAFETY: an even `index` below WORDS-1 keeps 8 bytes inside the page-aligned
+        // mapping at an 8-aligned address; the mapping outlives `&self`.
+        unsafe {
+            &*self
+                .map
+                .as_ptr()
+                .cast::<AtomicU32>()
+                .add(index)
+                .cast::<AtomicU64>()
+        }
     }
 
     /// Serializes the block as an fd in the wire's side table.

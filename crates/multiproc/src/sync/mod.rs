@@ -1,10 +1,117 @@
 //! Process-shared synchronisation: state lives in a [`SharedBlock`](block::SharedBlock)
 //! of atomic words that every process holding the primitive maps, and waiting is a
 //! futex on one of those words (no busy-waiting, no helper process).
+//!
+//! Every primitive is `Clone` (another handle in this process) and `Serialize` through
+//! multiproc channels (a handle in another process).
 
 #[allow(unsafe_code)]
 pub(crate) mod block;
 mod event;
 pub(crate) mod futex;
+mod lock;
+mod primitives;
 
 pub use event::Event;
+pub use lock::{Lock, LockGuard, RLock};
+pub use primitives::{Barrier, BoundedSemaphore, Condition, Semaphore, SharedValue, Value};
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::Ordering;
+    use std::time::Duration;
+
+    use super::*;
+    use crate::Error;
+
+    #[test]
+    fn lock_excludes_threads_and_value_counts_exactly() {
+        let counter = Value::new(0u64).unwrap();
+        let threads: Vec<_> = (0..4)
+            .map(|_| {
+                let c = counter.clone();
+                std::thread::spawn(move || {
+                    for _ in 0..2_000 {
+                        let _g = c.get_lock().lock().unwrap();
+                        c.set(c.get() + 1);
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        assert_eq!(counter.get(), 8_000);
+    }
+
+    #[test]
+    fn a_dead_holder_is_reported_not_waited_for() {
+        let lock = Lock::new().unwrap();
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let dead_pid = child.id();
+        child.wait().unwrap();
+        // Pretend the child took the lock and died holding it.
+        lock.raw_for_tests()
+            .block_word_owner()
+            .store(dead_pid, Ordering::Release);
+        let err = lock.acquire(Some(Duration::from_secs(5))).unwrap_err();
+        assert!(matches!(err, Error::OwnerDied(_)), "{err}");
+        assert!(err.to_string().contains(&dead_pid.to_string()), "{err}");
+        assert!(
+            lock.is_locked(),
+            "the caller holds the lock after OwnerDied"
+        );
+        lock.release().unwrap();
+    }
+
+    #[test]
+    fn bounded_semaphore_refuses_extra_release() {
+        let s = BoundedSemaphore::new(2).unwrap();
+        assert!(s.acquire(None).unwrap());
+        assert!(s.acquire(None).unwrap());
+        assert!(!s.acquire(Some(Duration::from_millis(10))).unwrap());
+        s.release().unwrap();
+        s.release().unwrap();
+        assert!(s.release().is_err());
+    }
+
+    #[test]
+    fn rlock_reenters_and_barrier_releases_all() {
+        let r = RLock::new().unwrap();
+        assert!(r.acquire(None).unwrap() && r.acquire(None).unwrap());
+        r.release().unwrap();
+        r.release().unwrap();
+        assert!(r.release().is_err());
+
+        let b = Barrier::new(3).unwrap();
+        let hs: Vec<_> = (0..3)
+            .map(|_| {
+                let b = b.clone();
+                std::thread::spawn(move || b.wait(Some(Duration::from_secs(10))).unwrap())
+            })
+            .collect();
+        let mut idx: Vec<u32> = hs.into_iter().map(|h| h.join().unwrap()).collect();
+        idx.sort();
+        assert_eq!(idx, [0, 1, 2]);
+    }
+
+    #[test]
+    fn condition_wakes_a_waiter() {
+        let c = Condition::new().unwrap();
+        let flag = Value::new(false).unwrap();
+        let (c2, f2) = (c.clone(), flag.clone());
+        let waiter = std::thread::spawn(move || {
+            c2.acquire(None).unwrap();
+            let ok = c2
+                .wait_for(|| f2.get(), Some(Duration::from_secs(10)))
+                .unwrap();
+            c2.release().unwrap();
+            ok
+        });
+        c.acquire(None).unwrap();
+        flag.set(true);
+        c.notify_all();
+        c.release().unwrap();
+        assert!(waiter.join().unwrap());
+    }
+}

@@ -11,6 +11,7 @@
 pub(crate) mod daemon;
 pub(crate) mod memfd;
 pub(crate) mod mmap;
+pub(crate) mod process;
 pub(crate) mod socket;
 
 pub(crate) use socket::{Deadline, Readiness, deadline_after, wait_fd};

@@ -75,6 +75,29 @@ pub(crate) fn wait_fd(
     }
 }
 
+/// Waits until any of `fds` is readable (or hung up) or the deadline passes; returns
+/// which are ready (all `false` on timeout).
+pub(crate) fn poll_readable(fds: &[BorrowedFd<'_>], deadline: Deadline) -> Result<Vec<bool>> {
+    loop {
+        let timeout = deadline.map(|d| {
+            let left = d.saturating_duration_since(Instant::now());
+            Timespec {
+                tv_sec: left.as_secs() as i64,
+                tv_nsec: left.subsec_nanos() as _,
+            }
+        });
+        let mut polled: Vec<PollFd<'_>> = fds
+            .iter()
+            .map(|fd| PollFd::from_borrowed_fd(*fd, PollFlags::IN))
+            .collect();
+        match poll(&mut polled, timeout.as_ref()) {
+            Ok(_) => return Ok(polled.iter().map(|p| !p.revents().is_empty()).collect()),
+            Err(Errno::INTR) => {}
+            Err(e) => return Err(Error::os("poll", e)),
+        }
+    }
+}
+
 /// A connected pair of non-blocking, close-on-exec `SOCK_SEQPACKET` sockets.
 pub(crate) fn seqpacket_pair() -> Result<(OwnedFd, OwnedFd)> {
     let (a, b) = socketpair(

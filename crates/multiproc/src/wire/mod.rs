@@ -466,6 +466,91 @@ fn read_sealed_payload(fd: BorrowedFd<'_>, len: usize) -> Result<Vec<u8>> {
     Ok(out)
 }
 
+/// A message inside a message: a value encoded on its own, to be decoded later by code
+/// that knows its type (a pool worker that receives tasks of many types through one
+/// channel).
+///
+/// Its handles ride in the outer message's fd table, so a tensor inside an `Opaque`
+/// travels by handle like any other.
+pub(crate) struct Opaque {
+    bytes: Vec<u8>,
+    fds: Vec<OwnedFd>,
+    on_unsent: Vec<Box<dyn FnOnce() + Send>>,
+}
+
+impl Opaque {
+    /// Encodes `value` now.
+    pub(crate) fn encode<T: Serialize + ?Sized>(value: &T) -> Result<Self> {
+        let mut inner = encode(value)?;
+        // The inner packet: header plus inline payload, or header alone with the
+        // payload memfd as its last fd; either way it decodes with `decode`.
+        let mut bytes = inner.header.to_vec();
+        bytes.extend_from_slice(&inner.payload);
+        Ok(Self {
+            bytes,
+            fds: std::mem::take(&mut inner.fds),
+            on_unsent: {
+                inner.sent = true; // ownership of the undo work moves to the Opaque
+                std::mem::take(&mut inner.on_unsent)
+            },
+        })
+    }
+
+    /// Decodes the value.
+    pub(crate) fn decode<T: DeserializeOwned>(mut self) -> Result<T> {
+        self.on_unsent.clear();
+        decode(Packet {
+            bytes: std::mem::take(&mut self.bytes),
+            fds: std::mem::take(&mut self.fds),
+        })
+    }
+}
+
+impl Drop for Opaque {
+    fn drop(&mut self) {
+        for undo in self.on_unsent.drain(..) {
+            undo();
+        }
+    }
+}
+
+impl Serialize for Opaque {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        use serde::ser::Error as _;
+        let mut indices = Vec::with_capacity(self.fds.len());
+        for fd in &self.fds {
+            indices.push(attach_fd(fd.as_fd(), "a nested message").map_err(S::Error::custom)?);
+        }
+        (&self.bytes, indices).serialize(s)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for Opaque {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        use serde::de::Error as _;
+        let (bytes, indices) = <(Vec<u8>, Vec<u32>)>::deserialize(d)?;
+        let fds = indices
+            .into_iter()
+            .map(|i| received_fd(i, "a nested message"))
+            .collect::<std::result::Result<Vec<_>, _>>()
+            .map_err(D::Error::custom)?;
+        Ok(Self {
+            bytes,
+            fds,
+            on_unsent: Vec::new(),
+        })
+    }
+}
+
+impl std::fmt::Debug for Opaque {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Opaque")
+            .field("bytes", &self.bytes.len())
+            .field("fds", &self.fds.len())
+            .finish()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -486,6 +571,17 @@ mod tests {
         );
         let big: Vec<u8> = (0..3_000_000u32).map(|i| i as u8).collect();
         assert_eq!(roundtrip(&big).unwrap(), big);
+    }
+
+    #[test]
+    fn nested_messages_carry_their_fds() {
+        let (a, b) = socket::seqpacket_pair().unwrap();
+        let inner = Opaque::encode(&crate::Event::new().unwrap()).unwrap();
+        let outer: (u8, Opaque) = roundtrip(&(7u8, inner)).unwrap();
+        let ev: crate::Event = outer.1.decode().unwrap();
+        ev.set();
+        assert!(ev.is_set());
+        drop((a, b));
     }
 
     #[test]

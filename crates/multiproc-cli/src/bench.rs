@@ -1,0 +1,250 @@
+//! `multiproc bench`: the scenarios of DESIGN.md §3, measured end to end across real
+//! processes, with both sharing strategies.
+//!
+//! Every scenario starts its worker first and waits for it to say it is ready, so
+//! process start-up is timed only by the `spawn` scenario.
+
+use std::time::{Duration, Instant};
+
+use multiproc::{DType, Queue, SharingStrategy, StartMethod, Tensor};
+use serde::{Deserialize, Serialize};
+
+/// One measured figure.
+#[derive(Debug, Clone, Serialize)]
+pub struct Figure {
+    scenario: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    strategy: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    bytes: Option<u64>,
+    count: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    per_s: Option<f64>,
+    #[serde(rename = "GB_s", skip_serializing_if = "Option::is_none")]
+    gb_s: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    us_per_roundtrip: Option<f64>,
+    seconds: f64,
+    #[serde(rename = "impl")]
+    implementation: &'static str,
+}
+
+#[derive(Serialize, Deserialize)]
+enum Msg {
+    Ready,
+    Tensor(Tensor),
+}
+
+/// Worker of `fresh` and `small`: makes `count` new tensors of `floats` f32, fills
+/// each, puts it.
+fn producer(_rank: usize, (q, floats, count): (Queue<Msg>, usize, u64)) -> multiproc::Result<()> {
+    q.put(Msg::Ready)?;
+    for i in 0..count {
+        let t = Tensor::zeros(&[floats], DType::F32)?;
+        t.fill_((i % 7) as f64)?;
+        q.put(Msg::Tensor(t))?;
+    }
+    Ok(())
+}
+
+/// Worker of `ping`: sends every tensor it gets straight back.
+fn ponger(
+    _rank: usize,
+    (inbox, outbox, count): (Queue<Msg>, Queue<Msg>, u64),
+) -> multiproc::Result<()> {
+    outbox.put(Msg::Ready)?;
+    for _ in 0..count {
+        let m = inbox.get()?;
+        outbox.put(m)?;
+    }
+    Ok(())
+}
+
+fn noop(_rank: usize, _: ()) {}
+
+fn expect_ready(q: &Queue<Msg>) -> multiproc::Result<()> {
+    match q.get_timeout(Duration::from_secs(60))? {
+        Some(Msg::Ready) => Ok(()),
+        _ => Err(multiproc::Error::Timeout(
+            "the benchmark worker did not start".into(),
+        )),
+    }
+}
+
+fn fresh(
+    strategy: SharingStrategy,
+    bytes: u64,
+    count: u64,
+    scenario: &'static str,
+) -> multiproc::Result<Figure> {
+    let q = Queue::with_capacity(4)?;
+    let floats = (bytes / 4) as usize;
+    let mut ctx =
+        multiproc::start_processes(producer, (q.clone(), floats, count), 1, StartMethod::Spawn)?;
+    expect_ready(&q)?;
+    let start = Instant::now();
+    let mut total = 0.0;
+    for _ in 0..count {
+        match q.get_timeout(Duration::from_secs(120))? {
+            Some(Msg::Tensor(t)) => total += t.sum(),
+            _ => return Err(multiproc::Error::Timeout("the producer stalled".into())),
+        }
+    }
+    let seconds = start.elapsed().as_secs_f64();
+    std::hint::black_box(total);
+    while !ctx.join(Some(Duration::from_secs(60)))? {}
+    Ok(Figure {
+        scenario,
+        strategy: Some(strategy.to_string()),
+        bytes: Some(bytes),
+        count,
+        per_s: Some(count as f64 / seconds),
+        gb_s: Some((bytes * count) as f64 / seconds / 1e9),
+        us_per_roundtrip: None,
+        seconds,
+        implementation: "multiproc",
+    })
+}
+
+fn ping(strategy: SharingStrategy, bytes: u64, count: u64) -> multiproc::Result<Figure> {
+    let there = Queue::with_capacity(4)?;
+    let back = Queue::with_capacity(4)?;
+    let mut ctx = multiproc::start_processes(
+        ponger,
+        (there.clone(), back.clone(), count),
+        1,
+        StartMethod::Spawn,
+    )?;
+    expect_ready(&back)?;
+    let mut t = Tensor::zeros(&[(bytes / 4) as usize], DType::F32)?;
+    t.share_memory_()?;
+    let start = Instant::now();
+    for _ in 0..count {
+        there.put(Msg::Tensor(t)).map_err(multiproc::Error::from)?;
+        t = match back.get_timeout(Duration::from_secs(60))? {
+            Some(Msg::Tensor(t)) => t,
+            _ => return Err(multiproc::Error::Timeout("the ping partner stalled".into())),
+        };
+    }
+    let seconds = start.elapsed().as_secs_f64();
+    while !ctx.join(Some(Duration::from_secs(60)))? {}
+    Ok(Figure {
+        scenario: "ping",
+        strategy: Some(strategy.to_string()),
+        bytes: Some(bytes),
+        count,
+        per_s: Some(count as f64 / seconds),
+        gb_s: None,
+        us_per_roundtrip: Some(seconds * 1e6 / count as f64),
+        seconds,
+        implementation: "multiproc",
+    })
+}
+
+fn spawn4(runs: u64) -> multiproc::Result<Figure> {
+    multiproc::spawn(noop, (), 4)?; // warm the page cache and the launcher
+    let mut times = Vec::new();
+    for _ in 0..runs {
+        let start = Instant::now();
+        multiproc::spawn(noop, (), 4)?;
+        times.push(start.elapsed().as_secs_f64());
+    }
+    times.sort_by(f64::total_cmp);
+    let median = times[times.len() / 2];
+    Ok(Figure {
+        scenario: "spawn",
+        strategy: None,
+        bytes: None,
+        count: 4,
+        per_s: None,
+        gb_s: None,
+        us_per_roundtrip: None,
+        seconds: median,
+        implementation: "multiproc",
+    })
+}
+
+/// Which scenarios to run, and how big.
+pub struct Plan {
+    /// Scale every count by this (for a quick run).
+    pub scale: f64,
+    /// Only these scenarios (all when empty).
+    pub only: Vec<String>,
+    /// Only this strategy (both when `None`).
+    pub strategy: Option<SharingStrategy>,
+}
+
+/// Runs the plan, reporting each figure as it comes; returns them all.
+pub fn run(plan: &Plan, mut report: impl FnMut(&Figure)) -> multiproc::Result<Vec<Figure>> {
+    let scaled = |n: u64| ((n as f64 * plan.scale).round() as u64).max(2);
+    let wanted = |s: &str| plan.only.is_empty() || plan.only.iter().any(|o| o == s);
+    let strategies = match plan.strategy {
+        Some(s) => vec![s],
+        None => multiproc::get_all_sharing_strategies().to_vec(),
+    };
+    let mut figures = Vec::new();
+    let mut record = |f: Figure, figures: &mut Vec<Figure>| {
+        report(&f);
+        figures.push(f);
+    };
+    for &strategy in &strategies {
+        multiproc::set_sharing_strategy(strategy);
+        if wanted("fresh") {
+            for (bytes, count) in [
+                (4u64 << 10, 2000u64),
+                (1 << 20, 500),
+                (64 << 20, 40),
+                (256 << 20, 10),
+            ] {
+                record(
+                    fresh(strategy, bytes, scaled(count), "fresh")?,
+                    &mut figures,
+                );
+            }
+        }
+        if wanted("small") {
+            record(fresh(strategy, 256, scaled(20_000), "small")?, &mut figures);
+        }
+        if wanted("ping") {
+            for bytes in [4u64 << 10, 64 << 20] {
+                record(ping(strategy, bytes, scaled(2000))?, &mut figures);
+            }
+        }
+    }
+    multiproc::set_sharing_strategy(SharingStrategy::FileDescriptor);
+    if wanted("spawn") {
+        record(spawn4(scaled(10))?, &mut figures);
+    }
+    Ok(figures)
+}
+
+/// One table row for a figure.
+pub fn row(f: &Figure) -> String {
+    let size = f.bytes.map_or("-".to_string(), human);
+    let value = if let Some(us) = f.us_per_roundtrip {
+        format!("{us:>12.1} us/roundtrip")
+    } else if f.scenario == "spawn" {
+        format!("{:>12.1} ms for 4", f.seconds * 1e3)
+    } else {
+        format!(
+            "{:>12.0} /s  {:>7.2} GB/s",
+            f.per_s.unwrap_or(0.0),
+            f.gb_s.unwrap_or(0.0)
+        )
+    };
+    format!(
+        "{:<7} {:<16} {:>9} {:>7}  {value}",
+        f.scenario,
+        f.strategy.as_deref().unwrap_or("-"),
+        size,
+        f.count
+    )
+}
+
+fn human(b: u64) -> String {
+    match b {
+        b if b >= 1 << 20 => format!("{} MiB", b >> 20),
+        b if b >= 1 << 10 => format!("{} KiB", b >> 10),
+        b => format!("{b} B"),
+    }
+}

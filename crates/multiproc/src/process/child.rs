@@ -1,0 +1,540 @@
+//! A started worker as its parent tracks it ([`Child`]), and the public [`Process`].
+//!
+//! A [`Child`] owns the pidfd of the worker, the parent end of its job socket (where the
+//! worker's [`Report`] arrives) and, for a fork-server worker, the socket on which the
+//! server delivers its exit status. Its exit is observed by polling: the pidfd for a
+//! direct child (then `waitid(P_PIDFD)` reaps it), the status socket for a fork-server
+//! child (the server reaps it). Dropping a `Child` that still runs kills it first if it
+//! is a daemon, then waits for it and reaps it.
+
+use std::fmt;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::time::Duration;
+
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use super::job::{JobHeader, WorkerResult};
+use super::launch::{self, Launch};
+use super::worker::{ROLE_VAR, Report, WORKER_FD_VAR};
+use super::{ExitStatus, StartMethod, forkserver};
+use crate::sys::process as sys;
+use crate::sys::socket::seqpacket_pair;
+use crate::sys::{Deadline, deadline_after};
+use crate::wire::{self, Encoded};
+use crate::{Error, Result};
+
+/// How long sending a job may wait for room in the job socket (a fresh socket holds the
+/// two small packets of a job at once, so this only bounds a pathological case).
+const JOB_SEND_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Where a worker's exit is observed.
+#[derive(Debug)]
+enum ExitSource {
+    /// Our own child: poll the pidfd, then reap with `waitid`.
+    Direct,
+    /// The fork server's child: it sends the status on this socket once it has reaped
+    /// the worker. `None` once the server hung up without sending it (then the pidfd
+    /// tells us when the worker is gone, and the status is unknown).
+    Server(Option<OwnedFd>),
+}
+
+/// Everything the parent knows and holds about one started worker.
+#[derive(Debug)]
+pub(crate) struct Child {
+    pub rank: usize,
+    pub pid: i32,
+    pidfd: OwnedFd,
+    exit_source: ExitSource,
+    /// The parent end of the job socket, while a report may still arrive on it.
+    channel: Option<OwnedFd>,
+    report: Option<Report>,
+    status: Option<ExitStatus>,
+    /// Whether we sent it a signal (a death by that signal is ours, not its failure).
+    pub signalled: bool,
+    pub daemon: bool,
+}
+
+/// What a worker needs to start.
+pub(crate) struct JobSpec {
+    pub header: JobHeader,
+    pub args: Encoded,
+    pub method: StartMethod,
+    /// `RANK`, `LOCAL_RANK`, `WORLD_SIZE`, …
+    pub env: Vec<(&'static str, String)>,
+    pub daemon: bool,
+}
+
+/// The environment torchrun gives a worker, plus `MASTER_ADDR`/`MASTER_PORT` when the
+/// caller has them (a fork server started earlier would not otherwise see them).
+pub(crate) fn worker_env(rank: usize, world_size: Option<usize>) -> Vec<(&'static str, String)> {
+    let mut env = vec![("RANK", rank.to_string()), ("LOCAL_RANK", rank.to_string())];
+    if let Some(n) = world_size {
+        env.push(("WORLD_SIZE", n.to_string()));
+    }
+    for key in ["MASTER_ADDR", "MASTER_PORT"] {
+        if let Ok(value) = std::env::var(key) {
+            env.push((key, value));
+        }
+    }
+    // The sharing strategy and the shm manager of this process tree.
+    env.extend(crate::sharing::env_for_child());
+    env
+}
+
+impl Child {
+    /// Sends the job into a fresh socket and starts the worker that will read it.
+    pub(crate) fn start(spec: JobSpec) -> Result<Child> {
+        let JobSpec {
+            header,
+            mut args,
+            method,
+            env,
+            daemon,
+        } = spec;
+        let rank = header.rank;
+        let (channel, job_end) = seqpacket_pair()?;
+        let deadline = deadline_after(Some(JOB_SEND_TIMEOUT));
+        wire::encode(&header)?.send(channel.as_fd(), deadline)?;
+        args.send(channel.as_fd(), deadline)?;
+        let (pid, pidfd, exit_source) = match method {
+            StartMethod::Spawn => {
+                let mut exec_env = vec![(ROLE_VAR, "worker".to_string())];
+                exec_env.extend(env);
+                let l = launch::launch(Launch::Exec {
+                    env: exec_env,
+                    fd_var: WORKER_FD_VAR,
+                    fd: job_end,
+                })?;
+                (l.pid, l.pidfd, ExitSource::Direct)
+            }
+            StartMethod::Fork => {
+                let l = launch::launch(Launch::Fork { env, job: job_end })?;
+                (l.pid, l.pidfd, ExitSource::Direct)
+            }
+            StartMethod::Forkserver => {
+                let env = env.into_iter().map(|(k, v)| (k.to_string(), v)).collect();
+                let c = forkserver::start(job_end, env)?;
+                (c.pid, c.pidfd, ExitSource::Server(Some(c.status)))
+            }
+        };
+        Ok(Child {
+            rank,
+            pid,
+            pidfd,
+            exit_source,
+            channel: Some(channel),
+            report: None,
+            status: None,
+            signalled: false,
+            daemon,
+        })
+    }
+
+    /// The exit status, once observed.
+    pub(crate) fn status(&self) -> Option<ExitStatus> {
+        self.status
+    }
+
+    pub(crate) fn has_exited(&self) -> bool {
+        self.status.is_some()
+    }
+
+    /// Whether it still runs (without reaping it).
+    pub(crate) fn is_alive(&self) -> bool {
+        self.status.is_none() && !sys::has_exited(self.pidfd.as_fd())
+    }
+
+    /// The fds whose readiness means news about this worker: its report, its exit.
+    pub(crate) fn watch_fds<'a>(&'a self, out: &mut Vec<BorrowedFd<'a>>) {
+        if self.report.is_none() {
+            if let Some(ch) = &self.channel {
+                out.push(ch.as_fd());
+            }
+        }
+        if self.status.is_none() {
+            match &self.exit_source {
+                ExitSource::Direct | ExitSource::Server(None) => out.push(self.pidfd.as_fd()),
+                ExitSource::Server(Some(status)) => out.push(status.as_fd()),
+            }
+        }
+    }
+
+    /// Takes in whatever has happened, without waiting: the report, the exit (reaping).
+    pub(crate) fn collect(&mut self) -> Result<()> {
+        if self.status.is_none() {
+            self.status = match &mut self.exit_source {
+                ExitSource::Direct => match sys::try_reap(self.pidfd.as_fd()) {
+                    Ok(raw) => raw.map(ExitStatus::from_raw),
+                    // Someone else in this program reaped it (`waitpid(-1)`).
+                    Err(e) if e.errno() == Some(libc::ECHILD) => Some(ExitStatus::unknown()),
+                    Err(e) => return Err(e),
+                },
+                ExitSource::Server(source) => match source {
+                    Some(status) => match forkserver::try_read_status(status.as_fd()) {
+                        Ok(s) => s,
+                        Err(_) => {
+                            // The server hung up without a status (it died): wait on
+                            // the pidfd instead.
+                            *source = None;
+                            sys::has_exited(self.pidfd.as_fd()).then(ExitStatus::unknown)
+                        }
+                    },
+                    None => sys::has_exited(self.pidfd.as_fd()).then(ExitStatus::unknown),
+                },
+            };
+        }
+        // After the exit, whatever the worker sent is already in the socket: this read
+        // is final.
+        self.read_report();
+        if self.status.is_some() {
+            self.channel = None;
+        }
+        Ok(())
+    }
+
+    fn read_report(&mut self) {
+        if self.report.is_some() {
+            return;
+        }
+        let Some(channel) = &self.channel else {
+            return;
+        };
+        match wire::try_recv_packet(channel.as_fd()) {
+            Ok(None) => {}
+            Ok(Some(packet)) => {
+                self.report = Some(match wire::decode::<Report>(packet) {
+                    Ok(report) => report,
+                    Err(e) => Report::Raised {
+                        message: format!("process {} sent a malformed report: {e}", self.rank),
+                    },
+                });
+                self.channel = None;
+            }
+            // Closed: it exited without reporting (e.g. `process::exit`); the status
+            // tells how. Other errors: the same, nothing more can come.
+            Err(_) => self.channel = None,
+        }
+    }
+
+    /// Waits until the worker has exited (and is reaped) or the deadline passes;
+    /// `Ok(false)` on timeout.
+    pub(crate) fn wait(&mut self, deadline: Deadline) -> Result<bool> {
+        loop {
+            self.collect()?;
+            if self.status.is_some() {
+                return Ok(true);
+            }
+            let mut fds = Vec::with_capacity(2);
+            self.watch_fds(&mut fds);
+            if !sys::wait_any_readable(&fds, deadline)? {
+                return Ok(false);
+            }
+        }
+    }
+
+    /// Sends `sig` unless the worker is known to have exited.
+    pub(crate) fn signal(&mut self, sig: i32) -> Result<()> {
+        if self.status.is_none() && sys::send_signal(self.pidfd.as_fd(), sig)? {
+            self.signalled = true;
+        }
+        Ok(())
+    }
+
+    /// Whether the worker failed on its own: it raised (whatever happened next), or it
+    /// exited unsuccessfully without having been signalled by us.
+    pub(crate) fn failed_on_its_own(&self) -> bool {
+        match (&self.report, self.status) {
+            (Some(Report::Raised { .. }), _) => true,
+            (_, Some(status)) => !status.success() && !self.signalled,
+            (_, None) => false,
+        }
+    }
+
+    /// Whether it has ended badly in any way (including by our signal).
+    pub(crate) fn failed(&self) -> bool {
+        matches!(self.report, Some(Report::Raised { .. }))
+            || self.status.is_some_and(|s| !s.success())
+    }
+
+    /// This worker's failure as a [`Failure`](crate::Failure) record.
+    pub(crate) fn failure(&self) -> Option<crate::Failure> {
+        if let Some(Report::Raised { message }) = &self.report {
+            return Some(crate::Failure {
+                rank: self.rank,
+                pid: self.pid,
+                exit_code: None,
+                signal_name: None,
+                message: message.clone(),
+            });
+        }
+        let status = self.status.filter(|s| !s.success())?;
+        Some(crate::Failure {
+            rank: self.rank,
+            pid: self.pid,
+            exit_code: status.code(),
+            signal_name: status.signal_name(),
+            message: self.exit_message(status),
+        })
+    }
+
+    fn exit_message(&self, status: ExitStatus) -> String {
+        let rank = self.rank;
+        match (status.code(), status.signal()) {
+            (Some(code), _) => format!("process {rank} terminated with exit code {code}"),
+            (None, Some(sig)) => {
+                let mut m = format!(
+                    "process {rank} terminated with signal {}",
+                    sys::signal_name(sig)
+                );
+                if status.core_dumped() {
+                    m.push_str(" (core dumped)");
+                }
+                if sig == libc::SIGKILL && !self.signalled {
+                    m.push_str(&format!(
+                        "; an unexplained SIGKILL is usually the Linux OOM killer: check `dmesg` \
+                         or `journalctl -k` for \"Killed process {}\" and give the workers more \
+                         memory or fewer/smaller batches",
+                        self.pid
+                    ));
+                }
+                m
+            }
+            (None, None) => format!(
+                "process {rank} terminated with an unknown status (it was reaped outside \
+                 multiproc, or the fork server died)"
+            ),
+        }
+    }
+
+    /// The error for this worker alone, with `others` attached.
+    pub(crate) fn error(&self, others: Vec<crate::Failure>) -> Option<Error> {
+        let f = self.failure()?;
+        Some(match &self.report {
+            Some(Report::Raised { .. }) => Error::ProcessRaised {
+                error_index: f.rank,
+                pid: f.pid,
+                message: f.message,
+                others,
+            },
+            _ => Error::ProcessExited {
+                error_index: f.rank,
+                pid: f.pid,
+                exit_code: f.exit_code,
+                signal_name: f.signal_name,
+                message: f.message,
+                others,
+            },
+        })
+    }
+}
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        if self.status.is_some() {
+            return;
+        }
+        if self.daemon {
+            let _ = self.signal(libc::SIGKILL);
+        }
+        match self.wait(None) {
+            Ok(_) => {}
+            Err(e) => {
+                // Cannot wait (should not happen): make sure it dies, and try once more.
+                tracing::warn!(
+                    pid = self.pid,
+                    "multiproc: waiting for a dropped worker failed: {e}"
+                );
+                let _ = self.signal(libc::SIGKILL);
+                let _ = self.wait(None);
+            }
+        }
+    }
+}
+
+/// One worker process, like `multiprocessing.Process`.
+///
+/// Build it with [`Process::new`], choose a [`StartMethod`] and whether it is a daemon,
+/// then [`start`](Process::start) it and [`join`](Process::join) it:
+///
+/// ```no_run
+/// use multiproc::{Process, StartMethod};
+///
+/// fn work(rank: usize, name: String) {
+///     println!("{name} runs as rank {rank}");
+/// }
+///
+/// fn main() -> multiproc::Result<()> {
+///     multiproc::init();
+///     let mut p = Process::new(work, 0, "worker".to_string()).start_method(StartMethod::Spawn);
+///     p.start()?;
+///     let status = p.join(None)?.expect("no timeout");
+///     assert!(status.success());
+///     Ok(())
+/// }
+/// ```
+///
+/// Dropping a `Process` that still runs: a daemon is killed (SIGKILL); a non-daemon is
+/// waited for, as Python joins non-daemonic children at exit. Either way it is reaped:
+/// no zombie remains. Whatever happens to the parent, the worker dies with it (its
+/// parent-death signal is SIGKILL).
+pub struct Process {
+    rank: usize,
+    method: StartMethod,
+    daemon: bool,
+    world_size: Option<usize>,
+    pending: Option<(JobHeader, Result<Encoded>)>,
+    child: Option<Child>,
+}
+
+impl Process {
+    /// A process that will run `worker(rank, args)`. The arguments are encoded now (any
+    /// queue, event or tensor inside travels as a handle); an encoding error is returned
+    /// by [`start`](Self::start).
+    ///
+    /// `worker` must be a function (or a closure capturing nothing) of this executable.
+    pub fn new<A, R>(worker: fn(usize, A) -> R, rank: usize, args: A) -> Process
+    where
+        A: Serialize + DeserializeOwned,
+        R: WorkerResult,
+    {
+        Process {
+            rank,
+            method: StartMethod::default(),
+            daemon: false,
+            world_size: None,
+            pending: Some((JobHeader::new(worker, rank), wire::encode(&args))),
+            child: None,
+        }
+    }
+
+    /// Sets the start method (default [`StartMethod::Spawn`]).
+    pub fn start_method(mut self, method: StartMethod) -> Self {
+        self.method = method;
+        self
+    }
+
+    /// Makes it a daemon: killed when its `Process` is dropped (default: waited for).
+    pub fn daemon(mut self, daemon: bool) -> Self {
+        self.daemon = daemon;
+        self
+    }
+
+    /// Sets `WORLD_SIZE` in the worker's environment (`RANK` and `LOCAL_RANK` are always
+    /// set to its rank).
+    pub fn world_size(mut self, world_size: usize) -> Self {
+        self.world_size = Some(world_size);
+        self
+    }
+
+    /// Starts the worker.
+    ///
+    /// # Errors
+    /// When the arguments could not be encoded, the process could not be created (fd or
+    /// process limits), or it was already started ([`Error::InvalidArgument`]).
+    pub fn start(&mut self) -> Result<()> {
+        let Some((header, args)) = self.pending.take() else {
+            return Err(Error::InvalidArgument(format!(
+                "process {} was already started; a Process starts once",
+                self.rank
+            )));
+        };
+        self.child = Some(Child::start(JobSpec {
+            header,
+            args: args?,
+            method: self.method,
+            env: worker_env(self.rank, self.world_size),
+            daemon: self.daemon,
+        })?);
+        Ok(())
+    }
+
+    /// Its rank (the worker's first argument).
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Whether it is a daemon.
+    pub fn is_daemon(&self) -> bool {
+        self.daemon
+    }
+
+    /// Its process id, once started.
+    pub fn pid(&self) -> Option<i32> {
+        self.child.as_ref().map(|c| c.pid)
+    }
+
+    /// Whether it has been started and has not exited yet.
+    pub fn is_alive(&self) -> bool {
+        self.child.as_ref().is_some_and(Child::is_alive)
+    }
+
+    /// Waits until it exits, at most `timeout` (`None`: without limit). Returns its exit
+    /// status, or `None` if it still runs at the deadline. Joining an exited process
+    /// again returns the same status.
+    ///
+    /// # Errors
+    /// When it was never started, or waiting failed.
+    pub fn join(&mut self, timeout: Option<Duration>) -> Result<Option<ExitStatus>> {
+        let child = self.started_mut("join")?;
+        child.wait(deadline_after(timeout))?;
+        Ok(child.status())
+    }
+
+    /// Its exit status if it has exited (reaping it), without waiting.
+    pub fn exit_status(&mut self) -> Option<ExitStatus> {
+        let child = self.child.as_mut()?;
+        if let Err(e) = child.collect() {
+            tracing::warn!(pid = child.pid, "multiproc: checking a worker failed: {e}");
+        }
+        child.status()
+    }
+
+    /// Sends SIGTERM (a no-op once it has exited).
+    ///
+    /// # Errors
+    /// When it was never started, or the signal could not be sent.
+    pub fn terminate(&mut self) -> Result<()> {
+        self.started_mut("terminate")?.signal(libc::SIGTERM)
+    }
+
+    /// Sends SIGKILL (a no-op once it has exited).
+    ///
+    /// # Errors
+    /// As [`terminate`](Self::terminate).
+    pub fn kill(&mut self) -> Result<()> {
+        self.started_mut("kill")?.signal(libc::SIGKILL)
+    }
+
+    /// Once it has exited: `None` if it succeeded, else the error that says how it
+    /// failed ([`Error::ProcessRaised`] with its panic message, or
+    /// [`Error::ProcessExited`] with its exit code or signal).
+    pub fn error(&self) -> Option<Error> {
+        let child = self.child.as_ref()?;
+        if !child.has_exited() || !child.failed() {
+            return None;
+        }
+        child.error(Vec::new())
+    }
+
+    fn started_mut(&mut self, what: &str) -> Result<&mut Child> {
+        let rank = self.rank;
+        self.child.as_mut().ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "cannot {what} process {rank}: it was not started (call start first)"
+            ))
+        })
+    }
+}
+
+impl fmt::Debug for Process {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Process")
+            .field("rank", &self.rank)
+            .field("start_method", &self.method)
+            .field("daemon", &self.daemon)
+            .field("pid", &self.pid())
+            .field("status", &self.child.as_ref().and_then(Child::status))
+            .finish()
+    }
+}

@@ -1,0 +1,379 @@
+//! [`spawn`], [`start_processes`], [`SpawnOptions`] and [`ProcessContext`]: a group of
+//! workers started together and joined together, with torch's error propagation.
+//!
+//! Joining waits on every worker at once (one `poll` over all their pidfds, status
+//! sockets and report sockets), so an out-of-order failure is seen as soon as it happens.
+//! On the first failure the context tears the group down: an optional pre-termination
+//! grace for the others to finish, SIGTERM to the survivors, the grace period, SIGKILL,
+//! then reaping every worker, and returns the error of the first failure with every
+//! other rank that failed on its own (not the ones it killed itself).
+
+use std::os::fd::BorrowedFd;
+use std::time::Duration;
+
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use super::child::{Child, JobSpec, worker_env};
+use super::job::{JobHeader, WorkerResult};
+use super::{ExitStatus, StartMethod};
+use crate::sys::process as sys;
+use crate::sys::{Deadline, deadline_after};
+use crate::{Error, Result, wire};
+
+/// The default time between SIGTERM and SIGKILL when a group is torn down (torch's 30 s).
+pub(crate) const DEFAULT_GRACE_PERIOD: Duration = Duration::from_secs(30);
+
+/// Options for starting a group of workers: start method, daemon flag, and the grace
+/// periods of the tear-down after a failure.
+///
+/// ```no_run
+/// use std::time::Duration;
+/// use multiproc::{SpawnOptions, StartMethod};
+///
+/// fn work(rank: usize, steps: u32) {
+///     let _ = (rank, steps);
+/// }
+///
+/// fn main() -> multiproc::Result<()> {
+///     multiproc::init();
+///     SpawnOptions::new()
+///         .start_method(StartMethod::Forkserver)
+///         .grace_period(Duration::from_secs(5))
+///         .spawn(work, 100u32, 4)
+/// }
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SpawnOptions {
+    start_method: StartMethod,
+    daemon: bool,
+    grace_period: Duration,
+    pre_termination_grace: Option<Duration>,
+}
+
+impl Default for SpawnOptions {
+    fn default() -> Self {
+        SpawnOptions {
+            start_method: StartMethod::Spawn,
+            daemon: false,
+            grace_period: DEFAULT_GRACE_PERIOD,
+            pre_termination_grace: None,
+        }
+    }
+}
+
+impl SpawnOptions {
+    /// The defaults: [`StartMethod::Spawn`], not daemon, a 30 s grace period and no
+    /// pre-termination grace.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// How the workers are started.
+    pub fn start_method(mut self, method: StartMethod) -> Self {
+        self.start_method = method;
+        self
+    }
+
+    /// Daemon workers are killed when the [`ProcessContext`] is dropped; others are
+    /// waited for (default).
+    pub fn daemon(mut self, daemon: bool) -> Self {
+        self.daemon = daemon;
+        self
+    }
+
+    /// After a failure, how long the survivors have between SIGTERM and SIGKILL
+    /// (default 30 s).
+    pub fn grace_period(mut self, grace: Duration) -> Self {
+        self.grace_period = grace;
+        self
+    }
+
+    /// After a failure, how long the survivors may keep running to finish on their own
+    /// before they get SIGTERM (torch's `join(grace_period=…)`; default none: SIGTERM at
+    /// once).
+    pub fn pre_termination_grace(mut self, grace: Option<Duration>) -> Self {
+        self.pre_termination_grace = grace;
+        self
+    }
+
+    /// Starts `nprocs` workers running `worker(rank, args)`, ranks `0..nprocs`, and
+    /// returns without waiting for them.
+    ///
+    /// Each worker gets its own copy of `args` (handles inside, such as queues, are
+    /// shared), and `RANK`, `LOCAL_RANK` (its rank) and `WORLD_SIZE` (`nprocs`) in its
+    /// environment, plus `MASTER_ADDR`/`MASTER_PORT` when set here.
+    ///
+    /// # Errors
+    /// When the arguments cannot be encoded or a worker cannot be started; the workers
+    /// already started are then killed and reaped.
+    pub fn start<A, R>(
+        &self,
+        worker: fn(usize, A) -> R,
+        args: A,
+        nprocs: usize,
+    ) -> Result<ProcessContext>
+    where
+        A: Serialize + DeserializeOwned,
+        R: WorkerResult,
+    {
+        let mut children: Vec<Child> = Vec::with_capacity(nprocs);
+        for rank in 0..nprocs {
+            let started = wire::encode(&args).and_then(|encoded| {
+                Child::start(JobSpec {
+                    header: JobHeader::new(worker, rank),
+                    args: encoded,
+                    method: self.start_method,
+                    env: worker_env(rank, Some(nprocs)),
+                    daemon: self.daemon,
+                })
+            });
+            match started {
+                Ok(child) => children.push(child),
+                Err(e) => {
+                    for child in &mut children {
+                        child.daemon = true; // dropping kills and reaps
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(ProcessContext {
+            children,
+            options: self.clone(),
+            failures: Vec::new(),
+            state: State::Running,
+        })
+    }
+
+    /// Starts `nprocs` workers and joins them: `Ok(())` once all succeeded, or the error
+    /// of the first failure (the others torn down, see [`ProcessContext::join`]).
+    ///
+    /// # Errors
+    /// [`Error::ProcessRaised`] or [`Error::ProcessExited`] for a failed worker; the
+    /// errors of [`start`](Self::start).
+    pub fn spawn<A, R>(&self, worker: fn(usize, A) -> R, args: A, nprocs: usize) -> Result<()>
+    where
+        A: Serialize + DeserializeOwned,
+        R: WorkerResult,
+    {
+        let mut context = self.start(worker, args, nprocs)?;
+        while !context.join(None)? {}
+        Ok(())
+    }
+}
+
+/// Starts `nprocs` workers running `worker(rank, args)` with [`StartMethod::Spawn`]
+/// and waits for all of them, like `torch.multiprocessing.spawn`.
+///
+/// `worker` is a function of this executable (or a closure that captures nothing);
+/// `args` is any serde value, and every queue, event or tensor inside it travels as a
+/// handle, so all workers share it. A worker that panics or returns `Err` makes this
+/// return [`Error::ProcessRaised`]; one that exits non-zero or is killed,
+/// [`Error::ProcessExited`]. The program must call [`init`](crate::init) first thing in
+/// `main` (or use [`test_init!`](crate::test_init) in integration tests).
+///
+/// ```no_run
+/// fn work(rank: usize, scale: f64) -> Result<(), String> {
+///     if scale > 0.0 { Ok(()) } else { Err(format!("rank {rank}: bad scale")) }
+/// }
+///
+/// fn main() -> multiproc::Result<()> {
+///     multiproc::init();
+///     multiproc::spawn(work, 0.5, 4)
+/// }
+/// ```
+///
+/// For other start methods, grace periods or daemon workers use [`SpawnOptions`].
+///
+/// # Errors
+/// As [`SpawnOptions::spawn`].
+pub fn spawn<A, R>(worker: fn(usize, A) -> R, args: A, nprocs: usize) -> Result<()>
+where
+    A: Serialize + DeserializeOwned,
+    R: WorkerResult,
+{
+    SpawnOptions::new().spawn(worker, args, nprocs)
+}
+
+/// Starts `nprocs` workers with `start_method` and returns without waiting, like
+/// `torch.multiprocessing.start_processes(..., join=False)`.
+///
+/// # Errors
+/// As [`SpawnOptions::start`].
+pub fn start_processes<A, R>(
+    worker: fn(usize, A) -> R,
+    args: A,
+    nprocs: usize,
+    start_method: StartMethod,
+) -> Result<ProcessContext>
+where
+    A: Serialize + DeserializeOwned,
+    R: WorkerResult,
+{
+    SpawnOptions::new()
+        .start_method(start_method)
+        .start(worker, args, nprocs)
+}
+
+#[derive(Debug)]
+enum State {
+    Running,
+    Joined,
+    Failed(Error),
+}
+
+/// A group of workers started by [`start_processes`] or [`SpawnOptions::start`], like
+/// torch's `ProcessContext`.
+///
+/// Dropping it without joining: daemon workers are killed, others are waited for; all
+/// are reaped.
+#[derive(Debug)]
+pub struct ProcessContext {
+    children: Vec<Child>,
+    options: SpawnOptions,
+    /// Indices into `children` of workers that failed on their own, in the order seen.
+    failures: Vec<usize>,
+    state: State,
+}
+
+impl ProcessContext {
+    /// The workers' process ids, by rank.
+    pub fn pids(&self) -> Vec<i32> {
+        self.children.iter().map(|c| c.pid).collect()
+    }
+
+    /// Each worker's exit status, by rank: `None` while it runs (as last observed; call
+    /// [`join`](Self::join) to observe).
+    pub fn exit_statuses(&self) -> Vec<Option<ExitStatus>> {
+        self.children.iter().map(Child::status).collect()
+    }
+
+    /// The number of workers.
+    pub fn nprocs(&self) -> usize {
+        self.children.len()
+    }
+
+    /// Waits for the workers, at most `timeout` (`None`: without limit).
+    ///
+    /// - `Ok(true)`: every worker has exited successfully (and stays so: later calls
+    ///   return `Ok(true)` at once).
+    /// - `Ok(false)`: the timeout passed and some still run.
+    /// - `Err(..)`: a worker failed. The others were torn down (pre-termination grace if
+    ///   set, SIGTERM, the grace period, SIGKILL) and all are reaped; later calls return
+    ///   the same error. The tear-down is not bounded by `timeout`.
+    ///
+    /// # Errors
+    /// [`Error::ProcessRaised`] when the first failed worker panicked or returned `Err`,
+    /// with its message; [`Error::ProcessExited`] when it exited non-zero or was killed
+    /// by a signal. Both carry every other rank that failed on its own in `others`.
+    pub fn join(&mut self, timeout: Option<Duration>) -> Result<bool> {
+        match &self.state {
+            State::Joined => return Ok(true),
+            State::Failed(e) => return Err(e.clone()),
+            State::Running => {}
+        }
+        let deadline = deadline_after(timeout);
+        loop {
+            self.collect()?;
+            if !self.failures.is_empty() {
+                let error = self.tear_down();
+                self.state = State::Failed(error.clone());
+                return Err(error);
+            }
+            if self.children.iter().all(Child::has_exited) {
+                self.state = State::Joined;
+                return Ok(true);
+            }
+            if !self.wait(deadline)? {
+                return Ok(false);
+            }
+        }
+    }
+
+    /// Takes in every worker's news and records new failures.
+    fn collect(&mut self) -> Result<()> {
+        for (i, child) in self.children.iter_mut().enumerate() {
+            child.collect()?;
+            if child.failed_on_its_own() && !self.failures.contains(&i) {
+                self.failures.push(i);
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits for news from any worker; `Ok(false)` at the deadline.
+    fn wait(&self, deadline: Deadline) -> Result<bool> {
+        let mut fds: Vec<BorrowedFd<'_>> = Vec::with_capacity(2 * self.children.len());
+        for child in &self.children {
+            child.watch_fds(&mut fds);
+        }
+        sys::wait_any_readable(&fds, deadline)
+    }
+
+    /// Waits until every worker has exited or the deadline passes. Errors end the
+    /// wait early (the caller escalates).
+    fn wait_all_exited(&mut self, deadline: Deadline) {
+        loop {
+            if let Err(e) = self.collect() {
+                tracing::warn!("multiproc: collecting workers during tear-down: {e}");
+                return;
+            }
+            if self.children.iter().all(Child::has_exited) {
+                return;
+            }
+            match self.wait(deadline) {
+                Ok(true) => {}
+                Ok(false) => return,
+                Err(e) => {
+                    tracing::warn!("multiproc: waiting for workers during tear-down: {e}");
+                    return;
+                }
+            }
+        }
+    }
+
+    fn signal_survivors(&mut self, sig: i32) {
+        for child in &mut self.children {
+            if !child.has_exited() {
+                if let Err(e) = child.signal(sig) {
+                    tracing::warn!(pid = child.pid, "multiproc: cannot signal a worker: {e}");
+                }
+            }
+        }
+    }
+
+    /// Stops every survivor after a failure and returns the error to report.
+    fn tear_down(&mut self) -> Error {
+        if let Some(grace) = self.options.pre_termination_grace {
+            self.wait_all_exited(deadline_after(Some(grace)));
+        } else {
+            // Failures that happened together (both ranks raise) are reported
+            // together: take in what is already there before signalling.
+            self.wait_all_exited(Some(std::time::Instant::now()));
+        }
+        self.signal_survivors(libc::SIGTERM);
+        self.wait_all_exited(deadline_after(Some(self.options.grace_period)));
+        self.signal_survivors(libc::SIGKILL);
+        self.wait_all_exited(None);
+        self.error()
+    }
+
+    fn error(&self) -> Error {
+        let Some((&first, rest)) = self.failures.split_first() else {
+            return Error::InvalidArgument(
+                "a process group was torn down without a failure (this is a multiproc bug)".into(),
+            );
+        };
+        let others = rest
+            .iter()
+            .filter_map(|&i| self.children[i].failure())
+            .collect();
+        self.children[first].error(others).unwrap_or_else(|| {
+            Error::InvalidArgument(format!(
+                "process {} failed but its failure was lost (this is a multiproc bug)",
+                self.children[first].rank
+            ))
+        })
+    }
+}

@@ -1,0 +1,230 @@
+//! The worker side: what [`init`] does in a process that multiproc started, and the
+//! job loop every start method ends in ([`run_worker`]).
+//!
+//! A worker reads its [`JobHeader`] and then its arguments from the job socket, runs the
+//! function under `catch_unwind` with a panic hook that records the message, location
+//! and (when `RUST_BACKTRACE` asks for it) the backtrace, sends one [`Report`] back on
+//! the same socket, flushes stdout and stderr, and exits: 0 after success, 1 after a
+//! panic or an `Err` (the report says which and why), 2 when it never got a job.
+
+use std::backtrace::{Backtrace, BacktraceStatus};
+use std::os::fd::{AsFd, OwnedFd};
+use std::panic::{AssertUnwindSafe, PanicHookInfo};
+use std::sync::{Mutex, Once, OnceLock};
+use std::thread::{self, ThreadId};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use super::forkserver;
+use super::job::{Failed, JobHeader};
+use crate::sys::deadline_after;
+use crate::sys::process as sys;
+use crate::wire;
+
+/// Which job a process started by multiproc has: `worker`, `forkserver`, `shm-manager`.
+pub(crate) const ROLE_VAR: &str = "MULTIPROC_ROLE";
+/// The number of the inherited job socket of a spawned worker.
+pub(crate) const WORKER_FD_VAR: &str = "MULTIPROC_WORKER_FD";
+
+/// Exit code of a worker whose job raised (the report carries the details).
+pub(crate) const EXIT_RAISED: i32 = 1;
+/// Exit code of a worker that never received a job.
+const EXIT_NO_JOB: i32 = 2;
+
+/// Runs the job of a process that multiproc started, then exits; returns at once
+/// (after one environment lookup) in any other process. Call it first thing in `main`.
+///
+/// multiproc starts workers ([`StartMethod::Spawn`](crate::StartMethod)), its fork
+/// server and its shm manager by executing the current program again with
+/// `MULTIPROC_ROLE` set; `init` is where such a process takes its job instead of running
+/// your `main`. It must run before your program starts any thread: it edits the
+/// environment (removing multiproc's variables so that processes the job starts do not
+/// inherit them).
+///
+/// ```no_run
+/// fn main() -> multiproc::Result<()> {
+///     multiproc::init();
+///     multiproc::spawn(|rank, greeting: String| println!("{greeting} from {rank}"), "hello".to_string(), 2)
+/// }
+/// ```
+///
+/// In `cargo test` integration tests, libtest owns `main`: use [`test_init!`](crate::test_init)
+/// instead.
+pub fn init() {
+    let Some(role) = std::env::var_os(ROLE_VAR) else {
+        return;
+    };
+    // The process is single-threaded here: it was just executed by multiproc and `init`
+    // runs first in `main` (or before it, from `test_init!`).
+    sys::remove_env_single_threaded(ROLE_VAR);
+    match role.to_str() {
+        Some("worker") => {
+            let code = run_spawned_worker();
+            sys::flush_stdio();
+            std::process::exit(code)
+        }
+        Some("forkserver") => forkserver::serve_from_env(),
+        Some("shm-manager") => crate::manager::serve_from_env(),
+        _ => {
+            eprintln!(
+                "multiproc: unknown {ROLE_VAR}={role:?} (expected worker, forkserver or shm-manager); \
+                 unset it to run this program normally"
+            );
+            std::process::exit(EXIT_NO_JOB)
+        }
+    }
+}
+
+/// A spawned worker: take the socket named in the environment and run its job.
+fn run_spawned_worker() -> i32 {
+    let var = std::env::var(WORKER_FD_VAR).unwrap_or_default();
+    sys::remove_env_single_threaded(WORKER_FD_VAR);
+    let sock = var
+        .parse::<i32>()
+        .map_err(|_| {
+            crate::Error::InvalidArgument(format!(
+                "{WORKER_FD_VAR}={var:?} is not an fd number: this process was not started by multiproc"
+            ))
+        })
+        .and_then(|raw| sys::take_inherited_socket(raw, WORKER_FD_VAR));
+    match sock {
+        Ok(sock) => run_worker(sock),
+        Err(e) => {
+            eprintln!("multiproc worker (pid {}): {e}", sys::current_pid());
+            EXIT_NO_JOB
+        }
+    }
+}
+
+/// Sets what torchrun gives a worker: `RANK`, `LOCAL_RANK`, `WORLD_SIZE`. For forked
+/// children, which are single-threaded (spawned workers get these from `exec`).
+pub(crate) fn set_worker_env<K: AsRef<str>>(env: &[(K, String)]) {
+    for (key, value) in env {
+        sys::set_env_single_threaded(key.as_ref(), value);
+    }
+}
+
+/// What a worker tells its parent before it exits.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub(crate) enum Report {
+    /// The function returned normally.
+    Ok,
+    /// It panicked, returned `Err`, or could not start: the full message for the user,
+    /// starting with "process <rank>".
+    Raised {
+        /// "process 1 raised: ..." with location and backtrace when there are some.
+        message: String,
+    },
+}
+
+/// Runs the job that arrives on `sock` and reports its outcome there. Returns the exit
+/// code; the caller flushes and exits.
+pub(crate) fn run_worker(sock: OwnedFd) -> i32 {
+    let header: JobHeader = match wire::recv_packet(sock.as_fd(), None)
+        .and_then(|p| p.ok_or_else(|| crate::Error::Closed("no job arrived".into())))
+        .and_then(wire::decode)
+    {
+        Ok(h) => h,
+        Err(e) => {
+            eprintln!(
+                "multiproc worker (pid {}): cannot read its job: {e}",
+                sys::current_pid()
+            );
+            return EXIT_NO_JOB;
+        }
+    };
+    let rank = header.rank;
+    install_panic_hook();
+    let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| header.run(sock.as_fd())));
+    let report = match outcome {
+        Ok(Ok(())) => Report::Ok,
+        Ok(Err(Failed::Returned(text))) => Report::Raised {
+            message: format!("process {rank} returned an error: {text}"),
+        },
+        Ok(Err(Failed::Setup(text))) => Report::Raised {
+            message: format!("process {rank} could not start its job: {text}"),
+        },
+        Err(payload) => {
+            let text = take_recorded_panic().unwrap_or_else(|| payload_text(&*payload));
+            Report::Raised {
+                message: format!("process {rank} raised: {text}"),
+            }
+        }
+    };
+    let code = match &report {
+        Report::Ok => 0,
+        Report::Raised { .. } => EXIT_RAISED,
+    };
+    let sent = wire::encode(&report)
+        .and_then(|mut m| m.send(sock.as_fd(), deadline_after(Some(Duration::from_secs(10)))));
+    if let Err(e) = sent {
+        // The parent is gone or not listening: say it here so it is not lost.
+        match &report {
+            Report::Raised { message } => eprintln!("{message}\n(and its report failed: {e})"),
+            Report::Ok => eprintln!("multiproc worker {rank}: cannot report success: {e}"),
+        }
+    }
+    code
+}
+
+/// The panic being recorded on the worker's thread: text and location, and the
+/// backtrace when enabled.
+static RECORDED_PANIC: Mutex<Option<String>> = Mutex::new(None);
+/// The thread that runs the job; panics on other threads keep the default report.
+static JOB_THREAD: OnceLock<ThreadId> = OnceLock::new();
+
+fn install_panic_hook() {
+    static ONCE: Once = Once::new();
+    let _ = JOB_THREAD.set(thread::current().id());
+    ONCE.call_once(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            if JOB_THREAD.get() == Some(&thread::current().id()) {
+                let text = describe_panic(info);
+                if let Ok(mut slot) = RECORDED_PANIC.lock() {
+                    *slot = Some(text);
+                    return;
+                }
+            }
+            previous(info)
+        }));
+    });
+}
+
+fn describe_panic(info: &PanicHookInfo<'_>) -> String {
+    let mut text = payload_text(info.payload());
+    if let Some(loc) = info.location() {
+        text.push_str(&format!(
+            " (at {}:{}:{})",
+            loc.file(),
+            loc.line(),
+            loc.column()
+        ));
+    }
+    let backtrace = Backtrace::capture();
+    if backtrace.status() == BacktraceStatus::Captured {
+        text.push_str(&format!("\n\nstack backtrace:\n{backtrace}"));
+    }
+    text
+}
+
+fn take_recorded_panic() -> Option<String> {
+    RECORDED_PANIC.lock().ok().and_then(|mut slot| slot.take())
+}
+
+fn payload_text(payload: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "a panic with a non-string payload".to_string()
+    }
+}
+
+/// The text of a panic caught on the job thread: the recorded message with its
+/// location (and backtrace when enabled), else the payload's text.
+pub(crate) fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
+    take_recorded_panic().unwrap_or_else(|| payload_text(payload))
+}

@@ -1,0 +1,346 @@
+//! [`Lock`] and [`RLock`]: process-shared mutual exclusion that survives its holder's
+//! death.
+//!
+//! The lock word holds the holder's pid (0 when free). A waiter sleeps on the word with
+//! a futex and, every [`LIVENESS_CHECK`], checks that the holder still lives; if it has
+//! died (gone, or a zombie), the waiter takes the lock over and reports
+//! [`Error::OwnerDied`] — as a robust mutex reports `EOWNERDEAD` — instead of waiting
+//! forever. A pid reused by an unrelated process before anyone notices would look
+//! alive; the check runs often enough that this needs a pid wrap-around within one
+//! interval.
+
+use std::fmt;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+use super::block::SharedBlock;
+use super::futex;
+use crate::sys::{Deadline, deadline_after};
+use crate::{Error, Result};
+
+/// How often a waiter checks that the holder still lives.
+const LIVENESS_CHECK: Duration = Duration::from_millis(50);
+
+const LOCK_KIND: u32 = 0x4c4f_434b; // "LOCK"
+const RLOCK_KIND: u32 = 0x524c_434b; // "RLCK"
+
+/// Word offsets of a raw lock inside its block.
+const OWNER: usize = 0;
+const WAITERS: usize = 1;
+const THREAD: usize = 2;
+const DEPTH: usize = 3;
+/// Words a raw lock takes.
+pub(crate) const RAW_LOCK_WORDS: usize = 4;
+
+fn my_pid() -> u32 {
+    std::process::id()
+}
+
+fn my_tid() -> u32 {
+    rustix::thread::gettid().as_raw_nonzero().get() as u32
+}
+
+/// Whether process `pid` has ended (gone, or a zombie waiting to be reaped).
+pub(crate) fn process_is_dead(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => {
+            // The state follows the command name, which is in parentheses and may
+            // itself contain spaces or parentheses.
+            let state = stat
+                .rfind(')')
+                .and_then(|i| stat[i + 1..].trim_start().chars().next());
+            matches!(state, Some('Z') | Some('X') | Some('x'))
+        }
+        Err(e) => e.kind() == std::io::ErrorKind::NotFound,
+    }
+}
+
+/// The mechanism under every lock-like primitive: [`RAW_LOCK_WORDS`] words of a shared
+/// block starting at `base`.
+#[derive(Clone)]
+pub(crate) struct RawLock {
+    block: Arc<SharedBlock>,
+    base: usize,
+}
+
+/// How an acquisition went.
+pub(crate) enum Acquired {
+    /// The lock is ours.
+    Yes,
+    /// The lock is ours, taken over from a holder that died while holding it.
+    FromDeadOwner(u32),
+    /// The deadline passed.
+    TimedOut,
+}
+
+impl RawLock {
+    pub(crate) fn new(block: Arc<SharedBlock>, base: usize) -> Self {
+        Self { block, base }
+    }
+
+    fn word(&self, w: usize) -> &std::sync::atomic::AtomicU32 {
+        self.block.word(self.base + w)
+    }
+
+    pub(crate) fn acquire(&self, deadline: Deadline) -> Result<Acquired> {
+        let me = my_pid();
+        let owner = self.word(OWNER);
+        loop {
+            match owner.compare_exchange(0, me, Ordering::Acquire, Ordering::Relaxed) {
+                Ok(_) => return Ok(Acquired::Yes),
+                Err(holder) => {
+                    if holder != me && process_is_dead(holder) {
+                        if owner
+                            .compare_exchange(holder, me, Ordering::Acquire, Ordering::Relaxed)
+                            .is_ok()
+                        {
+                            return Ok(Acquired::FromDeadOwner(holder));
+                        }
+                        continue;
+                    }
+                    let now = Instant::now();
+                    if deadline.is_some_and(|d| now >= d) {
+                        return Ok(Acquired::TimedOut);
+                    }
+                    let slice = now + LIVENESS_CHECK;
+                    let until = Some(deadline.map_or(slice, |d| d.min(slice)));
+                    self.word(WAITERS).fetch_add(1, Ordering::AcqRel);
+                    let r = futex::wait(owner, holder, until);
+                    self.word(WAITERS).fetch_sub(1, Ordering::AcqRel);
+                    r?;
+                }
+            }
+        }
+    }
+
+    /// Releases the lock. Any process may release a [`Lock`] (as in Python); the caller
+    /// checks ownership where the primitive requires it.
+    pub(crate) fn release(&self) -> Result<()> {
+        let owner = self.word(OWNER);
+        if owner.swap(0, Ordering::Release) == 0 {
+            return Err(Error::InvalidArgument(
+                "release of a lock that is not held".into(),
+            ));
+        }
+        if self.word(WAITERS).load(Ordering::Acquire) > 0 {
+            futex::wake(owner, 1);
+        }
+        Ok(())
+    }
+
+    #[cfg(test)]
+    pub(crate) fn block_word_owner(&self) -> &std::sync::atomic::AtomicU32 {
+        self.word(OWNER)
+    }
+
+    pub(crate) fn holder(&self) -> u32 {
+        self.word(OWNER).load(Ordering::Acquire)
+    }
+}
+
+fn owner_died(what: &str, pid: u32) -> Error {
+    Error::OwnerDied(format!(
+        "the previous holder of this {what} (pid {pid}) died while holding it; the {what} is now \
+         held by pid {} — the state it protects may be half-updated, check it before going on",
+        my_pid()
+    ))
+}
+
+/// A process-shared lock, like `multiprocessing.Lock`.
+///
+/// Not reentrant; any process may release it. If its holder dies while holding it, the
+/// next acquirer gets [`Error::OwnerDied`] and holds the lock.
+///
+/// # Examples
+///
+/// ```
+/// let lock = multiproc::Lock::new()?;
+/// {
+///     let _held = lock.lock()?;
+///     assert!(!lock.acquire(Some(std::time::Duration::ZERO))?);
+/// }
+/// assert!(lock.acquire(None)?);
+/// lock.release()?;
+/// # Ok::<(), multiproc::Error>(())
+/// ```
+#[derive(Clone)]
+pub struct Lock {
+    raw: RawLock,
+}
+
+impl Lock {
+    /// A new, free lock.
+    ///
+    /// # Errors
+    /// When the shared page cannot be made.
+    pub fn new() -> Result<Self> {
+        Ok(Self {
+            raw: RawLock::new(Arc::new(SharedBlock::new(LOCK_KIND)?), 1),
+        })
+    }
+
+    pub(crate) fn from_raw(raw: RawLock) -> Self {
+        Self { raw }
+    }
+
+    /// Acquires the lock, waiting at most `timeout` (`None`: as long as it takes).
+    /// Returns whether it was acquired.
+    ///
+    /// # Errors
+    /// [`Error::OwnerDied`] when the lock was taken over from a dead holder (the caller
+    /// now holds it).
+    pub fn acquire(&self, timeout: Option<Duration>) -> Result<bool> {
+        match self.raw.acquire(deadline_after(timeout))? {
+            Acquired::Yes => Ok(true),
+            Acquired::TimedOut => Ok(false),
+            Acquired::FromDeadOwner(pid) => Err(owner_died("lock", pid)),
+        }
+    }
+
+    /// Releases the lock.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when it is not held.
+    pub fn release(&self) -> Result<()> {
+        self.raw.release()
+    }
+
+    /// Acquires the lock and returns a guard that releases it when dropped.
+    ///
+    /// # Errors
+    /// As [`acquire`](Self::acquire).
+    pub fn lock(&self) -> Result<LockGuard<'_>> {
+        self.acquire(None)?;
+        Ok(LockGuard { lock: self })
+    }
+
+    #[cfg(test)]
+    pub(crate) fn raw_for_tests(&self) -> &RawLock {
+        &self.raw
+    }
+
+    /// Whether some process holds the lock right now.
+    pub fn is_locked(&self) -> bool {
+        self.raw.holder() != 0
+    }
+}
+
+/// Holds a [`Lock`] until dropped.
+#[must_use = "the lock is released when the guard is dropped"]
+pub struct LockGuard<'a> {
+    lock: &'a Lock,
+}
+
+impl Drop for LockGuard<'_> {
+    fn drop(&mut self) {
+        let _ = self.lock.release();
+    }
+}
+
+impl fmt::Debug for Lock {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Lock")
+            .field("holder_pid", &self.raw.holder())
+            .finish()
+    }
+}
+
+impl Serialize for Lock {
+    fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        self.raw.block.serialize_as("a Lock", s)
+    }
+}
+
+impl<'de> Deserialize<'de> for Lock {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        let block = SharedBlock::deserialize_as(LOCK_KIND, "a Lock", d)?;
+        Ok(Self::from_raw(RawLock::new(Arc::new(block), 1)))
+    }
+}
+
+/// A process-shared reentrant lock, like `multiprocessing.RLock`: the thread holding it
+/// may acquire it again, and must release it as many times.
+#[derive(Clone)]
+pub struct RLock {
+    raw: RawLock,
+}
+
+impl RLock {
+    /// A new, free reentrant lock.
+    ///
+    /// # Errors
+    /// When the shared page cannot be made.
+    pub fn new() -> Result<Self> {
+        Ok(Self {
+            raw: RawLock::new(Arc::new(SharedBlock::new(RLOCK_KIND)?), 1),
+        })
+    }
+
+    fn held_by_me(&self) -> bool {
+        self.raw.holder() == my_pid() && self.raw.word(THREAD).load(Ordering::Acquire) == my_tid()
+    }
+
+    /// Acquires the lock (again, if this thread holds it), waiting at most `timeout`.
+    ///
+    /// # Errors
+    /// [`Error::OwnerDied`] as for [`Lock::acquire`].
+    pub fn acquire(&self, timeout: Option<Duration>) -> Result<bool> {
+        if self.held_by_me() {
+            self.raw.word(DEPTH).fetch_add(1, Ordering::AcqRel);
+            return Ok(true);
+        }
+        let got = self.raw.acquire(deadline_after(timeout))?;
+        if matches!(got, Acquired::TimedOut) {
+            return Ok(false);
+        }
+        self.raw.word(THREAD).store(my_tid(), Ordering::Release);
+        self.raw.word(DEPTH).store(1, Ordering::Release);
+        match got {
+            Acquired::FromDeadOwner(pid) => Err(owner_died("reentrant lock", pid)),
+            _ => Ok(true),
+        }
+    }
+
+    /// Releases one level of the lock.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when this thread does not hold it.
+    pub fn release(&self) -> Result<()> {
+        if !self.held_by_me() {
+            return Err(Error::InvalidArgument(
+                "release of a reentrant lock that this thread does not hold".into(),
+            ));
+        }
+        if self.raw.word(DEPTH).fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.raw.word(THREAD).store(0, Ordering::Release);
+            self.raw.release()?;
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Debug for RLock {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RLock")
+            .field("holder_pid", &self.raw.holder())
+            .finish()
+    }
+}
+
+impl Serialize for RLock {
+    fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        self.raw.block.serialize_as("an RLock", s)
+    }
+}
+
+impl<'de> Deserialize<'de> for RLock {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        let block = SharedBlock::deserialize_as(RLOCK_KIND, "an RLock", d)?;
+        Ok(Self {
+            raw: RawLock::new(Arc::new(block), 1),
+        })
+    }
+}

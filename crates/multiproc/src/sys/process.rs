@@ -1,0 +1,341 @@
+//! Processes at the system level: re-executing ourselves, forking, pidfds, waiting,
+//! signals, the parent-death signal, and the few environment and name changes a new
+//! worker makes to itself.
+//!
+//! Every child made here gets `PR_SET_PDEATHSIG(SIGKILL)` before it runs any of our
+//! code, then checks that its parent is still the process that made it (the parent may
+//! have died between `fork` and `prctl`, in which case the signal would never come).
+//! The death signal fires when the *thread* that forked exits, so callers fork from a
+//! thread that lives as long as the process (see `process::launch`).
+//!
+//! Children are identified by pidfd from the moment they exist: signals go through
+//! `pidfd_send_signal` and exits are observed by polling the pidfd, so a recycled pid
+//! can never be signalled or waited on by mistake.
+
+use std::ffi::{CStr, OsString};
+use std::io::Write;
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::process::CommandExt;
+use std::process::Command;
+use std::time::Instant;
+
+use rustix::event::{PollFd, Timespec, poll};
+use rustix::io::Errno;
+use rustix::process::{Pid, PidfdFlags, Signal, WaitId, WaitIdOptions};
+
+use super::Deadline;
+use crate::{Error, Result};
+
+/// How a child ended, as `waitid` reports it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct RawExit {
+    /// The exit code, when it exited.
+    pub code: Option<i32>,
+    /// The signal number, when a signal ended it.
+    pub signal: Option<i32>,
+    /// Whether it dumped core.
+    pub core_dumped: bool,
+}
+
+/// Re-executes this program (`/proc/self/exe`, same argv) with `env` added, keeping
+/// `keep_fd` open across `exec` (every other fd of ours is close-on-exec). The child
+/// gets the parent-death signal. Returns its pid.
+///
+/// Call only from a thread that lives as long as the process: the death signal is tied
+/// to the forking thread.
+pub(crate) fn spawn_self(env: &[(&str, String)], keep_fd: BorrowedFd<'_>) -> Result<i32> {
+    let mut args = std::env::args_os();
+    let argv0 = args
+        .next()
+        .unwrap_or_else(|| OsString::from("multiproc-worker"));
+    let mut cmd = Command::new("/proc/self/exe");
+    cmd.arg0(&argv0).args(args);
+    for (key, value) in env {
+        cmd.env(key, value);
+    }
+    let parent = rustix::process::getpid();
+    let fd: RawFd = keep_fd.as_raw_fd();
+    let in_child = move || {
+        guard_against_orphaning(parent);
+        // Clear close-on-exec on the job socket only, and only in the child.
+        // SAFETY: fcntl on an fd number the parent keeps open until spawn returns;
+        // F_SETFD takes an int argument.
+        if unsafe { libc::fcntl(fd, libc::F_SETFD, 0) } == -1 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(())
+    };
+    // SAFETY: `in_child` runs between fork and exec and makes only async-signal-safe
+    // system calls (prctl, getppid, fcntl, _exit); it allocates nothing.
+    unsafe { cmd.pre_exec(in_child) };
+    let child = cmd.spawn().map_err(|e| {
+        Error::os(
+            format!(
+                "re-executing /proc/self/exe ({}) as a worker",
+                argv0.to_string_lossy()
+            ),
+            e,
+        )
+    })?;
+    // Dropping `std::process::Child` neither waits nor kills: the caller owns the pid
+    // from here and reaps it through its pidfd.
+    Ok(child.id() as i32)
+}
+
+/// Sets the parent-death signal and makes sure the parent it refers to is `parent`.
+/// Async-signal-safe; for the child side of a fork.
+fn guard_against_orphaning(parent: Pid) {
+    if rustix::process::set_parent_process_death_signal(Some(Signal::KILL)).is_err()
+        || rustix::process::getppid() != Some(parent)
+    {
+        exit_immediately(3);
+    }
+}
+
+/// Forks. The child sets its death signal, runs `child` and leaves with `_exit` and the
+/// code it returned (101 if it panicked), never returning here; the parent gets the
+/// child's pid.
+///
+/// In a multithreaded process the child has only the calling thread, and locks that
+/// other threads held at the moment of the fork stay locked forever in it: `child`
+/// should avoid shared locks (the allocator is fork-safe in glibc).
+pub(crate) fn fork_child(child: impl FnOnce() -> i32) -> Result<i32> {
+    let parent = rustix::process::getpid();
+    // SAFETY: fork has no memory-safety preconditions of its own; in the child we only
+    // run `child` (whose caveats are documented above) and then `_exit`, never
+    // returning into the caller's frames.
+    let pid = unsafe { libc::fork() };
+    match pid {
+        -1 => Err(Error::os("fork", std::io::Error::last_os_error())),
+        0 => {
+            guard_against_orphaning(parent);
+            let code = std::panic::catch_unwind(std::panic::AssertUnwindSafe(child)).unwrap_or(101);
+            flush_stdio();
+            exit_immediately(code)
+        }
+        pid => Ok(pid),
+    }
+}
+
+/// Flushes Rust's stdout and stderr (best effort: a closed terminal must not turn a
+/// clean exit into a failure).
+pub(crate) fn flush_stdio() {
+    let _ = std::io::stdout().flush();
+    let _ = std::io::stderr().flush();
+}
+
+/// `_exit`: ends the process now, without running atexit handlers or destructors.
+pub(crate) fn exit_immediately(code: i32) -> ! {
+    // SAFETY: `_exit` is always safe to call; it does not return.
+    unsafe { libc::_exit(code) }
+}
+
+/// A pidfd for `pid`. For our own children this cannot race with pid reuse: an
+/// unreaped child keeps its pid.
+pub(crate) fn pidfd_open(pid: i32) -> Result<OwnedFd> {
+    let p = Pid::from_raw(pid)
+        .ok_or_else(|| Error::InvalidArgument(format!("{pid} is not a process id")))?;
+    rustix::process::pidfd_open(p, PidfdFlags::empty()).map_err(|e| match e {
+        Errno::NOSYS => Error::os(
+            format!("pidfd_open({pid}): multiproc needs Linux 5.4 or newer"),
+            e,
+        ),
+        _ => Error::os(format!("pidfd_open({pid})"), e),
+    })
+}
+
+/// SIGKILLs and reaps our child `pid`, for the rare path where it exists but could not
+/// be given a pidfd (so nothing else will ever reap it).
+pub(crate) fn kill_and_reap_by_pid(pid: i32) {
+    if let Some(p) = Pid::from_raw(pid) {
+        let _ = rustix::process::kill_process(p, Signal::KILL);
+        let _ = rustix::process::waitpid(Some(p), rustix::process::WaitOptions::empty());
+    }
+}
+
+/// Sends signal `sig` through a pidfd. `Ok(false)` when the process has already exited.
+pub(crate) fn send_signal(pidfd: BorrowedFd<'_>, sig: i32) -> Result<bool> {
+    let signal = Signal::from_named_raw(sig)
+        .ok_or_else(|| Error::InvalidArgument(format!("{sig} is not a signal number")))?;
+    match rustix::process::pidfd_send_signal(pidfd, signal) {
+        Ok(()) => Ok(true),
+        Err(Errno::SRCH) => Ok(false),
+        Err(e) => Err(Error::os(
+            format!("sending {} to a worker", signal_name(sig)),
+            e,
+        )),
+    }
+}
+
+/// Reaps our child `pidfd` refers to if it has exited; `Ok(None)` while it runs.
+pub(crate) fn try_reap(pidfd: BorrowedFd<'_>) -> Result<Option<RawExit>> {
+    loop {
+        match rustix::process::waitid(
+            WaitId::PidFd(pidfd),
+            WaitIdOptions::EXITED | WaitIdOptions::NOHANG,
+        ) {
+            Ok(None) => return Ok(None),
+            Ok(Some(status)) => {
+                return Ok(Some(RawExit {
+                    code: status.exit_status(),
+                    signal: status.terminating_signal(),
+                    core_dumped: status.dumped(),
+                }));
+            }
+            Err(Errno::INTR) => {}
+            Err(e) => return Err(Error::os("waitid(P_PIDFD) on a worker", e)),
+        }
+    }
+}
+
+/// Whether the process behind `pidfd` has exited (its pidfd is readable), without
+/// reaping it.
+pub(crate) fn has_exited(pidfd: BorrowedFd<'_>) -> bool {
+    super::wait_fd(pidfd, super::Readiness::Readable, Some(Instant::now())).unwrap_or(false)
+}
+
+/// Waits until at least one of `fds` is ready for reading (a hang-up counts) or the
+/// deadline passes; `Ok(false)` on timeout. An empty set only waits out the deadline.
+pub(crate) fn wait_any_readable(fds: &[BorrowedFd<'_>], deadline: Deadline) -> Result<bool> {
+    let mut polls: Vec<PollFd<'_>> = fds
+        .iter()
+        .map(|fd| PollFd::from_borrowed_fd(*fd, rustix::event::PollFlags::IN))
+        .collect();
+    loop {
+        let timeout = deadline.map(|d| {
+            let left = d.saturating_duration_since(Instant::now());
+            Timespec {
+                tv_sec: left.as_secs() as i64,
+                tv_nsec: left.subsec_nanos() as _,
+            }
+        });
+        match poll(&mut polls, timeout.as_ref()) {
+            Ok(0) => {
+                if deadline.is_some_and(|d| Instant::now() >= d) {
+                    return Ok(false);
+                }
+            }
+            Ok(_) => return Ok(true),
+            Err(Errno::INTR) => {}
+            Err(e) => return Err(Error::os("poll over worker pidfds", e)),
+        }
+    }
+}
+
+/// Takes ownership of fd number `raw`, inherited across `exec` from the process that
+/// started us, after checking that it is an open unix socket; marks it close-on-exec
+/// again so that processes the worker starts do not inherit it.
+pub(crate) fn take_inherited_socket(raw: RawFd, var: &str) -> Result<OwnedFd> {
+    if raw < 0 {
+        return Err(Error::InvalidArgument(format!(
+            "{var}={raw} is not an fd number"
+        )));
+    }
+    // SAFETY: F_GETFD only inspects the descriptor table; an unused number gives EBADF.
+    let flags = unsafe { libc::fcntl(raw, libc::F_GETFD) };
+    if flags == -1 {
+        return Err(Error::InvalidArgument(format!(
+            "{var}={raw} names no open file descriptor: this process was not started by multiproc"
+        )));
+    }
+    // SAFETY: the fd is open (checked above) and nothing else in this process claims it:
+    // it was handed to us across exec and its number is known only through `var`,
+    // which the caller removes from the environment.
+    let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+    rustix::net::sockopt::socket_type(&fd)
+        .map_err(|e| Error::InvalidArgument(format!("{var}={raw} is not a socket ({e})")))?;
+    rustix::io::fcntl_setfd(&fd, rustix::io::FdFlags::CLOEXEC)
+        .map_err(|e| Error::os(format!("marking inherited fd {raw} close-on-exec"), e))?;
+    Ok(fd)
+}
+
+/// Sets an environment variable in a process that has a single thread: a fresh fork
+/// child, or a worker before its job starts.
+pub(crate) fn set_env_single_threaded(key: &str, value: &str) {
+    // SAFETY: callers run with one thread (documented at each call site), so no other
+    // thread can read the environment concurrently.
+    unsafe { std::env::set_var(key, value) }
+}
+
+/// Removes an environment variable, under the same condition as
+/// [`set_env_single_threaded`].
+pub(crate) fn remove_env_single_threaded(key: &str) {
+    // SAFETY: as in `set_env_single_threaded`.
+    unsafe { std::env::remove_var(key) }
+}
+
+/// Names the calling thread (and, for a single-threaded process, the process as `ps`
+/// shows it). Best effort.
+pub(crate) fn set_process_name(name: &CStr) {
+    let _ = rustix::thread::set_name(name);
+}
+
+/// The name of signal `sig` (`SIGKILL`), or `SIGRTMIN+n` / `signal n`.
+pub(crate) fn signal_name(sig: i32) -> String {
+    let name = match sig {
+        libc::SIGHUP => "SIGHUP",
+        libc::SIGINT => "SIGINT",
+        libc::SIGQUIT => "SIGQUIT",
+        libc::SIGILL => "SIGILL",
+        libc::SIGTRAP => "SIGTRAP",
+        libc::SIGABRT => "SIGABRT",
+        libc::SIGBUS => "SIGBUS",
+        libc::SIGFPE => "SIGFPE",
+        libc::SIGKILL => "SIGKILL",
+        libc::SIGUSR1 => "SIGUSR1",
+        libc::SIGSEGV => "SIGSEGV",
+        libc::SIGUSR2 => "SIGUSR2",
+        libc::SIGPIPE => "SIGPIPE",
+        libc::SIGALRM => "SIGALRM",
+        libc::SIGTERM => "SIGTERM",
+        libc::SIGSTKFLT => "SIGSTKFLT",
+        libc::SIGCHLD => "SIGCHLD",
+        libc::SIGCONT => "SIGCONT",
+        libc::SIGSTOP => "SIGSTOP",
+        libc::SIGTSTP => "SIGTSTP",
+        libc::SIGTTIN => "SIGTTIN",
+        libc::SIGTTOU => "SIGTTOU",
+        libc::SIGURG => "SIGURG",
+        libc::SIGXCPU => "SIGXCPU",
+        libc::SIGXFSZ => "SIGXFSZ",
+        libc::SIGVTALRM => "SIGVTALRM",
+        libc::SIGPROF => "SIGPROF",
+        libc::SIGWINCH => "SIGWINCH",
+        libc::SIGIO => "SIGIO",
+        libc::SIGPWR => "SIGPWR",
+        libc::SIGSYS => "SIGSYS",
+        // glibc reserves 32 and 33 for itself; SIGRTMIN is 34.
+        34..=64 => return format!("SIGRTMIN+{}", sig - 34),
+        _ => return format!("signal {sig}"),
+    };
+    name.to_string()
+}
+
+/// The pid of this process.
+pub(crate) fn current_pid() -> i32 {
+    rustix::process::getpid().as_raw_nonzero().get()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::fd::AsFd;
+
+    #[test]
+    fn signal_names() {
+        assert_eq!(signal_name(libc::SIGKILL), "SIGKILL");
+        assert_eq!(signal_name(libc::SIGABRT), "SIGABRT");
+        assert_eq!(signal_name(36), "SIGRTMIN+2");
+        assert_eq!(signal_name(99), "signal 99");
+    }
+
+    #[test]
+    fn fork_reap_and_exit_code() {
+        let pid = fork_child(|| 7).unwrap();
+        let pidfd = pidfd_open(pid).unwrap();
+        assert!(wait_any_readable(&[pidfd.as_fd()], None).unwrap());
+        let exit = try_reap(pidfd.as_fd()).unwrap().unwrap();
+        assert_eq!(exit.code, Some(7));
+        assert_eq!(exit.signal, None);
+    }
+}

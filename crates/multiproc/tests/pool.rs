@@ -1,0 +1,199 @@
+//! Pool across real processes: ordering, failures that stay local, dead workers that
+//! are replaced, recycling.
+
+multiproc::test_init!();
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use multiproc::{Error, Pool, StartMethod};
+
+const DEADLINE: Duration = Duration::from_secs(90);
+
+fn square(x: u64) -> Result<u64, String> {
+    Ok(x * x)
+}
+
+#[test]
+fn map_and_imap_keep_order_over_1000_tasks() {
+    common::run(DEADLINE, || {
+        let pool = Pool::new(2).unwrap();
+        assert_eq!(
+            pool.map(square, 0..10u64).unwrap(),
+            (0..10).map(|x| x * x).collect::<Vec<_>>()
+        );
+        let got: Vec<u64> = pool.imap(square, 0..1000u64).map(|r| r.unwrap()).collect();
+        assert_eq!(got, (0..1000).map(|x| x * x).collect::<Vec<_>>());
+        let mut unordered: Vec<u64> = pool
+            .imap_unordered(square, 0..200u64)
+            .map(|r| r.unwrap())
+            .collect();
+        unordered.sort();
+        assert_eq!(unordered, (0..200).map(|x| x * x).collect::<Vec<_>>());
+    });
+}
+
+fn panics_on_37(x: u32) -> Result<u32, String> {
+    if x == 37 {
+        panic!("task {x} refuses");
+    }
+    if x == 73 {
+        return Err(format!("task {x} returns an error"));
+    }
+    Ok(x + 1)
+}
+
+#[test]
+fn a_panicking_task_fails_alone() {
+    common::run(DEADLINE, || {
+        let pool = Pool::new(2).unwrap();
+        let results: Vec<_> = pool.imap(panics_on_37, 0..100u32).collect();
+        assert_eq!(results.len(), 100);
+        for (i, r) in results.iter().enumerate() {
+            match (i, r) {
+                (37, Err(Error::TaskFailed { index, message })) => {
+                    assert_eq!(*index, 37);
+                    assert!(message.contains("task 37 refuses"), "{message}");
+                    assert!(
+                        message.contains("pool.rs"),
+                        "the panic location is reported: {message}"
+                    );
+                }
+                (73, Err(Error::TaskFailed { index: 73, message })) => {
+                    assert!(message.contains("task 73 returns an error"), "{message}")
+                }
+                (i, Ok(v)) => assert_eq!(*v as usize, i + 1),
+                (i, other) => panic!("task {i}: unexpected {other:?}"),
+            }
+        }
+        // map reports the first failure with its index; the pool keeps working.
+        let err = pool.map(panics_on_37, 30..40u32).unwrap_err();
+        assert!(matches!(err, Error::TaskFailed { index: 7, .. }), "{err}");
+        assert_eq!(pool.map(square, [3u64]).unwrap(), vec![9]);
+    });
+}
+
+fn report_pid_then_maybe_hang(x: u32) -> Result<u32, String> {
+    if x == 5 {
+        // Say who we are, then run long enough to be killed mid-task.
+        std::fs::write(
+            std::env::var("MP_TEST_PIDFILE").unwrap(),
+            std::process::id().to_string(),
+        )
+        .map_err(|e| e.to_string())?;
+        std::thread::sleep(Duration::from_secs(60));
+    }
+    Ok(x)
+}
+
+#[test]
+fn a_worker_killed_mid_task_fails_that_task_and_is_replaced() {
+    common::run(DEADLINE, || {
+        let dir = std::env::temp_dir().join(format!("mp-pool-kill-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let pidfile = dir.join("pid");
+        // SAFETY: the only test in this binary that touches this variable, set before
+        // the pool's workers (which inherit it) start.
+        unsafe { std::env::set_var("MP_TEST_PIDFILE", &pidfile) };
+        let pool = Pool::new(2).unwrap();
+        let start = Instant::now();
+        let mut results = pool.imap(report_pid_then_maybe_hang, 0..20u32);
+        let killer = std::thread::spawn(move || {
+            let until = Instant::now() + Duration::from_secs(30);
+            loop {
+                if let Ok(pid) =
+                    std::fs::read_to_string(&pidfile).map(|s| s.parse::<i32>().unwrap())
+                {
+                    kill_process(pid);
+                    return;
+                }
+                assert!(Instant::now() < until, "the task never started");
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        });
+        let mut all = Vec::new();
+        for r in results.by_ref() {
+            all.push(r);
+        }
+        killer.join().unwrap();
+        assert_eq!(all.len(), 20);
+        for (i, r) in all.into_iter().enumerate() {
+            if i == 5 {
+                let err = r.unwrap_err();
+                assert!(err.to_string().contains("SIGKILL"), "{err}");
+            } else {
+                assert_eq!(r.unwrap(), i as u32);
+            }
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "the failed task was noticed promptly"
+        );
+        assert_eq!(
+            pool.map(square, [4u64]).unwrap(),
+            vec![16],
+            "the pool still works"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    });
+}
+
+fn kill_process(pid: i32) {
+    let status = std::process::Command::new("kill")
+        .args(["-KILL", &pid.to_string()])
+        .status();
+    assert!(status.is_ok_and(|s| s.success()), "kill -KILL {pid} failed");
+}
+
+fn my_pid(_: u32) -> Result<u32, String> {
+    Ok(std::process::id())
+}
+
+#[test]
+fn max_tasks_per_child_recycles_workers() {
+    common::run(DEADLINE, || {
+        let pool = Pool::builder()
+            .processes(1)
+            .max_tasks_per_child(1)
+            .build()
+            .unwrap();
+        let pids = pool.map_chunked(my_pid, 0..4u32, 1).unwrap();
+        let distinct: std::collections::BTreeSet<_> = pids.iter().collect();
+        assert_eq!(
+            distinct.len(),
+            4,
+            "every task ran in a fresh worker: {pids:?}"
+        );
+    });
+}
+
+static INITIALIZED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+fn mark_initialized() {
+    INITIALIZED.store(true, std::sync::atomic::Ordering::SeqCst);
+}
+
+fn was_initialized(_: u8) -> Result<bool, String> {
+    Ok(INITIALIZED.load(std::sync::atomic::Ordering::SeqCst))
+}
+
+#[test]
+fn initializer_apply_async_close_join_and_fork() {
+    common::run(DEADLINE, || {
+        let mut pool = Pool::builder()
+            .processes(2)
+            .initializer(mark_initialized)
+            .start_method(StartMethod::Fork)
+            .build()
+            .unwrap();
+        let mut r = pool.apply_async(was_initialized, 0).unwrap();
+        assert!(r.get(Some(Duration::from_secs(30))).unwrap());
+        pool.close();
+        assert!(matches!(
+            pool.apply_async(was_initialized, 0),
+            Err(Error::Closed(_))
+        ));
+        assert!(pool.join(Some(Duration::from_secs(30))).unwrap());
+    });
+}

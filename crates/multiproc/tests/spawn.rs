@@ -1,0 +1,606 @@
+//! Worker processes: spawn, start_processes, Process, the three start methods, error
+//! propagation and tear-down. Ported from torch's test_multiprocessing_spawn.py where
+//! there is a counterpart (named in each test's comment).
+//!
+//! Every test runs under [`guarded`]: one at a time (they count this process's children
+//! and fds), on a thread with a deadline, and ends with a check that no child process
+//! and no fd was left behind.
+
+multiproc::test_init!();
+
+use std::collections::BTreeSet;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use multiproc::{Error, Process, SimpleQueue, SpawnOptions, StartMethod, spawn, start_processes};
+
+// ---------------------------------------------------------------------------------------
+// Harness.
+
+static SERIAL: Mutex<()> = Mutex::new(());
+
+/// This process's children, excluding the fork server (which lives as long as we do).
+fn our_children() -> BTreeSet<i32> {
+    let me = std::process::id() as i32;
+    let mut out = BTreeSet::new();
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return out;
+    };
+    for entry in dir.flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        // "pid (comm) state ppid ...": comm may hold spaces and parentheses.
+        let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
+            continue;
+        };
+        let comm = &stat[open + 1..close];
+        let ppid = stat[close + 1..]
+            .split_whitespace()
+            .nth(1)
+            .and_then(|p| p.parse::<i32>().ok());
+        if ppid == Some(me) && comm != "multiproc-fsrv" {
+            out.insert(pid);
+        }
+    }
+    out
+}
+
+fn open_fds() -> usize {
+    std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count())
+}
+
+/// Runs `body` alone, on its own thread, failing if it takes longer than `limit`;
+/// then checks that it left no child process and no open fd behind.
+fn guarded(limit: Duration, body: impl FnOnce() + Send + 'static) {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    // The fork server (2 fds here) lives for the whole run: start it before counting.
+    multiproc::ensure_forkserver_running().expect("fork server");
+    let children_before = our_children();
+    let fds_before = open_fds();
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    let runner = std::thread::spawn(move || {
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(body));
+        let _ = done_tx.send(());
+        result
+    });
+    if done_rx.recv_timeout(limit).is_err() {
+        panic!("the test ran past its {limit:?} deadline");
+    }
+    if let Err(panic) = runner.join().expect("runner thread") {
+        std::panic::resume_unwind(panic);
+    }
+    let left: Vec<i32> = our_children()
+        .difference(&children_before)
+        .copied()
+        .collect();
+    assert!(left.is_empty(), "worker processes left behind: {left:?}");
+    let fds_after = open_fds();
+    assert!(
+        fds_after <= fds_before,
+        "fds grew from {fds_before} to {fds_after}"
+    );
+}
+
+fn secs(s: u64) -> Duration {
+    Duration::from_secs(s)
+}
+
+fn process_is_gone(pid: i32) -> bool {
+    !std::path::Path::new(&format!("/proc/{pid}")).exists()
+}
+
+// ---------------------------------------------------------------------------------------
+// Workers (functions of this executable, found again by the spawned copies).
+
+fn noop(_rank: usize, _: ()) {}
+
+fn sleep_then_ok(_rank: usize, millis: u64) {
+    std::thread::sleep(Duration::from_millis(millis));
+}
+
+fn put_rank(rank: usize, q: SimpleQueue<usize>) -> Result<(), multiproc::Error> {
+    q.put(rank)?;
+    Ok(())
+}
+
+/// `target` raises at once; the others sleep 1 s (torch's `_test_exception_single_func`).
+fn raise_in(rank: usize, target: usize) {
+    if rank == target {
+        panic!("legitimate exception from process {rank}");
+    }
+    std::thread::sleep(secs(1));
+}
+
+fn raise_all(rank: usize, _: ()) {
+    panic!("legitimate exception from process {rank}");
+}
+
+fn return_err(rank: usize, _: ()) -> Result<(), String> {
+    if rank == 1 {
+        Err(format!("rank {rank} returned an error on purpose"))
+    } else {
+        Ok(())
+    }
+}
+
+fn abort_rank0(rank: usize, _: ()) {
+    if rank == 0 {
+        std::process::abort();
+    }
+}
+
+/// Rank 0 exits with `code`; the others sleep `sleep_ms`.
+fn exit_rank0(rank: usize, (code, sleep_ms): (i32, u64)) {
+    if rank == 0 {
+        std::process::exit(code);
+    }
+    std::thread::sleep(Duration::from_millis(sleep_ms));
+}
+
+/// Rank 1 ignores SIGTERM and says so; rank 0 waits for that, then raises.
+fn raise_while_one_ignores_sigterm(rank: usize, ready: SimpleQueue<()>) {
+    if rank == 1 {
+        // SAFETY: installing SIG_IGN for SIGTERM has no preconditions.
+        unsafe { libc::signal(libc::SIGTERM, libc::SIG_IGN) };
+        ready.put(()).expect("put");
+        std::thread::sleep(secs(60));
+    } else {
+        ready.get().expect("get");
+        panic!("legitimate exception from process {rank}");
+    }
+}
+
+fn report_env(rank: usize, q: SimpleQueue<(usize, String, String, String, bool)>) {
+    let var = |k: &str| std::env::var(k).unwrap_or_default();
+    q.put((
+        rank,
+        var("RANK"),
+        var("LOCAL_RANK"),
+        var("WORLD_SIZE"),
+        std::env::var_os("MULTIPROC_ROLE").is_some()
+            || std::env::var_os("MULTIPROC_WORKER_FD").is_some(),
+    ))
+    .expect("put");
+}
+
+/// Runs a failing group of its own and sends the error home through a queue.
+fn nested_failure(_rank: usize, q: SimpleQueue<Error>) {
+    let err = spawn(raise_in, 1usize, 2).expect_err("the nested group fails");
+    q.put(err).expect("put");
+}
+
+// ---------------------------------------------------------------------------------------
+// Tests.
+
+#[test]
+fn test_init_makes_spawned_workers_run_their_job() {
+    // Were `test_init!` not working, the workers would run libtest instead and never
+    // put their rank.
+    guarded(secs(20), || {
+        let q = SimpleQueue::new().unwrap();
+        spawn(put_rank, q.clone(), 2).unwrap();
+        let mut got = vec![q.get().unwrap(), q.get().unwrap()];
+        got.sort();
+        assert_eq!(got, [0, 1]);
+    });
+}
+
+// torch: test_success (for each start method)
+#[test]
+fn success_with_each_start_method() {
+    guarded(secs(30), || {
+        for method in StartMethod::ALL {
+            SpawnOptions::new()
+                .start_method(method)
+                .spawn(noop, (), 2)
+                .unwrap_or_else(|e| panic!("{method}: {e}"));
+        }
+    });
+}
+
+// torch: test_success_non_blocking
+#[test]
+fn join_without_joining_until_true() {
+    guarded(secs(30), || {
+        for method in StartMethod::ALL {
+            let mut ctx = start_processes(sleep_then_ok, 50u64, 2, method).unwrap();
+            assert_eq!(ctx.pids().len(), 2);
+            let mut rounds = 0;
+            while !ctx.join(Some(Duration::from_millis(10))).unwrap() {
+                rounds += 1;
+            }
+            assert!(
+                rounds > 0,
+                "{method}: the workers sleep 50 ms, a 10 ms join times out first"
+            );
+            assert!(ctx.join(None).unwrap(), "repeated join stays true");
+            assert!(ctx.join(Some(Duration::ZERO)).unwrap());
+            assert!(
+                ctx.exit_statuses()
+                    .iter()
+                    .all(|s| s.is_some_and(|s| s.success()))
+            );
+        }
+    });
+}
+
+// torch: test_first_argument_index / args delivered
+#[test]
+fn args_are_delivered_with_the_rank() {
+    guarded(secs(30), || {
+        for method in StartMethod::ALL {
+            let q = SimpleQueue::new().unwrap();
+            SpawnOptions::new()
+                .start_method(method)
+                .spawn(put_rank, q.clone(), 2)
+                .unwrap();
+            let got: BTreeSet<usize> = [q.get().unwrap(), q.get().unwrap()].into();
+            assert_eq!(got, BTreeSet::from([0, 1]), "{method}");
+        }
+    });
+}
+
+// torch: test_exception_single
+#[test]
+fn exception_in_one_process_while_the_other_sleeps() {
+    guarded(secs(60), || {
+        for method in StartMethod::ALL {
+            for target in [0usize, 1] {
+                let start = Instant::now();
+                let err = SpawnOptions::new()
+                    .start_method(method)
+                    .spawn(raise_in, target, 2)
+                    .expect_err("a worker raises");
+                let Error::ProcessRaised {
+                    error_index,
+                    pid,
+                    message,
+                    others,
+                } = &err
+                else {
+                    panic!("{method}: expected ProcessRaised, got {err:?}");
+                };
+                assert_eq!(*error_index, target, "{method}: {message}");
+                assert!(*pid > 0);
+                assert!(
+                    message.contains(&format!("legitimate exception from process {target}")),
+                    "{message}"
+                );
+                assert!(
+                    message.starts_with(&format!("process {target} raised: ")),
+                    "{message}"
+                );
+                assert!(
+                    message.contains("tests/spawn.rs:"),
+                    "location missing: {message}"
+                );
+                assert!(
+                    others.is_empty(),
+                    "the sleeper was ours to kill: {others:?}"
+                );
+                assert!(
+                    start.elapsed() < Duration::from_millis(900),
+                    "{method}: the sleeping worker should have been terminated, not awaited ({:?})",
+                    start.elapsed()
+                );
+            }
+        }
+    });
+}
+
+// torch: test_exception_all
+#[test]
+fn exception_in_both_processes() {
+    guarded(secs(30), || {
+        let err = spawn(raise_all, (), 2).expect_err("both raise");
+        let Error::ProcessRaised {
+            error_index,
+            message,
+            others,
+            ..
+        } = &err
+        else {
+            panic!("expected ProcessRaised, got {err:?}");
+        };
+        assert!(*error_index < 2);
+        assert!(
+            message.contains(&format!("legitimate exception from process {error_index}")),
+            "{message}"
+        );
+        // The other one raised too, unless it was terminated before it got there.
+        for other in others {
+            assert_eq!(other.rank, 1 - error_index);
+            assert!(other.message.contains("legitimate exception"), "{other:?}");
+        }
+        assert_eq!(err.failures().len(), 1 + others.len());
+    });
+}
+
+#[test]
+fn a_returned_err_counts_as_raised() {
+    guarded(secs(30), || {
+        let err = spawn(return_err, (), 2).expect_err("rank 1 returns Err");
+        let Error::ProcessRaised {
+            error_index,
+            message,
+            ..
+        } = &err
+        else {
+            panic!("expected ProcessRaised, got {err:?}");
+        };
+        assert_eq!(*error_index, 1);
+        assert!(
+            message.contains("rank 1 returned an error on purpose"),
+            "{message}"
+        );
+        assert!(message.starts_with("process 1 "), "{message}");
+    });
+}
+
+// torch: test_terminate_signal
+#[test]
+fn abort_is_reported_with_its_signal_name() {
+    guarded(secs(30), || {
+        for method in StartMethod::ALL {
+            let err = SpawnOptions::new()
+                .start_method(method)
+                .spawn(abort_rank0, (), 2)
+                .expect_err("rank 0 aborts");
+            let Error::ProcessExited {
+                error_index,
+                exit_code,
+                signal_name,
+                message,
+                ..
+            } = &err
+            else {
+                panic!("{method}: expected ProcessExited, got {err:?}");
+            };
+            assert_eq!(*error_index, 0);
+            assert_eq!(*exit_code, None);
+            assert_eq!(signal_name.as_deref(), Some("SIGABRT"), "{method}");
+            assert!(
+                message.starts_with("process 0 terminated with signal SIGABRT"),
+                "{message}"
+            );
+        }
+    });
+}
+
+// torch: test_terminate_exit
+#[test]
+fn exit_code_is_reported_long_before_the_sleeper_ends() {
+    guarded(secs(30), || {
+        for method in StartMethod::ALL {
+            let start = Instant::now();
+            let mut ctx = start_processes(exit_rank0, (123, 4000u64), 2, method).unwrap();
+            let pids = ctx.pids();
+            let err = ctx.join(None).expect_err("rank 0 exits 123");
+            let elapsed = start.elapsed();
+            let Error::ProcessExited {
+                error_index,
+                exit_code,
+                signal_name,
+                message,
+                others,
+                ..
+            } = &err
+            else {
+                panic!("{method}: expected ProcessExited, got {err:?}");
+            };
+            assert_eq!((*error_index, *exit_code), (0, Some(123)), "{method}");
+            assert_eq!(*signal_name, None);
+            assert_eq!(message, "process 0 terminated with exit code 123");
+            assert!(others.is_empty(), "{others:?}");
+            assert!(
+                elapsed < Duration::from_millis(2500),
+                "{method}: took {elapsed:?}"
+            );
+            for pid in pids {
+                assert!(process_is_gone(pid), "{method}: worker {pid} still exists");
+            }
+            // The error stays.
+            assert_eq!(ctx.join(None).unwrap_err(), err);
+        }
+    });
+}
+
+// torch: test_success_first_then_exception / join with a timeout
+#[test]
+fn join_with_a_short_timeout_returns_false() {
+    guarded(secs(30), || {
+        let mut ctx = SpawnOptions::new()
+            .daemon(true)
+            .start(sleep_then_ok, 5000u64, 1)
+            .unwrap();
+        let start = Instant::now();
+        assert!(!ctx.join(Some(Duration::from_millis(100))).unwrap());
+        let elapsed = start.elapsed();
+        assert!(elapsed >= Duration::from_millis(100), "{elapsed:?}");
+        assert!(elapsed < secs(1), "{elapsed:?}");
+        // Dropping a daemon context kills and reaps its workers.
+    });
+}
+
+// torch: test_process_exited / terminate by signal
+#[test]
+fn sigterm_to_a_worker_is_reported() {
+    guarded(secs(30), || {
+        for method in StartMethod::ALL {
+            let mut ctx = start_processes(sleep_then_ok, 30_000u64, 2, method).unwrap();
+            let pid = ctx.pids()[1];
+            // SAFETY: kill has no memory-safety preconditions.
+            assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
+            let err = ctx.join(Some(secs(20))).expect_err("rank 1 was terminated");
+            let Error::ProcessExited {
+                error_index,
+                pid: failed_pid,
+                signal_name,
+                message,
+                ..
+            } = &err
+            else {
+                panic!("{method}: expected ProcessExited, got {err:?}");
+            };
+            assert_eq!((*error_index, *failed_pid), (1, pid));
+            assert_eq!(signal_name.as_deref(), Some("SIGTERM"));
+            assert_eq!(message, "process 1 terminated with signal SIGTERM");
+        }
+    });
+}
+
+#[test]
+fn a_worker_ignoring_sigterm_is_killed_after_the_grace_period() {
+    guarded(secs(30), || {
+        let grace = Duration::from_millis(300);
+        let ready = SimpleQueue::new().unwrap();
+        let mut ctx = SpawnOptions::new()
+            .grace_period(grace)
+            .start(raise_while_one_ignores_sigterm, ready, 2)
+            .unwrap();
+        let err = ctx.join(Some(secs(20))).expect_err("rank 0 raises");
+        assert!(
+            matches!(err, Error::ProcessRaised { error_index: 0, .. }),
+            "{err:?}"
+        );
+        assert!(
+            err.failures().len() == 1,
+            "rank 1 was killed by us: {err:?}"
+        );
+        let statuses = ctx.exit_statuses();
+        let killed = statuses[1].expect("rank 1 was reaped");
+        assert_eq!(killed.signal_name().as_deref(), Some("SIGKILL"), "{killed}");
+    });
+}
+
+#[test]
+fn torchrun_environment_is_set() {
+    guarded(secs(30), || {
+        for method in StartMethod::ALL {
+            let q = SimpleQueue::new().unwrap();
+            SpawnOptions::new()
+                .start_method(method)
+                .spawn(report_env, q.clone(), 3)
+                .unwrap();
+            let mut seen: Vec<_> = (0..3).map(|_| q.get().unwrap()).collect();
+            seen.sort();
+            for (rank, (r, rank_var, local, world, leaked_role)) in seen.into_iter().enumerate() {
+                assert_eq!(r, rank);
+                assert_eq!(rank_var, rank.to_string(), "{method}");
+                assert_eq!(local, rank.to_string(), "{method}");
+                assert_eq!(world, "3", "{method}");
+                assert!(
+                    !leaked_role,
+                    "{method}: multiproc's own variables must not leak"
+                );
+            }
+        }
+    });
+}
+
+#[test]
+fn errors_survive_postcard_and_a_queue_from_a_worker() {
+    guarded(secs(30), || {
+        let q = SimpleQueue::new().unwrap();
+        spawn(nested_failure, q.clone(), 1).unwrap();
+        let err: Error = q.get().unwrap();
+        assert!(
+            matches!(err, Error::ProcessRaised { error_index: 1, .. }),
+            "{err:?}"
+        );
+        assert!(
+            err.to_string()
+                .contains("legitimate exception from process 1")
+        );
+        let bytes = postcard::to_stdvec(&err).unwrap();
+        let back: Error = postcard::from_bytes(&bytes).unwrap();
+        assert_eq!(back, err);
+        let exited = Error::ProcessExited {
+            error_index: 0,
+            pid: 42,
+            exit_code: None,
+            signal_name: Some("SIGKILL".into()),
+            message: "process 0 terminated with signal SIGKILL".into(),
+            others: vec![],
+        };
+        let back: Error = postcard::from_bytes(&postcard::to_stdvec(&exited).unwrap()).unwrap();
+        assert_eq!(back, exited);
+    });
+}
+
+#[test]
+fn single_process_lifecycle() {
+    guarded(secs(30), || {
+        for method in StartMethod::ALL {
+            let mut p = Process::new(sleep_then_ok, 0, 30_000u64).start_method(method);
+            assert!(p.pid().is_none() && !p.is_alive());
+            assert!(
+                p.join(None).is_err(),
+                "joining an unstarted process is an error"
+            );
+            p.start().unwrap();
+            assert!(p.start().is_err(), "a process starts once");
+            assert!(p.is_alive());
+            assert_eq!(p.join(Some(Duration::from_millis(20))).unwrap(), None);
+            assert_eq!(p.exit_status(), None);
+            p.terminate().unwrap();
+            let status = p.join(Some(secs(20))).unwrap().expect("exited");
+            assert_eq!(status.signal_name().as_deref(), Some("SIGTERM"), "{method}");
+            assert!(!p.is_alive());
+            assert_eq!(p.exit_status(), Some(status));
+            let err = p.error().expect("a terminated process failed");
+            assert!(matches!(err, Error::ProcessExited { .. }), "{err:?}");
+            p.kill().unwrap(); // a no-op once exited
+
+            let mut ok = Process::new(noop, 3, ()).start_method(method).world_size(4);
+            ok.start().unwrap();
+            assert!(ok.join(None).unwrap().unwrap().success());
+            assert!(ok.error().is_none());
+
+            let mut bad = Process::new(raise_in, 2, 2usize).start_method(method);
+            bad.start().unwrap();
+            assert_eq!(bad.join(None).unwrap().unwrap().code(), Some(1));
+            let err = bad.error().unwrap();
+            assert!(
+                err.to_string()
+                    .contains("legitimate exception from process 2"),
+                "{err}"
+            );
+        }
+    });
+}
+
+#[test]
+fn dropping_a_daemon_process_kills_it() {
+    guarded(secs(30), || {
+        let mut p = Process::new(sleep_then_ok, 0, 30_000u64).daemon(true);
+        p.start().unwrap();
+        let pid = p.pid().unwrap();
+        let start = Instant::now();
+        drop(p);
+        assert!(start.elapsed() < secs(5));
+        assert!(process_is_gone(pid));
+    });
+}
+
+#[test]
+fn workers_started_from_a_short_lived_thread_survive_it() {
+    // The parent-death signal is tied to the forking thread: multiproc forks from its
+    // own long-lived thread, so the worker outlives the thread that asked for it.
+    guarded(secs(30), || {
+        for method in StartMethod::ALL {
+            let ctx = std::thread::spawn(move || start_processes(sleep_then_ok, 300u64, 1, method))
+                .join()
+                .unwrap();
+            let mut ctx = ctx.unwrap();
+            assert!(
+                ctx.join(Some(secs(20))).unwrap(),
+                "{method}: the worker was killed"
+            );
+        }
+    });
+}

@@ -1,0 +1,136 @@
+//! Process-shared synchronisation across real processes.
+
+multiproc::test_init!();
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use multiproc::{Barrier, Error, Lock, Semaphore, StartMethod, Value, start_processes};
+
+const DEADLINE: Duration = Duration::from_secs(60);
+
+fn increment(_rank: usize, (lock, counter): (Lock, Value<u64>)) {
+    for _ in 0..10_000 {
+        let _held = lock.lock().expect("lock");
+        // A read-modify-write in two steps: only mutual exclusion keeps it exact.
+        let v = counter.get();
+        counter.set(v + 1);
+    }
+}
+
+#[test]
+fn lock_excludes_four_processes() {
+    common::run(DEADLINE, || {
+        let lock = Lock::new().unwrap();
+        let counter = Value::new(0u64).unwrap();
+        let mut ctx =
+            start_processes(increment, (lock, counter.clone()), 4, StartMethod::Spawn).unwrap();
+        assert!(ctx.join(Some(Duration::from_secs(50))).unwrap());
+        assert_eq!(counter.get(), 40_000);
+    });
+}
+
+fn wait_at_barrier(rank: usize, (barrier, arrived, passed): (Barrier, Value<u32>, Value<u32>)) {
+    arrived.update(|n| n + 1).expect("update");
+    if rank == 0 {
+        // Arrive late: nobody may pass before this party has arrived.
+        std::thread::sleep(Duration::from_millis(200));
+        assert_eq!(
+            passed.get(),
+            0,
+            "a party passed the barrier before all arrived"
+        );
+    }
+    barrier
+        .wait(Some(Duration::from_secs(30)))
+        .expect("barrier");
+    assert_eq!(
+        arrived.get(),
+        4,
+        "passed the barrier with {} of 4 arrived",
+        arrived.get()
+    );
+    passed.update(|n| n + 1).expect("update");
+}
+
+#[test]
+fn barrier_of_four() {
+    common::run(DEADLINE, || {
+        let barrier = Barrier::new(4).unwrap();
+        let arrived = Value::new(0u32).unwrap();
+        let passed = Value::new(0u32).unwrap();
+        let args = (barrier, arrived, passed.clone());
+        let mut ctx = start_processes(wait_at_barrier, args, 4, StartMethod::Spawn).unwrap();
+        assert!(ctx.join(Some(Duration::from_secs(50))).unwrap());
+        assert_eq!(passed.get(), 4);
+    });
+}
+
+fn bounded_work(_rank: usize, (sem, inside, most): (Semaphore, Value<u32>, Value<u32>)) {
+    for _ in 0..20 {
+        assert!(sem.acquire(Some(Duration::from_secs(30))).expect("acquire"));
+        let now = inside.update(|n| n + 1).expect("update");
+        most.update(|m| m.max(now)).expect("update");
+        std::thread::sleep(Duration::from_millis(2));
+        inside.update(|n| n - 1).expect("update");
+        sem.release().expect("release");
+    }
+}
+
+#[test]
+fn semaphore_bounds_concurrency() {
+    common::run(DEADLINE, || {
+        let sem = Semaphore::new(2).unwrap();
+        let inside = Value::new(0u32).unwrap();
+        let most = Value::new(0u32).unwrap();
+        let args = (sem, inside, most.clone());
+        let mut ctx = start_processes(bounded_work, args, 5, StartMethod::Spawn).unwrap();
+        assert!(ctx.join(Some(Duration::from_secs(50))).unwrap());
+        assert!(
+            most.get() <= 2,
+            "{} processes were inside a semaphore of 2",
+            most.get()
+        );
+        assert!(most.get() >= 1);
+    });
+}
+
+fn take_lock_and_die(_rank: usize, (lock, taken): (Lock, multiproc::Event)) {
+    let _held = lock.lock().expect("lock");
+    taken.set();
+    std::thread::sleep(Duration::from_secs(60)); // killed long before this ends
+}
+
+#[test]
+fn a_lock_holder_killed_while_holding_is_reported() {
+    common::run(DEADLINE, || {
+        let lock = Lock::new().unwrap();
+        let taken = multiproc::Event::new().unwrap();
+        let mut ctx = start_processes(
+            take_lock_and_die,
+            (lock.clone(), taken.clone()),
+            1,
+            StartMethod::Spawn,
+        )
+        .unwrap();
+        assert!(taken.wait(Some(Duration::from_secs(30))).unwrap());
+        let holder = ctx.pids()[0];
+        assert!(
+            !lock.acquire(Some(Duration::from_millis(50))).unwrap(),
+            "the holder is alive"
+        );
+        let status = std::process::Command::new("kill")
+            .args(["-KILL", &holder.to_string()])
+            .status();
+        assert!(status.unwrap().success());
+        let start = Instant::now();
+        let err = lock.acquire(Some(Duration::from_secs(20))).unwrap_err();
+        assert!(matches!(err, Error::OwnerDied(_)), "{err}");
+        assert!(err.to_string().contains(&holder.to_string()), "{err}");
+        assert!(start.elapsed() < Duration::from_secs(10));
+        lock.release().unwrap();
+        let err = ctx.join(Some(Duration::from_secs(20))).unwrap_err();
+        assert!(matches!(err, Error::ProcessExited { .. }), "{err}");
+    });
+}
