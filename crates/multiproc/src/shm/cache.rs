@@ -5,6 +5,11 @@
 //! dead entries are swept whenever the table has doubled since the last sweep. Lookup,
 //! mapping and insertion happen under one lock, so two threads receiving the same new
 //! segment at once still end up with one mapping.
+//!
+//! Entries remember the process that made them. A `fork` child inherits the table, but
+//! the segments in it hold its parent's references (and its parent's handles keep them
+//! alive forever in the child, so they would never be released there): a child maps
+//! what it receives afresh, with references of its own.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError, Weak};
@@ -38,7 +43,8 @@ impl CacheKey {
 }
 
 struct MapCache {
-    entries: HashMap<CacheKey, Weak<Segment>>,
+    /// The segment and the pid of the process that cached it.
+    entries: HashMap<CacheKey, (u32, Weak<Segment>)>,
     sweep_at: usize,
 }
 
@@ -55,10 +61,21 @@ fn with_cache<R>(f: impl FnOnce(&mut MapCache) -> R) -> R {
 
 impl MapCache {
     fn put(&mut self, key: CacheKey, segment: &Arc<Segment>) {
-        self.entries.insert(key, Arc::downgrade(segment));
+        let pid = std::process::id();
+        self.entries.insert(key, (pid, Arc::downgrade(segment)));
         if self.entries.len() >= self.sweep_at {
-            self.entries.retain(|_, w| w.strong_count() > 0);
+            self.entries
+                .retain(|_, (owner, w)| *owner == pid && w.strong_count() > 0);
             self.sweep_at = (self.entries.len() * 2).max(64);
+        }
+    }
+
+    fn live(&self, key: &CacheKey) -> Option<Arc<Segment>> {
+        let (owner, weak) = self.entries.get(key)?;
+        if *owner == std::process::id() {
+            weak.upgrade()
+        } else {
+            None
         }
     }
 }
@@ -77,7 +94,7 @@ pub(crate) fn get_or_try_insert(
     open: impl FnOnce() -> Result<Segment>,
 ) -> Result<(Arc<Segment>, bool)> {
     with_cache(|c| {
-        if let Some(live) = c.entries.get(&key).and_then(Weak::upgrade) {
+        if let Some(live) = c.live(&key) {
             return Ok((live, false));
         }
         let segment = Arc::new(open()?);
@@ -89,5 +106,5 @@ pub(crate) fn get_or_try_insert(
 /// The live segment under `key`, if this process maps it.
 #[cfg(test)]
 pub(crate) fn get(key: &CacheKey) -> Option<Arc<Segment>> {
-    with_cache(|c| c.entries.get(key).and_then(Weak::upgrade))
+    with_cache(|c| c.live(key))
 }
