@@ -179,13 +179,13 @@ fn add_three(_rank: usize, t: Tensor) -> multiproc::Result<()> {
     t.add_scalar_(3.0)
 }
 
+/// A tensor and the dtype and shape a worker saw.
+type Echo = (Tensor, DType, Vec<usize>);
+
 /// Sends back each empty tensor it receives, with its dtype and shape as it saw them.
 fn echo_empty(
     _rank: usize,
-    (inbox, outbox): (
-        SimpleQueue<Option<Tensor>>,
-        SimpleQueue<(Tensor, DType, Vec<usize>)>,
-    ),
+    (inbox, outbox): (SimpleQueue<Option<Tensor>>, SimpleQueue<Echo>),
 ) -> multiproc::Result<()> {
     while let Some(t) = inbox.get()? {
         let (dtype, shape) = (t.dtype(), t.shape().to_vec());
