@@ -203,6 +203,38 @@ fn add_to_row(rank: usize, (t, steps): (Tensor, usize)) -> multiproc::Result<()>
     Ok(())
 }
 
+/// Lowers its own fd limit, then shares file_descriptor tensors until that limit is
+/// hit: the error must be an `FdLimit` that names the limit and the way out.
+fn hit_the_fd_limit(_rank: usize, _: ()) -> Result<(), String> {
+    use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
+    let open = open_fds() as u64;
+    let maximum = getrlimit(Resource::Nofile).maximum;
+    setrlimit(
+        Resource::Nofile,
+        Rlimit {
+            current: Some(open + 8),
+            maximum,
+        },
+    )
+    .map_err(|e| e.to_string())?;
+    let mut keep = Vec::new();
+    for _ in 0..64 {
+        let t = Tensor::zeros(&[128 << 10], DType::U8).map_err(|e| e.to_string())?;
+        match t.share_memory_() {
+            Ok(()) => keep.push(t),
+            Err(multiproc::Error::FdLimit(m)) => {
+                return if m.contains(&format!("limit {}", open + 8)) && m.contains("FileSystem") {
+                    Ok(())
+                } else {
+                    Err(format!("unhelpful message: {m}"))
+                };
+            }
+            Err(e) => return Err(format!("wrong error: {e:?}")),
+        }
+    }
+    Err("never hit the fd limit".into())
+}
+
 // ---------------------------------------------------------------------------------------
 // Tests.
 
@@ -256,6 +288,10 @@ fn test_receive() {
                     t1.data_ptr(),
                     t2.data_ptr(),
                     "{strategy}/{method}: the same storage sent twice is mapped once"
+                );
+                assert!(
+                    Storage::ptr_eq(t1.storage(), t2.storage()),
+                    "{strategy}/{method}: one storage, as in torch"
                 );
                 assert!(t1.is_shared() && t2.is_shared());
                 assert_eq!(t1.storage().sharing_strategy(), Some(strategy));
@@ -459,5 +495,13 @@ fn a_large_tensor_is_shared_not_copied() {
             assert_eq!(t.sum(), 4.0 * (16 << 20) as f64, "{strategy}");
             assert!(ctx.join(Some(secs(30))).unwrap());
         });
+    });
+}
+
+#[test]
+fn the_fd_limit_is_a_clear_error() {
+    guarded(secs(60), || {
+        let mut ctx = start_processes(hit_the_fd_limit, (), 1, StartMethod::Spawn).unwrap();
+        assert!(ctx.join(Some(secs(30))).unwrap());
     });
 }

@@ -71,6 +71,22 @@ pub(crate) struct Segment {
     backing: Backing,
 }
 
+/// Turns "too many open files" into [`Error::FdLimit`] naming the limit and the way out.
+fn fd_limit_advice(e: Error) -> Error {
+    if matches!(e.errno(), Some(libc::EMFILE) | Some(libc::ENFILE)) {
+        let limit = rustix::process::getrlimit(rustix::process::Resource::Nofile)
+            .current
+            .map_or("unlimited".to_owned(), |v| v.to_string());
+        Error::FdLimit(format!(
+            "cannot share a tensor: this process has too many open files (RLIMIT_NOFILE soft \
+             limit {limit}); every file_descriptor segment is an open fd — raise `ulimit -n`, \
+             drop tensors sooner, or set_sharing_strategy(SharingStrategy::FileSystem) ({e})"
+        ))
+    } else {
+        e
+    }
+}
+
 fn pid() -> i32 {
     rustix::process::getpid().as_raw_nonzero().get()
 }
@@ -79,7 +95,7 @@ impl Segment {
     /// Creates an anonymous segment of `len > 0` bytes: a memfd whose pages are
     /// reserved and whose size is sealed.
     pub(crate) fn create_anonymous(len: usize) -> Result<Segment> {
-        let fd = memfd::create("multiproc-tensor", len as u64)?;
+        let fd = memfd::create("multiproc-tensor", len as u64).map_err(fd_limit_advice)?;
         memfd::seal_size(fd.as_fd())?;
         let st = rustix::fs::fstat(&fd).map_err(|e| Error::os("fstat of a new memfd", e))?;
         let mapping = SharedMapping::map(fd.as_fd(), len)?;

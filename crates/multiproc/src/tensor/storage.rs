@@ -10,9 +10,10 @@
 //! lock. The byte length never changes after creation.
 
 use std::alloc::Layout;
+use std::collections::HashMap;
 use std::fmt;
 use std::ptr::NonNull;
-use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard};
+use std::sync::{Arc, Mutex, PoisonError, RwLock, RwLockReadGuard, Weak};
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
@@ -134,7 +135,9 @@ impl Storage {
         }
     }
 
-    /// A storage over `nbytes` bytes at `offset` in a received segment.
+    /// The storage over `nbytes` bytes at `offset` in a received segment: the one this
+    /// process already has there (so the same storage received twice, or sent and
+    /// received in one process, is one `Storage`, as in torch), or a new one.
     pub(crate) fn from_segment(
         segment: Arc<Segment>,
         offset: usize,
@@ -149,10 +152,15 @@ impl Storage {
                 segment.len()
             )));
         }
-        Ok(Storage::with_backing(
-            nbytes,
-            Backing::Shared { segment, offset },
-        ))
+        let key = StorageKey::new(&segment, offset, nbytes);
+        with_storage_cache(|c| {
+            if let Some(inner) = c.entries.get(&key).and_then(Weak::upgrade) {
+                return Ok(Storage { inner });
+            }
+            let storage = Storage::with_backing(nbytes, Backing::Shared { segment, offset });
+            c.put(key, &storage);
+            Ok(storage)
+        })
     }
 
     /// An empty storage that reports itself shared (received from another process).
@@ -244,10 +252,15 @@ impl Storage {
                 slice
             }
         };
+        let key = StorageKey::new(&slice.segment, slice.offset, self.inner.nbytes);
         *backing = Backing::Shared {
             segment: slice.segment,
             offset: slice.offset,
         };
+        // The write lock is released before the cache's lock is taken (the cache never
+        // locks a backing, so the two locks are never nested).
+        drop(backing);
+        with_storage_cache(|c| c.put(key, self));
         Ok(())
     }
 
@@ -298,6 +311,44 @@ impl fmt::Debug for Storage {
         };
         d.finish()
     }
+}
+
+/// Where a shared storage's bytes are: its segment (by address: an entry is alive only
+/// while its storage, and so its segment, is), offset and length.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+struct StorageKey(usize, usize, usize);
+
+impl StorageKey {
+    fn new(segment: &Arc<Segment>, offset: usize, nbytes: usize) -> StorageKey {
+        StorageKey(Arc::as_ptr(segment) as usize, offset, nbytes)
+    }
+}
+
+/// This process's shared storages, so a received handle finds the `Storage` it names.
+/// `Weak` entries; dead ones are swept when the table has doubled.
+struct StorageCache {
+    entries: HashMap<StorageKey, Weak<StorageInner>>,
+    sweep_at: usize,
+}
+
+impl StorageCache {
+    fn put(&mut self, key: StorageKey, storage: &Storage) {
+        self.entries.insert(key, Arc::downgrade(&storage.inner));
+        if self.entries.len() >= self.sweep_at {
+            self.entries.retain(|_, w| w.strong_count() > 0);
+            self.sweep_at = (self.entries.len() * 2).max(64);
+        }
+    }
+}
+
+static STORAGES: Mutex<Option<StorageCache>> = Mutex::new(None);
+
+fn with_storage_cache<R>(f: impl FnOnce(&mut StorageCache) -> R) -> R {
+    let mut guard = STORAGES.lock().unwrap_or_else(PoisonError::into_inner);
+    f(guard.get_or_insert_with(|| StorageCache {
+        entries: HashMap::new(),
+        sweep_at: 64,
+    }))
 }
 
 /// The wire form of a storage.

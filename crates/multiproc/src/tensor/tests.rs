@@ -274,6 +274,26 @@ fn copy_converts_between_dtypes() {
 }
 
 #[test]
+fn a_handle_finds_the_storage_this_process_has_there() {
+    let t = Tensor::arange(0.0, 4.0, 1.0, DType::F32).unwrap();
+    t.share_memory_().unwrap();
+    let (seg, offset) = t.storage().segment().unwrap();
+    let same = Storage::from_segment(seg.clone(), offset, 16).unwrap();
+    assert!(Storage::ptr_eq(&same, t.storage()));
+    let shorter = Storage::from_segment(seg.clone(), offset, 8).unwrap();
+    assert!(
+        !Storage::ptr_eq(&shorter, t.storage()),
+        "another slice is another storage"
+    );
+    assert_eq!(shorter.data_ptr(), t.storage().data_ptr());
+    // Two storages over the same bytes count as overlapping: the source is read first.
+    let shifted = Tensor::from_storage(shorter, DType::F32, &[1], &[1], 1).unwrap();
+    t.narrow(0, 2, 1).unwrap().copy_(&shifted).unwrap();
+    assert_eq!(f32s(&t), [0., 1., 1., 3.]);
+    assert!(Storage::from_segment(seg, offset, usize::MAX).is_err());
+}
+
+#[test]
 fn overlapping_copies_read_the_source_first() {
     let g = Tensor::arange(0.0, 4.0, 1.0, DType::F32)
         .unwrap()
@@ -520,6 +540,14 @@ fn views_alias_within_one_message_and_across_messages() {
         let again: Tensor = roundtrip(&g).unwrap();
         assert_eq!(r0.data_ptr() as usize + 8 * 4, r1.data_ptr() as usize);
         assert_eq!(again.data_ptr(), g.data_ptr());
+        assert!(
+            Storage::ptr_eq(r0.storage(), r1.storage()),
+            "one storage, as in torch"
+        );
+        assert!(
+            Storage::ptr_eq(again.storage(), g.storage()),
+            "sent and received here"
+        );
         r1.fill_(7.0).unwrap();
         assert_eq!(f32s(&again.select(0, 2).unwrap()), [7.0; 4]);
         if let Some((seg, _)) = g.storage().segment() {
