@@ -6,12 +6,19 @@
 //! mapping and insertion happen under one lock, so two threads receiving the same new
 //! segment at once still end up with one mapping.
 //!
+//! Small anonymous segments a process receives (the arenas small tensors are carved
+//! from) are also kept mapped for a while after their last tensor is dropped: the
+//! [`RECENT`] most recently received ones (at most 1 MiB each, so at most 8 MiB). A
+//! consumer that handles one small tensor at a time would otherwise map and unmap the
+//! same arena for every tensor. Named segments are never retained (their name must go
+//! away with their last tensor).
+//!
 //! Entries remember the process that made them. A `fork` child inherits the table, but
 //! the segments in it hold its parent's references (and its parent's handles keep them
 //! alive forever in the child, so they would never be released there): a child maps
 //! what it receives afresh, with references of its own.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 
 use super::{Segment, SegmentName};
@@ -46,7 +53,12 @@ struct MapCache {
     /// The segment and the pid of the process that cached it.
     entries: HashMap<CacheKey, (u32, Weak<Segment>)>,
     sweep_at: usize,
+    /// Small received anonymous segments kept mapped, most recent last.
+    recent: VecDeque<Arc<Segment>>,
 }
+
+/// How many small received segments stay mapped after their last tensor is dropped.
+pub(crate) const RECENT: usize = 8;
 
 static CACHE: Mutex<Option<MapCache>> = Mutex::new(None);
 
@@ -55,6 +67,7 @@ fn with_cache<R>(f: impl FnOnce(&mut MapCache) -> R) -> R {
     let cache = guard.get_or_insert_with(|| MapCache {
         entries: HashMap::new(),
         sweep_at: 64,
+        recent: VecDeque::new(),
     });
     f(cache)
 }
@@ -68,6 +81,22 @@ impl MapCache {
                 .retain(|_, (owner, w)| *owner == pid && w.strong_count() > 0);
             self.sweep_at = (self.entries.len() * 2).max(64);
         }
+    }
+
+    /// Keeps a received small anonymous segment mapped (see the module docs).
+    fn retain_recent(&mut self, segment: &Arc<Segment>) {
+        if segment.fd().is_none() || segment.len() > super::pool::ARENA_LEN {
+            return;
+        }
+        if let Some(i) = self.recent.iter().position(|s| Arc::ptr_eq(s, segment)) {
+            if i + 1 == self.recent.len() {
+                return;
+            }
+            self.recent.remove(i);
+        } else if self.recent.len() == RECENT {
+            self.recent.pop_front();
+        }
+        self.recent.push_back(Arc::clone(segment));
     }
 
     fn live(&self, key: &CacheKey) -> Option<Arc<Segment>> {
@@ -95,10 +124,12 @@ pub(crate) fn get_or_try_insert(
 ) -> Result<(Arc<Segment>, bool)> {
     with_cache(|c| {
         if let Some(live) = c.live(&key) {
+            c.retain_recent(&live);
             return Ok((live, false));
         }
         let segment = Arc::new(open()?);
         c.put(key, &segment);
+        c.retain_recent(&segment);
         Ok((segment, true))
     })
 }
