@@ -26,7 +26,16 @@
 //!
 //! Invariant of the map cache: a process maps each segment at most once while it is
 //! alive (keyed by device+inode for memfds, by name for named segments), so the same
-//! storage sent twice, or two views of one storage, alias on the receiving side.
+//! storage sent twice, or two views of one storage, alias on the receiving side (and
+//! `Storage` keeps a table on top, so they are even the same `Storage`, as in torch).
+//!
+//! Known limits: a message that is sent but never received (its queue dropped with it
+//! inside, its receiver killed before `get`) keeps the in-flight reference of each named
+//! segment it carries, so those names live until the shm manager cleans up after the
+//! whole tree has exited. A received named segment is registered with the manager as
+//! soon as it is mapped; between a producer's exit and that moment the manager's grace
+//! period (2 s) is what keeps an unreceived segment alive when no other process of the
+//! tree is connected.
 
 mod cache;
 pub(crate) mod name;

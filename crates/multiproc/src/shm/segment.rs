@@ -358,7 +358,8 @@ impl Segment {
 
     /// Called when a received named handle finds the segment already mapped here:
     /// the message's in-flight reference is not needed, unless this value holds no
-    /// reference for this process (a `fork` child), in which case it adopts it.
+    /// reference for this process, in which case it adopts it. (The map cache does not
+    /// hand a `fork` child its parent's segments, so that case is defensive.)
     pub(crate) fn absorb_in_flight(&self) {
         if let Backing::Named { owner_pid, .. } = &self.backing {
             let me = pid();
