@@ -26,6 +26,9 @@ static SERIAL: Mutex<()> = Mutex::new(());
 /// torch repeats its leak-prone tests this many times.
 const TEST_REPEATS: usize = 30;
 
+/// How many small received segments a process keeps mapped after use.
+const RECENT_SEGMENTS: usize = 8;
+
 fn our_children() -> BTreeSet<i32> {
     let me = std::process::id() as i32;
     let mut out = BTreeSet::new();
@@ -106,9 +109,12 @@ fn guarded(limit: Duration, body: impl FnOnce() + Send + 'static) {
         .copied()
         .collect();
     assert!(left.is_empty(), "worker processes left behind: {left:?}");
+    // A process keeps the 8 small segments it received last mapped (each an fd), so a
+    // consumer of small tensors does not map and unmap an arena per tensor: bounded, so
+    // allowed here.
     let fds_after = open_fds();
     assert!(
-        fds_after <= fds_before,
+        fds_after <= fds_before + RECENT_SEGMENTS,
         "fds grew from {fds_before} to {fds_after}"
     );
     // Segments are unlinked by their last user as it drops them, so this is immediate;
