@@ -860,3 +860,11 @@ fn perf_figures() {
         );
     }
 }
+
+#[test]
+fn handles_cross_threads() {
+    fn send_sync<T: Send + Sync + 'static>() {}
+    send_sync::<Tensor>();
+    send_sync::<Storage>();
+    send_sync::<DType>();
+}
