@@ -63,7 +63,9 @@ enum Msg {
 fn producer(_rank: usize, (q, floats, count): (Queue<Msg>, usize, u64)) -> multiproc::Result<()> {
     q.put(Msg::Ready)?;
     for i in 0..count {
-        let t = Tensor::zeros(&[floats], DType::F32)?;
+        // Made in shared memory, as a producer of tensors to send should: `zeros` plus
+        // the implicit `share_memory_` of `put` would write every byte twice.
+        let t = Tensor::zeros_shared(&[floats], DType::F32)?;
         t.fill_((i % 7) as f64)?;
         q.put(Msg::Tensor(t))?;
     }
@@ -195,12 +197,15 @@ pub struct Plan {
     pub only: Vec<String>,
     /// Only this strategy (both when `None`).
     pub strategy: Option<SharingStrategy>,
+    /// Only these sizes of `fresh` and `ping` (all when empty).
+    pub sizes: Vec<u64>,
 }
 
 /// Runs the plan, reporting each figure as it comes; returns them all.
 pub fn run(plan: &Plan, mut report: impl FnMut(&Figure)) -> multiproc::Result<Vec<Figure>> {
     let scaled = |n: u64| ((n as f64 * plan.scale).round() as u64).max(2);
     let wanted = |s: &str| plan.only.is_empty() || plan.only.iter().any(|o| o == s);
+    let size_wanted = |b: u64| plan.sizes.is_empty() || plan.sizes.contains(&b);
     let strategies = match plan.strategy {
         Some(s) => vec![s],
         None => multiproc::get_all_sharing_strategies().to_vec(),
@@ -219,6 +224,9 @@ pub fn run(plan: &Plan, mut report: impl FnMut(&Figure)) -> multiproc::Result<Ve
                 (64 << 20, 40),
                 (256 << 20, 10),
             ] {
+                if !size_wanted(bytes) {
+                    continue;
+                }
                 record(
                     fresh(strategy, bytes, scaled(count), "fresh")?,
                     &mut figures,
@@ -230,6 +238,9 @@ pub fn run(plan: &Plan, mut report: impl FnMut(&Figure)) -> multiproc::Result<Ve
         }
         if wanted("ping") {
             for bytes in [4u64 << 10, 64 << 20] {
+                if !size_wanted(bytes) {
+                    continue;
+                }
                 record(ping(strategy, bytes, scaled(2000))?, &mut figures);
             }
         }

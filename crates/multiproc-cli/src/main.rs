@@ -40,6 +40,10 @@ enum Command {
         /// Only this sharing strategy (file_descriptor or file_system).
         #[arg(long)]
         strategy: Option<multiproc::SharingStrategy>,
+        /// Only the sizes of fresh and ping with this many bytes (4096, 1048576, ...);
+        /// repeatable.
+        #[arg(long = "bytes")]
+        sizes: Vec<u64>,
     },
     /// Measure the raw floor: a SEQPACKET + SCM_RIGHTS ping-pong and an in-process
     /// fill+sum on a reused buffer (what `scripts/compare_torch.py` divides by).
@@ -67,11 +71,13 @@ fn main() {
             scale,
             only,
             strategy,
+            sizes,
         } => {
             let plan = bench::Plan {
                 scale,
                 only,
                 strategy,
+                sizes,
             };
             if !json {
                 println!(

@@ -79,6 +79,11 @@ impl Shared {
                 }
                 continue;
             }
+            // Most waits end within microseconds (a consumer is taking an item right
+            // now): spin briefly before paying for a futex sleep and wake.
+            if futex::spin_until(deadline, || slots.load(Ordering::Acquire) > 0) {
+                continue;
+            }
             waiters.fetch_add(1, Ordering::AcqRel);
             let woke = futex::wait(slots, 0, deadline);
             waiters.fetch_sub(1, Ordering::AcqRel);
@@ -144,6 +149,12 @@ impl Shared {
     }
 
     fn get<T: DeserializeOwned>(&self, deadline: Deadline) -> Result<Option<T>> {
+        // As in `acquire_slot`: an item announced in ITEMS is usually microseconds
+        // away; waiting for it here saves a poll sleep and a wake-up.
+        let items = self.block.word(ITEMS);
+        if items.load(Ordering::Acquire) == 0 {
+            futex::spin_until(deadline, || items.load(Ordering::Acquire) > 0);
+        }
         let got = self.channel.get(deadline);
         self.taken(&got);
         got

@@ -43,7 +43,7 @@ mod pool;
 #[allow(unsafe_code)]
 mod segment;
 
-use std::os::fd::OwnedFd;
+use std::os::fd::BorrowedFd;
 use std::sync::Arc;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
@@ -112,8 +112,8 @@ pub(crate) struct SegmentHandle {
 impl Serialize for SegmentHandle {
     fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
         use serde::ser::Error as _;
-        let wire = if let Some(fd) = self.segment.fd() {
-            let index = wire::attach_fd(fd, "a shared tensor").map_err(S::Error::custom)?;
+        let wire = if let Some(fd) = self.segment.shared_fd() {
+            let index = wire::attach_shared_fd(fd, "a shared tensor").map_err(S::Error::custom)?;
             HandleWire::Fd {
                 index,
                 offset: self.offset,
@@ -157,9 +157,11 @@ impl<'de> Deserialize<'de> for SegmentHandle {
                 offset,
                 nbytes,
             } => {
-                let fd = wire::received_fd(index, "a shared tensor").map_err(D::Error::custom)?;
                 let end = claimed_end(offset, nbytes).map_err(fail)?;
-                let segment = receive_fd(fd, end).map_err(fail)?;
+                let segment =
+                    wire::with_received_fd(index, "a shared tensor", |fd| receive_fd(fd, end))
+                        .map_err(D::Error::custom)?
+                        .map_err(fail)?;
                 Ok(SegmentHandle {
                     segment,
                     offset,
@@ -199,14 +201,20 @@ fn claimed_end(offset: u64, nbytes: u64) -> Result<u64> {
 }
 
 /// Maps a received memfd that must hold at least `nbytes`, or finds it already mapped
-/// here.
-fn receive_fd(fd: OwnedFd, nbytes: u64) -> Result<Arc<Segment>> {
-    let st = rustix::fs::fstat(&fd).map_err(|e| Error::os("fstat of a received segment", e))?;
+/// here. Only a new mapping keeps (a duplicate of) the fd; a hit costs one `fstat`.
+fn receive_fd(fd: BorrowedFd<'_>, nbytes: u64) -> Result<Arc<Segment>> {
+    let st = rustix::fs::fstat(fd).map_err(|e| Error::os("fstat of a received segment", e))?;
     let key = CacheKey::Inode {
         dev: st.st_dev,
         ino: st.st_ino,
     };
-    let segment = cache::get_or_try_insert(key, || Segment::open_anonymous(fd, nbytes))?.0;
+    let segment = cache::get_or_try_insert(key, || {
+        let fd = fd
+            .try_clone_to_owned()
+            .map_err(|e| Error::os("duplicating a received segment's fd", e))?;
+        Segment::open_anonymous(fd, nbytes)
+    })?
+    .0;
     check_claim(&segment, nbytes)?;
     Ok(segment)
 }

@@ -10,6 +10,7 @@
 //! segment's mapping is always at least [`HEADER_LEN`] bytes (checked before mapping).
 
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicI32, AtomicU32, AtomicU64, Ordering};
 
 use rustix::fs::{Mode, OFlags};
@@ -48,8 +49,13 @@ const _: () = assert!(std::mem::size_of::<Header>() == HEADER_LEN);
 /// What backs a segment.
 #[derive(Debug)]
 enum Backing {
-    /// A sealed memfd; the fd is the handle, the kernel counts the references.
-    Anonymous { fd: OwnedFd, dev: u64, ino: u64 },
+    /// A sealed memfd; the fd is the handle, the kernel counts the references. In an
+    /// `Arc` so a message can carry it without a `dup`.
+    Anonymous {
+        fd: Arc<OwnedFd>,
+        dev: u64,
+        ino: u64,
+    },
     /// A named `/dev/shm` file.
     Named {
         name: SegmentName,
@@ -104,7 +110,7 @@ impl Segment {
             data_offset: 0,
             len,
             backing: Backing::Anonymous {
-                fd,
+                fd: Arc::new(fd),
                 dev: st.st_dev,
                 ino: st.st_ino,
             },
@@ -185,7 +191,7 @@ impl Segment {
             data_offset: 0,
             len,
             backing: Backing::Anonymous {
-                fd,
+                fd: Arc::new(fd),
                 dev: st.st_dev,
                 ino: st.st_ino,
             },
@@ -308,8 +314,13 @@ impl Segment {
 
     /// The memfd of an anonymous segment.
     pub(crate) fn fd(&self) -> Option<BorrowedFd<'_>> {
+        self.shared_fd().map(|fd| fd.as_fd())
+    }
+
+    /// The memfd of an anonymous segment, for a message to keep while it is sent.
+    pub(crate) fn shared_fd(&self) -> Option<&Arc<OwnedFd>> {
         match &self.backing {
-            Backing::Anonymous { fd, .. } => Some(fd.as_fd()),
+            Backing::Anonymous { fd, .. } => Some(fd),
             Backing::Named { .. } => None,
         }
     }

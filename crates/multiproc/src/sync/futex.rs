@@ -1,7 +1,7 @@
 //! Waiting on a shared 32-bit word: process-shared futexes with deadlines.
 
 use std::sync::atomic::AtomicU32;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use rustix::io::Errno;
 use rustix::thread::futex;
@@ -45,4 +45,36 @@ pub(crate) fn wake(word: &AtomicU32, n: u32) {
 /// Wakes every waiter on `word`.
 pub(crate) fn wake_all(word: &AtomicU32) {
     wake(word, i32::MAX as u32);
+}
+
+/// How long [`spin_until`] keeps trying before a caller goes to sleep in the kernel.
+///
+/// A producer and a consumer that hand items over through a short queue would
+/// otherwise sleep and be woken for nearly every item: a futex wait, a wake and two
+/// context switches cost tens of microseconds, far more than the item itself. Spinning
+/// this long (yielding the CPU after the first few rounds, so a partner sharing the
+/// core can run) catches most hand-overs without any system call.
+pub(crate) const SPIN: Duration = Duration::from_micros(50);
+
+/// Polls `ready` for up to [`SPIN`] (never past `deadline`); returns whether it became
+/// true. The caller then re-checks its condition as usual.
+pub(crate) fn spin_until(deadline: Deadline, mut ready: impl FnMut() -> bool) -> bool {
+    for _ in 0..64 {
+        if ready() {
+            return true;
+        }
+        std::hint::spin_loop();
+    }
+    let start = Instant::now();
+    let mut end = start + SPIN;
+    if let Some(d) = deadline {
+        end = end.min(d);
+    }
+    while Instant::now() < end {
+        if ready() {
+            return true;
+        }
+        std::thread::yield_now();
+    }
+    ready()
 }

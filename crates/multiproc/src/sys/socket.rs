@@ -6,7 +6,7 @@
 
 use std::io::{IoSlice, IoSliceMut};
 use std::mem::MaybeUninit;
-use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::fd::{BorrowedFd, OwnedFd};
 use std::time::{Duration, Instant};
 
 use rustix::event::{PollFd, PollFlags, Timespec, poll};
@@ -295,9 +295,4 @@ pub(crate) fn recv_packet(
             }
         }
     }
-}
-
-/// Borrows every fd in `fds`.
-pub(crate) fn borrow_all(fds: &[OwnedFd]) -> Vec<BorrowedFd<'_>> {
-    fds.iter().map(AsFd::as_fd).collect()
 }

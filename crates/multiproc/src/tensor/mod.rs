@@ -116,6 +116,40 @@ impl Tensor {
         })
     }
 
+    /// A zero-filled tensor whose storage is in shared memory from the start (with the
+    /// current sharing strategy), as `zeros` followed by
+    /// [`share_memory_`](Self::share_memory_) but without the private buffer and the
+    /// copy. Use it for tensors made to be sent: a producer that fills a new tensor and
+    /// puts it on a queue writes its bytes once, where the receiver will read them.
+    ///
+    /// ```
+    /// # fn main() -> multiproc::Result<()> {
+    /// use multiproc::{DType, Tensor};
+    /// let t = Tensor::zeros_shared(&[1024], DType::F32)?;
+    /// assert!(t.is_shared());
+    /// t.fill_(2.0)?;
+    /// assert_eq!(t.sum(), 2048.0);
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Tensor`] when the shape is too large; the errors of
+    /// [`Storage::share_memory_`] when the segment cannot be made.
+    pub fn zeros_shared(shape: &[usize], dtype: DType) -> Result<Tensor> {
+        let layout = Layout::contiguous(shape)?;
+        let nbytes = numel_of(shape)?.checked_mul(dtype.size()).ok_or_else(|| {
+            Error::Tensor(format!(
+                "a {dtype} tensor of shape {shape:?} is larger than memory can hold"
+            ))
+        })?;
+        Ok(Tensor {
+            storage: Storage::new_shared(nbytes)?,
+            dtype,
+            layout,
+        })
+    }
+
     /// A tensor of ones.
     pub fn ones(shape: &[usize], dtype: DType) -> Result<Tensor> {
         Tensor::full(shape, 1.0, dtype)

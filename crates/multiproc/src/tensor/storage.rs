@@ -126,6 +126,32 @@ impl Storage {
         Ok(Storage::with_backing(nbytes, backing))
     }
 
+    /// A zero-filled storage of `nbytes` bytes that lives in shared memory from the
+    /// start (with the current [`get_sharing_strategy`]): no private buffer, and no copy
+    /// when it is later sent. What a producer that makes tensors only to send them wants.
+    ///
+    /// # Errors
+    ///
+    /// As [`share_memory_`](Self::share_memory_).
+    pub fn new_shared(nbytes: usize) -> Result<Storage> {
+        if nbytes == 0 {
+            return Ok(Storage::with_backing(0, Backing::Empty { shared: true }));
+        }
+        // A new slice is zero: segments are fresh pages and arena slices are never
+        // handed out twice.
+        let slice = shm::allocate(get_sharing_strategy(), nbytes)?;
+        let key = StorageKey::new(&slice.segment, slice.offset, nbytes);
+        let storage = Storage::with_backing(
+            nbytes,
+            Backing::Shared {
+                segment: slice.segment,
+                offset: slice.offset,
+            },
+        );
+        with_storage_cache(|c| c.put(key, &storage));
+        Ok(storage)
+    }
+
     fn with_backing(nbytes: usize, backing: Backing) -> Storage {
         Storage {
             inner: Arc::new(StorageInner {

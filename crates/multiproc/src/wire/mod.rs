@@ -29,6 +29,7 @@
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
+use std::sync::Arc;
 
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -49,13 +50,40 @@ pub(crate) const INLINE_MAX: usize = 60 * 1024;
 /// Largest payload accepted from a memfd (a sanity bound against hostile lengths).
 const MEMFD_PAYLOAD_MAX: u64 = 1 << 40;
 
+/// An fd in a message's side table: a duplicate the message owns, or a shared
+/// reference to the fd of a value that outlives nothing (a segment keeps its memfd in an
+/// `Arc` so that sending it costs no `dup` and no `close`).
+pub(crate) enum AttachedFd {
+    /// A duplicate owned by the message.
+    Owned(OwnedFd),
+    /// The holder's own fd, kept open by the `Arc` while the message lives.
+    Shared(Arc<OwnedFd>),
+}
+
+impl AttachedFd {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        match self {
+            AttachedFd::Owned(fd) => fd.as_fd(),
+            AttachedFd::Shared(fd) => fd.as_fd(),
+        }
+    }
+
+    /// An fd of its own (a `dup` for a shared one).
+    fn into_owned(self) -> std::io::Result<OwnedFd> {
+        match self {
+            AttachedFd::Owned(fd) => Ok(fd),
+            AttachedFd::Shared(fd) => fd.try_clone(),
+        }
+    }
+}
+
 /// A value encoded and ready to send, possibly several times.
 pub(crate) struct Encoded {
     header: [u8; HEADER_LEN],
     /// The inline payload (empty when it is in the memfd).
     payload: Vec<u8>,
     /// The handles, the payload memfd last when there is one.
-    fds: Vec<OwnedFd>,
+    fds: Vec<AttachedFd>,
     /// Run if the message is dropped without being sent: releases references that
     /// were taken on behalf of the receiver.
     on_unsent: Vec<Box<dyn FnOnce() + Send>>,
@@ -78,7 +106,7 @@ struct EncodeTable {
     error: Option<String>,
     /// The first error a handle reported with [`fail_with`], kept with its variant.
     typed: Option<Error>,
-    fds: Vec<OwnedFd>,
+    fds: Vec<AttachedFd>,
     index_of: HashMap<RawFd, u32>,
     on_unsent: Vec<Box<dyn FnOnce() + Send>>,
 }
@@ -88,7 +116,8 @@ struct DecodeTable {
     error: Option<String>,
     /// The first error a handle reported with [`fail_with`], kept with its variant.
     typed: Option<Error>,
-    fds: Vec<OwnedFd>,
+    /// `None` only while [`with_received_fd`] lends the fd out.
+    fds: Vec<Option<OwnedFd>>,
     used: Vec<bool>,
 }
 
@@ -154,9 +183,28 @@ fn attach_fd_inner(fd: BorrowedFd<'_>, what: &str) -> std::result::Result<u32, S
             .try_clone_to_owned()
             .map_err(|err| format!("cannot duplicate the fd of {what}: {err}"))?;
         table.index_of.insert(fd.as_raw_fd(), i);
-        table.fds.push(dup);
+        table.fds.push(AttachedFd::Owned(dup));
         Ok(i)
     })
+}
+
+/// Like [`attach_fd`], for an fd held in an `Arc`: the message keeps the `Arc` instead
+/// of a duplicate, which saves a `dup` and a `close` per handle (the tensor hot path).
+pub(crate) fn attach_shared_fd(fd: &Arc<OwnedFd>, what: &str) -> std::result::Result<u32, String> {
+    ENCODER
+        .with(|e| {
+            let mut e = e.borrow_mut();
+            let table = e.as_mut().ok_or_else(|| outside_channel(what))?;
+            let raw = fd.as_raw_fd();
+            if let Some(&i) = table.index_of.get(&raw) {
+                return Ok(i);
+            }
+            let i = table.fds.len() as u32;
+            table.index_of.insert(raw, i);
+            table.fds.push(AttachedFd::Shared(Arc::clone(fd)));
+            Ok(i)
+        })
+        .map_err(fail)
 }
 
 /// Registers work to undo if the message being encoded is never sent.
@@ -202,10 +250,54 @@ fn received_fd_inner(index: u32, what: &str) -> std::result::Result<OwnedFd, Str
                 table.fds.len()
             )
         })?;
+        let fd = fd
+            .as_ref()
+            .ok_or_else(|| format!("received fd #{index} of {what} is in use"))?;
+        let dup = fd
+            .try_clone()
+            .map_err(|err| format!("cannot duplicate received fd #{index} of {what}: {err}"));
         table.used[i] = true;
-        fd.try_clone()
-            .map_err(|err| format!("cannot duplicate received fd #{index} of {what}: {err}"))
+        dup
     })
+}
+
+/// Lends fd number `index` of the message being decoded on this thread to `f`, without
+/// duplicating it (the tensor hot path: a segment already mapped here needs only an
+/// `fstat` of it; `f` duplicates it only to map a new one). `f` may report errors with
+/// [`fail`]/[`fail_with`] but must not take another received fd.
+pub(crate) fn with_received_fd<R>(
+    index: u32,
+    what: &str,
+    f: impl FnOnce(BorrowedFd<'_>) -> R,
+) -> std::result::Result<R, String> {
+    let i = index as usize;
+    let fd = DECODER
+        .with(|d| {
+            let mut d = d.borrow_mut();
+            let table = d
+                .as_mut()
+                .ok_or_else(|| format!("{what} can only be deserialized by a multiproc channel"))?;
+            let count = table.fds.len();
+            let slot = table.fds.get_mut(i).ok_or_else(|| {
+                format!(
+                    "{what} refers to file descriptor #{index}, but the message carried {count}"
+                )
+            })?;
+            let fd = slot
+                .take()
+                .ok_or_else(|| format!("received fd #{index} of {what} is in use"))?;
+            table.used[i] = true;
+            Ok(fd)
+        })
+        .map_err(fail)?;
+    // The table is not borrowed while `f` runs, so `f` may record an error.
+    let result = f(fd.as_fd());
+    DECODER.with(|d| {
+        if let Some(table) = d.borrow_mut().as_mut() {
+            table.fds[i] = Some(fd);
+        }
+    });
+    Ok(result)
 }
 
 /// Resets a thread-local table on every exit path, panics included.
@@ -274,7 +366,7 @@ pub(crate) fn encode<T: Serialize + ?Sized>(value: &T) -> Result<Encoded> {
                 | rustix::fs::SealFlags::SEAL,
         )
         .map_err(|e| Error::os("sealing a message memfd", e))?;
-        fds.push(fd);
+        fds.push(AttachedFd::Owned(fd));
         KIND_MEMFD
     } else {
         encoded.payload = payload;
@@ -308,7 +400,7 @@ fn write_all_at(fd: BorrowedFd<'_>, mut bytes: &[u8]) -> Result<()> {
 impl Encoded {
     /// Sends the packet, waiting for room until the deadline.
     pub(crate) fn send(&mut self, sock: BorrowedFd<'_>, deadline: Deadline) -> Result<()> {
-        let fds = socket::borrow_all(&self.fds);
+        let fds: Vec<BorrowedFd<'_>> = self.fds.iter().map(AttachedFd::as_fd).collect();
         socket::send_packet(sock, &self.header, &self.payload, &fds, deadline)?;
         self.sent = true;
         Ok(())
@@ -400,7 +492,7 @@ pub(crate) fn decode<T: DeserializeOwned>(packet: Packet) -> Result<T> {
         *d.borrow_mut() = Some(DecodeTable {
             error: None,
             typed: None,
-            fds,
+            fds: fds.into_iter().map(Some).collect(),
             used,
         })
     });
@@ -489,9 +581,14 @@ impl Opaque {
         // payload memfd as its last fd; either way it decodes with `decode`.
         let mut bytes = inner.header.to_vec();
         bytes.extend_from_slice(&inner.payload);
+        let fds = std::mem::take(&mut inner.fds)
+            .into_iter()
+            .map(AttachedFd::into_owned)
+            .collect::<std::io::Result<Vec<_>>>()
+            .map_err(|e| Error::os("duplicating the fds of a nested message", e))?;
         Ok(Self {
             bytes,
-            fds: std::mem::take(&mut inner.fds),
+            fds,
             on_unsent: {
                 inner.sent = true; // ownership of the undo work moves to the Opaque
                 std::sync::Mutex::new(std::mem::take(&mut inner.on_unsent))
