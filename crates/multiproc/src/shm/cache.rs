@@ -6,12 +6,16 @@
 //! mapping and insertion happen under one lock, so two threads receiving the same new
 //! segment at once still end up with one mapping.
 //!
-//! Small anonymous segments a process receives (the arenas small tensors are carved
-//! from) are also kept mapped for a while after their last tensor is dropped: the
-//! [`RECENT`] most recently received ones (at most 1 MiB each, so at most 8 MiB). A
-//! consumer that handles one small tensor at a time would otherwise map and unmap the
-//! same arena for every tensor. Named segments are never retained (their name must go
-//! away with their last tensor).
+//! Anonymous segments a process receives from another process are also kept mapped
+//! for a while after their last tensor is dropped: the [`RECENT`] most recently
+//! received ones, at most [`RECENT_BYTES`] in all. A consumer that handles one tensor
+//! at a time would otherwise map and unmap the same arena for every small tensor, and
+//! — since the producer recycles its blocks (see `pool`) — map, fault in and unmap
+//! the same large block for every large one. A retained block that can never come
+//! back (no uses, and its creator no longer pools it or has exited) is let go as soon
+//! as the retention list next changes. Named segments are never retained (their name
+//! must go away with their last tensor); blocks this process created are kept by its
+//! pool instead.
 //!
 //! Entries remember the process that made them. A `fork` child inherits the table, but
 //! the segments in it hold its parent's references (and its parent's handles keep them
@@ -57,8 +61,10 @@ struct MapCache {
     recent: VecDeque<Arc<Segment>>,
 }
 
-/// How many small received segments stay mapped after their last tensor is dropped.
+/// How many received segments stay mapped after their last tensor is dropped.
 pub(crate) const RECENT: usize = 8;
+/// How many bytes of received segments stay mapped after their last tensor is dropped.
+pub(crate) const RECENT_BYTES: usize = 512 << 20;
 
 static CACHE: Mutex<Option<MapCache>> = Mutex::new(None);
 
@@ -83,9 +89,14 @@ impl MapCache {
         }
     }
 
-    /// Keeps a received small anonymous segment mapped (see the module docs).
+    /// Keeps a received anonymous segment mapped (see the module docs).
     fn retain_recent(&mut self, segment: &Arc<Segment>) {
-        if segment.fd().is_none() || segment.len() > super::pool::ARENA_LEN {
+        let small = segment.len() <= super::pool::ARENA_LEN;
+        if segment.fd().is_none()
+            || segment.len() > RECENT_BYTES
+            || segment.is_own_block()
+            || !(small || segment.is_block())
+        {
             return;
         }
         if let Some(i) = self.recent.iter().position(|s| Arc::ptr_eq(s, segment)) {
@@ -93,8 +104,15 @@ impl MapCache {
                 return;
             }
             self.recent.remove(i);
-        } else if self.recent.len() == RECENT {
-            self.recent.pop_front();
+        } else {
+            self.recent.retain(|s| !s.is_dead_block());
+            let mut bytes: usize = self.recent.iter().map(|s| s.len()).sum();
+            while self.recent.len() >= RECENT || bytes + segment.len() > RECENT_BYTES {
+                match self.recent.pop_front() {
+                    Some(old) => bytes -= old.len(),
+                    None => break,
+                }
+            }
         }
         self.recent.push_back(Arc::clone(segment));
     }

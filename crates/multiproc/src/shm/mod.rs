@@ -81,6 +81,14 @@ pub(crate) fn create(strategy: SharingStrategy, len: usize) -> Result<Arc<Segmen
     Ok(segment)
 }
 
+/// Creates a block (see `pool`) of `len` bytes, header included, already in this
+/// process's map cache.
+fn create_block(len: usize) -> Result<Arc<Segment>> {
+    let segment = Arc::new(Segment::create_block(len)?);
+    cache::insert(&segment);
+    Ok(segment)
+}
+
 /// The wire form of a segment.
 #[derive(Serialize, Deserialize)]
 enum HandleWire {
@@ -96,6 +104,13 @@ enum HandleWire {
         offset: u64,
         nbytes: u64,
     },
+    /// Index of a block's memfd in the message's fd table, and the bytes the storage
+    /// uses; the message carries one use of the block, which the receiver adopts.
+    Block {
+        index: u32,
+        offset: u64,
+        nbytes: u64,
+    },
 }
 
 /// A segment as a value inside a message: serializing attaches its fd, or takes an
@@ -107,6 +122,9 @@ pub(crate) struct SegmentHandle {
     pub(crate) offset: u64,
     /// How many bytes the storage uses.
     pub(crate) nbytes: u64,
+    /// Whether a received handle brought a use of its block (see `pool`), which the
+    /// storage made from it must adopt or give back.
+    pub(crate) carries_use: bool,
 }
 
 impl Serialize for SegmentHandle {
@@ -114,10 +132,24 @@ impl Serialize for SegmentHandle {
         use serde::ser::Error as _;
         let wire = if let Some(fd) = self.segment.shared_fd() {
             let index = wire::attach_shared_fd(fd, "a shared tensor").map_err(S::Error::custom)?;
-            HandleWire::Fd {
-                index,
-                offset: self.offset,
-                nbytes: self.nbytes,
+            if self.segment.is_block() {
+                // The receiver adopts this use (or gives it back when it already holds
+                // one); if the message is never sent, `on_unsent` gives it back.
+                self.segment.acquire_use();
+                let segment = Arc::clone(&self.segment);
+                wire::on_unsent(Box::new(move || segment.release_use()))
+                    .map_err(|e| S::Error::custom(wire::fail(e)))?;
+                HandleWire::Block {
+                    index,
+                    offset: self.offset,
+                    nbytes: self.nbytes,
+                }
+            } else {
+                HandleWire::Fd {
+                    index,
+                    offset: self.offset,
+                    nbytes: self.nbytes,
+                }
             }
         } else if let Some(name) = self.segment.name() {
             if !wire::is_encoding() {
@@ -166,6 +198,30 @@ impl<'de> Deserialize<'de> for SegmentHandle {
                     segment,
                     offset,
                     nbytes,
+                    carries_use: false,
+                })
+            }
+            HandleWire::Block {
+                index,
+                offset,
+                nbytes,
+            } => {
+                let end = claimed_end(offset, nbytes).map_err(fail)?;
+                let segment =
+                    wire::with_received_fd(index, "a shared tensor", |fd| receive_fd(fd, end))
+                        .map_err(D::Error::custom)?
+                        .map_err(fail)?;
+                if !segment.is_block() || offset < segment::BLOCK_HEADER_LEN as u64 {
+                    return Err(fail(Error::InvalidMessage(format!(
+                        "a received tensor's handle names a pooled block, but its segment has no \
+                         block header before offset {offset}"
+                    ))));
+                }
+                Ok(SegmentHandle {
+                    segment,
+                    offset,
+                    nbytes,
+                    carries_use: true,
                 })
             }
             HandleWire::Named {
@@ -185,6 +241,7 @@ impl<'de> Deserialize<'de> for SegmentHandle {
                     segment,
                     offset,
                     nbytes,
+                    carries_use: false,
                 })
             }
         }

@@ -1,48 +1,86 @@
-//! Where a storage's shared bytes come from: small `file_descriptor` storages share
-//! arena segments, everything else gets a segment of its own.
+//! Where a storage's shared bytes come from: `file_descriptor` storages live in
+//! *blocks* that this process recycles; `file_system` storages get a segment each.
 //!
-//! Creating, mapping and unmapping a memfd costs tens of microseconds on each side, far
-//! more than sending a small tensor should. So a storage of at most [`SMALL_MAX`] bytes
-//! shared with the `file_descriptor` strategy is carved (64-byte aligned, so neighbours
-//! never share a cache line) out of the current [`ARENA_LEN`]-byte arena of this
-//! process; a receiver maps each arena once, and later tensors from it cost no system
-//! call beyond the message itself. It also means far fewer open fds.
+//! Creating, mapping, faulting in and unmapping a fresh memfd costs tens of
+//! microseconds for a small one and milliseconds for a large one (the kernel zeroes and
+//! maps every page, on each side), far more than sending a tensor should. So:
 //!
-//! The price: an arena lives while any storage carved from it lives, in any process,
-//! so one long-lived small tensor keeps its whole arena (1 MiB) alive; and the current
-//! arena stays allocated in its creator until it is full.
+//! - A storage of at most [`SMALL_MAX`] bytes is carved (64-byte aligned, so neighbours
+//!   never share a cache line) out of the current [`ARENA_LEN`]-byte arena block of this
+//!   process; a receiver maps each arena once, and later tensors from it cost no system
+//!   call beyond the message itself.
+//! - A larger storage gets a block of its own (its size plus the header).
+//!
+//! Every block starts with a header (see `segment::BlockHeader`) that counts its *uses*
+//! across processes: one per process holding a storage on it, one per message in
+//! flight naming it. When a block's uses reach 0 — every storage on it, in every
+//! process, is dropped — this process reuses it for the next storage of that size (a
+//! full arena: for a new arena). Its pages are then already allocated and mapped here,
+//! and receivers keep recently received blocks mapped (see `cache`), so a recycled
+//! block costs no page fault and no `mmap` on either side. A process that crashes while
+//! holding a use pins its block (it is never reused), it never corrupts one.
+//!
+//! Bounds: at most [`MAX_RETIRED`] full arenas and [`MAX_LARGE`] large blocks are kept
+//! waiting for their uses to end, and idle large blocks (no uses) are kept only up to
+//! [`IDLE_LARGE_BYTES`] in total; beyond that the oldest is released (its memory goes
+//! back to the system when the last process unmaps it). An arena lives while any
+//! storage carved from it lives, in any process, so one long-lived small tensor keeps
+//! its whole arena (1 MiB) alive.
 //!
 //! `file_system` storages are never pooled: a name must disappear from `/dev/shm` when
-//! the last tensor using it is dropped, which a shared arena would prevent.
+//! the last tensor using it is dropped.
 //!
-//! Invariant: an arena is only carved by the process that created it (a `fork` child
-//! starts its own), so two processes never hand out the same bytes.
+//! Invariant: blocks are only handed out by the process that created them (a `fork`
+//! child starts its own pool), so two processes never hand out the same bytes; and a
+//! block is handed out again only when its uses are 0, so no storage anywhere still
+//! refers to those bytes.
 
+use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use super::Segment;
+use super::segment::BLOCK_HEADER_LEN;
 use crate::{Result, SharingStrategy};
 
 /// Largest storage carved from an arena.
 pub(crate) const SMALL_MAX: usize = 64 << 10;
-/// Size of one arena segment.
+/// Size of one arena block (header included).
 pub(crate) const ARENA_LEN: usize = 1 << 20;
 /// Alignment of carved slices (a cache line).
 const SLICE_ALIGN: usize = 64;
+/// Full arenas kept waiting for their uses to end.
+const MAX_RETIRED: usize = 16;
+/// Large blocks kept (in use elsewhere or idle).
+const MAX_LARGE: usize = 32;
+/// Bytes of idle large blocks kept for reuse.
+const IDLE_LARGE_BYTES: usize = 512 << 20;
 
-/// Shared bytes for one storage: `len` bytes at `offset` in `segment`.
+/// Shared bytes for one storage: `len` bytes at `offset` in `segment`. For a block,
+/// one use has been taken on behalf of the storage.
 pub(crate) struct Slice {
     pub(crate) segment: Arc<Segment>,
     pub(crate) offset: usize,
+    /// Whether the bytes are known to be zero (fresh pages, not a recycled block).
+    pub(crate) zeroed: bool,
 }
 
 struct Arena {
-    pid: u32,
     segment: Arc<Segment>,
     next: usize,
+    /// Whether the arena is fresh (its uncarved bytes are zero).
+    fresh: bool,
 }
 
-static ARENA: Mutex<Option<Arena>> = Mutex::new(None);
+struct Pool {
+    pid: u32,
+    arena: Option<Arena>,
+    /// Full arenas, oldest first.
+    retired: VecDeque<Arc<Segment>>,
+    /// Large blocks, oldest first.
+    large: VecDeque<Arc<Segment>>,
+}
+
+static POOL: Mutex<Option<Pool>> = Mutex::new(None);
 
 /// The largest storage carved from an arena (for tests elsewhere in the crate).
 #[cfg(test)]
@@ -50,31 +88,136 @@ pub(crate) fn small_max() -> usize {
     SMALL_MAX
 }
 
+/// Whether nobody uses the block any more, here or elsewhere.
+fn is_free(block: &Segment) -> bool {
+    block.uses() == Some(0)
+}
+
+/// Stops keeping a block: receivers may now unmap it once it has no uses.
+fn release(block: Arc<Segment>) {
+    block.set_pooled(false);
+}
+
 /// Shared bytes for a storage of `len > 0` bytes with `strategy`.
 pub(crate) fn allocate(strategy: SharingStrategy, len: usize) -> Result<Slice> {
-    if strategy != SharingStrategy::FileDescriptor || len > SMALL_MAX {
+    if strategy != SharingStrategy::FileDescriptor {
         return Ok(Slice {
             segment: super::create(strategy, len)?,
             offset: 0,
+            zeroed: true,
         });
     }
     let pid = std::process::id();
-    let mut arena = ARENA.lock().unwrap_or_else(PoisonError::into_inner);
-    if let Some(a) = arena.as_mut().filter(|a| a.pid == pid) {
-        if a.next + len <= a.segment.len() {
-            let offset = a.next;
-            a.next = (offset + len).next_multiple_of(SLICE_ALIGN);
-            return Ok(Slice {
-                segment: Arc::clone(&a.segment),
-                offset,
-            });
+    let mut guard = POOL.lock().unwrap_or_else(PoisonError::into_inner);
+    let pool = match guard.as_mut() {
+        Some(p) if p.pid == pid => p,
+        _ => {
+            // First use, or a `fork` child: the parent's blocks are the parent's to
+            // hand out. (Dropping the inherited handles only unmaps them here.)
+            guard.insert(Pool {
+                pid,
+                arena: None,
+                retired: VecDeque::new(),
+                large: VecDeque::new(),
+            })
+        }
+    };
+    if len > SMALL_MAX {
+        pool.large_block(len)
+    } else {
+        pool.carve(len)
+    }
+}
+
+impl Pool {
+    fn carve(&mut self, len: usize) -> Result<Slice> {
+        if let Some(a) = self.arena.as_mut() {
+            if a.next + len <= a.segment.len() {
+                let offset = a.next;
+                a.next = (offset + len).next_multiple_of(SLICE_ALIGN);
+                a.segment.acquire_use();
+                return Ok(Slice {
+                    segment: Arc::clone(&a.segment),
+                    offset,
+                    zeroed: a.fresh,
+                });
+            }
+        }
+        if let Some(full) = self.arena.take() {
+            self.retired.push_back(full.segment);
+        }
+        let (segment, fresh) = match self.retired.iter().position(|s| is_free(s)) {
+            Some(i) => (self.retired.remove(i).expect("index from position"), false),
+            None => {
+                let segment = super::create_block(ARENA_LEN)?;
+                if self.retired.len() > MAX_RETIRED {
+                    if let Some(oldest) = self.retired.pop_front() {
+                        release(oldest);
+                    }
+                }
+                (segment, true)
+            }
+        };
+        let offset = BLOCK_HEADER_LEN;
+        self.arena = Some(Arena {
+            segment: Arc::clone(&segment),
+            next: (offset + len).next_multiple_of(SLICE_ALIGN),
+            fresh,
+        });
+        segment.acquire_use();
+        Ok(Slice {
+            segment,
+            offset,
+            zeroed: fresh,
+        })
+    }
+
+    fn large_block(&mut self, len: usize) -> Result<Slice> {
+        let total = len.checked_add(BLOCK_HEADER_LEN).ok_or_else(|| {
+            crate::Error::InvalidArgument(format!("a {len}-byte segment is too large"))
+        })?;
+        let reuse = self
+            .large
+            .iter()
+            .position(|s| s.len() == total && is_free(s));
+        let (segment, zeroed) = match reuse {
+            Some(i) => {
+                let segment = self.large.remove(i).expect("index from position");
+                (segment, false)
+            }
+            None => (super::create_block(total)?, true),
+        };
+        segment.acquire_use();
+        self.large.push_back(Arc::clone(&segment));
+        self.trim_large();
+        Ok(Slice {
+            segment,
+            offset: BLOCK_HEADER_LEN,
+            zeroed,
+        })
+    }
+
+    /// Keeps at most [`MAX_LARGE`] large blocks and [`IDLE_LARGE_BYTES`] of idle ones.
+    fn trim_large(&mut self) {
+        while self.large.len() > MAX_LARGE {
+            if let Some(oldest) = self.large.pop_front() {
+                release(oldest);
+            }
+        }
+        let mut idle: usize = self
+            .large
+            .iter()
+            .filter(|s| is_free(s))
+            .map(|s| s.len())
+            .sum();
+        while idle > IDLE_LARGE_BYTES {
+            let Some(i) = self.large.iter().position(|s| is_free(s)) else {
+                break;
+            };
+            if let Some(block) = self.large.remove(i) {
+                idle -= block.len();
+                release(block);
+            }
         }
     }
-    let segment = super::create(SharingStrategy::FileDescriptor, ARENA_LEN)?;
-    *arena = Some(Arena {
-        pid,
-        segment: Arc::clone(&segment),
-        next: len.next_multiple_of(SLICE_ALIGN),
-    });
-    Ok(Slice { segment, offset: 0 })
 }

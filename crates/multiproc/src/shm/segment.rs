@@ -46,6 +46,31 @@ struct Header {
 
 const _: () = assert!(std::mem::size_of::<Header>() == HEADER_LEN);
 
+/// Bytes at the start of a pooled anonymous segment (a *block*, see `pool`).
+pub(crate) const BLOCK_HEADER_LEN: usize = 64;
+/// `b"MPBLOCK1"` as a little-endian u64.
+const BLOCK_MAGIC: u64 = u64::from_le_bytes(*b"MPBLOCK1");
+
+/// The header of a block: a memfd segment that its creator recycles once nobody uses
+/// it. Every process that maps the block may read or write it at any time, so all
+/// fields are atomics; a process that lies about them can only make its creator keep a
+/// block too long or reuse a block whose bytes that process still reads.
+#[repr(C)]
+struct BlockHeader {
+    magic: AtomicU64,
+    /// Uses: one per process holding a storage on the block, plus one per message in
+    /// flight that names it. The creator reuses the block only at 0, so a process that
+    /// crashes while holding a use pins the block (never corrupts it).
+    uses: AtomicU32,
+    /// 1 while the creator keeps the block for reuse: receivers then keep it mapped too.
+    pooled: AtomicU32,
+    /// Pid of the creator.
+    creator_pid: AtomicU32,
+    _reserved: [AtomicU32; 11],
+}
+
+const _: () = assert!(std::mem::size_of::<BlockHeader>() == BLOCK_HEADER_LEN);
+
 /// What backs a segment.
 #[derive(Debug)]
 enum Backing {
@@ -115,6 +140,22 @@ impl Segment {
                 ino: st.st_ino,
             },
         })
+    }
+
+    /// Creates a block: an anonymous segment of `len > BLOCK_HEADER_LEN` bytes whose first
+    /// [`BLOCK_HEADER_LEN`] bytes are a [`BlockHeader`] with no uses, pooled by this
+    /// process.
+    pub(crate) fn create_block(len: usize) -> Result<Segment> {
+        let segment = Segment::create_anonymous(len.max(BLOCK_HEADER_LEN + 1))?;
+        let ptr = segment.mapping.as_ptr().cast::<BlockHeader>();
+        // SAFETY: the mapping is page-aligned, longer than BLOCK_HEADER_LEN and lives as
+        // long as `segment`; BlockHeader is all atomics, valid for any bit pattern.
+        let h = unsafe { &*ptr };
+        h.uses.store(0, Ordering::Relaxed);
+        h.pooled.store(1, Ordering::Relaxed);
+        h.creator_pid.store(pid() as u32, Ordering::Relaxed);
+        h.magic.store(BLOCK_MAGIC, Ordering::Release);
+        Ok(segment)
     }
 
     /// Creates the named segment `name` with `len` bytes of data, refcount 1 (ours).
@@ -351,6 +392,82 @@ impl Segment {
                 Some(unsafe { &*ptr })
             }
             _ => None,
+        }
+    }
+
+    /// The block header, when this is a block (an anonymous segment with the block magic).
+    fn block(&self) -> Option<&BlockHeader> {
+        match self.backing {
+            Backing::Anonymous { .. } if self.mapping.len() > BLOCK_HEADER_LEN => {
+                let ptr = self.mapping.as_ptr().cast::<BlockHeader>();
+                // SAFETY: the mapping is page-aligned and longer than BLOCK_HEADER_LEN and
+                // lives as long as `&self`; BlockHeader is all atomics, valid for any bit
+                // pattern and for concurrent access from other processes.
+                let h = unsafe { &*ptr };
+                (h.magic.load(Ordering::Acquire) == BLOCK_MAGIC).then_some(h)
+            }
+            _ => None,
+        }
+    }
+
+    /// Whether this is a block (a pooled anonymous segment with a use count).
+    pub(crate) fn is_block(&self) -> bool {
+        self.block().is_some()
+    }
+
+    /// Takes one use of a block (saturating; nothing for other segments).
+    pub(crate) fn acquire_use(&self) {
+        if let Some(h) = self.block() {
+            let _ = h
+                .uses
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| v.checked_add(1));
+        }
+    }
+
+    /// Gives one use of a block back (never below zero; nothing for other segments).
+    pub(crate) fn release_use(&self) {
+        if let Some(h) = self.block() {
+            let _ = h
+                .uses
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| v.checked_sub(1));
+        }
+    }
+
+    /// The uses of a block (`None` for other segments).
+    pub(crate) fn uses(&self) -> Option<u32> {
+        self.block().map(|h| h.uses.load(Ordering::Acquire))
+    }
+
+    /// Whether this process created the block.
+    pub(crate) fn is_own_block(&self) -> bool {
+        self.block()
+            .is_some_and(|h| h.creator_pid.load(Ordering::Relaxed) == pid() as u32)
+    }
+
+    /// Says whether the creator keeps the block for reuse.
+    pub(crate) fn set_pooled(&self, pooled: bool) {
+        if let Some(h) = self.block() {
+            h.pooled.store(u32::from(pooled), Ordering::Release);
+        }
+    }
+
+    /// Whether a block mapped here (not by its creator) can never be used again: no
+    /// uses, and its creator no longer pools it or has exited. Keeping such a mapping
+    /// only holds memory.
+    pub(crate) fn is_dead_block(&self) -> bool {
+        let Some(h) = self.block() else {
+            return false;
+        };
+        if h.uses.load(Ordering::Acquire) != 0 {
+            return false;
+        }
+        if h.pooled.load(Ordering::Acquire) == 0 {
+            return true;
+        }
+        let creator = h.creator_pid.load(Ordering::Relaxed) as i32;
+        match rustix::process::Pid::from_raw(creator) {
+            Some(p) => rustix::process::test_kill_process(p) == Err(Errno::SRCH),
+            None => true,
         }
     }
 

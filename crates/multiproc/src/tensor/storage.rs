@@ -13,6 +13,7 @@ use std::alloc::Layout;
 use std::collections::HashMap;
 use std::fmt;
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU8, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, RwLock, RwLockReadGuard, Weak};
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
@@ -78,6 +79,54 @@ enum Backing {
 struct StorageInner {
     nbytes: usize,
     backing: RwLock<Backing>,
+    /// The pid of the process whose use of the backing block (see `shm::pool`) this
+    /// storage holds; 0 for none. A `fork` child inherits the value but not the use, so
+    /// it must not give it back.
+    use_owner: AtomicU32,
+}
+
+impl Drop for StorageInner {
+    fn drop(&mut self) {
+        if self.use_owner.load(Ordering::Acquire) == std::process::id() {
+            if let Backing::Shared { segment, .. } = self
+                .backing
+                .get_mut()
+                .unwrap_or_else(PoisonError::into_inner)
+            {
+                segment.release_use();
+            }
+        }
+    }
+}
+
+/// Writes `len` bytes at `dst` (8-byte aligned) with relaxed atomic stores: a copy of
+/// `src` (private memory, not shared), or zeros when `src` is `None`. For a recycled
+/// block, whose bytes another process mapped before: no process may use them now (the
+/// block had no uses), but the stores are atomic so that even a misbehaving one could
+/// only see stale values, never undefined behaviour.
+///
+/// # Safety
+///
+/// `dst..dst+len` must be mapped, writable and 8-byte aligned; `src..src+len`, when
+/// given, readable and not written concurrently.
+unsafe fn write_shared(dst: *mut u8, src: Option<*const u8>, len: usize) {
+    let words = len / 8;
+    for i in 0..words {
+        // SAFETY: `i * 8 + 8 <= len`, so both words are in bounds (the caller's
+        // contract); `src` is private memory read unaligned.
+        let value = src.map_or(0, |p| unsafe {
+            p.add(i * 8).cast::<u64>().read_unaligned()
+        });
+        // SAFETY: in bounds and 8-byte aligned (dst is); shared memory is only ever
+        // accessed atomically.
+        unsafe { AtomicU64::from_ptr(dst.add(i * 8).cast()) }.store(value, Ordering::Relaxed);
+    }
+    for i in words * 8..len {
+        // SAFETY: `i < len`, in bounds of both ranges.
+        let value = src.map_or(0, |p| unsafe { *p.add(i) });
+        // SAFETY: in bounds; a byte is always aligned.
+        unsafe { AtomicU8::from_ptr(dst.add(i)) }.store(value, Ordering::Relaxed);
+    }
 }
 
 /// The bytes under one or more tensors: a cheap handle (cloning shares the bytes, like
@@ -137,9 +186,19 @@ impl Storage {
         if nbytes == 0 {
             return Ok(Storage::with_backing(0, Backing::Empty { shared: true }));
         }
-        // A new slice is zero: segments are fresh pages and arena slices are never
-        // handed out twice.
         let slice = shm::allocate(get_sharing_strategy(), nbytes)?;
+        let holds_use = slice.segment.is_block();
+        if !slice.zeroed {
+            // SAFETY: the slice holds `nbytes` bytes at `offset` (allocate's contract),
+            // 64-byte aligned.
+            unsafe {
+                write_shared(
+                    slice.segment.data_ptr().wrapping_add(slice.offset),
+                    None,
+                    nbytes,
+                )
+            };
+        }
         let key = StorageKey::new(&slice.segment, slice.offset, nbytes);
         let storage = Storage::with_backing(
             nbytes,
@@ -148,6 +207,12 @@ impl Storage {
                 offset: slice.offset,
             },
         );
+        if holds_use {
+            storage
+                .inner
+                .use_owner
+                .store(std::process::id(), Ordering::Release);
+        }
         with_storage_cache(|c| c.put(key, &storage));
         Ok(storage)
     }
@@ -157,6 +222,7 @@ impl Storage {
             inner: Arc::new(StorageInner {
                 nbytes,
                 backing: RwLock::new(backing),
+                use_owner: AtomicU32::new(0),
             }),
         }
     }
@@ -164,10 +230,15 @@ impl Storage {
     /// The storage over `nbytes` bytes at `offset` in a received segment: the one this
     /// process already has there (so the same storage received twice, or sent and
     /// received in one process, is one `Storage`, as in torch), or a new one.
+    ///
+    /// `carries_use`: the handle brought a use of the segment's block (see `shm::pool`);
+    /// a new storage adopts it, an existing one that already holds this process's use
+    /// gives it back.
     pub(crate) fn from_segment(
         segment: Arc<Segment>,
         offset: usize,
         nbytes: usize,
+        carries_use: bool,
     ) -> Result<Storage> {
         if offset
             .checked_add(nbytes)
@@ -178,12 +249,29 @@ impl Storage {
                 segment.len()
             )));
         }
+        let me = std::process::id();
         let key = StorageKey::new(&segment, offset, nbytes);
         with_storage_cache(|c| {
             if let Some(inner) = c.entries.get(&key).and_then(Weak::upgrade) {
+                if carries_use {
+                    // Adopt the use unless this process already holds one (a storage
+                    // inherited through `fork` holds its parent's, not ours).
+                    let held = inner.use_owner.load(Ordering::Acquire);
+                    if held == me
+                        || inner
+                            .use_owner
+                            .compare_exchange(held, me, Ordering::AcqRel, Ordering::Acquire)
+                            .is_err()
+                    {
+                        segment.release_use();
+                    }
+                }
                 return Ok(Storage { inner });
             }
             let storage = Storage::with_backing(nbytes, Backing::Shared { segment, offset });
+            if carries_use {
+                storage.inner.use_owner.store(me, Ordering::Release);
+            }
             c.put(key, &storage);
             Ok(storage)
         })
@@ -270,11 +358,25 @@ impl Storage {
             Backing::Private(buf) => {
                 let slice = shm::allocate(strategy, self.inner.nbytes)?;
                 let dst = slice.segment.data_ptr().wrapping_add(slice.offset);
-                // SAFETY: the slice holds `nbytes` bytes at `offset` (allocate's contract)
-                // and the buffer `nbytes`; they cannot overlap (mapping vs heap); we hold
-                // the write lock, so no thread of this process touches the buffer, and no
-                // other process has been told about this slice yet.
-                unsafe { std::ptr::copy_nonoverlapping(buf.ptr.as_ptr(), dst, self.inner.nbytes) };
+                if slice.zeroed {
+                    // SAFETY: the slice holds `nbytes` bytes at `offset` (allocate's
+                    // contract) and the buffer `nbytes`; they cannot overlap (mapping vs
+                    // heap); we hold the write lock, so no thread of this process touches
+                    // the buffer, and no other process has ever been told about these
+                    // fresh bytes.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(buf.ptr.as_ptr(), dst, self.inner.nbytes)
+                    };
+                } else {
+                    // SAFETY: as above, and `dst` is 64-byte aligned; the bytes of a
+                    // recycled block are written atomically (see `write_shared`).
+                    unsafe { write_shared(dst, Some(buf.ptr.as_ptr()), self.inner.nbytes) };
+                }
+                if slice.segment.is_block() {
+                    self.inner
+                        .use_owner
+                        .store(std::process::id(), Ordering::Release);
+                }
                 slice
             }
         };
@@ -405,6 +507,7 @@ impl Serialize for Storage {
                 segment,
                 offset: offset as u64,
                 nbytes: self.nbytes() as u64,
+                carries_use: false,
             })
         };
         wire.serialize(s)
@@ -420,6 +523,7 @@ impl<'de> Deserialize<'de> for Storage {
                 segment,
                 offset,
                 nbytes,
+                carries_use,
             }) => {
                 let (Ok(offset), Ok(nbytes)) = (usize::try_from(offset), usize::try_from(nbytes))
                 else {
@@ -429,7 +533,7 @@ impl<'de> Deserialize<'de> for Storage {
                         ),
                     ))));
                 };
-                Storage::from_segment(segment, offset, nbytes)
+                Storage::from_segment(segment, offset, nbytes, carries_use)
                     .map_err(|e| D::Error::custom(wire::fail_with(e)))
             }
         }
