@@ -183,10 +183,15 @@ impl Storage {
     ///
     /// As [`share_memory_`](Self::share_memory_).
     pub fn new_shared(nbytes: usize) -> Result<Storage> {
+        Storage::new_shared_with(nbytes, get_sharing_strategy())
+    }
+
+    /// [`new_shared`](Self::new_shared) with an explicit strategy.
+    pub(crate) fn new_shared_with(nbytes: usize, strategy: SharingStrategy) -> Result<Storage> {
         if nbytes == 0 {
             return Ok(Storage::with_backing(0, Backing::Empty { shared: true }));
         }
-        let slice = shm::allocate(get_sharing_strategy(), nbytes)?;
+        let slice = shm::allocate(strategy, nbytes)?;
         let holds_use = slice.segment.is_block();
         if !slice.zeroed {
             // SAFETY: the slice holds `nbytes` bytes at `offset` (allocate's contract),

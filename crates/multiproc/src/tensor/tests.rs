@@ -429,8 +429,9 @@ fn small_storages_share_arenas_and_large_ones_do_not() {
         b.storage().segment().unwrap(),
         big.storage().segment().unwrap(),
     );
-    assert_eq!(obig, 0);
-    assert_eq!(sbig.len(), big.storage().nbytes());
+    // A large storage has a block of its own, after the block header.
+    assert_eq!(obig, 64);
+    assert_eq!(sbig.len(), big.storage().nbytes() + 64);
     assert_eq!(oa % 64, 0);
     assert_eq!(ob % 64, 0);
     if std::sync::Arc::ptr_eq(&sa, &sb) {
@@ -867,4 +868,36 @@ fn handles_cross_threads() {
     send_sync::<Tensor>();
     send_sync::<Storage>();
     send_sync::<DType>();
+}
+
+#[test]
+fn blocks_are_recycled_only_when_unused() {
+    let n = (1 << 20) + 4096; // a size no other test uses, so the pool's block is ours
+    let shared = || {
+        let s = Storage::new_shared_with(n, SharingStrategy::FileDescriptor).unwrap();
+        Tensor::from_storage(s, DType::U8, &[n], &[1], 0).unwrap()
+    };
+    let a = shared();
+    a.fill_(7.0).unwrap();
+    let (seg_a, _) = a.storage().segment().unwrap();
+    assert_eq!(seg_a.uses(), Some(1));
+    // In use: a second tensor of the same size gets another block.
+    let b = shared();
+    let (seg_b, _) = b.storage().segment().unwrap();
+    assert!(!std::sync::Arc::ptr_eq(&seg_a, &seg_b));
+    // Sent and received in this process: the same storage, no extra use left behind.
+    let q = crate::Queue::new().unwrap();
+    q.put(a.clone()).unwrap();
+    assert_eq!(seg_a.uses(), Some(2), "the message in flight holds a use");
+    let back: Tensor = q.get().unwrap();
+    assert!(Storage::ptr_eq(back.storage(), a.storage()));
+    assert_eq!(seg_a.uses(), Some(1));
+    drop((a, back));
+    assert_eq!(seg_a.uses(), Some(0));
+    // Unused: recycled, and zeroed again for `zeros_shared`.
+    let c = shared();
+    let (seg_c, _) = c.storage().segment().unwrap();
+    assert!(std::sync::Arc::ptr_eq(&seg_a, &seg_c));
+    assert_eq!(c.sum(), 0.0);
+    drop((b, c));
 }
