@@ -83,6 +83,9 @@
 
 #![deny(unsafe_code)]
 
+#[doc(hidden)]
+#[path = "bench_api.rs"]
+pub mod __bench;
 mod error;
 mod manager;
 #[allow(unsafe_code)]

@@ -295,6 +295,11 @@ fn receive_named(name: SegmentName, nbytes: u64) -> Result<Arc<Segment>> {
     Ok(segment)
 }
 
+/// [`receive_fd`] for the micro-benchmarks (`crate::__bench`).
+pub(crate) fn receive_fd_for_bench(fd: BorrowedFd<'_>, nbytes: u64) -> Result<Arc<Segment>> {
+    receive_fd(fd, nbytes)
+}
+
 fn check_claim(segment: &Segment, nbytes: u64) -> Result<()> {
     if nbytes > segment.len() as u64 {
         return Err(Error::InvalidMessage(format!(

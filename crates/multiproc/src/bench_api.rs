@@ -1,0 +1,104 @@
+//! Entry points for the criterion micro-benchmarks in `benches/`. **Not public API**:
+//! hidden from the docs, exempt from semver, and may change or vanish in any release.
+//!
+//! Each function wraps one step of the data path (DESIGN.md §2) so it can be timed on
+//! its own: encoding and decoding a message, making and mapping a segment, passing an
+//! fd over a socket, a map-cache hit.
+
+#![allow(missing_docs)]
+
+use std::os::fd::{AsFd, OwnedFd};
+
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use crate::sys::socket::{self, Attempt};
+use crate::{Error, Result, shm, wire};
+
+/// A connected pair of `SOCK_SEQPACKET` sockets, as under every queue.
+pub struct SocketPair {
+    tx: OwnedFd,
+    rx: OwnedFd,
+}
+
+/// A new socket pair.
+pub fn socket_pair() -> Result<SocketPair> {
+    let (tx, rx) = socket::seqpacket_pair()?;
+    Ok(SocketPair { tx, rx })
+}
+
+/// Encodes `value` (tensors become handles, their fds go to the side table) and drops
+/// the result unsent.
+pub fn encode<T: Serialize>(value: &T) -> Result<()> {
+    wire::encode(value).map(drop)
+}
+
+/// Encodes `value` and sends it on the pair.
+pub fn send<T: Serialize>(pair: &SocketPair, value: &T) -> Result<()> {
+    wire::encode(value)?.send(pair.tx.as_fd(), None)
+}
+
+/// Receives one message from the pair and decodes it (mapping segments through the
+/// cache).
+pub fn recv<T: DeserializeOwned>(pair: &SocketPair) -> Result<T> {
+    let packet = wire::recv_packet(pair.rx.as_fd(), None)?
+        .ok_or_else(|| Error::Timeout("no message".into()))?;
+    wire::decode(packet)
+}
+
+/// An anonymous shared-memory segment's fd (a sealed memfd, pages reserved).
+pub struct Memfd {
+    fd: OwnedFd,
+    len: usize,
+}
+
+/// Creates a segment of `len` bytes (memfd, reserve, seal, map) and keeps only its fd.
+pub fn memfd(len: usize) -> Result<Memfd> {
+    let segment = shm::Segment::create_anonymous(len)?;
+    let fd = segment
+        .fd()
+        .ok_or_else(|| Error::InvalidArgument("no fd".into()))?
+        .try_clone_to_owned()
+        .map_err(|e| Error::os("dup", e))?;
+    Ok(Memfd { fd, len })
+}
+
+/// Creates a segment of `len` bytes and drops it (create, map, unmap, close).
+pub fn segment_create(len: usize) -> Result<()> {
+    shm::Segment::create_anonymous(len).map(drop)
+}
+
+/// Opens the segment behind `memfd` afresh (checks, `mmap`) and drops it (`munmap`).
+pub fn segment_open(memfd: &Memfd) -> Result<()> {
+    let fd = memfd
+        .fd
+        .try_clone()
+        .map_err(|e| Error::os("dup", e))?;
+    shm::Segment::open_anonymous(fd, memfd.len as u64).map(drop)
+}
+
+/// Sends `memfd` over the pair (one packet, `SCM_RIGHTS`) and receives it back.
+pub fn fd_round_trip(pair: &SocketPair, memfd: &Memfd) -> Result<()> {
+    let header = [0u8; 16];
+    loop {
+        if let Attempt::Done(()) =
+            socket::try_send_packet(pair.tx.as_fd(), &header, &[], &[memfd.fd.as_fd()])?
+        {
+            break;
+        }
+    }
+    let mut buf = [0u8; 64];
+    loop {
+        if let Attempt::Done(packet) = socket::try_recv_packet(pair.rx.as_fd(), &mut buf)? {
+            drop(packet);
+            return Ok(());
+        }
+    }
+}
+
+/// Looks the segment behind `memfd` up the way a received handle does (`fstat`, then
+/// the map cache), mapping it the first time; keep the result alive to make later
+/// calls hits.
+pub fn map_cache_lookup(memfd: &Memfd) -> Result<impl Drop> {
+    shm::receive_fd_for_bench(memfd.fd.as_fd(), memfd.len as u64)
+}
