@@ -6,6 +6,8 @@
 //! `cargo bench -p multiproc` runs them; CI only builds them (`cargo bench --no-run`).
 //! End-to-end figures are `multiproc bench`'s job.
 
+#![allow(missing_docs)] // criterion_group! makes an undocumented pub fn
+
 use criterion::{Criterion, criterion_group, criterion_main};
 use multiproc::__bench as b;
 use multiproc::{DType, Tensor};
@@ -27,13 +29,16 @@ fn wire(c: &mut Criterion) {
         c.bench_function(&format!("encode/{count}_tensors"), |bench| {
             bench.iter(|| b::encode(&msg).expect("encode"))
         });
-        c.bench_function(&format!("encode_send_recv_decode/{count}_tensors"), |bench| {
-            bench.iter(|| {
-                b::send(&pair, &msg).expect("send");
-                let back: Vec<Tensor> = b::recv(&pair).expect("recv");
-                back
-            })
-        });
+        c.bench_function(
+            &format!("encode_send_recv_decode/{count}_tensors"),
+            |bench| {
+                bench.iter(|| {
+                    b::send(&pair, &msg).expect("send");
+                    let back: Vec<Tensor> = b::recv(&pair).expect("recv");
+                    back
+                })
+            },
+        );
     }
 }
 

@@ -56,12 +56,8 @@ fn main() -> multiproc::Result<()> {
     multiproc::set_sharing_strategy(SharingStrategy::FileDescriptor);
     let q = Queue::new()?;
     let done = multiproc::Event::new()?;
-    let mut ctx = multiproc::start_processes(
-        producer,
-        (q.clone(), done.clone()),
-        1,
-        StartMethod::Spawn,
-    )?;
+    let mut ctx =
+        multiproc::start_processes(producer, (q.clone(), done.clone()), 1, StartMethod::Spawn)?;
     // Wait for the tensor to be queued before measuring the baseline.
     while q.qsize() == 0 {
         std::thread::sleep(Duration::from_millis(10));
@@ -71,7 +67,10 @@ fn main() -> multiproc::Result<()> {
     let got = rollup();
     let total = t.sum();
     let read = rollup();
-    println!("receiving one {} MiB f32 tensor (sum {total}); change from before the get:", BYTES >> 20);
+    println!(
+        "receiving one {} MiB f32 tensor (sum {total}); change from before the get:",
+        BYTES >> 20
+    );
     show("after get (mapped)", &got, &before);
     show("after sum (every page read)", &read, &before);
     drop(t);

@@ -70,10 +70,7 @@ pub fn segment_create(len: usize) -> Result<()> {
 
 /// Opens the segment behind `memfd` afresh (checks, `mmap`) and drops it (`munmap`).
 pub fn segment_open(memfd: &Memfd) -> Result<()> {
-    let fd = memfd
-        .fd
-        .try_clone()
-        .map_err(|e| Error::os("dup", e))?;
+    let fd = memfd.fd.try_clone().map_err(|e| Error::os("dup", e))?;
     shm::Segment::open_anonymous(fd, memfd.len as u64).map(drop)
 }
 
