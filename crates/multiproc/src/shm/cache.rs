@@ -80,7 +80,7 @@ fn with_cache<R>(f: impl FnOnce(&mut MapCache) -> R) -> R {
 
 impl MapCache {
     fn put(&mut self, key: CacheKey, segment: &Arc<Segment>) {
-        let pid = std::process::id();
+        let pid = crate::sys::process::cached_pid();
         self.entries.insert(key, (pid, Arc::downgrade(segment)));
         if self.entries.len() >= self.sweep_at {
             self.entries
@@ -119,7 +119,7 @@ impl MapCache {
 
     fn live(&self, key: &CacheKey) -> Option<Arc<Segment>> {
         let (owner, weak) = self.entries.get(key)?;
-        if *owner == std::process::id() {
+        if *owner == crate::sys::process::cached_pid() {
             weak.upgrade()
         } else {
             None

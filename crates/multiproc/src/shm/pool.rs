@@ -107,7 +107,7 @@ pub(crate) fn allocate(strategy: SharingStrategy, len: usize) -> Result<Slice> {
             zeroed: true,
         });
     }
-    let pid = std::process::id();
+    let pid = crate::sys::process::cached_pid();
     let mut guard = POOL.lock().unwrap_or_else(PoisonError::into_inner);
     let pool = match guard.as_mut() {
         Some(p) if p.pid == pid => p,

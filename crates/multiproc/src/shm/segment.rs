@@ -119,7 +119,7 @@ fn fd_limit_advice(e: Error) -> Error {
 }
 
 fn pid() -> i32 {
-    rustix::process::getpid().as_raw_nonzero().get()
+    crate::sys::process::cached_pid() as i32
 }
 
 impl Segment {

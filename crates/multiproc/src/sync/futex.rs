@@ -47,7 +47,9 @@ pub(crate) fn wake_all(word: &AtomicU32) {
     wake(word, i32::MAX as u32);
 }
 
-/// How long [`spin_until`] keeps trying before a caller goes to sleep in the kernel.
+/// How long [`spin_until`] keeps trying before a caller goes to sleep in the kernel,
+/// unless the environment variable `MULTIPROC_SPIN_US` says otherwise (in microseconds;
+/// 0 turns spinning off, for machines with fewer cores than busy processes).
 ///
 /// A producer and a consumer that hand items over through a short queue would
 /// otherwise sleep and be woken for nearly every item: a futex wait, a wake and two
@@ -56,9 +58,26 @@ pub(crate) fn wake_all(word: &AtomicU32) {
 /// core can run) catches most hand-overs without any system call.
 pub(crate) const SPIN: Duration = Duration::from_micros(50);
 
+/// The environment variable that overrides [`SPIN`].
+pub(crate) const SPIN_ENV: &str = "MULTIPROC_SPIN_US";
+
+fn spin_budget() -> Duration {
+    static BUDGET: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
+    *BUDGET.get_or_init(|| {
+        std::env::var(SPIN_ENV)
+            .ok()
+            .and_then(|v| v.parse::<u64>().ok())
+            .map_or(SPIN, Duration::from_micros)
+    })
+}
+
 /// Polls `ready` for up to [`SPIN`] (never past `deadline`); returns whether it became
 /// true. The caller then re-checks its condition as usual.
 pub(crate) fn spin_until(deadline: Deadline, mut ready: impl FnMut() -> bool) -> bool {
+    let budget = spin_budget();
+    if budget.is_zero() {
+        return ready();
+    }
     for _ in 0..64 {
         if ready() {
             return true;
@@ -66,7 +85,7 @@ pub(crate) fn spin_until(deadline: Deadline, mut ready: impl FnMut() -> bool) ->
         std::hint::spin_loop();
     }
     let start = Instant::now();
-    let mut end = start + SPIN;
+    let mut end = start + budget;
     if let Some(d) = deadline {
         end = end.min(d);
     }

@@ -316,6 +316,33 @@ pub(crate) fn current_pid() -> i32 {
     rustix::process::getpid().as_raw_nonzero().get()
 }
 
+/// This process's pid, without a system call after the first: the hot path asks for it
+/// several times per message (whose reference a value holds, which pool is whose).
+/// A `fork` child resets the cache (a `pthread_atfork` handler), so it never sees its
+/// parent's pid. A child made by a raw `clone` system call, bypassing libc, would; none
+/// is made here.
+pub(crate) fn cached_pid() -> u32 {
+    static REGISTER: std::sync::Once = std::sync::Once::new();
+    let cached = CACHED_PID.load(std::sync::atomic::Ordering::Relaxed);
+    if cached != 0 {
+        return cached;
+    }
+    REGISTER.call_once(|| {
+        // SAFETY: registers a handler that only stores to an atomic, which is
+        // async-signal-safe as the child side of fork requires.
+        let _ = unsafe { libc::pthread_atfork(None, None, Some(forget_cached_pid)) };
+    });
+    let pid = std::process::id();
+    CACHED_PID.store(pid, std::sync::atomic::Ordering::Relaxed);
+    pid
+}
+
+static CACHED_PID: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+
+extern "C" fn forget_cached_pid() {
+    CACHED_PID.store(0, std::sync::atomic::Ordering::Relaxed);
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -327,6 +354,18 @@ mod tests {
         assert_eq!(signal_name(libc::SIGABRT), "SIGABRT");
         assert_eq!(signal_name(36), "SIGRTMIN+2");
         assert_eq!(signal_name(99), "signal 99");
+    }
+
+    #[test]
+    fn the_cached_pid_is_reset_in_a_fork_child() {
+        let parent = cached_pid();
+        assert_eq!(parent, std::process::id());
+        let pid = fork_child(|| i32::from(cached_pid() == std::process::id())).unwrap();
+        assert_ne!(pid, parent as i32);
+        let pidfd = pidfd_open(pid).unwrap();
+        assert!(wait_any_readable(&[pidfd.as_fd()], None).unwrap());
+        let exit = try_reap(pidfd.as_fd()).unwrap().unwrap();
+        assert_eq!(exit.code, Some(1), "the child sees its own pid");
     }
 
     #[test]

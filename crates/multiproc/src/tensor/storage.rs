@@ -87,7 +87,7 @@ struct StorageInner {
 
 impl Drop for StorageInner {
     fn drop(&mut self) {
-        if self.use_owner.load(Ordering::Acquire) == std::process::id() {
+        if self.use_owner.load(Ordering::Acquire) == crate::sys::process::cached_pid() {
             if let Backing::Shared { segment, .. } = self
                 .backing
                 .get_mut()
@@ -216,7 +216,7 @@ impl Storage {
             storage
                 .inner
                 .use_owner
-                .store(std::process::id(), Ordering::Release);
+                .store(crate::sys::process::cached_pid(), Ordering::Release);
         }
         with_storage_cache(|c| c.put(key, &storage));
         Ok(storage)
@@ -254,7 +254,7 @@ impl Storage {
                 segment.len()
             )));
         }
-        let me = std::process::id();
+        let me = crate::sys::process::cached_pid();
         let key = StorageKey::new(&segment, offset, nbytes);
         with_storage_cache(|c| {
             if let Some(inner) = c.entries.get(&key).and_then(Weak::upgrade) {
@@ -380,7 +380,7 @@ impl Storage {
                 if slice.segment.is_block() {
                     self.inner
                         .use_owner
-                        .store(std::process::id(), Ordering::Release);
+                        .store(crate::sys::process::cached_pid(), Ordering::Release);
                 }
                 slice
             }
