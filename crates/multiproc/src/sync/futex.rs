@@ -54,8 +54,7 @@ pub(crate) fn wake_all(word: &AtomicU32) {
 /// A producer and a consumer that hand items over through a short queue would
 /// otherwise sleep and be woken for nearly every item: a futex wait, a wake and two
 /// context switches cost tens of microseconds, far more than the item itself. Spinning
-/// this long (yielding the CPU after the first few rounds, so a partner sharing the
-/// core can run) catches most hand-overs without any system call.
+/// this long catches most hand-overs without any system call.
 pub(crate) const SPIN: Duration = Duration::from_micros(50);
 
 /// The environment variable that overrides [`SPIN`].
@@ -89,11 +88,17 @@ pub(crate) fn spin_until(deadline: Deadline, mut ready: impl FnMut() -> bool) ->
     if let Some(d) = deadline {
         end = end.min(d);
     }
-    while Instant::now() < end {
-        if ready() {
-            return true;
+    // Pure spinning, no `sched_yield`: on a busy machine a yield hands the core to an
+    // unrelated process for a whole time slice, which costs more than the spin.
+    loop {
+        for _ in 0..64 {
+            if ready() {
+                return true;
+            }
+            std::hint::spin_loop();
         }
-        std::thread::yield_now();
+        if Instant::now() >= end {
+            return ready();
+        }
     }
-    ready()
 }
