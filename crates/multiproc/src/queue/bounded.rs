@@ -4,6 +4,11 @@
 //! `ITEMS` — messages put and not yet taken (approximate `qsize`), `UNFINISHED` — items
 //! put and not yet marked done (for `JoinableQueue::join`), `CAPACITY` (0 = unbounded).
 //!
+//! A `put` on a full queue and a `get` on an empty one spin for a few tens of
+//! microseconds (`futex::spin_until`, `MULTIPROC_SPIN_US`) before they sleep: a producer
+//! and a consumer handing items over through a short queue would otherwise pay a sleep,
+//! a wake-up and two context switches for nearly every item.
+//!
 //! A process killed between taking a slot and sending (or between receiving and giving
 //! the slot back) costs the queue one place of capacity, never a message or a hang of
 //! others beyond their own deadlines.

@@ -21,8 +21,15 @@
 //! `SHRINK`; a named file is a regular 0600 file of ours; sizes cover what the handle
 //! claims), so a short or forged segment is [`Error::InvalidMessage`], never a SIGBUS.
 //!
-//! Small `file_descriptor` storages are carved out of shared 1 MiB arenas (see `pool`),
-//! so a handle names a segment *and* an offset in it.
+//! `file_descriptor` storages live in *blocks* (see `pool`): memfd segments with a
+//! 64-byte header counting their uses across processes, which their creator recycles
+//! once no process uses them any more. Small storages are carved out of shared 1 MiB
+//! arena blocks, so a handle names a segment *and* an offset in it; a large storage has
+//! a block of its own. A handle to a block (`HandleWire::Block`) carries one use, which
+//! the receiving storage adopts. (Changed for issue 5: segments used to be made fresh
+//! for every large storage and arenas thrown away when full, so every large tensor paid
+//! for zeroing, faulting in and unmapping its pages on both sides; a recycled block that
+//! both sides keep mapped pays for none of that.)
 //!
 //! Invariant of the map cache: a process maps each segment at most once while it is
 //! alive (keyed by device+inode for memfds, by name for named segments), so the same

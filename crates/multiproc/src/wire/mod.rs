@@ -4,7 +4,11 @@
 //! objects — tensors' shared segments, queues, events, locks — do not serialize their
 //! fds as numbers: their `Serialize` impls hand the fd to the encoder's side table with
 //! [`attach_fd`] and write the table index instead; on the other side, their
-//! `Deserialize` impls take the fd back with [`received_fd`]. The table travels as
+//! `Deserialize` impls take the fd back with [`received_fd`] (a duplicate) or borrow it
+//! with [`with_received_fd`]. Tensors' segments use the cheap forms on both sides —
+//! [`attach_shared_fd`] keeps the segment's `Arc`'d fd instead of a `dup`, and a
+//! received segment that is already mapped needs only an `fstat` of the lent fd — so
+//! a tensor costs no `dup`/`close` pair per message on either side. The table travels as
 //! `SCM_RIGHTS` in the same `sendmsg` as the bytes, so a message and its handles arrive
 //! together or not at all, and the sender may exit as soon as the send returns.
 //!
