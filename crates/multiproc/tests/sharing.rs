@@ -227,3 +227,41 @@ fn the_fd_limit_is_a_clear_error() {
         assert!(ctx.join(Some(secs(30))).unwrap());
     });
 }
+
+/// Receives a tensor and sends it straight on (torch warns against this for CUDA
+/// tensors; CPU tensors here just travel on by handle).
+fn forward(_rank: usize, (inbox, outbox): (Queue<Tensor>, Queue<Tensor>)) -> multiproc::Result<()> {
+    let t = inbox.get()?;
+    t.add_scalar_(1.0)?;
+    outbox.put(t)?;
+    Ok(())
+}
+
+#[test]
+fn a_received_tensor_can_be_sent_on() {
+    common::run(secs(60), || {
+        for_each_strategy(|strategy| {
+            let (inbox, outbox) = (Queue::new().unwrap(), Queue::new().unwrap());
+            let mut ctx = start_processes(
+                forward,
+                (inbox.clone(), outbox.clone()),
+                1,
+                StartMethod::Spawn,
+            )
+            .unwrap();
+            let small = Tensor::zeros(&[16], DType::F32).unwrap();
+            inbox.put(small.clone()).unwrap();
+            let back = outbox.get_timeout(secs(30)).unwrap().expect("forwarded");
+            assert!(
+                all_equal(&small, 1.0),
+                "{strategy}: the worker wrote the parent's memory"
+            );
+            back.add_scalar_(1.0).unwrap();
+            assert!(
+                all_equal(&small, 2.0),
+                "{strategy}: what came back aliases what was sent"
+            );
+            assert!(ctx.join(Some(secs(30))).unwrap());
+        });
+    });
+}
