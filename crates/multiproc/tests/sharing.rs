@@ -71,7 +71,11 @@ fn hit_the_fd_limit(_rank: usize, _: ()) -> Result<(), String> {
         match t.share_memory_() {
             Ok(()) => keep.push(t),
             Err(multiproc::Error::FdLimit(m)) => {
-                return if m.contains(&format!("limit {}", open + 8)) && m.contains("FileSystem") {
+                return if m.contains(&format!("limit {}", open + 8))
+                    && m.contains("files open")
+                    && m.contains("ulimit -n")
+                    && m.contains("file_system")
+                {
                     Ok(())
                 } else {
                     Err(format!("unhelpful message: {m}"))
@@ -83,8 +87,64 @@ fn hit_the_fd_limit(_rank: usize, _: ()) -> Result<(), String> {
     Err("never hit the fd limit".into())
 }
 
+/// A consumer under RLIMIT_NOFILE 256 that keeps 2,000 received small tensors alive:
+/// small storages share pooled arenas, so it needs a handful of fds, not 2,000.
+fn keep_2000_small_tensors(
+    _rank: usize,
+    (inbox, done): (Queue<Tensor>, Queue<usize>),
+) -> Result<(), String> {
+    use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
+    let maximum = getrlimit(Resource::Nofile).maximum;
+    setrlimit(
+        Resource::Nofile,
+        Rlimit {
+            current: Some(256),
+            maximum,
+        },
+    )
+    .map_err(|e| e.to_string())?;
+    let mut kept = Vec::with_capacity(2000);
+    for i in 0..2000 {
+        let t = inbox.get().map_err(|e| format!("tensor {i}: {e}"))?;
+        kept.push(t);
+    }
+    let ok = kept
+        .iter()
+        .enumerate()
+        .filter(|(i, t)| all_equal(t, *i as f64))
+        .count();
+    done.put(ok).map_err(|e| e.error.to_string())?;
+    Ok(())
+}
+
 // ---------------------------------------------------------------------------------------
 // Tests.
+
+#[test]
+fn a_consumer_under_a_256_fd_limit_keeps_2000_received_tensors() {
+    common::run(secs(120), || {
+        for_each_strategy(|strategy| {
+            let (inbox, done) = (Queue::with_capacity(64).unwrap(), Queue::new().unwrap());
+            let mut ctx = start_processes(
+                keep_2000_small_tensors,
+                (inbox.clone(), done.clone()),
+                1,
+                StartMethod::Spawn,
+            )
+            .unwrap();
+            for i in 0..2000 {
+                let t = Tensor::full(&[64], f64::from(i), DType::F32).unwrap();
+                inbox.put_timeout(t, secs(60)).unwrap();
+            }
+            assert_eq!(
+                done.get_timeout(secs(60)).unwrap(),
+                Some(2000),
+                "{strategy}"
+            );
+            assert!(ctx.join(Some(secs(30))).unwrap(), "{strategy}");
+        });
+    });
+}
 
 #[test]
 fn a_tensor_outlives_the_producer_that_put_it() {
