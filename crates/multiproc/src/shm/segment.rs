@@ -108,10 +108,12 @@ fn fd_limit_advice(e: Error) -> Error {
         let limit = rustix::process::getrlimit(rustix::process::Resource::Nofile)
             .current
             .map_or("unlimited".to_owned(), |v| v.to_string());
+        let in_use = std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count());
         Error::FdLimit(format!(
-            "cannot share a tensor: this process has too many open files (RLIMIT_NOFILE soft \
-             limit {limit}); every file_descriptor segment is an open fd — raise `ulimit -n`, \
-             drop tensors sooner, or set_sharing_strategy(SharingStrategy::FileSystem) ({e})"
+            "cannot share a tensor: this process has {in_use} files open, at its RLIMIT_NOFILE \
+             soft limit {limit}; every large file_descriptor segment is an open fd — raise \
+             `ulimit -n`, drop tensors sooner, or use the file_system strategy \
+             (set_sharing_strategy(SharingStrategy::FileSystem)) ({e})"
         ))
     } else {
         e

@@ -26,7 +26,11 @@ pub fn run(deadline: Duration, body: impl FnOnce() + Send + 'static) {
         body();
         let _ = tx.send(());
     });
-    match rx.recv_timeout(deadline) {
+    // Whatever the body did, the next test starts from the default strategy.
+    let reset = || multiproc::set_sharing_strategy(multiproc::SharingStrategy::FileDescriptor);
+    let outcome = rx.recv_timeout(deadline);
+    reset();
+    match outcome {
         Ok(()) => {
             worker.join().expect("test body");
         }
@@ -77,6 +81,10 @@ impl Guard {
                 return;
             }
             if Instant::now() > until {
+                let kids: Vec<String> = kids
+                    .iter()
+                    .map(|p| std::fs::read_to_string(format!("/proc/{p}/stat")).unwrap_or_default())
+                    .collect();
                 panic!(
                     "leak: new segments {segs:?}, open fds {} -> {fds} ({}), new child processes {kids:?}",
                     self.fds,
@@ -88,30 +96,67 @@ impl Guard {
     }
 }
 
-/// Makes the process-wide resources that live as long as the process (the connection
-/// to the shm manager) before the first snapshot, so they do not count as leaks.
+/// Makes the resources a process keeps for its whole life exist before a test counts
+/// fds: the fork server, the current small-storage arena, the connection to the shm
+/// manager. Cheap after the first call.
 fn warm_up() {
-    static ONCE: std::sync::Once = std::sync::Once::new();
-    ONCE.call_once(|| {
-        let before = multiproc::get_sharing_strategy();
-        multiproc::set_sharing_strategy(multiproc::SharingStrategy::FileSystem);
-        let t = multiproc::Tensor::zeros(&[1], multiproc::DType::U8).expect("warm-up tensor");
-        t.share_memory_().expect("warm-up share");
-        drop(t);
-        multiproc::set_sharing_strategy(before);
-    });
+    use multiproc::{DType, SharingStrategy, Tensor, set_sharing_strategy};
+    multiproc::ensure_forkserver_running().expect("fork server");
+    let before = multiproc::get_sharing_strategy();
+    for strategy in [SharingStrategy::FileDescriptor, SharingStrategy::FileSystem] {
+        set_sharing_strategy(strategy);
+        Tensor::zeros(&[1], DType::U8)
+            .and_then(|t| t.share_memory_())
+            .expect("warm-up share");
+    }
+    set_sharing_strategy(before);
 }
 
-/// Our named segments in /dev/shm.
+/// Our named segments in /dev/shm: made by this process, by one of its descendants, or
+/// by a process that has ended. Segments of an unrelated live process (another test
+/// binary running at the same time) are not ours to judge.
 pub fn our_segments() -> BTreeSet<String> {
+    let me = std::process::id();
     std::fs::read_dir("/dev/shm")
         .map(|d| {
             d.filter_map(|e| e.ok())
                 .map(|e| e.file_name().to_string_lossy().into_owned())
-                .filter(|n| n.starts_with("multiproc_"))
+                .filter(|n| {
+                    let creator = n
+                        .strip_prefix("multiproc_")
+                        .and_then(|rest| rest.split('_').next())
+                        .and_then(|pid| pid.parse::<u32>().ok());
+                    match creator {
+                        None => false,
+                        Some(pid) => pid == me || !alive(pid) || descends_from(pid, me),
+                    }
+                })
                 .collect()
         })
         .unwrap_or_default()
+}
+
+/// Whether `pid` is a descendant of `ancestor`.
+fn descends_from(mut pid: u32, ancestor: u32) -> bool {
+    for _ in 0..64 {
+        let Some(parent) = parent_of(pid) else {
+            return false;
+        };
+        if parent == ancestor {
+            return true;
+        }
+        if parent <= 1 {
+            return false;
+        }
+        pid = parent;
+    }
+    false
+}
+
+fn parent_of(pid: u32) -> Option<u32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let close = stat.rfind(')')?;
+    stat[close + 1..].split_whitespace().nth(1)?.parse().ok()
 }
 
 /// The number of fds this process has open.
@@ -135,7 +180,8 @@ pub fn fd_targets() -> Vec<String> {
         .unwrap_or_default()
 }
 
-/// Live child processes of this process (zombies included: not reaping is a leak too).
+/// Child processes of this process (zombies included: not reaping is a leak too),
+/// except the fork server, which lives as long as the process.
 pub fn children() -> BTreeSet<u32> {
     let me = std::process::id();
     let mut out = BTreeSet::new();
@@ -149,12 +195,16 @@ pub fn children() -> BTreeSet<u32> {
         let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
             continue;
         };
-        let Some(close) = stat.rfind(')') else {
+        // "pid (comm) state ppid ...": comm may hold spaces and parentheses.
+        let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
             continue;
         };
-        let mut fields = stat[close + 1..].split_whitespace();
-        let _state = fields.next();
-        if fields.next().and_then(|p| p.parse::<u32>().ok()) == Some(me) {
+        let comm = &stat[open + 1..close];
+        let ppid = stat[close + 1..]
+            .split_whitespace()
+            .nth(1)
+            .and_then(|p| p.parse::<u32>().ok());
+        if ppid == Some(me) && comm != "multiproc-fsrv" {
             out.insert(pid);
         }
     }
@@ -172,4 +222,41 @@ pub fn alive(pid: u32) -> bool {
         }
         Err(_) => false,
     }
+}
+
+/// torch repeats its leak-prone sharing tests this many times.
+pub const TORCH_REPEATS: usize = 30;
+
+/// `Duration::from_secs`, short.
+pub fn secs(s: u64) -> Duration {
+    Duration::from_secs(s)
+}
+
+/// Runs `test` once per sharing strategy (the setting is inherited by workers; [`run`]
+/// resets it afterwards).
+pub fn for_each_strategy(test: impl Fn(multiproc::SharingStrategy)) {
+    for &strategy in multiproc::get_all_sharing_strategies() {
+        multiproc::set_sharing_strategy(strategy);
+        test(strategy);
+    }
+}
+
+/// Whether every element of `t` equals `value`.
+pub fn all_equal(t: &multiproc::Tensor, value: f64) -> bool {
+    t.allclose(
+        &multiproc::Tensor::full(t.shape(), value, t.dtype()).expect("full"),
+        0.0,
+        0.0,
+    )
+}
+
+/// torch's `simple_fill`: fill the first tensor received with 4, then set the event.
+pub fn simple_fill(
+    _rank: usize,
+    (queue, event): (multiproc::Queue<Vec<multiproc::Tensor>>, multiproc::Event),
+) -> multiproc::Result<()> {
+    let data = queue.get()?;
+    data[0].fill_(4.0)?;
+    event.set();
+    Ok(())
 }
