@@ -47,44 +47,63 @@ pub(crate) fn wake_all(word: &AtomicU32) {
     wake(word, i32::MAX as u32);
 }
 
-/// How long [`spin_until`] keeps trying before a caller goes to sleep in the kernel,
-/// unless the environment variable `MULTIPROC_SPIN_US` says otherwise (in microseconds;
-/// 0 turns spinning off, for machines with fewer cores than busy processes).
+/// The longest [`spin_until`] keeps trying before a caller goes to sleep in the
+/// kernel, unless the environment variable `MULTIPROC_SPIN_US` says otherwise (in
+/// microseconds; 0 turns spinning off).
 ///
 /// A producer and a consumer that hand items over through a short queue would
 /// otherwise sleep and be woken for nearly every item: a futex wait, a wake and two
 /// context switches cost tens of microseconds, far more than the item itself. Spinning
-/// this long catches most hand-overs without any system call.
+/// catches most hand-overs without any system call — when the partner is running on
+/// another core. When it is not (more busy processes than cores), spinning only burns
+/// the time slice the partner needs, so the budget adapts: every spin that gives up
+/// halves it, every spin that succeeds grows it back by an eighth of the maximum.
 pub(crate) const SPIN: Duration = Duration::from_micros(50);
 
 /// The environment variable that overrides [`SPIN`].
 pub(crate) const SPIN_ENV: &str = "MULTIPROC_SPIN_US";
 
-fn spin_budget() -> Duration {
-    static BUDGET: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
-    *BUDGET.get_or_init(|| {
-        std::env::var(SPIN_ENV)
+fn spin_max_ns() -> u32 {
+    static MAX: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    *MAX.get_or_init(|| {
+        let us = std::env::var(SPIN_ENV)
             .ok()
             .and_then(|v| v.parse::<u64>().ok())
-            .map_or(SPIN, Duration::from_micros)
+            .unwrap_or(SPIN.as_micros() as u64);
+        u32::try_from(us.saturating_mul(1000)).unwrap_or(u32::MAX)
     })
 }
 
-/// Polls `ready` for up to [`SPIN`] (never past `deadline`); returns whether it became
-/// true. The caller then re-checks its condition as usual.
+/// The current spin budget in nanoseconds (see [`SPIN`]); per process, shared by all
+/// waits, since what it measures — whether partners get a core — is the machine's.
+static BUDGET_NS: AtomicU32 = AtomicU32::new(u32::MAX);
+
+/// Polls `ready` for up to the current spin budget (never past `deadline`); returns
+/// whether it became true. The caller then re-checks its condition as usual.
 pub(crate) fn spin_until(deadline: Deadline, mut ready: impl FnMut() -> bool) -> bool {
-    let budget = spin_budget();
-    if budget.is_zero() {
+    use std::sync::atomic::Ordering::Relaxed;
+    let max = spin_max_ns();
+    if max == 0 {
         return ready();
     }
+    let budget = BUDGET_NS.load(Relaxed).min(max);
+    let adapt = |ok: bool| {
+        let next = if ok {
+            budget.saturating_add(max / 8).min(max)
+        } else {
+            budget / 2
+        };
+        BUDGET_NS.store(next, Relaxed);
+    };
     for _ in 0..64 {
         if ready() {
+            adapt(true);
             return true;
         }
         std::hint::spin_loop();
     }
     let start = Instant::now();
-    let mut end = start + budget;
+    let mut end = start + Duration::from_nanos(u64::from(budget));
     if let Some(d) = deadline {
         end = end.min(d);
     }
@@ -93,12 +112,15 @@ pub(crate) fn spin_until(deadline: Deadline, mut ready: impl FnMut() -> bool) ->
     loop {
         for _ in 0..64 {
             if ready() {
+                adapt(true);
                 return true;
             }
             std::hint::spin_loop();
         }
         if Instant::now() >= end {
-            return ready();
+            let ok = ready();
+            adapt(ok);
+            return ok;
         }
     }
 }
