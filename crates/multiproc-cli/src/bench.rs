@@ -63,9 +63,10 @@ enum Msg {
 fn producer(_rank: usize, (q, floats, count): (Queue<Msg>, usize, u64)) -> multiproc::Result<()> {
     q.put(Msg::Ready)?;
     for i in 0..count {
-        // Made in shared memory, as a producer of tensors to send should: `zeros` plus
-        // the implicit `share_memory_` of `put` would write every byte twice.
-        let t = Tensor::zeros_shared(&[floats], DType::F32)?;
+        // Made in shared memory, as a producer of tensors to send should (torch's
+        // producer does `empty` then `fill_`): `zeros` plus the implicit
+        // `share_memory_` of `put` would write every byte three times.
+        let t = Tensor::empty_shared(&[floats], DType::F32)?;
         t.fill_((i % 7) as f64)?;
         q.put(Msg::Tensor(t))?;
     }

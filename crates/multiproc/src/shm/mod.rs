@@ -276,7 +276,13 @@ fn receive_fd(fd: BorrowedFd<'_>, nbytes: u64) -> Result<Arc<Segment>> {
         let fd = fd
             .try_clone_to_owned()
             .map_err(|e| Error::os("duplicating a received segment's fd", e))?;
-        Segment::open_anonymous(fd, nbytes)
+        let segment = Segment::open_anonymous(fd, nbytes)?;
+        if segment.is_block() {
+            // A block comes back again and again (its creator recycles it, and this
+            // process keeps it mapped): map its pages once, in one pass.
+            segment.populate();
+        }
+        Ok(segment)
     })?
     .0;
     check_claim(&segment, nbytes)?;

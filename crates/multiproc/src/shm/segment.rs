@@ -157,6 +157,9 @@ impl Segment {
         h.pooled.store(1, Ordering::Relaxed);
         h.creator_pid.store(pid() as u32, Ordering::Relaxed);
         h.magic.store(BLOCK_MAGIC, Ordering::Release);
+        // Its pages are reserved already (fallocate); map them all now rather than
+        // fault them in one by one as the first tensor is written.
+        segment.mapping.populate();
         Ok(segment)
     }
 
@@ -410,6 +413,11 @@ impl Segment {
             }
             _ => None,
         }
+    }
+
+    /// Maps every page now (see [`SharedMapping::populate`]).
+    pub(crate) fn populate(&self) {
+        self.mapping.populate();
     }
 
     /// Whether this is a block (a pooled anonymous segment with a use count).

@@ -51,6 +51,21 @@ impl SharedMapping {
         Ok(Self { ptr, len })
     }
 
+    /// Maps every page of the mapping now, in one pass (`MADV_POPULATE_WRITE`), instead
+    /// of one page fault per page on first touch: several times cheaper for a large
+    /// segment that will be written or read whole. Best effort: a kernel without it
+    /// (before 5.14) faults pages in on demand as usual.
+    pub(crate) fn populate(&self) {
+        // SAFETY: the range is exactly this mapping; populating changes no contents.
+        let _ = unsafe {
+            rustix::mm::madvise(
+                self.ptr.as_ptr().cast(),
+                self.len,
+                rustix::mm::Advice::LinuxPopulateWrite,
+            )
+        };
+    }
+
     /// The start of the mapping.
     pub(crate) fn as_ptr(&self) -> *mut u8 {
         self.ptr.as_ptr()

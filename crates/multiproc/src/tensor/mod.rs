@@ -150,6 +150,40 @@ impl Tensor {
         })
     }
 
+    /// A tensor in shared memory whose contents are unspecified, like torch's `empty`
+    /// after `share_memory_`: [`zeros_shared`](Self::zeros_shared) without zeroing the
+    /// recycled shared memory it may get (which then holds values this process stored
+    /// there before). For a tensor that will be overwritten whole — a producer that
+    /// fills a new tensor and sends it writes each byte exactly once. Reading it before
+    /// writing is defined (every bit pattern is a value of every dtype), only not
+    /// meaningful.
+    ///
+    /// ```
+    /// # fn main() -> multiproc::Result<()> {
+    /// use multiproc::{DType, Tensor};
+    /// let t = Tensor::empty_shared(&[1024], DType::F32)?;
+    /// t.fill_(1.0)?;
+    /// assert_eq!(t.sum(), 1024.0);
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// As [`zeros_shared`](Self::zeros_shared).
+    pub fn empty_shared(shape: &[usize], dtype: DType) -> Result<Tensor> {
+        let layout = Layout::contiguous(shape)?;
+        let nbytes = numel_of(shape)?.checked_mul(dtype.size()).ok_or_else(|| {
+            Error::Tensor(format!(
+                "a {dtype} tensor of shape {shape:?} is larger than memory can hold"
+            ))
+        })?;
+        Ok(Tensor {
+            storage: Storage::new_shared_uninit(nbytes)?,
+            dtype,
+            layout,
+        })
+    }
+
     /// A tensor of ones.
     pub fn ones(shape: &[usize], dtype: DType) -> Result<Tensor> {
         Tensor::full(shape, 1.0, dtype)

@@ -188,12 +188,28 @@ impl Storage {
 
     /// [`new_shared`](Self::new_shared) with an explicit strategy.
     pub(crate) fn new_shared_with(nbytes: usize, strategy: SharingStrategy) -> Result<Storage> {
+        Storage::shared_with(nbytes, strategy, true)
+    }
+
+    /// Like [`new_shared`](Self::new_shared), but the bytes are unspecified: a recycled
+    /// block (see `shm::pool`) is not zeroed. For storages that will be overwritten
+    /// whole. Reading them is still defined (every bit pattern is a value of every
+    /// dtype); they hold whatever this process last stored in recycled shared memory.
+    ///
+    /// # Errors
+    ///
+    /// As [`new_shared`](Self::new_shared).
+    pub fn new_shared_uninit(nbytes: usize) -> Result<Storage> {
+        Storage::shared_with(nbytes, get_sharing_strategy(), false)
+    }
+
+    fn shared_with(nbytes: usize, strategy: SharingStrategy, zero: bool) -> Result<Storage> {
         if nbytes == 0 {
             return Ok(Storage::with_backing(0, Backing::Empty { shared: true }));
         }
         let slice = shm::allocate(strategy, nbytes)?;
         let holds_use = slice.segment.is_block();
-        if !slice.zeroed {
+        if zero && !slice.zeroed {
             // SAFETY: the slice holds `nbytes` bytes at `offset` (allocate's contract),
             // 64-byte aligned.
             unsafe {
