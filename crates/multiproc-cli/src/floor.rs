@@ -27,14 +27,24 @@ fn send_with_fd(sock: &OwnedFd, payload: &[u8], fd: &OwnedFd) -> std::io::Result
     let mut control = SendAncillaryBuffer::new(&mut space);
     let fds = [fd.as_fd()];
     control.push(SendAncillaryMessage::ScmRights(&fds));
-    sendmsg(sock, &[IoSlice::new(payload)], &mut control, SendFlags::empty())?;
+    sendmsg(
+        sock,
+        &[IoSlice::new(payload)],
+        &mut control,
+        SendFlags::empty(),
+    )?;
     Ok(())
 }
 
 fn recv_with_fd(sock: &OwnedFd, buf: &mut [u8]) -> std::io::Result<Option<OwnedFd>> {
     let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(1))];
     let mut control = RecvAncillaryBuffer::new(&mut space);
-    let msg = recvmsg(sock, &mut [IoSliceMut::new(buf)], &mut control, RecvFlags::CMSG_CLOEXEC)?;
+    let msg = recvmsg(
+        sock,
+        &mut [IoSliceMut::new(buf)],
+        &mut control,
+        RecvFlags::CMSG_CLOEXEC,
+    )?;
     if msg.bytes == 0 {
         return Ok(None);
     }
@@ -53,7 +63,9 @@ pub fn serve_child_if_asked() -> bool {
     let Ok(raw) = std::env::var(CHILD_FD_ENV) else {
         return false;
     };
-    let Ok(raw) = raw.parse::<i32>() else { return true };
+    let Ok(raw) = raw.parse::<i32>() else {
+        return true;
+    };
     // SAFETY: the parent passed us this fd, open and ours alone, in the environment.
     let sock = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(raw) };
     let mut buf = [0u8; 64];
@@ -66,7 +78,12 @@ pub fn serve_child_if_asked() -> bool {
 }
 
 fn ping(count: u64) -> std::io::Result<Figure> {
-    let (here, there) = socketpair(AddressFamily::UNIX, SocketType::SEQPACKET, SocketFlags::CLOEXEC, None)?;
+    let (here, there) = socketpair(
+        AddressFamily::UNIX,
+        SocketType::SEQPACKET,
+        SocketFlags::CLOEXEC,
+        None,
+    )?;
     // The child's end must survive exec.
     rustix::io::fcntl_setfd(&there, rustix::io::FdFlags::empty())?;
     let mut child = std::process::Command::new(std::env::current_exe()?)
@@ -90,7 +107,13 @@ fn ping(count: u64) -> std::io::Result<Figure> {
     let seconds = start.elapsed().as_secs_f64();
     drop(here);
     child.wait()?;
-    Ok(Figure::floor("ping", None, count, seconds, Some(seconds * 1e6 / count as f64)))
+    Ok(Figure::floor(
+        "ping",
+        None,
+        count,
+        seconds,
+        Some(seconds * 1e6 / count as f64),
+    ))
 }
 
 fn fill_sum(bytes: u64, count: u64) -> Figure {
@@ -113,7 +136,12 @@ fn fill_sum(bytes: u64, count: u64) -> Figure {
 pub fn run(scale: f64) -> std::io::Result<Vec<Figure>> {
     let scaled = |n: u64| ((n as f64 * scale).round() as u64).max(2);
     let mut figures = vec![ping(scaled(20_000))?];
-    for (bytes, count) in [(4u64 << 10, 20_000u64), (1 << 20, 500), (64 << 20, 20), (256 << 20, 5)] {
+    for (bytes, count) in [
+        (4u64 << 10, 20_000u64),
+        (1 << 20, 500),
+        (64 << 20, 20),
+        (256 << 20, 5),
+    ] {
         figures.push(fill_sum(bytes, scaled(count)));
     }
     Ok(figures)
