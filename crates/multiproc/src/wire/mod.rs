@@ -449,7 +449,14 @@ fn read_sealed_payload(fd: BorrowedFd<'_>, len: usize) -> Result<Vec<u8>> {
             "the header declares a {len}-byte payload but its memfd holds {size} bytes"
         )));
     }
-    let mut out = vec![0u8; len];
+    // The length is the sender's word: allocating must fail as an error, never abort.
+    let mut out = Vec::new();
+    out.try_reserve_exact(len).map_err(|_| {
+        Error::InvalidMessage(format!(
+            "cannot allocate {len} bytes for a message payload (out of memory)"
+        ))
+    })?;
+    out.resize(len, 0);
     let mut done = 0;
     while done < len {
         match rustix::io::pread(fd, &mut out[done..], done as u64) {
