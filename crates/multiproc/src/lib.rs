@@ -83,6 +83,11 @@
 
 #![deny(unsafe_code)]
 
+/// Not public API: the wire decoder's fuzzing entry points (see `fuzz/`). May change or
+/// vanish in any release.
+#[doc(hidden)]
+#[path = "fuzzing.rs"]
+pub mod __fuzz;
 mod error;
 mod manager;
 #[allow(unsafe_code)]

@@ -306,6 +306,18 @@ fn write_all_at(fd: BorrowedFd<'_>, mut bytes: &[u8]) -> Result<()> {
 }
 
 impl Encoded {
+    /// The packet as a receiver would get it (bytes and fds), without sending it; for
+    /// the fuzz target's seeds. The references taken for a receiver stay taken.
+    pub(crate) fn into_packet(mut self) -> Packet {
+        self.sent = true;
+        let mut bytes = self.header.to_vec();
+        bytes.extend_from_slice(&self.payload);
+        Packet {
+            bytes,
+            fds: std::mem::take(&mut self.fds),
+        }
+    }
+
     /// Sends the packet, waiting for room until the deadline.
     pub(crate) fn send(&mut self, sock: BorrowedFd<'_>, deadline: Deadline) -> Result<()> {
         let fds = socket::borrow_all(&self.fds);
