@@ -150,7 +150,7 @@ pub(super) fn connect(addr: &str) -> Result<Option<OwnedFd>> {
         .map_err(|e| Error::Manager(format!("bad manager address @{addr}: {e}")))?;
     loop {
         match rustix::net::connect(&sock, &sockaddr) {
-            Ok(()) => return Ok(Some(sock)),
+            Ok(()) => return check_listener(sock, addr).map(Some),
             Err(Errno::INTR) => {}
             Err(Errno::CONNREFUSED) | Err(Errno::NOENT) => return Ok(None),
             Err(e) => {
@@ -159,6 +159,28 @@ pub(super) fn connect(addr: &str) -> Result<Option<OwnedFd>> {
                 )));
             }
         }
+    }
+}
+
+/// Refuses a listener of another user. Abstract socket names have no permissions: a
+/// process of another uid that learned the address (or bound it first) could pose as
+/// the manager, learn our segment names and keep our leftovers from being cleaned.
+/// The manager checks its clients the same way.
+fn check_listener(sock: OwnedFd, addr: &str) -> Result<OwnedFd> {
+    let me = rustix::process::geteuid();
+    match rustix::net::sockopt::socket_peercred(&sock) {
+        Ok(cred) if cred.uid == me => Ok(sock),
+        Ok(cred) => Err(Error::Manager(format!(
+            "the process listening at @{addr} (pid {}) runs as uid {}, not as this user (uid {}): \
+             refusing it as the shm manager; another user may be squatting the address, so \
+             unset {ADDRESS_ENV} to choose a new one",
+            cred.pid.as_raw_nonzero(),
+            cred.uid.as_raw(),
+            me.as_raw()
+        ))),
+        Err(e) => Err(Error::Manager(format!(
+            "cannot check who listens at @{addr} (SO_PEERCRED): {e}"
+        ))),
     }
 }
 
