@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
-use multiproc::{Queue, SharingStrategy, StartMethod, Tensor};
+use multiproc::{Queue, SharingStrategy, SpawnOptions, Tensor};
 use serde::{Deserialize, Serialize};
 
 /// Load batches of images with worker processes.
@@ -176,7 +176,11 @@ fn main() -> multiproc::Result<()> {
         args: args.clone(),
     };
     let start = Instant::now();
-    let mut ctx = multiproc::start_processes(loader, job, args.workers, StartMethod::Spawn)?;
+    // Daemon workers, as torch's DataLoader uses: killed (not waited for) when the
+    // context is dropped, so stopping early never blocks on a worker stuck in `put`.
+    let mut ctx = SpawnOptions::new()
+        .daemon(true)
+        .start(loader, job, args.workers)?;
     let bar = if args.quiet {
         ProgressBar::hidden()
     } else {
@@ -198,15 +202,19 @@ fn main() -> multiproc::Result<()> {
             eprintln!("interrupted: stopping the workers");
             drop(ctx); // kills and reaps the workers
             drop(waiting); // unmaps the batches; nothing stays in /dev/shm
-            return Ok(());
+            std::process::exit(130);
         }
         match batches.get_timeout(Duration::from_millis(100))? {
             Some(batch) => {
                 waiting.insert(batch.index, batch);
             }
             None => {
-                // Nothing came: is a worker dead? Its error names its rank.
+                // Nothing came: is a worker dead? Its error names its rank. (A terminal's
+                // Ctrl-C reaches the workers too; that is an interruption, not a failure.)
                 if let Err(e) = ctx.join(Some(Duration::ZERO)) {
+                    if interrupted.load(Ordering::SeqCst) {
+                        continue;
+                    }
                     bar.abandon();
                     eprintln!("data loading failed: {e}");
                     std::process::exit(1);

@@ -9,6 +9,15 @@
 //! Task functions are plain `fn(A) -> Result<R, E>`: they cross the process boundary as
 //! code offsets (see [`CodeRef`]); arguments and results are wire values, so tensors in
 //! them travel by handle through shared memory.
+//!
+//! # Safety
+//!
+//! The only unsafe code turns a received [`CodeRef`] back into a function pointer. Each
+//! call names the exact pointer type the parent took the offset from: the chunk
+//! trampoline is `run_chunk::<A, R, E>` as a `ChunkTrampoline`, and that trampoline
+//! alone resolves the task function, as the `fn(A) -> Result<R, E>` it was
+//! monomorphized for; the initializer is a `fn()`. `CodeRef` checks that both sides
+//! run the same executable.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::fmt::{self, Display};
@@ -463,8 +472,8 @@ impl Pool {
         Imap::new(self, f, items.into_iter(), true)
     }
 
-    /// As [`imap`](Self::imap), yielding results in the order they complete, each with
-    /// its index.
+    /// As [`imap`](Self::imap), yielding results in the order they complete. A failed
+    /// task's error carries its index ([`Error::TaskFailed`]).
     pub fn imap_unordered<A, R, E, I>(
         &self,
         f: fn(A) -> std::result::Result<R, E>,

@@ -133,7 +133,14 @@ pub fn set_sharing_strategy(strategy: SharingStrategy) {
 /// The environment a process started by multiproc needs to share memory the way its
 /// parent does: the sharing strategy and the address of the shm manager of this
 /// process tree. The process-start code adds these to every child's environment.
+///
+/// With `file_system`, the starting process also connects to the manager now: a parent
+/// that only receives tensors from its workers must count as a live client, or the
+/// manager could clean up segments still in flight to it once the workers have exited.
 pub(crate) fn env_for_child() -> Vec<(&'static str, String)> {
+    if get_sharing_strategy() == SharingStrategy::FileSystem {
+        crate::manager::connect();
+    }
     vec![
         (STRATEGY_ENV, get_sharing_strategy().name().to_owned()),
         (

@@ -569,7 +569,8 @@ fn scenario_producer_mid_put() {
                 produce_until_killed,
                 0,
                 (q.clone(), started.clone(), cfg.rng.next_u64()),
-            );
+            )
+            .daemon(true);
             p.start().unwrap();
             stats.pid(p.pid());
             if cfg.rng.chance(3, 4) {
@@ -644,7 +645,8 @@ fn scenario_consumer_mid_get() {
                 consume_until_killed,
                 0,
                 (work.clone(), acks.clone(), started.clone()),
-            );
+            )
+            .daemon(true);
             p.start().unwrap();
             stats.pid(p.pid());
             if cfg.rng.chance(3, 4) {
@@ -824,7 +826,8 @@ fn scenario_lock_holder() {
                 hold_lock_until_killed,
                 0,
                 (lock.clone(), a.clone(), b.clone(), started.clone()),
-            );
+            )
+            .daemon(true);
             p.start().unwrap();
             let pid = p.pid().unwrap();
             stats.pid(Some(pid));
@@ -915,6 +918,22 @@ fn our_managers() -> Vec<u32> {
     out
 }
 
+/// The one manager of this tree, once starters racing to start one have settled.
+fn one_manager() -> u32 {
+    let until = Instant::now() + WAIT;
+    loop {
+        let managers = our_managers();
+        if managers.len() == 1 {
+            return managers[0];
+        }
+        assert!(
+            Instant::now() < until,
+            "not exactly one manager serves the tree: {managers:?}"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
 fn wait_dead(pid: u32) {
     let until = Instant::now() + WAIT;
     while common::alive(pid) {
@@ -935,13 +954,7 @@ fn scenario_shm_manager() {
         let keep = Tensor::full(&[1000], 3.0, DType::F32).unwrap();
         keep.share_memory_().unwrap();
         for i in 0..cfg.iterations {
-            let managers = our_managers();
-            assert_eq!(
-                managers.len(),
-                1,
-                "one manager serves the tree: {managers:?}"
-            );
-            let manager = managers[0];
+            let manager = one_manager();
             stats.pids.insert(manager);
             let q = SimpleQueue::new().unwrap();
             let stop = Event::new().unwrap();
@@ -949,7 +962,8 @@ fn scenario_shm_manager() {
                 produce_file_system_tensors,
                 0,
                 (q.clone(), stop.clone(), cfg.rng.next_u64()),
-            );
+            )
+            .daemon(true);
             p.start().unwrap();
             stats.pid(p.pid());
             let mut received = 0u64;
@@ -980,12 +994,11 @@ fn scenario_shm_manager() {
             next.share_memory_().unwrap_or_else(|e| {
                 panic!("the first allocation after the manager's death failed: {e}")
             });
-            let now = our_managers();
-            assert!(
-                now.len() == 1 && now[0] != manager,
-                "a new manager serves the tree: {now:?} (killed {manager})"
-            );
-            stats.pids.insert(now[0]);
+            // A racing starter (this process and the worker both noticed) briefly
+            // shows as a second manager process until it has seen the winner.
+            let now = one_manager();
+            assert_ne!(now, manager, "a new manager serves the tree");
+            stats.pids.insert(now);
             // The worker carries on too: a few more of its tensors arrive.
             let until = Instant::now() + WAIT;
             let target = received + 5;

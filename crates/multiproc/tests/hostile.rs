@@ -56,8 +56,16 @@ fn payload<T: Serialize>(v: &T) -> Vec<u8> {
 /// Mirrors of the library's wire types (same field order, same variants).
 #[derive(Serialize)]
 enum HandleWire {
-    Fd { index: u32, nbytes: u64 },
-    Named { name: String, nbytes: u64 },
+    Fd {
+        index: u32,
+        offset: u64,
+        nbytes: u64,
+    },
+    Named {
+        name: String,
+        offset: u64,
+        nbytes: u64,
+    },
 }
 
 #[derive(Serialize)]
@@ -82,7 +90,11 @@ fn fd_tensor(dtype: u8, shape: &[u64], strides: &[u64], offset: u64, nbytes: u64
         shape: shape.to_vec(),
         strides: strides.to_vec(),
         offset,
-        storage: StorageWire::Segment(HandleWire::Fd { index: 0, nbytes }),
+        storage: StorageWire::Segment(HandleWire::Fd {
+            index: 0,
+            offset: 0,
+            nbytes,
+        }),
     })
 }
 
@@ -94,6 +106,7 @@ fn named_tensor(name: &str, numel: u64) -> Vec<u8> {
         offset: 0,
         storage: StorageWire::Segment(HandleWire::Named {
             name: name.to_owned(),
+            offset: 0,
             nbytes: numel * 4,
         }),
     })
@@ -329,7 +342,11 @@ fn more_or_fewer_fds_than_declared_and_indices_out_of_range() {
                 shape: vec![4],
                 strides: vec![1],
                 offset: 0,
-                storage: StorageWire::Segment(HandleWire::Fd { index, nbytes: 16 }),
+                storage: StorageWire::Segment(HandleWire::Fd {
+                    index,
+                    offset: 0,
+                    nbytes: 16,
+                }),
             });
             send_raw(there.as_fd(), &packet(1, &body), &[seg.as_fd()]);
             assert_says(
@@ -362,6 +379,32 @@ fn memfd_segments_that_are_short_unsealed_or_not_memfds() {
         let file = tempfile_with(4096);
         send(file.as_fd());
         assert_says(&refused(&here), &["not a memfd"]);
+        // A storage at an offset that runs past the segment, or overflows.
+        let at = |offset: u64, nbytes: u64| {
+            payload(&TensorWire {
+                dtype: F32,
+                shape: vec![1],
+                strides: vec![1],
+                offset: 0,
+                storage: StorageWire::Segment(HandleWire::Fd {
+                    index: 0,
+                    offset,
+                    nbytes,
+                }),
+            })
+        };
+        send_raw(
+            there.as_fd(),
+            &packet(1, &at(4000, 200)),
+            &[sealed(4096).as_fd()],
+        );
+        assert_says(&refused(&here), &["claims 4200 bytes", "holds 4096"]);
+        send_raw(
+            there.as_fd(),
+            &packet(1, &at(u64::MAX, 4)),
+            &[sealed(4096).as_fd()],
+        );
+        assert_says(&refused(&here), &["past any segment"]);
         // An empty sealed memfd claimed as a segment.
         let body0 = fd_tensor(F32, &[0], &[1], 0, 0);
         send_raw(there.as_fd(), &packet(1, &body0), &[sealed(0).as_fd()]);

@@ -1,81 +1,387 @@
-//! The shm manager: recovery after it is killed.
+//! The shm manager across processes: started on demand by re-executing this test
+//! binary, cleaning up after a SIGKILLed producer, restarting after being SIGKILLed
+//! itself, and a full /dev/shm reported as an error.
+//!
+//! Each child gets a manager address of its own, so the tests do not share managers with
+//! each other or with this process.
+
+use std::io::{BufRead, BufReader, Write};
+use std::path::Path;
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use multiproc::{DType, Error, SharingStrategy, Tensor};
 
 multiproc::test_init!();
 
-mod common;
+// Children of these tests are this binary re-executed with `TEST_CHILD=<role>`: a hook
+// that runs before `main` (after `test_init!`'s, which sends a process started as the
+// manager to the manager) sends them to their role.
+mod child_hook {
+    #[used]
+    #[unsafe(link_section = ".init_array")]
+    static BEFORE_MAIN: extern "C" fn() = before_main;
 
-use std::time::{Duration, Instant};
+    extern "C" fn before_main() {
+        // A process multiproc started (the manager, a worker) is `test_init!`'s, whichever
+        // hook runs first.
+        if std::env::var_os("MULTIPROC_ROLE").is_some() {
+            return;
+        }
+        if let Ok(role) = std::env::var("TEST_CHILD") {
+            std::process::exit(super::run_child(&role));
+        }
+    }
+}
 
-use multiproc::{DType, SharingStrategy, Tensor};
+/// How long any one wait in these tests may take before the test fails.
+const WATCHDOG: Duration = Duration::from_secs(20);
 
-const DEADLINE: Duration = Duration::from_secs(60);
+// ----- children -----
 
-/// The pids of shm managers serving this process's tree (their address names our pid).
-fn our_managers() -> Vec<u32> {
-    let tag = format!("-{}-", std::process::id());
-    let mut out = Vec::new();
-    for e in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
+fn say(line: &str) {
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{line}");
+    let _ = out.flush();
+}
+
+fn wait_for_stdin_line() -> String {
+    let mut line = String::new();
+    let _ = std::io::stdin().lock().read_line(&mut line);
+    line.trim().to_owned()
+}
+
+fn shared_fs_tensor(value: f64) -> multiproc::Result<Tensor> {
+    let t = Tensor::full(&[1024], value, DType::F32)?;
+    t.share_memory_()?;
+    Ok(t)
+}
+
+fn run_child(role: &str) -> i32 {
+    multiproc::set_sharing_strategy(SharingStrategy::FileSystem);
+    match role {
+        "fs_producer" => {
+            let tensors: Vec<Tensor> = (0..4)
+                .map(|i| shared_fs_tensor(i as f64).expect("share"))
+                .collect();
+            for t in &tensors {
+                say(&format!("name {}", t.storage().shm_name().expect("a name")));
+            }
+            say("ready");
+            wait_for_stdin_line();
+            0
+        }
+        "manager_restart" => {
+            let first = shared_fs_tensor(1.0).expect("share");
+            say(&format!(
+                "name {}",
+                first.storage().shm_name().expect("a name")
+            ));
+            wait_for_stdin_line();
+            match shared_fs_tensor(2.0) {
+                Ok(second) => {
+                    say(&format!(
+                        "name {}",
+                        second.storage().shm_name().expect("a name")
+                    ));
+                    wait_for_stdin_line();
+                    // Exit holding both: the restarted manager must clean up both.
+                    std::mem::forget((first, second));
+                    0
+                }
+                Err(e) => {
+                    say(&format!("error {e}"));
+                    1
+                }
+            }
+        }
+        "small_shm" => small_shm_child(),
+        other => {
+            say(&format!("error unknown role {other}"));
+            2
+        }
+    }
+}
+
+/// In a private mount namespace with a 16 MiB /dev/shm: sharing 32 MiB with
+/// file_system is a clear error and the tensor stays usable; file_descriptor (memfd)
+/// is not bounded by /dev/shm.
+fn small_shm_child() -> i32 {
+    // SAFETY: plain system calls on constant, NUL-terminated arguments; this process is
+    // single-threaded (we run before main).
+    let mounted = unsafe {
+        libc::unshare(libc::CLONE_NEWNS) == 0
+            && libc::mount(
+                c"none".as_ptr(),
+                c"/".as_ptr(),
+                std::ptr::null(),
+                libc::MS_REC | libc::MS_PRIVATE,
+                std::ptr::null(),
+            ) == 0
+            && libc::mount(
+                c"tmpfs".as_ptr(),
+                c"/dev/shm".as_ptr(),
+                c"tmpfs".as_ptr(),
+                0,
+                c"size=16m,mode=1777".as_ptr().cast(),
+            ) == 0
+    };
+    if !mounted {
+        say(&format!(
+            "skip cannot make a private 16 MiB /dev/shm: {}",
+            std::io::Error::last_os_error()
+        ));
+        return 0;
+    }
+    let t = Tensor::ones(&[32 << 20], DType::U8).expect("alloc");
+    match t.share_memory_() {
+        Ok(()) => say("error sharing 32 MiB in a 16 MiB /dev/shm succeeded"),
+        Err(Error::OutOfSharedMemory(m)) => say(&format!("oom {m}")),
+        Err(e) => say(&format!("error wrong error: {e:?}")),
+    }
+    say(&format!("private {} sum {}", !t.is_shared(), t.sum()));
+    let leftovers = std::fs::read_dir("/dev/shm").map_or(usize::MAX, Iterator::count);
+    say(&format!("leftovers {leftovers}"));
+    multiproc::set_sharing_strategy(SharingStrategy::FileDescriptor);
+    match t.share_memory_() {
+        Ok(()) => say("fd ok"),
+        Err(e) => say(&format!("fd error {e}")),
+    }
+    0
+}
+
+// ----- the parent side -----
+
+struct Kid {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    lines: mpsc::Receiver<String>,
+    address: String,
+}
+
+fn fresh_address() -> String {
+    let mut random = [0u8; 8];
+    getrandom::fill(&mut random).unwrap();
+    format!(
+        "multiproc-shm-{}-{}-{:016x}",
+        rustix::process::getuid().as_raw(),
+        std::process::id(),
+        u64::from_le_bytes(random)
+    )
+}
+
+fn spawn_child(role: &str) -> Kid {
+    let address = fresh_address();
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .env("TEST_CHILD", role)
+        .env("MULTIPROC_SHM_MANAGER", &address)
+        .env("MULTIPROC_SHM_MANAGER_GRACE_MS", "300")
+        .env_remove("MULTIPROC_SHARING_STRATEGY")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let (tx, lines) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    Kid {
+        stdin: child.stdin.take(),
+        child,
+        lines,
+        address,
+    }
+}
+
+impl Kid {
+    fn line(&self) -> String {
+        self.lines
+            .recv_timeout(WATCHDOG)
+            .expect("the child said nothing before the watchdog deadline")
+    }
+
+    fn tell(&mut self, line: &str) {
+        let stdin = self.stdin.as_mut().unwrap();
+        writeln!(stdin, "{line}").unwrap();
+        stdin.flush().unwrap();
+    }
+
+    fn names(&self, n: usize) -> Vec<String> {
+        (0..n)
+            .map(|_| {
+                let line = self.line();
+                line.strip_prefix("name ")
+                    .unwrap_or_else(|| panic!("expected a name, got {line:?}"))
+                    .to_owned()
+            })
+            .collect()
+    }
+
+    fn wait(&mut self) -> std::process::ExitStatus {
+        let deadline = Instant::now() + WATCHDOG;
+        loop {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                return s;
+            }
+            assert!(Instant::now() < deadline, "the child did not exit in time");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+impl Drop for Kid {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn shm_exists(name: &str) -> bool {
+    Path::new(&format!("/dev/shm/{name}")).exists()
+}
+
+/// Waits until none of `names` is in /dev/shm; fails after `limit`.
+fn assert_gone_within(names: &[String], limit: Duration) {
+    let deadline = Instant::now() + limit;
+    while names.iter().any(|n| shm_exists(n)) {
+        assert!(
+            Instant::now() < deadline,
+            "still in /dev/shm after {limit:?}: {:?}",
+            names.iter().filter(|n| shm_exists(n)).collect::<Vec<_>>()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The live (not zombie) processes serving as the manager at `address`.
+fn manager_pids(address: &str) -> Vec<i32> {
+    let role = b"MULTIPROC_ROLE=shm-manager".as_slice();
+    let addr = format!("MULTIPROC_SHM_MANAGER={address}");
+    let mut pids = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
             continue;
         };
-        let Ok(env) = std::fs::read(e.path().join("environ")) else {
+        let Ok(env) = std::fs::read(format!("/proc/{pid}/environ")) else {
             continue;
         };
         let vars: Vec<&[u8]> = env.split(|&b| b == 0).collect();
-        let is_manager = vars.iter().any(|v| *v == b"MULTIPROC_ROLE=shm-manager");
-        let ours = vars.iter().any(|v| {
-            v.starts_with(b"MULTIPROC_SHM_MANAGER=") && String::from_utf8_lossy(v).contains(&tag)
+        let zombie = std::fs::read_to_string(format!("/proc/{pid}/stat")).map_or(true, |s| {
+            s.rsplit(')')
+                .next()
+                .is_some_and(|r| r.trim_start().starts_with('Z'))
         });
-        if is_manager && ours && common::alive(pid) {
-            out.push(pid);
+        if !zombie && vars.contains(&role) && vars.contains(&addr.as_bytes()) {
+            pids.push(pid);
         }
     }
-    out
+    pids
+}
+
+fn wait_for_manager(address: &str) -> i32 {
+    let deadline = Instant::now() + WATCHDOG;
+    loop {
+        if let [pid] = manager_pids(address)[..] {
+            return pid;
+        }
+        assert!(Instant::now() < deadline, "no single manager at {address}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn sigkill(pid: i32) {
+    // SAFETY: sending a signal has no memory effects in this process.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
+}
+
+// ----- tests -----
+
+#[test]
+fn a_sigkilled_file_system_producer_leaves_nothing_in_dev_shm() {
+    let kid = spawn_child("fs_producer");
+    let names = kid.names(4);
+    assert_eq!(kid.line(), "ready");
+    assert!(
+        names.iter().all(|n| shm_exists(n)),
+        "segments exist while the producer lives"
+    );
+    let manager = wait_for_manager(&kid.address);
+    assert_ne!(
+        manager,
+        kid.child.id() as i32,
+        "the manager is a process of its own"
+    );
+    let address = kid.address.clone();
+    sigkill(kid.child.id() as i32);
+    let killed = Instant::now();
+    drop(kid);
+    assert_gone_within(&names, Duration::from_secs(5));
+    println!("cleaned up {:?} after the SIGKILL", killed.elapsed());
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !manager_pids(&address).is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "the manager did not exit after cleaning up"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
 
 #[test]
-fn a_killed_manager_is_replaced_by_the_next_allocation() {
-    common::run(DEADLINE, || {
-        multiproc::set_sharing_strategy(SharingStrategy::FileSystem);
-        let first = Tensor::full(&[1024], 1.0, DType::F32).unwrap();
-        first.share_memory_().unwrap();
-        let managers = our_managers();
-        assert_eq!(
-            managers.len(),
-            1,
-            "one manager serves this tree: {managers:?}"
-        );
-        let killed = managers[0];
-        assert!(
-            std::process::Command::new("kill")
-                .args(["-KILL", &killed.to_string()])
-                .status()
-                .unwrap()
-                .success()
-        );
-        let until = Instant::now() + Duration::from_secs(10);
-        while common::alive(killed) {
-            assert!(Instant::now() < until, "manager {killed} survived SIGKILL");
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        // The next allocation notices and starts a new manager.
-        let second = Tensor::full(&[1024], 2.0, DType::F32).unwrap();
-        second.share_memory_().unwrap();
-        let now = our_managers();
-        assert_eq!(now.len(), 1, "a new manager serves this tree: {now:?}");
-        assert_ne!(now[0], killed);
-        assert_eq!(first.sum() + second.sum(), 3.0 * 1024.0);
-        let names = [
-            first.storage().shm_name().unwrap(),
-            second.storage().shm_name().unwrap(),
-        ];
-        drop((first, second));
-        for n in names {
-            assert!(
-                !common::our_segments().contains(&n),
-                "{n} was unlinked by its last user"
-            );
-        }
-        multiproc::set_sharing_strategy(SharingStrategy::FileDescriptor);
-    });
+fn a_sigkilled_manager_is_restarted_and_relearns_live_names() {
+    let mut kid = spawn_child("manager_restart");
+    let first = kid.names(1);
+    let old = wait_for_manager(&kid.address);
+    sigkill(old);
+    let deadline = Instant::now() + WATCHDOG;
+    while manager_pids(&kid.address).contains(&old) {
+        assert!(Instant::now() < deadline);
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    kid.tell("go");
+    let line = kid.line();
+    let second = line
+        .strip_prefix("name ")
+        .unwrap_or_else(|| panic!("the allocation after the manager died failed: {line}"))
+        .to_owned();
+    let new = wait_for_manager(&kid.address);
+    assert_ne!(new, old);
+    kid.tell("exit");
+    assert!(kid.wait().success());
+    // The child exited holding both segments: the new manager unlinks both, the first
+    // one included, because the child registered it again on reconnecting.
+    assert_gone_within(&[first[0].clone(), second], Duration::from_secs(5));
+}
+
+#[test]
+fn a_small_dev_shm_is_a_clear_error_and_memfds_are_not_bounded_by_it() {
+    let mut kid = spawn_child("small_shm");
+    let line = kid.line();
+    if let Some(why) = line.strip_prefix("skip ") {
+        println!("skipped: {why} (needs root for a private mount namespace)");
+        return;
+    }
+    let msg = line
+        .strip_prefix("oom ")
+        .unwrap_or_else(|| panic!("expected OutOfSharedMemory, got {line}"));
+    for part in [
+        "32.0 MiB",
+        "/dev/shm has",
+        "of 16.0 MiB",
+        "--shm-size",
+        "/dev/shm/multiproc_",
+    ] {
+        assert!(msg.contains(part), "{msg:?} should mention {part:?}");
+    }
+    assert_eq!(kid.line(), format!("private true sum {}", 32 << 20));
+    assert_eq!(kid.line(), "leftovers 0");
+    assert_eq!(kid.line(), "fd ok");
+    assert!(kid.wait().success());
 }

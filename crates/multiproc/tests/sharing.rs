@@ -1,206 +1,327 @@
-//! Shared memory under crashes and limits: a SIGKILLed file_system producer leaves
-//! nothing behind once its tree has exited, a small /dev/shm is a clear error (never a
-//! SIGBUS), and a forged handle is refused.
+//! Tensors shared between processes, for both sharing strategies: what torch's own tests
+//! do not cover (those are ported in torch_parity.rs) — a producer that has already
+//! exited, views and aliasing, empty tensors, Hogwild updates, large tensors shared not
+//! copied, the fd limit.
+//!
+//! Every test runs under `common::run`: one at a time, on a thread with a deadline,
+//! ending with a check that no worker, no fd and no segment of ours was left behind.
 
 multiproc::test_init!();
 
 mod common;
 
-use std::process::Command;
-use std::time::{Duration, Instant};
+use common::{all_equal, for_each_strategy, secs, simple_fill};
 
-use multiproc::{
-    DType, Error, Event, SharingStrategy, SimpleQueue, StartMethod, Tensor, start_processes,
-};
+use multiproc::{DType, Event, Queue, SimpleQueue, StartMethod, Tensor, start_processes};
 
-const DEADLINE: Duration = Duration::from_secs(120);
+// ---------------------------------------------------------------------------------------
+// Harness.
 
-/// Runs one `#[ignore]`d scenario of this file as the root of a new process tree: a
-/// fresh process with no inherited shm manager, so the tree's manager cleans up when
-/// the tree has exited.
-fn run_scenario_as_new_tree(name: &str) {
-    let exe = std::env::current_exe().expect("test binary");
-    let out = Command::new(exe)
-        .args([
-            "--ignored",
-            "--exact",
-            name,
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env_remove("MULTIPROC_SHM_MANAGER")
-        .env("MULTIPROC_SHM_MANAGER_GRACE_MS", "200")
-        .output()
-        .expect("run the scenario");
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(out.status.success(), "scenario {name} failed:\n{text}");
-    assert!(
-        text.contains("1 passed"),
-        "scenario {name} did not run:\n{text}"
-    );
+// ---------------------------------------------------------------------------------------
+// Workers (functions of this executable, found again by the spawned copies).
+
+/// Puts a fresh tensor and returns at once: the parent gets it after we are gone.
+fn put_and_exit(_rank: usize, (queue, value): (SimpleQueue<Tensor>, f64)) -> multiproc::Result<()> {
+    let t = Tensor::full(&[1000], value, DType::F32)?;
+    queue.put(t.narrow(0, 10, 20)?)?;
+    Ok(())
 }
 
-fn put_four_and_wait(_rank: usize, (q, put): (SimpleQueue<Tensor>, Event)) {
-    for i in 0..4 {
-        q.put(Tensor::full(&[1 << 18], f64::from(i), DType::F32).expect("tensor"))
-            .expect("put");
+/// A tensor and the dtype and shape a worker saw.
+type Echo = (Tensor, DType, Vec<usize>);
+
+/// Sends back each empty tensor it receives, with its dtype and shape as it saw them.
+fn echo_empty(
+    _rank: usize,
+    (inbox, outbox): (SimpleQueue<Option<Tensor>>, SimpleQueue<Echo>),
+) -> multiproc::Result<()> {
+    while let Some(t) = inbox.get()? {
+        let (dtype, shape) = (t.dtype(), t.shape().to_vec());
+        outbox.put((t, dtype, shape))?;
     }
-    put.set();
-    std::thread::sleep(Duration::from_secs(60)); // SIGKILLed long before
+    Ok(())
 }
 
-/// The tree of `killed_file_system_producer_leaves_nothing`: a producer puts four
-/// file_system tensors and is SIGKILLed before anyone takes them.
-#[test]
-#[ignore = "run as its own process tree by killed_file_system_producer_leaves_nothing"]
-fn scenario_kill_file_system_producer() {
-    multiproc::set_sharing_strategy(SharingStrategy::FileSystem);
-    let q = SimpleQueue::new().unwrap();
-    let put = Event::new().unwrap();
-    let mut ctx = start_processes(
-        put_four_and_wait,
-        (q.clone(), put.clone()),
-        1,
-        StartMethod::Spawn,
+/// Hogwild: adds 1 to its own row `steps` times.
+fn add_to_row(rank: usize, (t, steps): (Tensor, usize)) -> multiproc::Result<()> {
+    let row = t.select(0, rank)?;
+    for _ in 0..steps {
+        row.add_scalar_(1.0)?;
+    }
+    Ok(())
+}
+
+/// Lowers its own fd limit, then shares file_descriptor tensors until that limit is
+/// hit: the error must be an `FdLimit` that names the limit and the way out.
+fn hit_the_fd_limit(_rank: usize, _: ()) -> Result<(), String> {
+    use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
+    let open = common::open_fds() as u64;
+    let maximum = getrlimit(Resource::Nofile).maximum;
+    setrlimit(
+        Resource::Nofile,
+        Rlimit {
+            current: Some(open + 8),
+            maximum,
+        },
     )
-    .unwrap();
-    assert!(
-        put.wait(Some(Duration::from_secs(30))).unwrap(),
-        "the producer never put"
-    );
-    let pid = ctx.pids()[0];
-    assert!(
-        Command::new("kill")
-            .args(["-KILL", &pid.to_string()])
-            .status()
-            .unwrap()
-            .success()
-    );
-    let err = ctx.join(Some(Duration::from_secs(30))).unwrap_err();
-    assert!(matches!(err, Error::ProcessExited { .. }), "{err}");
-    assert!(err.to_string().contains("SIGKILL"), "{err}");
-    // Exit without taking the tensors: the producer's four segments are left to the
-    // manager (check they really are there, or the test proves nothing).
-    let prefix = format!("multiproc_{pid}_");
-    let left = common::our_segments()
-        .iter()
-        .filter(|n| n.starts_with(&prefix))
-        .count();
-    assert_eq!(
-        left, 4,
-        "the killed producer's segments are still in /dev/shm"
-    );
+    .map_err(|e| e.to_string())?;
+    let mut keep = Vec::new();
+    for _ in 0..64 {
+        let t = Tensor::zeros(&[128 << 10], DType::U8).map_err(|e| e.to_string())?;
+        match t.share_memory_() {
+            Ok(()) => keep.push(t),
+            Err(multiproc::Error::FdLimit(m)) => {
+                return if m.contains(&format!("limit {}", open + 8))
+                    && m.contains("files open")
+                    && m.contains("ulimit -n")
+                    && m.contains("file_system")
+                {
+                    Ok(())
+                } else {
+                    Err(format!("unhelpful message: {m}"))
+                };
+            }
+            Err(e) => return Err(format!("wrong error: {e:?}")),
+        }
+    }
+    Err("never hit the fd limit".into())
 }
 
+/// A consumer under RLIMIT_NOFILE 256 that keeps 2,000 received small tensors alive:
+/// small storages share pooled arenas, so it needs a handful of fds, not 2,000.
+fn keep_2000_small_tensors(
+    _rank: usize,
+    (inbox, done): (Queue<Tensor>, Queue<usize>),
+) -> Result<(), String> {
+    use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
+    let maximum = getrlimit(Resource::Nofile).maximum;
+    setrlimit(
+        Resource::Nofile,
+        Rlimit {
+            current: Some(256),
+            maximum,
+        },
+    )
+    .map_err(|e| e.to_string())?;
+    let mut kept = Vec::with_capacity(2000);
+    for i in 0..2000 {
+        let t = inbox.get().map_err(|e| format!("tensor {i}: {e}"))?;
+        kept.push(t);
+    }
+    let ok = kept
+        .iter()
+        .enumerate()
+        .filter(|(i, t)| all_equal(t, *i as f64))
+        .count();
+    done.put(ok).map_err(|e| e.error.to_string())?;
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------
+// Tests.
+
 #[test]
-fn killed_file_system_producer_leaves_nothing() {
-    common::run(DEADLINE, || {
-        let before = common::our_segments();
-        run_scenario_as_new_tree("scenario_kill_file_system_producer");
-        // Every process of that tree has exited; its manager cleans up after its grace.
-        let until = Instant::now() + Duration::from_secs(5);
-        loop {
-            let left: Vec<_> = common::our_segments()
-                .difference(&before)
-                .cloned()
-                .collect();
-            if left.is_empty() {
-                break;
+fn a_consumer_under_a_256_fd_limit_keeps_2000_received_tensors() {
+    common::run(secs(120), || {
+        for_each_strategy(|strategy| {
+            let (inbox, done) = (Queue::with_capacity(64).unwrap(), Queue::new().unwrap());
+            let mut ctx = start_processes(
+                keep_2000_small_tensors,
+                (inbox.clone(), done.clone()),
+                1,
+                StartMethod::Spawn,
+            )
+            .unwrap();
+            for i in 0..2000 {
+                let t = Tensor::full(&[64], f64::from(i), DType::F32).unwrap();
+                inbox.put_timeout(t, secs(60)).unwrap();
             }
-            assert!(
-                Instant::now() < until,
-                "segments left 5 s after the tree exited: {left:?}"
+            assert_eq!(
+                done.get_timeout(secs(60)).unwrap(),
+                Some(2000),
+                "{strategy}"
             );
-            std::thread::sleep(Duration::from_millis(50));
-        }
+            assert!(ctx.join(Some(secs(30))).unwrap(), "{strategy}");
+        });
     });
 }
 
-/// What the small-/dev/shm scenario saw, per strategy: `Ok(())` when sharing 32 MiB
-/// worked, else the error text; plus whether the tensor stayed usable.
-type Outcome = (Result<(), String>, bool);
-
-fn share_32_mib_in_a_16_mib_dev_shm(
-    _rank: usize,
-    results: SimpleQueue<Vec<Outcome>>,
-) -> Result<(), String> {
-    use rustix::mount::{MountFlags, MountPropagationFlags, mount, mount_change};
-    // SAFETY: unsharing the mount namespace affects only this (single-purpose) worker.
-    unsafe { rustix::thread::unshare_unsafe(rustix::thread::UnshareFlags::NEWNS) }
-        .map_err(|e| format!("unshare(CLONE_NEWNS): {e}"))?;
-    // Keep the new mount private so it never reaches the machine's namespace.
-    mount_change(
-        "/",
-        MountPropagationFlags::PRIVATE | MountPropagationFlags::REC,
-    )
-    .map_err(|e| format!("make / private: {e}"))?;
-    mount(
-        "tmpfs",
-        "/dev/shm",
-        "tmpfs",
-        MountFlags::empty(),
-        c"size=16m",
-    )
-    .map_err(|e| format!("mount a 16 MiB tmpfs on /dev/shm: {e}"))?;
-    let mut outcomes = Vec::new();
-    for strategy in [SharingStrategy::FileDescriptor, SharingStrategy::FileSystem] {
-        multiproc::set_sharing_strategy(strategy);
-        let t = Tensor::full(&[8 << 20], 1.0, DType::F32).map_err(|e| e.to_string())?;
-        let shared = t.share_memory_().map_err(|e| e.to_string());
-        // Whatever happened, the tensor is still there and whole.
-        let usable = t.add_scalar_(1.0).is_ok() && t.sum() == 2.0 * (8 << 20) as f64;
-        outcomes.push((shared, usable));
-    }
-    results.put(outcomes).map_err(|e| e.error.to_string())
+#[test]
+fn a_tensor_outlives_the_producer_that_put_it() {
+    common::run(secs(60), || {
+        for_each_strategy(|strategy| {
+            let queue = SimpleQueue::new().unwrap();
+            let mut ctx =
+                start_processes(put_and_exit, (queue.clone(), 2.5), 1, StartMethod::Spawn).unwrap();
+            assert!(
+                ctx.join(Some(secs(30))).unwrap(),
+                "the producer exited first"
+            );
+            let t: Tensor = queue.get_timeout(secs(5)).unwrap().expect("a tensor");
+            assert_eq!(t.shape(), [20]);
+            assert_eq!(t.storage_offset(), 10);
+            assert_eq!(t.storage().nbytes(), 4000);
+            assert!(all_equal(&t, 2.5), "{strategy}: {t:?}");
+            t.fill_(1.0).unwrap();
+            assert_eq!(t.sum(), 20.0);
+        });
+    });
 }
 
 #[test]
-fn sharing_32_mib_in_a_16_mib_dev_shm() {
-    if !rustix::process::geteuid().is_root() {
-        eprintln!(
-            "SKIPPED sharing_32_mib_in_a_16_mib_dev_shm: mounting a small /dev/shm needs root"
-        );
-        return;
-    }
-    common::run(DEADLINE, || {
-        let results = SimpleQueue::new().unwrap();
-        let mut ctx = start_processes(
-            share_32_mib_in_a_16_mib_dev_shm,
-            results.clone(),
-            1,
-            StartMethod::Spawn,
-        )
-        .unwrap();
-        assert!(ctx.join(Some(Duration::from_secs(60))).unwrap());
-        let outcomes = results
-            .get_timeout(Duration::from_secs(10))
-            .unwrap()
-            .expect("outcomes");
-        // file_descriptor: memfds are not bounded by /dev/shm's size (by design).
-        let (fd, fd_usable) = &outcomes[0];
-        assert!(fd.is_ok(), "file_descriptor: {fd:?}");
-        assert!(fd_usable);
-        // file_system: a clear error at allocation, never a SIGBUS later.
-        let (fs, fs_usable) = &outcomes[1];
-        let msg = fs
-            .as_ref()
-            .expect_err("file_system in a 16 MiB /dev/shm must fail");
-        assert!(msg.contains("32.0 MiB"), "names the size asked: {msg}");
-        assert!(
-            msg.contains("free of 16.0 MiB"),
-            "names the free space: {msg}"
-        );
-        assert!(
-            msg.contains("--shm-size"),
-            "says how to grow /dev/shm: {msg}"
-        );
-        assert!(
-            fs_usable,
-            "the tensor stays usable (private) after a failed share"
-        );
+fn put_and_get_in_one_process_preserve_values_views_and_aliasing() {
+    common::run(secs(30), || {
+        for_each_strategy(|strategy| {
+            let x = Tensor::arange(0.0, 12.0, 1.0, DType::I64)
+                .unwrap()
+                .view(&[3, 4])
+                .unwrap();
+            let col = x.select(1, 2).unwrap();
+            let q: Queue<(Tensor, Tensor, Tensor)> = Queue::new().unwrap();
+            q.put((x.clone(), col.clone(), x.transpose(0, 1).unwrap()))
+                .unwrap();
+            let (rx, rcol, rt) = q.get().unwrap();
+            assert_eq!(rx.to_vec::<i64>().unwrap(), (0..12).collect::<Vec<_>>());
+            assert_eq!(
+                (rcol.shape(), rcol.strides(), rcol.storage_offset()),
+                (&[3][..], &[4][..], 2)
+            );
+            assert_eq!(rcol.to_vec::<i64>().unwrap(), [2, 6, 10]);
+            assert_eq!(rt.strides(), [1, 4]);
+            assert_eq!(rx.data_ptr(), x.data_ptr(), "{strategy}");
+            rcol.fill_(-1.0).unwrap();
+            assert_eq!(col.to_vec::<i64>().unwrap(), [-1, -1, -1]);
+            assert_eq!(
+                rt.select(0, 2).unwrap().to_vec::<i64>().unwrap(),
+                [-1, -1, -1]
+            );
+        });
+    });
+}
+
+#[test]
+fn empty_tensors_of_every_dtype_cross_processes() {
+    common::run(secs(60), || {
+        for_each_strategy(|strategy| {
+            let inbox = SimpleQueue::new().unwrap();
+            let outbox = SimpleQueue::new().unwrap();
+            let mut ctx = start_processes(
+                echo_empty,
+                (inbox.clone(), outbox.clone()),
+                1,
+                StartMethod::Spawn,
+            )
+            .unwrap();
+            let dtypes = [
+                DType::F32,
+                DType::F64,
+                DType::F16,
+                DType::BF16,
+                DType::I8,
+                DType::I16,
+                DType::I32,
+                DType::I64,
+                DType::U8,
+                DType::Bool,
+            ];
+            for dtype in dtypes {
+                for shape in [vec![0], vec![2, 0, 3]] {
+                    inbox
+                        .put(Some(Tensor::zeros(&shape, dtype).unwrap()))
+                        .unwrap();
+                    let (back, seen_dtype, seen_shape) =
+                        outbox.get_timeout(secs(30)).unwrap().expect("an echo");
+                    assert_eq!((seen_dtype, &seen_shape), (dtype, &shape), "{strategy}");
+                    assert_eq!((back.dtype(), back.shape()), (dtype, &shape[..]));
+                    assert_eq!(back.numel(), 0);
+                    assert!(back.is_shared());
+                }
+            }
+            inbox.put(None).unwrap();
+            assert!(ctx.join(Some(secs(30))).unwrap());
+        });
+    });
+}
+
+#[test]
+fn hogwild_workers_update_one_shared_tensor() {
+    common::run(secs(120), || {
+        for_each_strategy(|strategy| {
+            let steps = 200;
+            let t = Tensor::zeros(&[4, 256], DType::F32).unwrap();
+            let mut ctx =
+                start_processes(add_to_row, (t.clone(), steps), 4, StartMethod::Spawn).unwrap();
+            assert!(ctx.join(Some(secs(60))).unwrap());
+            assert!(t.is_shared(), "sending shared it in place");
+            assert!(all_equal(&t, steps as f64), "{strategy}: {t:?}");
+        });
+    });
+}
+
+#[test]
+fn a_large_tensor_is_shared_not_copied() {
+    common::run(secs(60), || {
+        for_each_strategy(|strategy| {
+            let t = Tensor::zeros(&[16 << 20], DType::U8).unwrap();
+            let q = Queue::new().unwrap();
+            let event = Event::new().unwrap();
+            let mut ctx = start_processes(
+                simple_fill,
+                (q.clone(), event.clone()),
+                1,
+                StartMethod::Spawn,
+            )
+            .unwrap();
+            q.put(vec![t.clone()]).unwrap();
+            assert!(event.wait(Some(secs(30))).unwrap());
+            assert_eq!(t.sum(), 4.0 * (16 << 20) as f64, "{strategy}");
+            assert!(ctx.join(Some(secs(30))).unwrap());
+        });
+    });
+}
+
+#[test]
+fn the_fd_limit_is_a_clear_error() {
+    common::run(secs(60), || {
+        let mut ctx = start_processes(hit_the_fd_limit, (), 1, StartMethod::Spawn).unwrap();
+        assert!(ctx.join(Some(secs(30))).unwrap());
+    });
+}
+
+/// Receives a tensor and sends it straight on (torch warns against this for CUDA
+/// tensors; CPU tensors here just travel on by handle).
+fn forward(_rank: usize, (inbox, outbox): (Queue<Tensor>, Queue<Tensor>)) -> multiproc::Result<()> {
+    let t = inbox.get()?;
+    t.add_scalar_(1.0)?;
+    outbox.put(t)?;
+    Ok(())
+}
+
+#[test]
+fn a_received_tensor_can_be_sent_on() {
+    common::run(secs(60), || {
+        for_each_strategy(|strategy| {
+            let (inbox, outbox) = (Queue::new().unwrap(), Queue::new().unwrap());
+            let mut ctx = start_processes(
+                forward,
+                (inbox.clone(), outbox.clone()),
+                1,
+                StartMethod::Spawn,
+            )
+            .unwrap();
+            let small = Tensor::zeros(&[16], DType::F32).unwrap();
+            inbox.put(small.clone()).unwrap();
+            let back = outbox.get_timeout(secs(30)).unwrap().expect("forwarded");
+            assert!(
+                all_equal(&small, 1.0),
+                "{strategy}: the worker wrote the parent's memory"
+            );
+            back.add_scalar_(1.0).unwrap();
+            assert!(
+                all_equal(&small, 2.0),
+                "{strategy}: what came back aliases what was sent"
+            );
+            assert!(ctx.join(Some(secs(30))).unwrap());
+        });
     });
 }

@@ -8,82 +8,15 @@
 
 multiproc::test_init!();
 
+mod common;
+
 use std::collections::BTreeSet;
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use multiproc::{Error, Process, SimpleQueue, SpawnOptions, StartMethod, spawn, start_processes};
 
 // ---------------------------------------------------------------------------------------
 // Harness.
-
-static SERIAL: Mutex<()> = Mutex::new(());
-
-/// This process's children, excluding the fork server (which lives as long as we do).
-fn our_children() -> BTreeSet<i32> {
-    let me = std::process::id() as i32;
-    let mut out = BTreeSet::new();
-    let Ok(dir) = std::fs::read_dir("/proc") else {
-        return out;
-    };
-    for entry in dir.flatten() {
-        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
-            continue;
-        };
-        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-            continue;
-        };
-        // "pid (comm) state ppid ...": comm may hold spaces and parentheses.
-        let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
-            continue;
-        };
-        let comm = &stat[open + 1..close];
-        let ppid = stat[close + 1..]
-            .split_whitespace()
-            .nth(1)
-            .and_then(|p| p.parse::<i32>().ok());
-        if ppid == Some(me) && comm != "multiproc-fsrv" {
-            out.insert(pid);
-        }
-    }
-    out
-}
-
-fn open_fds() -> usize {
-    std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count())
-}
-
-/// Runs `body` alone, on its own thread, failing if it takes longer than `limit`;
-/// then checks that it left no child process and no open fd behind.
-fn guarded(limit: Duration, body: impl FnOnce() + Send + 'static) {
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    // The fork server (2 fds here) lives for the whole run: start it before counting.
-    multiproc::ensure_forkserver_running().expect("fork server");
-    let children_before = our_children();
-    let fds_before = open_fds();
-    let (done_tx, done_rx) = std::sync::mpsc::channel();
-    let runner = std::thread::spawn(move || {
-        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(body));
-        let _ = done_tx.send(());
-        result
-    });
-    if done_rx.recv_timeout(limit).is_err() {
-        panic!("the test ran past its {limit:?} deadline");
-    }
-    if let Err(panic) = runner.join().expect("runner thread") {
-        std::panic::resume_unwind(panic);
-    }
-    let left: Vec<i32> = our_children()
-        .difference(&children_before)
-        .copied()
-        .collect();
-    assert!(left.is_empty(), "worker processes left behind: {left:?}");
-    let fds_after = open_fds();
-    assert!(
-        fds_after <= fds_before,
-        "fds grew from {fds_before} to {fds_after}"
-    );
-}
 
 fn secs(s: u64) -> Duration {
     Duration::from_secs(s)
@@ -193,7 +126,7 @@ fn nested_failure(_rank: usize, q: SimpleQueue<Error>) {
 fn test_init_makes_spawned_workers_run_their_job() {
     // Were `test_init!` not working, the workers would run libtest instead and never
     // put their rank.
-    guarded(secs(120), || {
+    common::run(secs(120), || {
         let q = SimpleQueue::new().unwrap();
         spawn(put_rank, q.clone(), 2).unwrap();
         let mut got = vec![q.get().unwrap(), q.get().unwrap()];
@@ -205,7 +138,7 @@ fn test_init_makes_spawned_workers_run_their_job() {
 // torch: test_success (for each start method)
 #[test]
 fn success_with_each_start_method() {
-    guarded(secs(120), || {
+    common::run(secs(120), || {
         for method in StartMethod::ALL {
             SpawnOptions::new()
                 .start_method(method)
@@ -218,7 +151,7 @@ fn success_with_each_start_method() {
 // torch: test_success_non_blocking
 #[test]
 fn join_without_joining_until_true() {
-    guarded(secs(120), || {
+    common::run(secs(120), || {
         for method in StartMethod::ALL {
             let mut ctx = start_processes(sleep_then_ok, 50u64, 2, method).unwrap();
             assert_eq!(ctx.pids().len(), 2);
@@ -244,7 +177,7 @@ fn join_without_joining_until_true() {
 // torch: test_first_argument_index / args delivered
 #[test]
 fn args_are_delivered_with_the_rank() {
-    guarded(secs(120), || {
+    common::run(secs(120), || {
         for method in StartMethod::ALL {
             let q = SimpleQueue::new().unwrap();
             SpawnOptions::new()
@@ -259,7 +192,7 @@ fn args_are_delivered_with_the_rank() {
 
 #[test]
 fn large_arguments_arrive_intact() {
-    guarded(secs(120), || {
+    common::run(secs(120), || {
         let data: Vec<u8> = (0..3u32 << 20).map(|i| (i % 251) as u8).collect();
         let sum = data.iter().map(|&b| u64::from(b)).sum::<u64>();
         for method in StartMethod::ALL {
@@ -274,7 +207,7 @@ fn large_arguments_arrive_intact() {
 // torch: test_exception_single
 #[test]
 fn exception_in_one_process_while_the_other_sleeps() {
-    guarded(secs(120), || {
+    common::run(secs(120), || {
         for method in StartMethod::ALL {
             for target in [0usize, 1] {
                 let mut ctx = start_processes(raise_in, target, 2, method).unwrap();
@@ -321,7 +254,7 @@ fn exception_in_one_process_while_the_other_sleeps() {
 // torch: test_exception_all
 #[test]
 fn exception_in_both_processes() {
-    guarded(secs(120), || {
+    common::run(secs(120), || {
         let err = spawn(raise_all, (), 2).expect_err("both raise");
         let Error::ProcessRaised {
             error_index,
@@ -348,7 +281,7 @@ fn exception_in_both_processes() {
 
 #[test]
 fn a_returned_err_counts_as_raised() {
-    guarded(secs(120), || {
+    common::run(secs(120), || {
         let err = spawn(return_err, (), 2).expect_err("rank 1 returns Err");
         let Error::ProcessRaised {
             error_index,
@@ -370,7 +303,7 @@ fn a_returned_err_counts_as_raised() {
 // torch: test_terminate_signal
 #[test]
 fn abort_is_reported_with_its_signal_name() {
-    guarded(secs(120), || {
+    common::run(secs(120), || {
         for method in StartMethod::ALL {
             let err = SpawnOptions::new()
                 .start_method(method)
@@ -400,7 +333,7 @@ fn abort_is_reported_with_its_signal_name() {
 // torch: test_terminate_exit
 #[test]
 fn exit_code_is_reported_long_before_the_sleeper_ends() {
-    guarded(secs(120), || {
+    common::run(secs(120), || {
         for method in StartMethod::ALL {
             let start = Instant::now();
             let mut ctx = start_processes(exit_rank0, (123, 4000u64), 2, method).unwrap();
@@ -442,7 +375,7 @@ fn exit_code_is_reported_long_before_the_sleeper_ends() {
 // torch: test_success_first_then_exception / join with a timeout
 #[test]
 fn join_with_a_short_timeout_returns_false() {
-    guarded(secs(120), || {
+    common::run(secs(120), || {
         let mut ctx = SpawnOptions::new()
             .daemon(true)
             .start(sleep_then_ok, 5000u64, 1)
@@ -459,7 +392,7 @@ fn join_with_a_short_timeout_returns_false() {
 // torch: test_process_exited / terminate by signal
 #[test]
 fn sigterm_to_a_worker_is_reported() {
-    guarded(secs(120), || {
+    common::run(secs(120), || {
         for method in StartMethod::ALL {
             let mut ctx = start_processes(sleep_then_ok, 30_000u64, 2, method).unwrap();
             let pid = ctx.pids()[1];
@@ -485,7 +418,7 @@ fn sigterm_to_a_worker_is_reported() {
 
 #[test]
 fn a_worker_ignoring_sigterm_is_killed_after_the_grace_period() {
-    guarded(secs(120), || {
+    common::run(secs(120), || {
         let grace = Duration::from_millis(300);
         let ready = SimpleQueue::new().unwrap();
         let mut ctx = SpawnOptions::new()
@@ -509,7 +442,7 @@ fn a_worker_ignoring_sigterm_is_killed_after_the_grace_period() {
 
 #[test]
 fn torchrun_environment_is_set() {
-    guarded(secs(120), || {
+    common::run(secs(120), || {
         for method in StartMethod::ALL {
             let q = SimpleQueue::new().unwrap();
             SpawnOptions::new()
@@ -534,7 +467,7 @@ fn torchrun_environment_is_set() {
 
 #[test]
 fn errors_survive_postcard_and_a_queue_from_a_worker() {
-    guarded(secs(120), || {
+    common::run(secs(120), || {
         let q = SimpleQueue::new().unwrap();
         spawn(nested_failure, q.clone(), 1).unwrap();
         let err: Error = q.get().unwrap();
@@ -564,7 +497,7 @@ fn errors_survive_postcard_and_a_queue_from_a_worker() {
 
 #[test]
 fn single_process_lifecycle() {
-    guarded(secs(120), || {
+    common::run(secs(120), || {
         for method in StartMethod::ALL {
             let mut p = Process::new(sleep_then_ok, 0, 30_000u64).start_method(method);
             assert!(p.pid().is_none() && !p.is_alive());
@@ -606,7 +539,7 @@ fn single_process_lifecycle() {
 
 #[test]
 fn dropping_a_daemon_process_kills_it() {
-    guarded(secs(120), || {
+    common::run(secs(120), || {
         let mut p = Process::new(sleep_then_ok, 0, 30_000u64).daemon(true);
         p.start().unwrap();
         let pid = p.pid().unwrap();
@@ -621,7 +554,7 @@ fn dropping_a_daemon_process_kills_it() {
 fn workers_started_from_a_short_lived_thread_survive_it() {
     // The parent-death signal is tied to the forking thread: multiproc forks from its
     // own long-lived thread, so the worker outlives the thread that asked for it.
-    guarded(secs(120), || {
+    common::run(secs(120), || {
         for method in StartMethod::ALL {
             let ctx = std::thread::spawn(move || start_processes(sleep_then_ok, 300u64, 1, method))
                 .join()
@@ -637,7 +570,7 @@ fn workers_started_from_a_short_lived_thread_survive_it() {
 
 #[test]
 fn the_fork_server_serves_several_threads_at_once() {
-    guarded(secs(120), || {
+    common::run(secs(120), || {
         let threads: Vec<_> = (0..4)
             .map(|_| {
                 std::thread::spawn(|| {
@@ -659,7 +592,7 @@ fn the_fork_server_serves_several_threads_at_once() {
 
 #[test]
 fn a_dead_fork_server_is_replaced() {
-    guarded(secs(120), || {
+    common::run(secs(120), || {
         let me = std::process::id() as i32;
         let server = std::fs::read_dir("/proc")
             .unwrap()
@@ -701,7 +634,7 @@ fn a_dead_fork_server_is_replaced() {
 
 #[test]
 fn init_refuses_a_worker_role_without_its_socket() {
-    guarded(secs(120), || {
+    common::run(secs(120), || {
         let exe = std::env::current_exe().unwrap();
         for (role, fd, expected) in [
             ("worker", None, "MULTIPROC_WORKER_FD"),

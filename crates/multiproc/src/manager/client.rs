@@ -87,6 +87,15 @@ pub(crate) fn unregister(name: &SegmentName) {
     }
 }
 
+/// Connects this process to the manager (starting one if needed), so that it counts
+/// as a live client. Best effort: a failure is logged, and the next registration
+/// reports it.
+pub(crate) fn connect() {
+    if let Err(e) = lock().ensure_connected() {
+        tracing::warn!("cannot connect to the shm manager: {e}");
+    }
+}
+
 /// Forgets `name` as live in this process (its mapping here is gone) without telling
 /// the manager.
 pub(crate) fn forget(name: &SegmentName) {
@@ -118,7 +127,7 @@ impl Client {
             return Ok(());
         }
         let addr = address();
-        let sock = match connect(addr)? {
+        let sock = match connect_to(addr)? {
             Some(s) => s,
             None => {
                 start(addr)?;
@@ -138,7 +147,7 @@ impl Client {
 }
 
 /// Connects to the manager at `addr`; `None` when nobody listens there.
-pub(super) fn connect(addr: &str) -> Result<Option<OwnedFd>> {
+pub(super) fn connect_to(addr: &str) -> Result<Option<OwnedFd>> {
     let sock = rustix::net::socket_with(
         AddressFamily::UNIX,
         SocketType::SEQPACKET,
@@ -150,7 +159,24 @@ pub(super) fn connect(addr: &str) -> Result<Option<OwnedFd>> {
         .map_err(|e| Error::Manager(format!("bad manager address @{addr}: {e}")))?;
     loop {
         match rustix::net::connect(&sock, &sockaddr) {
-            Ok(()) => return check_listener(sock, addr).map(Some),
+            Ok(()) => {
+                // The manager checks our uid; we check its, so that names are never
+                // handed to another user's process squatting on the address.
+                let me = rustix::process::getuid();
+                return match rustix::net::sockopt::socket_peercred(&sock) {
+                    Ok(cred) if cred.uid == me => Ok(Some(sock)),
+                    Ok(cred) => Err(Error::Manager(format!(
+                        "the process listening at @{addr} (pid {}) belongs to uid {}, not to us \
+                         (uid {}); unset {ADDRESS_ENV} or choose another address",
+                        cred.pid.as_raw_nonzero(),
+                        cred.uid.as_raw(),
+                        me.as_raw()
+                    ))),
+                    Err(e) => Err(Error::Manager(format!(
+                        "cannot check who listens at @{addr}: {e}"
+                    ))),
+                };
+            }
             Err(Errno::INTR) => {}
             Err(Errno::CONNREFUSED) | Err(Errno::NOENT) => return Ok(None),
             Err(e) => {
@@ -162,34 +188,12 @@ pub(super) fn connect(addr: &str) -> Result<Option<OwnedFd>> {
     }
 }
 
-/// Refuses a listener of another user. Abstract socket names have no permissions: a
-/// process of another uid that learned the address (or bound it first) could pose as
-/// the manager, learn our segment names and keep our leftovers from being cleaned.
-/// The manager checks its clients the same way.
-fn check_listener(sock: OwnedFd, addr: &str) -> Result<OwnedFd> {
-    let me = rustix::process::geteuid();
-    match rustix::net::sockopt::socket_peercred(&sock) {
-        Ok(cred) if cred.uid == me => Ok(sock),
-        Ok(cred) => Err(Error::Manager(format!(
-            "the process listening at @{addr} (pid {}) runs as uid {}, not as this user (uid {}): \
-             refusing it as the shm manager; another user may be squatting the address, so \
-             unset {ADDRESS_ENV} to choose a new one",
-            cred.pid.as_raw_nonzero(),
-            cred.uid.as_raw(),
-            me.as_raw()
-        ))),
-        Err(e) => Err(Error::Manager(format!(
-            "cannot check who listens at @{addr} (SO_PEERCRED): {e}"
-        ))),
-    }
-}
-
 /// Connects to a manager that just reported it listens (allowing for a short race
 /// with a manager that is exiting at the same address).
 fn connect_after_start(addr: &str) -> Result<OwnedFd> {
     let deadline = Instant::now() + START_TIMEOUT;
     loop {
-        if let Some(s) = connect(addr)? {
+        if let Some(s) = connect_to(addr)? {
             return Ok(s);
         }
         if Instant::now() >= deadline {

@@ -79,7 +79,6 @@ impl Registry {
 
 /// The entry point of a process started with `MULTIPROC_ROLE=shm-manager` (called by
 /// `init()`): becomes the manager at `MULTIPROC_SHM_MANAGER` and exits.
-#[allow(dead_code)] // called by `init()`, in the process module
 pub(crate) fn serve_from_env() -> ! {
     let code = match run_shm_manager_from_env() {
         Ok(_) => 0,

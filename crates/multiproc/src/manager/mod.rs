@@ -35,10 +35,9 @@ mod daemon;
 use std::sync::OnceLock;
 use std::time::Duration;
 
-pub(crate) use client::{forget, register, unregister};
+pub(crate) use client::{connect, forget, register, unregister};
 pub use daemon::run_shm_manager_from_env;
 // Called by `init()` (the process module) when MULTIPROC_ROLE=shm-manager.
-#[allow(unused_imports)]
 pub(crate) use daemon::serve_from_env;
 
 /// The environment variable that holds the manager's address.

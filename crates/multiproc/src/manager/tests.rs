@@ -119,8 +119,8 @@ fn the_serve_loop_unlinks_leftovers_after_its_clients_hang_up() {
         SegmentName::generate().unwrap(),
     );
     let (kept_path, left_path) = (make_file(&kept), make_file(&left));
-    let a = client::connect(&addr).unwrap().unwrap();
-    let b = client::connect(&addr).unwrap().unwrap();
+    let a = client::connect_to(&addr).unwrap().unwrap();
+    let b = client::connect_to(&addr).unwrap().unwrap();
     send(&a, Request::Register(kept.as_str().into()));
     send(&a, Request::Unregister(kept.as_str().into()));
     send(&a, Request::Register(left.as_str().into()));
@@ -141,7 +141,7 @@ fn the_serve_loop_unlinks_leftovers_after_its_clients_hang_up() {
     );
     rustix::fs::unlink(&kept_path).unwrap();
     assert!(
-        client::connect(&addr).unwrap().is_none(),
+        client::connect_to(&addr).unwrap().is_none(),
         "the manager has gone"
     );
 }

@@ -5,8 +5,20 @@
 //! dead entries are swept whenever the table has doubled since the last sweep. Lookup,
 //! mapping and insertion happen under one lock, so two threads receiving the same new
 //! segment at once still end up with one mapping.
+//!
+//! Small anonymous segments a process receives (the arenas small tensors are carved
+//! from) are also kept mapped for a while after their last tensor is dropped: the
+//! [`RECENT`] most recently received ones (at most 1 MiB each, so at most 8 MiB). A
+//! consumer that handles one small tensor at a time would otherwise map and unmap the
+//! same arena for every tensor. Named segments are never retained (their name must go
+//! away with their last tensor).
+//!
+//! Entries remember the process that made them. A `fork` child inherits the table, but
+//! the segments in it hold its parent's references (and its parent's handles keep them
+//! alive forever in the child, so they would never be released there): a child maps
+//! what it receives afresh, with references of its own.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 
 use super::{Segment, SegmentName};
@@ -38,9 +50,15 @@ impl CacheKey {
 }
 
 struct MapCache {
-    entries: HashMap<CacheKey, Weak<Segment>>,
+    /// The segment and the pid of the process that cached it.
+    entries: HashMap<CacheKey, (u32, Weak<Segment>)>,
     sweep_at: usize,
+    /// Small received anonymous segments kept mapped, most recent last.
+    recent: VecDeque<Arc<Segment>>,
 }
+
+/// How many small received segments stay mapped after their last tensor is dropped.
+pub(crate) const RECENT: usize = 8;
 
 static CACHE: Mutex<Option<MapCache>> = Mutex::new(None);
 
@@ -49,16 +67,44 @@ fn with_cache<R>(f: impl FnOnce(&mut MapCache) -> R) -> R {
     let cache = guard.get_or_insert_with(|| MapCache {
         entries: HashMap::new(),
         sweep_at: 64,
+        recent: VecDeque::new(),
     });
     f(cache)
 }
 
 impl MapCache {
     fn put(&mut self, key: CacheKey, segment: &Arc<Segment>) {
-        self.entries.insert(key, Arc::downgrade(segment));
+        let pid = std::process::id();
+        self.entries.insert(key, (pid, Arc::downgrade(segment)));
         if self.entries.len() >= self.sweep_at {
-            self.entries.retain(|_, w| w.strong_count() > 0);
+            self.entries
+                .retain(|_, (owner, w)| *owner == pid && w.strong_count() > 0);
             self.sweep_at = (self.entries.len() * 2).max(64);
+        }
+    }
+
+    /// Keeps a received small anonymous segment mapped (see the module docs).
+    fn retain_recent(&mut self, segment: &Arc<Segment>) {
+        if segment.fd().is_none() || segment.len() > super::pool::ARENA_LEN {
+            return;
+        }
+        if let Some(i) = self.recent.iter().position(|s| Arc::ptr_eq(s, segment)) {
+            if i + 1 == self.recent.len() {
+                return;
+            }
+            self.recent.remove(i);
+        } else if self.recent.len() == RECENT {
+            self.recent.pop_front();
+        }
+        self.recent.push_back(Arc::clone(segment));
+    }
+
+    fn live(&self, key: &CacheKey) -> Option<Arc<Segment>> {
+        let (owner, weak) = self.entries.get(key)?;
+        if *owner == std::process::id() {
+            weak.upgrade()
+        } else {
+            None
         }
     }
 }
@@ -77,11 +123,13 @@ pub(crate) fn get_or_try_insert(
     open: impl FnOnce() -> Result<Segment>,
 ) -> Result<(Arc<Segment>, bool)> {
     with_cache(|c| {
-        if let Some(live) = c.entries.get(&key).and_then(Weak::upgrade) {
+        if let Some(live) = c.live(&key) {
+            c.retain_recent(&live);
             return Ok((live, false));
         }
         let segment = Arc::new(open()?);
         c.put(key, &segment);
+        c.retain_recent(&segment);
         Ok((segment, true))
     })
 }
@@ -89,8 +137,12 @@ pub(crate) fn get_or_try_insert(
 /// Releases every named-segment reference this process holds (see
 /// [`Segment::release_before_exit`]); for a worker about to `_exit`.
 pub(crate) fn release_before_exit() {
-    let live: Vec<Arc<Segment>> =
-        with_cache(|c| c.entries.values().filter_map(Weak::upgrade).collect());
+    let live: Vec<Arc<Segment>> = with_cache(|c| {
+        c.entries
+            .values()
+            .filter_map(|(_, w)| w.upgrade())
+            .collect()
+    });
     for segment in live {
         segment.release_before_exit();
     }
@@ -99,5 +151,5 @@ pub(crate) fn release_before_exit() {
 /// The live segment under `key`, if this process maps it.
 #[cfg(test)]
 pub(crate) fn get(key: &CacheKey) -> Option<Arc<Segment>> {
-    with_cache(|c| c.entries.get(key).and_then(Weak::upgrade))
+    with_cache(|c| c.live(key))
 }

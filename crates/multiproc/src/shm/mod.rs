@@ -30,12 +30,25 @@
 //! message that names segments also leaves their in-flight references unadopted: those
 //! names stay until the tree's shm manager removes them when the tree has exited.
 //!
-//! Invariant of the [`MapCache`]: a process maps each segment at most once while it is
+//! Small `file_descriptor` storages are carved out of shared 1 MiB arenas (see `pool`),
+//! so a handle names a segment *and* an offset in it.
+//!
+//! Invariant of the map cache: a process maps each segment at most once while it is
 //! alive (keyed by device+inode for memfds, by name for named segments), so the same
-//! storage sent twice, or two views of one storage, alias on the receiving side.
+//! storage sent twice, or two views of one storage, alias on the receiving side (and
+//! `Storage` keeps a table on top, so they are even the same `Storage`, as in torch).
+//!
+//! Known limits: a message that is sent but never received (its queue dropped with it
+//! inside, its receiver killed before `get`) keeps the in-flight reference of each named
+//! segment it carries, so those names live until the shm manager cleans up after the
+//! whole tree has exited. A received named segment is registered with the manager as
+//! soon as it is mapped; between a producer's exit and that moment the manager's grace
+//! period (2 s) is what keeps an unreceived segment alive when no other process of the
+//! tree is connected.
 
 mod cache;
 pub(crate) mod name;
+mod pool;
 #[allow(unsafe_code)]
 mod segment;
 
@@ -46,6 +59,9 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 pub(crate) use cache::{CacheKey, release_before_exit};
 pub(crate) use name::SegmentName;
+pub(crate) use pool::allocate;
+#[cfg(test)]
+pub(crate) use pool::small_max as allocate_small_max;
 pub(crate) use segment::Segment;
 
 use crate::{Error, Result, SharingStrategy, wire};
@@ -78,9 +94,17 @@ pub(crate) fn create(strategy: SharingStrategy, len: usize) -> Result<Arc<Segmen
 #[derive(Serialize, Deserialize)]
 enum HandleWire {
     /// Index of the memfd in the message's fd table, and the bytes the storage uses.
-    Fd { index: u32, nbytes: u64 },
+    Fd {
+        index: u32,
+        offset: u64,
+        nbytes: u64,
+    },
     /// A named segment and the bytes the storage uses.
-    Named { name: String, nbytes: u64 },
+    Named {
+        name: String,
+        offset: u64,
+        nbytes: u64,
+    },
 }
 
 /// A segment as a value inside a message: serializing attaches its fd, or takes an
@@ -88,7 +112,9 @@ enum HandleWire {
 pub(crate) struct SegmentHandle {
     /// The segment.
     pub(crate) segment: Arc<Segment>,
-    /// How many of its bytes the storage uses.
+    /// Where the storage's bytes start in it.
+    pub(crate) offset: u64,
+    /// How many bytes the storage uses.
     pub(crate) nbytes: u64,
 }
 
@@ -99,6 +125,7 @@ impl Serialize for SegmentHandle {
             let index = wire::attach_fd(fd, "a shared tensor").map_err(S::Error::custom)?;
             HandleWire::Fd {
                 index,
+                offset: self.offset,
                 nbytes: self.nbytes,
             }
         } else if let Some(name) = self.segment.name() {
@@ -117,6 +144,7 @@ impl Serialize for SegmentHandle {
                 .map_err(|e| S::Error::custom(wire::fail(e)))?;
             HandleWire::Named {
                 name: name.as_str().to_owned(),
+                offset: self.offset,
                 nbytes: self.nbytes,
             }
         } else {
@@ -133,26 +161,54 @@ impl<'de> Deserialize<'de> for SegmentHandle {
         use serde::de::Error as _;
         let fail = |e: Error| D::Error::custom(wire::fail_with(e));
         match HandleWire::deserialize(d)? {
-            HandleWire::Fd { index, nbytes } => {
+            HandleWire::Fd {
+                index,
+                offset,
+                nbytes,
+            } => {
                 let fd = wire::received_fd(index, "a shared tensor").map_err(D::Error::custom)?;
-                let segment = receive_fd(fd, nbytes).map_err(fail)?;
-                Ok(SegmentHandle { segment, nbytes })
+                let end = claimed_end(offset, nbytes).map_err(fail)?;
+                let segment = receive_fd(fd, end).map_err(fail)?;
+                Ok(SegmentHandle {
+                    segment,
+                    offset,
+                    nbytes,
+                })
             }
-            HandleWire::Named { name, nbytes } => {
+            HandleWire::Named {
+                name,
+                offset,
+                nbytes,
+            } => {
                 if !wire::is_decoding() {
                     return Err(D::Error::custom(wire::fail(
                         "a shared tensor can only be deserialized by a multiproc channel".into(),
                     )));
                 }
                 let name = SegmentName::parse(&name).map_err(fail)?;
-                let segment = receive_named(name, nbytes).map_err(fail)?;
-                Ok(SegmentHandle { segment, nbytes })
+                let end = claimed_end(offset, nbytes).map_err(fail)?;
+                let segment = receive_named(name, end).map_err(fail)?;
+                Ok(SegmentHandle {
+                    segment,
+                    offset,
+                    nbytes,
+                })
             }
         }
     }
 }
 
-/// Maps a received memfd, or finds it already mapped here.
+/// Where a handle's bytes end (`offset + nbytes`), refusing overflow.
+fn claimed_end(offset: u64, nbytes: u64) -> Result<u64> {
+    offset.checked_add(nbytes).ok_or_else(|| {
+        Error::InvalidMessage(format!(
+            "a received tensor's handle claims {nbytes} bytes at offset {offset}, past any segment"
+        ))
+    })
+}
+
+/// Maps a received memfd that must hold at least `nbytes`, or finds it already mapped
+/// here.
 fn receive_fd(fd: OwnedFd, nbytes: u64) -> Result<Arc<Segment>> {
     let st = rustix::fs::fstat(&fd).map_err(|e| Error::os("fstat of a received segment", e))?;
     let key = CacheKey::Inode {
@@ -164,7 +220,7 @@ fn receive_fd(fd: OwnedFd, nbytes: u64) -> Result<Arc<Segment>> {
     Ok(segment)
 }
 
-/// Maps a received named segment, adopting the message's in-flight reference, or finds
+/// Maps a received named segment (whose data must be at least `nbytes` long), adopting the message's in-flight reference, or finds
 /// it already mapped here and drops that reference.
 fn receive_named(name: SegmentName, nbytes: u64) -> Result<Arc<Segment>> {
     let key = CacheKey::Name(name.clone());

@@ -71,6 +71,24 @@ pub(crate) struct Segment {
     backing: Backing,
 }
 
+/// Turns "too many open files" into [`Error::FdLimit`] naming the limit and the way out.
+fn fd_limit_advice(e: Error) -> Error {
+    if matches!(e.errno(), Some(libc::EMFILE) | Some(libc::ENFILE)) {
+        let limit = rustix::process::getrlimit(rustix::process::Resource::Nofile)
+            .current
+            .map_or("unlimited".to_owned(), |v| v.to_string());
+        let in_use = std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count());
+        Error::FdLimit(format!(
+            "cannot share a tensor: this process has {in_use} files open, at its RLIMIT_NOFILE \
+             soft limit {limit}; every large file_descriptor segment is an open fd — raise \
+             `ulimit -n`, drop tensors sooner, or use the file_system strategy \
+             (set_sharing_strategy(SharingStrategy::FileSystem)) ({e})"
+        ))
+    } else {
+        e
+    }
+}
+
 fn pid() -> i32 {
     rustix::process::getpid().as_raw_nonzero().get()
 }
@@ -79,7 +97,7 @@ impl Segment {
     /// Creates an anonymous segment of `len > 0` bytes: a memfd whose pages are
     /// reserved and whose size is sealed.
     pub(crate) fn create_anonymous(len: usize) -> Result<Segment> {
-        let fd = memfd::create("multiproc-tensor", len as u64)?;
+        let fd = memfd::create("multiproc-tensor", len as u64).map_err(fd_limit_advice)?;
         memfd::seal_size(fd.as_fd())?;
         let st = rustix::fs::fstat(&fd).map_err(|e| Error::os("fstat of a new memfd", e))?;
         let mapping = SharedMapping::map(fd.as_fd(), len)?;
@@ -177,7 +195,7 @@ impl Segment {
     }
 
     /// Maps the named segment `name` after checking it (a regular file of ours, mode
-    /// 0600, large enough, with our header claiming exactly `claimed` bytes). The
+    /// 0600, with our header, holding at least `claimed` bytes of data). The
     /// in-flight reference the sender took becomes this process's reference.
     pub(crate) fn open_named(name: SegmentName, claimed: u64) -> Result<Segment> {
         let path = shm_path(&name);
@@ -226,19 +244,18 @@ impl Segment {
                 size.saturating_sub(HEADER_LEN as u64)
             )));
         }
-        let total = usize::try_from(claimed)
-            .ok()
-            .and_then(|c| c.checked_add(HEADER_LEN))
-            .ok_or_else(|| {
-                Error::InvalidMessage(format!("a {claimed}-byte segment cannot be mapped"))
-            })?;
+        // The whole file is mapped (the size is known to cover the claim and the header);
+        // the header then says how much of it is data.
+        let total = usize::try_from(size).map_err(|_| {
+            Error::InvalidMessage(format!("segment {path} of {size} bytes cannot be mapped"))
+        })?;
         let mapping = SharedMapping::map(fd.as_fd(), total)?;
-        let segment = Segment {
+        let mut segment = Segment {
             mapping,
             data_offset: HEADER_LEN,
-            len: total - HEADER_LEN,
+            len: 0,
             // No reference yet: if a check below fails, dropping must not release the
-            // sender's in-flight reference on our behalf twice.
+            // sender's in-flight reference on our behalf.
             backing: Backing::Named {
                 name,
                 owner_pid: AtomicI32::new(0),
@@ -255,9 +272,11 @@ impl Segment {
                 "{path} does not carry a multiproc segment header of version {HEADER_VERSION}"
             )));
         }
-        if data_len != claimed {
+        if data_len < claimed || data_len > size - HEADER_LEN as u64 {
             return Err(Error::InvalidMessage(format!(
-                "a received tensor's handle claims {claimed} bytes but the header of {path} says {data_len}"
+                "a received tensor's handle claims {claimed} bytes; the header of {path} says {data_len} \
+                 and the file holds {}",
+                size - HEADER_LEN as u64
             )));
         }
         if h.refcount.load(Ordering::Acquire) == 0 {
@@ -266,6 +285,7 @@ impl Segment {
                  was probably sent twice or forged"
             )));
         }
+        segment.len = data_len as usize;
         segment.adopt_reference();
         Ok(segment)
     }
@@ -340,7 +360,8 @@ impl Segment {
 
     /// Called when a received named handle finds the segment already mapped here:
     /// the message's in-flight reference is not needed, unless this value holds no
-    /// reference for this process (a `fork` child), in which case it adopts it.
+    /// reference for this process, in which case it adopts it. (The map cache does not
+    /// hand a `fork` child its parent's segments, so that case is defensive.)
     pub(crate) fn absorb_in_flight(&self) {
         if let Backing::Named { owner_pid, .. } = &self.backing {
             let me = pid();

@@ -23,24 +23,46 @@ fn invalid(r: Result<Segment>) -> String {
 
 #[test]
 fn anonymous_segments_are_sealed_reserved_and_cached() {
-    let seg = create(SharingStrategy::FileDescriptor, 10_000).unwrap();
+    let len = pool::ARENA_LEN + 10_000;
+    let seg = create(SharingStrategy::FileDescriptor, len).unwrap();
     let fd = seg.fd().unwrap();
     let seals = rustix::fs::fcntl_get_seals(fd).unwrap();
     assert!(seals.contains(SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL));
     let st = rustix::fs::fstat(fd).unwrap();
-    assert_eq!(st.st_size, 10_000);
-    assert!(st.st_blocks * 512 >= 10_000, "pages are reserved");
+    assert_eq!(st.st_size as usize, len);
+    assert!(st.st_blocks as usize * 512 >= len, "pages are reserved");
     let key = CacheKey::of(&seg).unwrap();
     assert!(Arc::ptr_eq(&cache::get(&key).unwrap(), &seg));
     // Receiving its fd again finds the same mapping.
-    let again = receive_fd(fd.try_clone_to_owned().unwrap(), 10_000).unwrap();
+    let again = receive_fd(fd.try_clone_to_owned().unwrap(), len as u64).unwrap();
     assert!(Arc::ptr_eq(&again, &seg));
-    assert!(receive_fd(fd.try_clone_to_owned().unwrap(), 10_001).is_err());
+    assert!(receive_fd(fd.try_clone_to_owned().unwrap(), len as u64 + 1).is_err());
     drop((seg, again));
     assert!(
         cache::get(&key).is_none(),
-        "the cache does not keep segments alive"
+        "the cache does not keep large segments alive"
     );
+}
+
+#[test]
+fn small_received_segments_stay_mapped_for_a_while() {
+    let made: Vec<(Segment, std::os::fd::OwnedFd)> = (0..cache::RECENT + 1)
+        .map(|_| {
+            let seg = Segment::create_anonymous(4096).unwrap();
+            let fd = seg.fd().unwrap().try_clone_to_owned().unwrap();
+            (seg, fd)
+        })
+        .collect();
+    let mut keys = Vec::new();
+    for (_, fd) in &made {
+        let received = receive_fd(fd.try_clone().unwrap(), 4096).unwrap();
+        keys.push(CacheKey::of(&received).unwrap());
+        drop(received);
+    }
+    // The oldest was pushed out; the newest is still mapped, and found again. (Other
+    // tests receive segments concurrently, so only the ends are certain.)
+    assert!(cache::get(&keys[0]).is_none());
+    assert!(cache::get(&keys[cache::RECENT]).is_some());
 }
 
 #[test]
@@ -114,8 +136,8 @@ fn segments_alias_across_mappings() {
     let fresh =
         Segment::open_anonymous(seg.fd().unwrap().try_clone_to_owned().unwrap(), 8).unwrap();
     assert_ne!(fresh.data_ptr(), seg.data_ptr());
-    let a = crate::Storage::from_segment(seg, 8).unwrap();
-    let b = crate::Storage::from_segment(Arc::new(fresh), 8).unwrap();
+    let a = crate::Storage::from_segment(seg, 0, 8).unwrap();
+    let b = crate::Storage::from_segment(Arc::new(fresh), 0, 8).unwrap();
     let ta = crate::Tensor::from_storage(a, crate::DType::I64, &[1], &[1], 0).unwrap();
     let tb = crate::Tensor::from_storage(b, crate::DType::I64, &[1], &[1], 0).unwrap();
     ta.fill_(42.0).unwrap();

@@ -319,14 +319,14 @@ mod tests {
         assert_eq!(i8::from_f64_exact(-128.0), Some(-128));
         assert_eq!(u8::from_f64_exact(-1.0), None);
         assert_eq!(i32::from_f64_exact(1.5), None);
-        assert_eq!(i64::from_f64_exact(9.223372036854775807e18), None);
+        assert_eq!(i64::from_f64_exact(9_223_372_036_854_775_808.0), None);
         assert_eq!(
-            i64::from_f64_exact(-9.223372036854775808e18),
+            i64::from_f64_exact(-9_223_372_036_854_775_808.0),
             Some(i64::MIN)
         );
         assert_eq!(bool::from_f64_exact(2.0), None);
         assert_eq!(f16::from_f64_exact(0.5), Some(f16::from_f32(0.5)));
-        assert!(!f32::from_f64_exact(f64::NAN).is_some_and(|v| !v.is_nan()));
+        assert!(f32::from_f64_exact(f64::NAN).is_some_and(f32::is_nan));
     }
 
     #[test]

@@ -530,7 +530,7 @@ impl Tensor {
             let dst = Region::<T>::new(&dst_read, &self.layout)?;
             let src = Region::<T>::new(&src_read, &other.layout)?;
             match op {
-                BinaryOp::Add { alpha } if alpha == 1.0 => raw::zip_map(&dst, &src, |a, b| a.add(b)),
+                BinaryOp::Add { alpha: 1.0 } => raw::zip_map(&dst, &src, |a, b| a.add(b)),
                 BinaryOp::Add { alpha } => {
                     let alpha: T = scalar(alpha)?;
                     raw::zip_map(&dst, &src, |a, b| a.add(alpha.mul(b)))
@@ -551,11 +551,16 @@ impl Tensor {
         Ok(())
     }
 
-    /// A private copy of `src` when it shares this tensor's storage: reading and writing
-    /// one storage in the same pass would give order-dependent results where the
-    /// layouts overlap (and would take its lock twice).
+    /// A private copy of `src` when its bytes may overlap this tensor's (the same
+    /// storage, or two storages over the same shared memory): reading and writing the
+    /// same bytes in one pass would give order-dependent results (and the same storage
+    /// would be locked twice).
     fn snapshot_if_aliased(&self, src: &Tensor) -> Result<Option<Tensor>> {
-        if Storage::ptr_eq(&self.storage, &src.storage) {
+        let overlap = |a: &Storage, b: &Storage| {
+            let (pa, pb) = (a.data_ptr() as usize, b.data_ptr() as usize);
+            pa < pb.wrapping_add(b.nbytes()) && pb < pa.wrapping_add(a.nbytes())
+        };
+        if Storage::ptr_eq(&self.storage, &src.storage) || overlap(&self.storage, &src.storage) {
             let copy = Tensor::zeros(src.shape(), src.dtype)?;
             let (dst_read, src_read) = (copy.storage.read(), src.storage.read());
             dispatch!(src.dtype, T => raw::convert(

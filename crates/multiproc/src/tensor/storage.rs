@@ -10,9 +10,10 @@
 //! lock. The byte length never changes after creation.
 
 use std::alloc::Layout;
+use std::collections::HashMap;
 use std::fmt;
 use std::ptr::NonNull;
-use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard};
+use std::sync::{Arc, Mutex, PoisonError, RwLock, RwLockReadGuard, Weak};
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
@@ -66,8 +67,12 @@ enum Backing {
     Empty { shared: bool },
     /// Bytes on this process's heap.
     Private(PrivateBuf),
-    /// Bytes in a shared segment, at its data start.
-    Shared(Arc<Segment>),
+    /// Bytes in a shared segment, `offset` bytes into its data (small storages share
+    /// arena segments).
+    Shared {
+        segment: Arc<Segment>,
+        offset: usize,
+    },
 }
 
 struct StorageInner {
@@ -130,15 +135,32 @@ impl Storage {
         }
     }
 
-    /// A storage over `nbytes` bytes of a received segment.
-    pub(crate) fn from_segment(segment: Arc<Segment>, nbytes: usize) -> Result<Storage> {
-        if nbytes > segment.len() {
+    /// The storage over `nbytes` bytes at `offset` in a received segment: the one this
+    /// process already has there (so the same storage received twice, or sent and
+    /// received in one process, is one `Storage`, as in torch), or a new one.
+    pub(crate) fn from_segment(
+        segment: Arc<Segment>,
+        offset: usize,
+        nbytes: usize,
+    ) -> Result<Storage> {
+        if offset
+            .checked_add(nbytes)
+            .is_none_or(|end| end > segment.len())
+        {
             return Err(Error::InvalidMessage(format!(
-                "a storage of {nbytes} bytes cannot live in a segment of {}",
+                "a storage of {nbytes} bytes at offset {offset} cannot live in a segment of {}",
                 segment.len()
             )));
         }
-        Ok(Storage::with_backing(nbytes, Backing::Shared(segment)))
+        let key = StorageKey::new(&segment, offset, nbytes);
+        with_storage_cache(|c| {
+            if let Some(inner) = c.entries.get(&key).and_then(Weak::upgrade) {
+                return Ok(Storage { inner });
+            }
+            let storage = Storage::with_backing(nbytes, Backing::Shared { segment, offset });
+            c.put(key, &storage);
+            Ok(storage)
+        })
     }
 
     /// An empty storage that reports itself shared (received from another process).
@@ -156,14 +178,14 @@ impl Storage {
     pub fn is_shared(&self) -> bool {
         matches!(
             *self.backing(),
-            Backing::Shared(_) | Backing::Empty { shared: true }
+            Backing::Shared { .. } | Backing::Empty { shared: true }
         )
     }
 
     /// The strategy of the segment the bytes live in; `None` while private or empty.
     pub fn sharing_strategy(&self) -> Option<SharingStrategy> {
         match &*self.backing() {
-            Backing::Shared(s) => Some(s.strategy()),
+            Backing::Shared { segment, .. } => Some(segment.strategy()),
             _ => None,
         }
     }
@@ -172,7 +194,7 @@ impl Storage {
     /// `multiproc_1234_…`; `None` otherwise.
     pub fn shm_name(&self) -> Option<String> {
         match &*self.backing() {
-            Backing::Shared(s) => s.name().map(|n| n.as_str().to_owned()),
+            Backing::Shared { segment, .. } => segment.name().map(|n| n.as_str().to_owned()),
             _ => None,
         }
     }
@@ -213,29 +235,32 @@ impl Storage {
             .backing
             .write()
             .unwrap_or_else(PoisonError::into_inner);
-        let segment = match &*backing {
-            Backing::Shared(_) | Backing::Empty { shared: true } => return Ok(()),
+        let slice = match &*backing {
+            Backing::Shared { .. } | Backing::Empty { shared: true } => return Ok(()),
             Backing::Empty { shared: false } => {
                 *backing = Backing::Empty { shared: true };
                 return Ok(());
             }
             Backing::Private(buf) => {
-                let segment = shm::create(strategy, self.inner.nbytes)?;
-                // SAFETY: both ranges are `nbytes` long (the segment was made that size);
-                // they cannot overlap (fresh mapping vs heap); we hold the write lock, so
-                // no thread of this process touches the private buffer, and no other
-                // process knows the new segment yet.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        buf.ptr.as_ptr(),
-                        segment.data_ptr(),
-                        self.inner.nbytes,
-                    )
-                };
-                segment
+                let slice = shm::allocate(strategy, self.inner.nbytes)?;
+                let dst = slice.segment.data_ptr().wrapping_add(slice.offset);
+                // SAFETY: the slice holds `nbytes` bytes at `offset` (allocate's contract)
+                // and the buffer `nbytes`; they cannot overlap (mapping vs heap); we hold
+                // the write lock, so no thread of this process touches the buffer, and no
+                // other process has been told about this slice yet.
+                unsafe { std::ptr::copy_nonoverlapping(buf.ptr.as_ptr(), dst, self.inner.nbytes) };
+                slice
             }
         };
-        *backing = Backing::Shared(segment);
+        let key = StorageKey::new(&slice.segment, slice.offset, self.inner.nbytes);
+        *backing = Backing::Shared {
+            segment: slice.segment,
+            offset: slice.offset,
+        };
+        // The write lock is released before the cache's lock is taken (the cache never
+        // locks a backing, so the two locks are never nested).
+        drop(backing);
+        with_storage_cache(|c| c.put(key, self));
         Ok(())
     }
 
@@ -252,7 +277,7 @@ impl Storage {
         let ptr = match &*guard {
             Backing::Empty { .. } => NonNull::<u64>::dangling().as_ptr().cast(),
             Backing::Private(buf) => buf.ptr.as_ptr(),
-            Backing::Shared(s) => s.data_ptr(),
+            Backing::Shared { segment, offset } => segment.data_ptr().wrapping_add(*offset),
         };
         StorageRead {
             _guard: guard,
@@ -261,10 +286,10 @@ impl Storage {
         }
     }
 
-    /// The segment under a shared storage (for tests and the wire).
-    pub(crate) fn segment(&self) -> Option<Arc<Segment>> {
+    /// The segment under a shared storage and where in it the bytes start.
+    pub(crate) fn segment(&self) -> Option<(Arc<Segment>, usize)> {
         match &*self.backing() {
-            Backing::Shared(s) => Some(Arc::clone(s)),
+            Backing::Shared { segment, offset } => Some((Arc::clone(segment), *offset)),
             _ => None,
         }
     }
@@ -282,10 +307,48 @@ impl fmt::Debug for Storage {
         match &*self.backing() {
             Backing::Empty { shared } => d.field("shared", shared),
             Backing::Private(_) => d.field("shared", &false),
-            Backing::Shared(s) => d.field("shared", &s.strategy().name()),
+            Backing::Shared { segment, .. } => d.field("shared", &segment.strategy().name()),
         };
         d.finish()
     }
+}
+
+/// Where a shared storage's bytes are: its segment (by address: an entry is alive only
+/// while its storage, and so its segment, is), offset and length.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+struct StorageKey(usize, usize, usize);
+
+impl StorageKey {
+    fn new(segment: &Arc<Segment>, offset: usize, nbytes: usize) -> StorageKey {
+        StorageKey(Arc::as_ptr(segment) as usize, offset, nbytes)
+    }
+}
+
+/// This process's shared storages, so a received handle finds the `Storage` it names.
+/// `Weak` entries; dead ones are swept when the table has doubled.
+struct StorageCache {
+    entries: HashMap<StorageKey, Weak<StorageInner>>,
+    sweep_at: usize,
+}
+
+impl StorageCache {
+    fn put(&mut self, key: StorageKey, storage: &Storage) {
+        self.entries.insert(key, Arc::downgrade(&storage.inner));
+        if self.entries.len() >= self.sweep_at {
+            self.entries.retain(|_, w| w.strong_count() > 0);
+            self.sweep_at = (self.entries.len() * 2).max(64);
+        }
+    }
+}
+
+static STORAGES: Mutex<Option<StorageCache>> = Mutex::new(None);
+
+fn with_storage_cache<R>(f: impl FnOnce(&mut StorageCache) -> R) -> R {
+    let mut guard = STORAGES.lock().unwrap_or_else(PoisonError::into_inner);
+    f(guard.get_or_insert_with(|| StorageCache {
+        entries: HashMap::new(),
+        sweep_at: 64,
+    }))
 }
 
 /// The wire form of a storage.
@@ -309,11 +372,12 @@ impl Serialize for Storage {
         let wire = if self.nbytes() == 0 {
             StorageWire::Empty
         } else {
-            let segment = self.segment().ok_or_else(|| {
+            let (segment, offset) = self.segment().ok_or_else(|| {
                 S::Error::custom(wire::fail("a shared storage without a segment".into()))
             })?;
             StorageWire::Segment(SegmentHandle {
                 segment,
+                offset: offset as u64,
                 nbytes: self.nbytes() as u64,
             })
         };
@@ -326,13 +390,20 @@ impl<'de> Deserialize<'de> for Storage {
         use serde::de::Error as _;
         match StorageWire::deserialize(d)? {
             StorageWire::Empty => Ok(Storage::empty_shared()),
-            StorageWire::Segment(SegmentHandle { segment, nbytes }) => {
-                let nbytes = usize::try_from(nbytes).map_err(|_| {
-                    D::Error::custom(wire::fail_with(Error::InvalidMessage(format!(
-                        "a storage of {nbytes} bytes does not fit this machine"
-                    ))))
-                })?;
-                Storage::from_segment(segment, nbytes)
+            StorageWire::Segment(SegmentHandle {
+                segment,
+                offset,
+                nbytes,
+            }) => {
+                let (Ok(offset), Ok(nbytes)) = (usize::try_from(offset), usize::try_from(nbytes))
+                else {
+                    return Err(D::Error::custom(wire::fail_with(Error::InvalidMessage(
+                        format!(
+                            "a storage of {nbytes} bytes at offset {offset} does not fit this machine"
+                        ),
+                    ))));
+                };
+                Storage::from_segment(segment, offset, nbytes)
                     .map_err(|e| D::Error::custom(wire::fail_with(e)))
             }
         }

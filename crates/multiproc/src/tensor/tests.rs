@@ -274,6 +274,26 @@ fn copy_converts_between_dtypes() {
 }
 
 #[test]
+fn a_handle_finds_the_storage_this_process_has_there() {
+    let t = Tensor::arange(0.0, 4.0, 1.0, DType::F32).unwrap();
+    t.share_memory_().unwrap();
+    let (seg, offset) = t.storage().segment().unwrap();
+    let same = Storage::from_segment(seg.clone(), offset, 16).unwrap();
+    assert!(Storage::ptr_eq(&same, t.storage()));
+    let shorter = Storage::from_segment(seg.clone(), offset, 8).unwrap();
+    assert!(
+        !Storage::ptr_eq(&shorter, t.storage()),
+        "another slice is another storage"
+    );
+    assert_eq!(shorter.data_ptr(), t.storage().data_ptr());
+    // Two storages over the same bytes count as overlapping: the source is read first.
+    let shifted = Tensor::from_storage(shorter, DType::F32, &[1], &[1], 1).unwrap();
+    t.narrow(0, 2, 1).unwrap().copy_(&shifted).unwrap();
+    assert_eq!(f32s(&t), [0., 1., 1., 3.]);
+    assert!(Storage::from_segment(seg, offset, usize::MAX).is_err());
+}
+
+#[test]
 fn overlapping_copies_read_the_source_first() {
     let g = Tensor::arange(0.0, 4.0, 1.0, DType::F32)
         .unwrap()
@@ -395,6 +415,37 @@ fn share_memory_moves_in_place_and_views_follow() {
 }
 
 #[test]
+fn small_storages_share_arenas_and_large_ones_do_not() {
+    let a = Tensor::zeros(&[3], DType::U8).unwrap();
+    let b = Tensor::zeros(&[100], DType::F32).unwrap();
+    let big = Tensor::zeros(&[crate::shm::allocate_small_max() + 1], DType::U8).unwrap();
+    for t in [&a, &b, &big] {
+        t.storage()
+            .share_memory_with(SharingStrategy::FileDescriptor)
+            .unwrap();
+    }
+    let ((sa, oa), (sb, ob), (sbig, obig)) = (
+        a.storage().segment().unwrap(),
+        b.storage().segment().unwrap(),
+        big.storage().segment().unwrap(),
+    );
+    assert_eq!(obig, 0);
+    assert_eq!(sbig.len(), big.storage().nbytes());
+    assert_eq!(oa % 64, 0);
+    assert_eq!(ob % 64, 0);
+    if std::sync::Arc::ptr_eq(&sa, &sb) {
+        assert!(ob >= oa + 64 || oa >= ob + 400, "slices do not overlap");
+    }
+    b.fill_(2.0).unwrap();
+    a.fill_(255.0).unwrap();
+    assert_eq!(b.sum(), 200.0);
+    // A received slice keeps its offset.
+    let (ra, rb): (Tensor, Tensor) = roundtrip(&(a.clone(), b.clone())).unwrap();
+    assert_eq!((ra.data_ptr(), rb.data_ptr()), (a.data_ptr(), b.data_ptr()));
+    assert_eq!(rb.sum(), 200.0);
+}
+
+#[test]
 fn empty_storage_shares_without_a_segment() {
     let t = Tensor::zeros(&[0, 3], DType::F64).unwrap();
     t.share_memory_().unwrap();
@@ -489,9 +540,17 @@ fn views_alias_within_one_message_and_across_messages() {
         let again: Tensor = roundtrip(&g).unwrap();
         assert_eq!(r0.data_ptr() as usize + 8 * 4, r1.data_ptr() as usize);
         assert_eq!(again.data_ptr(), g.data_ptr());
+        assert!(
+            Storage::ptr_eq(r0.storage(), r1.storage()),
+            "one storage, as in torch"
+        );
+        assert!(
+            Storage::ptr_eq(again.storage(), g.storage()),
+            "sent and received here"
+        );
         r1.fill_(7.0).unwrap();
         assert_eq!(f32s(&again.select(0, 2).unwrap()), [7.0; 4]);
-        if let Some(seg) = g.storage().segment() {
+        if let Some((seg, _)) = g.storage().segment() {
             if *strategy == SharingStrategy::FileSystem {
                 assert_eq!(
                     seg.refcount(),
@@ -552,7 +611,7 @@ fn an_unsent_file_system_message_gives_its_reference_back() {
     t.storage()
         .share_memory_with(SharingStrategy::FileSystem)
         .unwrap();
-    let seg = t.storage().segment().unwrap();
+    let (seg, _) = t.storage().segment().unwrap();
     let enc = wire::encode(&t).unwrap();
     assert_eq!(seg.refcount(), Some(2));
     drop(enc);
@@ -565,8 +624,16 @@ fn an_unsent_file_system_message_gives_its_reference_back() {
 // A forged tensor message: the same wire layout with handles we choose.
 #[derive(Serialize)]
 enum ForgedHandle {
-    Fd { index: u32, nbytes: u64 },
-    Named { name: String, nbytes: u64 },
+    Fd {
+        index: u32,
+        offset: u64,
+        nbytes: u64,
+    },
+    Named {
+        name: String,
+        offset: u64,
+        nbytes: u64,
+    },
 }
 
 #[derive(Serialize)]
@@ -576,13 +643,14 @@ enum ForgedStorage {
     Segment(ForgedHandle),
 }
 
-struct ForgedFd(OwnedFd, u64);
+struct ForgedFd(OwnedFd, u64, u64);
 
 impl Serialize for ForgedFd {
     fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
         let index = wire::attach_fd(self.0.as_fd(), "forged").map_err(serde::ser::Error::custom)?;
         ForgedStorage::Segment(ForgedHandle::Fd {
             index,
+            offset: self.2,
             nbytes: self.1,
         })
         .serialize(s)
@@ -640,43 +708,59 @@ fn forged_handles_are_errors_not_crashes() {
     };
     // A length bigger than the segment.
     check(
-        forged(ForgedFd(sealed_memfd(4096), 1 << 20), 0, &[16], &[1], 0),
+        forged(ForgedFd(sealed_memfd(4096), 1 << 20, 0), 0, &[16], &[1], 0),
         "claims 1048576 bytes but its segment holds 4096",
     );
     // A memfd that can shrink under us.
     let unsealed = crate::sys::memfd::create("forged", 4096).unwrap();
     check(
-        forged(ForgedFd(unsealed, 4096), 0, &[16], &[1], 0),
+        forged(ForgedFd(unsealed, 4096, 0), 0, &[16], &[1], 0),
         "sealed",
     );
     // Not a memfd at all.
     let null: OwnedFd = std::fs::File::open("/dev/null").unwrap().into();
-    check(forged(ForgedFd(null, 16), 0, &[1], &[1], 0), "sealed");
+    check(forged(ForgedFd(null, 16, 0), 0, &[1], &[1], 0), "sealed");
     // A layout past the storage, an overflowing one, too many strides, unknown dtype.
     check(
-        forged(ForgedFd(sealed_memfd(64), 64), 0, &[17], &[1], 0),
+        forged(ForgedFd(sealed_memfd(64), 64, 0), 0, &[17], &[1], 0),
         "layout",
     );
     check(
-        forged(ForgedFd(sealed_memfd(64), 64), 0, &[2], &[u64::MAX], 0),
+        forged(ForgedFd(sealed_memfd(64), 64, 0), 0, &[2], &[u64::MAX], 0),
         "layout",
     );
     check(
-        forged(ForgedFd(sealed_memfd(64), 64), 0, &[2], &[1], u64::MAX),
+        forged(ForgedFd(sealed_memfd(64), 64, 0), 0, &[2], &[1], u64::MAX),
         "layout",
     );
     check(
-        forged(ForgedFd(sealed_memfd(64), 64), 0, &[2], &[1, 1], 0),
+        forged(ForgedFd(sealed_memfd(64), 64, 0), 0, &[2], &[1, 1], 0),
         "strides",
     );
+    // A slice past the end of its segment, and one whose end overflows.
     check(
-        forged(ForgedFd(sealed_memfd(64), 64), 77, &[2], &[1], 0),
+        forged(ForgedFd(sealed_memfd(4096), 64, 4090), 0, &[1], &[1], 0),
+        "claims 4154 bytes",
+    );
+    check(
+        forged(
+            ForgedFd(sealed_memfd(4096), 64, u64::MAX - 8),
+            0,
+            &[1],
+            &[1],
+            0,
+        ),
+        "past any segment",
+    );
+    check(
+        forged(ForgedFd(sealed_memfd(64), 64, 0), 77, &[2], &[1], 0),
         "dtype code 77",
     );
     // Named segments: a name that is not ours, one that does not exist.
     let named = |name: &str| {
         ForgedStorage::Segment(ForgedHandle::Named {
             name: name.to_string(),
+            offset: 0,
             nbytes: 64,
         })
     };
@@ -703,11 +787,12 @@ fn a_forged_length_on_a_real_named_segment_is_an_error() {
         .share_memory_with(SharingStrategy::FileSystem)
         .unwrap();
     let name = t.storage().shm_name().unwrap();
-    let seg = t.storage().segment().unwrap();
+    let (seg, _) = t.storage().segment().unwrap();
     // Mapped here already: judged against the mapping.
     let e = forged(
         ForgedStorage::Segment(ForgedHandle::Named {
             name: name.clone(),
+            offset: 0,
             nbytes: 1 << 30,
         }),
         0,
@@ -722,4 +807,64 @@ fn a_forged_length_on_a_real_named_segment_is_an_error() {
         "a refused handle does not touch the count"
     );
     assert!(std::path::Path::new(&format!("/dev/shm/{name}")).exists());
+}
+
+/// Rough figures, not a timed test: `cargo test --release -p multiproc --lib perf_figures
+/// -- --ignored --nocapture`.
+#[test]
+#[ignore]
+fn perf_figures() {
+    use std::time::Instant;
+    let n = 16 << 20; // 64 MiB of f32
+    let mut plain = vec![0f32; n];
+    let t0 = Instant::now();
+    for _ in 0..5 {
+        plain
+            .iter_mut()
+            .for_each(|x| *x = std::hint::black_box(1.0));
+        std::hint::black_box(plain.iter().map(|&x| x as f64).sum::<f64>());
+    }
+    let base = t0.elapsed() / 5;
+    let t = Tensor::zeros(&[n], DType::F32).unwrap();
+    t.share_memory_().unwrap();
+    for _ in 0..3 {
+        let t0 = Instant::now();
+        t.fill_(1.0).unwrap();
+        let fill = t0.elapsed();
+        let t0 = Instant::now();
+        assert_eq!(t.sum(), n as f64);
+        let sum = t0.elapsed();
+        let t0 = Instant::now();
+        plain.fill(2.0);
+        let memset = t0.elapsed();
+        println!("64 MiB: fill_ {fill:?}, sum {sum:?}; memset {memset:?} (plain loop {base:?})");
+    }
+
+    for strategy in crate::get_all_sharing_strategies() {
+        let (a, b) = socket::seqpacket_pair().unwrap();
+        let count = 20_000;
+        let t0 = Instant::now();
+        for _ in 0..count {
+            let x = Tensor::zeros(&[64], DType::F32).unwrap();
+            x.storage().share_memory_with(*strategy).unwrap();
+            x.fill_(1.0).unwrap();
+            wire::encode(&x).unwrap().send(a.as_fd(), None).unwrap();
+            drop(x);
+            let y: Tensor = receive(&b).unwrap();
+            assert_eq!(y.sum(), 64.0);
+        }
+        let dt = t0.elapsed();
+        println!(
+            "{strategy}: {count} fresh 64-f32 tensors through a socket in one process: {:.0}/s",
+            count as f64 / dt.as_secs_f64()
+        );
+    }
+}
+
+#[test]
+fn handles_cross_threads() {
+    fn send_sync<T: Send + Sync + 'static>() {}
+    send_sync::<Tensor>();
+    send_sync::<Storage>();
+    send_sync::<DType>();
 }

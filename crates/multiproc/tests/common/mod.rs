@@ -13,6 +13,11 @@ use std::time::{Duration, Instant};
 
 static SERIAL: Mutex<()> = Mutex::new(());
 
+/// A process keeps the last few small segments it received mapped (at most this many,
+/// one fd each) so that a stream of small tensors does not map and unmap every time;
+/// that bounded cache is not a leak.
+pub const RETAINED_SEGMENT_FDS: usize = 8;
+
 /// Runs `body` with a deadline and a leak check; fails the test if either is broken.
 pub fn run(deadline: Duration, body: impl FnOnce() + Send + 'static) {
     let guard = Guard::new();
@@ -21,7 +26,11 @@ pub fn run(deadline: Duration, body: impl FnOnce() + Send + 'static) {
         body();
         let _ = tx.send(());
     });
-    match rx.recv_timeout(deadline) {
+    // Whatever the body did, the next test starts from the default strategy.
+    let reset = || multiproc::set_sharing_strategy(multiproc::SharingStrategy::FileDescriptor);
+    let outcome = rx.recv_timeout(deadline);
+    reset();
+    match outcome {
         Ok(()) => {
             worker.join().expect("test body");
         }
@@ -68,10 +77,14 @@ impl Guard {
             let segs: Vec<_> = our_segments().difference(&self.segments).cloned().collect();
             let fds = open_fds();
             let kids: Vec<_> = children().difference(&self.children).cloned().collect();
-            if segs.is_empty() && fds <= self.fds && kids.is_empty() {
+            if segs.is_empty() && fds <= self.fds + RETAINED_SEGMENT_FDS && kids.is_empty() {
                 return;
             }
             if Instant::now() > until {
+                let kids: Vec<String> = kids
+                    .iter()
+                    .map(|p| std::fs::read_to_string(format!("/proc/{p}/stat")).unwrap_or_default())
+                    .collect();
                 panic!(
                     "leak: new segments {segs:?}, open fds {} -> {fds} ({}), new child processes {kids:?}",
                     self.fds,
@@ -83,18 +96,20 @@ impl Guard {
     }
 }
 
-/// Makes the process-wide resources that live as long as the process (the connection
-/// to the shm manager) before the first snapshot, so they do not count as leaks.
+/// Makes the resources a process keeps for its whole life exist before a test counts
+/// fds: the fork server, the current small-storage arena, the connection to the shm
+/// manager. Cheap after the first call.
 fn warm_up() {
-    static ONCE: std::sync::Once = std::sync::Once::new();
-    ONCE.call_once(|| {
-        let before = multiproc::get_sharing_strategy();
-        multiproc::set_sharing_strategy(multiproc::SharingStrategy::FileSystem);
-        let t = multiproc::Tensor::zeros(&[1], multiproc::DType::U8).expect("warm-up tensor");
-        t.share_memory_().expect("warm-up share");
-        drop(t);
-        multiproc::set_sharing_strategy(before);
-    });
+    use multiproc::{DType, SharingStrategy, Tensor, set_sharing_strategy};
+    multiproc::ensure_forkserver_running().expect("fork server");
+    let before = multiproc::get_sharing_strategy();
+    for strategy in [SharingStrategy::FileDescriptor, SharingStrategy::FileSystem] {
+        set_sharing_strategy(strategy);
+        Tensor::zeros(&[1], DType::U8)
+            .and_then(|t| t.share_memory_())
+            .expect("warm-up share");
+    }
+    set_sharing_strategy(before);
 }
 
 /// Our named segments in /dev/shm.
@@ -130,7 +145,8 @@ pub fn fd_targets() -> Vec<String> {
         .unwrap_or_default()
 }
 
-/// Live child processes of this process (zombies included: not reaping is a leak too).
+/// Child processes of this process (zombies included: not reaping is a leak too),
+/// except the fork server, which lives as long as the process.
 pub fn children() -> BTreeSet<u32> {
     let me = std::process::id();
     let mut out = BTreeSet::new();
@@ -144,12 +160,16 @@ pub fn children() -> BTreeSet<u32> {
         let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
             continue;
         };
-        let Some(close) = stat.rfind(')') else {
+        // "pid (comm) state ppid ...": comm may hold spaces and parentheses.
+        let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
             continue;
         };
-        let mut fields = stat[close + 1..].split_whitespace();
-        let _state = fields.next();
-        if fields.next().and_then(|p| p.parse::<u32>().ok()) == Some(me) {
+        let comm = &stat[open + 1..close];
+        let ppid = stat[close + 1..]
+            .split_whitespace()
+            .nth(1)
+            .and_then(|p| p.parse::<u32>().ok());
+        if ppid == Some(me) && comm != "multiproc-fsrv" {
             out.insert(pid);
         }
     }
@@ -167,4 +187,41 @@ pub fn alive(pid: u32) -> bool {
         }
         Err(_) => false,
     }
+}
+
+/// torch repeats its leak-prone sharing tests this many times.
+pub const TORCH_REPEATS: usize = 30;
+
+/// `Duration::from_secs`, short.
+pub fn secs(s: u64) -> Duration {
+    Duration::from_secs(s)
+}
+
+/// Runs `test` once per sharing strategy (the setting is inherited by workers; [`run`]
+/// resets it afterwards).
+pub fn for_each_strategy(test: impl Fn(multiproc::SharingStrategy)) {
+    for &strategy in multiproc::get_all_sharing_strategies() {
+        multiproc::set_sharing_strategy(strategy);
+        test(strategy);
+    }
+}
+
+/// Whether every element of `t` equals `value`.
+pub fn all_equal(t: &multiproc::Tensor, value: f64) -> bool {
+    t.allclose(
+        &multiproc::Tensor::full(t.shape(), value, t.dtype()).expect("full"),
+        0.0,
+        0.0,
+    )
+}
+
+/// torch's `simple_fill`: fill the first tensor received with 4, then set the event.
+pub fn simple_fill(
+    _rank: usize,
+    (queue, event): (multiproc::Queue<Vec<multiproc::Tensor>>, multiproc::Event),
+) -> multiproc::Result<()> {
+    let data = queue.get()?;
+    data[0].fill_(4.0)?;
+    event.set();
+    Ok(())
 }

@@ -1,0 +1,143 @@
+//! Queues across real processes: bounded back-pressure, joinable task accounting, a
+//! queue handed over through another queue, tensors in nested values.
+
+multiproc::test_init!();
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use common::secs;
+use multiproc::{
+    DType, Error, JoinableQueue, Queue, SimpleQueue, StartMethod, Tensor, start_processes,
+};
+use serde::{Deserialize, Serialize};
+
+const DEADLINE: Duration = Duration::from_secs(60);
+
+fn consume_slowly(_rank: usize, (q, taken): (Queue<u32>, Queue<u32>)) -> multiproc::Result<()> {
+    for _ in 0..6 {
+        std::thread::sleep(Duration::from_millis(50));
+        let v = q.get()?;
+        taken.put(v)?;
+    }
+    Ok(())
+}
+
+#[test]
+fn a_full_bounded_queue_holds_the_producer_back() {
+    common::run(DEADLINE, || {
+        let q = Queue::with_capacity(2).unwrap();
+        let taken = Queue::new().unwrap();
+        for v in 0..2 {
+            q.put(v).unwrap();
+        }
+        assert!(q.full());
+        // Nobody takes yet: a put with a deadline times out and hands the item back.
+        let back = q.put_timeout(99, Duration::from_millis(50)).unwrap_err();
+        assert!(matches!(back.error, Error::Timeout(_)));
+        assert_eq!(back.item, 99);
+        let mut ctx = start_processes(
+            consume_slowly,
+            (q.clone(), taken.clone()),
+            1,
+            StartMethod::Spawn,
+        )
+        .unwrap();
+        for v in 2..6 {
+            // Each put waits for the consumer to make room.
+            q.put_timeout(v, secs(30)).unwrap();
+            assert!(q.qsize() <= 2, "a queue of capacity 2 holds {}", q.qsize());
+        }
+        let got: Vec<u32> = (0..6)
+            .map(|_| taken.get_timeout(secs(30)).unwrap().unwrap())
+            .collect();
+        assert_eq!(got, (0..6).collect::<Vec<_>>(), "FIFO across processes");
+        assert!(ctx.join(Some(secs(30))).unwrap());
+        assert_eq!(q.qsize(), 0);
+    });
+}
+
+fn work_then_done(_rank: usize, q: JoinableQueue<u64>) -> multiproc::Result<()> {
+    while let Some(v) = q.get_timeout(Duration::from_millis(300))? {
+        std::hint::black_box(v * v);
+        q.task_done()?;
+    }
+    Ok(())
+}
+
+#[test]
+fn joinable_queue_join_waits_for_every_task_done_in_workers() {
+    common::run(DEADLINE, || {
+        let q = JoinableQueue::new().unwrap();
+        for v in 0..200u64 {
+            q.put(v).unwrap();
+        }
+        assert!(
+            !q.join(Some(Duration::from_millis(1))).unwrap(),
+            "nothing is done yet"
+        );
+        let mut ctx = start_processes(work_then_done, q.clone(), 2, StartMethod::Spawn).unwrap();
+        let start = Instant::now();
+        assert!(
+            q.join(Some(secs(30))).unwrap(),
+            "every task was marked done"
+        );
+        assert!(start.elapsed() < secs(30));
+        assert!(ctx.join(Some(secs(30))).unwrap());
+        assert!(q.task_done().is_err(), "one task_done too many");
+    });
+}
+
+#[derive(Serialize, Deserialize)]
+struct Sample {
+    id: u32,
+    features: Tensor,
+    extra: BTreeMap<String, (Tensor, Vec<Tensor>)>,
+}
+
+fn reply_through_a_received_queue(
+    _rank: usize,
+    inbox: SimpleQueue<(Sample, Queue<u32>)>,
+) -> multiproc::Result<()> {
+    let (sample, reply) = inbox.get()?;
+    sample.features.fill_(5.0)?;
+    let (t, ts) = &sample.extra["a"];
+    t.fill_(6.0)?;
+    for x in ts {
+        x.fill_(7.0)?;
+    }
+    reply.put(sample.id).map_err(Error::from)
+}
+
+#[test]
+fn tensors_at_any_depth_and_a_queue_inside_a_message() {
+    common::run(DEADLINE, || {
+        let inbox = SimpleQueue::new().unwrap();
+        let reply = Queue::new().unwrap();
+        let features = Tensor::zeros(&[3, 4], DType::F32).unwrap();
+        let inner = Tensor::zeros(&[2], DType::F64).unwrap();
+        let list = vec![
+            Tensor::zeros(&[5], DType::I32).unwrap(),
+            features.select(0, 1).unwrap(),
+        ];
+        let sample = Sample {
+            id: 42,
+            features: features.clone(),
+            extra: BTreeMap::from([("a".to_string(), (inner.clone(), list.clone()))]),
+        };
+        inbox.put((sample, reply.clone())).unwrap();
+        let mut ctx =
+            start_processes(reply_through_a_received_queue, inbox, 1, StartMethod::Spawn).unwrap();
+        assert_eq!(reply.get_timeout(secs(30)).unwrap(), Some(42));
+        assert!(ctx.join(Some(secs(30))).unwrap());
+        assert_eq!(inner.to_vec::<f64>().unwrap(), vec![6.0, 6.0]);
+        assert_eq!(list[0].to_vec::<i32>().unwrap(), vec![7; 5]);
+        // Row 1 was filled with 7 through the view, after the whole tensor got 5.
+        let all = features.to_vec::<f32>().unwrap();
+        assert_eq!(&all[0..4], &[5.0; 4]);
+        assert_eq!(&all[4..8], &[7.0; 4]);
+        assert_eq!(&all[8..12], &[5.0; 4]);
+    });
+}
