@@ -623,8 +623,9 @@ fn consume_until_killed(
 /// at a random instant. At most the one item in its hands is lost: every other item
 /// was either acknowledged or is still in the queue, intact, and the queue keeps
 /// working. `slots_lost` counts places of the bounded queue that a kill leaked (the
-/// consumer died between taking a packet and freeing its place — a window of a few
-/// instructions, as in Python's `multiprocessing.Queue`).
+/// consumer died inside the `recvmsg` that took a packet, before it could free the
+/// place — a window of one system call, as in Python's `multiprocessing.Queue`); a
+/// full queue then says so with a `Timeout`, which counts as an error seen.
 #[test]
 #[ignore = "run as its own process tree by consumer_killed_mid_get"]
 fn scenario_consumer_mid_get() {
