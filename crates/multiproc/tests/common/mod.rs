@@ -112,16 +112,51 @@ fn warm_up() {
     set_sharing_strategy(before);
 }
 
-/// Our named segments in /dev/shm.
+/// Our named segments in /dev/shm: made by this process, by one of its descendants, or
+/// by a process that has ended. Segments of an unrelated live process (another test
+/// binary running at the same time) are not ours to judge.
 pub fn our_segments() -> BTreeSet<String> {
+    let me = std::process::id();
     std::fs::read_dir("/dev/shm")
         .map(|d| {
             d.filter_map(|e| e.ok())
                 .map(|e| e.file_name().to_string_lossy().into_owned())
-                .filter(|n| n.starts_with("multiproc_"))
+                .filter(|n| {
+                    let creator = n
+                        .strip_prefix("multiproc_")
+                        .and_then(|rest| rest.split('_').next())
+                        .and_then(|pid| pid.parse::<u32>().ok());
+                    match creator {
+                        None => false,
+                        Some(pid) => pid == me || !alive(pid) || descends_from(pid, me),
+                    }
+                })
                 .collect()
         })
         .unwrap_or_default()
+}
+
+/// Whether `pid` is a descendant of `ancestor`.
+fn descends_from(mut pid: u32, ancestor: u32) -> bool {
+    for _ in 0..64 {
+        let Some(parent) = parent_of(pid) else {
+            return false;
+        };
+        if parent == ancestor {
+            return true;
+        }
+        if parent <= 1 {
+            return false;
+        }
+        pid = parent;
+    }
+    false
+}
+
+fn parent_of(pid: u32) -> Option<u32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let close = stat.rfind(')')?;
+    stat[close + 1..].split_whitespace().nth(1)?.parse().ok()
 }
 
 /// The number of fds this process has open.
