@@ -877,9 +877,12 @@ fn scenario_lock_holder() {
 
 // --- shm manager ---
 
+/// What the file_system producer sends: an item, or the error its allocation met.
+type Produced = Result<(u64, Tensor), String>;
+
 fn produce_file_system_tensors(
     _rank: usize,
-    (q, stop, seed): (SimpleQueue<Result<(u64, Tensor), String>>, Event, u64),
+    (q, stop, seed): (SimpleQueue<Produced>, Event, u64),
 ) -> Result<(), String> {
     let mut rng = Rng(seed);
     let mut seq = 0;
@@ -968,20 +971,19 @@ fn scenario_shm_manager() {
             p.start().unwrap();
             stats.pid(p.pid());
             let mut received = 0u64;
-            let take =
-                |item: Result<(u64, Tensor), String>, received: &mut u64, stats: &mut Stats| {
-                    match item {
-                        Ok((seq, t)) => {
-                            check_item(seq, &t).unwrap();
-                            *received += 1;
-                        }
-                        Err(e) => {
-                            // A survivor may see one clear error from the manager's death.
-                            assert!(e.contains("shm manager"), "unclear error: {e}");
-                            stats.errors += 1;
-                        }
+            let take = |item: Produced, received: &mut u64, stats: &mut Stats| {
+                match item {
+                    Ok((seq, t)) => {
+                        check_item(seq, &t).unwrap();
+                        *received += 1;
                     }
-                };
+                    Err(e) => {
+                        // A survivor may see one clear error from the manager's death.
+                        assert!(e.contains("shm manager"), "unclear error: {e}");
+                        stats.errors += 1;
+                    }
+                }
+            };
             if cfg.rng.chance(3, 4) {
                 let first = q.get_timeout(WAIT).unwrap().expect("the worker never put");
                 take(first, &mut received, stats);
