@@ -1,7 +1,10 @@
 //! `multiproc doctor`: checks what multiproc needs from this machine and says what to
 //! change.
 
+use std::io::Read;
 use std::os::fd::AsFd;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
 
 /// One finding.
 struct Check {
@@ -13,7 +16,7 @@ struct Check {
 
 /// Runs every check, prints them, and returns whether all passed.
 pub fn run() -> bool {
-    let checks = [shm_space(), fd_limit(), memfd(), leftovers()];
+    let checks = [shm_space(), fd_limit(), memfd(), manager(), leftovers()];
     let mut healthy = true;
     for c in &checks {
         healthy &= c.ok;
@@ -141,6 +144,122 @@ fn memfd() -> Check {
             advice: Some("a seccomp profile may forbid memfd_create; allow it, or use the file_system strategy".into()),
         },
     }
+}
+
+/// How long a manager started by `doctor` waits after its client (doctor) has gone.
+const THROWAWAY_GRACE_MS: &str = "100";
+
+/// Whether an shm manager (which the file_system strategy needs) can start here:
+/// starts one for a throwaway address, the way the library does (this program run
+/// again as `multiproc shm-manager`), connects to it and checks who answers. The
+/// manager exits by itself 0.1 s after doctor disconnects.
+fn manager() -> Check {
+    let advice = |why: &str| {
+        Some(format!(
+            "{why}; the file_system strategy needs the manager: it runs this program again with \
+             MULTIPROC_ROLE=shm-manager (main() must call multiproc::init() first) and listens on \
+             an abstract unix socket (a seccomp profile or sandbox may forbid them); the default \
+             file_descriptor strategy needs no manager"
+        ))
+    };
+    let fail = |detail: String, why: &str| Check {
+        name: "shm manager",
+        ok: false,
+        detail,
+        advice: advice(why),
+    };
+    let uid = rustix::process::geteuid();
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    let addr = format!(
+        "multiproc-shm-{}-{}-doctor{:x}",
+        uid.as_raw(),
+        std::process::id(),
+        nanos
+    );
+    let line = match start_manager(&addr) {
+        Ok(line) => line,
+        Err(e) => return fail(format!("cannot start one: {e}"), "starting it failed"),
+    };
+    if let Some(why) = line.strip_prefix("error: ") {
+        return fail(format!("it did not start: {why}"), "starting it failed");
+    }
+    if !line.starts_with("ready") && !line.starts_with("in-use") {
+        return fail(
+            format!("it answered {line:?} instead of `ready @{addr}`"),
+            "starting it failed",
+        );
+    }
+    match connect(&addr) {
+        Ok((_, peer)) if peer == uid.as_raw() => Check {
+            name: "shm manager",
+            ok: true,
+            detail: format!("started one at @{addr} and connected to it (it exits by itself)"),
+            advice: None,
+        },
+        Ok((pid, peer)) => fail(
+            format!("@{addr} is answered by pid {pid} of uid {peer}, not by this user"),
+            "another user holds the address",
+        ),
+        Err(e) => fail(
+            format!("started one at @{addr} but cannot connect: {e}"),
+            "connecting failed",
+        ),
+    }
+}
+
+/// Runs `multiproc shm-manager` for `addr`; returns the status line it printed.
+fn start_manager(addr: &str) -> Result<String, String> {
+    let exe = std::env::current_exe().map_err(|e| format!("cannot find this program: {e}"))?;
+    let mut child = Command::new(exe)
+        .arg("shm-manager")
+        .env("MULTIPROC_SHM_MANAGER", addr)
+        .env("MULTIPROC_SHM_MANAGER_GRACE_MS", THROWAWAY_GRACE_MS)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .map_err(|e| e.to_string())?;
+    // It detaches the daemon and exits after one line; never wait on it unbounded.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let status = loop {
+        match child.try_wait() {
+            Ok(Some(s)) => break s,
+            Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(5)),
+            Ok(None) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err("no answer within 10 s".into());
+            }
+            Err(e) => return Err(e.to_string()),
+        }
+    };
+    let mut out = String::new();
+    if let Some(mut o) = child.stdout.take() {
+        let _ = o.read_to_string(&mut out);
+    }
+    let line = out.lines().next().unwrap_or_default().to_owned();
+    if line.is_empty() {
+        return Err(format!("it exited ({status}) without a status line"));
+    }
+    Ok(line)
+}
+
+/// Connects to the abstract socket `addr`; returns the listener's pid and uid.
+fn connect(addr: &str) -> Result<(i32, u32), String> {
+    use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
+    let sock = rustix::net::socket_with(
+        AddressFamily::UNIX,
+        SocketType::SEQPACKET,
+        SocketFlags::CLOEXEC,
+        None,
+    )
+    .map_err(|e| e.to_string())?;
+    let sa = SocketAddrUnix::new_abstract_name(addr.as_bytes()).map_err(|e| e.to_string())?;
+    rustix::net::connect(&sock, &sa).map_err(|e| e.to_string())?;
+    let cred = rustix::net::sockopt::socket_peercred(&sock).map_err(|e| e.to_string())?;
+    Ok((cred.pid.as_raw_nonzero().get(), cred.uid.as_raw()))
 }
 
 fn leftovers() -> Check {

@@ -86,6 +86,11 @@
 #[doc(hidden)]
 #[path = "bench_api.rs"]
 pub mod __bench;
+/// Not public API: the wire decoder's fuzzing entry points (see `fuzz/`). May change or
+/// vanish in any release.
+#[doc(hidden)]
+#[path = "fuzzing.rs"]
+pub mod __fuzz;
 mod error;
 mod manager;
 #[allow(unsafe_code)]

@@ -26,7 +26,7 @@ use super::channel::Channel;
 use crate::sync::block::SharedBlock;
 use crate::sync::futex;
 use crate::sys::{Deadline, deadline_after};
-use crate::{Error, PutError, Result};
+use crate::{Error, PutError, Result, wire};
 
 const KIND: u32 = 0x5155_4555; // "QUEU"
 const SLOTS: usize = 1;
@@ -112,6 +112,12 @@ impl Shared {
         deadline: Deadline,
         joinable: bool,
     ) -> Result<(), PutError<T>> {
+        // Encode before taking a place, so that the place is held only across the send:
+        // a putter killed while encoding (which may make shared segments) leaks none.
+        let mut encoded = match self.channel.encode(&item) {
+            Ok(e) => e,
+            Err(error) => return Err(PutError { error, item }),
+        };
         if self.bounded() {
             match self.acquire_slot(deadline) {
                 Ok(true) => {}
@@ -130,22 +136,36 @@ impl Shared {
             self.block.word(UNFINISHED).fetch_add(1, Ordering::AcqRel);
         }
         self.block.word(ITEMS).fetch_add(1, Ordering::AcqRel);
-        let result = self.channel.put(item, deadline);
-        if result.is_err() {
-            saturating_dec(self.block.word(ITEMS));
-            if joinable {
-                self.task_done_unchecked();
-            }
-            if self.bounded() {
-                self.release_slot();
+        match self.channel.send(&mut encoded, deadline) {
+            Ok(()) => Ok(()),
+            Err(error) => {
+                saturating_dec(self.block.word(ITEMS));
+                if joinable {
+                    self.task_done_unchecked();
+                }
+                if self.bounded() {
+                    self.release_slot();
+                }
+                Err(PutError { error, item })
             }
         }
-        result
     }
 
+    /// Frees the place of a packet taken off the socket. Called as soon as the packet
+    /// is off the socket, before decoding it, so that a getter killed while decoding
+    /// (mapping segments, registering names) leaks no place. A SIGKILL that lands
+    /// while `recvmsg` itself runs (the packet is dequeued, the process dies on the way
+    /// back from the kernel) still loses one place — about 2 kills in 100 in
+    /// `tests/faults.rs` — as in Python's `multiprocessing.Queue`, whose getter frees
+    /// its semaphore after receiving. A later `put` then waits for room (and a
+    /// `put_timeout` says it timed out); nothing hangs without a deadline the caller
+    /// chose.
     fn taken<T>(&self, got: &Result<Option<T>>) {
-        // A malformed message was still a message taken off the queue.
-        if matches!(got, Ok(Some(_)) | Err(Error::InvalidMessage(_))) {
+        // A malformed or truncated packet was still a packet taken off the queue.
+        if matches!(
+            got,
+            Ok(Some(_)) | Err(Error::InvalidMessage(_)) | Err(Error::FdLimit(_))
+        ) {
             saturating_dec(self.block.word(ITEMS));
             if self.bounded() {
                 self.release_slot();
@@ -160,15 +180,15 @@ impl Shared {
         if items.load(Ordering::Acquire) == 0 {
             futex::spin_until(deadline, || items.load(Ordering::Acquire) > 0);
         }
-        let got = self.channel.get(deadline);
-        self.taken(&got);
-        got
+        let packet = self.channel.recv(deadline);
+        self.taken(&packet);
+        packet?.map(wire::decode).transpose()
     }
 
     fn try_get<T: DeserializeOwned>(&self) -> Result<Option<T>> {
-        let got = self.channel.try_get();
-        self.taken(&got);
-        got
+        let packet = self.channel.try_recv();
+        self.taken(&packet);
+        packet?.map(wire::decode).transpose()
     }
 
     fn task_done_unchecked(&self) {

@@ -8,7 +8,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use crate::sys::Deadline;
-use crate::sys::socket::seqpacket_pair;
+use crate::sys::socket::{Packet, seqpacket_pair};
 use crate::{Error, PutError, Result, wire};
 
 /// Both ends of one `SOCK_SEQPACKET` pair. Every process holding the queue holds both,
@@ -62,20 +62,37 @@ impl Channel {
     /// Receives and decodes one message; `Ok(None)` at the deadline. A malformed message
     /// is consumed and reported; the queue stays usable.
     pub(crate) fn get<T: DeserializeOwned>(&self, deadline: Deadline) -> Result<Option<T>> {
-        self.check_open("get")?;
-        match wire::recv_packet(self.rx.as_fd(), deadline)? {
-            Some(packet) => wire::decode(packet).map(Some),
-            None => Ok(None),
-        }
+        self.recv(deadline)?.map(wire::decode).transpose()
     }
 
     /// Receives one message if one is waiting.
     pub(crate) fn try_get<T: DeserializeOwned>(&self) -> Result<Option<T>> {
+        self.try_recv()?.map(wire::decode).transpose()
+    }
+
+    /// Encodes `item` for [`send`](Self::send), without sending it.
+    pub(crate) fn encode<T: Serialize>(&self, item: &T) -> Result<wire::Encoded> {
+        self.check_open("put")?;
+        wire::encode(item)
+    }
+
+    /// Sends a message made by [`encode`](Self::encode), waiting for room until the
+    /// deadline.
+    pub(crate) fn send(&self, encoded: &mut wire::Encoded, deadline: Deadline) -> Result<()> {
+        encoded.send(self.tx.as_fd(), deadline)
+    }
+
+    /// Receives one packet without decoding it; `Ok(None)` at the deadline. An
+    /// `InvalidMessage` or `FdLimit` error here means a packet was consumed anyway.
+    pub(crate) fn recv(&self, deadline: Deadline) -> Result<Option<Packet>> {
         self.check_open("get")?;
-        match wire::try_recv_packet(self.rx.as_fd())? {
-            Some(packet) => wire::decode(packet).map(Some),
-            None => Ok(None),
-        }
+        wire::recv_packet(self.rx.as_fd(), deadline)
+    }
+
+    /// Receives one packet if one is waiting, without decoding it.
+    pub(crate) fn try_recv(&self) -> Result<Option<Packet>> {
+        self.check_open("get")?;
+        wire::try_recv_packet(self.rx.as_fd())
     }
 
     /// Whether a message is waiting right now.
@@ -109,7 +126,7 @@ impl<'de> Deserialize<'de> for Channel {
         let tx = wire::received_fd(tx, "a queue").map_err(serde::de::Error::custom)?;
         let rx = wire::received_fd(rx, "a queue").map_err(serde::de::Error::custom)?;
         for fd in [&tx, &rx] {
-            check_seqpacket(fd).map_err(serde::de::Error::custom)?;
+            check_seqpacket(fd).map_err(|e| serde::de::Error::custom(wire::fail(e)))?;
         }
         Ok(Self {
             tx,

@@ -138,7 +138,7 @@ impl<'de, T> Deserialize<'de> for Connection<T> {
     fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
         let index = u32::deserialize(d)?;
         let sock = wire::received_fd(index, "a Connection").map_err(serde::de::Error::custom)?;
-        check_seqpacket(&sock).map_err(serde::de::Error::custom)?;
+        check_seqpacket(&sock).map_err(|e| serde::de::Error::custom(wire::fail(e)))?;
         Ok(Self::from_fd(sock))
     }
 }

@@ -21,6 +21,15 @@
 //! `SHRINK`; a named file is a regular 0600 file of ours; sizes cover what the handle
 //! claims), so a short or forged segment is [`Error::InvalidMessage`], never a SIGBUS.
 //!
+//! **Residual risk (named segments).** A memfd is sealed, so once checked it can never
+//! shrink. A named segment cannot be sealed: its size is checked when it is mapped, but
+//! a hostile process *of the same user* that truncates `/dev/shm/multiproc_…` after a
+//! receiver mapped it makes the receiver's next access to the lost pages a SIGBUS. Only
+//! the same user can do this (the files are 0600), and that user can already ptrace
+//! our processes; `file_descriptor` (the default) has no such window. A malformed
+//! message that names segments also leaves their in-flight references unadopted: those
+//! names stay until the tree's shm manager removes them when the tree has exited.
+//!
 //! `file_descriptor` storages live in *blocks* (see `pool`): memfd segments with a
 //! 64-byte header counting their uses across processes, which their creator recycles
 //! once no process uses them any more. Small storages are carved out of shared 1 MiB

@@ -519,24 +519,12 @@ impl Segment {
         let Some(h) = self.header() else {
             return Ok(());
         };
-        let mut cur = h.refcount.load(Ordering::Acquire);
-        loop {
-            if cur == 0 || cur == u32::MAX {
-                return Err(Error::Encode(format!(
-                    "shared-memory segment {} cannot be sent: its reference count is {cur}",
-                    self.name().map_or_else(String::new, shm_path)
-                )));
-            }
-            match h.refcount.compare_exchange_weak(
-                cur,
-                cur + 1,
-                Ordering::AcqRel,
-                Ordering::Acquire,
-            ) {
-                Ok(_) => return Ok(()),
-                Err(v) => cur = v,
-            }
-        }
+        take_reference(&h.refcount).map_err(|cur| {
+            Error::Encode(format!(
+                "shared-memory segment {} cannot be sent: its reference count is {cur}",
+                self.name().map_or_else(String::new, shm_path)
+            ))
+        })
     }
 
     /// Drops one reference of a named segment; the last one unlinks the name and tells
@@ -545,28 +533,46 @@ impl Segment {
         let (Some(h), Some(name)) = (self.header(), self.name()) else {
             return;
         };
-        let mut cur = h.refcount.load(Ordering::Acquire);
-        loop {
-            if cur == 0 {
-                tracing::warn!(segment = %name, "released a segment whose refcount is already 0");
-                return;
-            }
-            match h.refcount.compare_exchange_weak(
-                cur,
-                cur - 1,
-                Ordering::AcqRel,
-                Ordering::Acquire,
-            ) {
-                Ok(_) => break,
-                Err(v) => cur = v,
-            }
-        }
-        if cur == 1 {
+        let Some(last) = drop_reference(&h.refcount) else {
+            tracing::warn!(segment = %name, "released a segment whose refcount is already 0");
+            return;
+        };
+        if last {
             match rustix::fs::unlink(shm_path(name)) {
                 Ok(()) | Err(Errno::NOENT) => {}
                 Err(e) => tracing::warn!(segment = %name, "cannot unlink: {e}"),
             }
             crate::manager::unregister(name);
+        }
+    }
+}
+
+/// Takes one more reference on a cross-process count, unless none is left (the name is
+/// being removed) or the count is saturated; `Err(count)` then.
+pub(super) fn take_reference(refcount: &AtomicU32) -> std::result::Result<(), u32> {
+    let mut cur = refcount.load(Ordering::Acquire);
+    loop {
+        if cur == 0 || cur == u32::MAX {
+            return Err(cur);
+        }
+        match refcount.compare_exchange_weak(cur, cur + 1, Ordering::AcqRel, Ordering::Acquire) {
+            Ok(_) => return Ok(()),
+            Err(v) => cur = v,
+        }
+    }
+}
+
+/// Drops one reference; `Some(true)` when it was the last one, `None` when the count
+/// was already 0 (a forged or doubly released count is left alone, never wrapped).
+pub(super) fn drop_reference(refcount: &AtomicU32) -> Option<bool> {
+    let mut cur = refcount.load(Ordering::Acquire);
+    loop {
+        if cur == 0 {
+            return None;
+        }
+        match refcount.compare_exchange_weak(cur, cur - 1, Ordering::AcqRel, Ordering::Acquire) {
+            Ok(_) => return Some(cur == 1),
+            Err(v) => cur = v,
         }
     }
 }
@@ -597,5 +603,49 @@ impl Drop for Segment {
             }
             crate::manager::forget(name);
         }
+    }
+}
+
+/// The cross-process refcount's logic on process-local memory (runs under Miri).
+#[cfg(test)]
+mod refcount_tests {
+    use super::*;
+
+    #[test]
+    fn references_are_counted_and_never_wrap() {
+        let count = AtomicU32::new(1);
+        assert_eq!(take_reference(&count), Ok(()));
+        assert_eq!(drop_reference(&count), Some(false));
+        assert_eq!(drop_reference(&count), Some(true), "the last one");
+        assert_eq!(drop_reference(&count), None, "never below zero");
+        assert_eq!(
+            take_reference(&count),
+            Err(0),
+            "a removed name is not revived"
+        );
+        let full = AtomicU32::new(u32::MAX);
+        assert_eq!(take_reference(&full), Err(u32::MAX), "never wraps");
+    }
+
+    #[test]
+    fn concurrent_takes_and_drops_balance_and_one_drop_is_the_last() {
+        let count = std::sync::Arc::new(AtomicU32::new(1));
+        let rounds = if cfg!(miri) { 20 } else { 10_000 };
+        let threads: Vec<_> = (0..4)
+            .map(|_| {
+                let count = std::sync::Arc::clone(&count);
+                std::thread::spawn(move || {
+                    for _ in 0..rounds {
+                        take_reference(&count).unwrap();
+                        assert_eq!(drop_reference(&count), Some(false));
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        assert_eq!(count.load(Ordering::Acquire), 1);
+        assert_eq!(drop_reference(&count), Some(true));
     }
 }

@@ -143,3 +143,36 @@ fn segments_alias_across_mappings() {
     ta.fill_(42.0).unwrap();
     assert_eq!(tb.to_vec::<i64>().unwrap(), [42]);
 }
+
+#[test]
+fn creation_never_follows_or_reuses_an_existing_name() {
+    // A file already at the name: refused (O_EXCL), and left as it was.
+    let name = SegmentName::generate().unwrap();
+    let path = name::shm_path(&name);
+    std::fs::write(&path, b"someone else's").unwrap();
+    let err = Segment::create_named(name.clone(), 4096).unwrap_err();
+    assert!(err.to_string().contains(&path), "{err}");
+    assert_eq!(std::fs::read(&path).unwrap(), b"someone else's");
+    std::fs::remove_file(&path).unwrap();
+    // A symbolic link at the name: not followed (O_NOFOLLOW with O_EXCL), its target
+    // neither created nor truncated.
+    let target = std::env::temp_dir().join(format!("mp-symlink-target-{}", std::process::id()));
+    std::fs::write(&target, b"precious").unwrap();
+    std::os::unix::fs::symlink(&target, &path).unwrap();
+    assert!(Segment::create_named(name.clone(), 4096).is_err());
+    assert_eq!(std::fs::read(&target).unwrap(), b"precious");
+    std::fs::remove_file(&path).unwrap();
+    // A dangling link: the target is not created either.
+    std::fs::remove_file(&target).unwrap();
+    std::os::unix::fs::symlink(&target, &path).unwrap();
+    assert!(Segment::create_named(name.clone(), 4096).is_err());
+    assert!(!target.exists(), "a dangling symlink was followed");
+    std::fs::remove_file(&path).unwrap();
+    // Once the name is free, the segment is made 0600.
+    let seg = Segment::create_named(name.clone(), 4096).unwrap();
+    let st = rustix::fs::stat(&path).unwrap();
+    assert_eq!(st.st_mode & 0o7777, 0o600);
+    assert_eq!(st.st_uid, rustix::process::geteuid().as_raw());
+    drop(seg);
+    assert!(!exists(&name));
+}

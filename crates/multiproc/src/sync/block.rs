@@ -66,7 +66,7 @@ impl SharedBlock {
             .load(std::sync::atomic::Ordering::Acquire);
         if found != kind {
             return Err(Error::InvalidMessage(format!(
-                "the handle sent as a {what} is a shared block of another kind ({found:#x})"
+                "the handle sent as {what} is a shared block of another kind ({found:#x})"
             )));
         }
         Ok(block)
@@ -116,6 +116,6 @@ impl SharedBlock {
     ) -> std::result::Result<Self, D::Error> {
         let index = u32::deserialize(d)?;
         let fd = wire::received_fd(index, what).map_err(serde::de::Error::custom)?;
-        Self::open(fd, kind, what).map_err(serde::de::Error::custom)
+        Self::open(fd, kind, what).map_err(|e| serde::de::Error::custom(wire::fail_with(e)))
     }
 }

@@ -230,6 +230,14 @@ pub(crate) fn try_recv_packet(sock: BorrowedFd<'_>, buf: &mut [u8]) -> Result<At
         }
     }
     if msg.bytes == 0 && fds.is_empty() {
+        // End of stream and an empty packet both read as 0 bytes; only a hung-up peer
+        // with nothing more queued is the end. (A forged empty packet must not make
+        // the receiver give up.)
+        if !peer_hung_up(sock) || more_queued(sock) {
+            return Err(Error::InvalidMessage(
+                "an empty packet arrived (not a multiproc message)".into(),
+            ));
+        }
         return Err(Error::Closed(
             "the other end of the channel is closed (every sender has gone)".into(),
         ));
@@ -295,4 +303,37 @@ pub(crate) fn recv_packet(
             }
         }
     }
+}
+
+/// Whether the peer of a connected socket has gone (every holder of the other end
+/// closed it): `poll` reports a hang-up then.
+fn peer_hung_up(sock: BorrowedFd<'_>) -> bool {
+    let mut fds = [PollFd::from_borrowed_fd(
+        sock,
+        PollFlags::IN | PollFlags::RDHUP,
+    )];
+    let zero = Timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    match poll(&mut fds, Some(&zero)) {
+        Ok(_) => fds[0]
+            .revents()
+            .intersects(PollFlags::HUP | PollFlags::RDHUP),
+        // Cannot tell: keep the old reading (end of stream).
+        Err(_) => true,
+    }
+}
+
+/// Whether a packet with at least one byte waits on `sock` (peeked, not taken).
+fn more_queued(sock: BorrowedFd<'_>) -> bool {
+    let mut byte = [0u8; 1];
+    matches!(
+        rustix::net::recv(
+            sock,
+            &mut byte[..],
+            RecvFlags::PEEK | RecvFlags::DONTWAIT | RecvFlags::TRUNC
+        ),
+        Ok((_, n)) if n > 0
+    )
 }

@@ -99,7 +99,14 @@ impl Layout {
             return outside(format!("have more than {MAX_DIMS} dimensions"));
         }
         let capacity = nbytes / elem_size;
-        if numel_of(&self.shape).is_err() {
+        // Even a layout that revisits elements (a zero stride) must describe no more
+        // bytes than one buffer can hold, so that copying it out is an allocation that
+        // can be attempted rather than an arithmetic overflow.
+        let fits = numel_of(&self.shape)
+            .ok()
+            .and_then(|n| n.checked_mul(elem_size))
+            .is_some_and(|b| b <= isize::MAX as usize);
+        if !fits {
             return outside("address more elements than memory can hold".into());
         }
         if self.numel() == 0 {
@@ -203,6 +210,13 @@ mod tests {
                 .is_err()
         );
         assert!(layout(&[0], &[1], 4).check_bounds(4, 16).is_ok());
+        // A zero stride revisits one element; its size is still bounded.
+        assert!(layout(&[1 << 20], &[0], 0).check_bounds(4, 4).is_ok());
+        assert!(
+            layout(&[usize::MAX / 2], &[0], 0)
+                .check_bounds(4, 4)
+                .is_err()
+        );
         assert!(layout(&[0], &[1], 5).check_bounds(4, 16).is_err());
         assert!(layout(&[2], &[1, 1], 0).check_bounds(4, 16).is_err());
         assert!(layout(&[], &[], 3).check_bounds(4, 16).is_ok());

@@ -33,7 +33,7 @@
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -402,6 +402,21 @@ fn write_all_at(fd: BorrowedFd<'_>, mut bytes: &[u8]) -> Result<()> {
 }
 
 impl Encoded {
+    /// The packet as a receiver would get it (bytes and fds), without sending it; for
+    /// the fuzz target's seeds. The references taken for a receiver stay taken.
+    pub(crate) fn into_packet(mut self) -> Packet {
+        self.sent = true;
+        let mut bytes = self.header.to_vec();
+        bytes.extend_from_slice(&self.payload);
+        // A shared fd becomes a duplicate; one that cannot be duplicated (fd limit) is
+        // left out, and the packet then decodes as malformed — fine for a seed.
+        let fds = std::mem::take(&mut self.fds)
+            .into_iter()
+            .filter_map(|fd| fd.into_owned().ok())
+            .collect();
+        Packet { bytes, fds }
+    }
+
     /// Sends the packet, waiting for room until the deadline.
     pub(crate) fn send(&mut self, sock: BorrowedFd<'_>, deadline: Deadline) -> Result<()> {
         let fds: Vec<BorrowedFd<'_>> = self.fds.iter().map(AttachedFd::as_fd).collect();
@@ -545,7 +560,14 @@ fn read_sealed_payload(fd: BorrowedFd<'_>, len: usize) -> Result<Vec<u8>> {
             "the header declares a {len}-byte payload but its memfd holds {size} bytes"
         )));
     }
-    let mut out = vec![0u8; len];
+    // The length is the sender's word: allocating must fail as an error, never abort.
+    let mut out = Vec::new();
+    out.try_reserve_exact(len).map_err(|_| {
+        Error::InvalidMessage(format!(
+            "cannot allocate {len} bytes for a message payload (out of memory)"
+        ))
+    })?;
+    out.resize(len, 0);
     let mut done = 0;
     while done < len {
         match rustix::io::pread(fd, &mut out[done..], done as u64) {
@@ -572,10 +594,15 @@ pub(crate) struct Opaque {
     bytes: Vec<u8>,
     fds: Vec<OwnedFd>,
     /// References taken for the eventual receiver. Serializing the `Opaque` into an
-    /// outer message hands them to that message, which releases them only if it is
-    /// never sent; dropping an `Opaque` that was never serialized releases them.
-    on_unsent: std::sync::Mutex<Vec<Box<dyn FnOnce() + Send>>>,
+    /// outer message lends them to that message: if it is sent, the receiver adopts
+    /// them; if it is not (a failed send hands the `Opaque` back to its caller, who may
+    /// send it again), they come back here. Dropping an `Opaque` that holds them
+    /// releases them.
+    on_unsent: Arc<Mutex<Vec<Undo>>>,
 }
+
+/// Work that gives back a reference taken for a receiver.
+type Undo = Box<dyn FnOnce() + Send>;
 
 impl Opaque {
     /// Encodes `value` now.
@@ -595,7 +622,7 @@ impl Opaque {
             fds,
             on_unsent: {
                 inner.sent = true; // ownership of the undo work moves to the Opaque
-                std::sync::Mutex::new(std::mem::take(&mut inner.on_unsent))
+                Arc::new(Mutex::new(std::mem::take(&mut inner.on_unsent)))
             },
         })
     }
@@ -612,7 +639,7 @@ impl Opaque {
 }
 
 impl Opaque {
-    fn undo_list(&self) -> std::sync::MutexGuard<'_, Vec<Box<dyn FnOnce() + Send>>> {
+    fn undo_list(&self) -> MutexGuard<'_, Vec<Undo>> {
         self.on_unsent.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
@@ -632,9 +659,16 @@ impl Serialize for Opaque {
         for fd in &self.fds {
             indices.push(attach_fd(fd.as_fd(), "a nested message").map_err(S::Error::custom)?);
         }
-        // The outer message now carries the receiver's references.
-        for undo in self.undo_list().drain(..) {
-            on_unsent(undo).map_err(S::Error::custom)?;
+        // The outer message now carries the receiver's references; if it is never
+        // sent they return to this `Opaque` (or, if it is gone, are released).
+        let undos: Vec<Undo> = self.undo_list().drain(..).collect();
+        if !undos.is_empty() {
+            let home = Arc::downgrade(&self.on_unsent);
+            on_unsent(Box::new(move || match home.upgrade() {
+                Some(list) => list.lock().unwrap_or_else(|p| p.into_inner()).extend(undos),
+                None => undos.into_iter().for_each(|undo| undo()),
+            }))
+            .map_err(S::Error::custom)?;
         }
         (&self.bytes, indices).serialize(s)
     }
@@ -652,7 +686,7 @@ impl<'de> serde::Deserialize<'de> for Opaque {
         Ok(Self {
             bytes,
             fds,
-            on_unsent: std::sync::Mutex::new(Vec::new()),
+            on_unsent: Arc::new(Mutex::new(Vec::new())),
         })
     }
 }
@@ -679,6 +713,35 @@ mod tests {
     }
 
     #[test]
+    fn plain_values_round_trip_without_a_socket() {
+        fn again<T: Serialize + DeserializeOwned>(v: &T) -> Result<T> {
+            decode(encode(v)?.into_packet())
+        }
+        let v = (
+            7u8,
+            "text".to_string(),
+            vec![(1u64, Some(-2i32)), (3, None)],
+        );
+        assert_eq!(again(&v).unwrap(), v);
+        let err = Error::Timeout("a timeout".into());
+        assert_eq!(again(&err).unwrap(), err);
+        // A packet cut short or with bytes added is refused.
+        let mut p = encode(&v).unwrap().into_packet();
+        p.bytes.pop();
+        assert!(matches!(
+            decode::<(u8, String)>(p),
+            Err(Error::InvalidMessage(_))
+        ));
+        let mut p = encode(&v).unwrap().into_packet();
+        p.bytes.push(0);
+        assert!(matches!(
+            decode::<(u8, String)>(p),
+            Err(Error::InvalidMessage(_))
+        ));
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore = "sockets and memfds")]
     fn small_and_large_values_round_trip() {
         assert_eq!(
             roundtrip(&(1u32, "x".to_string())).unwrap(),
@@ -689,6 +752,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "sockets and memfds")]
     fn nested_messages_carry_their_fds() {
         let (a, b) = socket::seqpacket_pair().unwrap();
         let inner = Opaque::encode(&crate::Event::new().unwrap()).unwrap();
@@ -697,6 +761,43 @@ mod tests {
         ev.set();
         assert!(ev.is_set());
         drop((a, b));
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore = "sockets and named segments")]
+    fn a_nested_message_that_fails_to_send_keeps_its_references() {
+        let t = crate::Tensor::full(&[256], 3.0, crate::DType::F32).unwrap();
+        t.storage()
+            .share_memory_with(crate::SharingStrategy::FileSystem)
+            .unwrap();
+        let name = t.storage().shm_name().unwrap();
+        let inner = Opaque::encode(&t).unwrap();
+        drop(t); // the Opaque's in-flight reference is all that keeps the segment now
+        let path = format!("/dev/shm/{name}");
+        // The outer send fails (nobody receives): the reference must stay with the
+        // Opaque, which comes back to the sender, not be released.
+        let (a, b) = socket::seqpacket_pair().unwrap();
+        drop(b);
+        let mut outer = encode(&(1u8, &inner)).unwrap();
+        assert!(outer.send(a.as_fd(), None).is_err());
+        drop(outer);
+        assert!(
+            std::path::Path::new(&path).exists(),
+            "a failed send released the nested message's reference"
+        );
+        // Sent again, it arrives and decodes.
+        let (c, d) = socket::seqpacket_pair().unwrap();
+        let mut again = encode(&(2u8, &inner)).unwrap();
+        again.send(c.as_fd(), None).unwrap();
+        drop((again, inner));
+        let back: (u8, Opaque) = decode(recv_packet(d.as_fd(), None).unwrap().unwrap()).unwrap();
+        let t: crate::Tensor = back.1.decode().unwrap();
+        assert_eq!(t.sum(), 768.0);
+        drop(t);
+        assert!(
+            !std::path::Path::new(&path).exists(),
+            "the last user unlinked it"
+        );
     }
 
     #[test]

@@ -1,0 +1,232 @@
+//! The `multiproc` command: `doctor` checks that a manager can start (and its exit code
+//! matches its verdict); two `gc` runs at once remove each stale segment once.
+
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+use std::process::{Command, Output, Stdio};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// These tests watch the machine's shm managers and /dev/shm: one at a time.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn multiproc(args: &[&str]) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_multiproc"));
+    c.args(args);
+    c
+}
+
+fn text(out: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+/// Pids of live processes whose environment contains `needle`.
+fn processes_with_env(needle: &str) -> Vec<u32> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(env) = std::fs::read(e.path().join("environ")) else {
+            continue;
+        };
+        let alive = std::fs::read_to_string(e.path().join("stat")).is_ok_and(|s| {
+            s.rfind(')')
+                .and_then(|i| s[i + 1..].trim_start().chars().next())
+                .is_some_and(|c| c != 'Z' && c != 'X')
+        });
+        if alive && env.split(|&b| b == 0).any(|v| v == needle.as_bytes()) {
+            out.push(pid);
+        }
+    }
+    out
+}
+
+#[test]
+fn doctor_starts_a_throwaway_manager_and_its_exit_code_matches_its_verdict() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let out = multiproc(&["doctor"]).output().unwrap();
+    let text = text(&out);
+    let line = text
+        .lines()
+        .find(|l| l.contains("shm manager"))
+        .unwrap_or_else(|| panic!("no manager check:\n{text}"));
+    assert!(
+        line.starts_with("[ ok ]"),
+        "a manager can start here:\n{text}"
+    );
+    // Exit code: 0 exactly when every check passed.
+    let failed = text.lines().any(|l| l.starts_with("[FAIL]"));
+    assert_eq!(out.status.code(), Some(i32::from(failed)), "{text}");
+    assert_eq!(text.contains("healthy: "), !failed, "{text}");
+    // The throwaway manager leaves by itself once doctor has gone.
+    let addr = line
+        .split('@')
+        .nth(1)
+        .and_then(|r| r.split_whitespace().next())
+        .expect("the manager's address")
+        .to_owned();
+    let needle = format!("MULTIPROC_SHM_MANAGER={addr}");
+    let until = Instant::now() + Duration::from_secs(15);
+    while !processes_with_env(&needle).is_empty() {
+        assert!(
+            Instant::now() < until,
+            "doctor's manager at @{addr} did not exit"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A pid that is not running (a child that has exited and been reaped).
+fn dead_pid() -> u32 {
+    let mut c = Command::new("true").spawn().unwrap();
+    let pid = c.id();
+    c.wait().unwrap();
+    pid
+}
+
+fn random_hex(seed: &mut u64) -> String {
+    (0..2)
+        .map(|_| {
+            *seed = seed.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = *seed;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            format!("{:016x}", z ^ (z >> 31))
+        })
+        .collect()
+}
+
+/// "removed /dev/shm/x (N bytes)" lines of a gc run: path → bytes.
+fn removed(text: &str) -> Vec<(String, u64)> {
+    text.lines()
+        .filter_map(|l| {
+            let rest = l.strip_prefix("removed ")?;
+            let (path, bytes) = rest.split_once(" (")?;
+            Some((
+                path.to_owned(),
+                bytes.strip_suffix(" bytes)")?.parse().ok()?,
+            ))
+        })
+        .collect()
+}
+
+fn reclaimed(text: &str) -> (u64, u64) {
+    let l = text
+        .lines()
+        .find_map(|l| l.strip_prefix("reclaimed "))
+        .unwrap_or_else(|| panic!("no summary:\n{text}"));
+    let mut nums = l
+        .split(|c: char| !c.is_ascii_digit())
+        .filter(|s| !s.is_empty())
+        .map(|s| s.parse::<u64>().unwrap());
+    (nums.next().unwrap(), nums.next().unwrap())
+}
+
+#[test]
+fn two_gc_runs_at_once_remove_each_stale_segment_once() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    // Give shm managers of earlier tests a moment to leave (gc leaves dead processes'
+    // segments to a live manager of this user; the test copes either way).
+    let until = Instant::now() + Duration::from_secs(15);
+    while !processes_with_env("MULTIPROC_ROLE=shm-manager").is_empty() && Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let mut seed = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as u64;
+    let dead = dead_pid();
+    let mut stale = BTreeSet::new();
+    for i in 0..60u64 {
+        let path = PathBuf::from(format!(
+            "/dev/shm/multiproc_{dead}_{}",
+            random_hex(&mut seed)
+        ));
+        std::fs::write(&path, vec![0u8; 100 + i as usize]).unwrap();
+        stale.insert(path.display().to_string());
+    }
+    // One of a live creator (this process): never removed.
+    let live = PathBuf::from(format!(
+        "/dev/shm/multiproc_{}_{}",
+        std::process::id(),
+        random_hex(&mut seed)
+    ));
+    std::fs::write(&live, b"in use").unwrap();
+
+    // --dry-run lists, removes nothing.
+    let dry = multiproc(&["gc", "--dry-run"]).output().unwrap();
+    assert!(dry.status.success(), "{}", text(&dry));
+    assert!(stale.iter().all(|p| std::path::Path::new(p).exists()));
+
+    let start = || {
+        multiproc(&["gc"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let (a, b) = (start(), start());
+    let (a, b) = (a.wait_with_output().unwrap(), b.wait_with_output().unwrap());
+    let (ta, tb) = (text(&a), text(&b));
+    assert!(a.status.success() && b.status.success(), "{ta}\n{tb}");
+    assert!(
+        !ta.contains("cannot remove") && !tb.contains("cannot remove"),
+        "{ta}\n{tb}"
+    );
+    let (ra, rb) = (removed(&ta), removed(&tb));
+    // Each run's summary counts exactly what it removed.
+    for (r, t) in [(&ra, &ta), (&rb, &tb)] {
+        assert_eq!(
+            reclaimed(t),
+            (r.len() as u64, r.iter().map(|(_, n)| n).sum()),
+            "{t}"
+        );
+    }
+    // No segment was removed twice; only stale ones were removed.
+    let pa: BTreeSet<&String> = ra.iter().map(|(p, _)| p).collect();
+    let pb: BTreeSet<&String> = rb.iter().map(|(p, _)| p).collect();
+    assert!(
+        pa.is_disjoint(&pb),
+        "removed by both runs: {:?}",
+        pa.intersection(&pb)
+    );
+    assert!(live.exists(), "a live creator's segment was removed");
+    let left_alone = ta.contains("left alone") || tb.contains("left alone");
+    for p in &stale {
+        let gone = !std::path::Path::new(p).exists();
+        let by_one = pa.contains(p) as u8 + pb.contains(p) as u8;
+        if left_alone {
+            // A live manager of this user may hold them: each is either removed by one
+            // run or still there.
+            assert!(
+                gone == (by_one == 1),
+                "{p}: gone {gone}, removed by {by_one} runs"
+            );
+        } else {
+            assert!(
+                gone && by_one == 1,
+                "{p}: gone {gone}, removed by {by_one} runs\n{ta}\n{tb}"
+            );
+        }
+    }
+    eprintln!(
+        "gc runs removed {} and {} of {} stale segments{}",
+        pa.len(),
+        pb.len(),
+        stale.len(),
+        if left_alone {
+            " (a live manager was running)"
+        } else {
+            ""
+        }
+    );
+    for p in &stale {
+        let _ = std::fs::remove_file(p);
+    }
+    std::fs::remove_file(&live).unwrap();
+}

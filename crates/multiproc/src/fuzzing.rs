@@ -1,0 +1,323 @@
+//! **Not public API.** Entry points for the wire decoder's fuzz target
+//! (`fuzz/fuzz_targets/decode_packet.rs`) and for the stable-Rust test that replays its
+//! corpus (`tests/fuzz_corpus.rs`). Anything here may change or vanish in any release.
+//!
+//! A fuzz input is a packet plus a description of the fds to attach to it:
+//!
+//! | bytes | what |
+//! |---|---|
+//! | 0 | `n`: the number of fd specs (`byte % 13`) |
+//! | 1..=n | one spec per fd (see [`fds_for_fuzzing`]) |
+//! | next 2 | `blob_len`, little-endian (clipped to what is left) |
+//! | next `blob_len` | the blob: the contents of payload memfds (spec kind 2) |
+//! | the rest | the packet's bytes, as they would arrive on a channel |
+//!
+//! The packet is decoded as [`FuzzMessage`], a representative type with tensors (at
+//! several depths), strings, an event, a lock, queues, a pipe end, a nested message and
+//! an error; whatever decodes is then used (every element of a small tensor is read,
+//! the lock is taken and released, …), so a handle that passed the checks but maps
+//! less than it claims would crash the fuzzer.
+
+use std::os::fd::{AsFd, OwnedFd};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::sys::socket::Packet;
+use crate::wire::{self, Opaque};
+use crate::{
+    Connection, DType, Error, Event, Lock, Queue, Result, SharingStrategy, SimpleQueue, Tensor,
+};
+
+/// The most fds one input attaches.
+const MAX_FDS: usize = 12;
+/// How deep nested messages are decoded.
+const MAX_DEPTH: usize = 3;
+/// Tensors with more elements than this are checked at their ends only (a zero-stride
+/// tensor may legally address 2^60 elements of a 4-byte storage).
+const SUM_LIMIT: usize = 1 << 16;
+
+/// The type the fuzzer decodes: a little of everything a message can carry.
+#[derive(Serialize, Deserialize, Default)]
+pub struct FuzzMessage {
+    tag: u8,
+    text: String,
+    tensors: Vec<Tensor>,
+    nested: Vec<Vec<(u32, Option<Tensor>)>>,
+    event: Option<Event>,
+    lock: Option<Lock>,
+    queue: Option<Queue<u32>>,
+    simple: Option<SimpleQueue<Tensor>>,
+    conn: Option<Connection<u8>>,
+    inner: Option<Opaque>,
+    error: Option<Error>,
+}
+
+/// Runs one fuzz input: makes its fds, decodes its packet, uses what decoded. Returns
+/// a one-line summary, or the decoder's error. Never panics on any input (that is
+/// what the fuzzer checks).
+pub fn run_input(data: &[u8]) -> Result<String> {
+    let (specs, blob, packet) = split_input(data);
+    let fds = fds_for_fuzzing(specs, blob);
+    decode_packet_for_fuzzing(packet, fds)
+}
+
+/// Splits an input into fd specs, blob and packet bytes.
+pub fn split_input(data: &[u8]) -> (&[u8], &[u8], &[u8]) {
+    let Some((&n, rest)) = data.split_first() else {
+        return (&[], &[], &[]);
+    };
+    let n = (n as usize % (MAX_FDS + 1)).min(rest.len());
+    let (specs, rest) = rest.split_at(n);
+    let (blob_len, rest) = if rest.len() >= 2 {
+        (u16::from_le_bytes([rest[0], rest[1]]) as usize, &rest[2..])
+    } else {
+        (0, rest)
+    };
+    let (blob, packet) = rest.split_at(blob_len.min(rest.len()));
+    (specs, blob, packet)
+}
+
+/// Decodes `bytes` with `fds` attached, as a channel would, into a [`FuzzMessage`],
+/// and uses what decoded.
+pub fn decode_packet_for_fuzzing(bytes: &[u8], fds: Vec<OwnedFd>) -> Result<String> {
+    let message: FuzzMessage = wire::decode(Packet {
+        bytes: bytes.to_vec(),
+        fds,
+    })?;
+    exercise(message, 0)
+}
+
+fn exercise(m: FuzzMessage, depth: usize) -> Result<String> {
+    let mut sum = 0.0;
+    let mut count = 0usize;
+    let mut touch = |t: &Tensor| -> Result<()> {
+        count += 1;
+        if t.numel() <= SUM_LIMIT {
+            sum += t.sum();
+        } else {
+            // The first and the last element along the flattened order.
+            let flat = t.reshape(&[t.numel()]).or_else(|_| {
+                t.contiguous()
+                    .and_then(|c| c.reshape(&[c.numel()]))
+                    .map_err(|e| Error::Tensor(e.to_string()))
+            });
+            if let Ok(flat) = flat {
+                sum += flat.narrow(0, 0, 1)?.sum() + flat.narrow(0, flat.numel() - 1, 1)?.sum();
+            }
+        }
+        Ok(())
+    };
+    for t in &m.tensors {
+        touch(t)?;
+    }
+    for t in m.nested.iter().flatten().filter_map(|(_, t)| t.as_ref()) {
+        touch(t)?;
+    }
+    let event = m.event.as_ref().map(Event::is_set);
+    if let Some(lock) = &m.lock {
+        if lock.acquire(Some(Duration::ZERO))? {
+            lock.release()?;
+        }
+    }
+    if let Some(q) = &m.queue {
+        let _ = q.qsize();
+    }
+    if let Some(c) = &m.conn {
+        let _ = c.poll(Some(Duration::ZERO));
+    }
+    let inner = match m.inner {
+        Some(inner) if depth < MAX_DEPTH => Some(exercise(inner.decode()?, depth + 1)?),
+        _ => None,
+    };
+    Ok(format!(
+        "tag {} text {} bytes, {count} tensors summing to {sum}, event {event:?}, inner {inner:?}, error {:?}",
+        m.tag,
+        m.text.len(),
+        m.error.map(|e| e.to_string())
+    ))
+}
+
+/// Makes one fd per spec byte: `kind = b % 8`, `arg = b / 8` (0..32).
+///
+/// | kind | fd |
+/// |---|---|
+/// | 0 | a memfd of `arg * 256` bytes, sealed against shrinking and growing (a tensor segment) |
+/// | 1 | an unsealed memfd of 4096 bytes |
+/// | 2 | a memfd holding the blob, sealed against writing (a message payload) |
+/// | 3 | one end of a `SOCK_SEQPACKET` pair (a queue or pipe end) |
+/// | 4 | an [`Event`]'s shared block |
+/// | 5 | a [`Lock`]'s shared block |
+/// | 6 | a [`Queue`]'s shared block |
+/// | 7 | one end of a `SOCK_STREAM` pair (a socket of the wrong kind) |
+///
+/// An fd that cannot be made (fd limit) is left out.
+pub fn fds_for_fuzzing(specs: &[u8], blob: &[u8]) -> Vec<OwnedFd> {
+    specs
+        .iter()
+        .take(MAX_FDS)
+        .filter_map(|&b| make_fd(b % 8, u64::from(b / 8), blob).ok())
+        .collect()
+}
+
+fn make_fd(kind: u8, arg: u64, blob: &[u8]) -> Result<OwnedFd> {
+    use rustix::fs::SealFlags;
+    let os = |what: &'static str| move |e| Error::os(what, e);
+    Ok(match kind {
+        0 => {
+            let fd = crate::sys::memfd::create("fuzz-segment", arg * 256)?;
+            crate::sys::memfd::seal_size(fd.as_fd())?;
+            fd
+        }
+        1 => crate::sys::memfd::create("fuzz-unsealed", 4096)?,
+        2 => {
+            let fd = crate::sys::memfd::create("fuzz-payload", 0)?;
+            let mut done = 0;
+            while done < blob.len() {
+                done += rustix::io::pwrite(&fd, &blob[done..], done as u64)
+                    .map_err(os("writing a fuzz payload"))?;
+            }
+            rustix::fs::fcntl_add_seals(
+                &fd,
+                SealFlags::SHRINK | SealFlags::GROW | SealFlags::WRITE | SealFlags::SEAL,
+            )
+            .map_err(os("sealing a fuzz payload"))?;
+            fd
+        }
+        3 => crate::sys::socket::seqpacket_pair()?.0,
+        4 => first_fd(&Event::new()?)?,
+        5 => first_fd(&Lock::new()?)?,
+        6 => {
+            let mut fds = wire::encode(&Queue::<u32>::new()?)?.into_packet().fds;
+            fds.pop()
+                .ok_or_else(|| Error::Encode("a queue without a block".into()))?
+        }
+        _ => {
+            rustix::net::socketpair(
+                rustix::net::AddressFamily::UNIX,
+                rustix::net::SocketType::STREAM,
+                rustix::net::SocketFlags::CLOEXEC,
+                None,
+            )
+            .map_err(os("socketpair(SOCK_STREAM)"))?
+            .0
+        }
+    })
+}
+
+fn first_fd<T: Serialize>(value: &T) -> Result<OwnedFd> {
+    wire::encode(value)?
+        .into_packet()
+        .fds
+        .into_iter()
+        .next()
+        .ok_or_else(|| Error::Encode("a handle without an fd".into()))
+}
+
+/// Well-formed inputs: representative messages encoded by the library itself, with fd
+/// specs that recreate fds of the same kinds. The fuzzer starts from these; the corpus
+/// replay test checks that each still decodes.
+pub fn seed_inputs() -> Result<Vec<Vec<u8>>> {
+    let tensor = |n: usize, v: f64| -> Result<Tensor> {
+        let t = Tensor::full(&[n], v, DType::F32)?;
+        t.storage()
+            .share_memory_with(SharingStrategy::FileDescriptor)?;
+        Ok(t)
+    };
+    let mut messages = Vec::new();
+    messages.push(FuzzMessage::default());
+    messages.push(FuzzMessage {
+        tag: 1,
+        text: "a tensor and a view of it".into(),
+        tensors: {
+            let t = tensor(60, 1.0)?;
+            let v = t.reshape(&[6, 10])?.transpose(0, 1)?.narrow(0, 2, 3)?;
+            vec![t, v]
+        },
+        ..FuzzMessage::default()
+    });
+    messages.push(FuzzMessage {
+        tag: 2,
+        text: "handles of every kind".into(),
+        tensors: vec![tensor(100, 2.0)?],
+        nested: vec![vec![(1, Some(tensor(30, 3.0)?)), (2, None)], vec![]],
+        event: Some(Event::new()?),
+        lock: Some(Lock::new()?),
+        queue: Some(Queue::new()?),
+        simple: Some(SimpleQueue::new()?),
+        conn: Some(crate::pipe::<u8>()?.0),
+        error: Some(Error::Timeout("a timeout".into())),
+        ..FuzzMessage::default()
+    });
+    messages.push(FuzzMessage {
+        tag: 3,
+        text: "a nested message".into(),
+        inner: Some(Opaque::encode(&FuzzMessage {
+            tag: 4,
+            tensors: vec![tensor(20, 4.0)?],
+            event: Some(Event::new()?),
+            ..FuzzMessage::default()
+        })?),
+        ..FuzzMessage::default()
+    });
+    messages.push(FuzzMessage {
+        tag: 5,
+        text: "x".repeat(wire::INLINE_MAX + 100), // the payload travels in a memfd
+        ..FuzzMessage::default()
+    });
+    let mut inputs = Vec::new();
+    for m in &messages {
+        let packet = wire::encode(m)?.into_packet();
+        let mut specs = Vec::new();
+        let mut blob = Vec::new();
+        for fd in &packet.fds {
+            specs.push(classify(fd.as_fd(), &mut blob)?);
+        }
+        let mut input = vec![specs.len() as u8];
+        input.extend(&specs);
+        input.extend((blob.len() as u16).to_le_bytes());
+        input.extend(&blob);
+        input.extend(&packet.bytes);
+        inputs.push(input);
+    }
+    Ok(inputs)
+}
+
+/// The spec byte that recreates an fd like `fd` (for [`seed_inputs`]).
+fn classify(fd: std::os::fd::BorrowedFd<'_>, blob: &mut Vec<u8>) -> Result<u8> {
+    use rustix::fs::SealFlags;
+    if let Ok(t) = rustix::net::sockopt::socket_type(fd) {
+        return Ok(if t == rustix::net::SocketType::SEQPACKET {
+            3
+        } else {
+            7
+        });
+    }
+    let seals = rustix::fs::fcntl_get_seals(fd).map_err(|e| Error::os("F_GET_SEALS", e))?;
+    let size = crate::sys::memfd::file_size(fd)?;
+    if seals.contains(SealFlags::WRITE) {
+        let mut bytes = vec![0u8; size as usize];
+        let mut done = 0;
+        while done < bytes.len() {
+            match rustix::io::pread(fd, &mut bytes[done..], done as u64) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => done += n,
+            }
+        }
+        *blob = bytes;
+        return Ok(2);
+    }
+    if size == 4096 {
+        let mut kind = [0u8; 4];
+        let _ = rustix::io::pread(fd, &mut kind, 0);
+        match u32::from_le_bytes(kind) {
+            0x4556_4e54 => return Ok(4), // an Event's block
+            0x4c4f_434b => return Ok(5), // a Lock's
+            0x5155_4555 => return Ok(6), // a Queue's
+            _ => {}
+        }
+    }
+    // A tensor segment: the next multiple of 256 bytes, at most 31 * 256.
+    let arg = size.div_ceil(256).min(31) as u8;
+    Ok(arg * 8)
+}
