@@ -142,7 +142,7 @@ fn exercise(m: FuzzMessage, depth: usize) -> Result<String> {
 ///
 /// | kind | fd |
 /// |---|---|
-/// | 0 | a memfd of `arg * 256` bytes, sealed against shrinking and growing (a tensor segment) |
+/// | 0 | a memfd of `arg * 256` bytes, sealed against shrinking and growing (a tensor segment); for an odd `arg` it starts with a block header (a pooled segment, see `shm::pool`) |
 /// | 1 | an unsealed memfd of 4096 bytes |
 /// | 2 | a memfd holding the blob, sealed against writing (a message payload) |
 /// | 3 | one end of a `SOCK_SEQPACKET` pair (a queue or pipe end) |
@@ -166,6 +166,11 @@ fn make_fd(kind: u8, arg: u64, blob: &[u8]) -> Result<OwnedFd> {
     Ok(match kind {
         0 => {
             let fd = crate::sys::memfd::create("fuzz-segment", arg * 256)?;
+            if arg % 2 == 1 {
+                // A block: the magic, then zero uses (all that a receiver reads of it).
+                rustix::io::pwrite(&fd, &crate::shm::BLOCK_MAGIC_BYTES, 0)
+                    .map_err(os("writing a fuzz block header"))?;
+            }
             crate::sys::memfd::seal_size(fd.as_fd())?;
             fd
         }
@@ -317,7 +322,15 @@ fn classify(fd: std::os::fd::BorrowedFd<'_>, blob: &mut Vec<u8>) -> Result<u8> {
             _ => {}
         }
     }
-    // A tensor segment: the next multiple of 256 bytes, at most 31 * 256.
+    // A tensor segment: the next multiple of 256 bytes, at most 31 * 256; an odd
+    // multiple for a block (a segment with a block header), an even one otherwise.
+    let mut magic = [0u8; 8];
+    let _ = rustix::io::pread(fd, &mut magic, 0);
     let arg = size.div_ceil(256).min(31) as u8;
+    let arg = if magic == crate::shm::BLOCK_MAGIC_BYTES {
+        arg | 1
+    } else {
+        arg.next_multiple_of(2).min(30)
+    };
     Ok(arg * 8)
 }

@@ -69,6 +69,7 @@ pub(crate) use name::SegmentName;
 pub(crate) use pool::allocate;
 #[cfg(test)]
 pub(crate) use pool::small_max as allocate_small_max;
+pub(crate) use segment::BLOCK_MAGIC_BYTES;
 pub(crate) use segment::Segment;
 
 use crate::{Error, Result, SharingStrategy, wire};

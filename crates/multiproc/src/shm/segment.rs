@@ -48,8 +48,10 @@ const _: () = assert!(std::mem::size_of::<Header>() == HEADER_LEN);
 
 /// Bytes at the start of a pooled anonymous segment (a *block*, see `pool`).
 pub(crate) const BLOCK_HEADER_LEN: usize = 64;
-/// `b"MPBLOCK1"` as a little-endian u64.
-const BLOCK_MAGIC: u64 = u64::from_le_bytes(*b"MPBLOCK1");
+/// The first bytes of a block.
+pub(crate) const BLOCK_MAGIC_BYTES: [u8; 8] = *b"MPBLOCK1";
+/// [`BLOCK_MAGIC_BYTES`] as a little-endian u64.
+const BLOCK_MAGIC: u64 = u64::from_le_bytes(BLOCK_MAGIC_BYTES);
 
 /// The header of a block: a memfd segment that its creator recycles once nobody uses
 /// it. Every process that maps the block may read or write it at any time, so all
