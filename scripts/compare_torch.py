@@ -47,10 +47,11 @@ def producer(q, floats, count, done):
         q.put(t)
     done.wait()  # torch: the producer must outlive the consumer's use of its tensors
 
-def ponger(inbox, outbox, count):
+def ponger(inbox, outbox, count, done):
     outbox.put("ready")
     for _ in range(count):
         outbox.put(inbox.get())
+    done.wait()  # the same trap: the parent's last get needs this process alive
 
 def noop(rank):
     pass
@@ -68,15 +69,15 @@ def fresh(ctx, nbytes, count, scenario):
                 per_s=count / s, GB_s=nbytes * count / s / 1e9, seconds=s, impl="torch")
 
 def ping(ctx, nbytes, count):
-    there, back = ctx.Queue(4), ctx.Queue(4)
-    p = ctx.Process(target=ponger, args=(there, back, count)); p.start()
+    there, back, done = ctx.Queue(4), ctx.Queue(4), ctx.Event()
+    p = ctx.Process(target=ponger, args=(there, back, count, done)); p.start()
     assert back.get() == "ready"
     t = torch.zeros(nbytes // 4); t.share_memory_()
     start = time.perf_counter()
     for _ in range(count):
         there.put(t); t = back.get()
     s = time.perf_counter() - start
-    p.join()
+    done.set(); p.join()
     return dict(scenario="ping", strategy="file_descriptor", bytes=nbytes, count=count,
                 per_s=count / s, us_per_roundtrip=s * 1e6 / count, seconds=s, impl="torch")
 
