@@ -97,12 +97,13 @@ fn read_two<'a>(a: &'a Storage, b: &'a Storage) -> (StorageRead<'a>, StorageRead
 impl Tensor {
     // ----- construction -----
 
-    /// A zero-filled tensor.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::Tensor`] when the shape is too large to allocate.
-    pub fn zeros(shape: &[usize], dtype: DType) -> Result<Tensor> {
+    /// A contiguous tensor of `shape` on a storage that `make` allocates with the
+    /// byte size the shape needs.
+    fn contiguous_on(
+        shape: &[usize],
+        dtype: DType,
+        make: impl FnOnce(usize) -> Result<Storage>,
+    ) -> Result<Tensor> {
         let layout = Layout::contiguous(shape)?;
         let nbytes = numel_of(shape)?.checked_mul(dtype.size()).ok_or_else(|| {
             Error::Tensor(format!(
@@ -110,10 +111,19 @@ impl Tensor {
             ))
         })?;
         Ok(Tensor {
-            storage: Storage::new(nbytes)?,
+            storage: make(nbytes)?,
             dtype,
             layout,
         })
+    }
+
+    /// A zero-filled tensor.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Tensor`] when the shape is too large to allocate.
+    pub fn zeros(shape: &[usize], dtype: DType) -> Result<Tensor> {
+        Self::contiguous_on(shape, dtype, Storage::new)
     }
 
     /// A zero-filled tensor whose storage is in shared memory from the start (with the
@@ -137,17 +147,7 @@ impl Tensor {
     /// [`Error::Tensor`] when the shape is too large; the errors of
     /// [`Storage::share_memory_`] when the segment cannot be made.
     pub fn zeros_shared(shape: &[usize], dtype: DType) -> Result<Tensor> {
-        let layout = Layout::contiguous(shape)?;
-        let nbytes = numel_of(shape)?.checked_mul(dtype.size()).ok_or_else(|| {
-            Error::Tensor(format!(
-                "a {dtype} tensor of shape {shape:?} is larger than memory can hold"
-            ))
-        })?;
-        Ok(Tensor {
-            storage: Storage::new_shared(nbytes)?,
-            dtype,
-            layout,
-        })
+        Self::contiguous_on(shape, dtype, Storage::new_shared)
     }
 
     /// A tensor in shared memory whose contents are unspecified, like torch's `empty`
@@ -171,17 +171,7 @@ impl Tensor {
     ///
     /// As [`zeros_shared`](Self::zeros_shared).
     pub fn empty_shared(shape: &[usize], dtype: DType) -> Result<Tensor> {
-        let layout = Layout::contiguous(shape)?;
-        let nbytes = numel_of(shape)?.checked_mul(dtype.size()).ok_or_else(|| {
-            Error::Tensor(format!(
-                "a {dtype} tensor of shape {shape:?} is larger than memory can hold"
-            ))
-        })?;
-        Ok(Tensor {
-            storage: Storage::new_shared_uninit(nbytes)?,
-            dtype,
-            layout,
-        })
+        Self::contiguous_on(shape, dtype, Storage::new_shared_uninit)
     }
 
     /// A tensor of ones.
