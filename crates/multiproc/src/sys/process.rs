@@ -357,6 +357,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "fork is a foreign function Miri cannot run")]
     fn the_cached_pid_is_reset_in_a_fork_child() {
         let parent = cached_pid();
         assert_eq!(parent, std::process::id());

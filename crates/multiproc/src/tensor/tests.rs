@@ -887,6 +887,7 @@ fn handles_cross_threads() {
 }
 
 #[test]
+#[cfg_attr(miri, ignore = "memfd, mmap, sockets")]
 fn blocks_are_recycled_only_when_unused() {
     let n = (1 << 20) + 4096; // a size no other test uses, so the pool's block is ours
     let shared = || {
