@@ -733,21 +733,7 @@ fn named_segments_that_lie_or_shrank_after_they_were_sent() {
 
 // --- random bytes, from another process ---
 
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-}
+use common::Rng;
 
 const RANDOM_PACKETS: u32 = 3000;
 
@@ -766,10 +752,10 @@ fn send_random(_rank: usize, (conn, seed): (Connection<(u64, Tensor)>, u64)) -> 
     ];
     for _ in 0..RANDOM_PACKETS {
         let mut bytes: Vec<u8> = match rng.below(3) {
-            0 => (0..rng.below(200)).map(|_| rng.next() as u8).collect(),
+            0 => (0..rng.below(200)).map(|_| rng.next_u64() as u8).collect(),
             1 => {
                 let mut b = header(VERSION, rng.below(3) as u8, rng.below(4) as u32, 0);
-                let body: Vec<u8> = (0..rng.below(120)).map(|_| rng.next() as u8).collect();
+                let body: Vec<u8> = (0..rng.below(120)).map(|_| rng.next_u64() as u8).collect();
                 b[12..16].copy_from_slice(&(body.len() as u32).to_le_bytes());
                 b.extend(body);
                 b

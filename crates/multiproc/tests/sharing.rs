@@ -212,19 +212,7 @@ fn empty_tensors_of_every_dtype_cross_processes() {
                 StartMethod::Spawn,
             )
             .unwrap();
-            let dtypes = [
-                DType::F32,
-                DType::F64,
-                DType::F16,
-                DType::BF16,
-                DType::I8,
-                DType::I16,
-                DType::I32,
-                DType::I64,
-                DType::U8,
-                DType::Bool,
-            ];
-            for dtype in dtypes {
+            for dtype in DType::ALL {
                 for shape in [vec![0], vec![2, 0, 3]] {
                     inbox
                         .put(Some(Tensor::zeros(&shape, dtype).unwrap()))

@@ -260,3 +260,31 @@ pub fn simple_fill(
     event.set();
     Ok(())
 }
+
+/// A small reproducible PRNG (splitmix64) for seeded tests.
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `0..n` (n > 0).
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next_u64() % n.max(1)
+    }
+
+    /// A delay of up to `max_ms` milliseconds, in microsecond steps.
+    pub fn delay(&mut self, max_ms: u64) -> Duration {
+        Duration::from_micros(self.below(max_ms * 1000 + 1))
+    }
+
+    /// True with probability `num / den`.
+    pub fn chance(&mut self, num: u64, den: u64) -> bool {
+        self.below(den) < num
+    }
+}
