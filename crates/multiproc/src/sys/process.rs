@@ -19,7 +19,6 @@ use std::os::unix::process::CommandExt;
 use std::process::Command;
 use std::time::Instant;
 
-use rustix::event::{PollFd, Timespec, poll};
 use rustix::io::Errno;
 use rustix::process::{Pid, PidfdFlags, Signal, WaitId, WaitIdOptions};
 
@@ -197,29 +196,7 @@ pub(crate) fn has_exited(pidfd: BorrowedFd<'_>) -> bool {
 /// Waits until at least one of `fds` is ready for reading (a hang-up counts) or the
 /// deadline passes; `Ok(false)` on timeout. An empty set only waits out the deadline.
 pub(crate) fn wait_any_readable(fds: &[BorrowedFd<'_>], deadline: Deadline) -> Result<bool> {
-    let mut polls: Vec<PollFd<'_>> = fds
-        .iter()
-        .map(|fd| PollFd::from_borrowed_fd(*fd, rustix::event::PollFlags::IN))
-        .collect();
-    loop {
-        let timeout = deadline.map(|d| {
-            let left = d.saturating_duration_since(Instant::now());
-            Timespec {
-                tv_sec: left.as_secs() as i64,
-                tv_nsec: left.subsec_nanos() as _,
-            }
-        });
-        match poll(&mut polls, timeout.as_ref()) {
-            Ok(0) => {
-                if deadline.is_some_and(|d| Instant::now() >= d) {
-                    return Ok(false);
-                }
-            }
-            Ok(_) => return Ok(true),
-            Err(Errno::INTR) => {}
-            Err(e) => return Err(Error::os("poll over worker pidfds", e)),
-        }
-    }
+    Ok(super::socket::poll_readable(fds, deadline)?.contains(&true))
 }
 
 /// Takes ownership of fd number `raw`, inherited across `exec` from the process that

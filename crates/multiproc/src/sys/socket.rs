@@ -50,34 +50,27 @@ pub(crate) fn wait_fd(
         Readiness::Readable => PollFlags::IN,
         Readiness::Writable => PollFlags::OUT,
     };
-    loop {
-        let timeout = match deadline {
-            None => None,
-            Some(d) => {
-                let left = d.saturating_duration_since(Instant::now());
-                Some(Timespec {
-                    tv_sec: left.as_secs() as i64,
-                    tv_nsec: left.subsec_nanos() as _,
-                })
-            }
-        };
-        let mut fds = [PollFd::from_borrowed_fd(fd, flags)];
-        match poll(&mut fds, timeout.as_ref()) {
-            Ok(0) => {
-                if deadline.is_some_and(|d| Instant::now() >= d) {
-                    return Ok(false);
-                }
-            }
-            Ok(_) => return Ok(true),
-            Err(Errno::INTR) => {}
-            Err(e) => return Err(Error::os("poll", e)),
-        }
-    }
+    Ok(poll_until(&[fd], flags, deadline)?.is_some())
 }
 
 /// Waits until any of `fds` is readable (or hung up) or the deadline passes; returns
 /// which are ready (all `false` on timeout).
 pub(crate) fn poll_readable(fds: &[BorrowedFd<'_>], deadline: Deadline) -> Result<Vec<bool>> {
+    Ok(poll_until(fds, PollFlags::IN, deadline)?.unwrap_or_else(|| vec![false; fds.len()]))
+}
+
+/// The one poll loop: waits until one of `fds` has `flags` (or a hang-up or error) or
+/// the deadline passes, through interruptions and early wake-ups. `None` on timeout,
+/// else which fds are ready. An empty set only waits out the deadline.
+fn poll_until(
+    fds: &[BorrowedFd<'_>],
+    flags: PollFlags,
+    deadline: Deadline,
+) -> Result<Option<Vec<bool>>> {
+    let mut polled: Vec<PollFd<'_>> = fds
+        .iter()
+        .map(|fd| PollFd::from_borrowed_fd(*fd, flags))
+        .collect();
     loop {
         let timeout = deadline.map(|d| {
             let left = d.saturating_duration_since(Instant::now());
@@ -86,12 +79,17 @@ pub(crate) fn poll_readable(fds: &[BorrowedFd<'_>], deadline: Deadline) -> Resul
                 tv_nsec: left.subsec_nanos() as _,
             }
         });
-        let mut polled: Vec<PollFd<'_>> = fds
-            .iter()
-            .map(|fd| PollFd::from_borrowed_fd(*fd, PollFlags::IN))
-            .collect();
         match poll(&mut polled, timeout.as_ref()) {
-            Ok(_) => return Ok(polled.iter().map(|p| !p.revents().is_empty()).collect()),
+            Ok(0) => {
+                if deadline.is_some_and(|d| Instant::now() >= d) {
+                    return Ok(None);
+                }
+            }
+            Ok(_) => {
+                return Ok(Some(
+                    polled.iter().map(|p| !p.revents().is_empty()).collect(),
+                ));
+            }
             Err(Errno::INTR) => {}
             Err(e) => return Err(Error::os("poll", e)),
         }
