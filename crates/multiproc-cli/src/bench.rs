@@ -90,9 +90,9 @@ fn noop(_rank: usize, _: ()) {}
 
 fn expect_ready(q: &Queue<Msg>) -> multiproc::Result<()> {
     match q.get_timeout(Duration::from_secs(60))? {
-        Some(Msg::Ready) => Ok(()),
-        _ => Err(multiproc::Error::Timeout(
-            "the benchmark worker did not start".into(),
+        Msg::Ready => Ok(()),
+        _ => Err(multiproc::Error::InvalidMessage(
+            "the benchmark worker sent a tensor before it said it was ready".into(),
         )),
     }
 }
@@ -112,13 +112,17 @@ fn fresh(
     let mut total = 0.0;
     for _ in 0..count {
         match q.get_timeout(Duration::from_secs(120))? {
-            Some(Msg::Tensor(t)) => total += t.sum(),
-            _ => return Err(multiproc::Error::Timeout("the producer stalled".into())),
+            Msg::Tensor(t) => total += t.sum(),
+            Msg::Ready => {
+                return Err(multiproc::Error::InvalidMessage(
+                    "the producer said it was ready twice".into(),
+                ));
+            }
         }
     }
     let seconds = start.elapsed().as_secs_f64();
     std::hint::black_box(total);
-    while !ctx.join(Some(Duration::from_secs(60)))? {}
+    ctx.join(Some(Duration::from_secs(60)))?;
     Ok(Figure {
         scenario,
         strategy: Some(strategy.to_string()),
@@ -148,12 +152,16 @@ fn ping(strategy: SharingStrategy, bytes: u64, count: u64) -> multiproc::Result<
     for _ in 0..count {
         there.put(Msg::Tensor(t)).map_err(multiproc::Error::from)?;
         t = match back.get_timeout(Duration::from_secs(60))? {
-            Some(Msg::Tensor(t)) => t,
-            _ => return Err(multiproc::Error::Timeout("the ping partner stalled".into())),
+            Msg::Tensor(t) => t,
+            Msg::Ready => {
+                return Err(multiproc::Error::InvalidMessage(
+                    "the ping partner said it was ready twice".into(),
+                ));
+            }
         };
     }
     let seconds = start.elapsed().as_secs_f64();
-    while !ctx.join(Some(Duration::from_secs(60)))? {}
+    ctx.join(Some(Duration::from_secs(60)))?;
     Ok(Figure {
         scenario: "ping",
         strategy: Some(strategy.to_string()),

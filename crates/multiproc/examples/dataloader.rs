@@ -204,14 +204,19 @@ fn main() -> multiproc::Result<()> {
             drop(waiting); // unmaps the batches; nothing stays in /dev/shm
             std::process::exit(130);
         }
-        match batches.get_timeout(Duration::from_millis(100))? {
-            Some(batch) => {
+        match batches.get_timeout(Duration::from_millis(100)) {
+            Ok(batch) => {
                 waiting.insert(batch.index, batch);
             }
-            None => {
-                // Nothing came: is a worker dead? Its error names its rank. (A terminal's
-                // Ctrl-C reaches the workers too; that is an interruption, not a failure.)
-                if let Err(e) = ctx.join(Some(Duration::ZERO)) {
+            Err(e) if !e.is_timeout() => return Err(e),
+            Err(_) => {
+                // Nothing came: is a worker dead? Its error names its rank (a timeout
+                // only says they all still run). A terminal's Ctrl-C reaches the
+                // workers too; that is an interruption, not a failure.
+                if let Err(e) = ctx
+                    .join(Some(Duration::ZERO))
+                    .or_else(|e| if e.is_timeout() { Ok(()) } else { Err(e) })
+                {
                     if interrupted.load(Ordering::SeqCst) {
                         continue;
                     }
@@ -230,7 +235,7 @@ fn main() -> multiproc::Result<()> {
         }
     }
     bar.finish();
-    while !ctx.join(Some(Duration::from_secs(30)))? {}
+    ctx.join(Some(Duration::from_secs(30)))?;
     let elapsed = start.elapsed().as_secs_f64();
     println!(
         "{} batches ({samples} samples of 3x{}x{}) in {elapsed:.2} s with {} workers: {:.1} batches/s, {:.0} samples/s, {:.2} GB/s (checksum {checksum:.1})",

@@ -213,11 +213,17 @@ fn main() -> multiproc::Result<()> {
         let (mut loss, mut seen) = (0.0, 0);
         for _ in 0..args.workers {
             let report = loop {
-                if let Some(r) = reports.get_timeout(Duration::from_millis(200))? {
-                    break r;
+                match reports.get_timeout(Duration::from_millis(200)) {
+                    Ok(r) => break r,
+                    Err(e) if e.is_timeout() => {}
+                    Err(e) => return Err(e),
                 }
-                // A worker that failed is reported with its rank, not waited for.
-                ctx.join(Some(Duration::ZERO))?;
+                // A worker that failed is reported with its rank, not waited for; a
+                // timeout here only says that they all still run.
+                match ctx.join(Some(Duration::ZERO)) {
+                    Err(e) if !e.is_timeout() => return Err(e),
+                    _ => {}
+                }
             };
             let (e, _rank, l, s) = report;
             debug_assert_eq!(e, epoch);
@@ -233,7 +239,7 @@ fn main() -> multiproc::Result<()> {
             acc * 100.0
         );
     }
-    while !ctx.join(Some(Duration::from_secs(60)))? {}
+    ctx.join(Some(Duration::from_secs(60)))?;
     let elapsed = start.elapsed().as_secs_f64();
     let (loss, acc) = evaluate(&params.to_vec::<f32>()?, &test);
 

@@ -75,6 +75,6 @@ fn main() -> multiproc::Result<()> {
     show("after sum (every page read)", &read, &before);
     drop(t);
     done.set();
-    while !ctx.join(Some(Duration::from_secs(60)))? {}
+    ctx.join(Some(Duration::from_secs(60)))?;
     Ok(())
 }

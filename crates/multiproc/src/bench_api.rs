@@ -42,7 +42,7 @@ pub fn send<T: Serialize>(pair: &SocketPair, value: &T) -> Result<()> {
 /// cache).
 pub fn recv<T: DeserializeOwned>(pair: &SocketPair) -> Result<T> {
     let packet = wire::recv_packet(pair.rx.as_fd(), None)?
-        .ok_or_else(|| Error::Timeout("no message".into()))?;
+        .ok_or_else(|| Error::timeout("a bench recv without deadline", None))?;
     wire::decode(packet)
 }
 

@@ -7,8 +7,12 @@
 //!
 //! Operations that take ownership of an item hand it back when they fail
 //! ([`PutError`]), so nothing the user sent is lost.
+//!
+//! The timeout convention is documented once, on [`Error`].
 
 use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
@@ -16,6 +20,32 @@ use serde::{Deserialize, Serialize};
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// Everything that can go wrong in multiproc.
+///
+/// # One timeout convention
+///
+/// Modelled on crossbeam-channel's `RecvTimeoutError`/`SendTimeoutError`:
+///
+/// - A wait that runs past its deadline is always an `Err` whose error is
+///   [`Error::Timeout`] ([`Error::is_timeout`] says so), never `Ok(None)` or
+///   `Ok(false)`: `get_timeout`, `recv_timeout`, `poll`, `acquire(Some(..))`,
+///   `Event::wait`, `Condition::wait`, `Barrier::wait`, the `join`s, `lock_timeout`,
+///   [`connection::wait`](crate::connection::wait). With a timeout of `None` they wait as
+///   long as it takes and never return `Timeout`.
+/// - A put or send with a deadline that runs out hands the item back:
+///   `Err(PutError { error: Error::Timeout { .. }, item })`.
+/// - The non-blocking forms do not wait, so they never time out: `try_get`/`try_recv`
+///   answer `Ok(None)` when nothing is waiting, `try_lock`/`try_permit` answer `Ok(None)`
+///   when the lock or permit is taken, and `try_put` fails with [`Error::Full`] (the
+///   item handed back) when there is no room.
+///
+/// ```
+/// use std::time::Duration;
+/// let q = multiproc::Queue::<u32>::new()?;
+/// assert_eq!(q.try_get()?, None); // empty: not a timeout
+/// let err = q.get_timeout(Duration::from_millis(1)).unwrap_err();
+/// assert!(err.is_timeout(), "{err}");
+/// # Ok::<(), multiproc::Error>(())
+/// ```
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
@@ -48,7 +78,9 @@ pub enum Error {
         /// Every other rank that failed, in the order their failures were seen.
         others: Vec<Failure>,
     },
-    /// A system call failed.
+    /// A system call failed. The [`std::io::Error`] is this error's
+    /// [`source()`](std::error::Error::source); it survives a trip through a queue as
+    /// its errno (or its text, when it had none).
     #[error("{context}: {message}")]
     Os {
         /// What multiproc was doing, with the values involved.
@@ -57,13 +89,22 @@ pub enum Error {
         message: String,
         /// The raw `errno`, where there is one.
         errno: Option<i32>,
+        /// The system's error itself.
+        #[source]
+        source: OsError,
     },
     /// The channel (queue, pipe, event, process) is closed, or its other end is gone.
     #[error("{0}")]
     Closed(String),
-    /// A wait ran past its deadline.
-    #[error("{0}")]
-    Timeout(String),
+    /// A wait ran past its deadline (see [the timeout convention](Error#one-timeout-convention)).
+    #[error("{what} timed out{}", after_suffix(*.after))]
+    Timeout {
+        /// What waited, and for what ("get on a queue", "barrier wait with 2 of 3
+        /// parties arrived").
+        what: String,
+        /// How long it waited, when the caller gave a timeout.
+        after: Option<Duration>,
+    },
     /// A message, handle or job that arrived was malformed or hostile.
     #[error("invalid message: {0}")]
     InvalidMessage(String),
@@ -83,9 +124,15 @@ pub enum Error {
     #[error("shm manager: {0}")]
     Manager(String),
     /// A lock's previous owner died while holding it; the protected state may be
-    /// inconsistent. The lock is now held by the caller.
-    #[error("{0}")]
-    OwnerDied(String),
+    /// inconsistent. The lock is now held by the caller (through `acquire`) or by the
+    /// guard in the [`LockError`](crate::LockError) (through `lock`).
+    #[error("{message}")]
+    OwnerDied {
+        /// The process id of the holder that died.
+        pid: u32,
+        /// What was held, who holds it now, and what to check.
+        message: String,
+    },
     /// One task of a [`Pool`](crate::Pool) failed: it panicked, returned `Err`, or its
     /// worker process died while running it. The pool and its other tasks carry on.
     #[error("task {index} failed: {message}")]
@@ -98,6 +145,148 @@ pub enum Error {
     /// An argument was out of range or otherwise unusable.
     #[error("{0}")]
     InvalidArgument(String),
+    /// A non-blocking put ([`Queue::try_put`](crate::Queue::try_put)) found no room.
+    #[error("{0}")]
+    Full(String),
+    /// A user's own error, carried through multiproc's `Result` (see [`Error::user`]).
+    /// It crosses a queue as its text.
+    #[error("{0}")]
+    User(#[source] UserError),
+}
+
+fn after_suffix(after: Option<Duration>) -> String {
+    match after {
+        Some(d) => format!(" after {d:?}"),
+        None => String::new(),
+    }
+}
+
+/// The [`std::io::Error`] inside [`Error::Os`]: `Clone` (shared), compared and
+/// serialized as its errno and text; deserialized, it is rebuilt from the errno.
+#[derive(Clone)]
+pub struct OsError(Arc<std::io::Error>);
+
+impl OsError {
+    /// The system's error.
+    pub fn io_error(&self) -> &std::io::Error {
+        &self.0
+    }
+}
+
+impl fmt::Debug for OsError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(&*self.0, f)
+    }
+}
+
+impl fmt::Display for OsError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(&*self.0, f)
+    }
+}
+
+impl std::error::Error for OsError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&*self.0)
+    }
+}
+
+impl PartialEq for OsError {
+    fn eq(&self, other: &Self) -> bool {
+        self.0.raw_os_error() == other.0.raw_os_error() && self.0.to_string() == other.0.to_string()
+    }
+}
+
+impl Serialize for OsError {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        (self.0.raw_os_error(), self.0.to_string()).serialize(s)
+    }
+}
+
+impl<'de> Deserialize<'de> for OsError {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        let (errno, text) = <(Option<i32>, String)>::deserialize(d)?;
+        Ok(OsError(Arc::new(match errno {
+            Some(errno) => std::io::Error::from_raw_os_error(errno),
+            None => std::io::Error::other(text),
+        })))
+    }
+}
+
+/// A user's own error inside [`Error::User`]: shared (`Clone`), compared by its text,
+/// and serialized as its text (the original type does not cross processes).
+#[derive(Clone)]
+pub struct UserError(Arc<dyn std::error::Error + Send + Sync>);
+
+impl UserError {
+    /// The user's error, to downcast (`err.get_ref().downcast_ref::<MyError>()`); after
+    /// a trip through a queue it is a plain text error.
+    pub fn get_ref(&self) -> &(dyn std::error::Error + Send + Sync + 'static) {
+        &*self.0
+    }
+}
+
+impl fmt::Debug for UserError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(&*self.0, f)
+    }
+}
+
+impl fmt::Display for UserError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(&*self.0, f)
+    }
+}
+
+impl std::error::Error for UserError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.0.source()
+    }
+}
+
+impl PartialEq for UserError {
+    fn eq(&self, other: &Self) -> bool {
+        self.0.to_string() == other.0.to_string()
+    }
+}
+
+impl Serialize for UserError {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        self.0.to_string().serialize(s)
+    }
+}
+
+/// The text of a [`UserError`] that crossed a queue.
+#[derive(Debug)]
+struct UserText(String);
+
+impl fmt::Display for UserText {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for UserText {}
+
+impl<'de> Deserialize<'de> for UserError {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        Ok(UserError(Arc::new(UserText(String::deserialize(d)?))))
+    }
+}
+
+impl From<std::io::Error> for Error {
+    /// An [`Error::Os`] with the io error as its source; the context is its kind.
+    fn from(err: std::io::Error) -> Self {
+        Error::os(format!("i/o error ({:?})", err.kind()), err)
+    }
+}
+
+impl From<Box<dyn std::error::Error + Send + Sync>> for Error {
+    /// An [`Error::User`], so `?` on a boxed error works in a function returning
+    /// [`multiproc::Result`](Result).
+    fn from(err: Box<dyn std::error::Error + Send + Sync>) -> Self {
+        Error::User(UserError(Arc::from(err)))
+    }
 }
 
 /// One failed worker, as carried in [`Error::ProcessRaised`] and [`Error::ProcessExited`].
@@ -129,7 +318,39 @@ impl Error {
             context: context.into(),
             message: err.to_string(),
             errno: err.raw_os_error(),
+            source: OsError(Arc::new(err)),
         }
+    }
+
+    /// An [`Error::Timeout`]: `what` waited, for `after` when the caller gave a timeout.
+    pub(crate) fn timeout(what: impl Into<String>, after: Option<Duration>) -> Self {
+        Error::Timeout {
+            what: what.into(),
+            after,
+        }
+    }
+
+    /// Wraps a user's own error as [`Error::User`], so that a function returning
+    /// [`multiproc::Result`](Result) can use `?` on it: `parse(s).map_err(Error::user)?`.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// fn width(s: &str) -> multiproc::Result<usize> {
+    ///     Ok(s.parse::<usize>().map_err(multiproc::Error::user)?)
+    /// }
+    /// let err = width("wide").unwrap_err();
+    /// assert!(matches!(err, multiproc::Error::User(_)));
+    /// assert_eq!(err.to_string(), "invalid digit found in string");
+    /// ```
+    pub fn user(err: impl std::error::Error + Send + Sync + 'static) -> Self {
+        Error::User(UserError(Arc::new(err)))
+    }
+
+    /// Whether this is an [`Error::Timeout`]: a wait ran past the deadline its caller
+    /// gave, and trying again may succeed.
+    pub fn is_timeout(&self) -> bool {
+        matches!(self, Error::Timeout { .. })
     }
 
     /// The raw `errno` of an [`Error::Os`].
@@ -211,5 +432,50 @@ impl<T> fmt::Debug for PutError<T> {
 impl<T> From<PutError<T>> for Error {
     fn from(e: PutError<T>) -> Self {
         e.error
+    }
+}
+
+/// A failed `lock()`/`permit()` (and their timeout forms): the error and, when the
+/// previous holder died while holding the lock ([`Error::OwnerDied`]), the guard that
+/// now holds it.
+///
+/// With the guard in hand the caller can repair the state the lock protects and go on
+/// ([`into_guard`](Self::into_guard)), as with std's `PoisonError`. Propagating the
+/// error with `?` drops the guard, which releases the lock: the next holder is not told
+/// again, so repair first where the state matters.
+#[derive(thiserror::Error)]
+#[error("{error}")]
+pub struct LockError<G> {
+    /// Why the lock was not cleanly taken.
+    pub error: Error,
+    /// The guard, when the lock is held all the same (after [`Error::OwnerDied`]).
+    pub guard: Option<G>,
+}
+
+impl<G> LockError<G> {
+    /// The guard, when the lock is held despite the error (the holder died).
+    pub fn into_guard(self) -> Option<G> {
+        self.guard
+    }
+}
+
+impl<G> fmt::Debug for LockError<G> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LockError")
+            .field("error", &self.error)
+            .field("holds_lock", &self.guard.is_some())
+            .finish()
+    }
+}
+
+impl<G> From<LockError<G>> for Error {
+    fn from(e: LockError<G>) -> Self {
+        e.error
+    }
+}
+
+impl<G> From<Error> for LockError<G> {
+    fn from(error: Error) -> Self {
+        LockError { error, guard: None }
     }
 }

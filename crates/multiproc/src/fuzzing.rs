@@ -116,8 +116,8 @@ fn exercise(m: FuzzMessage, depth: usize) -> Result<String> {
     }
     let event = m.event.as_ref().map(Event::is_set);
     if let Some(lock) = &m.lock {
-        if lock.acquire(Some(Duration::ZERO))? {
-            lock.release()?;
+        if let Some(held) = lock.try_lock()? {
+            drop(held);
         }
     }
     if let Some(q) = &m.queue {
@@ -251,7 +251,10 @@ pub fn seed_inputs() -> Result<Vec<Vec<u8>>> {
         queue: Some(Queue::new()?),
         simple: Some(SimpleQueue::new()?),
         conn: Some(crate::pipe::<u8>()?.0),
-        error: Some(Error::Timeout("a timeout".into())),
+        error: Some(Error::timeout(
+            "a test wait",
+            Some(std::time::Duration::from_millis(5)),
+        )),
         ..FuzzMessage::default()
     });
     messages.push(FuzzMessage {

@@ -105,19 +105,25 @@ mod sys;
 mod tensor;
 mod wire;
 
-pub use error::{Error, Failure, PutError, Result};
+pub use error::{Error, Failure, LockError, OsError, PutError, Result, UserError};
 pub use manager::run_shm_manager_from_env;
 pub use pool::{AsyncResult, Imap, Pool, PoolBuilder};
 pub use process::{
     ExitStatus, Process, ProcessContext, SpawnOptions, StartMethod, WorkerResult,
     ensure_forkserver_running, init, spawn, start_processes,
 };
-pub use queue::{Connection, JoinableQueue, Queue, SimpleQueue, pipe};
+pub use queue::{Connection, JoinableQueue, Queue, QueueIter, QueueTryIter, SimpleQueue, pipe};
+
+/// Python's `multiprocessing.connection`: [`Connection`] and [`wait`](connection::wait)
+/// on several at once.
+pub mod connection {
+    pub use crate::queue::{Connection, wait};
+}
 pub use sharing::{
     SharingStrategy, get_all_sharing_strategies, get_sharing_strategy, set_sharing_strategy,
 };
 pub use sync::{
-    Barrier, BoundedSemaphore, Condition, Event, Lock, LockGuard, RLock, Semaphore, SharedValue,
-    Value,
+    Barrier, BoundedSemaphore, Condition, ConditionGuard, Event, Lock, LockGuard, RLock,
+    RLockGuard, Semaphore, SemaphoreGuard, SharedValue, Value,
 };
 pub use tensor::{DType, Element, Storage, Tensor};

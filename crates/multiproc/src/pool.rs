@@ -528,11 +528,11 @@ impl Pool {
 
     /// Waits until the workers have exited, after [`close`](Self::close) or
     /// [`terminate`](Self::terminate), at most `timeout` (`None`: as long as it takes).
-    /// Returns whether they have.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] when the pool is still open.
-    pub fn join(&mut self, timeout: Option<Duration>) -> Result<bool> {
+    /// [`Error::InvalidArgument`] when the pool is still open; [`Error::Timeout`] when
+    /// workers still run at the deadline.
+    pub fn join(&mut self, timeout: Option<Duration>) -> Result<()> {
         {
             let state = self.lock();
             if !state.closed && !state.terminate {
@@ -555,7 +555,10 @@ impl Pool {
                 Some(d) => {
                     let left = d.saturating_duration_since(Instant::now());
                     if left.is_zero() {
-                        return Ok(false);
+                        return Err(Error::timeout(
+                            format!("a join of a pool of {} workers", self.processes),
+                            timeout,
+                        ));
                     }
                     state = self
                         .shared
@@ -570,7 +573,7 @@ impl Pool {
         if let Some(d) = self.dispatcher.take() {
             let _ = d.join();
         }
-        Ok(true)
+        Ok(())
     }
 }
 
@@ -627,9 +630,7 @@ impl<R: Serialize + DeserializeOwned> AsyncResult<R> {
             Some(t) => match self.rx.recv_timeout(t) {
                 Ok(o) => o,
                 Err(mpsc::RecvTimeoutError::Timeout) => {
-                    return Err(Error::Timeout(format!(
-                        "the task did not finish within {t:?}"
-                    )));
+                    return Err(Error::timeout("waiting for a pool task's result", Some(t)));
                 }
                 Err(mpsc::RecvTimeoutError::Disconnected) => return Err(dispatcher_gone()),
             },
@@ -814,8 +815,8 @@ impl Worker {
     fn death_cause(&mut self) -> String {
         let pid = self.process.pid().unwrap_or(0);
         match self.process.join(Some(Duration::from_secs(5))) {
-            Ok(Some(status)) => format!("pool worker (pid {pid}) {status} while running it"),
-            Ok(None) => {
+            Ok(status) => format!("pool worker (pid {pid}) {status} while running it"),
+            Err(e) if e.is_timeout() => {
                 let _ = self.process.kill();
                 let _ = self.process.join(Some(Duration::from_secs(5)));
                 format!("pool worker (pid {pid}) stopped answering while running it and was killed")
@@ -928,7 +929,7 @@ impl Dispatcher {
             }
         };
         if ready.first().copied().unwrap_or(false) {
-            while let Ok(Some(_)) = self.wake_rx.recv_timeout(Duration::ZERO) {}
+            while let Ok(Some(_)) = self.wake_rx.try_recv() {}
         }
         for i in 0..self.workers.len() {
             if ready.get(i + 1).copied().unwrap_or(false) {
@@ -944,7 +945,7 @@ impl Dispatcher {
 
     /// Reads what worker `i` sent: a result, or the end of its pipe.
     fn collect(&mut self, i: usize) {
-        match self.workers[i].conn.recv_timeout(Duration::ZERO) {
+        match self.workers[i].conn.try_recv() {
             Ok(Some(PoolMsg::Done {
                 job,
                 first,

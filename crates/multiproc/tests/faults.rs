@@ -440,8 +440,7 @@ fn kill_and_reap(p: &mut Process, stats: &mut Stats) {
     stats.kills += 1;
     let status = p
         .join(Some(WAIT))
-        .expect("join the killed worker")
-        .unwrap_or_else(|| panic!("worker {:?} outlived SIGKILL by {WAIT:?}", p.pid()));
+        .unwrap_or_else(|e| panic!("worker {:?} was not joined after SIGKILL: {e}", p.pid()));
     assert_eq!(
         status.signal_name().as_deref(),
         Some("SIGKILL"),
@@ -496,7 +495,6 @@ impl RoundTrip for SimpleQueue<(u64, Tensor)> {
             .map_err(|e| e.error)
             .expect("put after the kill");
         self.get_timeout(WAIT)
-            .expect("get after the kill")
             .expect("the item put after the kill did not arrive")
     }
 }
@@ -507,7 +505,6 @@ impl RoundTrip for Queue<(u64, Tensor)> {
             .map_err(|e| e.error)
             .expect("put after the kill");
         self.get_timeout(WAIT)
-            .expect("get after the kill")
             .expect("the item put after the kill did not arrive")
     }
 }
@@ -549,7 +546,7 @@ fn scenario_producer_mid_put() {
             p.start().unwrap();
             stats.pid(p.pid());
             if cfg.rng.chance(3, 4) {
-                assert!(started.wait(Some(WAIT)).unwrap(), "the producer never put");
+                started.wait(Some(WAIT)).expect("the producer never put");
             }
             let until = Instant::now() + cfg.rng.delay(40);
             let mut next = 0u64;
@@ -560,8 +557,8 @@ fn scenario_producer_mid_put() {
             };
             while let Some(left) = until.checked_duration_since(Instant::now()) {
                 match q.get_timeout(left) {
-                    Ok(Some(item)) => take(item, &mut next),
-                    Ok(None) => break,
+                    Ok(item) => take(item, &mut next),
+                    Err(e) if e.is_timeout() => break,
                     Err(e) => panic!("a get while the producer runs failed: {e}"),
                 }
             }
@@ -626,7 +623,7 @@ fn scenario_consumer_mid_get() {
             p.start().unwrap();
             stats.pid(p.pid());
             if cfg.rng.chance(3, 4) {
-                assert!(started.wait(Some(WAIT)).unwrap(), "the consumer never ran");
+                started.wait(Some(WAIT)).expect("the consumer never ran");
             }
             std::thread::sleep(cfg.rng.delay(15));
             kill_and_reap(&mut p, stats);
@@ -659,7 +656,7 @@ fn scenario_consumer_mid_get() {
                 match work.put_timeout((seq, t), Duration::from_millis(300)) {
                     Ok(()) => fit += 1,
                     Err(e) => {
-                        assert!(matches!(e.error, Error::Timeout(_)), "{}", e.error);
+                        assert!(matches!(e.error, Error::Timeout { .. }), "{}", e.error);
                         stats.errors += 1;
                         break;
                     }
@@ -754,7 +751,7 @@ fn scenario_pool_worker_mid_task() {
                 (0..8).map(|x| 2 * x).collect::<Vec<_>>()
             );
             pool.close();
-            assert!(pool.join(Some(WAIT)).unwrap(), "the pool did not wind down");
+            pool.join(Some(WAIT)).expect("the pool did not wind down");
             drop(pool);
             if let Some(v) = killed {
                 assert!(!common::alive(v), "the killed worker {v} survived");
@@ -808,20 +805,20 @@ fn scenario_lock_holder() {
             let pid = p.pid().unwrap();
             stats.pid(Some(pid));
             if cfg.rng.chance(3, 4) {
-                assert!(started.wait(Some(WAIT)).unwrap(), "the holder never ran");
+                started.wait(Some(WAIT)).expect("the holder never ran");
             }
             std::thread::sleep(cfg.rng.delay(20));
             kill_and_reap(&mut p, stats);
             let asked = Instant::now();
             let outcome = match lock.acquire(Some(WAIT)) {
-                Ok(true) => {
+                Ok(()) => {
                     assert_eq!(a.get(), b.get(), "a clean acquire sees consistent state");
                     "clean"
                 }
-                Ok(false) => {
+                Err(e) if e.is_timeout() => {
                     panic!("acquire timed out after {WAIT:?}: the dead holder was waited for")
                 }
-                Err(Error::OwnerDied(message)) => {
+                Err(Error::OwnerDied { message, .. }) => {
                     assert!(
                         message.contains(&pid.to_string()),
                         "names the dead holder: {message}"
@@ -839,7 +836,7 @@ fn scenario_lock_holder() {
             );
             lock.release().unwrap();
             // The survivor carries on: the lock works as before.
-            assert!(lock.acquire(Some(Duration::from_secs(5))).unwrap());
+            lock.acquire(Some(Duration::from_secs(5))).unwrap();
             lock.release().unwrap();
             drop(p);
             assert_no_children_left();
@@ -960,7 +957,7 @@ fn scenario_shm_manager() {
                 }
             };
             if cfg.rng.chance(3, 4) {
-                let first = q.get_timeout(WAIT).unwrap().expect("the worker never put");
+                let first = q.get_timeout(WAIT).expect("the worker never put");
                 take(first, &mut received, stats);
             }
             std::thread::sleep(cfg.rng.delay(30));
@@ -982,15 +979,11 @@ fn scenario_shm_manager() {
             let target = received + 5;
             while received < target {
                 assert!(Instant::now() < until, "the worker stopped producing");
-                if let Some(item) = q.get_timeout(WAIT).unwrap() {
-                    take(item, &mut received, stats);
-                }
+                let item = q.get_timeout(WAIT).unwrap();
+                take(item, &mut received, stats);
             }
             stop.set();
-            let status = p
-                .join(Some(WAIT))
-                .unwrap()
-                .expect("the worker did not stop");
+            let status = p.join(Some(WAIT)).expect("the worker did not stop");
             assert!(status.success(), "worker: {:?}", p.error());
             while let Some(item) = q.try_get().unwrap() {
                 take(item, &mut received, stats);

@@ -36,7 +36,7 @@ fn a_full_bounded_queue_holds_the_producer_back() {
         assert!(q.full());
         // Nobody takes yet: a put with a deadline times out and hands the item back.
         let back = q.put_timeout(99, Duration::from_millis(50)).unwrap_err();
-        assert!(matches!(back.error, Error::Timeout(_)));
+        assert!(matches!(back.error, Error::Timeout { .. }));
         assert_eq!(back.item, 99);
         let mut ctx = start_processes(
             consume_slowly,
@@ -51,17 +51,18 @@ fn a_full_bounded_queue_holds_the_producer_back() {
             assert!(q.qsize() <= 2, "a queue of capacity 2 holds {}", q.qsize());
         }
         let got: Vec<u32> = (0..6)
-            .map(|_| taken.get_timeout(secs(30)).unwrap().unwrap())
+            .map(|_| taken.get_timeout(secs(30)).unwrap())
             .collect();
         assert_eq!(got, (0..6).collect::<Vec<_>>(), "FIFO across processes");
-        assert!(ctx.join(Some(secs(30))).unwrap());
+        ctx.join(Some(secs(30))).unwrap();
         assert_eq!(q.qsize(), 0);
     });
 }
 
 fn work_then_done(_rank: usize, q: JoinableQueue<u64>) -> multiproc::Result<()> {
-    while let Some(v) = q.get_timeout(Duration::from_millis(300))? {
-        std::hint::black_box(v * v);
+    // Every item was put before the workers started: take until none is waiting.
+    for v in q.try_iter() {
+        std::hint::black_box(v? * 3);
         q.task_done()?;
     }
     Ok(())
@@ -74,18 +75,14 @@ fn joinable_queue_join_waits_for_every_task_done_in_workers() {
         for v in 0..200u64 {
             q.put(v).unwrap();
         }
-        assert!(
-            !q.join(Some(Duration::from_millis(1))).unwrap(),
-            "nothing is done yet"
-        );
+        let err = q.join(Some(Duration::from_millis(1))).unwrap_err();
+        assert!(err.is_timeout(), "nothing is done yet: {err}");
+        assert!(err.to_string().contains("200 unfinished tasks"), "{err}");
         let mut ctx = start_processes(work_then_done, q.clone(), 2, StartMethod::Spawn).unwrap();
         let start = Instant::now();
-        assert!(
-            q.join(Some(secs(30))).unwrap(),
-            "every task was marked done"
-        );
+        q.join(Some(secs(30))).expect("every task was marked done");
         assert!(start.elapsed() < secs(30));
-        assert!(ctx.join(Some(secs(30))).unwrap());
+        ctx.join(Some(secs(30))).unwrap();
         assert!(q.task_done().is_err(), "one task_done too many");
     });
 }
@@ -130,8 +127,8 @@ fn tensors_at_any_depth_and_a_queue_inside_a_message() {
         inbox.put((sample, reply.clone())).unwrap();
         let mut ctx =
             start_processes(reply_through_a_received_queue, inbox, 1, StartMethod::Spawn).unwrap();
-        assert_eq!(reply.get_timeout(secs(30)).unwrap(), Some(42));
-        assert!(ctx.join(Some(secs(30))).unwrap());
+        assert_eq!(reply.get_timeout(secs(30)).unwrap(), 42);
+        ctx.join(Some(secs(30))).unwrap();
         assert_eq!(inner.to_vec::<f64>().unwrap(), vec![6.0, 6.0]);
         assert_eq!(list[0].to_vec::<i32>().unwrap(), vec![7; 5]);
         // Row 1 was filled with 7 through the view, after the whole tensor got 5.

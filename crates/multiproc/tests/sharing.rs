@@ -136,12 +136,8 @@ fn a_consumer_under_a_256_fd_limit_keeps_2000_received_tensors() {
                 let t = Tensor::full(&[64], f64::from(i), DType::F32).unwrap();
                 inbox.put_timeout(t, secs(60)).unwrap();
             }
-            assert_eq!(
-                done.get_timeout(secs(60)).unwrap(),
-                Some(2000),
-                "{strategy}"
-            );
-            assert!(ctx.join(Some(secs(30))).unwrap(), "{strategy}");
+            assert_eq!(done.get_timeout(secs(60)).unwrap(), 2000, "{strategy}");
+            ctx.join(Some(secs(30))).expect("{strategy}");
         });
     });
 }
@@ -153,11 +149,8 @@ fn a_tensor_outlives_the_producer_that_put_it() {
             let queue = SimpleQueue::new().unwrap();
             let mut ctx =
                 start_processes(put_and_exit, (queue.clone(), 2.5), 1, StartMethod::Spawn).unwrap();
-            assert!(
-                ctx.join(Some(secs(30))).unwrap(),
-                "the producer exited first"
-            );
-            let t: Tensor = queue.get_timeout(secs(5)).unwrap().expect("a tensor");
+            ctx.join(Some(secs(30))).expect("the producer exited first");
+            let t: Tensor = queue.get_timeout(secs(5)).expect("a tensor");
             assert_eq!(t.shape(), [20]);
             assert_eq!(t.storage_offset(), 10);
             assert_eq!(t.storage().nbytes(), 4000);
@@ -218,7 +211,7 @@ fn empty_tensors_of_every_dtype_cross_processes() {
                         .put(Some(Tensor::zeros(&shape, dtype).unwrap()))
                         .unwrap();
                     let (back, seen_dtype, seen_shape) =
-                        outbox.get_timeout(secs(30)).unwrap().expect("an echo");
+                        outbox.get_timeout(secs(30)).expect("an echo");
                     assert_eq!((seen_dtype, &seen_shape), (dtype, &shape), "{strategy}");
                     assert_eq!((back.dtype(), back.shape()), (dtype, &shape[..]));
                     assert_eq!(back.numel(), 0);
@@ -226,7 +219,7 @@ fn empty_tensors_of_every_dtype_cross_processes() {
                 }
             }
             inbox.put(None).unwrap();
-            assert!(ctx.join(Some(secs(30))).unwrap());
+            ctx.join(Some(secs(30))).unwrap();
         });
     });
 }
@@ -239,7 +232,7 @@ fn hogwild_workers_update_one_shared_tensor() {
             let t = Tensor::zeros(&[4, 256], DType::F32).unwrap();
             let mut ctx =
                 start_processes(add_to_row, (t.clone(), steps), 4, StartMethod::Spawn).unwrap();
-            assert!(ctx.join(Some(secs(60))).unwrap());
+            ctx.join(Some(secs(60))).unwrap();
             assert!(t.is_shared(), "sending shared it in place");
             assert!(all_equal(&t, steps as f64), "{strategy}: {t:?}");
         });
@@ -261,9 +254,9 @@ fn a_large_tensor_is_shared_not_copied() {
             )
             .unwrap();
             q.put(vec![t.clone()]).unwrap();
-            assert!(event.wait(Some(secs(30))).unwrap());
+            event.wait(Some(secs(30))).unwrap();
             assert_eq!(t.sum(), 4.0 * (16 << 20) as f64, "{strategy}");
-            assert!(ctx.join(Some(secs(30))).unwrap());
+            ctx.join(Some(secs(30))).unwrap();
         });
     });
 }
@@ -272,7 +265,7 @@ fn a_large_tensor_is_shared_not_copied() {
 fn the_fd_limit_is_a_clear_error() {
     common::run(secs(60), || {
         let mut ctx = start_processes(hit_the_fd_limit, (), 1, StartMethod::Spawn).unwrap();
-        assert!(ctx.join(Some(secs(30))).unwrap());
+        ctx.join(Some(secs(30))).unwrap();
     });
 }
 
@@ -299,7 +292,7 @@ fn a_received_tensor_can_be_sent_on() {
             .unwrap();
             let small = Tensor::zeros(&[16], DType::F32).unwrap();
             inbox.put(small.clone()).unwrap();
-            let back = outbox.get_timeout(secs(30)).unwrap().expect("forwarded");
+            let back = outbox.get_timeout(secs(30)).expect("forwarded");
             assert!(
                 all_equal(&small, 1.0),
                 "{strategy}: the worker wrote the parent's memory"
@@ -309,7 +302,7 @@ fn a_received_tensor_can_be_sent_on() {
                 all_equal(&small, 2.0),
                 "{strategy}: what came back aliases what was sent"
             );
-            assert!(ctx.join(Some(secs(30))).unwrap());
+            ctx.join(Some(secs(30))).unwrap();
         });
     });
 }

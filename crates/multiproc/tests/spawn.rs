@@ -156,15 +156,19 @@ fn join_without_joining_until_true() {
             let mut ctx = start_processes(sleep_then_ok, 50u64, 2, method).unwrap();
             assert_eq!(ctx.pids().len(), 2);
             let mut rounds = 0;
-            while !ctx.join(Some(Duration::from_millis(10))).unwrap() {
-                rounds += 1;
+            loop {
+                match ctx.join(Some(Duration::from_millis(10))) {
+                    Ok(()) => break,
+                    Err(e) if e.is_timeout() => rounds += 1,
+                    Err(e) => panic!("{method}: {e}"),
+                }
             }
             assert!(
                 rounds > 0,
                 "{method}: the workers sleep 50 ms, a 10 ms join times out first"
             );
-            assert!(ctx.join(None).unwrap(), "repeated join stays true");
-            assert!(ctx.join(Some(Duration::ZERO)).unwrap());
+            ctx.join(None).expect("repeated join stays true");
+            ctx.join(Some(Duration::ZERO)).unwrap();
             assert!(
                 ctx.exit_statuses()
                     .iter()
@@ -381,7 +385,12 @@ fn join_with_a_short_timeout_returns_false() {
             .start(sleep_then_ok, 5000u64, 1)
             .unwrap();
         let start = Instant::now();
-        assert!(!ctx.join(Some(Duration::from_millis(100))).unwrap());
+        let err = ctx.join(Some(Duration::from_millis(100))).unwrap_err();
+        assert!(
+            matches!(&err, Error::Timeout { after: Some(t), .. } if *t == Duration::from_millis(100)),
+            "{err}"
+        );
+        assert!(err.to_string().contains("1 of which still run"), "{err}");
         let elapsed = start.elapsed();
         assert!(elapsed >= Duration::from_millis(100), "{elapsed:?}");
         assert!(elapsed < secs(1), "{elapsed:?}");
@@ -508,10 +517,14 @@ fn single_process_lifecycle() {
             p.start().unwrap();
             assert!(p.start().is_err(), "a process starts once");
             assert!(p.is_alive());
-            assert_eq!(p.join(Some(Duration::from_millis(20))).unwrap(), None);
+            assert!(
+                p.join(Some(Duration::from_millis(20)))
+                    .unwrap_err()
+                    .is_timeout()
+            );
             assert_eq!(p.exit_status(), None);
             p.terminate().unwrap();
-            let status = p.join(Some(secs(20))).unwrap().expect("exited");
+            let status = p.join(Some(secs(20))).expect("exited");
             assert_eq!(status.signal_name().as_deref(), Some("SIGTERM"), "{method}");
             assert!(!p.is_alive());
             assert_eq!(p.exit_status(), Some(status));
@@ -521,12 +534,12 @@ fn single_process_lifecycle() {
 
             let mut ok = Process::new(noop, 3, ()).start_method(method).world_size(4);
             ok.start().unwrap();
-            assert!(ok.join(None).unwrap().unwrap().success());
+            assert!(ok.join(None).unwrap().success());
             assert!(ok.error().is_none());
 
             let mut bad = Process::new(raise_in, 2, 2usize).start_method(method);
             bad.start().unwrap();
-            assert_eq!(bad.join(None).unwrap().unwrap().code(), Some(1));
+            assert_eq!(bad.join(None).unwrap().code(), Some(1));
             let err = bad.error().unwrap();
             assert!(
                 err.to_string()
@@ -560,10 +573,8 @@ fn workers_started_from_a_short_lived_thread_survive_it() {
                 .join()
                 .unwrap();
             let mut ctx = ctx.unwrap();
-            assert!(
-                ctx.join(Some(secs(20))).unwrap(),
-                "{method}: the worker was killed"
-            );
+            ctx.join(Some(secs(20)))
+                .expect("{method}: the worker was killed");
         }
     });
 }

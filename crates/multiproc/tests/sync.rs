@@ -26,7 +26,7 @@ fn lock_excludes_four_processes() {
         let counter = Value::new(0u64).unwrap();
         let mut ctx =
             start_processes(increment, (lock, counter.clone()), 4, StartMethod::Spawn).unwrap();
-        assert!(ctx.join(Some(Duration::from_secs(50))).unwrap());
+        ctx.join(Some(Duration::from_secs(50))).unwrap();
         assert_eq!(counter.get(), 40_000);
     });
 }
@@ -62,14 +62,14 @@ fn barrier_of_four() {
         let passed = Value::new(0u32).unwrap();
         let args = (barrier, arrived, passed.clone());
         let mut ctx = start_processes(wait_at_barrier, args, 4, StartMethod::Spawn).unwrap();
-        assert!(ctx.join(Some(Duration::from_secs(50))).unwrap());
+        ctx.join(Some(Duration::from_secs(50))).unwrap();
         assert_eq!(passed.get(), 4);
     });
 }
 
 fn bounded_work(_rank: usize, (sem, inside, most): (Semaphore, Value<u32>, Value<u32>)) {
     for _ in 0..20 {
-        assert!(sem.acquire(Some(Duration::from_secs(30))).expect("acquire"));
+        sem.acquire(Some(Duration::from_secs(30))).expect("acquire");
         let now = inside.update(|n| n + 1).expect("update");
         most.update(|m| m.max(now)).expect("update");
         std::thread::sleep(Duration::from_millis(2));
@@ -86,7 +86,7 @@ fn semaphore_bounds_concurrency() {
         let most = Value::new(0u32).unwrap();
         let args = (sem, inside, most.clone());
         let mut ctx = start_processes(bounded_work, args, 5, StartMethod::Spawn).unwrap();
-        assert!(ctx.join(Some(Duration::from_secs(50))).unwrap());
+        ctx.join(Some(Duration::from_secs(50))).unwrap();
         assert!(
             most.get() <= 2,
             "{} processes were inside a semaphore of 2",
@@ -114,10 +114,12 @@ fn a_lock_holder_killed_while_holding_is_reported() {
             StartMethod::Spawn,
         )
         .unwrap();
-        assert!(taken.wait(Some(Duration::from_secs(30))).unwrap());
+        taken.wait(Some(Duration::from_secs(30))).unwrap();
         let holder = ctx.pids()[0];
         assert!(
-            !lock.acquire(Some(Duration::from_millis(50))).unwrap(),
+            lock.acquire(Some(Duration::from_millis(50)))
+                .unwrap_err()
+                .is_timeout(),
             "the holder is alive"
         );
         let status = std::process::Command::new("kill")
@@ -126,7 +128,10 @@ fn a_lock_holder_killed_while_holding_is_reported() {
         assert!(status.unwrap().success());
         let start = Instant::now();
         let err = lock.acquire(Some(Duration::from_secs(20))).unwrap_err();
-        assert!(matches!(err, Error::OwnerDied(_)), "{err}");
+        assert!(
+            matches!(err, Error::OwnerDied { pid, .. } if pid as i32 == holder),
+            "{err}"
+        );
         assert!(err.to_string().contains(&holder.to_string()), "{err}");
         assert!(start.elapsed() < Duration::from_secs(10));
         lock.release().unwrap();

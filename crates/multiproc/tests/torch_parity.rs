@@ -77,10 +77,9 @@ fn test_fill() {
                 queue.put(data.clone()).unwrap();
                 let mut ctx =
                     start_processes(simple_fill, (queue, event.clone()), 1, method).unwrap();
-                assert!(
-                    event.wait(Some(secs(30))).unwrap(),
-                    "{strategy}/{method}: the child did not fill in time"
-                );
+                event
+                    .wait(Some(secs(30)))
+                    .expect("{strategy}/{method}: the child did not fill in time");
                 assert!(
                     all_equal(&data[0], 4.0),
                     "{strategy}/{method}: {:?}",
@@ -91,7 +90,7 @@ fn test_fill() {
                     "{strategy}/{method}: {:?}",
                     data[1]
                 );
-                assert!(ctx.join(Some(secs(30))).unwrap());
+                ctx.join(Some(secs(30))).unwrap();
             }
         });
     });
@@ -107,8 +106,8 @@ fn test_receive() {
                 let mut ctx =
                     start_processes(send_tensor, (queue.clone(), event.clone()), 1, method)
                         .unwrap();
-                let t1 = queue.get_timeout(secs(30)).unwrap().expect("first tensor");
-                let t2 = queue.get_timeout(secs(30)).unwrap().expect("second tensor");
+                let t1 = queue.get_timeout(secs(30)).expect("first tensor");
+                let t2 = queue.get_timeout(secs(30)).expect("second tensor");
                 assert!(all_equal(&t1, 1.0), "{strategy}/{method}");
                 assert_eq!(t1.dtype(), t2.dtype());
                 assert_eq!(
@@ -126,7 +125,7 @@ fn test_receive() {
                 // here: the producer may exit first).
                 drop((t1, t2));
                 event.set();
-                assert!(ctx.join(Some(secs(30))).unwrap());
+                ctx.join(Some(secs(30))).unwrap();
             }
         });
     });
@@ -184,7 +183,7 @@ fn test_inherit_tensor() {
             t.share_memory_().unwrap();
             let mut p = Process::new(add_three, 0, t.clone()).start_method(StartMethod::Fork);
             p.start().unwrap();
-            let status = p.join(Some(secs(30))).unwrap().expect("the child exited");
+            let status = p.join(Some(secs(30))).expect("the child exited");
             assert!(status.success(), "{strategy}: {status:?} {:?}", p.error());
             assert!(all_equal(&t, 3.0), "{strategy}: {t:?}");
         });

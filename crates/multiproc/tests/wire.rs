@@ -24,14 +24,11 @@ fn producer_exits_before_the_consumer_reads() {
         let q = SimpleQueue::new().unwrap();
         let mut ctx =
             start_processes(put_three_mib_and_exit, q.clone(), 1, StartMethod::Spawn).unwrap();
-        assert!(
-            ctx.join(Some(Duration::from_secs(30))).unwrap(),
-            "producer did not finish"
-        );
+        ctx.join(Some(Duration::from_secs(30)))
+            .expect("producer did not finish");
         for i in 0..3u8 {
             let got = q
                 .get_timeout(Duration::from_secs(10))
-                .unwrap()
                 .expect("message lost");
             assert_eq!(got.len(), 1 << 20);
             assert!(got.iter().all(|&b| b == i));
@@ -51,12 +48,9 @@ fn sixteen_mib_message_through_a_pipe() {
         let mut ctx = start_processes(echo_big, there, 1, StartMethod::Spawn).unwrap();
         let big: Vec<u8> = (0..(16u32 << 20) + 3).map(|i| (i % 253) as u8).collect();
         here.send(big.clone()).unwrap();
-        let back = here
-            .recv_timeout(Duration::from_secs(30))
-            .unwrap()
-            .expect("no echo");
+        let back = here.recv_timeout(Duration::from_secs(30)).expect("no echo");
         assert_eq!(back, big);
-        assert!(ctx.join(Some(Duration::from_secs(30))).unwrap());
+        ctx.join(Some(Duration::from_secs(30))).unwrap();
     });
 }
 
@@ -79,7 +73,6 @@ fn mpmc_worker(rank: usize, q: Mpmc) {
             let v = q
                 .work
                 .get_timeout(Duration::from_secs(30))
-                .expect("get")
                 .expect("stalled");
             if v == u32::MAX {
                 break;
@@ -104,14 +97,13 @@ fn two_putters_two_getters_lose_and_duplicate_nothing() {
         while seen.len() < 2 * PER_PRODUCER as usize {
             let (rank, v) = results
                 .get_timeout(Duration::from_secs(30))
-                .unwrap()
                 .expect("results stalled");
             assert!(seen.insert(v), "message {v} delivered twice");
             by_consumer[rank] += 1;
         }
         work.put(u32::MAX).unwrap();
         work.put(u32::MAX).unwrap();
-        assert!(ctx.join(Some(Duration::from_secs(30))).unwrap());
+        ctx.join(Some(Duration::from_secs(30))).unwrap();
         assert_eq!(seen.len(), 20_000);
         assert_eq!(by_consumer[2] + by_consumer[3], 20_000);
         assert_eq!(results.try_get().unwrap(), None, "no duplicate left over");
@@ -138,10 +130,7 @@ fn a_forged_message_is_an_error_and_the_pipe_stays_usable() {
             let err = here.recv_timeout(Duration::from_secs(30)).unwrap_err();
             assert!(matches!(err, Error::InvalidMessage(_)), "{err}");
         }
-        assert_eq!(
-            here.recv_timeout(Duration::from_secs(30)).unwrap(),
-            Some(42)
-        );
-        assert!(ctx.join(Some(Duration::from_secs(30))).unwrap());
+        assert_eq!(here.recv_timeout(Duration::from_secs(30)).unwrap(), 42);
+        ctx.join(Some(Duration::from_secs(30))).unwrap();
     });
 }

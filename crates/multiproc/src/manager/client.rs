@@ -274,10 +274,10 @@ fn read_status_line(mut out: std::process::ChildStdout, timeout: Duration) -> Re
     let mut byte = [0u8; 1];
     while line.len() < 4096 {
         if !wait_fd(out.as_fd(), Readiness::Readable, deadline)? {
-            return Err(Error::Timeout(format!(
-                "no answer within {} s",
-                timeout.as_secs()
-            )));
+            return Err(Error::timeout(
+                "waiting for the shm manager's answer",
+                Some(timeout),
+            ));
         }
         match out.read(&mut byte) {
             Ok(0) => break,

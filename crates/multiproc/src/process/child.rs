@@ -386,7 +386,7 @@ impl Drop for Child {
 ///     multiproc::init();
 ///     let mut p = Process::new(work, 0, "worker".to_string()).start_method(StartMethod::Spawn);
 ///     p.start()?;
-///     let status = p.join(None)?.expect("no timeout");
+///     let status = p.join(None)?;
 ///     assert!(status.success());
 ///     Ok(())
 /// }
@@ -487,16 +487,25 @@ impl Process {
         self.child.as_ref().is_some_and(Child::is_alive)
     }
 
-    /// Waits until it exits, at most `timeout` (`None`: without limit). Returns its exit
-    /// status, or `None` if it still runs at the deadline. Joining an exited process
-    /// again returns the same status.
+    /// Waits until it exits, at most `timeout` (`None`: without limit), and returns its
+    /// exit status. Joining an exited process again returns the same status.
     ///
     /// # Errors
-    /// When it was never started, or waiting failed.
-    pub fn join(&mut self, timeout: Option<Duration>) -> Result<Option<ExitStatus>> {
+    /// [`Error::Timeout`] when it still runs at the deadline; [`Error::InvalidArgument`]
+    /// when it was never started; an [`Error::Os`] when waiting failed.
+    pub fn join(&mut self, timeout: Option<Duration>) -> Result<ExitStatus> {
+        let rank = self.rank;
         let child = self.started_mut("join")?;
         child.wait(deadline_after(timeout))?;
-        Ok(child.status())
+        child.status().ok_or_else(|| {
+            Error::timeout(
+                format!(
+                    "a join of process {rank} (pid {}), which still runs",
+                    child.pid
+                ),
+                timeout,
+            )
+        })
     }
 
     /// Its exit status if it has exited (reaping it), without waiting.

@@ -158,8 +158,7 @@ impl SpawnOptions {
         R: WorkerResult,
     {
         let mut context = self.start(worker, args, nprocs)?;
-        while !context.join(None)? {}
-        Ok(())
+        context.join(None)
     }
 }
 
@@ -256,10 +255,11 @@ impl ProcessContext {
 
     /// Waits for the workers, at most `timeout` (`None`: without limit).
     ///
-    /// - `Ok(true)`: every worker has exited successfully (and stays so: later calls
-    ///   return `Ok(true)` at once).
-    /// - `Ok(false)`: the timeout passed and some still run.
-    /// - `Err(..)`: a worker failed. The others were torn down (pre-termination grace if
+    /// - `Ok(())`: every worker has exited successfully (and stays so: later calls
+    ///   return `Ok(())` at once).
+    /// - `Err(Error::Timeout { .. })`: the timeout passed and some still run; join
+    ///   again later (torch's `join()` returning `False`).
+    /// - any other `Err(..)`: a worker failed. The others were torn down (pre-termination grace if
     ///   set, SIGTERM, the grace period, SIGKILL) and all are reaped; later calls return
     ///   the same error. The tear-down is not bounded by `timeout`.
     ///
@@ -267,9 +267,10 @@ impl ProcessContext {
     /// [`Error::ProcessRaised`] when the first failed worker panicked or returned `Err`,
     /// with its message; [`Error::ProcessExited`] when it exited non-zero or was killed
     /// by a signal. Both carry every other rank that failed on its own in `others`.
-    pub fn join(&mut self, timeout: Option<Duration>) -> Result<bool> {
+    /// [`Error::Timeout`] when the workers still run at the deadline.
+    pub fn join(&mut self, timeout: Option<Duration>) -> Result<()> {
         match &self.state {
-            State::Joined => return Ok(true),
+            State::Joined => return Ok(()),
             State::Failed(e) => return Err(e.clone()),
             State::Running => {}
         }
@@ -283,10 +284,17 @@ impl ProcessContext {
             }
             if self.children.iter().all(Child::has_exited) {
                 self.state = State::Joined;
-                return Ok(true);
+                return Ok(());
             }
             if !self.wait(deadline)? {
-                return Ok(false);
+                let running = self.children.iter().filter(|c| !c.has_exited()).count();
+                return Err(Error::timeout(
+                    format!(
+                        "a join of {} workers, {running} of which still run",
+                        self.children.len()
+                    ),
+                    timeout,
+                ));
             }
         }
     }

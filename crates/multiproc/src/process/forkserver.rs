@@ -202,9 +202,10 @@ pub(crate) fn start(job: OwnedFd, env: Vec<(String, String)>) -> Result<ServerCh
     let packet = match wire::recv_packet(status.as_fd(), deadline_after(Some(REPLY_TIMEOUT))) {
         Ok(Some(packet)) => packet,
         Ok(None) => {
-            return Err(Error::Timeout(format!(
-                "the fork server (pid {server_pid}) did not answer within {REPLY_TIMEOUT:?}"
-            )));
+            return Err(Error::timeout(
+                format!("waiting for the fork server (pid {server_pid}) to answer"),
+                Some(REPLY_TIMEOUT),
+            ));
         }
         Err(Error::Closed(_)) => {
             return Err(Error::Closed(format!(
@@ -219,11 +220,10 @@ pub(crate) fn start(job: OwnedFd, env: Vec<(String, String)>) -> Result<ServerCh
             pidfd: pidfd.0,
             status,
         }),
-        ForkReply::Failed(why) => Err(Error::Os {
-            context: format!("the fork server (pid {server_pid}) could not fork"),
-            message: why,
-            errno: None,
-        }),
+        ForkReply::Failed(why) => Err(Error::os(
+            format!("the fork server (pid {server_pid}) could not fork"),
+            std::io::Error::other(why),
+        )),
     }
 }
 

@@ -106,12 +106,8 @@ impl Shared {
         }
     }
 
-    fn put<T: Serialize>(
-        &self,
-        item: T,
-        deadline: Deadline,
-        joinable: bool,
-    ) -> Result<(), PutError<T>> {
+    fn put<T: Serialize>(&self, item: T, wait: Wait, joinable: bool) -> Result<(), PutError<T>> {
+        let deadline = wait.deadline();
         // Encode before taking a place, so that the place is held only across the send:
         // a putter killed while encoding (which may make shared segments) leaks none.
         let mut encoded = match self.channel.encode(&item) {
@@ -122,12 +118,9 @@ impl Shared {
             match self.acquire_slot(deadline) {
                 Ok(true) => {}
                 Ok(false) => {
-                    return Err(PutError {
-                        error: Error::Timeout(
-                            "timed out waiting for a free place in a full queue".into(),
-                        ),
-                        item,
-                    });
+                    let capacity = self.block.word(CAPACITY).load(Ordering::Relaxed);
+                    let error = wait.no_room(&format!("a full queue (capacity {capacity})"));
+                    return Err(PutError { error, item });
                 }
                 Err(error) => return Err(PutError { error, item }),
             }
@@ -139,6 +132,10 @@ impl Shared {
         match self.channel.send(&mut encoded, deadline) {
             Ok(()) => Ok(()),
             Err(error) => {
+                let error = match error {
+                    Error::Timeout { .. } => wait.no_room("a queue whose socket buffer is full"),
+                    other => other,
+                };
                 saturating_dec(self.block.word(ITEMS));
                 if joinable {
                     self.task_done_unchecked();
@@ -195,6 +192,38 @@ impl Shared {
         let unfinished = self.block.word(UNFINISHED);
         if saturating_dec(unfinished) == 1 {
             futex::wake_all(unfinished);
+        }
+    }
+}
+
+/// How long a put may wait for room.
+#[derive(Debug, Clone, Copy)]
+enum Wait {
+    /// As long as it takes (`put`).
+    Forever,
+    /// At most this long (`put_timeout`): then [`Error::Timeout`].
+    For(Duration),
+    /// Not at all (`try_put`): then [`Error::Full`].
+    Never,
+}
+
+impl Wait {
+    fn deadline(self) -> Deadline {
+        match self {
+            Wait::Forever => None,
+            Wait::For(t) => deadline_after(Some(t)),
+            Wait::Never => Some(std::time::Instant::now()),
+        }
+    }
+
+    /// The error for a put that found no room in `what` by its deadline.
+    fn no_room(self, what: &str) -> Error {
+        match self {
+            Wait::Never => Error::Full(format!(
+                "no room in {what}; get some items, or use put/put_timeout to wait for room"
+            )),
+            Wait::For(t) => Error::timeout(format!("a put on {what}"), Some(t)),
+            Wait::Forever => Error::timeout(format!("a put on {what}"), None),
         }
     }
 }
@@ -265,15 +294,44 @@ impl<T: Serialize + DeserializeOwned> Queue<T> {
     /// # Errors
     /// When the item cannot be encoded or sent; the item comes back in the error.
     pub fn put(&self, item: T) -> Result<(), PutError<T>> {
-        self.shared.put(item, None, false)
+        self.shared.put(item, Wait::Forever, false)
     }
 
     /// Puts `item`, waiting for room at most `timeout`.
     ///
     /// # Errors
-    /// As [`put`](Self::put); [`Error::Timeout`] when no room came in time.
+    /// As [`put`](Self::put); [`Error::Timeout`] when no room came in time. The item
+    /// comes back in the error.
     pub fn put_timeout(&self, item: T, timeout: Duration) -> Result<(), PutError<T>> {
-        self.shared.put(item, deadline_after(Some(timeout)), false)
+        self.shared.put(item, Wait::For(timeout), false)
+    }
+
+    /// Puts `item` if there is room right now, without waiting.
+    ///
+    /// # Errors
+    /// [`Error::Full`] when the queue holds its capacity (or the socket buffer is
+    /// full); otherwise as [`put`](Self::put). The item comes back in the error.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// let q = multiproc::Queue::with_capacity(1)?;
+    /// q.try_put(1u8).map_err(multiproc::Error::from)?;
+    /// let full = q.try_put(2).unwrap_err();
+    /// assert!(matches!(full.error, multiproc::Error::Full(_)));
+    /// assert_eq!(full.into_inner(), 2);
+    /// # Ok::<(), multiproc::Error>(())
+    /// ```
+    pub fn try_put(&self, item: T) -> Result<(), PutError<T>> {
+        self.shared.put(item, Wait::Never, false)
+    }
+
+    /// Python's name for [`try_put`](Self::try_put).
+    ///
+    /// # Errors
+    /// As [`try_put`](Self::try_put).
+    pub fn put_nowait(&self, item: T) -> Result<(), PutError<T>> {
+        self.try_put(item)
     }
 
     /// Takes the next item, waiting as long as it takes.
@@ -284,23 +342,77 @@ impl<T: Serialize + DeserializeOwned> Queue<T> {
     pub fn get(&self) -> Result<T> {
         self.shared
             .get(None)?
-            .ok_or_else(|| Error::Timeout("a get without deadline returned nothing".into()))
+            .ok_or_else(|| Error::timeout("a get on a queue without deadline", None))
     }
 
-    /// Takes the next item, waiting at most `timeout`; `Ok(None)` if none came.
+    /// Takes the next item, waiting at most `timeout`.
     ///
     /// # Errors
-    /// As [`get`](Self::get).
-    pub fn get_timeout(&self, timeout: Duration) -> Result<Option<T>> {
-        self.shared.get(deadline_after(Some(timeout)))
+    /// [`Error::Timeout`] when no item came in time; otherwise as [`get`](Self::get).
+    pub fn get_timeout(&self, timeout: Duration) -> Result<T> {
+        self.shared
+            .get(deadline_after(Some(timeout)))?
+            .ok_or_else(|| Error::timeout("a get on an empty queue", Some(timeout)))
     }
 
-    /// Takes the next item if one is waiting.
+    /// Takes the next item if one is waiting: `Ok(None)` when none is (not a timeout:
+    /// nothing waited).
     ///
     /// # Errors
     /// As [`get`](Self::get).
     pub fn try_get(&self) -> Result<Option<T>> {
         self.shared.try_get()
+    }
+
+    /// Python's name for [`try_get`](Self::try_get).
+    ///
+    /// # Errors
+    /// As [`try_get`](Self::try_get).
+    pub fn get_nowait(&self) -> Result<Option<T>> {
+        self.try_get()
+    }
+
+    /// A blocking iterator over the items: each `next` waits for one, as
+    /// [`get`](Self::get) does. It ends when this handle is [closed](Self::close); any
+    /// other error is yielded (the queue stays usable after a malformed message).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// let q = multiproc::Queue::new()?;
+    /// for i in 0..3u32 {
+    ///     q.put(i).map_err(multiproc::Error::from)?;
+    /// }
+    /// let got: Vec<u32> = q.iter().take(3).collect::<multiproc::Result<_>>()?;
+    /// assert_eq!(got, [0, 1, 2]);
+    /// # Ok::<(), multiproc::Error>(())
+    /// ```
+    pub fn iter(&self) -> QueueIter<'_, T> {
+        QueueIter { queue: self }
+    }
+
+    /// A non-blocking iterator over the items waiting right now, as
+    /// [`try_get`](Self::try_get) finds them; it ends at the first empty look.
+    pub fn try_iter(&self) -> QueueTryIter<'_, T> {
+        QueueTryIter { queue: self }
+    }
+
+    /// The number of items put and not yet taken: [`qsize`](Self::qsize).
+    pub fn len(&self) -> usize {
+        self.qsize()
+    }
+
+    /// Whether no item is waiting right now: [`empty`](Self::empty).
+    pub fn is_empty(&self) -> bool {
+        self.empty()
+    }
+
+    /// The most items the queue holds (`None` for an unbounded queue).
+    pub fn capacity(&self) -> Option<usize> {
+        match self.shared.block.word(CAPACITY).load(Ordering::Acquire) {
+            0 => None,
+            c => Some(c as usize),
+        }
     }
 
     /// The number of items put and not yet taken, across all processes. Approximate:
@@ -323,6 +435,50 @@ impl<T: Serialize + DeserializeOwned> Queue<T> {
     /// [`Error::Closed`]. Items already put stay on the queue for other processes.
     pub fn close(&self) {
         self.shared.channel.close();
+    }
+}
+
+/// The blocking iterator of [`Queue::iter`].
+#[derive(Debug)]
+pub struct QueueIter<'a, T> {
+    queue: &'a Queue<T>,
+}
+
+impl<T: Serialize + DeserializeOwned> Iterator for QueueIter<'_, T> {
+    type Item = Result<T>;
+
+    fn next(&mut self) -> Option<Result<T>> {
+        match self.queue.get() {
+            Err(Error::Closed(_)) => None,
+            other => Some(other),
+        }
+    }
+}
+
+/// The non-blocking iterator of [`Queue::try_iter`].
+#[derive(Debug)]
+pub struct QueueTryIter<'a, T> {
+    queue: &'a Queue<T>,
+}
+
+impl<T: Serialize + DeserializeOwned> Iterator for QueueTryIter<'_, T> {
+    type Item = Result<T>;
+
+    fn next(&mut self) -> Option<Result<T>> {
+        match self.queue.try_get() {
+            Ok(None) | Err(Error::Closed(_)) => None,
+            Ok(Some(item)) => Some(Ok(item)),
+            Err(e) => Some(Err(e)),
+        }
+    }
+}
+
+impl<'a, T: Serialize + DeserializeOwned> IntoIterator for &'a Queue<T> {
+    type Item = Result<T>;
+    type IntoIter = QueueIter<'a, T>;
+
+    fn into_iter(self) -> QueueIter<'a, T> {
+        self.iter()
     }
 }
 
@@ -430,7 +586,7 @@ impl<T: Serialize + DeserializeOwned> JoinableQueue<T> {
     /// # Errors
     /// As [`Queue::put`].
     pub fn put(&self, item: T) -> Result<(), PutError<T>> {
-        self.queue.shared.put(item, None, true)
+        self.queue.shared.put(item, Wait::Forever, true)
     }
 
     /// Puts `item` waiting at most `timeout` for room.
@@ -438,9 +594,23 @@ impl<T: Serialize + DeserializeOwned> JoinableQueue<T> {
     /// # Errors
     /// As [`Queue::put_timeout`].
     pub fn put_timeout(&self, item: T, timeout: Duration) -> Result<(), PutError<T>> {
-        self.queue
-            .shared
-            .put(item, deadline_after(Some(timeout)), true)
+        self.queue.shared.put(item, Wait::For(timeout), true)
+    }
+
+    /// Puts `item` if there is room right now, counting it as an unfinished task.
+    ///
+    /// # Errors
+    /// As [`Queue::try_put`].
+    pub fn try_put(&self, item: T) -> Result<(), PutError<T>> {
+        self.queue.shared.put(item, Wait::Never, true)
+    }
+
+    /// Python's name for [`try_put`](Self::try_put).
+    ///
+    /// # Errors
+    /// As [`Queue::try_put`].
+    pub fn put_nowait(&self, item: T) -> Result<(), PutError<T>> {
+        self.try_put(item)
     }
 
     /// Marks one task taken from the queue as done.
@@ -462,20 +632,26 @@ impl<T: Serialize + DeserializeOwned> JoinableQueue<T> {
     }
 
     /// Waits until every item put has been marked done, at most `timeout` (`None`:
-    /// forever). Returns whether that happened.
+    /// forever).
     ///
     /// # Errors
-    /// Only when the kernel refuses the wait.
-    pub fn join(&self, timeout: Option<Duration>) -> Result<bool> {
+    /// [`Error::Timeout`] (with the number of tasks left) when the timeout passed first.
+    pub fn join(&self, timeout: Option<Duration>) -> Result<()> {
         let deadline = deadline_after(timeout);
         let unfinished = self.queue.shared.block.word(UNFINISHED);
         loop {
             let left = unfinished.load(Ordering::Acquire);
             if left == 0 {
-                return Ok(true);
+                return Ok(());
             }
             if !futex::wait(unfinished, left, deadline)? {
-                return Ok(unfinished.load(Ordering::Acquire) == 0);
+                return match unfinished.load(Ordering::Acquire) {
+                    0 => Ok(()),
+                    left => Err(Error::timeout(
+                        format!("a join on a JoinableQueue with {left} unfinished tasks"),
+                        timeout,
+                    )),
+                };
             }
         }
     }

@@ -13,8 +13,8 @@ mod channel;
 mod pipe;
 mod simple;
 
-pub use bounded::{JoinableQueue, Queue};
-pub use pipe::{Connection, pipe};
+pub use bounded::{JoinableQueue, Queue, QueueIter, QueueTryIter};
+pub use pipe::{Connection, pipe, wait};
 pub use simple::SimpleQueue;
 
 #[cfg(test)]
@@ -39,7 +39,7 @@ mod tests {
         let start = Instant::now();
         let back = q.put_timeout(9, Duration::from_millis(50)).unwrap_err();
         assert!(start.elapsed() >= Duration::from_millis(50));
-        assert!(matches!(back.error, Error::Timeout(_)));
+        assert!(back.error.is_timeout(), "{}", back.error);
         assert_eq!(back.into_inner(), 9, "a failed put hands the item back");
         assert_eq!(
             (0..4).map(|_| q.get().unwrap()).collect::<Vec<_>>(),
@@ -47,7 +47,15 @@ mod tests {
         );
         assert!(q.empty());
         assert_eq!(q.try_get().unwrap(), None);
-        assert_eq!(q.get_timeout(Duration::from_millis(10)).unwrap(), None);
+        let err = q.get_timeout(Duration::from_millis(10)).unwrap_err();
+        assert!(
+            matches!(&err, Error::Timeout { after: Some(t), .. } if *t == Duration::from_millis(10)),
+            "{err}"
+        );
+        assert_eq!(
+            err.to_string(),
+            "a get on an empty queue timed out after 10ms"
+        );
     }
 
     #[test]
@@ -93,12 +101,16 @@ mod tests {
         let q = JoinableQueue::new().unwrap();
         q.put(1u8).unwrap();
         q.put(2u8).unwrap();
-        assert!(!q.join(Some(Duration::from_millis(10))).unwrap());
+        assert!(
+            q.join(Some(Duration::from_millis(10)))
+                .unwrap_err()
+                .is_timeout()
+        );
         q.get().unwrap();
         q.task_done().unwrap();
         q.get().unwrap();
         q.task_done().unwrap();
-        assert!(q.join(Some(Duration::from_millis(10))).unwrap());
+        q.join(Some(Duration::from_millis(10))).unwrap();
         assert!(q.task_done().is_err(), "one task_done too many is an error");
     }
 
@@ -106,9 +118,11 @@ mod tests {
     fn pipe_carries_16_mib_and_reports_a_closed_peer() {
         let (a, b) = pipe::<Vec<u8>>().unwrap();
         let big: Vec<u8> = (0..16 << 20).map(|i: u32| (i % 251) as u8).collect();
+        assert!(b.poll(Some(Duration::ZERO)).unwrap_err().is_timeout());
         a.send(big.clone()).unwrap();
-        assert!(b.poll(Some(Duration::from_secs(5))).unwrap());
+        b.poll(Some(Duration::from_secs(5))).unwrap();
         assert_eq!(b.recv().unwrap(), big);
+        assert_eq!(b.try_recv().unwrap(), None);
         b.send(vec![1]).unwrap();
         assert_eq!(a.recv().unwrap(), vec![1]);
         drop(b);
@@ -130,9 +144,9 @@ mod tests {
     fn event_set_wakes_a_waiting_thread() {
         let ev = Event::new().unwrap();
         let ev2 = ev.clone();
-        let waiter = std::thread::spawn(move || ev2.wait(Some(Duration::from_secs(10))).unwrap());
+        let waiter = std::thread::spawn(move || ev2.wait(Some(Duration::from_secs(10))));
         ev.set();
-        assert!(waiter.join().unwrap());
+        waiter.join().unwrap().unwrap();
         ev.clear();
         assert!(!ev.is_set());
     }

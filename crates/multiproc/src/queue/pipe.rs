@@ -9,7 +9,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use super::channel::check_seqpacket;
-use crate::sys::socket::seqpacket_pair;
+use crate::sys::socket::{poll_readable, seqpacket_pair};
 use crate::sys::{Deadline, Readiness, deadline_after, wait_fd};
 use crate::{Error, PutError, Result, wire};
 
@@ -30,6 +30,42 @@ use crate::{Error, PutError, Result, wire};
 pub fn pipe<T: Serialize + DeserializeOwned>() -> Result<(Connection<T>, Connection<T>)> {
     let (a, b) = seqpacket_pair()?;
     Ok((Connection::from_fd(a), Connection::from_fd(b)))
+}
+
+/// Waits until at least one of `objects` can be received from (an item is waiting or
+/// the other end hung up), at most `timeout` (`None`: as long as it takes), like
+/// Python's `multiprocessing.connection.wait`. Returns the indices of the ready ones,
+/// in order. Any [`AsFd`] works: [`Connection`]s of different item types can be mixed
+/// as `&[&a as &dyn AsFd, &b]`.
+///
+/// # Errors
+/// [`Error::Timeout`] when none was ready in time; an [`Error::Os`] when the kernel
+/// refuses the wait.
+///
+/// # Examples
+///
+/// ```
+/// use std::os::fd::AsFd;
+/// use std::time::Duration;
+/// let (a, a_peer) = multiproc::pipe::<u8>()?;
+/// let (b, b_peer) = multiproc::pipe::<String>()?;
+/// b_peer.send("ready".into()).map_err(multiproc::Error::from)?;
+/// let ready = multiproc::connection::wait(&[&a as &dyn AsFd, &b], Some(Duration::from_secs(5)))?;
+/// assert_eq!(ready, [1]);
+/// # drop((a_peer, a));
+/// # Ok::<(), multiproc::Error>(())
+/// ```
+pub fn wait<C: AsFd>(objects: &[C], timeout: Option<Duration>) -> Result<Vec<usize>> {
+    let fds: Vec<_> = objects.iter().map(|o| o.as_fd()).collect();
+    let ready = poll_readable(&fds, deadline_after(timeout))?;
+    let ready: Vec<usize> = (0..ready.len()).filter(|&i| ready[i]).collect();
+    if ready.is_empty() {
+        return Err(Error::timeout(
+            format!("a wait on {} connections", objects.len()),
+            timeout,
+        ));
+    }
+    Ok(ready)
 }
 
 /// One end of a [`pipe`]. Send it to another process as a worker argument or through a
@@ -61,9 +97,20 @@ impl<T: Serialize + DeserializeOwned> Connection<T> {
     /// Sends `item`, waiting for room at most `timeout`.
     ///
     /// # Errors
-    /// As [`send`](Self::send), and [`Error::Timeout`].
+    /// As [`send`](Self::send), and [`Error::Timeout`] when no room came in time; the
+    /// item comes back in the error.
     pub fn send_timeout(&self, item: T, timeout: Duration) -> Result<(), PutError<T>> {
         self.send_until(item, deadline_after(Some(timeout)))
+            .map_err(|PutError { error, item }| PutError {
+                error: match error {
+                    Error::Timeout { .. } => Error::timeout(
+                        "a send on a pipe whose buffer is full (the other end is not reading)",
+                        Some(timeout),
+                    ),
+                    other => other,
+                },
+                item,
+            })
     }
 
     fn send_until(&self, item: T, deadline: Deadline) -> Result<(), PutError<T>> {
@@ -80,15 +127,28 @@ impl<T: Serialize + DeserializeOwned> Connection<T> {
     /// [`Error::InvalidMessage`] for a malformed message (the connection stays usable).
     pub fn recv(&self) -> Result<T> {
         self.recv_until(None)?
-            .ok_or_else(|| Error::Timeout("a recv without deadline returned nothing".into()))
+            .ok_or_else(|| Error::timeout("a recv on a pipe without deadline", None))
     }
 
-    /// Receives the next item, waiting at most `timeout`; `Ok(None)` if none came.
+    /// Receives the next item, waiting at most `timeout`.
+    ///
+    /// # Errors
+    /// [`Error::Timeout`] when nothing came in time; otherwise as [`recv`](Self::recv).
+    pub fn recv_timeout(&self, timeout: Duration) -> Result<T> {
+        self.recv_until(deadline_after(Some(timeout)))?
+            .ok_or_else(|| Error::timeout("a recv on a pipe", Some(timeout)))
+    }
+
+    /// Receives the next item if one is waiting: `Ok(None)` when none is (not a
+    /// timeout: nothing waited).
     ///
     /// # Errors
     /// As [`recv`](Self::recv).
-    pub fn recv_timeout(&self, timeout: Duration) -> Result<Option<T>> {
-        self.recv_until(deadline_after(Some(timeout)))
+    pub fn try_recv(&self) -> Result<Option<T>> {
+        match wire::try_recv_packet(self.sock.as_fd())? {
+            Some(packet) => wire::decode(packet).map(Some),
+            None => Ok(None),
+        }
     }
 
     fn recv_until(&self, deadline: Deadline) -> Result<Option<T>> {
@@ -98,14 +158,20 @@ impl<T: Serialize + DeserializeOwned> Connection<T> {
         }
     }
 
-    /// Whether an item (or the end of the stream) can be received within `timeout`
-    /// (`None`: wait as long as it takes).
+    /// Waits until an item (or the end of the stream) can be received, at most
+    /// `timeout` (`None`: as long as it takes). `poll(Some(Duration::ZERO)).is_ok()`
+    /// asks whether something is waiting right now.
     ///
     /// # Errors
-    /// Only when the kernel refuses the wait.
-    pub fn poll(&self, timeout: Option<Duration>) -> Result<bool> {
+    /// [`Error::Timeout`] when nothing came in time; an [`Error::Os`] when the kernel
+    /// refuses the wait.
+    pub fn poll(&self, timeout: Option<Duration>) -> Result<()> {
         let deadline = timeout.map(|t| Instant::now() + t);
-        wait_fd(self.sock.as_fd(), Readiness::Readable, deadline)
+        if wait_fd(self.sock.as_fd(), Readiness::Readable, deadline)? {
+            Ok(())
+        } else {
+            Err(Error::timeout("a poll on a pipe", timeout))
+        }
     }
 }
 

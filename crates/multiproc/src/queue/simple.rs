@@ -65,18 +65,21 @@ impl<T: Serialize + DeserializeOwned> SimpleQueue<T> {
     pub fn get(&self) -> Result<T> {
         self.channel
             .get(None)?
-            .ok_or_else(|| Error::Timeout("unreachable: no deadline".into()))
+            .ok_or_else(|| Error::timeout("a get on a SimpleQueue without deadline", None))
     }
 
-    /// Takes the next item, waiting at most `timeout`; `Ok(None)` if none came.
+    /// Takes the next item, waiting at most `timeout`.
     ///
     /// # Errors
-    /// As [`get`](Self::get).
-    pub fn get_timeout(&self, timeout: Duration) -> Result<Option<T>> {
-        self.channel.get(deadline_after(Some(timeout)))
+    /// [`Error::Timeout`] when no item came in time; otherwise as [`get`](Self::get).
+    pub fn get_timeout(&self, timeout: Duration) -> Result<T> {
+        self.channel
+            .get(deadline_after(Some(timeout)))?
+            .ok_or_else(|| Error::timeout("a get on an empty SimpleQueue", Some(timeout)))
     }
 
-    /// Takes the next item if one is waiting.
+    /// Takes the next item if one is waiting: `Ok(None)` when none is (not a timeout:
+    /// nothing waited).
     ///
     /// # Errors
     /// As [`get`](Self::get).

@@ -9,8 +9,8 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use super::block::SharedBlock;
 use super::futex;
-use crate::Result;
 use crate::sys::deadline_after;
+use crate::{Error, Result};
 
 const KIND: u32 = 0x4556_4e54; // "EVNT"
 const FLAG: usize = 1;
@@ -25,9 +25,11 @@ const FLAG: usize = 1;
 ///
 /// ```
 /// let done = multiproc::Event::new()?;
-/// assert!(!done.wait(Some(std::time::Duration::from_millis(1)))?);
+/// let err = done.wait(Some(std::time::Duration::from_millis(1))).unwrap_err();
+/// assert!(err.is_timeout());
 /// done.set();
-/// assert!(done.is_set() && done.wait(None)?);
+/// done.wait(None)?;
+/// assert!(done.is_set());
 /// # Ok::<(), multiproc::Error>(())
 /// ```
 #[derive(Clone)]
@@ -64,20 +66,23 @@ impl Event {
         self.block.word(FLAG).load(Ordering::Acquire) != 0
     }
 
-    /// Waits until the flag is set or the timeout passes (`None`: forever). Returns
-    /// whether the flag is set.
+    /// Waits until the flag is set, at most `timeout` (`None`: as long as it takes).
     ///
     /// # Errors
-    /// Only when the kernel refuses the wait, which does not happen on a valid event.
-    pub fn wait(&self, timeout: Option<Duration>) -> Result<bool> {
+    /// [`Error::Timeout`] when the flag was still clear at the deadline.
+    pub fn wait(&self, timeout: Option<Duration>) -> Result<()> {
         let deadline = deadline_after(timeout);
         let flag = self.block.word(FLAG);
         loop {
             if flag.load(Ordering::Acquire) != 0 {
-                return Ok(true);
+                return Ok(());
             }
             if !futex::wait(flag, 0, deadline)? {
-                return Ok(self.is_set());
+                return if self.is_set() {
+                    Ok(())
+                } else {
+                    Err(Error::timeout("a wait on an event", timeout))
+                };
             }
         }
     }

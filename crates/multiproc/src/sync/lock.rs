@@ -10,6 +10,7 @@
 //! interval.
 
 use std::fmt;
+use std::marker::PhantomData;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -19,7 +20,7 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use super::block::SharedBlock;
 use super::futex;
 use crate::sys::{Deadline, deadline_after};
-use crate::{Error, Result};
+use crate::{Error, LockError, Result};
 
 /// How often a waiter checks that the holder still lives.
 const LIVENESS_CHECK: Duration = Duration::from_millis(50);
@@ -141,12 +142,57 @@ impl RawLock {
     }
 }
 
-fn owner_died(what: &str, pid: u32) -> Error {
-    Error::OwnerDied(format!(
-        "the previous holder of this {what} (pid {pid}) died while holding it; the {what} is now \
-         held by pid {} — the state it protects may be half-updated, check it before going on",
-        my_pid()
-    ))
+pub(crate) fn owner_died(what: &str, pid: u32) -> Error {
+    Error::OwnerDied {
+        pid,
+        message: format!(
+            "the previous holder of this {what} (pid {pid}) died while holding it; the {what} is \
+             now held by pid {} — the state it protects may be half-updated, check it before going on",
+            my_pid()
+        ),
+    }
+}
+
+/// What a guard-returning method answers when its deadline passed.
+#[derive(Clone, Copy)]
+pub(crate) enum OnTimeout {
+    /// `Ok(None)`: a `try_` form, which does not wait.
+    Nothing,
+    /// [`Error::Timeout`] after this long.
+    Fail(Option<Duration>),
+}
+
+/// Turns an acquisition into the answer of a guard-returning method: the guard, `None`
+/// for a `try_` form that found the lock taken, or a [`LockError`] (carrying the guard
+/// when the holder died, since the lock is then ours).
+pub(crate) fn guarded<G>(
+    got: Result<Acquired>,
+    what: &str,
+    on_timeout: OnTimeout,
+    guard: impl FnOnce() -> G,
+) -> std::result::Result<Option<G>, LockError<G>> {
+    match got? {
+        Acquired::Yes => Ok(Some(guard())),
+        Acquired::TimedOut => match on_timeout {
+            OnTimeout::Nothing => Ok(None),
+            OnTimeout::Fail(after) => {
+                Err(Error::timeout(format!("an acquire of a {what}"), after).into())
+            }
+        },
+        Acquired::FromDeadOwner(pid) => Err(LockError {
+            error: owner_died(what, pid),
+            guard: Some(guard()),
+        }),
+    }
+}
+
+/// A guard-returning wait that cannot time out (no deadline, or a deadline whose
+/// timeout was turned into an error already) produced its guard.
+pub(crate) fn expect_guard<G>(
+    got: std::result::Result<Option<G>, LockError<G>>,
+    what: &str,
+) -> std::result::Result<G, LockError<G>> {
+    got?.ok_or_else(|| Error::timeout(format!("an acquire of a {what}"), None).into())
 }
 
 /// A process-shared lock, like `multiprocessing.Lock`.
@@ -160,9 +206,10 @@ fn owner_died(what: &str, pid: u32) -> Error {
 /// let lock = multiproc::Lock::new()?;
 /// {
 ///     let _held = lock.lock()?;
-///     assert!(!lock.acquire(Some(std::time::Duration::ZERO))?);
-/// }
-/// assert!(lock.acquire(None)?);
+///     assert!(lock.try_lock()?.is_none(), "held by the guard");
+///     assert!(lock.acquire(Some(std::time::Duration::ZERO)).unwrap_err().is_timeout());
+/// } // the guard released it
+/// lock.acquire(None)?;
 /// lock.release()?;
 /// # Ok::<(), multiproc::Error>(())
 /// ```
@@ -187,15 +234,16 @@ impl Lock {
     }
 
     /// Acquires the lock, waiting at most `timeout` (`None`: as long as it takes).
-    /// Returns whether it was acquired.
+    /// Release it with [`release`](Self::release), or use [`lock`](Self::lock) for a
+    /// guard that releases it.
     ///
     /// # Errors
-    /// [`Error::OwnerDied`] when the lock was taken over from a dead holder (the caller
-    /// now holds it).
-    pub fn acquire(&self, timeout: Option<Duration>) -> Result<bool> {
+    /// [`Error::Timeout`] when it was not acquired in time; [`Error::OwnerDied`] when
+    /// the lock was taken over from a dead holder (the caller now holds it).
+    pub fn acquire(&self, timeout: Option<Duration>) -> Result<()> {
         match self.raw.acquire(deadline_after(timeout))? {
-            Acquired::Yes => Ok(true),
-            Acquired::TimedOut => Ok(false),
+            Acquired::Yes => Ok(()),
+            Acquired::TimedOut => Err(Error::timeout("an acquire of a lock", timeout)),
             Acquired::FromDeadOwner(pid) => Err(owner_died("lock", pid)),
         }
     }
@@ -208,13 +256,48 @@ impl Lock {
         self.raw.release()
     }
 
-    /// Acquires the lock and returns a guard that releases it when dropped.
+    /// Acquires the lock, waiting as long as it takes, and returns a guard that releases
+    /// it when dropped.
     ///
     /// # Errors
-    /// As [`acquire`](Self::acquire).
-    pub fn lock(&self) -> Result<LockGuard<'_>> {
-        self.acquire(None)?;
-        Ok(LockGuard { lock: self })
+    /// [`Error::OwnerDied`] when the previous holder died holding it: the
+    /// [`LockError`] then carries the guard (the lock is held), to repair the state and
+    /// go on with [`LockError::into_guard`]. `?` drops that guard, releasing the lock.
+    pub fn lock(&self) -> std::result::Result<LockGuard<'_>, LockError<LockGuard<'_>>> {
+        let got = self.raw.acquire(None);
+        expect_guard(
+            guarded(got, "lock", OnTimeout::Fail(None), || LockGuard {
+                lock: self,
+            }),
+            "lock",
+        )
+    }
+
+    /// Acquires the lock if it is free: `Ok(None)` when another holder has it.
+    ///
+    /// # Errors
+    /// As [`lock`](Self::lock) (a dead holder's lock is taken over and reported).
+    pub fn try_lock(&self) -> std::result::Result<Option<LockGuard<'_>>, LockError<LockGuard<'_>>> {
+        let got = self.raw.acquire(Some(Instant::now()));
+        guarded(got, "lock", OnTimeout::Nothing, || LockGuard { lock: self })
+    }
+
+    /// Acquires the lock, waiting at most `timeout`, and returns a guard.
+    ///
+    /// # Errors
+    /// [`Error::Timeout`] when it was not acquired in time; otherwise as
+    /// [`lock`](Self::lock).
+    pub fn lock_timeout(
+        &self,
+        timeout: Duration,
+    ) -> std::result::Result<LockGuard<'_>, LockError<LockGuard<'_>>> {
+        let got = self.raw.acquire(deadline_after(Some(timeout)));
+        let t = OnTimeout::Fail(Some(timeout));
+        expect_guard(guarded(got, "lock", t, || LockGuard { lock: self }), "lock")
+    }
+
+    pub(crate) fn raw(&self) -> &RawLock {
+        &self.raw
     }
 
     #[cfg(test)]
@@ -228,10 +311,18 @@ impl Lock {
     }
 }
 
-/// Holds a [`Lock`] until dropped.
+/// Holds a [`Lock`] until dropped (see [`Lock::lock`]).
 #[must_use = "the lock is released when the guard is dropped"]
 pub struct LockGuard<'a> {
     lock: &'a Lock,
+}
+
+impl fmt::Debug for LockGuard<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LockGuard")
+            .field("lock", self.lock)
+            .finish()
+    }
 }
 
 impl Drop for LockGuard<'_> {
@@ -286,22 +377,76 @@ impl RLock {
     /// Acquires the lock (again, if this thread holds it), waiting at most `timeout`.
     ///
     /// # Errors
-    /// [`Error::OwnerDied`] as for [`Lock::acquire`].
-    pub fn acquire(&self, timeout: Option<Duration>) -> Result<bool> {
+    /// [`Error::Timeout`] and [`Error::OwnerDied`] as for [`Lock::acquire`].
+    pub fn acquire(&self, timeout: Option<Duration>) -> Result<()> {
+        match self.acquire_raw(deadline_after(timeout))? {
+            Acquired::Yes => Ok(()),
+            Acquired::TimedOut => Err(Error::timeout("an acquire of a reentrant lock", timeout)),
+            Acquired::FromDeadOwner(pid) => Err(owner_died("reentrant lock", pid)),
+        }
+    }
+
+    fn acquire_raw(&self, deadline: Deadline) -> Result<Acquired> {
         if self.held_by_me() {
             self.raw.word(DEPTH).fetch_add(1, Ordering::AcqRel);
-            return Ok(true);
+            return Ok(Acquired::Yes);
         }
-        let got = self.raw.acquire(deadline_after(timeout))?;
-        if matches!(got, Acquired::TimedOut) {
-            return Ok(false);
+        let got = self.raw.acquire(deadline)?;
+        if !matches!(got, Acquired::TimedOut) {
+            self.raw.word(THREAD).store(my_tid(), Ordering::Release);
+            self.raw.word(DEPTH).store(1, Ordering::Release);
         }
-        self.raw.word(THREAD).store(my_tid(), Ordering::Release);
-        self.raw.word(DEPTH).store(1, Ordering::Release);
-        match got {
-            Acquired::FromDeadOwner(pid) => Err(owner_died("reentrant lock", pid)),
-            _ => Ok(true),
+        Ok(got)
+    }
+
+    fn guard(&self) -> RLockGuard<'_> {
+        RLockGuard {
+            lock: self,
+            _one_thread: PhantomData,
         }
+    }
+
+    /// Acquires one level of the lock, waiting as long as it takes, and returns a guard
+    /// that releases that level when dropped (on this thread: the guard is not `Send`).
+    ///
+    /// # Errors
+    /// As [`Lock::lock`].
+    pub fn lock(&self) -> std::result::Result<RLockGuard<'_>, LockError<RLockGuard<'_>>> {
+        let got = self.acquire_raw(None);
+        expect_guard(
+            guarded(got, "reentrant lock", OnTimeout::Fail(None), || {
+                self.guard()
+            }),
+            "reentrant lock",
+        )
+    }
+
+    /// Acquires one level if the lock is free or held by this thread: `Ok(None)` when
+    /// another thread or process holds it.
+    ///
+    /// # Errors
+    /// As [`Lock::lock`].
+    pub fn try_lock(
+        &self,
+    ) -> std::result::Result<Option<RLockGuard<'_>>, LockError<RLockGuard<'_>>> {
+        let got = self.acquire_raw(Some(Instant::now()));
+        guarded(got, "reentrant lock", OnTimeout::Nothing, || self.guard())
+    }
+
+    /// Acquires one level, waiting at most `timeout`, and returns a guard.
+    ///
+    /// # Errors
+    /// As [`Lock::lock_timeout`].
+    pub fn lock_timeout(
+        &self,
+        timeout: Duration,
+    ) -> std::result::Result<RLockGuard<'_>, LockError<RLockGuard<'_>>> {
+        let got = self.acquire_raw(deadline_after(Some(timeout)));
+        let t = OnTimeout::Fail(Some(timeout));
+        expect_guard(
+            guarded(got, "reentrant lock", t, || self.guard()),
+            "reentrant lock",
+        )
     }
 
     /// Releases one level of the lock.
@@ -319,6 +464,28 @@ impl RLock {
             self.raw.release()?;
         }
         Ok(())
+    }
+}
+
+/// Holds one level of an [`RLock`] until dropped (see [`RLock::lock`]). Not `Send`:
+/// an `RLock` is released by the thread that holds it.
+#[must_use = "the lock level is released when the guard is dropped"]
+pub struct RLockGuard<'a> {
+    lock: &'a RLock,
+    _one_thread: PhantomData<*const ()>,
+}
+
+impl Drop for RLockGuard<'_> {
+    fn drop(&mut self) {
+        let _ = self.lock.release();
+    }
+}
+
+impl fmt::Debug for RLockGuard<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RLockGuard")
+            .field("lock", self.lock)
+            .finish()
     }
 }
 

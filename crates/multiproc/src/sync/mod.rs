@@ -13,8 +13,11 @@ mod lock;
 mod primitives;
 
 pub use event::Event;
-pub use lock::{Lock, LockGuard, RLock};
-pub use primitives::{Barrier, BoundedSemaphore, Condition, Semaphore, SharedValue, Value};
+pub use lock::{Lock, LockGuard, RLock, RLockGuard};
+pub use primitives::{
+    Barrier, BoundedSemaphore, Condition, ConditionGuard, Semaphore, SemaphoreGuard, SharedValue,
+    Value,
+};
 
 #[cfg(test)]
 mod tests {
@@ -55,7 +58,10 @@ mod tests {
             .block_word_owner()
             .store(dead_pid, Ordering::Release);
         let err = lock.acquire(Some(Duration::from_secs(5))).unwrap_err();
-        assert!(matches!(err, Error::OwnerDied(_)), "{err}");
+        assert!(
+            matches!(err, Error::OwnerDied { pid, .. } if pid == dead_pid),
+            "{err}"
+        );
         assert!(err.to_string().contains(&dead_pid.to_string()), "{err}");
         assert!(
             lock.is_locked(),
@@ -67,9 +73,13 @@ mod tests {
     #[test]
     fn bounded_semaphore_refuses_extra_release() {
         let s = BoundedSemaphore::new(2).unwrap();
-        assert!(s.acquire(None).unwrap());
-        assert!(s.acquire(None).unwrap());
-        assert!(!s.acquire(Some(Duration::from_millis(10))).unwrap());
+        s.acquire(None).unwrap();
+        s.acquire(None).unwrap();
+        assert!(
+            s.acquire(Some(Duration::from_millis(10)))
+                .unwrap_err()
+                .is_timeout()
+        );
         s.release().unwrap();
         s.release().unwrap();
         assert!(s.release().is_err());
@@ -78,7 +88,8 @@ mod tests {
     #[test]
     fn rlock_reenters_and_barrier_releases_all() {
         let r = RLock::new().unwrap();
-        assert!(r.acquire(None).unwrap() && r.acquire(None).unwrap());
+        r.acquire(None).unwrap();
+        r.acquire(None).unwrap();
         r.release().unwrap();
         r.release().unwrap();
         assert!(r.release().is_err());
@@ -102,9 +113,7 @@ mod tests {
         let (c2, f2) = (c.clone(), flag.clone());
         let waiter = std::thread::spawn(move || {
             c2.acquire(None).unwrap();
-            let ok = c2
-                .wait_for(|| f2.get(), Some(Duration::from_secs(10)))
-                .unwrap();
+            let ok = c2.wait_for(|| f2.get(), Some(Duration::from_secs(10)));
             c2.release().unwrap();
             ok
         });
@@ -112,6 +121,6 @@ mod tests {
         flag.set(true);
         c.notify_all();
         c.release().unwrap();
-        assert!(waiter.join().unwrap());
+        waiter.join().unwrap().unwrap();
     }
 }

@@ -11,9 +11,9 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use super::block::SharedBlock;
 use super::futex;
-use super::lock::{Lock, RAW_LOCK_WORDS, RawLock};
+use super::lock::{Lock, OnTimeout, RAW_LOCK_WORDS, RawLock, expect_guard, guarded};
 use crate::sys::deadline_after;
-use crate::{Error, Result};
+use crate::{Error, LockError, Result};
 
 macro_rules! shared_block_serde {
     ($ty:ident $(<$g:ident>)?, $kind:expr, $what:literal, |$block:ident| $build:expr) => {
@@ -70,12 +70,60 @@ impl Semaphore {
     }
 
     /// Takes one permit, waiting at most `timeout` (`None`: as long as it takes).
-    /// Returns whether a permit was taken.
+    /// Give it back with [`release`](Self::release), or use [`permit`](Self::permit)
+    /// for a guard that does.
     ///
     /// # Errors
-    /// Only when the kernel refuses the wait.
-    pub fn acquire(&self, timeout: Option<Duration>) -> Result<bool> {
-        let deadline = deadline_after(timeout);
+    /// [`Error::Timeout`] when no permit came in time.
+    pub fn acquire(&self, timeout: Option<Duration>) -> Result<()> {
+        if self.acquire_until(deadline_after(timeout))? {
+            Ok(())
+        } else {
+            Err(Error::timeout("an acquire of a semaphore", timeout))
+        }
+    }
+
+    /// Takes one permit, waiting as long as it takes, and returns a guard that gives it
+    /// back when dropped. A semaphore has no owner, so a holder that dies keeps its
+    /// permit: size a semaphore shared with workers that may crash accordingly.
+    ///
+    /// # Errors
+    /// An [`Error::Os`] only when the kernel refuses the wait.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// let slots = multiproc::Semaphore::new(1)?;
+    /// let held = slots.permit()?;
+    /// assert!(slots.try_permit()?.is_none());
+    /// drop(held);
+    /// assert!(slots.try_permit()?.is_some());
+    /// # Ok::<(), multiproc::Error>(())
+    /// ```
+    pub fn permit(&self) -> Result<SemaphoreGuard<'_>> {
+        self.acquire(None)?;
+        Ok(SemaphoreGuard { semaphore: self })
+    }
+
+    /// Takes one permit if one is free: `Ok(None)` when none is.
+    ///
+    /// # Errors
+    /// As [`permit`](Self::permit).
+    pub fn try_permit(&self) -> Result<Option<SemaphoreGuard<'_>>> {
+        let got = self.acquire_until(Some(std::time::Instant::now()))?;
+        Ok(got.then_some(SemaphoreGuard { semaphore: self }))
+    }
+
+    /// Takes one permit, waiting at most `timeout`, and returns a guard.
+    ///
+    /// # Errors
+    /// [`Error::Timeout`] when no permit came in time.
+    pub fn permit_timeout(&self, timeout: Duration) -> Result<SemaphoreGuard<'_>> {
+        self.acquire(Some(timeout))?;
+        Ok(SemaphoreGuard { semaphore: self })
+    }
+
+    fn acquire_until(&self, deadline: crate::sys::Deadline) -> Result<bool> {
         let value = self.block.word(SEM_VALUE);
         loop {
             let v = value.load(Ordering::Acquire);
@@ -138,6 +186,26 @@ shared_block_serde!(Semaphore, SEM_KIND, "a Semaphore", |block| Semaphore {
     block
 });
 
+/// Holds one permit of a [`Semaphore`] until dropped (see [`Semaphore::permit`]).
+#[must_use = "the permit is given back when the guard is dropped"]
+pub struct SemaphoreGuard<'a> {
+    semaphore: &'a Semaphore,
+}
+
+impl Drop for SemaphoreGuard<'_> {
+    fn drop(&mut self) {
+        let _ = self.semaphore.release();
+    }
+}
+
+impl fmt::Debug for SemaphoreGuard<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SemaphoreGuard")
+            .field("semaphore", self.semaphore)
+            .finish()
+    }
+}
+
 /// A semaphore that refuses to be released above its initial value, like
 /// `multiprocessing.BoundedSemaphore`.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -195,8 +263,65 @@ impl Condition {
     ///
     /// # Errors
     /// As [`Lock::acquire`].
-    pub fn acquire(&self, timeout: Option<Duration>) -> Result<bool> {
+    pub fn acquire(&self, timeout: Option<Duration>) -> Result<()> {
         self.lock.acquire(timeout)
+    }
+
+    fn guard(&self) -> ConditionGuard<'_> {
+        ConditionGuard { condition: self }
+    }
+
+    /// Acquires the condition's lock, waiting as long as it takes, and returns a guard
+    /// to [`wait`](ConditionGuard::wait) on that releases the lock when dropped.
+    ///
+    /// # Errors
+    /// As [`Lock::lock`].
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let ready = multiproc::Condition::new()?;
+    /// let mut held = ready.lock()?;
+    /// let err = held.wait(Some(Duration::from_millis(1))).unwrap_err();
+    /// assert!(err.is_timeout()); // nobody notified; the lock is held again
+    /// # Ok::<(), multiproc::Error>(())
+    /// ```
+    pub fn lock(&self) -> std::result::Result<ConditionGuard<'_>, LockError<ConditionGuard<'_>>> {
+        let got = self.lock.raw().acquire(None);
+        expect_guard(
+            guarded(got, "condition's lock", OnTimeout::Fail(None), || {
+                self.guard()
+            }),
+            "condition's lock",
+        )
+    }
+
+    /// Acquires the condition's lock if it is free: `Ok(None)` when it is held.
+    ///
+    /// # Errors
+    /// As [`Lock::lock`].
+    pub fn try_lock(
+        &self,
+    ) -> std::result::Result<Option<ConditionGuard<'_>>, LockError<ConditionGuard<'_>>> {
+        let got = self.lock.raw().acquire(Some(std::time::Instant::now()));
+        guarded(got, "condition's lock", OnTimeout::Nothing, || self.guard())
+    }
+
+    /// Acquires the condition's lock, waiting at most `timeout`.
+    ///
+    /// # Errors
+    /// As [`Lock::lock_timeout`].
+    pub fn lock_timeout(
+        &self,
+        timeout: Duration,
+    ) -> std::result::Result<ConditionGuard<'_>, LockError<ConditionGuard<'_>>> {
+        let got = self.lock.raw().acquire(deadline_after(Some(timeout)));
+        let t = OnTimeout::Fail(Some(timeout));
+        expect_guard(
+            guarded(got, "condition's lock", t, || self.guard()),
+            "condition's lock",
+        )
     }
 
     /// Releases the condition's lock.
@@ -208,30 +333,37 @@ impl Condition {
     }
 
     /// Releases the lock, waits for a notification or the timeout, and re-acquires the
-    /// lock. Returns `false` when the timeout passed.
+    /// lock (also when it times out). A wake-up may come without a notification.
     ///
     /// # Errors
+    /// [`Error::Timeout`] when the timeout passed (the lock is held again);
     /// [`Error::InvalidArgument`] when the lock is not held; [`Error::OwnerDied`] when
-    /// re-acquiring took the lock over from a dead holder.
-    pub fn wait(&self, timeout: Option<Duration>) -> Result<bool> {
+    /// re-acquiring took the lock over from a dead holder (the lock is held).
+    pub fn wait(&self, timeout: Option<Duration>) -> Result<()> {
         let deadline = deadline_after(timeout);
         let seq = self.block.word(COND_SEQ);
         let seen = seq.load(Ordering::Acquire);
         self.lock.release()?;
         let woke = futex::wait(seq, seen, deadline);
         self.lock.acquire(None)?;
-        woke
+        if woke? {
+            Ok(())
+        } else {
+            Err(Error::timeout("a wait on a condition", timeout))
+        }
     }
 
-    /// Waits until `predicate()` holds or the timeout passes; returns its last value.
+    /// Waits until `predicate()` holds, at most `timeout`; the lock is held when
+    /// `predicate` runs and when this returns.
     ///
     /// # Errors
-    /// As [`wait`](Self::wait).
+    /// [`Error::Timeout`] when the timeout passed with `predicate()` still false;
+    /// otherwise as [`wait`](Self::wait).
     pub fn wait_for(
         &self,
         mut predicate: impl FnMut() -> bool,
         timeout: Option<Duration>,
-    ) -> Result<bool> {
+    ) -> Result<()> {
         let deadline = deadline_after(timeout);
         while !predicate() {
             let left = match deadline {
@@ -239,14 +371,20 @@ impl Condition {
                 Some(d) => {
                     let now = std::time::Instant::now();
                     if now >= d {
-                        return Ok(false);
+                        return Err(Error::timeout(
+                            "a wait on a condition for its predicate",
+                            timeout,
+                        ));
                     }
                     Some(d - now)
                 }
             };
-            self.wait(left)?;
+            match self.wait(left) {
+                Err(e) if e.is_timeout() => {}
+                other => other?,
+            }
         }
-        Ok(true)
+        Ok(())
     }
 
     /// Wakes up to `n` waiters.
@@ -275,6 +413,59 @@ impl fmt::Debug for Condition {
 shared_block_serde!(Condition, COND_KIND, "a Condition", |block| {
     Condition::from_block(block)
 });
+
+/// Holds a [`Condition`]'s lock until dropped (see [`Condition::lock`]); wait and
+/// notify through it.
+#[must_use = "the condition's lock is released when the guard is dropped"]
+pub struct ConditionGuard<'a> {
+    condition: &'a Condition,
+}
+
+impl ConditionGuard<'_> {
+    /// [`Condition::wait`] with the lock this guard holds.
+    ///
+    /// # Errors
+    /// As [`Condition::wait`].
+    pub fn wait(&mut self, timeout: Option<Duration>) -> Result<()> {
+        self.condition.wait(timeout)
+    }
+
+    /// [`Condition::wait_for`] with the lock this guard holds.
+    ///
+    /// # Errors
+    /// As [`Condition::wait_for`].
+    pub fn wait_for(
+        &mut self,
+        predicate: impl FnMut() -> bool,
+        timeout: Option<Duration>,
+    ) -> Result<()> {
+        self.condition.wait_for(predicate, timeout)
+    }
+
+    /// [`Condition::notify`].
+    pub fn notify(&self, n: u32) {
+        self.condition.notify(n);
+    }
+
+    /// [`Condition::notify_all`].
+    pub fn notify_all(&self) {
+        self.condition.notify_all();
+    }
+}
+
+impl Drop for ConditionGuard<'_> {
+    fn drop(&mut self) {
+        let _ = self.condition.release();
+    }
+}
+
+impl fmt::Debug for ConditionGuard<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ConditionGuard")
+            .field("condition", self.condition)
+            .finish()
+    }
+}
 
 const BARRIER_KIND: u32 = 0x4241_5252; // "BARR"
 const BAR_PARTIES: usize = 1;
@@ -352,10 +543,13 @@ impl Barrier {
                 }
                 broken.store(1, Ordering::Release);
                 futex::wake_all(generation);
-                return Err(Error::Timeout(format!(
-                    "barrier wait timed out with {} of {parties} parties arrived",
-                    self.block.word(BAR_ARRIVED).load(Ordering::Acquire)
-                )));
+                return Err(Error::timeout(
+                    format!(
+                        "a barrier wait with {} of {parties} parties arrived",
+                        self.block.word(BAR_ARRIVED).load(Ordering::Acquire)
+                    ),
+                    timeout,
+                ));
             }
         }
     }
@@ -499,7 +693,7 @@ impl<T: SharedValue> Value<T> {
     pub fn update(&self, f: impl FnOnce(T) -> T) -> Result<T> {
         let died = match self.lock.acquire(None) {
             Ok(_) => None,
-            Err(e @ Error::OwnerDied(_)) => Some(e),
+            Err(e @ Error::OwnerDied { .. }) => Some(e),
             Err(e) => return Err(e),
         };
         let new = f(self.get());

@@ -275,8 +275,9 @@ pub(crate) fn send_packet(
             Attempt::Done(()) => return Ok(()),
             Attempt::WouldBlock => {
                 if !wait_fd(sock, Readiness::Writable, deadline)? {
-                    return Err(Error::Timeout(
-                        "timed out waiting for room in the channel (no receiver is reading)".into(),
+                    return Err(Error::timeout(
+                        "waiting for room in the channel (no receiver is reading)",
+                        None,
                     ));
                 }
             }

@@ -723,7 +723,7 @@ mod tests {
             vec![(1u64, Some(-2i32)), (3, None)],
         );
         assert_eq!(again(&v).unwrap(), v);
-        let err = Error::Timeout("a timeout".into());
+        let err = Error::timeout("a test wait", Some(std::time::Duration::from_millis(5)));
         assert_eq!(again(&err).unwrap(), err);
         // A packet cut short or with bytes added is refused.
         let mut p = encode(&v).unwrap().into_packet();
