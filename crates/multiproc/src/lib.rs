@@ -107,7 +107,8 @@ mod wire;
 
 pub use error::{Error, Failure, LockError, OsError, PutError, Result, UserError};
 pub use manager::run_shm_manager_from_env;
-pub use pool::{AsyncResult, Imap, Pool, PoolBuilder};
+pub use pool::{AsyncResult, Imap, MapResult, Pool, PoolBuilder};
+pub use process::{ChildProcess, CurrentProcess, active_children, cpu_count, current_process};
 pub use process::{
     ExitStatus, Process, ProcessContext, SpawnOptions, StartMethod, WorkerResult,
     ensure_forkserver_running, init, spawn, start_processes,

@@ -17,7 +17,8 @@
 //! trampoline is `run_chunk::<A, R, E>` as a `ChunkTrampoline`, and that trampoline
 //! alone resolves the task function, as the `fn(A) -> Result<R, E>` it was
 //! monomorphized for; the initializer is a `fn()`. `CodeRef` checks that both sides
-//! run the same executable.
+//! run the same executable. The other call forms ([`forms`]: `starmap`, an initializer
+//! with arguments) follow the same rule with their own trampolines.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::fmt::{self, Display};
@@ -37,6 +38,11 @@ use crate::process::{Process, StartMethod};
 use crate::queue::{Connection, pipe};
 use crate::wire::Opaque;
 use crate::{Error, Result};
+
+mod forms;
+
+use forms::InitCall;
+pub use forms::MapResult;
 
 /// How often the dispatcher checks on workers when nothing else wakes it.
 const TICK: Duration = Duration::from_millis(100);
@@ -79,28 +85,32 @@ where
     // these types (this trampoline is the one monomorphized for them) in the same
     // executable, which `CodeRef` checks.
     let f = unsafe { function.resolve::<fn(A) -> std::result::Result<R, E>>() }?;
-    let results: Vec<std::result::Result<Opaque, String>> = items
-        .into_iter()
-        .map(
-            |a| match std::panic::catch_unwind(AssertUnwindSafe(|| f(a))) {
-                Ok(Ok(r)) => {
-                    Opaque::encode(&r).map_err(|e| format!("cannot encode its result: {e}"))
-                }
-                Ok(Err(e)) => Err(format!("returned an error: {e}")),
-                Err(payload) => Err(format!(
-                    "panicked: {}",
-                    crate::process::panic_text(&*payload)
-                )),
-            },
-        )
-        .collect();
+    let results: Vec<std::result::Result<Opaque, String>> =
+        items.into_iter().map(|a| run_task(|| f(a))).collect();
     Opaque::encode(&results).map_err(|e| format!("cannot encode the task's results: {e}"))
+}
+
+/// Runs one task under `catch_unwind` and encodes its result or says how it failed.
+fn run_task<R: Serialize, E: Display>(
+    task: impl FnOnce() -> std::result::Result<R, E>,
+) -> std::result::Result<Opaque, String> {
+    let _task = tracing::debug_span!("multiproc::pool_task").entered();
+    match std::panic::catch_unwind(AssertUnwindSafe(task)) {
+        Ok(Ok(r)) => Opaque::encode(&r).map_err(|e| format!("cannot encode its result: {e}")),
+        Ok(Err(e)) => Err(format!("returned an error: {e}")),
+        Err(payload) => Err(format!(
+            "panicked: {}",
+            crate::process::panic_text(&*payload)
+        )),
+    }
 }
 
 #[derive(Serialize, Deserialize)]
 struct WorkerArgs {
     conn: Connection<PoolMsg>,
     initializer: Option<CodeRef>,
+    /// The initializer with arguments ([`PoolBuilder::initializer_with`]).
+    init_with: Option<InitCall>,
     max_tasks: Option<u64>,
 }
 
@@ -110,6 +120,9 @@ fn pool_worker(_rank: usize, args: WorkerArgs) -> std::result::Result<(), String
         // SAFETY: the offset was taken from a `fn()` in the same executable.
         let init = unsafe { init.resolve::<fn()>() }?;
         init();
+    }
+    if let Some(call) = args.init_with {
+        call.run()?;
     }
     let mut done = 0u64;
     loop {
@@ -162,6 +175,7 @@ fn unsafe_resolve_trampoline(t: CodeRef) -> std::result::Result<ChunkTrampoline,
 pub struct PoolBuilder {
     processes: usize,
     initializer: Option<fn()>,
+    init_with: Option<forms::InitWith>,
     max_tasks_per_child: Option<u64>,
     start_method: StartMethod,
 }
@@ -274,6 +288,7 @@ impl Pool {
         PoolBuilder {
             processes: std::thread::available_parallelism().map_or(1, |n| n.get()),
             initializer: None,
+            init_with: None,
             max_tasks_per_child: None,
             start_method: StartMethod::Spawn,
         }
@@ -342,7 +357,7 @@ impl Pool {
         job: u64,
         f: fn(A) -> std::result::Result<R, E>,
         items: Vec<A>,
-        mut first: usize,
+        first: usize,
         chunksize: usize,
     ) -> Result<()>
     where
@@ -352,6 +367,20 @@ impl Pool {
     {
         let trampoline = CodeRef::of(run_chunk::<A, R, E> as ChunkTrampoline as usize);
         let function = CodeRef::of(f as usize);
+        self.enqueue_code(job, trampoline, function, items, first, chunksize)
+    }
+
+    /// Queues `items` to be run by `trampoline` (a [`ChunkTrampoline`] monomorphized
+    /// for `function`'s exact type).
+    fn enqueue_code<A: Serialize>(
+        &self,
+        job: u64,
+        trampoline: CodeRef,
+        function: CodeRef,
+        items: Vec<A>,
+        mut first: usize,
+        chunksize: usize,
+    ) -> Result<()> {
         let mut chunks = Vec::new();
         let mut items = items.into_iter().peekable();
         while items.peek().is_some() {
@@ -794,9 +823,11 @@ impl Worker {
         let args = WorkerArgs {
             conn: there,
             initializer: options.initializer.map(|f| CodeRef::of(f as usize)),
+            init_with: options.init_with.as_ref().map(|i| i.call()).transpose()?,
             max_tasks: options.max_tasks_per_child,
         };
         let mut process = Process::new(pool_worker, rank, args)
+            .with_name(format!("PoolWorker-{rank}"))
             .start_method(options.start_method)
             .daemon(true);
         process.start()?;

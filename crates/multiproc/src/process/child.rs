@@ -53,6 +53,8 @@ pub(crate) struct Child {
     /// Whether we sent it a signal (a death by that signal is ours, not its failure).
     pub signalled: bool,
     pub daemon: bool,
+    /// Its entry in [`active_children`](crate::active_children).
+    registration: std::sync::Arc<super::current::Registration>,
 }
 
 /// What a worker needs to start.
@@ -110,6 +112,7 @@ impl Child {
             daemon,
         } = spec;
         let rank = header.rank;
+        let name = header.name.clone();
         refuse_in_uninitialized_worker()?;
         let (channel, job_end) = seqpacket_pair()?;
         let deadline = deadline_after(Some(JOB_SEND_TIMEOUT));
@@ -136,7 +139,10 @@ impl Child {
                 (c.pid, c.pidfd, ExitSource::Server(Some(c.status)))
             }
         };
+        let span = tracing::debug_span!("multiproc::spawn", rank, pid, %method, name = %name);
+        span.in_scope(|| tracing::debug!("worker started"));
         Ok(Child {
+            registration: super::current::register(rank, pid, name),
             rank,
             pid,
             pidfd,
@@ -206,6 +212,7 @@ impl Child {
         // is final.
         self.read_report();
         if self.status.is_some() {
+            self.registration.mark_exited();
             self.channel = None;
         }
         Ok(())
@@ -401,6 +408,7 @@ pub struct Process {
     method: StartMethod,
     daemon: bool,
     world_size: Option<usize>,
+    name: String,
     pending: Option<(JobHeader, Result<Encoded>)>,
     child: Option<Child>,
 }
@@ -421,6 +429,7 @@ impl Process {
             method: StartMethod::default(),
             daemon: false,
             world_size: None,
+            name: format!("Process-{rank}"),
             pending: Some((JobHeader::new(worker, rank), wire::encode(&args))),
             child: None,
         }
@@ -436,6 +445,22 @@ impl Process {
     pub fn daemon(mut self, daemon: bool) -> Self {
         self.daemon = daemon;
         self
+    }
+
+    /// Names the process (default `Process-RANK`); the worker sees it as
+    /// [`current_process().name`](crate::current_process), and
+    /// [`active_children`](crate::active_children) lists it under it.
+    pub fn with_name(mut self, name: impl Into<String>) -> Self {
+        self.name = name.into();
+        if let Some((header, _)) = &mut self.pending {
+            header.name.clone_from(&self.name);
+        }
+        self
+    }
+
+    /// Its name (see [`with_name`](Self::with_name)).
+    pub fn name(&self) -> &str {
+        &self.name
     }
 
     /// Sets `WORLD_SIZE` in the worker's environment (`RANK` and `LOCAL_RANK` are always
@@ -558,6 +583,7 @@ impl fmt::Debug for Process {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Process")
             .field("rank", &self.rank)
+            .field("name", &self.name)
             .field("start_method", &self.method)
             .field("daemon", &self.daemon)
             .field("pid", &self.pid())

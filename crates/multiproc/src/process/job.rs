@@ -100,6 +100,8 @@ type Trampoline = fn(&JobHeader, BorrowedFd<'_>) -> Result<(), Failed>;
 pub(crate) struct JobHeader {
     /// The worker's rank, its first argument.
     pub rank: usize,
+    /// The worker's name, for [`current_process`](crate::current_process).
+    pub name: String,
     check: u64,
     trampoline: u64,
     function: u64,
@@ -120,6 +122,7 @@ impl JobHeader {
             trampoline: offset_of(trampoline as usize),
             function: offset_of(worker as usize),
             args_type: type_name::<A>().to_string(),
+            name: format!("Process-{rank}"),
         }
     }
 

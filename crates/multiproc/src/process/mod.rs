@@ -9,6 +9,7 @@
 //! - `launch` — the long-lived launcher thread that forks every direct child.
 //! - `forkserver` — the single-threaded fork server and its client.
 //! - `child` — a started worker as the parent tracks it, and [`Process`].
+//! - `current` — [`current_process`], [`active_children`], [`cpu_count`].
 //! - `context` — [`spawn`], [`start_processes`], [`SpawnOptions`], [`ProcessContext`].
 //!
 //! Invariants:
@@ -38,6 +39,7 @@ mod child;
 #[allow(unsafe_code)]
 pub(crate) mod code;
 mod context;
+mod current;
 mod forkserver;
 #[allow(unsafe_code)]
 mod job;
@@ -46,6 +48,7 @@ mod worker;
 
 pub use child::Process;
 pub use context::{ProcessContext, SpawnOptions, spawn, start_processes};
+pub use current::{ChildProcess, CurrentProcess, active_children, cpu_count, current_process};
 pub use forkserver::ensure_forkserver_running;
 pub use job::WorkerResult;
 pub use worker::init;

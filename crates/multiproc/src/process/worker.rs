@@ -135,6 +135,7 @@ pub(crate) fn run_worker(sock: OwnedFd) -> i32 {
         }
     };
     let rank = header.rank;
+    super::current::set_identity(rank, header.name.clone());
     install_panic_hook();
     let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| header.run(sock.as_fd())));
     // The worker leaves with `_exit`: give back its shared-memory references now,

@@ -13,6 +13,7 @@ mod lock;
 mod primitives;
 
 pub use event::Event;
+pub(crate) use lock::process_is_dead;
 pub use lock::{Lock, LockGuard, RLock, RLockGuard};
 pub use primitives::{
     Barrier, BoundedSemaphore, Condition, ConditionGuard, Semaphore, SemaphoreGuard, SharedValue,

@@ -111,7 +111,9 @@ impl Semaphore {
     /// As [`permit`](Self::permit).
     pub fn try_permit(&self) -> Result<Option<SemaphoreGuard<'_>>> {
         let got = self.acquire_until(Some(std::time::Instant::now()))?;
-        Ok(got.then_some(SemaphoreGuard { semaphore: self }))
+        // `then`, not `then_some`: a guard made and dropped would give back a permit
+        // that was never taken.
+        Ok(got.then(|| SemaphoreGuard { semaphore: self }))
     }
 
     /// Takes one permit, waiting at most `timeout`, and returns a guard.

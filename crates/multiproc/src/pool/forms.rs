@@ -1,0 +1,316 @@
+//! The pool's other call forms, after Python's `multiprocessing.Pool`: [`Pool::apply`],
+//! [`Pool::starmap`], [`Pool::map_async`] (with its [`MapResult`]) and an initializer
+//! with arguments ([`PoolBuilder::initializer_with`]).
+//!
+//! Each is built on the pool's own job machinery; the two that run a new function
+//! shape in the worker (`fn(A, B)`, `fn(A)` as initializer) bring their own
+//! trampoline, monomorphized for that shape, as `run_chunk` is for `fn(A)`.
+
+use std::fmt::{self, Display};
+use std::marker::PhantomData;
+use std::sync::{Arc, mpsc};
+use std::time::{Duration, Instant};
+
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+
+use super::{ChunkOutcome, ChunkTrampoline, Pool, PoolBuilder, dispatcher_gone, run_task};
+use crate::process::code::CodeRef;
+use crate::wire::Opaque;
+use crate::{Error, Result};
+
+impl Pool {
+    /// Runs `f(arg)` on some worker and waits for its result, like Python's
+    /// `Pool.apply`.
+    ///
+    /// # Errors
+    /// [`Error::TaskFailed`] when the task panicked, returned `Err` or its worker died;
+    /// otherwise as [`apply_async`](Self::apply_async).
+    pub fn apply<A, R, E>(&self, f: fn(A) -> std::result::Result<R, E>, arg: A) -> Result<R>
+    where
+        A: Serialize + DeserializeOwned,
+        R: Serialize + DeserializeOwned,
+        E: Display,
+    {
+        self.apply_async(f, arg)?.get(None)
+    }
+
+    /// Runs `f(a, b)` for every pair and returns the results in order, like Python's
+    /// `Pool.starmap` (whose argument tuples Rust spells as a two-argument function).
+    ///
+    /// # Errors
+    /// As [`map`](Self::map).
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// fn power(base: u64, exp: u32) -> Result<u64, String> {
+    ///     base.checked_pow(exp).ok_or_else(|| format!("{base}^{exp} overflows"))
+    /// }
+    /// # fn main() -> multiproc::Result<()> {
+    /// multiproc::init();
+    /// let pool = multiproc::Pool::new(2)?;
+    /// assert_eq!(pool.starmap(power, [(2, 10), (3, 3)])?, vec![1024, 27]);
+    /// # Ok(()) }
+    /// ```
+    pub fn starmap<A, B, R, E>(
+        &self,
+        f: fn(A, B) -> std::result::Result<R, E>,
+        items: impl IntoIterator<Item = (A, B)>,
+    ) -> Result<Vec<R>>
+    where
+        A: Serialize + DeserializeOwned,
+        B: Serialize + DeserializeOwned,
+        R: Serialize + DeserializeOwned,
+        E: Display,
+    {
+        let items: Vec<(A, B)> = items.into_iter().collect();
+        let n = items.len();
+        let chunksize = n.div_ceil(self.processes * 4).max(1);
+        let trampoline = CodeRef::of(run_star_chunk::<A, B, R, E> as ChunkTrampoline as usize);
+        let function = CodeRef::of(f as usize);
+        let (job, rx) = self.new_job()?;
+        let queued = self.enqueue_code(job, trampoline, function, items, 0, chunksize);
+        let result = queued.and_then(|()| self.collect_all::<R>(&rx, n));
+        self.end_job(job);
+        result
+    }
+
+    /// Submits `f` over every item and returns at once, like Python's
+    /// `Pool.map_async`: the results come in order from [`MapResult::get`].
+    ///
+    /// # Errors
+    /// [`Error::Closed`] after [`close`](Self::close); an encoding error for an item.
+    pub fn map_async<A, R, E>(
+        &self,
+        f: fn(A) -> std::result::Result<R, E>,
+        items: impl IntoIterator<Item = A>,
+    ) -> Result<MapResult<R>>
+    where
+        A: Serialize + DeserializeOwned,
+        R: Serialize + DeserializeOwned,
+        E: Display,
+    {
+        let items: Vec<A> = items.into_iter().collect();
+        let n = items.len();
+        let chunksize = n.div_ceil(self.processes * 4).max(1);
+        let (job, rx) = self.new_job()?;
+        if let Err(e) = self.enqueue(job, f, items, 0, chunksize) {
+            self.end_job(job);
+            return Err(e);
+        }
+        Ok(MapResult {
+            rx,
+            results: (0..n).map(|_| None).collect(),
+            total: n,
+            taken: false,
+            arrived: 0,
+            _results: PhantomData,
+        })
+    }
+}
+
+/// Decodes a chunk of `(A, B)`, runs `f(a, b)` on each, encodes the results.
+fn run_star_chunk<A, B, R, E>(
+    function: CodeRef,
+    args: Opaque,
+) -> std::result::Result<Opaque, String>
+where
+    A: Serialize + DeserializeOwned,
+    B: Serialize + DeserializeOwned,
+    R: Serialize + DeserializeOwned,
+    E: Display,
+{
+    let items: Vec<(A, B)> = args
+        .decode()
+        .map_err(|e| format!("cannot decode the task's arguments: {e}"))?;
+    // SAFETY: the parent took this offset from a `fn(A, B) -> Result<R, E>` for exactly
+    // these types (this trampoline is the one monomorphized for them) in the same
+    // executable, which `CodeRef` checks.
+    let f = unsafe { function.resolve::<fn(A, B) -> std::result::Result<R, E>>() }?;
+    let results: Vec<std::result::Result<Opaque, String>> = items
+        .into_iter()
+        .map(|(a, b)| run_task(|| f(a, b)))
+        .collect();
+    Opaque::encode(&results).map_err(|e| format!("cannot encode the task's results: {e}"))
+}
+
+/// The results of [`Pool::map_async`], in the order of the items.
+pub struct MapResult<R> {
+    rx: mpsc::Receiver<ChunkOutcome>,
+    results: Vec<Option<Result<Opaque>>>,
+    total: usize,
+    /// Whether [`get`](Self::get) has handed the results out.
+    taken: bool,
+    arrived: usize,
+    _results: PhantomData<fn() -> R>,
+}
+
+impl<R: DeserializeOwned> MapResult<R> {
+    fn take_in(&mut self, (first, outcomes): ChunkOutcome) {
+        for (i, r) in outcomes.into_iter().enumerate() {
+            if let Some(slot) = self.results.get_mut(first + i) {
+                if slot.is_none() {
+                    self.arrived += 1;
+                }
+                *slot = Some(r);
+            }
+        }
+    }
+
+    /// Whether every result has arrived.
+    pub fn ready(&mut self) -> bool {
+        while let Ok(outcome) = self.rx.try_recv() {
+            self.take_in(outcome);
+        }
+        self.arrived == self.total
+    }
+
+    /// Waits at most `timeout` (`None`: as long as it takes) for every result and
+    /// returns them in order.
+    ///
+    /// # Errors
+    /// The first failed task, as [`Error::TaskFailed`] with its index;
+    /// [`Error::Timeout`] when some had not finished in time (call again to keep
+    /// waiting; what arrived is kept); [`Error::InvalidArgument`] when an earlier call
+    /// already returned the results.
+    pub fn get(&mut self, timeout: Option<Duration>) -> Result<Vec<R>> {
+        if self.taken {
+            return Err(Error::InvalidArgument(
+                "the results of this map_async were already taken by an earlier get".into(),
+            ));
+        }
+        let deadline = timeout.map(|t| Instant::now() + t);
+        while self.arrived < self.results.len() {
+            let outcome = match deadline {
+                None => self.rx.recv().map_err(|_| dispatcher_gone())?,
+                Some(d) => match self
+                    .rx
+                    .recv_timeout(d.saturating_duration_since(Instant::now()))
+                {
+                    Ok(o) => o,
+                    Err(mpsc::RecvTimeoutError::Timeout) => {
+                        return Err(Error::timeout(
+                            format!(
+                                "waiting for a map_async ({} of {} results arrived)",
+                                self.arrived,
+                                self.results.len()
+                            ),
+                            timeout,
+                        ));
+                    }
+                    Err(mpsc::RecvTimeoutError::Disconnected) => return Err(dispatcher_gone()),
+                },
+            };
+            self.take_in(outcome);
+        }
+        self.taken = true;
+        std::mem::take(&mut self.results)
+            .into_iter()
+            .enumerate()
+            .map(|(index, r)| {
+                r.unwrap_or_else(|| Err(dispatcher_gone()))
+                    .and_then(|o| o.decode::<R>())
+                    .map_err(|e| super::with_index(e, index))
+            })
+            .collect()
+    }
+}
+
+impl<R> fmt::Debug for MapResult<R> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MapResult")
+            .field("arrived", &self.arrived)
+            .field("of", &self.total)
+            .finish()
+    }
+}
+
+type InitTrampoline = fn(CodeRef, Opaque) -> std::result::Result<(), String>;
+
+/// An initializer call as it travels to a worker: its trampoline, its function and its
+/// encoded argument.
+#[derive(Serialize, Deserialize)]
+pub(super) struct InitCall {
+    trampoline: CodeRef,
+    function: CodeRef,
+    arg: Opaque,
+}
+
+impl InitCall {
+    /// Runs the initializer in the worker.
+    pub(super) fn run(self) -> std::result::Result<(), String> {
+        // SAFETY: the parent took this offset from `run_init::<A>` as an
+        // `InitTrampoline`, in the same executable, which `CodeRef` checks.
+        let trampoline = unsafe { self.trampoline.resolve::<InitTrampoline>() }?;
+        trampoline(self.function, self.arg)
+    }
+}
+
+fn run_init<A: DeserializeOwned>(
+    function: CodeRef,
+    arg: Opaque,
+) -> std::result::Result<(), String> {
+    let arg: A = arg
+        .decode()
+        .map_err(|e| format!("cannot decode the initializer's argument: {e}"))?;
+    // SAFETY: the parent took this offset from a `fn(A)` for exactly this `A` (this
+    // trampoline is the one monomorphized for it) in the same executable.
+    let f = unsafe { function.resolve::<fn(A)>() }?;
+    f(arg);
+    Ok(())
+}
+
+/// [`PoolBuilder::initializer_with`]'s function and argument, encoded anew for every
+/// worker the pool starts (replacements included).
+#[derive(Clone)]
+pub(super) struct InitWith(Arc<dyn Fn() -> Result<InitCall> + Send + Sync>);
+
+impl InitWith {
+    pub(super) fn call(&self) -> Result<InitCall> {
+        (self.0)()
+    }
+}
+
+impl fmt::Debug for InitWith {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("InitWith(..)")
+    }
+}
+
+impl PoolBuilder {
+    /// A function each worker runs once with `arg` when it starts, like Python's
+    /// `Pool(initializer=f, initargs=(arg,))` (several arguments: a tuple). `arg` is
+    /// sent to every worker, replacements included; tensors, queues and events in it
+    /// travel by handle.
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// fn set_up(config: (String, u32)) {
+    ///     println!("worker {} ready with {} threads", config.0, config.1);
+    /// }
+    /// # fn main() -> multiproc::Result<()> {
+    /// multiproc::init();
+    /// let pool = multiproc::Pool::builder()
+    ///     .processes(2)
+    ///     .initializer_with(set_up, ("model-a".to_string(), 4))
+    ///     .build()?;
+    /// # drop(pool); Ok(()) }
+    /// ```
+    pub fn initializer_with<A>(mut self, f: fn(A), arg: A) -> Self
+    where
+        A: Serialize + DeserializeOwned + Send + Sync + 'static,
+    {
+        let trampoline = CodeRef::of(run_init::<A> as InitTrampoline as usize);
+        let function = CodeRef::of(f as usize);
+        self.init_with = Some(InitWith(Arc::new(move || {
+            Ok(InitCall {
+                trampoline,
+                function,
+                arg: Opaque::encode(&arg)?,
+            })
+        })));
+        self
+    }
+}
