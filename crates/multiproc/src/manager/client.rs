@@ -127,13 +127,16 @@ impl Client {
             return Ok(());
         }
         let addr = address();
+        let _span = tracing::debug_span!("multiproc::shm_manager_connect", addr).entered();
         let sock = match connect_to(addr)? {
             Some(s) => s,
             None => {
+                tracing::debug!("no shm manager listens: starting one");
                 start(addr)?;
                 connect_after_start(addr)?
             }
         };
+        tracing::debug!(live = self.live.len(), "connected to the shm manager");
         self.sock = Some(sock);
         let names: Vec<String> = self.live.iter().map(|n| n.as_str().to_owned()).collect();
         for name in names {

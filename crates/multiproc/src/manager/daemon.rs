@@ -172,6 +172,8 @@ pub(super) fn bind(addr: &str) -> Result<Option<OwnedFd>> {
 /// period.
 pub(super) fn serve(listener: OwnedFd, grace: Duration) {
     let uid = rustix::process::getuid();
+    let _span = tracing::info_span!("multiproc::shm_manager", pid = std::process::id()).entered();
+    tracing::info!(?grace, "shm manager serving");
     let mut registry = Registry::new(Instant::now(), grace);
     let mut clients: Vec<OwnedFd> = Vec::new();
     let mut buf = vec![0u8; 4096];
@@ -207,15 +209,25 @@ pub(super) fn serve(listener: OwnedFd, grace: Duration) {
             if ready[i + 1] && !drain(clients[i].as_fd(), &mut registry, &mut buf) {
                 clients.swap_remove(i);
                 registry.disconnected(Instant::now());
+                tracing::debug!(
+                    clients = clients.len(),
+                    "a client of the shm manager hung up"
+                );
             }
         }
         if ready[0] {
             accept_all(&listener, uid, &mut clients, &mut registry);
         }
     }
-    for name in registry.leftovers() {
+    let leftovers: Vec<_> = registry.leftovers().collect();
+    tracing::info!(
+        leftovers = leftovers.len(),
+        "shm manager: no client for the grace period; unlinking what is left and exiting"
+    );
+    for name in leftovers {
         match rustix::fs::unlink(format!("/dev/shm/{name}")) {
-            Ok(()) | Err(Errno::NOENT) => {}
+            Ok(()) => tracing::debug!(segment = name, "unlinked a leftover segment"),
+            Err(Errno::NOENT) => {}
             Err(e) => tracing::warn!(segment = name, "shm manager cannot unlink: {e}"),
         }
     }
@@ -233,6 +245,11 @@ fn accept_all(
                 Ok(cred) if cred.uid == uid => {
                     clients.push(sock);
                     registry.connected();
+                    tracing::debug!(
+                        pid = cred.pid.as_raw_nonzero().get(),
+                        clients = clients.len(),
+                        "a client connected to the shm manager"
+                    );
                 }
                 Ok(cred) => tracing::warn!(
                     "shm manager refused a client of uid {} (pid {})",

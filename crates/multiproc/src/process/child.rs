@@ -105,7 +105,7 @@ impl Child {
     /// Sends the job into a fresh socket and starts the worker that will read it.
     pub(crate) fn start(spec: JobSpec) -> Result<Child> {
         let JobSpec {
-            header,
+            mut header,
             mut args,
             method,
             env,
@@ -114,6 +114,7 @@ impl Child {
         let rank = header.rank;
         let name = header.name.clone();
         refuse_in_uninitialized_worker()?;
+        header.log = super::logs::sink_for_child();
         let (channel, job_end) = seqpacket_pair()?;
         let deadline = deadline_after(Some(JOB_SEND_TIMEOUT));
         wire::encode(&header)?.send(channel.as_fd(), deadline)?;

@@ -102,6 +102,8 @@ pub(crate) struct JobHeader {
     pub rank: usize,
     /// The worker's name, for [`current_process`](crate::current_process).
     pub name: String,
+    /// Where the worker sends its `tracing` events, when the parent wants them.
+    pub log: Option<super::logs::LogSink>,
     check: u64,
     trampoline: u64,
     function: u64,
@@ -123,6 +125,7 @@ impl JobHeader {
             function: offset_of(worker as usize),
             args_type: type_name::<A>().to_string(),
             name: format!("Process-{rank}"),
+            log: None,
         }
     }
 

@@ -10,6 +10,7 @@
 //! - `forkserver` — the single-threaded fork server and its client.
 //! - `child` — a started worker as the parent tracks it, and [`Process`].
 //! - `current` — [`current_process`], [`active_children`], [`cpu_count`].
+//! - `logs` — workers' `tracing` events, forwarded to the parent's subscriber.
 //! - `context` — [`spawn`], [`start_processes`], [`SpawnOptions`], [`ProcessContext`].
 //!
 //! Invariants:
@@ -44,6 +45,7 @@ mod forkserver;
 #[allow(unsafe_code)]
 mod job;
 mod launch;
+mod logs;
 mod worker;
 
 pub use child::Process;

@@ -136,6 +136,10 @@ pub(crate) fn run_worker(sock: OwnedFd) -> i32 {
     };
     let rank = header.rank;
     super::current::set_identity(rank, header.name.clone());
+    let _forwarding = header
+        .log
+        .clone()
+        .and_then(|sink| super::logs::install_in_worker(sink, rank));
     install_panic_hook();
     let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| header.run(sock.as_fd())));
     // The worker leaves with `_exit`: give back its shared-memory references now,

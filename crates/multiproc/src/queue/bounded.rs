@@ -107,6 +107,7 @@ impl Shared {
     }
 
     fn put<T: Serialize>(&self, item: T, wait: Wait, joinable: bool) -> Result<(), PutError<T>> {
+        let _span = tracing::trace_span!("multiproc::put", queue = "Queue", ?wait).entered();
         let deadline = wait.deadline();
         // Encode before taking a place, so that the place is held only across the send:
         // a putter killed while encoding (which may make shared segments) leaks none.
@@ -171,6 +172,7 @@ impl Shared {
     }
 
     fn get<T: DeserializeOwned>(&self, deadline: Deadline) -> Result<Option<T>> {
+        let _span = tracing::trace_span!("multiproc::get", queue = "Queue").entered();
         // As in `acquire_slot`: an item announced in ITEMS is usually microseconds
         // away; waiting for it here saves a poll sleep and a wake-up.
         let items = self.block.word(ITEMS);

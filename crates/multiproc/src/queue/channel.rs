@@ -49,6 +49,7 @@ impl Channel {
     /// Encodes and sends `item`, waiting for room until the deadline. On failure the
     /// item comes back.
     pub(crate) fn put<T: Serialize>(&self, item: T, deadline: Deadline) -> Result<(), PutError<T>> {
+        let _span = tracing::trace_span!("multiproc::put", queue = "SimpleQueue").entered();
         let result = self
             .check_open("put")
             .and_then(|()| wire::encode(&item))
@@ -62,6 +63,7 @@ impl Channel {
     /// Receives and decodes one message; `Ok(None)` at the deadline. A malformed message
     /// is consumed and reported; the queue stays usable.
     pub(crate) fn get<T: DeserializeOwned>(&self, deadline: Deadline) -> Result<Option<T>> {
+        let _span = tracing::trace_span!("multiproc::get", queue = "SimpleQueue").entered();
         self.recv(deadline)?.map(wire::decode).transpose()
     }
 

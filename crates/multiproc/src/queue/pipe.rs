@@ -114,6 +114,7 @@ impl<T: Serialize + DeserializeOwned> Connection<T> {
     }
 
     fn send_until(&self, item: T, deadline: Deadline) -> Result<(), PutError<T>> {
+        let _span = tracing::trace_span!("multiproc::put", queue = "Connection").entered();
         match wire::encode(&item).and_then(|mut e| e.send(self.sock.as_fd(), deadline)) {
             Ok(()) => Ok(()),
             Err(error) => Err(PutError { error, item }),
@@ -152,6 +153,7 @@ impl<T: Serialize + DeserializeOwned> Connection<T> {
     }
 
     fn recv_until(&self, deadline: Deadline) -> Result<Option<T>> {
+        let _span = tracing::trace_span!("multiproc::get", queue = "Connection").entered();
         match wire::recv_packet(self.sock.as_fd(), deadline)? {
             Some(packet) => wire::decode(packet).map(Some),
             None => Ok(None),

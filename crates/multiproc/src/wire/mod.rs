@@ -381,6 +381,12 @@ pub(crate) fn encode<T: Serialize + ?Sized>(value: &T) -> Result<Encoded> {
     encoded.header[5] = kind;
     encoded.header[8..12].copy_from_slice(&(nfds as u32).to_le_bytes());
     encoded.header[12..16].copy_from_slice(&(payload_len as u32).to_le_bytes());
+    tracing::trace!(
+        bytes = payload_len,
+        handles = nfds,
+        inline = kind == KIND_INLINE,
+        "encoded a message"
+    );
     encoded.fds = fds;
     Ok(encoded)
 }
@@ -450,6 +456,11 @@ pub(crate) fn try_recv_packet(sock: BorrowedFd<'_>) -> Result<Option<Packet>> {
 /// what was wrong with it.
 pub(crate) fn decode<T: DeserializeOwned>(packet: Packet) -> Result<T> {
     let Packet { bytes, mut fds } = packet;
+    tracing::trace!(
+        bytes = bytes.len(),
+        handles = fds.len(),
+        "decoding a message"
+    );
     let bad = |what: String| Err(Error::InvalidMessage(what));
     if bytes.len() < HEADER_LEN {
         return bad(format!(
