@@ -7,12 +7,12 @@
 //! | bytes | what |
 //! |---|---|
 //! | 0 | `n`: the number of fd specs (`byte % 13`) |
-//! | 1..=n | one spec per fd (see [`fds_for_fuzzing`]) |
+//! | 1..=n | one spec per fd (see [`fds_for_fuzzing`](crate::__fuzz::fds_for_fuzzing)) |
 //! | next 2 | `blob_len`, little-endian (clipped to what is left) |
 //! | next `blob_len` | the blob: the contents of payload memfds (spec kind 2) |
 //! | the rest | the packet's bytes, as they would arrive on a channel |
 //!
-//! The packet is decoded as [`FuzzMessage`], a representative type with tensors (at
+//! The packet is decoded as [`FuzzMessage`](crate::__fuzz::FuzzMessage), a representative type with tensors (at
 //! several depths), strings, an event, a lock, queues, a pipe end, a nested message and
 //! an error; whatever decodes is then used (every element of a small tensor is read,
 //! the lock is taken and released, …), so a handle that passed the checks but maps

@@ -3,7 +3,22 @@
 //! torch.multiprocessing for Rust: tensors whose storage lives in shared memory and
 //! crosses process boundaries by handle, never by copy; worker processes that report
 //! exactly which one failed and why; queues, pipes, a pool and process-shared locks and
-//! events that carry tensors.
+//! events that carry tensors. Linux only.
+//!
+//! This page is a tutorial, one section per thing a multi-process program does:
+//!
+//! 1. [Start here](#start-here): `init`, and the first program
+//! 2. [Tensors in shared memory](#tensors-in-shared-memory), and
+//!    [the rules for memory other processes write](#the-rules-for-memory-other-processes-write)
+//! 3. [Sharing strategies](#sharing-strategies): `file_descriptor` and `file_system`
+//! 4. [Processes](#processes): `spawn`, `start_processes`, `Process`, failures
+//! 5. [Queues and pipes](#queues-and-pipes) that carry tensors
+//! 6. [The pool](#the-pool)
+//! 7. [Synchronisation](#synchronisation): locks and their guards, events, barriers
+//! 8. [Errors and timeouts](#errors-and-timeouts)
+//! 9. [Logs from workers](#logs-from-workers)
+//! 10. [Other frameworks](#other-frameworks): ndarray, candle, safetensors, DLPack
+//! 11. [Tests](#tests) that start workers
 //!
 //! ## Start here
 //!
@@ -13,9 +28,9 @@
 //! ```no_run
 //! use multiproc::{DType, Queue, Tensor};
 //!
-//! fn worker(rank: usize, (params, results): (Tensor, Queue<(usize, f64)>)) -> multiproc::Result<()> {
+//! fn worker(rank: usize, (params, done): (Tensor, Queue<usize>)) -> multiproc::Result<()> {
 //!     params.add_scalar_(1.0)?; // writes the parent's memory: no copy was made
-//!     results.put((rank, params.sum()))?;
+//!     done.put(rank)?;
 //!     Ok(())
 //! }
 //!
@@ -23,108 +38,398 @@
 //!     multiproc::init();
 //!     let params = Tensor::zeros(&[1024], DType::F32)?;
 //!     params.share_memory_()?;
-//!     let results = Queue::new()?;
-//!     multiproc::spawn(worker, (params.clone(), results.clone()), 4)?;
-//!     for _ in 0..4 {
-//!         let (rank, sum) = results.get()?;
-//!         println!("worker {rank} saw {sum}");
-//!     }
-//!     assert_eq!(params.sum(), 4096.0);
+//!     let done = Queue::new()?;
+//!     multiproc::spawn(worker, (params.clone(), done.clone()), 4)?;
+//!     let mut ranks: Vec<usize> = done.try_iter().collect::<multiproc::Result<_>>()?;
+//!     ranks.sort();
+//!     assert_eq!(ranks, [0, 1, 2, 3]);
+//!     assert!(params.to_vec::<f32>()?.iter().all(|&x| x == 4.0));
 //!     Ok(())
 //! }
 //! ```
 //!
-//! In `cargo test` integration tests, where libtest owns `main`, put
-//! [`test_init!()`](test_init) at the top of the test file instead.
+//! A worker is a plain `fn(rank, args)` of this executable (a closure that captures
+//! nothing works too); `args` is any `Serialize + DeserializeOwned` value, and every
+//! tensor, queue, lock or event inside it travels as a handle. It returns `()` or
+//! `Result<(), E>` with `E: Display` ([`WorkerResult`]).
 //!
-//! ## Tensors and sharing
+//! ## Tensors in shared memory
 //!
-//! A [`Tensor`] is a dtype, shape, strides and offset over a [`Storage`]. `Clone` is a
-//! cheap handle copy; [`Tensor::deep_clone`] copies the data. [`Tensor::share_memory_`]
-//! moves the storage into a shared segment in place (every view follows), and any tensor
-//! sent through a channel is shared first, as torch does. Memory another process can
-//! write is never handed out as `&[T]`: reads copy ([`Tensor::to_vec`]) and the in-place
-//! ops use relaxed atomics, so Hogwild-style concurrent updates are defined behaviour.
+//! A [`Tensor`] is a [`DType`], a shape, strides and an offset over a [`Storage`].
+//! `Clone` is a cheap handle copy that shares the data; [`Tensor::deep_clone`] copies
+//! it (torch's `.clone()`). Views ([`Tensor::narrow`], [`Tensor::select`],
+//! [`Tensor::transpose`], [`Tensor::reshape`]) share the storage and keep their offset,
+//! shape and strides when they cross a process.
+//!
+//! [`Tensor::share_memory_`] moves the storage into a shared segment in place (every
+//! view follows); a tensor sent through a channel is shared first, as torch does. A
+//! process maps each segment once: the same storage sent twice, or two views of it,
+//! arrive sharing memory.
+//!
+//! ```
+//! use multiproc::{DType, Tensor};
+//! let t = Tensor::arange(0.0, 6.0, 1.0, DType::F32)?.reshape(&[2, 3])?;
+//! let row = t.select(0, 1)?; // [3, 4, 5], a view
+//! t.share_memory_()?;
+//! assert!(row.is_shared(), "views follow their storage into shared memory");
+//! row.fill_(9.0)?;
+//! assert_eq!(t.to_vec::<f32>()?, [0., 1., 2., 9., 9., 9.]);
+//! # Ok::<(), multiproc::Error>(())
+//! ```
+//!
+//! ### The rules for memory other processes write
+//!
+//! - **No `&[T]` over shared memory.** Another process may write a shared tensor at any
+//!   moment, so multiproc never hands its memory out as `&[T]`/`&mut [T]` (a data race
+//!   the compiler may miscompile). Reads copy ([`Tensor::to_vec`]); the element-wise
+//!   operations ([`Tensor::fill_`], [`Tensor::copy_`], [`Tensor::add_`],
+//!   [`Tensor::mul_`], the `_scalar_` forms) read and write each element with a relaxed
+//!   atomic of its width.
+//! - **Hogwild is defined behaviour.** Workers that update the same parameters at once,
+//!   without a lock, as Hogwild training does, never tear an element or invoke
+//!   undefined behaviour; an update racing with another may be lost (the last writer
+//!   wins), which Hogwild accepts. Where every update must count, hold a [`Lock`].
+//! - **No ordering between elements.** Relaxed atomics order nothing: to publish "these
+//!   elements are ready", write them, then signal with an [`Event`], a [`Queue`] message
+//!   or a lock, whose operations order the writes before the other side's reads.
+//! - **Any bit pattern is a value.** A `bool` element another process set to `2` reads
+//!   as `true`; a received tensor whose layout points outside its storage is refused
+//!   when it arrives.
+//!
+//! ### Scalars
+//!
+//! Scalars (`full`, `fill_`, `add_scalar_`, `mul_scalar_`, the `alpha` of `add_`) are
+//! `f64`. On an integer or bool tensor a scalar must be representable exactly (integral
+//! and in range; 0 or 1 for bool), otherwise the operation is an [`Error::Tensor`] — as
+//! torch refuses `int_tensor.add_(1.5)`. `i64` values beyond 2^53 are not exact as
+//! scalars; integer arithmetic itself is exact (wrapping), and bool `add_`/`mul_` are
+//! logical or/and.
+//!
+//! ```
+//! use multiproc::{DType, Tensor};
+//! let counts = Tensor::zeros(&[3], DType::I32)?;
+//! counts.add_scalar_(2.0)?;
+//! assert!(matches!(counts.add_scalar_(0.5), Err(multiproc::Error::Tensor(_))));
+//! assert_eq!(counts.to_vec::<i32>()?, [2, 2, 2]);
+//! # Ok::<(), multiproc::Error>(())
+//! ```
+//!
+//! ## Sharing strategies
 //!
 //! Two [sharing strategies](SharingStrategy), with torch's names:
+//!
 //! - `file_descriptor` (default): an anonymous, sealed memfd whose fd is the handle. It
 //!   is not bounded by `/dev/shm`'s size and cannot leak: the kernel frees it with its
-//!   last fd or mapping.
+//!   last fd or mapping. Each shared storage costs an fd in every process that holds
+//!   it; `multiproc doctor` shows the limit.
 //! - `file_system`: a named segment `/dev/shm/multiproc_<pid>_<random>` with a
-//!   cross-process refcount; a shm manager daemon removes whatever a crashed process tree
-//!   left behind.
+//!   cross-process refcount, so a process holds no fd per storage; a shm manager daemon
+//!   removes whatever a crashed process tree left behind.
 //!
-//! Unlike torch, a process started by multiproc inherits its parent's strategy.
+//! The strategy is read when a storage moves to shared memory; storages already shared
+//! keep theirs, and a receiver accepts both. Unlike torch, a process started by
+//! multiproc inherits its parent's strategy.
+//!
+//! ```no_run
+//! use multiproc::{DType, SharingStrategy, Tensor};
+//!
+//! fn main() -> multiproc::Result<()> {
+//!     multiproc::init(); // the shm manager of `file_system` is this program, re-executed
+//!     multiproc::set_sharing_strategy(SharingStrategy::FileSystem);
+//!     let t = Tensor::ones(&[16], DType::F64)?;
+//!     t.share_memory_()?;
+//!     assert!(t.storage().shm_name().is_some_and(|n| n.starts_with("multiproc_")));
+//!     multiproc::set_sharing_strategy("file_descriptor".parse()?);
+//!     Ok(())
+//! }
+//! ```
 //!
 //! ## Processes
 //!
-//! [`spawn`] starts `nprocs` workers `fn(rank, args)` and joins them; [`start_processes`]
-//! returns a [`ProcessContext`] to join later. The first failure is
-//! [`Error::ProcessRaised`] (a panic or an `Err`, with rank, pid, message and location)
-//! or [`Error::ProcessExited`] (exit code or signal); the other ranks that failed ride
-//! along, and the survivors are terminated. [`StartMethod`] picks `Spawn` (re-execute
-//! this program), `Fork` or `Forkserver`; every worker dies with its parent.
+//! [`spawn`] starts `nprocs` workers and joins them; [`start_processes`] returns a
+//! [`ProcessContext`] to join later; a [`Process`] is one worker with a name. The
+//! [`StartMethod`] is `Spawn` (re-execute this program, the default), `Fork` or
+//! `Forkserver`; every worker dies with its parent. In a worker,
+//! [`current_process`] says its rank, pid and name; in the parent,
+//! [`active_children`] lists the workers that still run, and [`cpu_count`] how many
+//! CPUs there are to run them on.
 //!
-//! ## Channels, pool, synchronisation
+//! The first failure is [`Error::ProcessRaised`] (a panic or an `Err`, with rank, pid,
+//! message and location) or [`Error::ProcessExited`] (exit code or signal); the other
+//! ranks that failed ride along ([`Error::failures`]), and the survivors are
+//! terminated.
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use multiproc::{Error, StartMethod};
+//!
+//! fn shard(rank: usize, shards: usize) -> Result<(), String> {
+//!     let me = multiproc::current_process();
+//!     assert_eq!(me.rank, Some(rank));
+//!     if rank == 2 {
+//!         return Err(format!("shard {rank} of {shards} is corrupt"));
+//!     }
+//!     Ok(())
+//! }
+//!
+//! fn main() -> multiproc::Result<()> {
+//!     multiproc::init();
+//!     let mut ctx = multiproc::start_processes(shard, 4, 4, StartMethod::Spawn)?;
+//!     loop {
+//!         match ctx.join(Some(Duration::from_secs(1))) {
+//!             Ok(()) => break,
+//!             Err(e) if e.is_timeout() => println!("{} still running", multiproc::active_children().len()),
+//!             Err(Error::ProcessRaised { error_index, message, .. }) => {
+//!                 eprintln!("rank {error_index} failed: {message}");
+//!                 break;
+//!             }
+//!             Err(e) => return Err(e),
+//!         }
+//!     }
+//!     Ok(())
+//! }
+//! ```
+//!
+//! ## Queues and pipes
 //!
 //! [`Queue`], [`SimpleQueue`], [`JoinableQueue`] and [`pipe`] carry any
-//! `Serialize + DeserializeOwned` value; tensors, queues, events and locks inside it
-//! travel as handles. A message is one packet, so a producer may exit right after
-//! `put`. [`Pool`] runs tasks on worker processes; a task that panics, or whose worker
-//! is killed, fails alone. [`Event`], [`Lock`], [`RLock`], [`Semaphore`],
-//! [`BoundedSemaphore`], [`Condition`], [`Barrier`] and [`Value`] are process-shared
-//! (futexes in shared memory); a lock whose holder died reports [`Error::OwnerDied`]
-//! instead of deadlocking.
+//! `Serialize + DeserializeOwned` value; tensors, queues, events and locks inside it,
+//! at any depth, travel as handles. A message is one packet, so a producer may exit
+//! right after `put`. torch's and Python's names are there (`put`, `get`,
+//! `get_timeout`, `put_nowait`, `qsize`, `empty`, `full`), and so are the Rust ones
+//! (`try_put`, `try_get`, `iter`, `try_iter`, `len`, `is_empty`, `capacity`).
 //!
-//! ## Errors
+//! ```
+//! use std::time::Duration;
+//! use multiproc::{DType, Queue, Tensor};
+//!
+//! let batches: Queue<(usize, Tensor)> = Queue::with_capacity(2)?;
+//! for i in 0..2 {
+//!     batches.put((i, Tensor::full(&[4, 4], i as f64, DType::F32)?))?;
+//! }
+//! // Full: `try_put` hands the batch back instead of waiting.
+//! let back = batches.try_put((2, Tensor::zeros(&[1], DType::F32)?)).unwrap_err();
+//! assert!(matches!(back.error, multiproc::Error::Full(_)));
+//! let (i, batch) = back.into_inner();
+//! assert_eq!((i, batch.numel()), (2, 1));
+//! for got in batches.try_iter() {
+//!     let (i, batch) = got?;
+//!     assert!(batch.is_shared() && batch.to_vec::<f32>()?.iter().all(|&x| x == i as f32));
+//! }
+//! assert!(batches.get_timeout(Duration::from_millis(1)).unwrap_err().is_timeout());
+//! # Ok::<(), multiproc::Error>(())
+//! ```
+//!
+//! A [`pipe`] gives two [`Connection`] ends; [`connection::wait`] waits on several at
+//! once, as Python's `multiprocessing.connection.wait` does.
+//!
+//! ## The pool
+//!
+//! A [`Pool`] runs tasks `fn(A) -> Result<R, E>` on worker processes: [`Pool::map`],
+//! [`Pool::imap`] (ordered, lazy), [`Pool::imap_unordered`], [`Pool::starmap`],
+//! [`Pool::apply`], [`Pool::apply_async`], [`Pool::map_async`], with an initializer
+//! ([`PoolBuilder::initializer_with`]) and worker recycling
+//! ([`PoolBuilder::max_tasks_per_child`]). A task that panics, or whose worker is
+//! killed, fails alone ([`Error::TaskFailed`] with its index); the pool replaces the
+//! worker and carries on.
+//!
+//! ```no_run
+//! use multiproc::{DType, Pool, Tensor};
+//!
+//! fn normalize(t: Tensor) -> multiproc::Result<f32> {
+//!     let v = t.to_vec::<f32>()?;
+//!     let max = v.iter().cloned().fold(f32::MIN, f32::max);
+//!     t.mul_scalar_(1.0 / f64::from(max))?; // in place, in the parent's memory
+//!     Ok(max)
+//! }
+//!
+//! fn main() -> multiproc::Result<()> {
+//!     multiproc::init();
+//!     let pool = Pool::new(multiproc::cpu_count())?;
+//!     let images: Vec<Tensor> = (1..=8)
+//!         .map(|i| Tensor::full(&[64, 64], f64::from(i), DType::F32))
+//!         .collect::<multiproc::Result<_>>()?;
+//!     let maxima = pool.map(normalize, images.clone())?;
+//!     assert_eq!(maxima, [1., 2., 3., 4., 5., 6., 7., 8.]);
+//!     assert!(images[7].to_vec::<f32>()?.iter().all(|&x| x == 1.0));
+//!     Ok(())
+//! }
+//! ```
+//!
+//! ## Synchronisation
+//!
+//! [`Event`], [`Lock`], [`RLock`], [`Semaphore`], [`BoundedSemaphore`], [`Condition`],
+//! [`Barrier`] and [`Value`] are process-shared (futexes in shared memory) and travel
+//! to workers like tensors. Locks keep Python's `acquire`/`release` and add Rust's
+//! guards: [`Lock::lock`], [`Lock::try_lock`] and [`Lock::lock_timeout`] return a
+//! [`LockGuard`] that releases the lock when dropped (likewise [`RLockGuard`],
+//! [`ConditionGuard`], and [`SemaphoreGuard`] from [`Semaphore::permit`]).
+//!
+//! A lock whose holder died while holding it does not deadlock: the next `acquire`
+//! takes it over and reports [`Error::OwnerDied`] with the dead holder's pid, and the
+//! next `lock` returns a [`LockError`] that carries the guard, so the caller can repair
+//! what the dead holder left half-done and go on.
+//!
+//! ```
+//! use multiproc::{Lock, Value};
+//!
+//! let lock = Lock::new()?;
+//! let total = Value::new(0u64)?;
+//! {
+//!     let _held = lock.lock()?;
+//!     total.set(total.get() + 1); // a read-modify-write: only the lock makes it exact
+//! } // released here
+//! let held = match lock.lock() {
+//!     Ok(held) => held,
+//!     // The previous holder died mid-update: repair, then keep the lock.
+//!     Err(e) => e.into_guard().ok_or(multiproc::Error::InvalidArgument("no guard".into()))?,
+//! };
+//! assert!(lock.try_lock()?.is_none());
+//! drop(held);
+//! assert_eq!(total.get(), 1);
+//! # Ok::<(), multiproc::Error>(())
+//! ```
+//!
+//! ## Errors and timeouts
 //!
 //! Everything fallible returns [`Result`]; [`Error`] says what happened, to what, and
-//! what to do. A failed `put`/`send` hands the item back in a [`PutError`].
+//! what to do, and is `Serialize`, so a worker can send its errors through a queue. A
+//! system call's failure is [`Error::Os`], whose `source()` is the [`std::io::Error`]
+//! (and `From<std::io::Error>` lets `?` turn one into an `Error`); your own errors fit
+//! in [`Error::User`] ([`Error::user`]).
+//!
+//! A failed `put`/`send` hands the item back in a [`PutError`]. A wait with a timeout
+//! that runs out is always `Err(Error::Timeout { .. })` ([`Error::is_timeout`]); the
+//! `try_` forms never wait and answer `Ok(None)` when there is nothing to take. The
+//! whole convention is on [`Error`](Error#one-timeout-convention).
+//!
+//! ```
+//! use std::time::Duration;
+//! let ready = multiproc::Event::new()?;
+//! match ready.wait(Some(Duration::from_millis(1))) {
+//!     Ok(()) => unreachable!("nobody set it"),
+//!     Err(e) if e.is_timeout() => assert_eq!(e.to_string(), "a wait on an event timed out after 1ms"),
+//!     Err(e) => return Err(e),
+//! }
+//! let io = std::fs::read("/nonexistent").unwrap_err();
+//! let err = multiproc::Error::from(io);
+//! assert!(std::error::Error::source(&err).is_some());
+//! # Ok::<(), multiproc::Error>(())
+//! ```
+//!
+//! ## Logs from workers
+//!
+//! multiproc emits [`tracing`](https://docs.rs/tracing) spans and events: a span per
+//! worker started (`multiproc::spawn`, with rank, pid, start method and name), per
+//! `put`/`get` (`multiproc::put`, `multiproc::get`, with the message's size and
+//! handle count at `TRACE`), per pool task, and for the shm manager. When the parent
+//! has a global subscriber, a worker started afterwards forwards its own events at the
+//! levels that subscriber wants: they arrive in the parent with target
+//! `multiproc::worker` and the fields `rank`, `pid` and `worker_target` (the event's own
+//! target). Nothing to configure; without a subscriber nothing is forwarded.
+//!
+//! ```no_run
+//! fn work(rank: usize, _: ()) {
+//!     tracing::info!(rank, "loaded my shard"); // shows up in the parent's subscriber
+//! }
+//!
+//! fn main() -> multiproc::Result<()> {
+//!     multiproc::init();
+//!     // tracing_subscriber::fmt::init(); — any global subscriber
+//!     multiproc::spawn(work, (), 2)
+//! }
+//! ```
+//!
+//! ## Other frameworks
+//!
+//! A tensor crosses into another framework with one copy out and one copy in:
+//! [`Tensor::to_vec`] and [`Tensor::from_vec`] work with any of them. Optional cargo
+//! features (off by default) add the direct routes: `ndarray` (`Tensor::from_ndarray`,
+//! `to_ndarray`, zero-copy `as_array_view`), `candle` (`Tensor::to_candle`,
+//! `from_candle`), `safetensors` (`multiproc::safetensors::load`, whose tensors are the
+//! file's own shared read-only pages, and `save`) and `dlpack` (`to_dlpack`,
+//! `from_dlpack`, for a PyO3 extension handing tensors to torch).
+//!
+//! ```
+//! use multiproc::{DType, Tensor};
+//! let weights: Vec<f32> = (0..6).map(|i| i as f32).collect(); // from any framework
+//! let t = Tensor::from_vec(weights, &[2, 3])?;
+//! assert_eq!((t.dtype(), t.shape()), (DType::F32, &[2usize, 3][..]));
+//! let back: Vec<f32> = t.to_vec()?; // and back into it
+//! assert_eq!(back[5], 5.0);
+//! # Ok::<(), multiproc::Error>(())
+//! ```
+//!
+//! ## Tests
+//!
+//! In `cargo test` integration tests, where libtest owns `main`, put
+//! [`test_init!()`](test_init) at the top of the test file instead of calling [`init`]:
+//! workers started from its tests then find their job.
+//!
+//! ## Platform
+//!
+//! Linux only (kernel 5.3 or newer for pidfds): multiproc is built on `memfd_create`,
+//! `SCM_RIGHTS` over `SOCK_SEQPACKET`, pidfds and process-shared futexes. On other
+//! targets the crate does not compile, and says so.
 
 #![deny(unsafe_code)]
 
-#[doc(hidden)]
-#[path = "bench_api.rs"]
-pub mod __bench;
-/// Not public API: the wire decoder's fuzzing entry points (see `fuzz/`). May change or
-/// vanish in any release.
-#[doc(hidden)]
-#[path = "fuzzing.rs"]
-pub mod __fuzz;
-mod error;
-mod manager;
-#[allow(unsafe_code)]
-mod pool;
-mod process;
-mod queue;
-mod sharing;
-mod shm;
-mod sync;
-#[allow(unsafe_code)]
-mod sys;
-mod tensor;
-mod wire;
+#[cfg(not(target_os = "linux"))]
+compile_error!(
+    "multiproc supports Linux only: it is built on memfd_create, SCM_RIGHTS over \
+     SOCK_SEQPACKET, pidfds and process-shared futexes, which this target does not have"
+);
 
-pub use error::{Error, Failure, LockError, OsError, PutError, Result, UserError};
-pub use manager::run_shm_manager_from_env;
-pub use pool::{AsyncResult, Imap, MapResult, Pool, PoolBuilder};
-pub use process::{ChildProcess, CurrentProcess, active_children, cpu_count, current_process};
-pub use process::{
-    ExitStatus, Process, ProcessContext, SpawnOptions, StartMethod, WorkerResult,
-    ensure_forkserver_running, init, spawn, start_processes,
-};
-pub use queue::{Connection, JoinableQueue, Queue, QueueIter, QueueTryIter, SimpleQueue, pipe};
-
-/// Python's `multiprocessing.connection`: [`Connection`] and [`wait`](connection::wait)
-/// on several at once.
-pub mod connection {
-    pub use crate::queue::{Connection, wait};
+/// Applies `#[cfg(target_os = "linux")]` to every item: on other targets only the
+/// `compile_error!` above is reported, not a cascade of missing Linux APIs.
+macro_rules! linux_only {
+    ($($item:item)*) => { $( #[cfg(target_os = "linux")] $item )* };
 }
-pub use sharing::{
-    SharingStrategy, get_all_sharing_strategies, get_sharing_strategy, set_sharing_strategy,
-};
-pub use sync::{
-    Barrier, BoundedSemaphore, Condition, ConditionGuard, Event, Lock, LockGuard, RLock,
-    RLockGuard, Semaphore, SemaphoreGuard, SharedValue, Value,
-};
-pub use tensor::{DType, Element, Storage, Tensor};
+
+linux_only! {
+    #[doc(hidden)]
+    #[path = "bench_api.rs"]
+    pub mod __bench;
+    /// Not public API: the wire decoder's fuzzing entry points (see `fuzz/`). May change or
+    /// vanish in any release.
+    #[doc(hidden)]
+    #[path = "fuzzing.rs"]
+    pub mod __fuzz;
+    mod error;
+    mod manager;
+    #[allow(unsafe_code)]
+    mod pool;
+    mod process;
+    mod queue;
+    mod sharing;
+    mod shm;
+    mod sync;
+    #[allow(unsafe_code)]
+    mod sys;
+    mod tensor;
+    mod wire;
+
+    pub use error::{Error, Failure, LockError, OsError, PutError, Result, UserError};
+    pub use manager::run_shm_manager_from_env;
+    pub use pool::{AsyncResult, Imap, MapResult, Pool, PoolBuilder};
+    pub use process::{ChildProcess, CurrentProcess, active_children, cpu_count, current_process};
+    pub use process::{
+        ExitStatus, Process, ProcessContext, SpawnOptions, StartMethod, WorkerResult,
+        ensure_forkserver_running, init, spawn, start_processes,
+    };
+    pub use queue::{Connection, JoinableQueue, Queue, QueueIter, QueueTryIter, SimpleQueue, pipe};
+
+    /// Python's `multiprocessing.connection`: [`Connection`] and [`wait`](connection::wait)
+    /// on several at once.
+    pub mod connection {
+        pub use crate::queue::{Connection, wait};
+    }
+    pub use sharing::{
+        SharingStrategy, get_all_sharing_strategies, get_sharing_strategy, set_sharing_strategy,
+    };
+    pub use sync::{
+        Barrier, BoundedSemaphore, Condition, ConditionGuard, Event, Lock, LockGuard, RLock,
+        RLockGuard, Semaphore, SemaphoreGuard, SharedValue, Value,
+    };
+    pub use tensor::{DType, Element, Storage, Tensor};
+}

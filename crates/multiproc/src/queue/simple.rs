@@ -92,6 +92,11 @@ impl<T: Serialize + DeserializeOwned> SimpleQueue<T> {
         !self.channel.has_waiting()
     }
 
+    /// Rust's name for [`empty`](Self::empty).
+    pub fn is_empty(&self) -> bool {
+        self.empty()
+    }
+
     /// Closes this process's handles: later puts and gets through any clone of this
     /// handle fail with [`Error::Closed`]. Other processes are not affected.
     pub fn close(&self) {
