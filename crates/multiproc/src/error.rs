@@ -479,3 +479,54 @@ impl<G> From<Error> for LockError<G> {
         LockError { error, guard: None }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn round_trip(e: &Error) -> Error {
+        serde_json::from_str(&serde_json::to_string(e).unwrap()).unwrap()
+    }
+
+    #[test]
+    fn an_os_error_keeps_its_io_error_as_source_across_serde() {
+        let io = std::io::Error::from_raw_os_error(libc::EMFILE);
+        let err = Error::os("opening a segment", io);
+        assert_eq!(err.errno(), Some(libc::EMFILE));
+        let again = round_trip(&err);
+        assert_eq!(again, err);
+        let source = std::error::Error::source(&again).expect("a source");
+        assert_eq!(source.to_string(), err.to_string().split(": ").nth(1).unwrap());
+        let Error::Os { source, .. } = again else {
+            panic!()
+        };
+        assert_eq!(source.io_error().raw_os_error(), Some(libc::EMFILE));
+        // Without an errno the text survives.
+        let other = Error::from(std::io::Error::other("no such widget"));
+        assert!(other.to_string().ends_with("no such widget"), "{other}");
+        assert_eq!(round_trip(&other), other);
+    }
+
+    #[test]
+    fn a_user_error_travels_as_its_text_and_keeps_its_type_here() {
+        let err = Error::user(std::fmt::Error);
+        let Error::User(inner) = &err else { panic!() };
+        assert!(inner.get_ref().downcast_ref::<std::fmt::Error>().is_some());
+        let again = round_trip(&err);
+        assert_eq!(again, err, "compared by text");
+        assert_eq!(again.to_string(), std::fmt::Error.to_string());
+        let boxed: Box<dyn std::error::Error + Send + Sync> = "bad shard".into();
+        assert_eq!(Error::from(boxed).to_string(), "bad shard");
+    }
+
+    #[test]
+    fn a_timeout_says_what_waited_and_how_long() {
+        let err = Error::timeout("a get on an empty queue", Some(Duration::from_millis(250)));
+        assert!(err.is_timeout());
+        assert_eq!(err.to_string(), "a get on an empty queue timed out after 250ms");
+        assert_eq!(round_trip(&err), err);
+        let forever = Error::timeout("a send", None);
+        assert_eq!(forever.to_string(), "a send timed out");
+        assert!(!Error::Full("no room".into()).is_timeout());
+    }
+}

@@ -452,6 +452,7 @@ impl Pool {
     {
         let items: Vec<A> = items.into_iter().collect();
         let n = items.len();
+        let _span = tracing::debug_span!("multiproc::pool_map", tasks = n, chunksize).entered();
         let (job, rx) = self.new_job()?;
         let queued = self.enqueue(job, f, items, 0, chunksize);
         let result = queued.and_then(|()| self.collect_all::<R>(&rx, n));

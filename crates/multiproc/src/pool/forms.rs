@@ -69,6 +69,7 @@ impl Pool {
         let chunksize = n.div_ceil(self.processes * 4).max(1);
         let trampoline = CodeRef::of(run_star_chunk::<A, B, R, E> as ChunkTrampoline as usize);
         let function = CodeRef::of(f as usize);
+        let _span = tracing::debug_span!("multiproc::pool_starmap", tasks = n, chunksize).entered();
         let (job, rx) = self.new_job()?;
         let queued = self.enqueue_code(job, trampoline, function, items, 0, chunksize);
         let result = queued.and_then(|()| self.collect_all::<R>(&rx, n));

@@ -124,4 +124,37 @@ mod tests {
         c.release().unwrap();
         waiter.join().unwrap().unwrap();
     }
+
+    #[test]
+    fn guards_release_on_drop_and_try_forms_do_not_wait() {
+        let r = RLock::new().unwrap();
+        {
+            let _outer = r.lock().unwrap();
+            let inner = r.try_lock().unwrap().expect("reentrant for its thread");
+            drop(inner);
+            let r2 = r.clone();
+            let other = std::thread::spawn(move || r2.try_lock().map(|g| g.is_some()).unwrap());
+            assert!(!other.join().unwrap(), "another thread cannot take it");
+        }
+        assert!(r.release().is_err(), "both levels were released by the guards");
+
+        let c = Condition::new().unwrap();
+        let g = c.lock().unwrap();
+        assert!(c.try_lock().unwrap().is_none());
+        assert!(c.lock_timeout(Duration::from_millis(5)).unwrap_err().error.is_timeout());
+        drop(g);
+        drop(c.try_lock().unwrap().expect("free again"));
+
+        let s = Semaphore::new(2).unwrap();
+        let (a, b) = (s.permit().unwrap(), s.try_permit().unwrap().unwrap());
+        assert_eq!(s.value(), 0);
+        assert!(s.try_permit().unwrap().is_none(), "a refused try_permit gives nothing back");
+        assert_eq!(s.value(), 0);
+        drop((a, b));
+        assert_eq!(s.value(), 2);
+
+        let ev = Event::new().unwrap();
+        let err = ev.wait(Some(Duration::from_millis(5))).unwrap_err();
+        assert!(matches!(err, Error::Timeout { after: Some(t), .. } if t == Duration::from_millis(5)));
+    }
 }
