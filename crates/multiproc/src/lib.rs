@@ -157,7 +157,8 @@
 //! The first failure is [`Error::ProcessRaised`] (a panic or an `Err`, with rank, pid,
 //! message and location) or [`Error::ProcessExited`] (exit code or signal); the other
 //! ranks that failed ride along ([`Error::failures`]), and the survivors are
-//! terminated.
+//! terminated. Where torch's `join(timeout)` returns `False` because workers still run,
+//! [`ProcessContext::join`] returns `Err(Error::Timeout { .. })`: join again.
 //!
 //! ```no_run
 //! use std::time::Duration;

@@ -52,7 +52,9 @@ use crate::{Error, Result, wire};
 /// over a [`Storage`].
 ///
 /// Cloning is cheap and shares the data; every method takes `&self` (in-place
-/// operations write through the shared storage, as every torch tensor does).
+/// operations write through the shared storage, as every torch tensor does). What holds
+/// when other processes write the same memory — no `&[T]`, relaxed atomics, Hogwild —
+/// and how scalars convert: [the crate docs](crate#the-rules-for-memory-other-processes-write).
 ///
 /// ```
 /// # fn main() -> multiproc::Result<()> {
