@@ -337,6 +337,29 @@ fn connection_wait_reports_which_pipe_is_ready() {
     });
 }
 
+#[test]
+fn connection_wait_on_a_process_sentinel_and_a_pipe() {
+    common::run(DEADLINE, || {
+        let go = Event::new().unwrap();
+        let (here, _there) = pipe::<u8>().unwrap();
+        let mut p = Process::new(wait_for_go, 0, go.clone());
+        assert!(p.sentinel().is_none(), "no sentinel before start");
+        p.start().unwrap();
+        let sentinel = p.sentinel().unwrap();
+        let err = multiproc::connection::wait(
+            &[&sentinel as &dyn AsFd, &here],
+            Some(Duration::from_millis(20)),
+        )
+        .unwrap_err();
+        assert!(err.is_timeout(), "the worker still waits: {err}");
+        go.set();
+        let ready =
+            multiproc::connection::wait(&[&sentinel as &dyn AsFd, &here], Some(WAIT)).unwrap();
+        assert_eq!(ready, [0], "the sentinel is ready once the worker exits");
+        assert!(p.join(Some(WAIT)).unwrap().success());
+    });
+}
+
 // ----- the pool's other call forms -----
 
 fn power(base: u64, exp: u32) -> Result<u64, String> {

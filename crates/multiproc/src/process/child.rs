@@ -508,6 +508,14 @@ impl Process {
         self.child.as_ref().map(|c| c.pid)
     }
 
+    /// Python's `Process.sentinel`: once started, a descriptor (its pidfd) that becomes
+    /// readable when the process exits, to wait on together with pipes through
+    /// [`connection::wait`](crate::connection::wait). Waiting on it does not reap the
+    /// process: [`join`](Self::join) does.
+    pub fn sentinel(&self) -> Option<BorrowedFd<'_>> {
+        self.child.as_ref().map(|c| c.pidfd.as_fd())
+    }
+
     /// Whether it has been started and has not exited yet.
     pub fn is_alive(&self) -> bool {
         self.child.as_ref().is_some_and(Child::is_alive)
