@@ -428,6 +428,26 @@ fn starmap_apply_map_async_and_initializer_arguments() {
     });
 }
 
+#[test]
+fn pool_join_times_out_while_a_task_runs_then_joins() {
+    common::run(DEADLINE, || {
+        let mut pool = Pool::new(1).unwrap();
+        let mut running = pool.apply_async(slow_square, 3).unwrap();
+        pool.close();
+        let err = pool.join(Some(Duration::from_millis(10))).unwrap_err();
+        assert!(
+            matches!(&err, Error::Timeout { after: Some(t), .. } if *t == Duration::from_millis(10)),
+            "{err}"
+        );
+        pool.join(Some(WAIT)).unwrap();
+        assert_eq!(
+            running.get(Some(WAIT)).unwrap(),
+            9,
+            "a closed pool finishes its tasks"
+        );
+    });
+}
+
 // ----- errors that cross processes -----
 
 #[derive(Debug)]
