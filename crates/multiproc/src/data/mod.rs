@@ -12,6 +12,8 @@
 //! - `worker_set` — the loader's side of its workers: dispatch, replies, deaths,
 //!   restarts, stopping.
 //! - `progress` — the optional progress bar (feature `progress`).
+//! - `image_folder` — `ImageFolder`, PNG files decoded in the workers (feature
+//!   `image`).
 //!
 //! A batch is made once, in a worker, in shared memory, and crosses to the caller by
 //! handle. A worker that returns `Err`, panics or is killed is reported as
@@ -51,6 +53,8 @@ mod collate;
 mod dataset;
 #[allow(unsafe_code)]
 mod from_fn;
+#[cfg(feature = "image")]
+mod image_folder;
 mod loader;
 #[cfg(feature = "progress")]
 mod progress;
@@ -62,6 +66,8 @@ pub use builder::DataLoaderBuilder;
 pub use collate::{Collate, DefaultCollate, Stack};
 pub use dataset::{Dataset, WorkerInfo, worker_info};
 pub use from_fn::FromFn;
+#[cfg(feature = "image")]
+pub use image_folder::ImageFolder;
 pub use loader::{DataLoader, Epoch};
 pub use sampler::{
     DistributedSampler, RandomSampler, Sampler, SequentialSampler, WeightedRandomSampler,
