@@ -740,3 +740,253 @@ fn a_sampler_outside_the_data_set_is_a_clear_error() {
         );
     });
 }
+
+#[test]
+fn every_start_method_loads_the_same_batches() {
+    common::run(secs(90), || {
+        let mut epochs = Vec::new();
+        for method in multiproc::StartMethod::ALL {
+            let mut loader = DataLoader::builder(Samples::new(10))
+                .batch_size(3)
+                .shuffle(5)
+                .num_workers(2)
+                .start_method(method)
+                .build()
+                .unwrap();
+            epochs.push(labels_of_epoch(&mut loader));
+        }
+        assert!(epochs.windows(2).all(|w| w[0] == w[1]), "{epochs:?}");
+    });
+}
+
+#[test]
+fn out_of_order_failures_come_as_they_happen_and_restart_too() {
+    common::run(secs(60), || {
+        let mut loader = DataLoader::builder(Samples::new(8).fault(5, Fault::Kill).once())
+            .batch_size(2)
+            .num_workers(2)
+            .in_order(false)
+            .restart_workers(true)
+            .build()
+            .unwrap();
+        let mut got: Vec<i64> = loader
+            .iter()
+            .flat_map(|b| b.unwrap().1.to_vec::<i64>().unwrap())
+            .collect();
+        got.sort_unstable();
+        assert_eq!(got, (0..8).collect::<Vec<_>>());
+    });
+}
+
+#[cfg(feature = "image")]
+mod image_folder {
+    use super::*;
+    use multiproc::data::ImageFolder;
+
+    /// A temporary image folder that removes itself.
+    struct Folder(std::path::PathBuf);
+
+    impl Drop for Folder {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    fn folder_with_classes() -> Folder {
+        let root = std::env::temp_dir().join(format!("multiproc-data-test-{}", std::process::id()));
+        for (class, shade) in [("cat", 10u8), ("dog", 200u8)] {
+            std::fs::create_dir_all(root.join(class)).unwrap();
+            for i in 0..3u8 {
+                let img = image::RgbImage::from_pixel(6, 4, image::Rgb([shade, shade + i, 7]));
+                img.save(root.join(class).join(format!("{i}.png"))).unwrap();
+            }
+        }
+        Folder(root)
+    }
+
+    #[test]
+    fn png_files_are_decoded_by_workers_into_shared_batches() {
+        common::run(secs(60), || {
+            let dir = folder_with_classes();
+            let folder = ImageFolder::new(&dir.0).unwrap();
+            assert_eq!(folder.classes(), ["cat", "dog"]);
+            let mut loader = DataLoader::builder(folder)
+                .batch_size(3)
+                .num_workers(2)
+                .build()
+                .unwrap();
+            let batches: Vec<(Tensor, Tensor)> = loader.iter().map(Result::unwrap).collect();
+            assert_eq!(batches.len(), 2);
+            for (b, (images, labels)) in batches.iter().enumerate() {
+                assert_eq!(images.shape(), [3, 3, 4, 6], "[batch, rgb, height, width]");
+                assert!(images.is_shared());
+                assert_eq!(labels.to_vec::<i64>().unwrap(), [b as i64; 3]);
+                let shade = [10u8, 200][b];
+                for i in 0..3 {
+                    let red = images.select(0, i).unwrap().select(0, 0).unwrap();
+                    let green = images.select(0, i).unwrap().select(0, 1).unwrap();
+                    assert!(red.to_vec::<u8>().unwrap().iter().all(|&v| v == shade));
+                    assert!(
+                        green
+                            .to_vec::<u8>()
+                            .unwrap()
+                            .iter()
+                            .all(|&v| v == shade + i as u8)
+                    );
+                }
+            }
+        });
+    }
+
+    #[test]
+    fn a_corrupt_png_is_an_error_naming_the_file_and_the_worker() {
+        common::run(secs(60), || {
+            let dir = folder_with_classes();
+            let bad = dir.0.join("dog").join("1.png");
+            std::fs::write(&bad, b"not a png").unwrap();
+            let folder = ImageFolder::new(&dir.0).unwrap().resize(8, 8);
+            let mut loader = DataLoader::builder(folder)
+                .batch_size(2)
+                .num_workers(1)
+                .build()
+                .unwrap();
+            let err = loader
+                .iter()
+                .find_map(Result::err)
+                .expect("the bad file fails");
+            let text = err.to_string();
+            assert!(
+                text.contains("1.png") && text.contains("worker 0"),
+                "{text}"
+            );
+            assert!(
+                matches!(err, Error::LoaderFailed { batch: 2, .. }),
+                "{err:?}"
+            );
+        });
+    }
+}
+
+#[cfg(feature = "progress")]
+#[test]
+fn an_epoch_with_a_progress_bar_loads_the_same_batches() {
+    common::run(secs(60), || {
+        let mut plain = DataLoader::builder(Samples::new(9))
+            .batch_size(2)
+            .build()
+            .unwrap();
+        let mut shown = DataLoader::builder(Samples::new(9))
+            .batch_size(2)
+            .num_workers(1)
+            .progress(true)
+            .build()
+            .unwrap();
+        assert_eq!(labels_of_epoch(&mut plain), labels_of_epoch(&mut shown));
+    });
+}
+
+/// A stream of `0..n`; worker k of m yields k, k + m, …; `fail_at` yields an `Err`.
+#[derive(Clone, Serialize, Deserialize)]
+struct Stream {
+    n: usize,
+    fail_at: Option<usize>,
+}
+
+impl multiproc::data::IterableDataset for Stream {
+    type Item = i64;
+    type Iter = Box<dyn Iterator<Item = multiproc::Result<i64>>>;
+
+    fn iter(&self, _epoch: u64) -> Self::Iter {
+        let (k, m) = worker_info().map_or((0, 1), |w| (w.id, w.num_workers));
+        let fail_at = self.fail_at;
+        Box::new((k..self.n).step_by(m).map(move |i| {
+            if Some(i) == fail_at {
+                Err(Error::InvalidArgument(format!("record {i} is truncated")))
+            } else {
+                Ok(i as i64)
+            }
+        }))
+    }
+}
+
+fn stream_batches(
+    stream: Stream,
+    workers: usize,
+    in_order: bool,
+) -> Vec<multiproc::Result<Vec<i64>>> {
+    let mut loader = multiproc::data::DataLoaderBuilder::new(stream)
+        .batch_size(2)
+        .num_workers(workers)
+        .in_order(in_order)
+        .build_iterable()
+        .unwrap();
+    let epochs: Vec<Vec<_>> = (0..2)
+        .map(|_| {
+            loader
+                .iter()
+                .map(|b| b.map(|t| t.to_vec::<i64>().unwrap()))
+                .collect()
+        })
+        .collect();
+    epochs.into_iter().next().unwrap()
+}
+
+#[test]
+fn an_iterable_data_set_is_batched_per_worker_round_robin() {
+    common::run(secs(60), || {
+        let stream = Stream {
+            n: 7,
+            fail_at: None,
+        };
+        let got: Vec<Vec<i64>> = stream_batches(stream.clone(), 2, true)
+            .into_iter()
+            .map(Result::unwrap)
+            .collect();
+        // Worker 0 streams 0, 2, 4, 6 and worker 1 streams 1, 3, 5: torch's order.
+        assert_eq!(got, [vec![0, 2], vec![1, 3], vec![4, 6], vec![5]]);
+        let alone: Vec<Vec<i64>> = stream_batches(stream.clone(), 0, true)
+            .into_iter()
+            .map(Result::unwrap)
+            .collect();
+        assert_eq!(alone, [vec![0, 1], vec![2, 3], vec![4, 5], vec![6]]);
+        let mut unordered: Vec<i64> = stream_batches(stream, 2, false)
+            .into_iter()
+            .flat_map(Result::unwrap)
+            .collect();
+        unordered.sort_unstable();
+        assert_eq!(unordered, (0..7).collect::<Vec<_>>());
+    });
+}
+
+#[test]
+fn a_failing_stream_is_named_with_its_worker() {
+    common::run(secs(60), || {
+        let got = stream_batches(
+            Stream {
+                n: 9,
+                fail_at: Some(5),
+            },
+            2,
+            true,
+        );
+        assert_eq!(got[0].as_ref().unwrap(), &[0, 2]);
+        assert_eq!(got[1].as_ref().unwrap(), &[1, 3]);
+        assert_eq!(got[2].as_ref().unwrap(), &[4, 6]);
+        let err = got[3].as_ref().unwrap_err().to_string();
+        assert!(
+            err.contains("worker 1") && err.contains("record 5 is truncated"),
+            "{err}"
+        );
+        assert_eq!(got.len(), 4);
+        let shuffled = multiproc::data::DataLoaderBuilder::new(Stream {
+            n: 3,
+            fail_at: None,
+        })
+        .shuffle(1)
+        .build_iterable();
+        assert!(
+            shuffled.is_err(),
+            "a stream cannot be shuffled by the loader"
+        );
+    });
+}

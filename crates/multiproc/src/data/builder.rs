@@ -6,8 +6,9 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use super::collate::{Collate, DefaultCollate};
-use super::dataset::Dataset;
+use super::dataset::{Dataset, IterableDataset};
 use super::from_fn::InitFn;
+use super::iterable_loader::IterableDataLoader;
 use super::loader::DataLoader;
 use super::sampler::{RandomSampler, Sampler, SequentialSampler};
 use crate::process::StartMethod;
@@ -192,19 +193,7 @@ where
     /// [`Error::InvalidArgument`] for a batch size or prefetch factor of 0, or a
     /// sampler that would visit an index outside the data set.
     pub fn build(self) -> Result<DataLoader<D, C>> {
-        let o = &self.options;
-        if o.batch_size == 0 {
-            return Err(Error::InvalidArgument(
-                "data loader: batch_size must be at least 1".into(),
-            ));
-        }
-        if o.prefetch_factor == 0 {
-            return Err(Error::InvalidArgument(
-                "data loader: prefetch_factor must be at least 1 (it is the number of \
-                 batches each worker may have in flight)"
-                    .into(),
-            ));
-        }
+        self.options.check()?;
         let len = self.dataset.len();
         let sampler: Box<dyn Sampler> = match self.order {
             Order::Sequential => Box::new(SequentialSampler::new(len)),
@@ -220,7 +209,50 @@ where
     }
 }
 
+impl<D, C> DataLoaderBuilder<D, C>
+where
+    D: IterableDataset + Serialize + DeserializeOwned + Clone + 'static,
+    C: Collate<D::Item> + 'static,
+{
+    /// A loader of an iterable data set: each worker batches its own stream.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a batch size or prefetch factor of 0, or when a
+    /// sampler or shuffle was set (a stream has no indices: shuffle inside the data
+    /// set, seeded by [`WorkerInfo::seed`](super::WorkerInfo)).
+    pub fn build_iterable(self) -> Result<IterableDataLoader<D, C>> {
+        self.options.check()?;
+        if !matches!(self.order, Order::Sequential) {
+            return Err(Error::InvalidArgument(
+                "data loader: an iterable data set has no indices to sample or shuffle;                  shuffle inside the data set (seed it with worker_info().seed)"
+                    .into(),
+            ));
+        }
+        Ok(IterableDataLoader::new(
+            self.dataset,
+            self.collate,
+            self.options,
+        ))
+    }
+}
+
 impl Options {
+    fn check(&self) -> Result<()> {
+        if self.batch_size == 0 {
+            return Err(Error::InvalidArgument(
+                "data loader: batch_size must be at least 1".into(),
+            ));
+        }
+        if self.prefetch_factor == 0 {
+            return Err(Error::InvalidArgument(
+                "data loader: prefetch_factor must be at least 1 (it is the number of \
+                 batches each worker may have in flight)"
+                    .into(),
+            ));
+        }
+        Ok(())
+    }
+
     /// The hook as it travels.
     pub(crate) fn init_fn(&self) -> Option<InitFn> {
         self.worker_init.map(InitFn)

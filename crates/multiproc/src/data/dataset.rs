@@ -54,6 +54,38 @@ pub trait Dataset {
     fn get(&self, index: usize) -> Result<Self::Item>;
 }
 
+/// A stream of samples (torch's `IterableDataset`): each worker iterates its own
+/// [`iter`](Self::iter), so a data set read from a stream, a socket or a sharded file
+/// set splits the work itself, by [`worker_info`] (the worker's id and the number of
+/// workers), as in torch. Without workers, `worker_info()` is `None`: iterate all.
+///
+/// ```
+/// use multiproc::data::{IterableDataset, worker_info};
+///
+/// #[derive(Clone, serde::Serialize, serde::Deserialize)]
+/// struct Range(usize);
+///
+/// impl IterableDataset for Range {
+///     type Item = i64;
+///     type Iter = Box<dyn Iterator<Item = multiproc::Result<i64>>>;
+///     fn iter(&self, _epoch: u64) -> Self::Iter {
+///         // Worker k of n takes k, k + n, k + 2n, …
+///         let (k, n) = worker_info().map_or((0, 1), |w| (w.id, w.num_workers));
+///         Box::new((k..self.0).step_by(n).map(|i| Ok(i as i64)))
+///     }
+/// }
+/// ```
+pub trait IterableDataset {
+    /// One sample.
+    type Item;
+    /// The iterator of one worker's samples for one epoch.
+    type Iter: Iterator<Item = Result<Self::Item>>;
+
+    /// This worker's samples for epoch `epoch` (an `Err` item is reported with the
+    /// worker and ends the epoch).
+    fn iter(&self, epoch: u64) -> Self::Iter;
+}
+
 /// Where the current code runs, inside a loader worker: torch's `get_worker_info()`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct WorkerInfo {

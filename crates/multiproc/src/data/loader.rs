@@ -228,6 +228,8 @@ where
         generation,
         num_workers: options.num_workers,
         seed: options.seed,
+        batch_size: options.batch_size,
+        drop_last: options.drop_last,
         init: options.init_fn(),
     };
     let mut process = Process::new(run_worker::<D, C>, id, args)
@@ -525,6 +527,11 @@ where
                 Ok(None) => {
                     let e = self.timeout_error();
                     return self.fail(e);
+                }
+                Ok(Some(Arrival::Exhausted { .. })) => {
+                    return self.fail(Error::InvalidMessage(
+                        "data loader: a map-style worker reported an exhausted iterator".into(),
+                    ));
                 }
                 Ok(Some(Arrival::Loaded { batch, data })) => {
                     if self.loader.options.in_order {

@@ -1,6 +1,7 @@
 //! Multi-process data loading: torch's `DataLoader` as a library type.
 //!
-//! - `dataset` — the [`Dataset`] trait and [`WorkerInfo`] / [`worker_info`].
+//! - `dataset` — the [`Dataset`] (map-style) and [`IterableDataset`] traits, and
+//!   [`WorkerInfo`] / [`worker_info`].
 //! - `from_fn` — [`FromFn`], a data set built in each worker instead of sent (and the
 //!   `worker_init` hook as it travels; the one unsafe corner of this module).
 //! - `sampler` — [`Sampler`] and the sequential, random, weighted and distributed ones.
@@ -8,6 +9,7 @@
 //!   tensors made directly in shared memory.
 //! - `builder` — [`DataLoaderBuilder`], torch's keyword arguments.
 //! - `loader` — [`DataLoader`] and its per-epoch iterator [`Epoch`].
+//! - `iterable_loader` — [`IterableDataLoader`] and [`IterableEpoch`], for streams.
 //! - `worker` — the worker process: its messages and its body.
 //! - `worker_set` — the loader's side of its workers: dispatch, replies, deaths,
 //!   restarts, stopping.
@@ -55,6 +57,7 @@ mod dataset;
 mod from_fn;
 #[cfg(feature = "image")]
 mod image_folder;
+mod iterable_loader;
 mod loader;
 #[cfg(feature = "progress")]
 mod progress;
@@ -64,10 +67,11 @@ mod worker_set;
 
 pub use builder::DataLoaderBuilder;
 pub use collate::{Collate, DefaultCollate, Stack};
-pub use dataset::{Dataset, WorkerInfo, worker_info};
+pub use dataset::{Dataset, IterableDataset, WorkerInfo, worker_info};
 pub use from_fn::FromFn;
 #[cfg(feature = "image")]
 pub use image_folder::ImageFolder;
+pub use iterable_loader::{IterableDataLoader, IterableEpoch};
 pub use loader::{DataLoader, Epoch};
 pub use sampler::{
     DistributedSampler, RandomSampler, Sampler, SequentialSampler, WeightedRandomSampler,

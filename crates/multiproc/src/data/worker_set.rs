@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use super::worker::{Reply, Task};
+use super::worker::{Outcome, Reply, Task};
 use crate::process::Process;
 use crate::queue::{Connection, SimpleQueue, pipe};
 use crate::{Error, Result};
@@ -46,6 +46,8 @@ pub(crate) struct Sent {
 pub(crate) enum Arrival<B> {
     /// A batch of the current epoch.
     Loaded { batch: usize, data: B },
+    /// Task `batch` found the worker's iterable data set exhausted for this epoch.
+    Exhausted { worker: usize, batch: usize },
     /// A task of the current epoch failed: the worker returned `Err`, panicked or died.
     Failed {
         worker: usize,
@@ -106,6 +108,25 @@ impl<B: Serialize + DeserializeOwned> WorkerSet<B> {
     /// Tasks sent and not answered, over all workers (stale epochs included).
     pub(crate) fn in_flight(&self) -> usize {
         self.slots.iter().map(|s| s.outstanding.len()).sum()
+    }
+
+    /// Tasks of `epoch` sent and not answered.
+    pub(crate) fn in_flight_of(&self, epoch: u64) -> usize {
+        self.slots
+            .iter()
+            .flat_map(|s| &s.outstanding)
+            .filter(|o| o.task.epoch == epoch)
+            .count()
+    }
+
+    /// Worker `id`'s outstanding tasks.
+    pub(crate) fn outstanding_of(&self, id: usize) -> usize {
+        self.slots.get(id).map_or(0, |s| s.outstanding.len())
+    }
+
+    /// The number of workers.
+    pub(crate) fn len(&self) -> usize {
+        self.slots.len()
     }
 
     /// The worker with the fewest outstanding tasks, if it has fewer than `limit`.
@@ -202,11 +223,15 @@ impl<B: Serialize + DeserializeOwned> WorkerSet<B> {
             return;
         }
         self.arrived.push_back(match reply.outcome {
-            Ok(data) => Arrival::Loaded {
+            Outcome::Batch(data) => Arrival::Loaded {
                 batch: reply.batch,
                 data,
             },
-            Err(what) => Arrival::Failed {
+            Outcome::Exhausted => Arrival::Exhausted {
+                worker: reply.worker,
+                batch: reply.batch,
+            },
+            Outcome::Failed(what) => Arrival::Failed {
                 worker: reply.worker,
                 pid: slot.pid,
                 sent,
