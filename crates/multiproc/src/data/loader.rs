@@ -435,7 +435,9 @@ where
             indices,
             message,
         };
-        if !self.loader.options.restart_workers || sent.retried {
+        // No restart once the epoch is ending on an earlier failure: it would only
+        // load batches nobody will take.
+        if !self.loader.options.restart_workers || sent.retried || self.failed.is_some() {
             return Some(error);
         }
         tracing::warn!("multiproc: {error}; restarting the worker and retrying the batch");

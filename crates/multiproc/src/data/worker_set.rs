@@ -70,6 +70,7 @@ pub(crate) struct WorkerSet<B> {
     slots: Vec<Slot>,
     results: SimpleQueue<Reply<B>>,
     arrived: VecDeque<Arrival<B>>,
+    last_death_check: Instant,
 }
 
 impl<B: Serialize + DeserializeOwned> WorkerSet<B> {
@@ -79,6 +80,7 @@ impl<B: Serialize + DeserializeOwned> WorkerSet<B> {
             slots: Vec::with_capacity(n),
             results: SimpleQueue::new()?,
             arrived: VecDeque::new(),
+            last_death_check: Instant::now(),
         };
         for id in 0..n {
             let slot = set.start_slot(id, 0, launch)?;
@@ -194,8 +196,12 @@ impl<B: Serialize + DeserializeOwned> WorkerSet<B> {
             };
             if let Some(reply) = recv_within(&self.results, slice)? {
                 self.accept(reply, epoch);
-                continue;
+                // A steady stream of replies from the others must not hide a death.
+                if self.last_death_check.elapsed() < DEATH_CHECK_INTERVAL {
+                    continue;
+                }
             }
+            self.last_death_check = Instant::now();
             self.check_deaths(epoch)?;
         }
     }
