@@ -300,12 +300,8 @@ where
                         return Some(Ok(batch));
                     }
                 }
-                if self
-                    .failed
-                    .as_ref()
-                    .is_some_and(|(b, _)| *b == self.next_yield)
-                {
-                    let (_, e) = self.failed.take().expect("checked just above");
+                let next = self.next_yield;
+                if let Some((_, e)) = self.failed.take_if(|(b, _)| *b == next) {
                     return self.fail(e);
                 }
             }

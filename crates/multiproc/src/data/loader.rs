@@ -262,6 +262,17 @@ fn batch_plan(indices: Vec<usize>, batch_size: usize, drop_last: bool) -> Vec<Ve
         .collect()
 }
 
+/// An error when the sampler gave an index outside the data set's `len` samples.
+fn check_in_range(indices: &[usize], len: usize) -> Result<()> {
+    match indices.iter().find(|&&i| i >= len) {
+        None => Ok(()),
+        Some(i) => Err(Error::InvalidArgument(format!(
+            "data loader: the sampler gave index {i}, but the data set has {len} samples \
+             (0..{len}): the sampler's length or indices do not match the data set"
+        ))),
+    }
+}
+
 /// A batch's sample indices for a message (the first 16, then how many more).
 fn show_indices(indices: &[usize]) -> String {
     const SHOWN: usize = 16;
@@ -335,7 +346,7 @@ where
         let batch = self.next_yield;
         self.next_yield += 1;
         let indices = &self.plan[batch];
-        if let Some(e) = self.out_of_range(indices) {
+        if let Err(e) = check_in_range(indices, self.loader.dataset.len()) {
             return self.fail(e);
         }
         match load_batch(&self.loader.dataset, &self.loader.collate, indices) {
@@ -357,16 +368,6 @@ where
         }
     }
 
-    fn out_of_range(&self, indices: &[usize]) -> Option<Error> {
-        let len = self.loader.dataset.len();
-        indices.iter().find(|&&i| i >= len).map(|&i| {
-            Error::InvalidArgument(format!(
-                "data loader: the sampler gave index {i}, but the data set has {len} samples \
-                 (0..{len}): the sampler's length or indices do not match the data set"
-            ))
-        })
-    }
-
     /// Sends batches to workers while the in-flight bound allows.
     fn fill(&mut self) -> Result<()> {
         let o = &self.loader.options;
@@ -379,10 +380,11 @@ where
             })?;
             self.loader.workers = Some(set);
         }
+        let len = self.loader.dataset.len();
+        let Some(set) = self.loader.workers.as_mut() else {
+            return Ok(());
+        };
         while self.next_send < self.plan.len() && self.failed.is_none() {
-            let Some(set) = self.loader.workers.as_mut() else {
-                break;
-            };
             if set.in_flight() + self.ready.len() >= window {
                 break;
             }
@@ -390,26 +392,14 @@ where
                 break;
             };
             let batch = self.next_send;
-            if let Some(e) = self.out_of_range(&self.plan[batch]) {
-                return Err(e);
-            }
+            check_in_range(&self.plan[batch], len)?;
             let task = Task {
                 epoch: self.epoch,
                 batch,
                 indices: self.plan[batch].clone(),
             };
-            let set = self
-                .loader
-                .workers
-                .as_mut()
-                .expect("workers were started above");
-            set.send(
-                id,
-                Sent {
-                    task,
-                    retried: false,
-                },
-            )?;
+            let retried = false;
+            set.send(id, Sent { task, retried })?;
             self.next_send += 1;
         }
         Ok(())
@@ -457,7 +447,23 @@ where
             task: sent.task,
             retried: true,
         };
-        set.restart(worker, retry, &launch).err()
+        let e = set.restart(worker, retry, &launch).err()?;
+        Some(match error {
+            Error::LoaderFailed {
+                worker,
+                pid,
+                batch,
+                indices,
+                message,
+            } => Error::LoaderFailed {
+                worker,
+                pid,
+                batch,
+                indices,
+                message: format!("{message}; restarting the worker failed: {e}"),
+            },
+            other => other,
+        })
     }
 
     fn timeout_error(&self) -> Error {
@@ -509,12 +515,8 @@ where
                     self.next_yield += 1;
                     return self.yield_batch(batch, data);
                 }
-                if self
-                    .failed
-                    .as_ref()
-                    .is_some_and(|(b, _)| *b == self.next_yield)
-                {
-                    let (_, e) = self.failed.take().expect("checked just above");
+                let next = self.next_yield;
+                if let Some((_, e)) = self.failed.take_if(|(b, _)| *b == next) {
                     return self.fail(e);
                 }
             }
