@@ -991,3 +991,37 @@ fn a_failing_stream_is_named_with_its_worker() {
         );
     });
 }
+
+#[test]
+fn a_persistent_worker_killed_between_epochs_is_named_or_replaced() {
+    common::run(secs(60), || {
+        for restart in [false, true] {
+            let mut loader = DataLoader::builder(Samples::new(8))
+                .batch_size(2)
+                .num_workers(2)
+                .persistent_workers(true)
+                .restart_workers(restart)
+                .build()
+                .unwrap();
+            assert_eq!(labels_of_epoch(&mut loader).len(), 4);
+            let pids = loader.worker_pids();
+            // SAFETY: kill(2) on a worker's pid, which is alive (not yet reaped).
+            assert_eq!(unsafe { libc::kill(pids[0], libc::SIGKILL) }, 0);
+            let until = Instant::now() + secs(20);
+            while alive(pids[0] as u32) && Instant::now() < until {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            let epoch: Vec<_> = loader.iter().collect();
+            if restart {
+                assert_eq!(epoch.len(), 4);
+                assert!(epoch.iter().all(Result::is_ok), "{epoch:?}");
+                assert_ne!(loader.worker_pids()[0], pids[0], "worker 0 was replaced");
+                assert_eq!(loader.worker_pids()[1], pids[1]);
+            } else {
+                let err = epoch.last().unwrap().as_ref().unwrap_err().to_string();
+                let needle = format!("worker 0 (pid {}) died while idle", pids[0]);
+                assert!(err.contains(&needle) && err.contains("SIGKILL"), "{err}");
+            }
+        }
+    });
+}

@@ -381,7 +381,18 @@ where
             self.loader.workers = Some(set);
         }
         let len = self.loader.dataset.len();
-        let Some(set) = self.loader.workers.as_mut() else {
+        let DataLoader {
+            dataset,
+            collate,
+            options,
+            workers,
+            ..
+        } = &mut *self.loader;
+        let (dataset, collate, options) = (&*dataset, &*collate, &*options);
+        let launch = |id, generation, tasks, results| {
+            launch_worker(dataset, collate, options, id, generation, tasks, results)
+        };
+        let Some(set) = workers.as_mut() else {
             return Ok(());
         };
         while self.next_send < self.plan.len() && self.failed.is_none() {
@@ -391,6 +402,7 @@ where
             let Some(id) = set.least_busy(per_worker) else {
                 break;
             };
+            set.ensure_alive(id, options.restart_workers, &launch)?;
             let batch = self.next_send;
             check_in_range(&self.plan[batch], len)?;
             let task = Task {

@@ -297,6 +297,44 @@ impl<B: Serialize + DeserializeOwned> WorkerSet<B> {
         Ok(())
     }
 
+    /// Checks, before sending to it, that idle worker `id` still runs (one that died
+    /// holding tasks is found by [`wait`](Self::wait)). A dead one is replaced when
+    /// `restart` is set, and an error naming it otherwise.
+    pub(crate) fn ensure_alive(
+        &mut self,
+        id: usize,
+        restart: bool,
+        launch: Launch<'_, B>,
+    ) -> Result<()> {
+        let slot = &mut self.slots[id];
+        if !slot.outstanding.is_empty() {
+            return Ok(());
+        }
+        let Some(status) = slot.process.exit_status() else {
+            return Ok(());
+        };
+        let what = match slot.process.error() {
+            Some(e) => e.to_string(),
+            None => format!("it exited ({status})"),
+        };
+        if !restart {
+            return Err(Error::Closed(format!(
+                "data loader worker {id} (pid {}) died while idle: {what}; \
+                 restart_workers(true) replaces such a worker",
+                slot.pid
+            )));
+        }
+        tracing::warn!(
+            "multiproc: data loader worker {id} (pid {}) died while idle ({what}); restarting it",
+            slot.pid
+        );
+        let generation = slot.generation + 1;
+        let fresh = self.start_slot(id, generation, launch)?;
+        let old = std::mem::replace(&mut self.slots[id], fresh);
+        stop_slots(vec![old], Duration::ZERO);
+        Ok(())
+    }
+
     /// Replaces worker `id` with a fresh process and sends it `first` followed by the
     /// old worker's other outstanding tasks, in order.
     pub(crate) fn restart(&mut self, id: usize, first: Sent, launch: Launch<'_, B>) -> Result<()> {
