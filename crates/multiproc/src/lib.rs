@@ -76,6 +76,13 @@
 //! (futexes in shared memory); a lock whose holder died reports [`Error::OwnerDied`]
 //! instead of deadlocking.
 //!
+//! ## Data loading
+//!
+//! [`data`] is torch's `DataLoader`: a [`data::Dataset`] or [`data::IterableDataset`]
+//! loaded in batches by worker processes, which stack samples straight into batch
+//! tensors in shared memory; a worker that fails, panics or dies is named with its pid,
+//! batch and samples ([`Error::LoaderFailed`]) and can be replaced.
+//!
 //! ## Errors
 //!
 //! Everything fallible returns [`Result`]; [`Error`] says what happened, to what, and
