@@ -278,19 +278,16 @@ impl<B: Serialize + DeserializeOwned> WorkerSet<B> {
                     what,
                 });
             } else {
-                // It died on a task of an abandoned epoch: nobody waits for that one,
-                // but its other tasks are lost too; fail the first of this epoch.
-                if let Some(pos) = slot.outstanding.iter().position(|o| o.task.epoch == epoch) {
-                    if let Some(sent) = slot.outstanding.remove(pos) {
-                        self.arrived.push_back(Arrival::Failed {
-                            worker: id,
-                            pid: slot.pid,
-                            sent,
-                            what,
-                        });
-                    }
-                } else {
-                    slot.outstanding.clear();
+                // It died on a task of an abandoned epoch: those are moot. Fail its
+                // first task of this epoch, if it holds one.
+                slot.outstanding.retain(|o| o.task.epoch == epoch);
+                if let Some(sent) = slot.outstanding.pop_front() {
+                    self.arrived.push_back(Arrival::Failed {
+                        worker: id,
+                        pid: slot.pid,
+                        sent,
+                        what,
+                    });
                 }
             }
         }
