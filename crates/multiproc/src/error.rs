@@ -152,6 +152,23 @@ pub enum Error {
     /// It crosses a queue as its text.
     #[error("{0}")]
     User(#[source] UserError),
+    /// A [`DataLoader`](crate::data::DataLoader) could not load a batch: its worker
+    /// returned `Err`, panicked or died while loading it.
+    #[error("{message}")]
+    LoaderFailed {
+        /// The loader worker's id (`0..num_workers`); `None` for a batch loaded in the
+        /// calling process (`num_workers(0)`).
+        worker: Option<usize>,
+        /// The process that loaded it.
+        pid: i32,
+        /// The batch's index in the epoch (sampler order).
+        batch: usize,
+        /// The data set indices of the batch's samples.
+        indices: Vec<usize>,
+        /// What happened: "data loader worker 1 (pid 4242) failed on batch 3 (samples
+        /// [6, 7]): ..." with the panic text, the error or the signal.
+        message: String,
+    },
 }
 
 fn after_suffix(after: Option<Duration>) -> String {

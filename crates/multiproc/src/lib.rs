@@ -291,6 +291,13 @@
 //! # Ok::<(), multiproc::Error>(())
 //! ```
 //!
+//! ## Data loading
+//!
+//! [`data`] is torch's `DataLoader`: a [`data::Dataset`] or [`data::IterableDataset`]
+//! loaded in batches by worker processes, which stack samples straight into batch
+//! tensors in shared memory; a worker that fails, panics or dies is named with its pid,
+//! batch and samples ([`Error::LoaderFailed`]) and can be replaced.
+//!
 //! ## Errors and timeouts
 //!
 //! Everything fallible returns [`Result`]; [`Error`] says what happened, to what, and
@@ -396,6 +403,7 @@ linux_only! {
     #[doc(hidden)]
     #[path = "fuzzing.rs"]
     pub mod __fuzz;
+    pub mod data;
     mod error;
     mod manager;
     #[allow(unsafe_code)]

@@ -1,0 +1,260 @@
+//! [`DataLoaderBuilder`]: torch's `DataLoader(...)` keyword arguments, as a builder.
+
+use std::time::Duration;
+
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use super::collate::{Collate, DefaultCollate};
+use super::dataset::{Dataset, IterableDataset};
+use super::from_fn::InitFn;
+use super::iterable_loader::IterableDataLoader;
+use super::loader::DataLoader;
+use super::sampler::{RandomSampler, Sampler, SequentialSampler};
+use crate::process::StartMethod;
+use crate::{Error, Result};
+
+/// The loader's settings, as the builder leaves them.
+#[derive(Clone, Debug)]
+pub(crate) struct Options {
+    pub batch_size: usize,
+    pub drop_last: bool,
+    pub num_workers: usize,
+    pub prefetch_factor: usize,
+    pub persistent_workers: bool,
+    pub timeout: Option<Duration>,
+    pub in_order: bool,
+    pub restart_workers: bool,
+    pub start_method: StartMethod,
+    pub seed: u64,
+    pub worker_init: Option<fn(usize)>,
+    #[cfg(feature = "progress")]
+    pub progress: bool,
+}
+
+/// How to order the samples, as chosen on the builder.
+enum Order {
+    Sequential,
+    Shuffle(u64),
+    Custom(Box<dyn Sampler>),
+}
+
+/// Builds a [`DataLoader`]; made by [`DataLoader::builder`].
+///
+/// Defaults (torch's): batch size 1, sequential order, no `drop_last`, 0 workers
+/// (loading in this process), prefetch factor 2, workers stopped at the end of each
+/// epoch, no timeout, batches in sampler order, [`StartMethod::Spawn`].
+pub struct DataLoaderBuilder<D, C = DefaultCollate> {
+    dataset: D,
+    collate: C,
+    order: Order,
+    options: Options,
+}
+
+impl<D> DataLoaderBuilder<D, DefaultCollate> {
+    /// A builder for a loader of `dataset` with the defaults; the same as
+    /// [`DataLoader::builder`], which is for samples the default collate can stack.
+    pub fn new(dataset: D) -> Self {
+        DataLoaderBuilder {
+            dataset,
+            collate: DefaultCollate,
+            order: Order::Sequential,
+            options: Options {
+                batch_size: 1,
+                drop_last: false,
+                num_workers: 0,
+                prefetch_factor: 2,
+                persistent_workers: false,
+                timeout: None,
+                in_order: true,
+                restart_workers: false,
+                start_method: StartMethod::Spawn,
+                seed: 0x6d75_6c74_6970_726f,
+                worker_init: None,
+                #[cfg(feature = "progress")]
+                progress: false,
+            },
+        }
+    }
+}
+
+impl<D, C> DataLoaderBuilder<D, C> {
+    /// Samples per batch (default 1).
+    pub fn batch_size(mut self, batch_size: usize) -> Self {
+        self.options.batch_size = batch_size;
+        self
+    }
+
+    /// Shuffle every epoch: the order is a function of `seed` and the epoch number, so
+    /// a run repeats and epochs differ (torch's `shuffle=True` with a seeded generator).
+    pub fn shuffle(mut self, seed: u64) -> Self {
+        self.order = Order::Shuffle(seed);
+        self
+    }
+
+    /// Which indices to load, in which order (replaces [`shuffle`](Self::shuffle)).
+    pub fn sampler(mut self, sampler: impl Sampler + 'static) -> Self {
+        self.order = Order::Custom(Box::new(sampler));
+        self
+    }
+
+    /// Drop the last batch when it is short (default: keep it).
+    pub fn drop_last(mut self, drop_last: bool) -> Self {
+        self.options.drop_last = drop_last;
+        self
+    }
+
+    /// Worker processes (default 0: load in this process, like torch).
+    pub fn num_workers(mut self, num_workers: usize) -> Self {
+        self.options.num_workers = num_workers;
+        self
+    }
+
+    /// Batches each worker may have in flight (default 2): at most
+    /// `num_workers × prefetch_factor` batches are loading or waiting to be taken.
+    pub fn prefetch_factor(mut self, prefetch_factor: usize) -> Self {
+        self.options.prefetch_factor = prefetch_factor;
+        self
+    }
+
+    /// Keep the workers between epochs (default: stop them at the end of each epoch).
+    pub fn persistent_workers(mut self, persistent: bool) -> Self {
+        self.options.persistent_workers = persistent;
+        self
+    }
+
+    /// A function each worker runs with its id when it starts (torch's
+    /// `worker_init_fn`); [`worker_info`](super::worker_info) works there.
+    pub fn worker_init(mut self, init: fn(usize)) -> Self {
+        self.options.worker_init = Some(init);
+        self
+    }
+
+    /// The base of the workers' seeds ([`WorkerInfo::seed`](super::WorkerInfo) is this
+    /// plus the worker id).
+    pub fn seed(mut self, seed: u64) -> Self {
+        self.options.seed = seed;
+        self
+    }
+
+    /// The longest wait for one batch; past it, the iteration yields
+    /// [`Error::Timeout`] naming the worker that holds the batch (default: no limit).
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.options.timeout = Some(timeout);
+        self
+    }
+
+    /// `true` (default): batches come in sampler order. `false`: as they finish, so a
+    /// slow batch does not hold up the others.
+    pub fn in_order(mut self, in_order: bool) -> Self {
+        self.options.in_order = in_order;
+        self
+    }
+
+    /// On a worker failure (an `Err`, a panic, a death), restart that worker and retry
+    /// the batch once instead of stopping (default: stop with the error).
+    pub fn restart_workers(mut self, restart: bool) -> Self {
+        self.options.restart_workers = restart;
+        self
+    }
+
+    /// How workers are started (default [`StartMethod::Spawn`]).
+    pub fn start_method(mut self, method: StartMethod) -> Self {
+        self.options.start_method = method;
+        self
+    }
+
+    /// Show a progress bar on stderr with batches/s and samples/s (feature `progress`).
+    #[cfg(feature = "progress")]
+    pub fn progress(mut self, show: bool) -> Self {
+        self.options.progress = show;
+        self
+    }
+
+    /// Collate with `collate` instead of [`DefaultCollate`].
+    pub fn collate<C2>(self, collate: C2) -> DataLoaderBuilder<D, C2> {
+        DataLoaderBuilder {
+            dataset: self.dataset,
+            collate,
+            order: self.order,
+            options: self.options,
+        }
+    }
+}
+
+impl<D, C> DataLoaderBuilder<D, C>
+where
+    D: Dataset + Serialize + DeserializeOwned + Clone + 'static,
+    C: Collate<D::Item> + 'static,
+{
+    /// The loader.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a batch size or prefetch factor of 0, or a
+    /// sampler that would visit an index outside the data set.
+    pub fn build(self) -> Result<DataLoader<D, C>> {
+        self.options.check()?;
+        let len = self.dataset.len();
+        let sampler: Box<dyn Sampler> = match self.order {
+            Order::Sequential => Box::new(SequentialSampler::new(len)),
+            Order::Shuffle(seed) => Box::new(RandomSampler::new(len, seed)),
+            Order::Custom(s) => s,
+        };
+        Ok(DataLoader::new(
+            self.dataset,
+            self.collate,
+            sampler,
+            self.options,
+        ))
+    }
+}
+
+impl<D, C> DataLoaderBuilder<D, C>
+where
+    D: IterableDataset + Serialize + DeserializeOwned + Clone + 'static,
+    C: Collate<D::Item> + 'static,
+{
+    /// A loader of an iterable data set: each worker batches its own stream.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a batch size or prefetch factor of 0, or when a
+    /// sampler or shuffle was set (a stream has no indices: shuffle inside the data
+    /// set, seeded by [`WorkerInfo::seed`](super::WorkerInfo)).
+    pub fn build_iterable(self) -> Result<IterableDataLoader<D, C>> {
+        self.options.check()?;
+        if !matches!(self.order, Order::Sequential) {
+            return Err(Error::InvalidArgument(
+                "data loader: an iterable data set has no indices to sample or shuffle;                  shuffle inside the data set (seed it with worker_info().seed)"
+                    .into(),
+            ));
+        }
+        Ok(IterableDataLoader::new(
+            self.dataset,
+            self.collate,
+            self.options,
+        ))
+    }
+}
+
+impl Options {
+    fn check(&self) -> Result<()> {
+        if self.batch_size == 0 {
+            return Err(Error::InvalidArgument(
+                "data loader: batch_size must be at least 1".into(),
+            ));
+        }
+        if self.prefetch_factor == 0 {
+            return Err(Error::InvalidArgument(
+                "data loader: prefetch_factor must be at least 1 (it is the number of \
+                 batches each worker may have in flight)"
+                    .into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The hook as it travels.
+    pub(crate) fn init_fn(&self) -> Option<InitFn> {
+        self.worker_init.map(InitFn)
+    }
+}

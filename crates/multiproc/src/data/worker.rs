@@ -1,0 +1,212 @@
+//! The loader worker: the messages between a worker process and its loader, and the
+//! worker's body.
+//!
+//! Protocol: each worker has its own pipe on which the loader sends [`Task`]s (the
+//! indices of one batch), and all workers put a [`Reply`] per task on one shared
+//! queue, in the order their tasks came. A worker never stops on a failed batch (the
+//! reply carries the error); it ends when its task pipe closes. A worker that panics
+//! or is killed sends nothing more: the loader sees its process exit and blames the
+//! first task it held. Replies carry the worker's generation, so a reply from a worker
+//! that was replaced is recognised and dropped.
+
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+
+use super::collate::Collate;
+use super::dataset::{Dataset, IterableDataset, WorkerInfo, set_worker_info};
+use crate::Result;
+use crate::queue::{Connection, SimpleQueue};
+
+/// One batch to load.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub(crate) struct Task {
+    pub epoch: u64,
+    pub batch: usize,
+    pub indices: Vec<usize>,
+}
+
+/// What a worker says about one task.
+#[derive(Serialize, Deserialize)]
+pub(crate) struct Reply<B> {
+    pub worker: usize,
+    pub generation: u64,
+    pub epoch: u64,
+    pub batch: usize,
+    pub outcome: Outcome<B>,
+}
+
+/// How a task ended.
+#[derive(Serialize, Deserialize)]
+pub(crate) enum Outcome<B> {
+    /// The batch.
+    Batch(B),
+    /// An iterable data set's worker has no sample left this epoch.
+    Exhausted,
+    /// The text of the error that loading or collating returned.
+    Failed(String),
+}
+
+impl<B> From<Result<B>> for Outcome<B> {
+    fn from(r: Result<B>) -> Self {
+        match r {
+            Ok(b) => Outcome::Batch(b),
+            Err(e) => Outcome::Failed(e.to_string()),
+        }
+    }
+}
+
+/// Everything a worker process gets when it starts.
+#[derive(Serialize, Deserialize)]
+#[serde(
+    bound = "D: Serialize + DeserializeOwned, C: Serialize + DeserializeOwned, B: Serialize + DeserializeOwned"
+)]
+pub(crate) struct WorkerArgs<D, C, B> {
+    pub dataset: D,
+    pub collate: C,
+    pub tasks: Connection<Task>,
+    pub results: SimpleQueue<Reply<B>>,
+    pub generation: u64,
+    pub num_workers: usize,
+    pub seed: u64,
+    /// Samples per batch (used by iterable data sets; a map-style task lists them).
+    pub batch_size: usize,
+    pub drop_last: bool,
+    /// The user's `worker_init`, already resolved by the caller of this worker.
+    pub init: Option<super::from_fn::InitFn>,
+}
+
+/// Loads the samples `indices` and collates them: the work of one batch, in a worker
+/// or in the loader's own process.
+pub(crate) fn load_batch<D, C>(dataset: &D, collate: &C, indices: &[usize]) -> Result<C::Batch>
+where
+    D: Dataset,
+    C: Collate<D::Item>,
+{
+    let items = indices
+        .iter()
+        .map(|&i| dataset.get(i))
+        .collect::<Result<Vec<_>>>()?;
+    collate.collate(items)
+}
+
+/// The body of every loader worker process (worker id = rank).
+pub(crate) fn run_worker<D, C>(
+    id: usize,
+    args: WorkerArgs<D, C, C::Batch>,
+) -> std::result::Result<(), String>
+where
+    D: Dataset + Serialize + DeserializeOwned,
+    C: Collate<D::Item>,
+{
+    set_worker_info(WorkerInfo {
+        id,
+        num_workers: args.num_workers,
+        seed: args.seed.wrapping_add(id as u64),
+    });
+    if let Some(init) = &args.init {
+        init.call(id)?;
+    }
+    loop {
+        let task = match args.tasks.recv() {
+            Ok(task) => task,
+            // The loader closed our pipe (end of epoch, or dropped): done.
+            Err(crate::Error::Closed(_)) => return Ok(()),
+            Err(e) => return Err(format!("cannot read its next task: {e}")),
+        };
+        let outcome = load_batch(&args.dataset, &args.collate, &task.indices).into();
+        let reply = Reply {
+            worker: id,
+            generation: args.generation,
+            epoch: task.epoch,
+            batch: task.batch,
+            outcome,
+        };
+        if let Err(e) = args.results.put(reply) {
+            return Err(format!(
+                "cannot hand batch {} to the loader: {}",
+                task.batch, e.error
+            ));
+        }
+    }
+}
+
+/// The next batch of an iterable data set's iterator: `Exhausted` (and the iterator
+/// dropped) when it has no sample left, or only a short batch under `drop_last`.
+pub(crate) fn next_batch<I, T, C>(
+    iter: &mut Option<I>,
+    collate: &C,
+    batch_size: usize,
+    drop_last: bool,
+) -> Outcome<C::Batch>
+where
+    I: Iterator<Item = Result<T>>,
+    C: Collate<T>,
+{
+    let Some(it) = iter else {
+        return Outcome::Exhausted;
+    };
+    let mut items = Vec::with_capacity(batch_size);
+    while items.len() < batch_size {
+        match it.next() {
+            Some(Ok(item)) => items.push(item),
+            Some(Err(e)) => return Outcome::Failed(e.to_string()),
+            None => {
+                *iter = None;
+                break;
+            }
+        }
+    }
+    if items.is_empty() || (drop_last && items.len() < batch_size) {
+        *iter = None;
+        return Outcome::Exhausted;
+    }
+    collate.collate(items).into()
+}
+
+/// The body of every worker of an iterable data set: each task asks for the next batch
+/// of this worker's iterator for the task's epoch.
+pub(crate) fn run_iterable_worker<D, C>(
+    id: usize,
+    args: WorkerArgs<D, C, C::Batch>,
+) -> std::result::Result<(), String>
+where
+    D: IterableDataset + Serialize + DeserializeOwned,
+    C: Collate<D::Item>,
+{
+    set_worker_info(WorkerInfo {
+        id,
+        num_workers: args.num_workers,
+        seed: args.seed.wrapping_add(id as u64),
+    });
+    if let Some(init) = &args.init {
+        init.call(id)?;
+    }
+    let mut current: Option<(u64, Option<D::Iter>)> = None;
+    loop {
+        let task = match args.tasks.recv() {
+            Ok(task) => task,
+            Err(crate::Error::Closed(_)) => return Ok(()),
+            Err(e) => return Err(format!("cannot read its next task: {e}")),
+        };
+        if current.as_ref().map(|(e, _)| *e) != Some(task.epoch) {
+            current = Some((task.epoch, Some(args.dataset.iter(task.epoch))));
+        }
+        let outcome = match current.as_mut() {
+            Some((_, iter)) => next_batch(iter, &args.collate, args.batch_size, args.drop_last),
+            None => Outcome::Exhausted,
+        };
+        let reply = Reply {
+            worker: id,
+            generation: args.generation,
+            epoch: task.epoch,
+            batch: task.batch,
+            outcome,
+        };
+        if let Err(e) = args.results.put(reply) {
+            return Err(format!(
+                "cannot hand batch {} to the loader: {}",
+                task.batch, e.error
+            ));
+        }
+    }
+}

@@ -1,0 +1,413 @@
+//! The loader's side of its worker processes: starting them, sending tasks, taking in
+//! replies and noticing deaths, restarting one, stopping all.
+//!
+//! Invariants:
+//!
+//! - Each worker's outstanding tasks are kept in the order sent; its replies come in
+//!   that order, so a reply always answers the oldest outstanding task of its worker,
+//!   and a worker that dies was working on that one.
+//! - A death is attributed only after every reply already queued has been taken in
+//!   (a worker may finish a batch and then die on the next).
+//! - Stopping closes the task pipes, gives the workers [`STOP_GRACE`] to leave, then
+//!   kills and reaps them, and takes in the batches they had put: nothing outlives the
+//!   set, not even a segment in an unread message.
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use super::worker::{Outcome, Reply, Task};
+use crate::process::Process;
+use crate::queue::{Connection, SimpleQueue, pipe};
+use crate::{Error, Result};
+
+/// How long stopped workers get to exit on their own before they are killed.
+pub(crate) const STOP_GRACE: Duration = Duration::from_millis(50);
+
+/// How often a wait for replies also checks whether a worker has died.
+const DEATH_CHECK_INTERVAL: Duration = Duration::from_millis(10);
+
+/// Starts worker `id` (generation `generation`) reading tasks from the given pipe end
+/// and putting replies on the given queue.
+pub(crate) type Launch<'a, B> =
+    &'a dyn Fn(usize, u64, Connection<Task>, SimpleQueue<Reply<B>>) -> Result<Process>;
+
+/// A task sent and not yet answered.
+#[derive(Clone, Debug)]
+pub(crate) struct Sent {
+    pub task: Task,
+    /// Whether this is the one retry after a failure.
+    pub retried: bool,
+}
+
+/// What a wait produced.
+pub(crate) enum Arrival<B> {
+    /// A batch of the current epoch.
+    Loaded { batch: usize, data: B },
+    /// Task `batch` found the worker's iterable data set exhausted for this epoch.
+    Exhausted { worker: usize, batch: usize },
+    /// A task of the current epoch failed: the worker returned `Err`, panicked or died.
+    Failed {
+        worker: usize,
+        pid: i32,
+        sent: Sent,
+        what: String,
+    },
+}
+
+struct Slot {
+    process: Process,
+    pid: i32,
+    tasks: Connection<Task>,
+    generation: u64,
+    outstanding: VecDeque<Sent>,
+}
+
+/// The running workers of one loader.
+pub(crate) struct WorkerSet<B> {
+    slots: Vec<Slot>,
+    results: SimpleQueue<Reply<B>>,
+    arrived: VecDeque<Arrival<B>>,
+    last_death_check: Instant,
+}
+
+impl<B: Serialize + DeserializeOwned> WorkerSet<B> {
+    /// Starts `n` workers.
+    pub(crate) fn start(n: usize, launch: Launch<'_, B>) -> Result<Self> {
+        let mut set = WorkerSet {
+            slots: Vec::with_capacity(n),
+            results: SimpleQueue::new()?,
+            arrived: VecDeque::new(),
+            last_death_check: Instant::now(),
+        };
+        for id in 0..n {
+            let slot = set.start_slot(id, 0, launch)?;
+            set.slots.push(slot);
+        }
+        Ok(set)
+    }
+
+    fn start_slot(&self, id: usize, generation: u64, launch: Launch<'_, B>) -> Result<Slot> {
+        let (ours, theirs) = pipe::<Task>()?;
+        let process = launch(id, generation, theirs, self.results.clone())?;
+        let pid = process.pid().unwrap_or(-1);
+        Ok(Slot {
+            process,
+            pid,
+            tasks: ours,
+            generation,
+            outstanding: VecDeque::new(),
+        })
+    }
+
+    /// The workers' pids, by id.
+    pub(crate) fn pids(&self) -> Vec<i32> {
+        self.slots.iter().map(|s| s.pid).collect()
+    }
+
+    /// Tasks sent and not answered, over all workers (stale epochs included).
+    pub(crate) fn in_flight(&self) -> usize {
+        self.slots.iter().map(|s| s.outstanding.len()).sum()
+    }
+
+    /// Tasks of `epoch` sent and not answered.
+    pub(crate) fn in_flight_of(&self, epoch: u64) -> usize {
+        self.slots
+            .iter()
+            .flat_map(|s| &s.outstanding)
+            .filter(|o| o.task.epoch == epoch)
+            .count()
+    }
+
+    /// Worker `id`'s outstanding tasks.
+    pub(crate) fn outstanding_of(&self, id: usize) -> usize {
+        self.slots.get(id).map_or(0, |s| s.outstanding.len())
+    }
+
+    /// The number of workers.
+    pub(crate) fn len(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// The worker with the fewest outstanding tasks, if it has fewer than `limit`.
+    pub(crate) fn least_busy(&self, limit: usize) -> Option<usize> {
+        let (id, slot) = self
+            .slots
+            .iter()
+            .enumerate()
+            .min_by_key(|(_, s)| s.outstanding.len())?;
+        (slot.outstanding.len() < limit).then_some(id)
+    }
+
+    /// The worker that holds task `batch` of `epoch`, with its pid.
+    pub(crate) fn holder(&self, epoch: u64, batch: usize) -> Option<(usize, i32)> {
+        self.slots.iter().enumerate().find_map(|(id, s)| {
+            s.outstanding
+                .iter()
+                .any(|o| o.task.epoch == epoch && o.task.batch == batch)
+                .then_some((id, s.pid))
+        })
+    }
+
+    /// The oldest outstanding task of `epoch` on any worker, with the worker and pid.
+    pub(crate) fn oldest(&self, epoch: u64) -> Option<(usize, i32, &Sent)> {
+        self.slots
+            .iter()
+            .enumerate()
+            .filter_map(|(id, s)| {
+                s.outstanding
+                    .iter()
+                    .find(|o| o.task.epoch == epoch)
+                    .map(|o| (id, s.pid, o))
+            })
+            .min_by_key(|(_, _, o)| o.task.batch)
+    }
+
+    /// Sends a task to worker `id`.
+    pub(crate) fn send(&mut self, id: usize, sent: Sent) -> Result<()> {
+        let slot = &mut self.slots[id];
+        slot.tasks.send(sent.task.clone()).map_err(|e| {
+            Error::Closed(format!(
+                "cannot send batch {} to data loader worker {id} (pid {}): {}",
+                sent.task.batch, slot.pid, e.error
+            ))
+        })?;
+        slot.outstanding.push_back(sent);
+        Ok(())
+    }
+
+    /// Waits until something about `epoch` happens or `deadline` passes (`Ok(None)`).
+    pub(crate) fn wait(
+        &mut self,
+        epoch: u64,
+        deadline: Option<Instant>,
+    ) -> Result<Option<Arrival<B>>> {
+        loop {
+            if let Some(a) = self.arrived.pop_front() {
+                return Ok(Some(a));
+            }
+            let now = Instant::now();
+            let slice = match deadline {
+                Some(d) if d <= now => return Ok(None),
+                Some(d) => (d - now).min(DEATH_CHECK_INTERVAL),
+                None => DEATH_CHECK_INTERVAL,
+            };
+            if let Some(reply) = recv_within(&self.results, slice)? {
+                self.accept(reply, epoch);
+                // A steady stream of replies from the others must not hide a death.
+                if self.last_death_check.elapsed() < DEATH_CHECK_INTERVAL {
+                    continue;
+                }
+            }
+            self.last_death_check = Instant::now();
+            self.check_deaths(epoch)?;
+        }
+    }
+
+    /// Takes in one reply: an arrival if it answers a task of `epoch`, nothing if it is
+    /// stale (an older epoch, or a replaced worker).
+    fn accept(&mut self, reply: Reply<B>, epoch: u64) {
+        let Some(slot) = self.slots.get_mut(reply.worker) else {
+            return;
+        };
+        if reply.generation != slot.generation {
+            return;
+        }
+        let Some(pos) = slot
+            .outstanding
+            .iter()
+            .position(|o| o.task.epoch == reply.epoch && o.task.batch == reply.batch)
+        else {
+            return;
+        };
+        let Some(sent) = slot.outstanding.remove(pos) else {
+            return;
+        };
+        if sent.task.epoch != epoch {
+            return;
+        }
+        self.arrived.push_back(match reply.outcome {
+            Outcome::Batch(data) => Arrival::Loaded {
+                batch: reply.batch,
+                data,
+            },
+            Outcome::Exhausted => Arrival::Exhausted {
+                worker: reply.worker,
+                batch: reply.batch,
+            },
+            Outcome::Failed(what) => Arrival::Failed {
+                worker: reply.worker,
+                pid: slot.pid,
+                sent,
+                what: format!("it returned an error: {what}"),
+            },
+        });
+    }
+
+    /// Notices workers that exited while holding tasks; each becomes a failure of the
+    /// task it was working on (after the replies it sent before dying are taken in).
+    fn check_deaths(&mut self, epoch: u64) -> Result<()> {
+        for id in 0..self.slots.len() {
+            let slot = &mut self.slots[id];
+            if slot.outstanding.is_empty() {
+                continue;
+            }
+            let Some(status) = slot.process.exit_status() else {
+                continue;
+            };
+            // Take in whatever it (and the others) put before it died.
+            while let Some(reply) = recv_within(&self.results, Duration::ZERO)? {
+                self.accept(reply, epoch);
+            }
+            let slot = &mut self.slots[id];
+            let Some(sent) = slot.outstanding.pop_front() else {
+                continue;
+            };
+            let what = match slot.process.error() {
+                Some(e) => e.to_string(),
+                None => format!("it exited ({status}) while loading"),
+            };
+            // Its other tasks stay outstanding until the caller restarts or stops it.
+            if sent.task.epoch == epoch {
+                self.arrived.push_back(Arrival::Failed {
+                    worker: id,
+                    pid: slot.pid,
+                    sent,
+                    what,
+                });
+            } else {
+                // It died on a task of an abandoned epoch: those are moot. Fail its
+                // first task of this epoch, if it holds one.
+                slot.outstanding.retain(|o| o.task.epoch == epoch);
+                if let Some(sent) = slot.outstanding.pop_front() {
+                    self.arrived.push_back(Arrival::Failed {
+                        worker: id,
+                        pid: slot.pid,
+                        sent,
+                        what,
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks, before sending to it, that idle worker `id` still runs (one that died
+    /// holding tasks is found by [`wait`](Self::wait)). A dead one is replaced when
+    /// `restart` is set, and an error naming it otherwise.
+    pub(crate) fn ensure_alive(
+        &mut self,
+        id: usize,
+        restart: bool,
+        launch: Launch<'_, B>,
+    ) -> Result<()> {
+        let slot = &mut self.slots[id];
+        if !slot.outstanding.is_empty() {
+            return Ok(());
+        }
+        let Some(status) = slot.process.exit_status() else {
+            return Ok(());
+        };
+        let what = match slot.process.error() {
+            Some(e) => e.to_string(),
+            None => format!("it exited ({status})"),
+        };
+        if !restart {
+            return Err(Error::Closed(format!(
+                "data loader worker {id} (pid {}) died while idle: {what}; \
+                 restart_workers(true) replaces such a worker",
+                slot.pid
+            )));
+        }
+        tracing::warn!(
+            "multiproc: data loader worker {id} (pid {}) died while idle ({what}); restarting it",
+            slot.pid
+        );
+        let generation = slot.generation + 1;
+        let fresh = self.start_slot(id, generation, launch)?;
+        let old = std::mem::replace(&mut self.slots[id], fresh);
+        stop_slots(vec![old], Duration::ZERO);
+        Ok(())
+    }
+
+    /// Replaces worker `id` with a fresh process and sends it `first` followed by the
+    /// old worker's other outstanding tasks, in order.
+    pub(crate) fn restart(&mut self, id: usize, first: Sent, launch: Launch<'_, B>) -> Result<()> {
+        let generation = self.slots[id].generation + 1;
+        let fresh = self.start_slot(id, generation, launch)?;
+        let old = std::mem::replace(&mut self.slots[id], fresh);
+        let pending: Vec<Sent> = std::iter::once(first)
+            .chain(old.outstanding.iter().cloned())
+            .collect();
+        stop_slots(vec![old], Duration::ZERO);
+        for sent in pending {
+            self.send(id, sent)?;
+        }
+        Ok(())
+    }
+
+    /// Stops every worker: closes the task pipes, waits up to `grace`, kills the rest;
+    /// all are reaped when this returns.
+    pub(crate) fn stop(self, grace: Duration) {
+        stop_slots(self.slots, grace);
+        // Batches put and never taken: receive them so their segments are released now
+        // (a `file_system` segment in an unread message would otherwise stay in
+        // /dev/shm until the whole process tree has exited).
+        loop {
+            match recv_within(&self.results, Duration::ZERO) {
+                Ok(Some(_)) => {}
+                Ok(None) => break,
+                Err(e) => {
+                    tracing::warn!("multiproc: draining a stopped data loader's batches: {e}");
+                    break;
+                }
+            }
+        }
+    }
+}
+
+/// Closes the slots' pipes, gives their workers `grace` to exit, then kills and reaps
+/// the rest.
+fn stop_slots(slots: Vec<Slot>, grace: Duration) {
+    let until = Instant::now() + grace;
+    let mut processes: Vec<Process> = slots
+        .into_iter()
+        .map(|s| {
+            drop(s.tasks); // the worker's recv sees the pipe closed and returns
+            s.process
+        })
+        .collect();
+    for p in &mut processes {
+        let left = until.saturating_duration_since(Instant::now());
+        if !left.is_zero() {
+            if let Err(e) = p.join(Some(left)).map(drop).or_else(|e| {
+                if e.is_timeout() { Ok(()) } else { Err(e) }
+            }) {
+                tracing::warn!("multiproc: waiting for a data loader worker: {e}");
+            }
+        }
+        if p.is_alive() {
+            if let Err(e) = p.kill() {
+                tracing::warn!("multiproc: killing a data loader worker: {e}");
+            }
+        }
+    }
+    // Dropping a daemon `Process` kills (if need be) and reaps it.
+    drop(processes);
+}
+
+/// The loader's one timed receive: a reply if one comes within `wait`, `Ok(None)` if
+/// not. Every wait for replies goes through here, so a change of the queues' timeout
+/// convention is one edit.
+fn recv_within<B: Serialize + DeserializeOwned>(
+    results: &SimpleQueue<Reply<B>>,
+    wait: Duration,
+) -> Result<Option<Reply<B>>> {
+    match results.get_timeout(wait) {
+        Ok(reply) => Ok(Some(reply)),
+        Err(e) if e.is_timeout() => Ok(None),
+        Err(e) => Err(e),
+    }
+}
