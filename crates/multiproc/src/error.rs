@@ -98,6 +98,17 @@ pub enum Error {
     /// An argument was out of range or otherwise unusable.
     #[error("{0}")]
     InvalidArgument(String),
+    /// CUDA cannot be used here: no driver library, no device, a driver too old, or a
+    /// build without the `cuda` feature.
+    #[error("CUDA is not available: {reason}")]
+    CudaUnavailable {
+        /// Why, and what to do about it.
+        reason: String,
+    },
+    /// A CUDA driver call failed (out of device memory included: the message names the
+    /// device, the size asked and the free memory).
+    #[error("{0}")]
+    Cuda(String),
 }
 
 /// One failed worker, as carried in [`Error::ProcessRaised`] and [`Error::ProcessExited`].

@@ -91,6 +91,7 @@ pub mod __bench;
 #[doc(hidden)]
 #[path = "fuzzing.rs"]
 pub mod __fuzz;
+pub mod cuda;
 mod error;
 mod manager;
 #[allow(unsafe_code)]
@@ -105,6 +106,7 @@ mod sys;
 mod tensor;
 mod wire;
 
+pub use cuda::Device;
 pub use error::{Error, Failure, PutError, Result};
 pub use manager::run_shm_manager_from_env;
 pub use pool::{AsyncResult, Imap, Pool, PoolBuilder};

@@ -111,6 +111,7 @@ impl Child {
         } = spec;
         let rank = header.rank;
         refuse_in_uninitialized_worker()?;
+        crate::cuda::check_start_method(method)?;
         let (channel, job_end) = seqpacket_pair()?;
         let deadline = deadline_after(Some(JOB_SEND_TIMEOUT));
         wire::encode(&header)?.send(channel.as_fd(), deadline)?;

@@ -25,6 +25,7 @@
 //! `int_tensor.add_(1.5)`. `i64` values beyond 2^53 are not exact as scalars; integer
 //! arithmetic itself is exact (wrapping), and bool `add_`/`mul_` are logical or/and.
 
+mod device;
 pub(crate) mod dtype;
 mod layout;
 #[allow(unsafe_code)]
@@ -502,6 +503,9 @@ impl Tensor {
     /// converted as by [`to_dtype`](Self::to_dtype)).
     pub fn copy_(&self, src: &Tensor) -> Result<()> {
         self.check_same_shape(src, "copy_")?;
+        if self.device() != crate::Device::Cpu || src.device() != crate::Device::Cpu {
+            return self.copy_across_devices_(src);
+        }
         if let Some(snapshot) = self.snapshot_if_aliased(src)? {
             return self.copy_(&snapshot);
         }

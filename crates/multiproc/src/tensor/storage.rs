@@ -8,6 +8,10 @@
 //! access goes through `raw`'s relaxed atomics. The pointer is stable while a read guard
 //! lives: only [`Storage::share_memory_`] replaces the backing, and it holds the write
 //! lock. The byte length never changes after creation.
+//!
+//! A CUDA storage's bytes are device memory (see `crate::cuda`): its read guard says so
+//! ([`StorageRead::is_host`]), and the element kernels refuse it; only the copies in
+//! [`copy_bytes`] reach it, through the driver.
 
 use std::alloc::Layout;
 use std::collections::HashMap;
@@ -18,6 +22,7 @@ use std::sync::{Arc, Mutex, PoisonError, RwLock, RwLockReadGuard, Weak};
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
+use crate::cuda::{self, CudaHandle, CudaMemory, Device};
 use crate::shm::{self, Segment, SegmentHandle};
 use crate::{Error, Result, SharingStrategy, get_sharing_strategy, wire};
 
@@ -72,6 +77,11 @@ enum Backing {
     /// arena segments).
     Shared {
         segment: Arc<Segment>,
+        offset: usize,
+    },
+    /// Bytes in CUDA device memory, `offset` bytes into the allocation.
+    Cuda {
+        memory: Arc<CudaMemory>,
         offset: usize,
     },
 }
@@ -146,9 +156,15 @@ pub(crate) struct StorageRead<'a> {
     _guard: RwLockReadGuard<'a, Backing>,
     ptr: *mut u8,
     len: usize,
+    host: bool,
 }
 
 impl StorageRead<'_> {
+    /// Whether the pointer is host memory (not a CUDA device address).
+    pub(crate) fn is_host(&self) -> bool {
+        self.host
+    }
+
     /// The first byte (dangling but aligned when the storage is empty).
     pub(crate) fn ptr(&self) -> *mut u8 {
         self.ptr
@@ -298,6 +314,41 @@ impl Storage {
         })
     }
 
+    /// A storage of `nbytes` in CUDA memory on `device`: zeroed, or with unspecified
+    /// bytes (a recycled allocation holds what this process last stored there).
+    pub(crate) fn new_cuda(nbytes: usize, device: u32, zero: bool) -> Result<Storage> {
+        let memory = cuda::allocate(device, nbytes)?;
+        if zero && nbytes > 0 {
+            memory.zero(0, nbytes)?;
+        }
+        let key = StorageKey(Arc::as_ptr(&memory) as usize, 0, nbytes);
+        let storage = Storage::with_backing(nbytes, Backing::Cuda { memory, offset: 0 });
+        with_storage_cache(|c| c.put(key, &storage));
+        Ok(storage)
+    }
+
+    /// The storage over `nbytes` at `offset` in received CUDA memory: the one this
+    /// process already has there, or a new one.
+    fn from_cuda(memory: Arc<CudaMemory>, offset: usize, nbytes: usize) -> Storage {
+        let key = StorageKey(Arc::as_ptr(&memory) as usize, offset, nbytes);
+        with_storage_cache(|c| {
+            if let Some(inner) = c.entries.get(&key).and_then(Weak::upgrade) {
+                return Storage { inner };
+            }
+            let storage = Storage::with_backing(nbytes, Backing::Cuda { memory, offset });
+            c.put(key, &storage);
+            storage
+        })
+    }
+
+    /// Where the bytes live.
+    pub fn device(&self) -> Device {
+        match &*self.backing() {
+            Backing::Cuda { memory, .. } => Device::Cuda(memory.device()),
+            _ => Device::Cpu,
+        }
+    }
+
     /// An empty storage that reports itself shared (received from another process).
     pub(crate) fn empty_shared() -> Storage {
         Storage::with_backing(0, Backing::Empty { shared: true })
@@ -313,7 +364,7 @@ impl Storage {
     pub fn is_shared(&self) -> bool {
         matches!(
             *self.backing(),
-            Backing::Shared { .. } | Backing::Empty { shared: true }
+            Backing::Shared { .. } | Backing::Cuda { .. } | Backing::Empty { shared: true }
         )
     }
 
@@ -371,7 +422,9 @@ impl Storage {
             .write()
             .unwrap_or_else(PoisonError::into_inner);
         let slice = match &*backing {
-            Backing::Shared { .. } | Backing::Empty { shared: true } => return Ok(()),
+            Backing::Shared { .. } | Backing::Cuda { .. } | Backing::Empty { shared: true } => {
+                return Ok(());
+            }
             Backing::Empty { shared: false } => {
                 *backing = Backing::Empty { shared: true };
                 return Ok(());
@@ -423,15 +476,22 @@ impl Storage {
     /// Read-locks the backing for element access.
     pub(crate) fn read(&self) -> StorageRead<'_> {
         let guard = self.backing();
-        let ptr = match &*guard {
-            Backing::Empty { .. } => NonNull::<u64>::dangling().as_ptr().cast(),
-            Backing::Private(buf) => buf.ptr.as_ptr(),
-            Backing::Shared { segment, offset } => segment.data_ptr().wrapping_add(*offset),
+        let (ptr, host) = match &*guard {
+            Backing::Empty { .. } => (NonNull::<u64>::dangling().as_ptr().cast(), true),
+            Backing::Private(buf) => (buf.ptr.as_ptr(), true),
+            Backing::Shared { segment, offset } => (segment.data_ptr().wrapping_add(*offset), true),
+            // A device address, as torch's `data_ptr` gives for CUDA tensors: never
+            // dereferenced on the host (`is_host` is false).
+            Backing::Cuda { memory, offset } => (
+                (memory.device_ptr() as usize).wrapping_add(*offset) as *mut u8,
+                false,
+            ),
         };
         StorageRead {
             _guard: guard,
             ptr,
             len: self.inner.nbytes,
+            host,
         }
     }
 
@@ -457,6 +517,7 @@ impl fmt::Debug for Storage {
             Backing::Empty { shared } => d.field("shared", shared),
             Backing::Private(_) => d.field("shared", &false),
             Backing::Shared { segment, .. } => d.field("shared", &segment.strategy().name()),
+            Backing::Cuda { memory, .. } => d.field("device", &Device::Cuda(memory.device())),
         };
         d.finish()
     }
@@ -505,6 +566,7 @@ fn with_storage_cache<R>(f: impl FnOnce(&mut StorageCache) -> R) -> R {
 enum StorageWire {
     Empty,
     Segment(SegmentHandle),
+    Cuda(CudaHandle),
 }
 
 impl Serialize for Storage {
@@ -515,6 +577,10 @@ impl Serialize for Storage {
         use serde::ser::Error as _;
         if !wire::is_encoding() {
             return Err(S::Error::custom(wire::outside_channel("a tensor")));
+        }
+        if let Backing::Cuda { memory, offset } = &*self.backing() {
+            let handle = cuda::send(memory, *offset, self.nbytes()).map_err(S::Error::custom)?;
+            return StorageWire::Cuda(handle).serialize(s);
         }
         self.share_memory_()
             .map_err(|e| S::Error::custom(wire::fail_with(e)))?;
@@ -557,6 +623,83 @@ impl<'de> Deserialize<'de> for Storage {
                 Storage::from_segment(segment, offset, nbytes, carries_use)
                     .map_err(|e| D::Error::custom(wire::fail_with(e)))
             }
+            StorageWire::Cuda(handle) => {
+                let (memory, offset, nbytes) = cuda::receive(&handle).map_err(D::Error::custom)?;
+                Ok(Storage::from_cuda(memory, offset, nbytes))
+            }
         }
+    }
+}
+
+/// Copies `len` bytes from `src` at byte `src_offset` to `dst` at byte `dst_offset`,
+/// where at least one of them is CUDA memory (host-to-host copies are the element
+/// kernels' business).
+///
+/// # Errors
+///
+/// [`Error::Tensor`] when a range reaches past its storage or neither is CUDA memory;
+/// what the driver reports otherwise.
+pub(crate) fn copy_bytes(
+    dst: &Storage,
+    dst_offset: usize,
+    src: &Storage,
+    src_offset: usize,
+    len: usize,
+) -> Result<()> {
+    for (s, off, what) in [
+        (dst, dst_offset, "destination"),
+        (src, src_offset, "source"),
+    ] {
+        if off.checked_add(len).is_none_or(|end| end > s.nbytes()) {
+            return Err(Error::Tensor(format!(
+                "a copy of {len} bytes at offset {off} reaches past its {what} storage of {} bytes",
+                s.nbytes()
+            )));
+        }
+    }
+    if len == 0 {
+        return Ok(());
+    }
+    let (dst_read, src_read) = if dst.addr() <= src.addr() {
+        let d = dst.read();
+        (d, src.read())
+    } else {
+        let s = src.read();
+        (dst.read(), s)
+    };
+    let (dst_backing, src_backing) = (&*dst_read._guard, &*src_read._guard);
+    match (dst_backing, src_backing) {
+        (
+            Backing::Cuda {
+                memory: d,
+                offset: o,
+            },
+            Backing::Cuda {
+                memory: s,
+                offset: so,
+            },
+        ) => d.copy_from(o + dst_offset, s, so + src_offset, len),
+        (Backing::Cuda { memory, offset }, _) => {
+            // SAFETY: `src_read` holds the source's backing locked and its pointer is
+            // host memory valid for `nbytes >= src_offset + len` bytes (checked above).
+            unsafe {
+                memory.copy_from_host(offset + dst_offset, src_read.ptr().add(src_offset), len)
+            }
+        }
+        (Backing::Private(_), Backing::Cuda { memory, offset }) => {
+            // SAFETY: `dst_read` holds the destination's backing locked; it is private
+            // heap memory valid for `nbytes >= dst_offset + len` bytes (checked above),
+            // which no other process can reach; this thread's kernels hold read locks
+            // like ours, and copies into private memory only come from fresh tensors.
+            unsafe { memory.copy_to_host(dst_read.ptr().add(dst_offset), offset + src_offset, len) }
+        }
+        (_, Backing::Cuda { .. }) => Err(Error::Tensor(
+            "a copy from CUDA memory goes into a private host tensor only (copy into a fresh \
+             tensor, then share it)"
+                .into(),
+        )),
+        _ => Err(Error::Tensor(
+            "copy_bytes between two host storages (use the element kernels)".into(),
+        )),
     }
 }
