@@ -569,6 +569,18 @@ enum StorageWire {
     Cuda(CudaHandle),
 }
 
+/// A storage's wire form built from parts, for the fuzzing entry points that forge
+/// handles (`crate::__fuzz`).
+#[derive(Serialize)]
+pub(crate) struct ForgedStorageWire(StorageWire);
+
+impl ForgedStorageWire {
+    /// A CUDA storage's handle.
+    pub(crate) fn cuda(handle: CudaHandle) -> Self {
+        ForgedStorageWire(StorageWire::Cuda(handle))
+    }
+}
+
 impl Serialize for Storage {
     /// Inside a multiproc channel: moves the storage to shared memory if it is not yet
     /// (torch does the same), then writes its handle. Anywhere else: an error (a storage
