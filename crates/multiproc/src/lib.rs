@@ -76,6 +76,14 @@
 //! (futexes in shared memory); a lock whose holder died reports [`Error::OwnerDied`]
 //! instead of deadlocking.
 //!
+//! ## CUDA tensors (feature `cuda`)
+//!
+//! [`Tensor::to`]`(`[`Device::Cuda`]`(0))`, [`Tensor::zeros_on`] and friends put a
+//! tensor in GPU memory that crosses every channel by handle (a VMM allocation exported
+//! as an fd): the producer may exit after `put`, a killed consumer releases its share,
+//! and a received CUDA tensor can be sent on. See the [`cuda`] module. Without the
+//! feature the same API builds and answers [`Error::CudaUnavailable`].
+//!
 //! ## Errors
 //!
 //! Everything fallible returns [`Result`]; [`Error`] says what happened, to what, and

@@ -57,6 +57,8 @@ static INITIALISED: AtomicBool = AtomicBool::new(false);
 pub(crate) struct Driver {
     /// One primary context per visible device, retained for the process's life.
     contexts: Vec<usize>,
+    /// Each device's allocation granularity, once asked.
+    granularities: Vec<OnceLock<usize>>,
 }
 
 /// Whether this process has initialised CUDA.
@@ -121,7 +123,11 @@ fn load() -> std::result::Result<Driver, String> {
             .map_err(|e| e.to_string())?;
         contexts.push(ctx as usize);
     }
-    Ok(Driver { contexts })
+    let granularities = contexts.iter().map(|_| OnceLock::new()).collect();
+    Ok(Driver {
+        contexts,
+        granularities,
+    })
 }
 
 /// The driver's name and text for a result code.
@@ -263,20 +269,14 @@ impl Driver {
 
     /// Makes `device`'s primary context current on this thread.
     pub(crate) fn bind(&self, device: u32) -> Result<()> {
-        thread_local! {
-            static CURRENT: std::cell::Cell<Option<u32>> = const { std::cell::Cell::new(None) };
-        }
-        if CURRENT.with(|c| c.get()) == Some(device) {
-            return Ok(());
-        }
         self.check_device(device, "a CUDA call")?;
         let ctx = self.contexts[device as usize] as sys::CUcontext;
+        // Set every time (it costs about as much as asking): other CUDA code on this
+        // thread may have made another context current since our last call.
         // SAFETY: a retained primary context, valid for the life of the process.
         check(unsafe { sys::cuCtxSetCurrent(ctx) }, || {
             format!("cuCtxSetCurrent(cuda:{device})")
-        })?;
-        CURRENT.with(|c| c.set(Some(device)));
-        Ok(())
+        })
     }
 
     /// Free and total memory of `device`, in bytes (`cuMemGetInfo`).
@@ -291,6 +291,15 @@ impl Driver {
 
     /// The allocation granularity of `device` for shareable allocations.
     pub(crate) fn granularity(&self, device: u32) -> Result<usize> {
+        self.check_device(device, "a CUDA allocation")?;
+        if let Some(&g) = self.granularities[device as usize].get() {
+            return Ok(g);
+        }
+        let g = self.ask_granularity(device)?;
+        Ok(*self.granularities[device as usize].get_or_init(|| g))
+    }
+
+    fn ask_granularity(&self, device: u32) -> Result<usize> {
         self.bind(device)?;
         let prop = allocation_prop(device);
         let mut granularity = 0;

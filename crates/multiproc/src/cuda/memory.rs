@@ -142,8 +142,6 @@ struct Pool {
     pid: u32,
     /// Oldest first.
     kept: VecDeque<Arc<CudaMemory>>,
-    /// Per device, once asked.
-    granularity: HashMap<u32, usize>,
 }
 
 static POOL: Mutex<Option<Pool>> = Mutex::new(None);
@@ -153,9 +151,9 @@ fn is_free(m: &Arc<CudaMemory>) -> bool {
     Arc::strong_count(m) == 1 && lease::is_unheld(m.lease.as_fd())
 }
 
-/// Memory for a storage of `nbytes` on `device`, and whether it is known to be zero
-/// (never: fresh VMM memory is unspecified, a recycled allocation holds old bytes).
-/// Taken from the pool when an allocation of the same size is free.
+/// Memory for a storage of `nbytes` on `device`: a whole number of granules, taken from
+/// the pool when an allocation of that size is free. Its bytes are unspecified (fresh
+/// VMM memory is not cleared; a recycled allocation holds what was last stored).
 pub(crate) fn allocate(device: u32, nbytes: usize) -> Result<Arc<CudaMemory>> {
     let d = driver::driver()?;
     d.check_device(device, "a new CUDA tensor")?;
@@ -166,17 +164,9 @@ pub(crate) fn allocate(device: u32, nbytes: usize) -> Result<Arc<CudaMemory>> {
         _ => guard.insert(Pool {
             pid,
             kept: VecDeque::new(),
-            granularity: HashMap::new(),
         }),
     };
-    let granularity = match pool.granularity.get(&device) {
-        Some(&g) => g,
-        None => {
-            let g = d.granularity(device)?;
-            pool.granularity.insert(device, g);
-            g
-        }
-    };
+    let granularity = d.granularity(device)?;
     let len = nbytes
         .max(1)
         .checked_next_multiple_of(granularity)

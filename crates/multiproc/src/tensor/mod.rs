@@ -479,7 +479,8 @@ impl Tensor {
     /// A copy converted to `dtype` (as Rust's `as` converts: floats to integers round
     /// toward zero and saturate; anything non-zero is `true`).
     pub fn to_dtype(&self, dtype: DType) -> Result<Tensor> {
-        let out = Tensor::zeros(self.shape(), dtype)?;
+        // On the tensor's own device (a CUDA tensor's copy stays on its GPU, as in torch).
+        let out = Tensor::empty_on(self.shape(), dtype, self.device())?;
         out.copy_(self)?;
         Ok(out)
     }
