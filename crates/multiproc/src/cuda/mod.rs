@@ -6,7 +6,7 @@
 //! space and maps it, once per process (the same allocation sent twice maps once, and
 //! views keep their offset, shape and strides). Without the feature this module is a
 //! stub with the same API: [`is_available`] is `false` and every CUDA operation is
-//! [`Error::CudaUnavailable`](crate::Error::CudaUnavailable).
+//! [`Error::CudaUnavailable`].
 //!
 //! ```no_run
 //! # fn main() -> multiproc::Result<()> {
@@ -54,7 +54,7 @@
 //! dies (see `sys::lease`), so a SIGKILLed consumer never pins one. A fresh CUDA tensor
 //! of a size seen before therefore costs no `cuMemCreate`. The pool keeps at most 32
 //! allocations and 4 GiB of idle ones; [`empty_cache`] gives the idle ones back. Out of
-//! device memory is [`Error::Cuda`](crate::Error::Cuda) naming the device, the size and
+//! device memory is [`Error::Cuda`] naming the device, the size and
 //! the free memory.
 //!
 //! ## Start methods and devices per worker
@@ -163,7 +163,7 @@ pub fn device_count() -> usize {
 ///
 /// # Errors
 ///
-/// [`Error::CudaUnavailable`](crate::Error::CudaUnavailable) with the reason: no
+/// [`Error::CudaUnavailable`] with the reason: no
 /// `libcuda.so.1`, a driver older than CUDA 11.4, `cuInit` failing (no device), or a
 /// build without the `cuda` feature.
 pub fn init() -> Result<usize> {
@@ -181,7 +181,7 @@ pub fn init() -> Result<usize> {
 ///
 /// # Errors
 ///
-/// [`Error::CudaUnavailable`](crate::Error::CudaUnavailable), or an invalid device.
+/// [`Error::CudaUnavailable`], or an invalid device.
 pub fn mem_get_info(device: u32) -> Result<(usize, usize)> {
     #[cfg(feature = "cuda")]
     {
@@ -197,7 +197,7 @@ pub fn mem_get_info(device: u32) -> Result<(usize, usize)> {
 ///
 /// # Errors
 ///
-/// [`Error::CudaUnavailable`](crate::Error::CudaUnavailable), or what the device reports.
+/// [`Error::CudaUnavailable`], or what the device reports.
 pub fn synchronize(device: u32) -> Result<()> {
     #[cfg(feature = "cuda")]
     {

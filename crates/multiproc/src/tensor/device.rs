@@ -4,7 +4,9 @@
 //!
 //! The element kernels run on the CPU only; a CUDA tensor's elements are reached by
 //! copying (`to(Device::Cpu)`), and views of CUDA tensors keep their layout like any
-//! other. Every copy here is complete when it returns.
+//! other. On a CUDA tensor the in-place kernels and `to_vec` are an [`Error::Tensor`]
+//! saying so, `sum` is NaN and `allclose` false. Every copy here is complete when it
+//! returns.
 
 use super::layout::Layout;
 use super::storage::{self, Storage};
@@ -83,7 +85,9 @@ impl Tensor {
                 let len = self.numel() * elem;
                 let dst_offset = self.layout.offset * elem;
                 let same_kind = src.dtype == self.dtype && src.is_contiguous();
-                if same_kind && src.device() != Device::Cpu {
+                // A copy within one storage may overlap itself: it goes through the host.
+                let same_storage = Storage::ptr_eq(&self.storage, &src.storage);
+                if same_kind && src.device() != Device::Cpu && !same_storage {
                     return storage::copy_bytes(
                         &self.storage,
                         dst_offset,
