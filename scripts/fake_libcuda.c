@@ -11,10 +11,12 @@
  *     cc -shared -fPIC -o target/fake-cuda/libcuda.so.1 scripts/fake_libcuda.c
  *     LD_LIBRARY_PATH=target/fake-cuda cargo test -p multiproc --features cuda --test cuda -- --include-ignored
  *
- * See scripts/cuda_fake_check.sh, which does both and skips the tests that read real
- * device memory figures.
+ * See scripts/cuda_fake_check.sh, which does both. "Free memory" is 64 GiB less every
+ * fake allocation that some process still holds (an fd or a mapping), so a test that
+ * watches memory come back when its last holder dies means something here too.
  */
 #define _GNU_SOURCE
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
@@ -133,9 +135,69 @@ int cuGetErrorString(int e, const char **s) {
     return SUCCESS;
 }
 
+/* "Device memory in use": every fake allocation some process on the machine still holds
+ * through an fd (handle, export) or a mapping, counted once by inode — the driver's rule
+ * for when an exported allocation's memory is freed. */
+#define MAX_SEEN 8192
+static unsigned long long seen[MAX_SEEN];
+static int nseen;
+
+static int first_sight(unsigned long long ino) {
+    for (int i = 0; i < nseen; i++)
+        if (seen[i] == ino) return 0;
+    if (nseen < MAX_SEEN) seen[nseen++] = ino;
+    return 1;
+}
+
+static size_t bytes_in_use(void) {
+    size_t used = 0;
+    char path[512], target[512];
+    DIR *proc = opendir("/proc");
+    if (!proc) return 0;
+    pthread_mutex_lock(&lock);
+    nseen = 0;
+    struct dirent *p;
+    while ((p = readdir(proc))) {
+        if (p->d_name[0] < '0' || p->d_name[0] > '9') continue;
+        snprintf(path, sizeof path, "/proc/%s/fd", p->d_name);
+        DIR *fds = opendir(path);
+        if (fds) {
+            struct dirent *f;
+            while ((f = readdir(fds))) {
+                snprintf(path, sizeof path, "/proc/%s/fd/%s", p->d_name, f->d_name);
+                ssize_t n = readlink(path, target, sizeof target - 1);
+                if (n <= 0) continue;
+                target[n] = 0;
+                struct stat st;
+                if (strncmp(target, "/memfd:fake-cuda-", 17) == 0 && stat(path, &st) == 0 &&
+                    first_sight((unsigned long long)st.st_ino))
+                    used += (size_t)st.st_size;
+            }
+            closedir(fds);
+        }
+        snprintf(path, sizeof path, "/proc/%s/maps", p->d_name);
+        FILE *maps = fopen(path, "r");
+        if (maps) {
+            char line[1024];
+            while (fgets(line, sizeof line, maps)) {
+                unsigned long start, end, ino;
+                char name[512] = "";
+                if (sscanf(line, "%lx-%lx %*s %*s %*s %lu %511s", &start, &end, &ino, name) == 4 &&
+                    strncmp(name, "/memfd:fake-cuda-", 17) == 0 && first_sight(ino))
+                    used += end - start;
+            }
+            fclose(maps);
+        }
+    }
+    pthread_mutex_unlock(&lock);
+    closedir(proc);
+    return used;
+}
+
 int cuMemGetInfo_v2(size_t *free_bytes, size_t *total) {
+    size_t used = bytes_in_use();
     *total = TOTAL;
-    *free_bytes = TOTAL;
+    *free_bytes = used < TOTAL ? TOTAL - used : 0;
     return SUCCESS;
 }
 
