@@ -479,6 +479,8 @@ fn forged_handles_around_a_real_allocation_are_errors() {
         assert!(err.to_string().contains("cuda:9"), "{err}");
         // A well-formed one over the same allocation decodes (a fresh id: a new mapping).
         real(2 * MIB as u64, 1024, 0).unwrap();
+        // That mapping is retained under the forged id; the inputs below reuse the id.
+        cuda::empty_cache();
         for (name, input) in cuda_handle_inputs().unwrap() {
             let err = multiproc::__fuzz::run_input(&input).unwrap_err();
             eprintln!("{name}: {err}");

@@ -15,6 +15,15 @@
 //! pool hands an allocation out again only when no storage here uses it and no lease
 //! is held anywhere, so no process can still see its bytes.
 //!
+//! A process's storages on one allocation share one [`CudaUse`]: for an importer it
+//! holds the lease, so the lease ends when the last storage here is dropped. The
+//! mapping itself may outlive it: a receiver keeps its [`RETAINED_MAX`] most recently
+//! received allocations mapped (at most [`RETAINED_BYTES_MAX`] of them; without a
+//! lease, so their owner may recycle them), so a tensor that comes again — a ping, or
+//! the owner's recycled allocation in the next fresh tensor — costs no import and no
+//! mapping. That pins the memory while retained; [`empty_cache`] gives retained
+//! mappings up, and they go with the process.
+//!
 //! Identity: a process maps each allocation once; the map is keyed by the id (a peer
 //! can only name an allocation it was sent: ids are 128 random bits). An allocation
 //! that comes back to its owner finds the owner's own mapping.
@@ -33,6 +42,10 @@ use crate::{Error, Result, wire};
 const MAX_KEPT: usize = 32;
 /// Bytes of idle allocations kept for reuse.
 const IDLE_BYTES_MAX: usize = 4 << 30;
+/// Received allocations a process keeps mapped after their storages are gone.
+const RETAINED_MAX: usize = 8;
+/// Bytes of received allocations kept mapped so.
+const RETAINED_BYTES_MAX: usize = 2 << 30;
 
 /// One VMM allocation, mapped in this process.
 pub(crate) struct CudaMemory {
@@ -41,9 +54,48 @@ pub(crate) struct CudaMemory {
     mapping: Mapping,
     /// The exported allocation, sent as is (no `dup` per message).
     export: Arc<OwnedFd>,
-    /// The owner's description of the lease file (never locked), or this importer's
-    /// lease (share-locked while this mapping lives).
-    lease: OwnedFd,
+    /// The owner's description of the lease file (never locked); `None` for an import,
+    /// whose lease its [`CudaUse`] holds.
+    owner_lease: Option<OwnedFd>,
+    /// The use this process's storages on it hold now, if any.
+    current: Mutex<Weak<CudaUse>>,
+}
+
+/// This process's use of an allocation, held by every storage on it: for an importer,
+/// with the lease that tells the owner the bytes are still seen here.
+pub(crate) struct CudaUse {
+    memory: Arc<CudaMemory>,
+    lease: Option<OwnedFd>,
+}
+
+impl std::ops::Deref for CudaUse {
+    type Target = CudaMemory;
+
+    fn deref(&self) -> &CudaMemory {
+        &self.memory
+    }
+}
+
+impl CudaMemory {
+    /// This process's current use of the memory, or a new one holding `lease` (which
+    /// is dropped when a use exists already, or when this process owns the memory).
+    fn use_with(self: &Arc<Self>, lease: Option<OwnedFd>) -> Arc<CudaUse> {
+        let mut current = self.current.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(existing) = current.upgrade() {
+            return existing;
+        }
+        let lease = if self.owner_lease.is_some() {
+            None
+        } else {
+            lease
+        };
+        let fresh = Arc::new(CudaUse {
+            memory: Arc::clone(self),
+            lease,
+        });
+        *current = Arc::downgrade(&fresh);
+        fresh
+    }
 }
 
 impl CudaMemory {
@@ -148,13 +200,16 @@ static POOL: Mutex<Option<Pool>> = Mutex::new(None);
 
 /// Whether nobody uses the allocation any more, here or elsewhere.
 fn is_free(m: &Arc<CudaMemory>) -> bool {
-    Arc::strong_count(m) == 1 && lease::is_unheld(m.lease.as_fd())
+    Arc::strong_count(m) == 1
+        && m.owner_lease
+            .as_ref()
+            .is_some_and(|l| lease::is_unheld(l.as_fd()))
 }
 
 /// Memory for a storage of `nbytes` on `device`: a whole number of granules, taken from
 /// the pool when an allocation of that size is free. Its bytes are unspecified (fresh
 /// VMM memory is not cleared; a recycled allocation holds what was last stored).
-pub(crate) fn allocate(device: u32, nbytes: usize) -> Result<Arc<CudaMemory>> {
+pub(crate) fn allocate(device: u32, nbytes: usize) -> Result<Arc<CudaUse>> {
     let d = driver::driver()?;
     d.check_device(device, "a new CUDA tensor")?;
     let pid = crate::sys::process::cached_pid();
@@ -187,7 +242,7 @@ pub(crate) fn allocate(device: u32, nbytes: usize) -> Result<Arc<CudaMemory>> {
     };
     pool.kept.push_back(Arc::clone(&memory));
     pool.trim();
-    Ok(memory)
+    Ok(memory.use_with(None))
 }
 
 fn create(d: &Driver, device: u32, len: usize) -> Result<CudaMemory> {
@@ -204,7 +259,8 @@ fn create(d: &Driver, device: u32, len: usize) -> Result<CudaMemory> {
         device,
         mapping,
         export: Arc::new(export),
-        lease: lease::create("multiproc-cuda-lease")?,
+        owner_lease: Some(lease::create("multiproc-cuda-lease")?),
+        current: Mutex::new(Weak::new()),
     })
 }
 
@@ -239,19 +295,50 @@ pub(crate) fn empty_cache() {
     if let Some(pool) = guard.as_mut() {
         pool.kept.retain(|m| !is_free(m));
     }
+    drop(guard);
+    let retained = std::mem::take(&mut *RETAINED.lock().unwrap_or_else(PoisonError::into_inner));
+    drop(retained);
+}
+
+/// Received allocations kept mapped, oldest first.
+static RETAINED: Mutex<VecDeque<Arc<CudaMemory>>> = Mutex::new(VecDeque::new());
+
+/// Keeps `memory` mapped after its storages here are gone (see the module doc).
+fn retain(memory: &Arc<CudaMemory>) {
+    let mut retained = RETAINED.lock().unwrap_or_else(PoisonError::into_inner);
+    if let Some(i) = retained.iter().position(|m| Arc::ptr_eq(m, memory)) {
+        if let Some(m) = retained.remove(i) {
+            retained.push_back(m);
+        }
+        return;
+    }
+    retained.push_back(Arc::clone(memory));
+    let mut bytes: usize = retained.iter().map(|m| m.len()).sum();
+    while retained.len() > RETAINED_MAX || bytes > RETAINED_BYTES_MAX {
+        let Some(oldest) = retained.pop_front() else {
+            break;
+        };
+        bytes -= oldest.len();
+    }
 }
 
 /// Writes the handle of `nbytes` at `offset` in `memory` into the message being
 /// encoded. Waits for the device first: every write issued before the send, on any
 /// stream of this process, is complete before the receiver can see the handle.
 pub(crate) fn send(
-    memory: &CudaMemory,
+    memory: &CudaUse,
     offset: usize,
     nbytes: usize,
 ) -> std::result::Result<CudaHandle, String> {
     let d = driver::driver().map_err(wire::fail_with)?;
     d.synchronize(memory.device).map_err(wire::fail_with)?;
-    let lease = lease::take(memory.lease.as_fd()).map_err(wire::fail_with)?;
+    // A new lease is made from one this process holds (an importer's) or by the owner.
+    let from = memory
+        .lease
+        .as_ref()
+        .or(memory.owner_lease.as_ref())
+        .ok_or_else(|| wire::fail("a CUDA allocation without a lease".into()))?;
+    let lease = lease::take(from.as_fd()).map_err(wire::fail_with)?;
     let export = wire::attach_shared_fd(&memory.export, "a CUDA tensor")?;
     // The message owns the lease: it is released with the message, sent or not.
     let lease = wire::attach_shared_fd(&Arc::new(lease), "a CUDA tensor's lease")?;
@@ -268,9 +355,7 @@ pub(crate) fn send(
 
 /// The memory a received handle names: this process's mapping of it, or a new one.
 /// Checks everything the sender claims; returns the memory, offset and length.
-pub(crate) fn receive(
-    h: &CudaHandle,
-) -> std::result::Result<(Arc<CudaMemory>, usize, usize), String> {
+pub(crate) fn receive(h: &CudaHandle) -> std::result::Result<(Arc<CudaUse>, usize, usize), String> {
     let d = driver::driver().map_err(wire::fail_with)?;
     let invalid = |why: String| wire::fail_with(Error::InvalidMessage(why));
     d.check_device(h.device, "a received CUDA tensor")
@@ -309,11 +394,14 @@ pub(crate) fn receive(
                 memory.device
             )));
         }
-        // Both fds are accounted for; this process's own lease (or ownership) covers
-        // the mapping, so the message's lease is closed with the message.
+        // Mapped here already: the export is not needed; the message's lease becomes
+        // this process's unless it has one (or owns the memory).
         wire::with_received_fd(h.export, "a CUDA tensor", |_| ())?;
-        wire::with_received_fd(h.lease, "a CUDA tensor's lease", |_| ())?;
-        return Ok((memory, offset, nbytes));
+        let lease = wire::received_fd(h.lease, "a CUDA tensor's lease")?;
+        if memory.owner_lease.is_none() {
+            retain(&memory);
+        }
+        return Ok((memory.use_with(Some(lease)), offset, nbytes));
     }
     let export = wire::received_fd(h.export, "a CUDA tensor")?;
     let lease = wire::received_fd(h.lease, "a CUDA tensor's lease")?;
@@ -337,7 +425,8 @@ pub(crate) fn receive(
         device: on,
         mapping,
         export: Arc::new(export),
-        lease,
+        owner_lease: None,
+        current: Mutex::new(Weak::new()),
     });
     // Another thread may have mapped the same allocation meanwhile: keep one.
     let memory = with_ids(|ids| match ids.get(&h.id).and_then(Weak::upgrade) {
@@ -347,5 +436,6 @@ pub(crate) fn receive(
             memory
         }
     });
-    Ok((memory, offset, nbytes))
+    retain(&memory);
+    Ok((memory.use_with(Some(lease)), offset, nbytes))
 }

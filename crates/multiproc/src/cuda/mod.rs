@@ -53,9 +53,12 @@
 //! it, in every process, is gone — counted by *leases* the kernel drops when a holder
 //! dies (see `sys::lease`), so a SIGKILLed consumer never pins one. A fresh CUDA tensor
 //! of a size seen before therefore costs no `cuMemCreate`. The pool keeps at most 32
-//! allocations and 4 GiB of idle ones; [`empty_cache`] gives the idle ones back. Out of
-//! device memory is [`Error::Cuda`] naming the device, the size and
-//! the free memory.
+//! allocations and 4 GiB of idle ones. A receiver keeps its 8 most recently received
+//! allocations (2 GiB at most) mapped after their tensors are dropped — holding no
+//! lease, so their owner still recycles them — so a tensor that comes again costs no
+//! import and no mapping; this pins their memory until they are pushed out, the
+//! process exits, or [`empty_cache`] gives them up with the pool's idle ones. Out of
+//! device memory is [`Error::Cuda`] naming the device, the size and the free memory.
 //!
 //! ## Start methods and devices per worker
 //!
@@ -84,9 +87,9 @@ use std::str::FromStr;
 use serde::{Deserialize, Serialize};
 
 #[cfg(feature = "cuda")]
-pub(crate) use memory::{CudaMemory, allocate, receive, send};
+pub(crate) use memory::{CudaUse, allocate, receive, send};
 #[cfg(not(feature = "cuda"))]
-pub(crate) use stub::{CudaMemory, allocate, receive, send};
+pub(crate) use stub::{CudaUse, allocate, receive, send};
 
 use crate::{Error, Result, StartMethod};
 
@@ -210,7 +213,8 @@ pub fn synchronize(device: u32) -> Result<()> {
 }
 
 /// Gives the idle allocations of this process's pool back to the device (torch's
-/// `torch.cuda.empty_cache`). Allocations still used here or by another process stay
+/// `torch.cuda.empty_cache`), and unmaps the received allocations kept mapped after
+/// their tensors were dropped. Allocations still used here or by another process stay
 /// until they are not.
 pub fn empty_cache() {
     #[cfg(feature = "cuda")]

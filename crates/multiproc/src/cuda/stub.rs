@@ -1,5 +1,5 @@
 //! The `cuda` module without the `cuda` feature: the same items, and no CUDA memory can
-//! exist ([`CudaMemory`] has no values), so every operation that would make or receive
+//! exist ([`CudaUse`] has no values), so every operation that would make or receive
 //! some answers [`Error::CudaUnavailable`].
 
 use std::sync::Arc;
@@ -14,10 +14,10 @@ fn unavailable() -> Error {
     }
 }
 
-/// CUDA memory; none exists in this build.
-pub(crate) enum CudaMemory {}
+/// A use of CUDA memory; none exists in this build.
+pub(crate) enum CudaUse {}
 
-impl CudaMemory {
+impl CudaUse {
     pub(crate) fn device(&self) -> u32 {
         match *self {}
     }
@@ -33,7 +33,7 @@ impl CudaMemory {
     pub(crate) fn copy_from(
         &self,
         _offset: usize,
-        _src: &CudaMemory,
+        _src: &CudaUse,
         _src_offset: usize,
         _len: usize,
     ) -> Result<()> {
@@ -42,7 +42,7 @@ impl CudaMemory {
 
     /// # Safety
     ///
-    /// Never callable: there is no `CudaMemory`.
+    /// Never callable: there is no `CudaUse`.
     pub(crate) unsafe fn copy_from_host(
         &self,
         _offset: usize,
@@ -54,7 +54,7 @@ impl CudaMemory {
 
     /// # Safety
     ///
-    /// Never callable: there is no `CudaMemory`.
+    /// Never callable: there is no `CudaUse`.
     pub(crate) unsafe fn copy_to_host(
         &self,
         _dst: *mut u8,
@@ -65,14 +65,14 @@ impl CudaMemory {
     }
 }
 
-pub(crate) fn allocate(_device: u32, _nbytes: usize) -> Result<Arc<CudaMemory>> {
+pub(crate) fn allocate(_device: u32, _nbytes: usize) -> Result<Arc<CudaUse>> {
     Err(unavailable())
 }
 
 pub(crate) fn empty_cache() {}
 
 pub(crate) fn send(
-    memory: &CudaMemory,
+    memory: &CudaUse,
     _offset: usize,
     _nbytes: usize,
 ) -> std::result::Result<CudaHandle, String> {
@@ -81,7 +81,7 @@ pub(crate) fn send(
 
 pub(crate) fn receive(
     _h: &CudaHandle,
-) -> std::result::Result<(Arc<CudaMemory>, usize, usize), String> {
+) -> std::result::Result<(Arc<CudaUse>, usize, usize), String> {
     Err(wire::fail_with(unavailable()))
 }
 

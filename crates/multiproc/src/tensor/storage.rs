@@ -22,7 +22,7 @@ use std::sync::{Arc, Mutex, PoisonError, RwLock, RwLockReadGuard, Weak};
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use crate::cuda::{self, CudaHandle, CudaMemory, Device};
+use crate::cuda::{self, CudaHandle, CudaUse, Device};
 use crate::shm::{self, Segment, SegmentHandle};
 use crate::{Error, Result, SharingStrategy, get_sharing_strategy, wire};
 
@@ -80,10 +80,7 @@ enum Backing {
         offset: usize,
     },
     /// Bytes in CUDA device memory, `offset` bytes into the allocation.
-    Cuda {
-        memory: Arc<CudaMemory>,
-        offset: usize,
-    },
+    Cuda { memory: Arc<CudaUse>, offset: usize },
 }
 
 struct StorageInner {
@@ -329,7 +326,7 @@ impl Storage {
 
     /// The storage over `nbytes` at `offset` in received CUDA memory: the one this
     /// process already has there, or a new one.
-    fn from_cuda(memory: Arc<CudaMemory>, offset: usize, nbytes: usize) -> Storage {
+    fn from_cuda(memory: Arc<CudaUse>, offset: usize, nbytes: usize) -> Storage {
         let key = StorageKey(Arc::as_ptr(&memory) as usize, offset, nbytes);
         with_storage_cache(|c| {
             if let Some(inner) = c.entries.get(&key).and_then(Weak::upgrade) {
