@@ -65,11 +65,18 @@
 //! CUDA does not survive `fork`: start workers with `Spawn` or `Forkserver` (the fork
 //! server is a fresh process that never initialises CUDA). Starting `Fork` workers once
 //! this process has initialised CUDA is an error that says so. To give each worker its
-//! own GPU, set `CUDA_VISIBLE_DEVICES` in the worker's environment before it touches
-//! CUDA (each worker then sees its GPU as `cuda:0`), e.g. with the per-rank environment
-//! option of the spawn options, or at the top of the worker function with
-//! `std::env::set_var` before the first CUDA call. A received handle is mapped on the
-//! device the driver reports for the allocation.
+//! own GPU, set `CUDA_VISIBLE_DEVICES` in the worker's environment before it first
+//! touches CUDA — each worker then sees its GPU as `cuda:0`: with a per-rank
+//! environment option of the spawn options where there is one, or first thing in the
+//! worker function (`unsafe { std::env::set_var("CUDA_VISIBLE_DEVICES", rank.to_string()) }`
+//! while the worker has no other threads). The driver reads it once, at initialisation:
+//! a CUDA tensor among the worker's *arguments* initialises CUDA while they are
+//! decoded, before the worker function runs, so hand such tensors over through a queue
+//! instead. A handle names its device by the sender's ordinal, and the receiver checks
+//! it against the device the driver reports for the allocation: processes that
+//! exchange CUDA tensors must number the devices alike (the same
+//! `CUDA_VISIBLE_DEVICES`, as in torch); workers that each see only their own GPU can
+//! exchange CPU tensors with everyone and CUDA tensors with workers of the same GPU.
 
 #[cfg(feature = "cuda")]
 #[allow(unsafe_code)]
