@@ -107,6 +107,12 @@ fn load() -> std::result::Result<Driver, String> {
         "cuDeviceGetCount".into()
     })
     .map_err(|e| e.to_string())?;
+    if count <= 0 {
+        return Err(format!(
+            "the NVIDIA driver sees no CUDA device (CUDA_VISIBLE_DEVICES={})",
+            std::env::var("CUDA_VISIBLE_DEVICES").unwrap_or_else(|_| "<unset>".into())
+        ));
+    }
     let mut contexts = Vec::new();
     for ordinal in 0..count {
         let mut dev = 0;
@@ -242,11 +248,6 @@ impl Drop for Mapping {
         }
     }
 }
-
-// SAFETY: a device pointer is an integer; the driver's calls are thread-safe.
-unsafe impl Send for Mapping {}
-// SAFETY: as above; `&Mapping` exposes only the integers.
-unsafe impl Sync for Mapping {}
 
 impl Driver {
     /// The number of visible devices.
