@@ -68,6 +68,18 @@ pub(crate) struct CudaUse {
     lease: Option<OwnedFd>,
 }
 
+impl Drop for CudaUse {
+    fn drop(&mut self) {
+        // Work this process queued on the memory (a user's kernel still reading it)
+        // must be done before the lease goes and the owner may reuse the bytes.
+        if self.lease.is_some() {
+            if let Ok(d) = driver::driver() {
+                let _ = d.synchronize(self.memory.device);
+            }
+        }
+    }
+}
+
 impl std::ops::Deref for CudaUse {
     type Target = CudaMemory;
 
@@ -233,7 +245,12 @@ pub(crate) fn allocate(device: u32, nbytes: usize) -> Result<Arc<CudaUse>> {
         .iter()
         .position(|m| m.device == device && m.len() == len && is_free(m));
     let memory = match reuse {
-        Some(i) => pool.kept.remove(i).expect("index from position"),
+        Some(i) => {
+            // This process's own queued work on the old tensor finishes before the
+            // bytes are handed out again (an importer's finished before its lease went).
+            d.synchronize(device)?;
+            pool.kept.remove(i).expect("index from position")
+        }
         None => {
             let m = Arc::new(create(d, device, len)?);
             with_ids(|ids| ids.insert(m.id, Arc::downgrade(&m)));

@@ -43,7 +43,10 @@
 //! the producer, and opening it after the producer exited fails — the very trap of
 //! torch's we avoid. The cost is one synchronisation per send (a few microseconds on
 //! an idle device). Every operation of this module on CUDA memory (`zeros_on`,
-//! `copy_`, `to`) is complete when it returns.
+//! `copy_`, `to`) is complete when it returns. The same rule runs the other way: a
+//! receiver waits for its device before its last tensor on an allocation lets go of
+//! it, and an owner before it hands a recycled allocation out again, so no kernel still
+//! reading old bytes can see new ones.
 //!
 //! ## Allocation and lifetime
 //!
