@@ -33,13 +33,25 @@ macro_rules! ensure {
 }
 
 /// Makes the driver's own fds and threads (opened on first use) exist before a test
-/// counts fds: initialise, allocate, send to ourselves, drop, empty the pool.
+/// counts fds: initialise, allocate, copy both ways, send to ourselves, import an
+/// allocation (a handle to our own, under another id), drop, empty the caches.
 fn warm_up_cuda() {
     cuda::init().expect("a CUDA device");
     let q = Queue::new().unwrap();
-    q.put(Tensor::zeros_on(&[16], DType::F32, GPU).unwrap())
-        .unwrap();
+    let t = Tensor::zeros_on(&[16], DType::F32, GPU).unwrap();
+    t.to(Device::Cpu).unwrap();
+    q.put(t.clone()).unwrap();
     drop(q.get().unwrap());
+    let bytes = cuda_handle_packet(ForgedCudaHandle {
+        device: 0,
+        len: 2 * MIB as u64,
+        offset: 0,
+        nbytes: 64,
+    })
+    .unwrap();
+    multiproc::__fuzz::decode_packet_for_fuzzing(&bytes, fds_of(&t).unwrap())
+        .expect("importing our own allocation");
+    drop(t);
     cuda::empty_cache();
 }
 
