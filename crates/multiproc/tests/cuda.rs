@@ -220,6 +220,55 @@ fn a_cuda_tensor_crosses_a_queue_by_handle_with_views_and_identity() {
     });
 }
 
+fn relay(
+    rank: usize,
+    (inbox, hop, done): (Queue<Tensor>, Queue<Tensor>, Queue<f64>),
+) -> multiproc::Result<()> {
+    if rank == 0 {
+        // A received CUDA tensor sent on to a third process; then this one exits.
+        hop.put(inbox.get()?)?;
+        return Ok(());
+    }
+    let t = hop.get()?;
+    t.narrow(0, 0, 1)?
+        .copy_(&Tensor::full(&[1], 1000.0, DType::F32)?)?;
+    done.put(t.to(Device::Cpu)?.sum())?;
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_received_cuda_tensor_can_be_sent_on_to_a_third_process() {
+    warm_up_cuda();
+    common::run(DEADLINE, || {
+        let t = arange_on_gpu(100);
+        let (inbox, hop, done) = (
+            Queue::new().unwrap(),
+            Queue::new().unwrap(),
+            Queue::new().unwrap(),
+        );
+        let mut ctx = start_processes(
+            relay,
+            (inbox.clone(), hop.clone(), done.clone()),
+            2,
+            StartMethod::Spawn,
+        )
+        .unwrap();
+        inbox.put(t.clone()).unwrap();
+        let sum = done
+            .get_timeout(secs(60))
+            .unwrap()
+            .expect("the third process's sum");
+        assert_eq!(sum, 4950.0 + 1000.0, "it saw the values and its own write");
+        assert!(ctx.join(Some(secs(60))).unwrap());
+        // The write landed in this process's memory.
+        let first = t.narrow(0, 0, 1).unwrap().to(Device::Cpu).unwrap();
+        assert_eq!(first.to_vec::<f32>().unwrap(), [1000.0]);
+        drop(t);
+        cuda::empty_cache();
+    });
+}
+
 fn echo_simple(
     _rank: usize,
     (inbox, outbox): (SimpleQueue<Tensor>, JoinableQueue<Tensor>),
