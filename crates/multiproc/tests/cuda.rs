@@ -512,6 +512,26 @@ fn the_pool_reuses_an_allocation_only_when_nobody_holds_it() {
             "zeros_on clears a reused allocation"
         );
         drop(d);
+        // Small tensors are carved out of one shared granule, 512-byte aligned.
+        let small: Vec<Tensor> = (0..3)
+            .map(|i| {
+                Tensor::full(&[1000], i as f64, DType::F32)
+                    .unwrap()
+                    .to(GPU)
+                    .unwrap()
+            })
+            .collect();
+        let base = small[0].data_ptr() as usize;
+        assert_eq!(small[1].data_ptr() as usize, base + 4096);
+        assert_eq!(small[2].data_ptr() as usize, base + 8192);
+        let q = Queue::new().unwrap();
+        q.put(small.clone()).unwrap();
+        let back: Vec<Tensor> = q.get().unwrap();
+        for (i, t) in back.iter().enumerate() {
+            assert!(Storage::ptr_eq(t.storage(), small[i].storage()));
+            assert_eq!(t.to(Device::Cpu).unwrap().sum(), 1000.0 * i as f64);
+        }
+        drop((small, back));
         cuda::empty_cache();
     });
 }

@@ -8,6 +8,9 @@
 //! like a memfd. A handle on the wire carries that fd, a *lease* (see `sys::lease`), the
 //! allocation's random 128-bit id, its device and length.
 //!
+//! Small storages are carved out of a one-granule *arena*, which is one allocation to
+//! everything below: its lease, its use and its recycling cover every slice.
+//!
 //! Who holds an allocation is counted by leases, not by a counter in shared memory: a
 //! counter cannot tell that a holder was SIGKILLed, a lease is dropped by the kernel.
 //! Each process that maps an imported allocation holds one lease; each message in
@@ -42,6 +45,10 @@ use crate::{Error, Result, wire};
 const MAX_KEPT: usize = 32;
 /// Bytes of idle allocations kept for reuse.
 const IDLE_BYTES_MAX: usize = 4 << 30;
+/// Largest storage carved out of a shared one-granule arena.
+const SMALL_MAX: usize = 256 << 10;
+/// Alignment of carved storages (more than any element type or CUDA load needs).
+const SLICE_ALIGN: usize = 512;
 /// Received allocations a process keeps mapped after their storages are gone.
 const RETAINED_MAX: usize = 8;
 /// Bytes of received allocations kept mapped so.
@@ -206,6 +213,9 @@ struct Pool {
     pid: u32,
     /// Oldest first.
     kept: VecDeque<Arc<CudaMemory>>,
+    /// Per device, the arena small storages are carved from now (also in `kept`, so
+    /// it is never free while current) and where its unused bytes start.
+    arenas: HashMap<u32, (Arc<CudaMemory>, usize)>,
 }
 
 static POOL: Mutex<Option<Pool>> = Mutex::new(None);
@@ -218,10 +228,13 @@ fn is_free(m: &Arc<CudaMemory>) -> bool {
             .is_some_and(|l| lease::is_unheld(l.as_fd()))
 }
 
-/// Memory for a storage of `nbytes` on `device`: a whole number of granules, taken from
-/// the pool when an allocation of that size is free. Its bytes are unspecified (fresh
-/// VMM memory is not cleared; a recycled allocation holds what was last stored).
-pub(crate) fn allocate(device: u32, nbytes: usize) -> Result<Arc<CudaUse>> {
+/// Memory for a storage of `nbytes` on `device`, and the storage's offset in it: up to
+/// [`SMALL_MAX`] bytes are carved out of the current one-granule arena (so small
+/// tensors do not cost a granule each; an arena is recycled whole, once no storage on
+/// it is left anywhere), larger ones get a whole number of granules, taken from the
+/// pool when an allocation of that size is free. The bytes are unspecified (fresh VMM
+/// memory is not cleared; a recycled allocation holds what was last stored).
+pub(crate) fn allocate(device: u32, nbytes: usize) -> Result<(Arc<CudaUse>, usize)> {
     let d = driver::driver()?;
     d.check_device(device, "a new CUDA tensor")?;
     let pid = crate::sys::process::cached_pid();
@@ -231,35 +244,31 @@ pub(crate) fn allocate(device: u32, nbytes: usize) -> Result<Arc<CudaUse>> {
         _ => guard.insert(Pool {
             pid,
             kept: VecDeque::new(),
+            arenas: HashMap::new(),
         }),
     };
     let granularity = d.granularity(device)?;
+    if nbytes <= SMALL_MAX && nbytes <= granularity {
+        if let Some((arena, next)) = pool.arenas.get_mut(&device) {
+            if *next + nbytes <= arena.len() {
+                let offset = *next;
+                *next = (offset + nbytes.max(1)).next_multiple_of(SLICE_ALIGN);
+                return Ok((arena.use_with(None), offset));
+            }
+        }
+        let arena = pool.take(d, device, granularity)?;
+        let next = nbytes.max(1).next_multiple_of(SLICE_ALIGN);
+        pool.arenas.insert(device, (Arc::clone(&arena), next));
+        return Ok((arena.use_with(None), 0));
+    }
     let len = nbytes
         .max(1)
         .checked_next_multiple_of(granularity)
         .ok_or_else(|| {
             Error::InvalidArgument(format!("a CUDA tensor of {nbytes} bytes is too large"))
         })?;
-    let reuse = pool
-        .kept
-        .iter()
-        .position(|m| m.device == device && m.len() == len && is_free(m));
-    let memory = match reuse {
-        Some(i) => {
-            // This process's own queued work on the old tensor finishes before the
-            // bytes are handed out again (an importer's finished before its lease went).
-            d.synchronize(device)?;
-            pool.kept.remove(i).expect("index from position")
-        }
-        None => {
-            let m = Arc::new(create(d, device, len)?);
-            with_ids(|ids| ids.insert(m.id, Arc::downgrade(&m)));
-            m
-        }
-    };
-    pool.kept.push_back(Arc::clone(&memory));
-    pool.trim();
-    Ok(memory.use_with(None))
+    let memory = pool.take(d, device, len)?;
+    Ok((memory.use_with(None), 0))
 }
 
 fn create(d: &Driver, device: u32, len: usize) -> Result<CudaMemory> {
@@ -282,6 +291,30 @@ fn create(d: &Driver, device: u32, len: usize) -> Result<CudaMemory> {
 }
 
 impl Pool {
+    /// A free allocation of `len` bytes on `device` from the pool, or a new one; kept.
+    fn take(&mut self, d: &Driver, device: u32, len: usize) -> Result<Arc<CudaMemory>> {
+        let reuse = self
+            .kept
+            .iter()
+            .position(|m| m.device == device && m.len() == len && is_free(m));
+        let memory = match reuse {
+            Some(i) => {
+                // This process's own queued work on the old tensor finishes before the
+                // bytes are handed out again (an importer's did before its lease went).
+                d.synchronize(device)?;
+                self.kept.remove(i).expect("index from position")
+            }
+            None => {
+                let m = Arc::new(create(d, device, len)?);
+                with_ids(|ids| ids.insert(m.id, Arc::downgrade(&m)));
+                m
+            }
+        };
+        self.kept.push_back(Arc::clone(&memory));
+        self.trim();
+        Ok(memory)
+    }
+
     /// Keeps at most [`MAX_KEPT`] allocations and [`IDLE_BYTES_MAX`] of idle ones;
     /// dropping one here only gives up this process's mapping (holders keep theirs).
     fn trim(&mut self) {
@@ -310,6 +343,14 @@ impl Pool {
 pub(crate) fn empty_cache() {
     let mut guard = POOL.lock().unwrap_or_else(PoisonError::into_inner);
     if let Some(pool) = guard.as_mut() {
+        // An arena nobody uses goes too (it is referenced by the pool twice).
+        pool.arenas.retain(|_, (arena, _)| {
+            Arc::strong_count(arena) > 2
+                || !arena
+                    .owner_lease
+                    .as_ref()
+                    .is_some_and(|l| lease::is_unheld(l.as_fd()))
+        });
         pool.kept.retain(|m| !is_free(m));
     }
     drop(guard);

@@ -50,10 +50,12 @@
 //!
 //! ## Allocation and lifetime
 //!
-//! Allocations are rounded up to the device's granularity (`cuMemGetAllocationGranularity`,
-//! 2 MiB on current GPUs; a small tensor takes a whole granule) and recycled like the
+//! Allocations are whole multiples of the device's granularity
+//! (`cuMemGetAllocationGranularity`, 2 MiB on current GPUs); storages of up to 256 KiB
+//! are carved (512-byte aligned) out of a shared one-granule arena, as the CPU side
+//! carves small storages out of 1 MiB arenas. Allocations are recycled like the
 //! CPU blocks: an allocation goes back to this process's pool when the last storage on
-//! it, in every process, is gone — counted by *leases* the kernel drops when a holder
+//! it (for an arena, every storage carved from it), in every process, is gone — counted by *leases* the kernel drops when a holder
 //! dies (see `sys::lease`), so a SIGKILLed consumer never pins one. A fresh CUDA tensor
 //! of a size seen before therefore costs no `cuMemCreate`. The pool keeps at most 32
 //! allocations and 4 GiB of idle ones. A receiver keeps its 8 most recently received

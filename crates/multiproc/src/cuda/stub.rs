@@ -65,7 +65,7 @@ impl CudaUse {
     }
 }
 
-pub(crate) fn allocate(_device: u32, _nbytes: usize) -> Result<Arc<CudaUse>> {
+pub(crate) fn allocate(_device: u32, _nbytes: usize) -> Result<(Arc<CudaUse>, usize)> {
     Err(unavailable())
 }
 

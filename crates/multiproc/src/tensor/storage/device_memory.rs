@@ -17,12 +17,12 @@ impl Storage {
     /// A storage of `nbytes` in CUDA memory on `device`: zeroed, or with unspecified
     /// bytes (a recycled allocation holds what this process last stored there).
     pub(crate) fn new_cuda(nbytes: usize, device: u32, zero: bool) -> Result<Storage> {
-        let memory = cuda::allocate(device, nbytes)?;
+        let (memory, offset) = cuda::allocate(device, nbytes)?;
         if zero && nbytes > 0 {
-            memory.zero(0, nbytes)?;
+            memory.zero(offset, nbytes)?;
         }
-        let key = StorageKey(Arc::as_ptr(&memory) as usize, 0, nbytes);
-        let storage = Storage::with_backing(nbytes, Backing::Cuda { memory, offset: 0 });
+        let key = StorageKey(Arc::as_ptr(&memory) as usize, offset, nbytes);
+        let storage = Storage::with_backing(nbytes, Backing::Cuda { memory, offset });
         with_storage_cache(|c| c.put(key, &storage));
         Ok(storage)
     }
