@@ -641,6 +641,11 @@ fn copies_convert_layouts_and_dtypes_and_cpu_kernels_refuse_device_memory() {
         assert!(matches!(g.fill_(1.0), Err(Error::Tensor(_))));
         assert!(matches!(g.to_vec::<f32>(), Err(Error::Tensor(_))));
         assert!(g.sum().is_nan());
+        let shown = format!("{g:?}");
+        assert!(
+            shown.contains("Cuda(0)") && !shown.contains("values"),
+            "{shown}"
+        );
         assert!(g.share_memory_().is_ok() && g.is_shared());
     });
 }

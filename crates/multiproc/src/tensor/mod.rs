@@ -717,7 +717,13 @@ impl fmt::Debug for Tensor {
             .field("strides", &self.layout.strides)
             .field("offset", &self.layout.offset)
             .field("storage", &self.storage);
-        if let Ok(values) = self.narrowed_for_debug(SHOWN).and_then(|t| t.to_f64_vec()) {
+        // Values are shown for host tensors only (a CUDA tensor's would need a copy).
+        let values = if self.device() == crate::Device::Cpu {
+            self.narrowed_for_debug(SHOWN).and_then(|t| t.to_f64_vec())
+        } else {
+            Err(Error::Tensor("on a device".into()))
+        };
+        if let Ok(values) = values {
             if self.numel() > values.len() {
                 d.field("first_values", &values);
             } else {
