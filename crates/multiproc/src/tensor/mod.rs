@@ -332,7 +332,8 @@ impl Tensor {
     /// The address of the first element: for identity checks (tensors in two processes
     /// or two views alias when their pointers say so) and FFI. It changes when
     /// [`share_memory_`](Self::share_memory_) moves the storage. Dereferencing it is
-    /// `unsafe` and races with other threads and processes.
+    /// `unsafe` and races with other threads and processes. For a CUDA tensor it is the
+    /// device address (as torch's `data_ptr`), for the user's own kernels.
     pub fn data_ptr(&self) -> *mut u8 {
         self.storage
             .data_ptr()
@@ -502,7 +503,8 @@ impl Tensor {
     }
 
     /// Copies `src`'s elements into this tensor (same shape; dtypes may differ and are
-    /// converted as by [`to_dtype`](Self::to_dtype)).
+    /// converted as by [`to_dtype`](Self::to_dtype)). Either may be a CUDA tensor; a
+    /// CUDA destination must be contiguous.
     pub fn copy_(&self, src: &Tensor) -> Result<()> {
         self.check_same_shape(src, "copy_")?;
         if self.device() != crate::Device::Cpu || src.device() != crate::Device::Cpu {
