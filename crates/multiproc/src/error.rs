@@ -169,6 +169,17 @@ pub enum Error {
         /// [6, 7]): ..." with the panic text, the error or the signal.
         message: String,
     },
+    /// CUDA cannot be used here: no driver library, no device, a driver too old, or a
+    /// build without the `cuda` feature.
+    #[error("CUDA is not available: {reason}")]
+    CudaUnavailable {
+        /// Why, and what to do about it.
+        reason: String,
+    },
+    /// A CUDA driver call failed (out of device memory included: the message names the
+    /// device, the size asked and the free memory).
+    #[error("{0}")]
+    Cuda(String),
 }
 
 fn after_suffix(after: Option<Duration>) -> String {

@@ -337,3 +337,113 @@ fn classify(fd: std::os::fd::BorrowedFd<'_>, blob: &mut Vec<u8>) -> Result<u8> {
     };
     Ok(arg * 8)
 }
+
+/// A CUDA storage handle as forged inputs carry it: the fields of the wire form, the
+/// allocation at fd #0 and the lease at fd #1 of the packet.
+#[derive(Debug, Clone, Copy)]
+pub struct ForgedCudaHandle {
+    /// The device the handle names.
+    pub device: u32,
+    /// The allocation's length it claims.
+    pub len: u64,
+    /// Where the storage starts in it.
+    pub offset: u64,
+    /// The storage's length.
+    pub nbytes: u64,
+}
+
+/// The bytes of a packet whose [`FuzzMessage`] carries one 1-D `u8` tensor of
+/// `h.nbytes` elements on a CUDA storage described by `h` (fds #0 and #1 are the
+/// caller's to attach: a real export, a memfd, anything).
+pub fn cuda_handle_packet(h: ForgedCudaHandle) -> Result<Vec<u8>> {
+    // Mirrors `FuzzMessage` field by field (postcard is not self-describing, and every
+    // other field is empty or `None`, whose encoding does not depend on its type).
+    #[derive(Serialize)]
+    struct ForgedTensor {
+        dtype: u8,
+        shape: Vec<u64>,
+        strides: Vec<u64>,
+        offset: u64,
+        storage: crate::tensor::ForgedStorageWire,
+    }
+    #[derive(Serialize)]
+    struct ForgedMessage {
+        tag: u8,
+        text: String,
+        tensors: Vec<ForgedTensor>,
+        nested: Vec<()>,
+        event: Option<()>,
+        lock: Option<()>,
+        queue: Option<()>,
+        simple: Option<()>,
+        conn: Option<()>,
+        inner: Option<()>,
+        error: Option<()>,
+    }
+    let message = ForgedMessage {
+        tag: 9,
+        text: "a forged CUDA handle".into(),
+        tensors: vec![ForgedTensor {
+            dtype: DType::U8.code(),
+            shape: vec![h.nbytes],
+            strides: vec![1],
+            offset: 0,
+            storage: crate::tensor::ForgedStorageWire::cuda(crate::cuda::CudaHandle {
+                export: 0,
+                lease: 1,
+                id: 0x5eed,
+                device: h.device,
+                len: h.len,
+                offset: h.offset,
+                nbytes: h.nbytes,
+            }),
+        }],
+        nested: Vec::new(),
+        event: None,
+        lock: None,
+        queue: None,
+        simple: None,
+        conn: None,
+        inner: None,
+        error: None,
+    };
+    // The bytes only: postcard's payload behind a wire header of two fds.
+    let mut packet = wire::encode(&message)?.into_packet();
+    packet.bytes[8..12].copy_from_slice(&2u32.to_le_bytes());
+    Ok(packet.bytes)
+}
+
+/// Fuzz inputs (in [`run_input`]'s layout) with forged CUDA handles: a memfd where the
+/// allocation should be, a device that does not exist, a storage larger than its
+/// allocation, an allocation that is not a whole number of granules. Each must be an
+/// error — [`Error::CudaUnavailable`] where there is no CUDA, [`Error::InvalidMessage`]
+/// where there is — never a crash.
+pub fn cuda_handle_inputs() -> Result<Vec<(&'static str, Vec<u8>)>> {
+    const MIB2: u64 = 2 << 20;
+    let cases = [
+        ("cuda-not-an-export", 0, MIB2, 0, 1024),
+        ("cuda-no-such-device", 7, MIB2, 0, 1024),
+        ("cuda-storage-past-allocation", 0, MIB2, 4096, MIB2),
+        ("cuda-partial-granule", 0, 12345, 0, 1024),
+    ];
+    let mut inputs = Vec::new();
+    for (name, device, len, offset, nbytes) in cases {
+        let bytes = cuda_handle_packet(ForgedCudaHandle {
+            device,
+            len,
+            offset,
+            nbytes,
+        })?;
+        // fd #0: a sealed 512-byte memfd (kind 0, arg 2); fd #1: an unsealed one.
+        let mut input = vec![2, 2 * 8, 1, 0, 0];
+        input.extend(bytes);
+        inputs.push((name, input));
+    }
+    Ok(inputs)
+}
+
+/// The fds a message carrying `value` attaches (for tests that forge handles around
+/// real ones: a CUDA tensor's export is fd #0, its lease fd #1).
+pub fn fds_of<T: Serialize>(value: &T) -> Result<Vec<OwnedFd>> {
+    Ok(wire::encode(value)?.into_packet().fds)
+}

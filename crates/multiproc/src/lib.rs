@@ -291,6 +291,14 @@
 //! # Ok::<(), multiproc::Error>(())
 //! ```
 //!
+//! ## CUDA tensors (feature `cuda`)
+//!
+//! [`Tensor::to`]`(`[`Device::Cuda`]`(0))`, [`Tensor::zeros_on`] and friends put a
+//! tensor in GPU memory that crosses every channel by handle (a VMM allocation exported
+//! as an fd): the producer may exit after `put`, a killed consumer releases its share,
+//! and a received CUDA tensor can be sent on. See the [`cuda`] module. Without the
+//! feature the same API builds and answers [`Error::CudaUnavailable`].
+//!
 //! ## Data loading
 //!
 //! [`data`] is torch's `DataLoader`: a [`data::Dataset`] or [`data::IterableDataset`]
@@ -403,6 +411,7 @@ linux_only! {
     #[doc(hidden)]
     #[path = "fuzzing.rs"]
     pub mod __fuzz;
+    pub mod cuda;
     pub mod data;
     mod error;
     mod manager;
@@ -418,6 +427,7 @@ linux_only! {
     mod tensor;
     mod wire;
 
+    pub use cuda::Device;
     pub use error::{Error, Failure, LockError, OsError, PutError, Result, UserError};
     pub use manager::run_shm_manager_from_env;
     pub use pool::{AsyncResult, Imap, MapResult, Pool, PoolBuilder};

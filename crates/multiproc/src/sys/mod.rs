@@ -9,6 +9,9 @@
 //! are non-blocking and every wait goes through [`wait_fd`] with a deadline.
 
 pub(crate) mod daemon;
+// Used by the `cuda` feature's memory (tested either way).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) mod lease;
 pub(crate) mod memfd;
 pub(crate) mod mmap;
 pub(crate) mod process;

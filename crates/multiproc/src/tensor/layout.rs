@@ -62,6 +62,23 @@ impl Layout {
         self.shape.iter().fold(1usize, |a, &d| a.saturating_mul(d))
     }
 
+    /// The elements the layout addresses lie in `lo..hi` (both 0-based, in elements);
+    /// `lo == hi` when there are none. Meaningful for a layout that passed
+    /// [`check_bounds`](Self::check_bounds) (no overflow then).
+    pub(crate) fn reach(&self) -> (usize, usize) {
+        if self.numel() == 0 {
+            return (self.offset, self.offset);
+        }
+        let last = self
+            .shape
+            .iter()
+            .zip(&self.strides)
+            .fold(self.offset, |acc, (&n, &s)| {
+                acc.saturating_add((n - 1).saturating_mul(s))
+            });
+        (self.offset, last.saturating_add(1))
+    }
+
     /// Whether the elements are exactly `offset..offset + numel` in row-major order.
     pub(crate) fn is_contiguous(&self) -> bool {
         if self.numel() == 0 {

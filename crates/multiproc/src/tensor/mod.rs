@@ -25,6 +25,7 @@
 //! `int_tensor.add_(1.5)`. `i64` values beyond 2^53 are not exact as scalars; integer
 //! arithmetic itself is exact (wrapping), and bool `add_`/`mul_` are logical or/and.
 
+mod device;
 pub(crate) mod dtype;
 mod layout;
 #[allow(unsafe_code)]
@@ -43,6 +44,7 @@ use dtype::sealed::Sealed;
 pub use dtype::{DType, Element};
 use layout::{Layout, MAX_DIMS, numel_of};
 use raw::Region;
+pub(crate) use storage::ForgedStorageWire;
 pub use storage::Storage;
 use storage::StorageRead;
 
@@ -332,7 +334,8 @@ impl Tensor {
     /// The address of the first element: for identity checks (tensors in two processes
     /// or two views alias when their pointers say so) and FFI. It changes when
     /// [`share_memory_`](Self::share_memory_) moves the storage. Dereferencing it is
-    /// `unsafe` and races with other threads and processes.
+    /// `unsafe` and races with other threads and processes. For a CUDA tensor it is the
+    /// device address (as torch's `data_ptr`), for the user's own kernels.
     pub fn data_ptr(&self) -> *mut u8 {
         self.storage
             .data_ptr()
@@ -479,7 +482,8 @@ impl Tensor {
     /// A copy converted to `dtype` (as Rust's `as` converts: floats to integers round
     /// toward zero and saturate; anything non-zero is `true`).
     pub fn to_dtype(&self, dtype: DType) -> Result<Tensor> {
-        let out = Tensor::zeros(self.shape(), dtype)?;
+        // On the tensor's own device (a CUDA tensor's copy stays on its GPU, as in torch).
+        let out = Tensor::empty_on(self.shape(), dtype, self.device())?;
         out.copy_(self)?;
         Ok(out)
     }
@@ -501,9 +505,13 @@ impl Tensor {
     }
 
     /// Copies `src`'s elements into this tensor (same shape; dtypes may differ and are
-    /// converted as by [`to_dtype`](Self::to_dtype)).
+    /// converted as by [`to_dtype`](Self::to_dtype)). Either may be a CUDA tensor; a
+    /// CUDA destination must be contiguous.
     pub fn copy_(&self, src: &Tensor) -> Result<()> {
         self.check_same_shape(src, "copy_")?;
+        if self.device() != crate::Device::Cpu || src.device() != crate::Device::Cpu {
+            return self.copy_across_devices_(src);
+        }
         if let Some(snapshot) = self.snapshot_if_aliased(src)? {
             return self.copy_(&snapshot);
         }
@@ -713,7 +721,13 @@ impl fmt::Debug for Tensor {
             .field("strides", &self.layout.strides)
             .field("offset", &self.layout.offset)
             .field("storage", &self.storage);
-        if let Ok(values) = self.narrowed_for_debug(SHOWN).and_then(|t| t.to_f64_vec()) {
+        // Values are shown for host tensors only (a CUDA tensor's would need a copy).
+        let values = if self.device() == crate::Device::Cpu {
+            self.narrowed_for_debug(SHOWN).and_then(|t| t.to_f64_vec())
+        } else {
+            Err(Error::Tensor("on a device".into()))
+        };
+        if let Ok(values) = values {
             if self.numel() > values.len() {
                 d.field("first_values", &values);
             } else {

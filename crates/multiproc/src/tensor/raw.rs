@@ -34,6 +34,13 @@ pub(crate) struct Region<'a, T> {
 impl<'a, T: Element> Region<'a, T> {
     /// Checks `layout` against the storage behind `read` for elements of type `T`.
     pub(crate) fn new(read: &'a StorageRead<'_>, layout: &'a Layout) -> Result<Self> {
+        if !read.is_host() {
+            return Err(Error::Tensor(
+                "this operation runs on the CPU and the tensor is in CUDA memory: copy it with \
+                 .to(Device::Cpu) first"
+                    .into(),
+            ));
+        }
         let size = std::mem::size_of::<T>();
         layout.check_bounds(size, read.len())?;
         if (read.ptr() as usize) % std::mem::align_of::<T>() != 0 {

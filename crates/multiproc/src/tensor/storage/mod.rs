@@ -8,6 +8,10 @@
 //! access goes through `raw`'s relaxed atomics. The pointer is stable while a read guard
 //! lives: only [`Storage::share_memory_`] replaces the backing, and it holds the write
 //! lock. The byte length never changes after creation.
+//!
+//! A CUDA storage's bytes are device memory (see `crate::cuda`): its read guard says so
+//! ([`StorageRead::is_host`]), and the element kernels refuse it; only the copies in
+//! [`copy_bytes`] reach it, through the driver.
 
 use std::alloc::Layout;
 use std::collections::HashMap;
@@ -18,6 +22,10 @@ use std::sync::{Arc, Mutex, PoisonError, RwLock, RwLockReadGuard, Weak};
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
+mod device_memory;
+pub(crate) use device_memory::copy_bytes;
+
+use crate::cuda::{self, CudaHandle, CudaUse, Device};
 use crate::shm::{self, Segment, SegmentHandle};
 use crate::{Error, Result, SharingStrategy, get_sharing_strategy, wire};
 
@@ -74,6 +82,8 @@ enum Backing {
         segment: Arc<Segment>,
         offset: usize,
     },
+    /// Bytes in CUDA device memory, `offset` bytes into the allocation.
+    Cuda { memory: Arc<CudaUse>, offset: usize },
 }
 
 struct StorageInner {
@@ -146,9 +156,15 @@ pub(crate) struct StorageRead<'a> {
     _guard: RwLockReadGuard<'a, Backing>,
     ptr: *mut u8,
     len: usize,
+    host: bool,
 }
 
 impl StorageRead<'_> {
+    /// Whether the pointer is host memory (not a CUDA device address).
+    pub(crate) fn is_host(&self) -> bool {
+        self.host
+    }
+
     /// The first byte (dangling but aligned when the storage is empty).
     pub(crate) fn ptr(&self) -> *mut u8 {
         self.ptr
@@ -298,6 +314,14 @@ impl Storage {
         })
     }
 
+    /// Where the bytes live.
+    pub fn device(&self) -> Device {
+        match &*self.backing() {
+            Backing::Cuda { memory, .. } => Device::Cuda(memory.device()),
+            _ => Device::Cpu,
+        }
+    }
+
     /// An empty storage that reports itself shared (received from another process).
     pub(crate) fn empty_shared() -> Storage {
         Storage::with_backing(0, Backing::Empty { shared: true })
@@ -313,7 +337,7 @@ impl Storage {
     pub fn is_shared(&self) -> bool {
         matches!(
             *self.backing(),
-            Backing::Shared { .. } | Backing::Empty { shared: true }
+            Backing::Shared { .. } | Backing::Cuda { .. } | Backing::Empty { shared: true }
         )
     }
 
@@ -371,7 +395,9 @@ impl Storage {
             .write()
             .unwrap_or_else(PoisonError::into_inner);
         let slice = match &*backing {
-            Backing::Shared { .. } | Backing::Empty { shared: true } => return Ok(()),
+            Backing::Shared { .. } | Backing::Cuda { .. } | Backing::Empty { shared: true } => {
+                return Ok(());
+            }
             Backing::Empty { shared: false } => {
                 *backing = Backing::Empty { shared: true };
                 return Ok(());
@@ -423,15 +449,22 @@ impl Storage {
     /// Read-locks the backing for element access.
     pub(crate) fn read(&self) -> StorageRead<'_> {
         let guard = self.backing();
-        let ptr = match &*guard {
-            Backing::Empty { .. } => NonNull::<u64>::dangling().as_ptr().cast(),
-            Backing::Private(buf) => buf.ptr.as_ptr(),
-            Backing::Shared { segment, offset } => segment.data_ptr().wrapping_add(*offset),
+        let (ptr, host) = match &*guard {
+            Backing::Empty { .. } => (NonNull::<u64>::dangling().as_ptr().cast(), true),
+            Backing::Private(buf) => (buf.ptr.as_ptr(), true),
+            Backing::Shared { segment, offset } => (segment.data_ptr().wrapping_add(*offset), true),
+            // A device address, as torch's `data_ptr` gives for CUDA tensors: never
+            // dereferenced on the host (`is_host` is false).
+            Backing::Cuda { memory, offset } => (
+                (memory.device_ptr() as usize).wrapping_add(*offset) as *mut u8,
+                false,
+            ),
         };
         StorageRead {
             _guard: guard,
             ptr,
             len: self.inner.nbytes,
+            host,
         }
     }
 
@@ -457,6 +490,7 @@ impl fmt::Debug for Storage {
             Backing::Empty { shared } => d.field("shared", shared),
             Backing::Private(_) => d.field("shared", &false),
             Backing::Shared { segment, .. } => d.field("shared", &segment.strategy().name()),
+            Backing::Cuda { memory, .. } => d.field("device", &Device::Cuda(memory.device())),
         };
         d.finish()
     }
@@ -505,6 +539,19 @@ fn with_storage_cache<R>(f: impl FnOnce(&mut StorageCache) -> R) -> R {
 enum StorageWire {
     Empty,
     Segment(SegmentHandle),
+    Cuda(CudaHandle),
+}
+
+/// A storage's wire form built from parts, for the fuzzing entry points that forge
+/// handles (`crate::__fuzz`).
+#[derive(Serialize)]
+pub(crate) struct ForgedStorageWire(StorageWire);
+
+impl ForgedStorageWire {
+    /// A CUDA storage's handle.
+    pub(crate) fn cuda(handle: CudaHandle) -> Self {
+        ForgedStorageWire(StorageWire::Cuda(handle))
+    }
 }
 
 impl Serialize for Storage {
@@ -515,6 +562,10 @@ impl Serialize for Storage {
         use serde::ser::Error as _;
         if !wire::is_encoding() {
             return Err(S::Error::custom(wire::outside_channel("a tensor")));
+        }
+        if let Backing::Cuda { memory, offset } = &*self.backing() {
+            let handle = cuda::send(memory, *offset, self.nbytes()).map_err(S::Error::custom)?;
+            return StorageWire::Cuda(handle).serialize(s);
         }
         self.share_memory_()
             .map_err(|e| S::Error::custom(wire::fail_with(e)))?;
@@ -556,6 +607,10 @@ impl<'de> Deserialize<'de> for Storage {
                 };
                 Storage::from_segment(segment, offset, nbytes, carries_use)
                     .map_err(|e| D::Error::custom(wire::fail_with(e)))
+            }
+            StorageWire::Cuda(handle) => {
+                let (memory, offset, nbytes) = cuda::receive(&handle).map_err(D::Error::custom)?;
+                Ok(Storage::from_cuda(memory, offset, nbytes))
             }
         }
     }

@@ -1,0 +1,205 @@
+//! CUDA tensors through a queue, beside the device's own floor (needs a GPU and the
+//! `cuda` feature; run by `scripts/gpu_check.sh`, with `scripts/compare_torch_cuda.py`
+//! for torch's figures on the same machine).
+//!
+//! ```text
+//! cargo run --release --features cuda --example cuda_bench [-- --json] [--scale 0.5]
+//! ```
+//!
+//! Scenarios, each for 4 KiB, 64 MiB and 1 GiB:
+//!
+//! - `cuda_fresh`: the producer makes a fresh CUDA tensor (`zeros_on`: taken from the
+//!   pool and cleared on the device) and puts it; the consumer (another process) gets
+//!   it, reads its first element back to the host, drops it and acknowledges. Time per
+//!   cycle, and bytes per second as if the tensor had been copied.
+//! - `cuda_ping`: one CUDA tensor sent to the other process and sent back (a received
+//!   tensor can be sent on; torch cannot do this, see the torch script).
+//! - `d2d_copy` (the floor): one device-to-device copy of the same size (`copy_`
+//!   between two CUDA tensors, waited for), in this process.
+//!
+//! Prints a table, or with `--json` one object per line with the fields of
+//! `multiproc bench --json` (`scenario, strategy, bytes, count, per_s, GB_s,
+//! us_per_roundtrip, seconds, impl`).
+
+use std::time::{Duration, Instant};
+
+use multiproc::{DType, Device, Queue, StartMethod, Tensor, start_processes};
+
+const GPU: Device = Device::Cuda(0);
+const SIZES: [(usize, usize); 3] = [(4 << 10, 2000), (64 << 20, 200), (1 << 30, 20)];
+/// No scenario runs longer than this (count is cut short).
+const BUDGET: Duration = Duration::from_secs(4);
+
+fn consume(_rank: usize, (q, acks): (Queue<Option<Tensor>>, Queue<u32>)) -> multiproc::Result<()> {
+    let mut i = 0;
+    while let Some(t) = q.get()? {
+        let first = t.narrow(0, 0, 1)?.to(Device::Cpu)?.to_vec::<u8>()?[0];
+        drop(t);
+        acks.put(u32::from(first) + i)?;
+        i += 1;
+    }
+    Ok(())
+}
+
+fn pong(
+    _rank: usize,
+    (inbox, outbox): (Queue<Option<Tensor>>, Queue<Tensor>),
+) -> multiproc::Result<()> {
+    while let Some(t) = inbox.get()? {
+        outbox.put(t)?;
+    }
+    Ok(())
+}
+
+struct Figure {
+    scenario: &'static str,
+    bytes: usize,
+    count: usize,
+    seconds: f64,
+}
+
+impl Figure {
+    fn print(&self, json: bool) {
+        let per = self.seconds / self.count as f64;
+        let gb_s = self.bytes as f64 / per / 1e9;
+        if json {
+            println!(
+                "{{\"scenario\":\"{}\",\"strategy\":\"cuda_vmm_fd\",\"bytes\":{},\"count\":{},\"per_s\":{:.1},\"GB_s\":{:.3},\"us_per_roundtrip\":{:.2},\"seconds\":{:.4},\"impl\":\"multiproc\"}}",
+                self.scenario,
+                self.bytes,
+                self.count,
+                1.0 / per,
+                gb_s,
+                per * 1e6,
+                self.seconds
+            );
+        } else {
+            println!(
+                "{:<12} {:>10} {:>7} {:>12.1} us {:>10.2} GB/s",
+                self.scenario,
+                human(self.bytes),
+                self.count,
+                per * 1e6,
+                gb_s
+            );
+        }
+    }
+}
+
+fn human(n: usize) -> String {
+    match n {
+        n if n >= 1 << 30 => format!("{} GiB", n >> 30),
+        n if n >= 1 << 20 => format!("{} MiB", n >> 20),
+        n => format!("{} KiB", n >> 10),
+    }
+}
+
+/// Runs `step` `count` times (fewer if the budget runs out) after `warm` untimed ones.
+fn timed(
+    count: usize,
+    warm: usize,
+    mut step: impl FnMut(usize) -> multiproc::Result<()>,
+) -> multiproc::Result<(usize, f64)> {
+    for i in 0..warm {
+        step(i)?;
+    }
+    let start = Instant::now();
+    let mut done = 0;
+    while done < count && (done == 0 || start.elapsed() < BUDGET) {
+        step(warm + done)?;
+        done += 1;
+    }
+    Ok((done, start.elapsed().as_secs_f64()))
+}
+
+fn main() -> multiproc::Result<()> {
+    multiproc::init();
+    let args: Vec<String> = std::env::args().collect();
+    let json = args.iter().any(|a| a == "--json");
+    let scale = args
+        .iter()
+        .position(|a| a == "--scale")
+        .and_then(|i| args.get(i + 1))
+        .and_then(|s| s.parse::<f64>().ok())
+        .unwrap_or(1.0);
+    let n = multiproc::cuda::init()?;
+    let (free, total) = multiproc::cuda::mem_get_info(0)?;
+    if !json {
+        println!(
+            "{n} CUDA device(s); cuda:0 has {} MiB free of {} MiB",
+            free >> 20,
+            total >> 20
+        );
+        println!(
+            "{:<12} {:>10} {:>7} {:>15} {:>15}",
+            "scenario", "size", "count", "per op", "as a copy"
+        );
+    }
+    let count_of = |c: usize| ((c as f64 * scale) as usize).max(3);
+
+    // fresh: make, put; get, read one element, drop, ack
+    let (q, acks) = (Queue::new()?, Queue::new()?);
+    let mut consumer = start_processes(consume, (q.clone(), acks.clone()), 1, StartMethod::Spawn)?;
+    let mut sent = 0u32;
+    for &(bytes, count) in &SIZES {
+        let (done, seconds) = timed(count_of(count), 3, |_| {
+            let t = Tensor::zeros_on(&[bytes], DType::U8, GPU)?;
+            q.put(Some(t))?;
+            let ack = acks.get()?;
+            assert_eq!(ack, sent, "the consumer read a zero and counted");
+            sent += 1;
+            Ok(())
+        })?;
+        Figure {
+            scenario: "cuda_fresh",
+            bytes,
+            count: done,
+            seconds,
+        }
+        .print(json);
+    }
+    q.put(None)?;
+    consumer.join(Some(Duration::from_secs(60)))?;
+
+    // ping: one tensor there and back
+    let (inbox, outbox) = (Queue::new()?, Queue::new()?);
+    let mut ponger = start_processes(pong, (inbox.clone(), outbox.clone()), 1, StartMethod::Spawn)?;
+    for &(bytes, count) in &SIZES {
+        let t = Tensor::zeros_on(&[bytes], DType::U8, GPU)?;
+        let (done, seconds) = timed(count_of(count * 2), 3, |_| {
+            inbox.put(Some(t.clone()))?;
+            let back: Tensor = outbox.get()?;
+            assert_eq!(
+                back.data_ptr(),
+                t.data_ptr(),
+                "it came back to the same mapping"
+            );
+            Ok(())
+        })?;
+        Figure {
+            scenario: "cuda_ping",
+            bytes,
+            count: done,
+            seconds,
+        }
+        .print(json);
+    }
+    inbox.put(None)?;
+    ponger.join(Some(Duration::from_secs(60)))?;
+
+    // the floor: one device-to-device copy of the same size
+    for &(bytes, count) in &SIZES {
+        let src = Tensor::zeros_on(&[bytes], DType::U8, GPU)?;
+        let dst = Tensor::empty_on(&[bytes], DType::U8, GPU)?;
+        let (done, seconds) = timed(count_of(count * 2), 3, |_| dst.copy_(&src))?;
+        Figure {
+            scenario: "d2d_copy",
+            bytes,
+            count: done,
+            seconds,
+        }
+        .print(json);
+    }
+    multiproc::cuda::empty_cache();
+    Ok(())
+}

@@ -1,0 +1,116 @@
+//! Storages in CUDA memory: making one, finding the one a received handle names, and
+//! the byte copies between host and device that `Tensor::copy_` and `Tensor::to` use.
+//!
+//! # Safety
+//!
+//! The copies reach host memory through a storage's read guard, whose pointer is valid
+//! for the storage's length while the guard lives; device memory only through the
+//! driver, with every range checked first.
+
+use std::sync::{Arc, Weak};
+
+use super::{Backing, Storage, StorageKey, with_storage_cache};
+use crate::cuda::{self, CudaUse};
+use crate::{Error, Result};
+
+impl Storage {
+    /// A storage of `nbytes` in CUDA memory on `device`: zeroed, or with unspecified
+    /// bytes (a recycled allocation holds what this process last stored there).
+    pub(crate) fn new_cuda(nbytes: usize, device: u32, zero: bool) -> Result<Storage> {
+        let (memory, offset) = cuda::allocate(device, nbytes)?;
+        if zero && nbytes > 0 {
+            memory.zero(offset, nbytes)?;
+        }
+        let key = StorageKey(Arc::as_ptr(&memory) as usize, offset, nbytes);
+        let storage = Storage::with_backing(nbytes, Backing::Cuda { memory, offset });
+        with_storage_cache(|c| c.put(key, &storage));
+        Ok(storage)
+    }
+
+    /// The storage over `nbytes` at `offset` in received CUDA memory: the one this
+    /// process already has there, or a new one.
+    pub(super) fn from_cuda(memory: Arc<CudaUse>, offset: usize, nbytes: usize) -> Storage {
+        let key = StorageKey(Arc::as_ptr(&memory) as usize, offset, nbytes);
+        with_storage_cache(|c| {
+            if let Some(inner) = c.entries.get(&key).and_then(Weak::upgrade) {
+                return Storage { inner };
+            }
+            let storage = Storage::with_backing(nbytes, Backing::Cuda { memory, offset });
+            c.put(key, &storage);
+            storage
+        })
+    }
+}
+
+/// Copies `len` bytes from `src` at byte `src_offset` to `dst` at byte `dst_offset`,
+/// where at least one of them is CUDA memory (host-to-host copies are the element
+/// kernels' business).
+///
+/// # Errors
+///
+/// [`Error::Tensor`] when a range reaches past its storage or neither is CUDA memory;
+/// what the driver reports otherwise.
+pub(crate) fn copy_bytes(
+    dst: &Storage,
+    dst_offset: usize,
+    src: &Storage,
+    src_offset: usize,
+    len: usize,
+) -> Result<()> {
+    for (s, off, what) in [
+        (dst, dst_offset, "destination"),
+        (src, src_offset, "source"),
+    ] {
+        if off.checked_add(len).is_none_or(|end| end > s.nbytes()) {
+            return Err(Error::Tensor(format!(
+                "a copy of {len} bytes at offset {off} reaches past its {what} storage of {} bytes",
+                s.nbytes()
+            )));
+        }
+    }
+    if len == 0 {
+        return Ok(());
+    }
+    let (dst_read, src_read) = if dst.addr() <= src.addr() {
+        let d = dst.read();
+        (d, src.read())
+    } else {
+        let s = src.read();
+        (dst.read(), s)
+    };
+    let (dst_backing, src_backing) = (&*dst_read._guard, &*src_read._guard);
+    match (dst_backing, src_backing) {
+        (
+            Backing::Cuda {
+                memory: d,
+                offset: o,
+            },
+            Backing::Cuda {
+                memory: s,
+                offset: so,
+            },
+        ) => d.copy_from(o + dst_offset, s, so + src_offset, len),
+        (Backing::Cuda { memory, offset }, _) => {
+            // SAFETY: `src_read` holds the source's backing locked and its pointer is
+            // host memory valid for `nbytes >= src_offset + len` bytes (checked above).
+            unsafe {
+                memory.copy_from_host(offset + dst_offset, src_read.ptr().add(src_offset), len)
+            }
+        }
+        (Backing::Private(_), Backing::Cuda { memory, offset }) => {
+            // SAFETY: `dst_read` holds the destination's backing locked; it is private
+            // heap memory valid for `nbytes >= dst_offset + len` bytes (checked above),
+            // which no other process can reach; this thread's kernels hold read locks
+            // like ours, and copies into private memory only come from fresh tensors.
+            unsafe { memory.copy_to_host(dst_read.ptr().add(dst_offset), offset + src_offset, len) }
+        }
+        (_, Backing::Cuda { .. }) => Err(Error::Tensor(
+            "a copy from CUDA memory goes into a private host tensor only (copy into a fresh \
+             tensor, then share it)"
+                .into(),
+        )),
+        _ => Err(Error::Tensor(
+            "copy_bytes between two host storages (use the element kernels)".into(),
+        )),
+    }
+}

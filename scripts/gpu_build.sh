@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Builds the bundle that scripts/gpu_check.sh runs on a GPU machine with no Rust
+# toolchain: the CUDA test binary (tests/cuda.rs, feature `cuda`), the CUDA benchmark
+# (examples/cuda_bench.rs, release) and the torch comparison script.
+#
+#     scripts/gpu_build.sh [DIR]      # default target/gpu-bundle
+#
+# Then, on the GPU machine, from the repo root: scripts/gpu_check.sh [DIR]. With the
+# device tool: carry ["target/gpu-bundle"] and run `bash scripts/gpu_check.sh`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-target/gpu-bundle}
+rm -rf "$out"
+mkdir -p "$out"
+
+echo "== test binary (tests/cuda.rs, --features cuda)"
+tests=$(cargo test -p multiproc --features cuda --test cuda --no-run --message-format=json \
+  | python3 -c '
+import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "cuda":
+        print(m["executable"])')
+[ -n "$tests" ] || { echo "no test executable found" >&2; exit 1; }
+cp "$tests" "$out/cuda_tests"
+
+echo "== benchmark (examples/cuda_bench.rs, release, --features cuda)"
+cargo build -p multiproc --features cuda --release --example cuda_bench
+cp target/release/examples/cuda_bench "$out/cuda_bench"
+
+cp scripts/compare_torch_cuda.py "$out/"
+# Debug info is most of a test binary's size; the bundle travels (64 MiB at most).
+strip --strip-debug "$out/cuda_tests" "$out/cuda_bench"
+git rev-parse HEAD >"$out/COMMIT"
+git status --porcelain --untracked-files=no | grep -q . && echo "(with uncommitted changes)" >>"$out/COMMIT"
+ls -la "$out"
+du -sh "$out"

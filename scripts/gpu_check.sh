@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The GPU check of the `cuda` feature, in one go (under 8 minutes on one GPU): every
+# test of tests/cuda.rs (the GPU ones are #[ignore]d on CPU CI), then the CUDA
+# benchmark beside torch.multiprocessing's CUDA sharing of the same sizes.
+#
+# Needs a bundle from scripts/gpu_build.sh (built where Rust is; this machine needs
+# only the NVIDIA driver, python3 and torch):
+#
+#     scripts/gpu_check.sh [DIR]      # default target/gpu-bundle
+#
+# Logs go to $OUT (or /tmp/gpu-check): tests.log, multiproc.json, torch.log,
+# summary.txt. Exit status: 0 when every test passed and both benchmarks ran.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+bundle=${1:-target/gpu-bundle}
+logs=${OUT:-/tmp/gpu-check}
+mkdir -p "$logs"
+[ -x "$bundle/cuda_tests" ] || { echo "no bundle at $bundle: run scripts/gpu_build.sh first" >&2; exit 2; }
+export RUST_BACKTRACE=1 PYTHONUNBUFFERED=1
+
+echo "== bundle: $(tr '\n' ' ' <"$bundle/COMMIT")"
+echo "== machine"
+nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv 2>&1 || echo "(no nvidia-smi)"
+uname -r
+
+echo "== tests (tests/cuda.rs, one at a time: the lifetime tests read free device memory)"
+timeout 270 "$bundle/cuda_tests" --include-ignored --skip write_cuda_inputs_into_the_corpus \
+  --test-threads 1 --nocapture 2>&1 | tee "$logs/tests.log"
+tests_rc=${PIPESTATUS[0]}
+
+echo "== benchmark: multiproc (cuda_bench)"
+timeout 90 "$bundle/cuda_bench" --json 2>&1 | tee "$logs/multiproc.json"
+bench_rc=${PIPESTATUS[0]}
+
+echo "== benchmark: torch.multiprocessing, same sizes, same machine"
+timeout 120 python3 "$bundle/compare_torch_cuda.py" --multiproc-json "$logs/multiproc.json" 2>&1 \
+  | tee "$logs/torch.log"
+torch_rc=${PIPESTATUS[0]}
+
+{
+  echo "== summary"
+  grep -E '^test result:' "$logs/tests.log" | sed 's/^/  /'
+  # The names of the failed tests (the second "failures:" block libtest prints).
+  awk '/^test result:/ {n = 0; next} /^failures:$/ {n++; next} n == 2 && NF {print "  FAILED " $1}' \
+    "$logs/tests.log"
+  grep -E '^(cuda_fresh|cuda_ping|d2d_copy) ' "$logs/torch.log" | sed 's/^/  /'
+  echo "  tests exit $tests_rc, cuda_bench exit $bench_rc, torch script exit $torch_rc"
+} | tee "$logs/summary.txt"
+[ "$tests_rc" = 0 ] && [ "$bench_rc" = 0 ] && [ "$torch_rc" = 0 ]
