@@ -814,7 +814,11 @@ impl Worker {
     fn death_cause(&mut self) -> String {
         let pid = self.process.pid().unwrap_or(0);
         match self.process.join(Some(Duration::from_secs(5))) {
-            Ok(Some(status)) => format!("pool worker (pid {pid}) {status} while running it"),
+            Ok(Some(status)) => match self.process.error() {
+                // It exited 0 without a report: say why (a missing `init`).
+                Some(e) if status.success() => format!("pool worker (pid {pid}): {e}"),
+                _ => format!("pool worker (pid {pid}) {status} while running it"),
+            },
             Ok(None) => {
                 let _ = self.process.kill();
                 let _ = self.process.join(Some(Duration::from_secs(5)));

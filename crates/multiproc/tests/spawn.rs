@@ -372,6 +372,34 @@ fn exit_code_is_reported_long_before_the_sleeper_ends() {
     });
 }
 
+#[test]
+fn a_job_that_exits_0_without_returning_is_a_failure() {
+    // Exit code 0 without the worker's report means the job never finished: its
+    // function did not return (here it called `std::process::exit(0)`).
+    common::run(secs(120), || {
+        for method in StartMethod::ALL {
+            let err = start_processes(exit_rank0, (0, 0u64), 2, method)
+                .unwrap()
+                .join(None)
+                .expect_err("rank 0 never returned from its job");
+            let Error::ProcessExited {
+                error_index,
+                exit_code,
+                message,
+                ..
+            } = &err
+            else {
+                panic!("{method}: expected ProcessExited, got {err:?}");
+            };
+            assert_eq!((*error_index, *exit_code), (0, Some(0)), "{method}");
+            assert!(
+                message.contains("without reporting a result") && message.contains("exit"),
+                "{method}: {message}"
+            );
+        }
+    });
+}
+
 // torch: test_success_first_then_exception / join with a timeout
 #[test]
 fn join_with_a_short_timeout_returns_false() {

@@ -195,6 +195,14 @@ pub(crate) fn start(job: OwnedFd, env: Vec<(String, String)>) -> Result<ServerCh
                 tries += 1;
                 forget(&sock)?;
             }
+            Err(Error::Closed(why)) => {
+                return Err(Error::Closed(format!(
+                    "{why}: the fork server (pid {server_pid}) exited at once twice; it is the \
+                     program {} run again, so check that its main calls multiproc::init() \
+                     first thing",
+                    super::child::program_name()
+                )));
+            }
             Err(e) => return Err(e),
         }
     };
@@ -208,7 +216,10 @@ pub(crate) fn start(job: OwnedFd, env: Vec<(String, String)>) -> Result<ServerCh
         }
         Err(Error::Closed(_)) => {
             return Err(Error::Closed(format!(
-                "the fork server (pid {server_pid}) exited before it started the worker"
+                "the fork server (pid {server_pid}) exited before it started the worker: the \
+                 server is the program {} run again, so check that its main calls \
+                 multiproc::init() first thing",
+                super::child::program_name()
             )));
         }
         Err(e) => return Err(e),
