@@ -140,6 +140,7 @@ pub(crate) fn run_worker(sock: OwnedFd) -> i32 {
     // The worker leaves with `_exit`: give back its shared-memory references now,
     // before the parent can learn that it has finished.
     crate::shm::release_before_exit();
+    let helpers = take_helper_panics();
     let report = match outcome {
         Ok(Ok(())) => Report::Ok,
         Ok(Err(Failed::Returned(text))) => Report::Raised {
@@ -154,6 +155,15 @@ pub(crate) fn run_worker(sock: OwnedFd) -> i32 {
                 message: format!("process {rank} raised: {text}"),
             }
         }
+    };
+    let report = match report {
+        Report::Raised { mut message } if !helpers.is_empty() => {
+            for (thread, text) in &helpers {
+                message.push_str(&format!("\n(before that, thread '{thread}' panicked: {text})"));
+            }
+            Report::Raised { message }
+        }
+        other => other,
     };
     let code = match &report {
         Report::Ok => 0,
@@ -176,6 +186,12 @@ pub(crate) fn run_worker(sock: OwnedFd) -> i32 {
 static RECORDED_PANIC: Mutex<Option<String>> = Mutex::new(None);
 /// The thread that runs the job; panics on other threads keep the default report.
 static JOB_THREAD: OnceLock<ThreadId> = OnceLock::new();
+/// Panics of the job's helper threads (thread name, text and location), the first few:
+/// a job that unwraps a helper's `join` only sees an opaque `Any` payload, so the
+/// report adds what the helper itself said.
+static HELPER_PANICS: Mutex<Vec<(String, String)>> = Mutex::new(Vec::new());
+/// How many helper panics a report carries.
+const HELPER_PANICS_KEPT: usize = 4;
 
 fn install_panic_hook() {
     static ONCE: Once = Once::new();
@@ -188,6 +204,13 @@ fn install_panic_hook() {
                 if let Ok(mut slot) = RECORDED_PANIC.lock() {
                     *slot = Some(text);
                     return;
+                }
+            } else if JOB_THREAD.get().is_some() {
+                if let Ok(mut helpers) = HELPER_PANICS.lock() {
+                    if helpers.len() < HELPER_PANICS_KEPT {
+                        let name = thread::current().name().unwrap_or("<unnamed>").to_string();
+                        helpers.push((name, describe_panic(info)));
+                    }
                 }
             }
             previous(info)
@@ -255,6 +278,13 @@ fn trim_backtrace(full: &str) -> String {
         "\n(panic machinery and multiproc's worker frames omitted; RUST_BACKTRACE=full shows them)",
     );
     out
+}
+
+fn take_helper_panics() -> Vec<(String, String)> {
+    HELPER_PANICS
+        .lock()
+        .map(|mut h| std::mem::take(&mut *h))
+        .unwrap_or_default()
 }
 
 fn take_recorded_panic() -> Option<String> {
