@@ -93,6 +93,11 @@ pub mod __bench;
 pub mod __fuzz;
 mod error;
 mod manager;
+/// Not public API: hooks for the integration tests' leak checks. May change or vanish
+/// in any release.
+#[doc(hidden)]
+#[path = "testing.rs"]
+pub mod __testing;
 #[allow(unsafe_code)]
 mod pool;
 mod process;

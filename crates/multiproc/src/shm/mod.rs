@@ -64,7 +64,8 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-pub(crate) use cache::{CacheKey, release_before_exit};
+pub(crate) use cache::{CacheKey, flush_retained, release_before_exit};
+pub(crate) use pool::release_idle as release_idle_blocks;
 pub(crate) use name::SegmentName;
 pub(crate) use pool::allocate;
 #[cfg(test)]
