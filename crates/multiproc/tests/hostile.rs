@@ -827,3 +827,58 @@ fn random_bytes_from_another_process() {
         assert!(ctx.join(Some(WAIT)).unwrap());
     });
 }
+
+/// Forged packets written straight into a bounded queue's socket took no place, so
+/// taking them must give none back: the capacity stays exact.
+#[test]
+fn forged_packets_never_give_a_bounded_queue_extra_places() {
+    common::run(DEADLINE, || {
+        const CAPACITY: u32 = 8;
+        let q = Queue::<u32>::with_capacity(CAPACITY as usize).unwrap();
+        let (_, raw) = capture(q.clone());
+        let tx = raw[0].as_fd();
+        let mut flagged = header(VERSION, INLINE, 0, 3);
+        flagged[6] = 1; // claims a put counted it
+        flagged.extend([0xff, 0xff, 0xff]); // but the payload is no u32
+        let mut forged: Vec<Vec<u8>> = vec![
+            b"random bytes, not a packet".to_vec(),
+            header(VERSION + 1, INLINE, 0, 0),
+            header(VERSION, 7, 0, 0),
+            packet(0, &[0xff, 0xff, 0xff, 0xff, 0xff, 0xff]),
+            flagged,
+        ];
+        let mut seed = 0x5eed_u64;
+        while forged.len() < 20 {
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            forged.push(seed.to_le_bytes().to_vec());
+        }
+        for (i, bytes) in forged.iter().enumerate() {
+            send_raw(tx, bytes, &[]);
+            match q.get_timeout(WAIT) {
+                Err(Error::InvalidMessage(_)) => {}
+                other => panic!("forged packet {i} ({bytes:?}): expected InvalidMessage, got {other:?}"),
+            }
+        }
+        let mut accepted = 0;
+        for v in 0..CAPACITY + 20 {
+            // A full queue has no place: the put times out at once (nobody gets).
+            match q.put_timeout(v, Duration::from_millis(50)) {
+                Ok(()) => accepted += 1,
+                Err(e) => {
+                    assert!(matches!(e.error, Error::Timeout(_)), "{:?}", e.error);
+                    break;
+                }
+            }
+        }
+        assert_eq!(
+            accepted, CAPACITY,
+            "a queue of capacity {CAPACITY} accepted {accepted} puts after 20 forged packets"
+        );
+        assert!(q.full());
+        assert_eq!(q.qsize(), CAPACITY as usize);
+        for v in 0..CAPACITY {
+            assert_eq!(q.get_timeout(WAIT).unwrap(), Some(v));
+        }
+        assert_eq!(q.qsize(), 0);
+    });
+}

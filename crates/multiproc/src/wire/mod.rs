@@ -19,7 +19,8 @@
 //! | 0..4 | magic `b"MPW\x01"` |
 //! | 4 | version ([`VERSION`]) |
 //! | 5 | kind: 0 inline payload, 1 payload in a sealed memfd (the last fd) |
-//! | 6..8 | zero |
+//! | 6 | flags: bit 0 set by a queue's `put`, which counted the message in the queue's size and (bounded) took a place for it |
+//! | 7 | zero |
 //! | 8..12 | number of fds the payload uses (not counting the payload memfd) |
 //! | 12..16 | payload length in bytes |
 //!
@@ -49,6 +50,8 @@ pub(crate) const VERSION: u8 = 1;
 const HEADER_LEN: usize = 16;
 const KIND_INLINE: u8 = 0;
 const KIND_MEMFD: u8 = 1;
+/// Header flag: a queue's `put` counted this message (see [`Encoded::mark_counted`]).
+const FLAG_COUNTED: u8 = 1;
 /// Largest payload sent inside the packet itself.
 pub(crate) const INLINE_MAX: usize = 60 * 1024;
 /// Largest payload accepted from a memfd (a sanity bound against hostile lengths).
@@ -401,7 +404,22 @@ fn write_all_at(fd: BorrowedFd<'_>, mut bytes: &[u8]) -> Result<()> {
     Ok(())
 }
 
+/// Whether a received packet claims to have been counted by a queue's `put`: a
+/// well-formed header of this version with [`FLAG_COUNTED`]. Random bytes, another
+/// version or a forged header without the flag do not, so the getter gives back no
+/// place for them.
+pub(crate) fn is_counted(packet: &Packet) -> bool {
+    let b = &packet.bytes;
+    b.len() >= HEADER_LEN && b[0..4] == MAGIC && b[4] == VERSION && b[6] & FLAG_COUNTED != 0
+}
+
 impl Encoded {
+    /// Marks the packet as counted by a queue's `put` (it took a place, or at least
+    /// counted in the queue's size): only such a packet gives a place back when taken.
+    pub(crate) fn mark_counted(&mut self) {
+        self.header[6] |= FLAG_COUNTED;
+    }
+
     /// The packet as a receiver would get it (bytes and fds), without sending it; for
     /// the fuzz target's seeds. The references taken for a receiver stay taken.
     pub(crate) fn into_packet(mut self) -> Packet {
