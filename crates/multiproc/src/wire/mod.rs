@@ -572,10 +572,21 @@ fn read_sealed_payload(fd: BorrowedFd<'_>, len: usize) -> Result<Vec<u8>> {
             "the payload memfd is not sealed against writing and shrinking".into(),
         ));
     }
-    let size = memfd::file_size(fd)?;
+    let st = rustix::fs::fstat(fd).map_err(|e| Error::os("fstat of a message memfd", e))?;
+    let size = st.st_size.max(0) as u64;
     if (len as u64) > size || size > MEMFD_PAYLOAD_MAX {
         return Err(Error::InvalidMessage(format!(
             "the header declares a {len}-byte payload but its memfd holds {size} bytes"
+        )));
+    }
+    // A sender writes its whole payload, so every page of it is allocated; a sparse
+    // file claims bytes nobody paid for, and reading them would make this process
+    // commit that memory (a hole reads as zeros into a buffer of the full length).
+    let written = (st.st_blocks.max(0) as u64).saturating_mul(512);
+    if written < len as u64 {
+        return Err(Error::InvalidMessage(format!(
+            "the header declares a {len}-byte payload but only {written} bytes of its memfd \
+             were ever written (a sparse file); refusing to read it"
         )));
     }
     // The length is the sender's word: allocating must fail as an error, never abort.
