@@ -91,13 +91,13 @@ pub mod __bench;
 #[doc(hidden)]
 #[path = "fuzzing.rs"]
 pub mod __fuzz;
-mod error;
-mod manager;
 /// Not public API: hooks for the integration tests' leak checks. May change or vanish
 /// in any release.
 #[doc(hidden)]
 #[path = "testing.rs"]
 pub mod __testing;
+mod error;
+mod manager;
 #[allow(unsafe_code)]
 mod pool;
 mod process;

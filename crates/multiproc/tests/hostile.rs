@@ -816,7 +816,7 @@ fn random_bytes_from_another_process() {
                     accepted += 1;
                 }
                 Ok(None) => panic!("the sender went quiet (seed {seed})"),
-                Err(Error::InvalidMessage(_)) | Err(Error::FdLimit(_)) => refused += 1,
+                Err(Error::InvalidMessage(_)) | Err(Error::FdLimit { .. }) => refused += 1,
                 Err(e) => panic!(
                     "packet {}: unexpected {e} (seed {seed})",
                     refused + accepted
@@ -854,14 +854,18 @@ fn forged_packets_never_give_a_bounded_queue_extra_places() {
         ];
         let mut seed = 0x5eed_u64;
         while forged.len() < 20 {
-            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             forged.push(seed.to_le_bytes().to_vec());
         }
         for (i, bytes) in forged.iter().enumerate() {
             send_raw(tx, bytes, &[]);
             match q.get_timeout(WAIT) {
                 Err(Error::InvalidMessage(_)) => {}
-                other => panic!("forged packet {i} ({bytes:?}): expected InvalidMessage, got {other:?}"),
+                other => {
+                    panic!("forged packet {i} ({bytes:?}): expected InvalidMessage, got {other:?}")
+                }
             }
         }
         let mut accepted = 0;
@@ -939,8 +943,11 @@ fn a_forged_block_handle_over_a_huge_sparse_memfd_commits_only_the_tensor() {
         let other = memfd(0, SealFlags::empty());
         rustix::fs::ftruncate(&other, SPARSE).unwrap();
         rustix::io::pwrite(&other, b"MPBLOCK1", 0).unwrap();
-        rustix::fs::fcntl_add_seals(&other, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)
-            .unwrap();
+        rustix::fs::fcntl_add_seals(
+            &other,
+            SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL,
+        )
+        .unwrap();
         send_raw(there.as_fd(), &packet(1, &body), &[other.as_fd()]);
         let t = here.recv_timeout(WAIT).unwrap().expect("the tensor");
         assert_eq!(t.numel(), 1024);
@@ -965,7 +972,11 @@ fn a_sparse_payload_memfd_is_refused_before_it_is_read() {
         )
         .unwrap();
         let start = Instant::now();
-        send_raw(there.as_fd(), &header(VERSION, MEMFD, 0, LEN), &[fd.as_fd()]);
+        send_raw(
+            there.as_fd(),
+            &header(VERSION, MEMFD, 0, LEN),
+            &[fd.as_fd()],
+        );
         let why = refused(&here);
         eprintln!("sparse payload memfd refused in {:?}", start.elapsed());
         assert_says(&why, &["sparse", "refusing to read it"]);

@@ -38,7 +38,13 @@ fn main() {
     // spawn
     let e = spawn(noop, (), 2).expect_err("spawn without init must fail");
     assert!(
-        matches!(e, Error::ProcessExited { exit_code: Some(0), .. }),
+        matches!(
+            e,
+            Error::ProcessExited {
+                exit_code: Some(0),
+                ..
+            }
+        ),
         "spawn: {e:?}"
     );
     assert_names_init("spawn", &e);
@@ -58,7 +64,9 @@ fn main() {
     let mut p = Process::new(noop, 0, ());
     p.start().unwrap();
     p.join(None).unwrap();
-    let e = p.error().expect("Process::error after an exit without a report");
+    let e = p
+        .error()
+        .expect("Process::error after an exit without a report");
     assert_names_init("Process", &e);
 
     // Pool

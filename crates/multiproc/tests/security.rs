@@ -169,7 +169,10 @@ fn probe_as_both_users(
 #[test]
 #[ignore = "needs root"]
 fn the_manager_refuses_a_client_of_another_uid() {
-    assert!(is_root(), "the_manager_refuses_a_client_of_another_uid needs root (setuid needs root); CI runs it as root");
+    assert!(
+        is_root(),
+        "the_manager_refuses_a_client_of_another_uid needs root (setuid needs root); CI runs it as root"
+    );
     common::run(DEADLINE, || {
         multiproc::set_sharing_strategy(SharingStrategy::FileSystem);
         let t = Tensor::full(&[16], 1.0, DType::F32).unwrap();
@@ -276,7 +279,10 @@ fn scenario_squatted_manager_address() {
 #[test]
 #[ignore = "needs root"]
 fn a_client_refuses_a_manager_of_another_uid() {
-    assert!(is_root(), "a_client_refuses_a_manager_of_another_uid needs root (setuid needs root); CI runs it as root");
+    assert!(
+        is_root(),
+        "a_client_refuses_a_manager_of_another_uid needs root (setuid needs root); CI runs it as root"
+    );
     common::run(DEADLINE, || {
         let addr = format!(
             "multiproc-shm-{}-{}-squatted{:x}",

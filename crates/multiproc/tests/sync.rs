@@ -73,13 +73,22 @@ fn barrier_of_four() {
 /// once, sets `go`: the semaphore must admit two (and the 20 rounds after it never more).
 fn bounded_work(
     rank: usize,
-    (sem, inside, most, entered, go): (Semaphore, Value<u32>, Value<u32>, SimpleQueue<usize>, Event),
+    (sem, inside, most, entered, go): (
+        Semaphore,
+        Value<u32>,
+        Value<u32>,
+        SimpleQueue<usize>,
+        Event,
+    ),
 ) {
     assert!(sem.acquire(Some(Duration::from_secs(30))).expect("acquire"));
     let now = inside.update(|n| n + 1).expect("update");
     most.update(|m| m.max(now)).expect("update");
     entered.put(rank).expect("put");
-    assert!(go.wait(Some(Duration::from_secs(30))).expect("wait"), "go never came");
+    assert!(
+        go.wait(Some(Duration::from_secs(30))).expect("wait"),
+        "go never came"
+    );
     inside.update(|n| n - 1).expect("update");
     sem.release().expect("release");
     for _ in 0..20 {
@@ -100,11 +109,22 @@ fn semaphore_bounds_concurrency() {
         let most = Value::new(0u32).unwrap();
         let entered = SimpleQueue::new().unwrap();
         let go = Event::new().unwrap();
-        let args = (sem, inside.clone(), most.clone(), entered.clone(), go.clone());
+        let args = (
+            sem,
+            inside.clone(),
+            most.clone(),
+            entered.clone(),
+            go.clone(),
+        );
         let mut ctx = start_processes(bounded_work, args, 5, StartMethod::Spawn).unwrap();
         // Two workers are inside at once (each waits for `go` before leaving).
         let first: Vec<usize> = (0..2).map(|_| entered.get().unwrap()).collect();
-        assert_eq!(inside.get(), 2, "workers {first:?} entered, but {} are inside", inside.get());
+        assert_eq!(
+            inside.get(),
+            2,
+            "workers {first:?} entered, but {} are inside",
+            inside.get()
+        );
         go.set();
         for _ in 2..5 {
             entered.get().unwrap();

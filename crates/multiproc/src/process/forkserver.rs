@@ -316,8 +316,15 @@ fn serve(sock: OwnedFd) -> Result<()> {
             // The client is gone: so are we (our children follow by their death signal).
             Err(Error::Closed(_)) => return Ok(()),
             // A bad packet is consumed; the next one may be fine.
-            Err(e @ (Error::InvalidMessage(_) | Error::FdLimit(_))) => {
+            Err(e @ Error::InvalidMessage(_)) => {
                 eprintln!("multiproc fork server: dropped a request: {e}");
+                continue;
+            }
+            // At its fd limit the request stays queued: drop it (its client sees its
+            // status socket close) rather than spin on it.
+            Err(e @ Error::FdLimit { .. }) => {
+                eprintln!("multiproc fork server: dropped a request: {e}");
+                crate::sys::socket::discard_packet(sock.as_fd());
                 continue;
             }
             Err(e) => return Err(e),

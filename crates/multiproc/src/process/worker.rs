@@ -51,7 +51,14 @@ const EXIT_NO_JOB: i32 = 2;
 ///
 /// In `cargo test` integration tests, libtest owns `main`: use [`test_init!`](crate::test_init)
 /// instead.
+///
+/// `init` also raises this process's soft `RLIMIT_NOFILE` to its hard limit, as the Go
+/// runtime does: every received large tensor and every queue end is an open fd, and the
+/// usual soft limit of 1024 is far below what the kernel allows. Workers inherit the
+/// raised limit. Set `MULTIPROC_KEEP_NOFILE_LIMIT=1` to keep the soft limit as it is
+/// (for a program that still uses `select(2)`, whose fd sets stop at 1024).
 pub fn init() {
+    raise_nofile_limit();
     let Some(role) = std::env::var_os(ROLE_VAR) else {
         return;
     };
@@ -73,6 +80,28 @@ pub fn init() {
             );
             std::process::exit(EXIT_NO_JOB)
         }
+    }
+}
+
+/// Turns `init`'s raising of the soft fd limit off.
+pub(crate) const KEEP_NOFILE_VAR: &str = "MULTIPROC_KEEP_NOFILE_LIMIT";
+
+/// Raises the soft `RLIMIT_NOFILE` to the hard limit, unless [`KEEP_NOFILE_VAR`] is set
+/// to something other than `0` or empty. Best effort: a failure leaves the limit as it was.
+fn raise_nofile_limit() {
+    if std::env::var_os(KEEP_NOFILE_VAR).is_some_and(|v| !v.is_empty() && v != "0") {
+        return;
+    }
+    use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
+    let limit = getrlimit(Resource::Nofile);
+    if limit.current != limit.maximum {
+        let _ = setrlimit(
+            Resource::Nofile,
+            Rlimit {
+                current: limit.maximum,
+                maximum: limit.maximum,
+            },
+        );
     }
 }
 
@@ -159,7 +188,9 @@ pub(crate) fn run_worker(sock: OwnedFd) -> i32 {
     let report = match report {
         Report::Raised { mut message } if !helpers.is_empty() => {
             for (thread, text) in &helpers {
-                message.push_str(&format!("\n(before that, thread '{thread}' panicked: {text})"));
+                message.push_str(&format!(
+                    "\n(before that, thread '{thread}' panicked: {text})"
+                ));
             }
             Report::Raised { message }
         }

@@ -70,9 +70,9 @@ use std::sync::Arc;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 pub(crate) use cache::{CacheKey, flush_retained, release_before_exit};
-pub(crate) use pool::release_idle as release_idle_blocks;
 pub(crate) use name::SegmentName;
 pub(crate) use pool::allocate;
+pub(crate) use pool::release_idle as release_idle_blocks;
 #[cfg(test)]
 pub(crate) use pool::small_max as allocate_small_max;
 pub(crate) use segment::BLOCK_MAGIC_BYTES;
@@ -311,8 +311,16 @@ fn receive_fd(fd: BorrowedFd<'_>, offset: u64, end: u64, as_block: bool) -> Resu
     if segment.is_block() != as_block {
         return Err(Error::InvalidMessage(format!(
             "a received tensor's handle names a {} but the segment is mapped here as a {}",
-            if as_block { "pooled block" } else { "plain segment" },
-            if as_block { "plain segment" } else { "pooled block" },
+            if as_block {
+                "pooled block"
+            } else {
+                "plain segment"
+            },
+            if as_block {
+                "plain segment"
+            } else {
+                "pooled block"
+            },
         )));
     }
     check_claim(&segment, end)?;

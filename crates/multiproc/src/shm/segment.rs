@@ -108,24 +108,6 @@ pub(crate) struct Segment {
     is_block: bool,
 }
 
-/// Turns "too many open files" into [`Error::FdLimit`] naming the limit and the way out.
-fn fd_limit_advice(e: Error) -> Error {
-    if matches!(e.errno(), Some(libc::EMFILE) | Some(libc::ENFILE)) {
-        let limit = rustix::process::getrlimit(rustix::process::Resource::Nofile)
-            .current
-            .map_or("unlimited".to_owned(), |v| v.to_string());
-        let in_use = std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count());
-        Error::FdLimit(format!(
-            "cannot share a tensor: this process has {in_use} files open, at its RLIMIT_NOFILE \
-             soft limit {limit}; every large file_descriptor segment is an open fd — raise \
-             `ulimit -n`, drop tensors sooner, or use the file_system strategy \
-             (set_sharing_strategy(SharingStrategy::FileSystem)) ({e})"
-        ))
-    } else {
-        e
-    }
-}
-
 fn pid() -> i32 {
     crate::sys::process::cached_pid() as i32
 }
@@ -134,7 +116,7 @@ impl Segment {
     /// Creates an anonymous segment of `len > 0` bytes: a memfd whose pages are
     /// reserved and whose size is sealed.
     pub(crate) fn create_anonymous(len: usize) -> Result<Segment> {
-        let fd = memfd::create("multiproc-tensor", len as u64).map_err(fd_limit_advice)?;
+        let fd = memfd::create("multiproc-tensor", len as u64)?;
         memfd::seal_size(fd.as_fd())?;
         let st = rustix::fs::fstat(&fd).map_err(|e| Error::os("fstat of a new memfd", e))?;
         let mapping = SharedMapping::map(fd.as_fd(), len)?;
@@ -188,6 +170,9 @@ impl Segment {
             fd.as_fd(),
             total as u64,
             &format!("the shared-memory segment {path}"),
+            memfd::Place::DevShm {
+                header: HEADER_LEN as u64,
+            },
         )
         .and_then(|()| SharedMapping::map(fd.as_fd(), total));
         let mapping = match made {

@@ -78,7 +78,10 @@ impl SharedMapping {
     pub(crate) fn populate_range(&self, offset: u64, len: u64) {
         let page = page_size() as u64;
         let start = (offset / page * page).min(self.len as u64);
-        let end = offset.saturating_add(len).next_multiple_of(page).min(self.len as u64);
+        let end = offset
+            .saturating_add(len)
+            .next_multiple_of(page)
+            .min(self.len as u64);
         if end <= start {
             return;
         }

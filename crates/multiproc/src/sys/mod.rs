@@ -10,6 +10,7 @@
 
 pub(crate) mod daemon;
 pub(crate) mod memfd;
+pub(crate) mod memlimit;
 pub(crate) mod mmap;
 pub(crate) mod process;
 pub(crate) mod socket;

@@ -350,7 +350,7 @@ pub(crate) fn encode<T: Serialize + ?Sized>(value: &T) -> Result<Encoded> {
     })?;
     let nfds = fds.len();
     if nfds > MAX_FDS_PER_PACKET - 1 {
-        return Err(Error::FdLimit(format!(
+        return Err(Error::Encode(format!(
             "a message would carry {nfds} file descriptors but one message carries at most {}: \
              send fewer unshared-storage tensors or queues per message, or use the file_system sharing strategy",
             MAX_FDS_PER_PACKET - 1
