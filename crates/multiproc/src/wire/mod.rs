@@ -668,6 +668,20 @@ impl Opaque {
 }
 
 impl Opaque {
+    /// A copy that can be sent independently, when the value holds no handles (no fds,
+    /// no references taken for a receiver): then it is only bytes. `None` otherwise —
+    /// a handle's references can be handed to one receiver only.
+    pub(crate) fn try_clone_plain(&self) -> Option<Opaque> {
+        if !self.fds.is_empty() || !self.undo_list().is_empty() {
+            return None;
+        }
+        Some(Opaque {
+            bytes: self.bytes.clone(),
+            fds: Vec::new(),
+            on_unsent: Arc::new(Mutex::new(Vec::new())),
+        })
+    }
+
     fn undo_list(&self) -> MutexGuard<'_, Vec<Undo>> {
         self.on_unsent.lock().unwrap_or_else(|p| p.into_inner())
     }
