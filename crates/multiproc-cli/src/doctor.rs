@@ -16,7 +16,14 @@ struct Check {
 
 /// Runs every check, prints them, and returns whether all passed.
 pub fn run() -> bool {
-    let checks = [shm_space(), fd_limit(), memfd(), manager(), leftovers()];
+    let checks = [
+        shm_space(),
+        memory_limit(),
+        fd_limit(),
+        memfd(),
+        manager(),
+        leftovers(),
+    ];
     let mut healthy = true;
     for c in &checks {
         healthy &= c.ok;
@@ -89,6 +96,91 @@ fn shm_space() -> Check {
                 "mount a tmpfs on /dev/shm, or use only the file_descriptor strategy".into(),
             ),
         },
+    }
+}
+
+/// Below this much room under the memory limit, sharing real tensors will fail soon.
+const MEMORY_MIN: u64 = 1 << 30;
+
+/// The memory cgroup limit (v2 `memory.max` along the ancestry, or v1
+/// `memory.limit_in_bytes`) and `MemAvailable`: multiproc refuses a shared tensor
+/// larger than the room left under the tighter of the two.
+fn memory_limit() -> Check {
+    fn read(path: &std::path::Path) -> Option<u64> {
+        std::fs::read_to_string(path).ok()?.trim().parse().ok()
+    }
+    let mut cgroup: Option<(u64, u64, String)> = None;
+    let mut consider = |dir: &std::path::Path, max: &str, cur: &str| {
+        if let Some(limit) = read(&dir.join(max)).filter(|&m| m < 1 << 62) {
+            let used = read(&dir.join(cur)).unwrap_or(0);
+            if cgroup
+                .as_ref()
+                .is_none_or(|c| limit - used.min(limit) < c.0 - c.1.min(c.0))
+            {
+                cgroup = Some((limit, used, dir.join(max).display().to_string()));
+            }
+        }
+    };
+    for line in std::fs::read_to_string("/proc/self/cgroup")
+        .unwrap_or_default()
+        .lines()
+    {
+        let mut parts = line.splitn(3, ':');
+        let (Some(_), Some(ctl), Some(path)) = (parts.next(), parts.next(), parts.next()) else {
+            continue;
+        };
+        if ctl.is_empty() {
+            let mut dir =
+                std::path::PathBuf::from("/sys/fs/cgroup").join(path.trim_start_matches('/'));
+            loop {
+                consider(&dir, "memory.max", "memory.current");
+                if dir == std::path::Path::new("/sys/fs/cgroup") || !dir.pop() {
+                    break;
+                }
+            }
+        } else if ctl.split(',').any(|c| c == "memory") {
+            let root = std::path::Path::new("/sys/fs/cgroup/memory");
+            consider(
+                &root.join(path.trim_start_matches('/')),
+                "memory.limit_in_bytes",
+                "memory.usage_in_bytes",
+            );
+            consider(root, "memory.limit_in_bytes", "memory.usage_in_bytes");
+        }
+    }
+    let available = std::fs::read_to_string("/proc/meminfo").ok().and_then(|m| {
+        m.lines()
+            .find_map(|l| l.strip_prefix("MemAvailable:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+            .map(|kib| kib * 1024)
+    });
+    let room = match (&cgroup, available) {
+        (Some((limit, used, _)), Some(a)) => (limit - (*used).min(*limit)).min(a),
+        (Some((limit, used, _)), None) => limit - (*used).min(*limit),
+        (None, Some(a)) => a,
+        (None, None) => u64::MAX,
+    };
+    let ok = room >= MEMORY_MIN;
+    let cgroup_text = match &cgroup {
+        Some((limit, used, file)) => format!(
+            "cgroup limit {} ({} used, {file})",
+            human(*limit),
+            human(*used)
+        ),
+        None => "no cgroup memory limit".into(),
+    };
+    Check {
+        name: "memory",
+        ok,
+        detail: format!(
+            "{cgroup_text}; MemAvailable {}",
+            available.map_or("unknown".into(), human)
+        ),
+        advice: (!ok).then(|| {
+            "shared tensors larger than the room left are refused (OutOfSharedMemory): raise the \
+             container's memory limit (docker --memory, systemd MemoryMax=) or free memory"
+                .into()
+        }),
     }
 }
 

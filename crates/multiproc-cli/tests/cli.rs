@@ -59,6 +59,12 @@ fn doctor_starts_a_throwaway_manager_and_its_exit_code_matches_its_verdict() {
         line.starts_with("[ ok ]"),
         "a manager can start here:\n{text}"
     );
+    // The memory limit that shared tensors are checked against is reported.
+    assert!(
+        text.lines()
+            .any(|l| l.contains("] memory") && l.contains("MemAvailable")),
+        "doctor reports the memory limit:\n{text}"
+    );
     // Exit code: 0 exactly when every check passed.
     let failed = text.lines().any(|l| l.starts_with("[FAIL]"));
     assert_eq!(out.status.code(), Some(i32::from(failed)), "{text}");

@@ -112,11 +112,30 @@ pub enum Error {
     #[error("cannot encode message: {0}")]
     Encode(String),
     /// Shared memory could not be reserved (a full `/dev/shm`, a memory limit).
-    #[error("{0}")]
-    OutOfSharedMemory(String),
-    /// Too many file descriptors.
-    #[error("{0}")]
-    FdLimit(String),
+    #[error("{message}")]
+    OutOfSharedMemory {
+        /// The bytes asked for.
+        size: u64,
+        /// The bytes that were left under the limit, where known.
+        limit: Option<u64>,
+        /// Which limit: `"cgroup memory.max"`, `"MemAvailable"`, `"/dev/shm"`.
+        limit_source: String,
+        /// What was being made, the figures, and what to do.
+        message: String,
+    },
+    /// Too many file descriptors: the process is at its `RLIMIT_NOFILE` soft limit (or
+    /// the system at its file table limit).
+    #[error("{context}: {}", fd_limit_advice(*.soft, *.hard, *.in_use))]
+    FdLimit {
+        /// The `RLIMIT_NOFILE` soft limit (`None`: unlimited or unknown).
+        soft: Option<u64>,
+        /// The hard limit (`None`: unlimited or unknown).
+        hard: Option<u64>,
+        /// The fds this process had open.
+        in_use: usize,
+        /// What multiproc was doing, with the values involved.
+        context: String,
+    },
     /// A tensor operation got arguments it cannot work with (shape, dtype, bounds).
     #[error("{0}")]
     Tensor(String),
@@ -338,10 +357,62 @@ impl fmt::Display for Failure {
     }
 }
 
+/// The figures and the ways out of an [`Error::FdLimit`].
+fn fd_limit_advice(soft: Option<u64>, hard: Option<u64>, in_use: usize) -> String {
+    let show = |v: Option<u64>| v.map_or("unlimited".to_string(), |v| v.to_string());
+    format!(
+        "too many open files: this process has {in_use} open, its RLIMIT_NOFILE soft limit is {} \
+         (hard {}); raise it (`ulimit -n {}`; multiproc::init raises the soft limit to the \
+         hard one unless MULTIPROC_KEEP_NOFILE_LIMIT=1), drop received tensors sooner, or use \
+         the file_system sharing strategy (one fd per tensor only while it is being sent)",
+        show(soft),
+        show(hard),
+        show(hard),
+    )
+}
+
+/// This process's `RLIMIT_NOFILE` (soft, hard; `None` for unlimited) and its open fds.
+pub(crate) fn fd_usage() -> (Option<u64>, Option<u64>, usize) {
+    let limit = rustix::process::getrlimit(rustix::process::Resource::Nofile);
+    let in_use = crate::sys::process::open_fd_count(limit.current);
+    (limit.current, limit.maximum, in_use)
+}
+
 impl Error {
-    /// An [`Error::Os`] from a system error and what we were doing.
+    /// An [`Error::FdLimit`] for `context`, with this process's limits and fd count.
+    pub(crate) fn fd_limit(context: impl Into<String>) -> Self {
+        let (soft, hard, in_use) = fd_usage();
+        Error::FdLimit {
+            soft,
+            hard,
+            in_use,
+            context: context.into(),
+        }
+    }
+
+    /// An [`Error::OutOfSharedMemory`].
+    pub(crate) fn out_of_shared_memory(
+        size: u64,
+        limit: Option<u64>,
+        limit_source: impl Into<String>,
+        message: impl Into<String>,
+    ) -> Self {
+        Error::OutOfSharedMemory {
+            size,
+            limit,
+            limit_source: limit_source.into(),
+            message: message.into(),
+        }
+    }
+
+    /// An [`Error::Os`] from a system error and what we were doing; "too many open
+    /// files" (`EMFILE`, `ENFILE`) is an [`Error::FdLimit`] instead, wherever it comes
+    /// from.
     pub(crate) fn os(context: impl Into<String>, err: impl Into<std::io::Error>) -> Self {
         let err = err.into();
+        if matches!(err.raw_os_error(), Some(libc::EMFILE) | Some(libc::ENFILE)) {
+            return Error::fd_limit(format!("{} ({err})", context.into()));
+        }
         Error::Os {
             context: context.into(),
             message: err.to_string(),
@@ -518,9 +589,9 @@ mod tests {
 
     #[test]
     fn an_os_error_keeps_its_io_error_as_source_across_serde() {
-        let io = std::io::Error::from_raw_os_error(libc::EMFILE);
+        let io = std::io::Error::from_raw_os_error(libc::ENOENT);
         let err = Error::os("opening a segment", io);
-        assert_eq!(err.errno(), Some(libc::EMFILE));
+        assert_eq!(err.errno(), Some(libc::ENOENT));
         let again = round_trip(&err);
         assert_eq!(again, err);
         let source = std::error::Error::source(&again).expect("a source");
@@ -528,7 +599,7 @@ mod tests {
         let Error::Os { source, .. } = again else {
             panic!()
         };
-        assert_eq!(source.io_error().raw_os_error(), Some(libc::EMFILE));
+        assert_eq!(source.io_error().raw_os_error(), Some(libc::ENOENT));
         // Without an errno the text survives.
         let other = Error::from(std::io::Error::other("no such widget"));
         assert!(other.to_string().ends_with("no such widget"), "{other}");

@@ -411,6 +411,11 @@ linux_only! {
     #[doc(hidden)]
     #[path = "fuzzing.rs"]
     pub mod __fuzz;
+    /// Not public API: hooks for the integration tests' leak checks. May change or vanish
+    /// in any release.
+    #[doc(hidden)]
+    #[path = "testing.rs"]
+    pub mod __testing;
     pub mod cuda;
     pub mod data;
     mod error;

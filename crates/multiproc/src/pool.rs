@@ -2,9 +2,14 @@
 //!
 //! The parent owns a dispatcher thread and, per worker, a process and a pipe. The
 //! dispatcher hands each worker one chunk of tasks at a time and remembers which chunk
-//! is where, so when a worker dies mid-task (a signal, the OOM killer, `exit`) exactly
-//! that chunk fails with the cause and the worker is replaced — the pool never hangs,
-//! unlike Python's and torch's. A task that panics or returns `Err` fails alone.
+//! is where; the worker reports each task's result as soon as it finishes. So when a
+//! worker dies mid-task (a signal, the OOM killer, `exit`) exactly the task it was
+//! running fails, with the cause, and the worker is replaced — the pool never hangs,
+//! unlike Python's and torch's. The tasks of that chunk that had finished keep their
+//! results; the ones after it, not yet started, are rerun on the fresh worker when
+//! their arguments are plain data, and fail (saying they never ran) when they hold
+//! shared handles (tensors, queues), whose references only one receiver may adopt. A
+//! task that panics or returns `Err` fails alone.
 //!
 //! Task functions are plain `fn(A) -> Result<R, E>`: they cross the process boundary as
 //! code offsets (see [`CodeRef`]); arguments and results are wire values, so tensors in
@@ -50,29 +55,48 @@ const TICK: Duration = Duration::from_millis(100);
 /// What travels between the dispatcher and a worker (one type, both directions).
 #[derive(Debug, Serialize, Deserialize)]
 enum PoolMsg {
-    /// Run `function` over the decoded chunk of arguments.
+    /// Run `function` over the decoded chunk of arguments, from its item `skip` on
+    /// (the earlier ones ran on a worker that died).
     Chunk {
         job: u64,
         first: usize,
+        skip: usize,
         trampoline: CodeRef,
         function: CodeRef,
         args: Opaque,
     },
-    /// The outcome of a chunk: per task, the encoded result or the failure text; or a
-    /// failure of the whole chunk (its arguments could not be decoded).
+    /// The outcome of task `index` (of the whole job): its encoded result or the
+    /// failure text. Sent as soon as the task finishes.
+    TaskDone {
+        job: u64,
+        index: usize,
+        outcome: std::result::Result<Opaque, String>,
+    },
+    /// The chunk is over: every task reported, or (`Err`) the chunk could not run (its
+    /// arguments could not be decoded) and the unreported tasks fail with the text.
     Done {
         job: u64,
         first: usize,
-        outcome: std::result::Result<Opaque, String>,
+        outcome: std::result::Result<(), String>,
     },
     /// Finish: exit once this is read.
     Stop,
 }
 
-type ChunkTrampoline = fn(CodeRef, Opaque) -> std::result::Result<Opaque, String>;
+/// Where a chunk trampoline reports each finished task: `(position in the chunk,
+/// outcome)`; `false` back means stop (the parent is gone).
+type Report<'a> = &'a mut dyn FnMut(usize, std::result::Result<Opaque, String>) -> bool;
 
-/// Decodes a chunk of `A`, runs `f` on each under `catch_unwind`, encodes the results.
-fn run_chunk<A, R, E>(function: CodeRef, args: Opaque) -> std::result::Result<Opaque, String>
+type ChunkTrampoline = fn(CodeRef, Opaque, usize, Report<'_>) -> std::result::Result<(), String>;
+
+/// Decodes a chunk of `A`, runs `f` under `catch_unwind` on each from item `skip` on,
+/// and reports each result as it comes.
+fn run_chunk<A, R, E>(
+    function: CodeRef,
+    args: Opaque,
+    skip: usize,
+    report: Report<'_>,
+) -> std::result::Result<(), String>
 where
     A: Serialize + DeserializeOwned,
     R: Serialize + DeserializeOwned,
@@ -85,9 +109,13 @@ where
     // these types (this trampoline is the one monomorphized for them) in the same
     // executable, which `CodeRef` checks.
     let f = unsafe { function.resolve::<fn(A) -> std::result::Result<R, E>>() }?;
-    let results: Vec<std::result::Result<Opaque, String>> =
-        items.into_iter().map(|a| run_task(|| f(a))).collect();
-    Opaque::encode(&results).map_err(|e| format!("cannot encode the task's results: {e}"))
+    for (k, a) in items.into_iter().enumerate().skip(skip) {
+        let outcome = run_task(|| f(a));
+        if !report(k, outcome) {
+            break;
+        }
+    }
+    Ok(())
 }
 
 /// Runs one task under `catch_unwind` and encodes its result or says how it failed.
@@ -135,6 +163,7 @@ fn pool_worker(_rank: usize, args: WorkerArgs) -> std::result::Result<(), String
         let PoolMsg::Chunk {
             job,
             first,
+            skip,
             trampoline,
             function,
             args: chunk,
@@ -142,10 +171,23 @@ fn pool_worker(_rank: usize, args: WorkerArgs) -> std::result::Result<(), String
         else {
             return Ok(());
         };
+        let mut parent_gone = false;
+        let mut report = |k: usize, outcome| {
+            let sent = args.conn.send(PoolMsg::TaskDone {
+                job,
+                index: first + k,
+                outcome,
+            });
+            parent_gone = sent.is_err();
+            !parent_gone
+        };
         let outcome = match unsafe_resolve_trampoline(trampoline) {
-            Ok(t) => t(function, chunk),
+            Ok(t) => t(function, chunk, skip, &mut report),
             Err(e) => Err(e),
         };
+        if parent_gone {
+            return Ok(());
+        }
         if args
             .conn
             .send(PoolMsg::Done {
@@ -219,6 +261,8 @@ struct Pending {
     job: u64,
     first: usize,
     len: usize,
+    /// Items of the chunk already run (by a worker that died running the next one).
+    skip: usize,
     trampoline: CodeRef,
     function: CodeRef,
     args: Opaque,
@@ -390,6 +434,7 @@ impl Pool {
                 job,
                 first,
                 len,
+                skip: 0,
                 trampoline,
                 function,
                 args: Opaque::encode(&chunk)?,
@@ -808,12 +853,24 @@ fn with_index(e: Error, index: usize) -> Error {
     }
 }
 
+/// A chunk on a worker, and how far it got.
+struct Running {
+    job: u64,
+    first: usize,
+    len: usize,
+    /// The next task of the chunk to report (its index in the job): the one running.
+    next: usize,
+    /// What it takes to rerun the chunk's unstarted tasks elsewhere, when its
+    /// arguments are plain data (see the module docs).
+    retry: Option<(CodeRef, CodeRef, Opaque)>,
+}
+
 /// One worker process and the parent's end of its pipe.
 struct Worker {
     process: Process,
     conn: Connection<PoolMsg>,
-    /// The chunk it is running: `(job, first, len)`.
-    running: Option<(u64, usize, usize)>,
+    /// The chunk it is running.
+    running: Option<Running>,
     chunks_done: u64,
     rank: usize,
 }
@@ -847,7 +904,11 @@ impl Worker {
     fn death_cause(&mut self) -> String {
         let pid = self.process.pid().unwrap_or(0);
         match self.process.join(Some(Duration::from_secs(5))) {
-            Ok(status) => format!("pool worker (pid {pid}) {status} while running it"),
+            Ok(status) => match self.process.error() {
+                // It exited 0 without a report: say why (a missing `init`).
+                Some(e) if status.success() => format!("pool worker (pid {pid}): {e}"),
+                _ => format!("pool worker (pid {pid}) {status} while running it"),
+            },
             Err(e) if e.is_timeout() => {
                 let _ = self.process.kill();
                 let _ = self.process.join(Some(Duration::from_secs(5)));
@@ -911,21 +972,32 @@ impl Dispatcher {
             let Some(chunk) = self.lock().queue.pop_front() else {
                 return Ok(());
             };
-            let meta = (chunk.job, chunk.first, chunk.len);
+            let running = Running {
+                job: chunk.job,
+                first: chunk.first,
+                len: chunk.len,
+                next: chunk.first + chunk.skip,
+                retry: chunk
+                    .args
+                    .try_clone_plain()
+                    .map(|a| (chunk.trampoline, chunk.function, a)),
+            };
             let msg = PoolMsg::Chunk {
                 job: chunk.job,
                 first: chunk.first,
+                skip: chunk.skip,
                 trampoline: chunk.trampoline,
                 function: chunk.function,
                 args: chunk.args,
             };
             match self.workers[i].conn.send(msg) {
-                Ok(()) => self.workers[i].running = Some(meta),
+                Ok(()) => self.workers[i].running = Some(running),
                 Err(back) => {
                     // The worker is gone; requeue the chunk and let the death be handled.
                     if let PoolMsg::Chunk {
                         job,
                         first,
+                        skip,
                         trampoline,
                         function,
                         args,
@@ -934,7 +1006,8 @@ impl Dispatcher {
                         self.lock().queue.push_front(Pending {
                             job,
                             first,
-                            len: meta.2,
+                            len: running.len,
+                            skip,
                             trampoline,
                             function,
                             args,
@@ -968,72 +1041,105 @@ impl Dispatcher {
                 self.collect(i);
             } else if !self.workers[i].process.is_alive() {
                 // Forked workers share fds with their siblings, so a death may not
-                // close the pipe: the liveness check catches it.
+                // close the pipe: the liveness check catches it. Take in what it
+                // reported before it died first.
+                self.collect(i);
+                if self.workers[i].process.is_alive() {
+                    continue; // `collect` replaced it (its pipe closed)
+                }
                 let cause = self.workers[i].death_cause();
                 self.replace(i, Some(cause));
             }
         }
     }
 
-    /// Reads what worker `i` sent: a result, or the end of its pipe.
+    /// Reads everything worker `i` has sent: results, the end of a chunk, or the end of
+    /// its pipe (then it is replaced).
     fn collect(&mut self, i: usize) {
-        match self.workers[i].conn.try_recv() {
-            Ok(Some(PoolMsg::Done {
-                job,
-                first,
-                outcome,
-            })) => {
-                let Some((rjob, rfirst, len)) = self.workers[i].running.take() else {
+        loop {
+            match self.workers[i].conn.try_recv() {
+                Ok(Some(PoolMsg::TaskDone {
+                    job,
+                    index,
+                    outcome,
+                })) => {
+                    let Some(running) = self.workers[i].running.as_mut() else {
+                        continue;
+                    };
+                    let in_chunk = running.first..running.first + running.len;
+                    if job != running.job || index != running.next || !in_chunk.contains(&index) {
+                        tracing::warn!(
+                            "pool worker {} reported task {index} of job {job}, which it was not running",
+                            self.workers[i].rank
+                        );
+                        continue;
+                    }
+                    running.next += 1;
+                    let result = outcome.map_err(|message| Error::TaskFailed { index, message });
+                    self.route(job, index, vec![result]);
+                }
+                Ok(Some(PoolMsg::Done {
+                    job,
+                    first,
+                    outcome,
+                })) => {
+                    let Some(running) = self.workers[i].running.take() else {
+                        continue;
+                    };
+                    if (running.job, running.first) != (job, first) {
+                        tracing::warn!(
+                            "pool worker {} ended a chunk it was not running",
+                            self.workers[i].rank
+                        );
+                    }
+                    // Tasks it never reported: the chunk could not run (`Err`), or a
+                    // worker that lost track of them.
+                    let message = outcome
+                        .err()
+                        .unwrap_or_else(|| "its pool worker never reported it".into());
+                    self.fail_rest(&running, running.next, &message);
+                    self.workers[i].chunks_done += 1;
+                    if self
+                        .options
+                        .max_tasks_per_child
+                        .is_some_and(|m| self.workers[i].chunks_done >= m)
+                    {
+                        // It exits by itself after this chunk; start its successor.
+                        let _ = self.workers[i].process.join(Some(Duration::from_secs(5)));
+                        self.replace(i, None);
+                        return;
+                    }
+                }
+                Ok(Some(_)) => {}
+                Ok(None) => return,
+                Err(Error::Closed(_)) => {
+                    let cause = self.workers[i].death_cause();
+                    self.replace(i, Some(cause));
                     return;
-                };
-                if (rjob, rfirst) != (job, first) {
-                    tracing::warn!(
-                        "pool worker {} answered for a chunk it was not running",
-                        self.workers[i].rank
-                    );
                 }
-                let results = match outcome.and_then(|o| {
-                    o.decode::<Vec<std::result::Result<Opaque, String>>>()
-                        .map_err(|e| format!("cannot decode the results: {e}"))
-                }) {
-                    Ok(rs) => rs
-                        .into_iter()
-                        .enumerate()
-                        .map(|(k, r)| {
-                            r.map_err(|message| Error::TaskFailed {
-                                index: rfirst + k,
-                                message,
-                            })
-                        })
-                        .collect(),
-                    Err(message) => (0..len)
-                        .map(|k| {
-                            Err(Error::TaskFailed {
-                                index: rfirst + k,
-                                message: message.clone(),
-                            })
-                        })
-                        .collect(),
-                };
-                self.route(rjob, rfirst, results);
-                self.workers[i].chunks_done += 1;
-                if self
-                    .options
-                    .max_tasks_per_child
-                    .is_some_and(|m| self.workers[i].chunks_done >= m)
-                {
-                    // It exits by itself after this chunk; start its successor.
-                    let _ = self.workers[i].process.join(Some(Duration::from_secs(5)));
-                    self.replace(i, None);
+                Err(e) => {
+                    tracing::warn!("pool worker {}: {e}", self.workers[i].rank);
+                    return;
                 }
             }
-            Ok(Some(_)) | Ok(None) => {}
-            Err(Error::Closed(_)) => {
-                let cause = self.workers[i].death_cause();
-                self.replace(i, Some(cause));
-            }
-            Err(e) => tracing::warn!("pool worker {}: {e}", self.workers[i].rank),
         }
+    }
+
+    /// Fails tasks `from..` of a chunk with `message`.
+    fn fail_rest(&self, running: &Running, from: usize, message: &str) {
+        let end = running.first + running.len;
+        if from >= end {
+            return;
+        }
+        let results = (from..end)
+            .map(|index| {
+                Err(Error::TaskFailed {
+                    index,
+                    message: message.to_string(),
+                })
+            })
+            .collect();
+        self.route(running.job, from, results);
     }
 
     fn route(&self, job: u64, first: usize, results: Vec<Result<Opaque>>) {
@@ -1042,20 +1148,48 @@ impl Dispatcher {
         }
     }
 
-    /// Replaces worker `i` by a fresh process; fails the chunk it was running with
-    /// `cause`.
+    /// Replaces worker `i` by a fresh process. Of the chunk it was running, the task
+    /// it was running fails with `cause`; the ones after it are queued again from
+    /// there, or fail when their arguments cannot be sent twice.
     fn replace(&mut self, i: usize, cause: Option<String>) {
-        if let Some((job, first, len)) = self.workers[i].running.take() {
-            let message = cause.unwrap_or_else(|| "its pool worker was lost".into());
-            let results = (0..len)
-                .map(|k| {
-                    Err(Error::TaskFailed {
-                        index: first + k,
-                        message: message.clone(),
-                    })
-                })
-                .collect();
-            self.route(job, first, results);
+        if let Some(running) = self.workers[i].running.take() {
+            let end = running.first + running.len;
+            if running.next < end {
+                let message = cause.unwrap_or_else(|| "its pool worker was lost".into());
+                let index = running.next;
+                self.route(
+                    running.job,
+                    index,
+                    vec![Err(Error::TaskFailed { index, message })],
+                );
+                let rest = index + 1;
+                if rest < end {
+                    match &running.retry {
+                        Some((trampoline, function, args)) => {
+                            if let Some(args) = args.try_clone_plain() {
+                                self.lock().queue.push_front(Pending {
+                                    job: running.job,
+                                    first: running.first,
+                                    len: running.len,
+                                    skip: rest - running.first,
+                                    trampoline: *trampoline,
+                                    function: *function,
+                                    args,
+                                });
+                            }
+                        }
+                        None => self.fail_rest(
+                            &running,
+                            rest,
+                            &format!(
+                                "not run: its pool worker died while running task {index} of \
+                                 the same chunk, and its arguments hold shared handles, which \
+                                 cannot be sent twice (submit it again)"
+                            ),
+                        ),
+                    }
+                }
+            }
         }
         let _ = self.workers[i].process.kill();
         let _ = self.workers[i].process.join(Some(Duration::from_secs(5)));

@@ -66,6 +66,11 @@ enum HandleWire {
         offset: u64,
         nbytes: u64,
     },
+    Block {
+        index: u32,
+        offset: u64,
+        nbytes: u64,
+    },
 }
 
 #[derive(Serialize)]
@@ -809,7 +814,7 @@ fn random_bytes_from_another_process() {
                     accepted += 1;
                 }
                 Err(e) if e.is_timeout() => panic!("the sender went quiet (seed {seed})"),
-                Err(Error::InvalidMessage(_)) | Err(Error::FdLimit(_)) => refused += 1,
+                Err(Error::InvalidMessage(_)) | Err(Error::FdLimit { .. }) => refused += 1,
                 Err(e) => panic!(
                     "packet {}: unexpected {e} (seed {seed})",
                     refused + accepted
@@ -824,4 +829,161 @@ fn random_bytes_from_another_process() {
         eprintln!("random packets: {refused} refused, {accepted} accepted, 0 crashes");
         ctx.join(Some(WAIT)).unwrap();
     });
+}
+
+/// Forged packets written straight into a bounded queue's socket took no place, so
+/// taking them must give none back: the capacity stays exact.
+#[test]
+fn forged_packets_never_give_a_bounded_queue_extra_places() {
+    common::run(DEADLINE, || {
+        const CAPACITY: u32 = 8;
+        let q = Queue::<u32>::with_capacity(CAPACITY as usize).unwrap();
+        let (_, raw) = capture(q.clone());
+        let tx = raw[0].as_fd();
+        let mut flagged = header(VERSION, INLINE, 0, 3);
+        flagged[6] = 1; // claims a put counted it
+        flagged.extend([0xff, 0xff, 0xff]); // but the payload is no u32
+        let mut forged: Vec<Vec<u8>> = vec![
+            b"random bytes, not a packet".to_vec(),
+            header(VERSION + 1, INLINE, 0, 0),
+            header(VERSION, 7, 0, 0),
+            packet(0, &[0xff, 0xff, 0xff, 0xff, 0xff, 0xff]),
+            flagged,
+        ];
+        let mut seed = 0x5eed_u64;
+        while forged.len() < 20 {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            forged.push(seed.to_le_bytes().to_vec());
+        }
+        for (i, bytes) in forged.iter().enumerate() {
+            send_raw(tx, bytes, &[]);
+            match q.get_timeout(WAIT) {
+                Err(Error::InvalidMessage(_)) => {}
+                other => {
+                    panic!("forged packet {i} ({bytes:?}): expected InvalidMessage, got {other:?}")
+                }
+            }
+        }
+        let mut accepted = 0;
+        for v in 0..CAPACITY + 20 {
+            // A full queue has no place: the put times out at once (nobody gets).
+            match q.put_timeout(v, Duration::from_millis(50)) {
+                Ok(()) => accepted += 1,
+                Err(e) => {
+                    assert!(matches!(e.error, Error::Timeout { .. }), "{:?}", e.error);
+                    break;
+                }
+            }
+        }
+        assert_eq!(
+            accepted, CAPACITY,
+            "a queue of capacity {CAPACITY} accepted {accepted} puts after 20 forged packets"
+        );
+        assert!(q.full());
+        assert_eq!(q.qsize(), CAPACITY as usize);
+        for v in 0..CAPACITY {
+            assert_eq!(q.get_timeout(WAIT).unwrap(), v);
+        }
+        assert_eq!(q.qsize(), 0);
+    });
+}
+
+/// Bytes of a memfd that are allocated (committed), from `st_blocks`.
+fn committed(fd: BorrowedFd<'_>) -> u64 {
+    rustix::fs::fstat(fd).unwrap().st_blocks as u64 * 512
+}
+
+/// A forged "block" handle naming 4 KiB of a huge sparse sealed memfd that starts with
+/// the block magic: the receiver maps and faults in only what the tensor covers.
+#[test]
+fn a_forged_block_handle_over_a_huge_sparse_memfd_commits_only_the_tensor() {
+    common::run(DEADLINE, || {
+        const SPARSE: u64 = 256 << 20;
+        let (here, there) = pipe::<Tensor>().unwrap();
+        let fd = memfd(0, SealFlags::empty());
+        rustix::fs::ftruncate(&fd, SPARSE).unwrap();
+        rustix::io::pwrite(&fd, b"MPBLOCK1", 0).unwrap();
+        rustix::fs::fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)
+            .unwrap();
+        let body = payload(&TensorWire {
+            dtype: F32,
+            shape: vec![1024],
+            strides: vec![1],
+            offset: 0,
+            storage: StorageWire::Segment(HandleWire::Block {
+                index: 0,
+                offset: 4096,
+                nbytes: 4096,
+            }),
+        });
+        let start = Instant::now();
+        send_raw(there.as_fd(), &packet(1, &body), &[fd.as_fd()]);
+        let t = here.recv_timeout(WAIT).expect("the tensor");
+        let took = start.elapsed();
+        assert_eq!(t.sum(), 0.0);
+        let used = committed(fd.as_fd());
+        assert!(
+            used <= 64 << 10,
+            "receiving a 4 KiB tensor committed {used} bytes of a {SPARSE}-byte sparse memfd (took {took:?})"
+        );
+        eprintln!("forged block handle: {used} bytes committed, received in {took:?}");
+        drop(t);
+
+        // The same file, now named by a plain handle, is refused: it is mapped here as
+        // a block (kept mapped for a while), and the handle decides the kind.
+        let body = fd_tensor(F32, &[1024], &[1], 0, 4096);
+        send_raw(there.as_fd(), &packet(1, &body), &[fd.as_fd()]);
+        assert_says(&refused(&here), &["names a plain segment", "pooled block"]);
+        // Another such file named by a plain handle is a plain segment whatever its
+        // magic says: only the claimed range is mapped, and nothing is faulted in.
+        let other = memfd(0, SealFlags::empty());
+        rustix::fs::ftruncate(&other, SPARSE).unwrap();
+        rustix::io::pwrite(&other, b"MPBLOCK1", 0).unwrap();
+        rustix::fs::fcntl_add_seals(
+            &other,
+            SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL,
+        )
+        .unwrap();
+        send_raw(there.as_fd(), &packet(1, &body), &[other.as_fd()]);
+        let t = here.recv_timeout(WAIT).expect("the tensor");
+        assert_eq!(t.numel(), 1024);
+        assert!(committed(other.as_fd()) <= 64 << 10);
+        drop(t);
+        tensor_channel_works(&here, &there);
+    });
+}
+
+/// A message payload "spilled" into a sealed but sparse memfd is refused before a byte
+/// of it is read.
+#[test]
+fn a_sparse_payload_memfd_is_refused_before_it_is_read() {
+    common::run(DEADLINE, || {
+        const LEN: u32 = 64 << 20;
+        let (here, there) = pipe::<Vec<u8>>().unwrap();
+        let fd = memfd(0, SealFlags::empty());
+        rustix::fs::ftruncate(&fd, u64::from(LEN)).unwrap();
+        rustix::fs::fcntl_add_seals(
+            &fd,
+            SealFlags::SHRINK | SealFlags::GROW | SealFlags::WRITE | SealFlags::SEAL,
+        )
+        .unwrap();
+        let start = Instant::now();
+        send_raw(
+            there.as_fd(),
+            &header(VERSION, MEMFD, 0, LEN),
+            &[fd.as_fd()],
+        );
+        let why = refused(&here);
+        eprintln!("sparse payload memfd refused in {:?}", start.elapsed());
+        assert_says(&why, &["sparse", "refusing to read it"]);
+        assert_eq!(committed(fd.as_fd()), 0, "nothing was read into it");
+        tensor_channel_works_for_bytes(&here, &there);
+    });
+}
+
+fn tensor_channel_works_for_bytes(here: &Connection<Vec<u8>>, there: &Connection<Vec<u8>>) {
+    there.send(vec![1, 2, 3]).map_err(|e| e.error).unwrap();
+    assert_eq!(here.recv_timeout(WAIT).unwrap(), vec![1, 2, 3]);
 }

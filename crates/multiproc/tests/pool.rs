@@ -197,3 +197,54 @@ fn initializer_apply_async_close_join_and_fork() {
         pool.join(Some(Duration::from_secs(30))).unwrap();
     });
 }
+
+/// Task 7 SIGKILLs its own worker; every other task records that it ran in `dir`
+/// (plain-data arguments, so tasks that had not started can be rerun).
+fn square_but_7_kills_its_worker((x, dir): (u64, String)) -> Result<u64, String> {
+    if x == 7 {
+        // SAFETY: kill on our own pid has no memory-safety preconditions.
+        unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+    }
+    let path = std::path::Path::new(&dir).join(x.to_string());
+    let runs = std::fs::read_to_string(&path).map_or(0, |s| s.len());
+    std::fs::write(&path, "x".repeat(runs + 1)).map_err(|e| e.to_string())?;
+    Ok(x * x)
+}
+
+/// In chunks of 3, a worker killed while running task 7 (chunk 6, 7, 8) fails task 7
+/// alone: the failure names task 7, task 6 had finished, and task 8, which had not
+/// started, runs on the fresh worker; every other task runs exactly once.
+#[test]
+fn a_worker_killed_mid_chunk_fails_only_the_running_task() {
+    common::run(Duration::from_secs(120), || {
+        let dir = std::env::temp_dir().join(format!("mp-pool-chunk-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir(&dir).unwrap();
+        let pool = Pool::new(1).unwrap();
+        let items: Vec<(u64, String)> = (0..12).map(|x| (x, dir.display().to_string())).collect();
+        let err = pool
+            .map_chunked(square_but_7_kills_its_worker, items, 3)
+            .expect_err("task 7 kills its worker");
+        drop(pool);
+        let Error::TaskFailed { index, message } = &err else {
+            panic!("expected TaskFailed, got {err:?}");
+        };
+        assert_eq!(
+            *index, 7,
+            "the failure names the task that was running: {err}"
+        );
+        assert!(message.contains("SIGKILL"), "{message}");
+        let mut ran: Vec<(u64, usize)> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| {
+                let e = e.unwrap();
+                let x = e.file_name().to_string_lossy().parse().unwrap();
+                (x, std::fs::read_to_string(e.path()).unwrap().len())
+            })
+            .collect();
+        ran.sort_unstable();
+        std::fs::remove_dir_all(&dir).unwrap();
+        let expected: Vec<(u64, usize)> = (0..12).filter(|&x| x != 7).map(|x| (x, 1)).collect();
+        assert_eq!(ran, expected, "every task but 7 ran, exactly once");
+    });
+}

@@ -10,15 +10,20 @@ use std::time::{Duration, Instant};
 
 use common::secs;
 use multiproc::{
-    DType, Error, JoinableQueue, Queue, SimpleQueue, StartMethod, Tensor, start_processes,
+    DType, Error, JoinableQueue, Queue, SimpleQueue, StartMethod, Tensor, Value, start_processes,
 };
 use serde::{Deserialize, Serialize};
 
 const DEADLINE: Duration = Duration::from_secs(60);
 
-fn consume_slowly(_rank: usize, (q, taken): (Queue<u32>, Queue<u32>)) -> multiproc::Result<()> {
+/// Takes six items, slowly; counts each take in `takes` before making it.
+fn consume_slowly(
+    _rank: usize,
+    (q, taken, takes): (Queue<u32>, Queue<u32>, Value<u32>),
+) -> multiproc::Result<()> {
     for _ in 0..6 {
         std::thread::sleep(Duration::from_millis(50));
+        takes.update(|n| n + 1)?;
         let v = q.get()?;
         taken.put(v)?;
     }
@@ -38,16 +43,23 @@ fn a_full_bounded_queue_holds_the_producer_back() {
         let back = q.put_timeout(99, Duration::from_millis(50)).unwrap_err();
         assert!(matches!(back.error, Error::Timeout { .. }));
         assert_eq!(back.item, 99);
+        let takes = Value::new(0u32).unwrap();
         let mut ctx = start_processes(
             consume_slowly,
-            (q.clone(), taken.clone()),
+            (q.clone(), taken.clone(), takes.clone()),
             1,
             StartMethod::Spawn,
         )
         .unwrap();
         for v in 2..6 {
-            // Each put waits for the consumer to make room.
+            // Each put waits for the consumer to make room: item v fits only once item
+            // v - 2 was taken, and the consumer counts a take before making it.
             q.put_timeout(v, secs(30)).unwrap();
+            assert!(
+                takes.get() > v - 2,
+                "put {v} returned after only {} takes: the producer was not held back",
+                takes.get()
+            );
             assert!(q.qsize() <= 2, "a queue of capacity 2 holds {}", q.qsize());
         }
         let got: Vec<u32> = (0..6)

@@ -2,8 +2,9 @@
 //! its clients refuse a peer of another uid; a worker's job comes only through the
 //! socket its parent handed it.
 //!
-//! The uid tests need root (to `setuid` a forked child to `nobody`, 65534) and say
-//! SKIPPED otherwise. The forks happen inside single-purpose worker processes, which
+//! The uid tests need root (to `setuid` a forked child to `nobody`, 65534): they are
+//! `#[ignore = "needs root"]`, and `.ci/run` (which runs as root) runs them with
+//! `--ignored`. The forks happen inside single-purpose worker processes, which
 //! are single-threaded, so a forked child may run ordinary code.
 
 multiproc::test_init!();
@@ -166,11 +167,12 @@ fn probe_as_both_users(
 /// uid may connect (abstract sockets have no permissions) but is hung up on at once,
 /// and what it sent is never applied. A client of our uid stays connected.
 #[test]
+#[ignore = "needs root"]
 fn the_manager_refuses_a_client_of_another_uid() {
-    if !is_root() {
-        eprintln!("SKIPPED the_manager_refuses_a_client_of_another_uid: setuid needs root");
-        return;
-    }
+    assert!(
+        is_root(),
+        "the_manager_refuses_a_client_of_another_uid needs root (setuid needs root); CI runs it as root"
+    );
     common::run(DEADLINE, || {
         multiproc::set_sharing_strategy(SharingStrategy::FileSystem);
         let t = Tensor::full(&[16], 1.0, DType::F32).unwrap();
@@ -275,11 +277,12 @@ fn scenario_squatted_manager_address() {
 /// Clients check `SO_PEERCRED` of the manager too: a process of another uid that binds
 /// the tree's manager address first is refused (an abstract name has no permissions).
 #[test]
+#[ignore = "needs root"]
 fn a_client_refuses_a_manager_of_another_uid() {
-    if !is_root() {
-        eprintln!("SKIPPED a_client_refuses_a_manager_of_another_uid: setuid needs root");
-        return;
-    }
+    assert!(
+        is_root(),
+        "a_client_refuses_a_manager_of_another_uid needs root (setuid needs root); CI runs it as root"
+    );
     common::run(DEADLINE, || {
         let addr = format!(
             "multiproc-shm-{}-{}-squatted{:x}",

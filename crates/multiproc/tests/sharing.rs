@@ -12,7 +12,9 @@ mod common;
 
 use common::{all_equal, for_each_strategy, secs, simple_fill};
 
-use multiproc::{DType, Event, Queue, SimpleQueue, StartMethod, Tensor, start_processes};
+use multiproc::{
+    DType, Event, Queue, SharingStrategy, SimpleQueue, StartMethod, Tensor, start_processes,
+};
 
 // ---------------------------------------------------------------------------------------
 // Harness.
@@ -70,15 +72,17 @@ fn hit_the_fd_limit(_rank: usize, _: ()) -> Result<(), String> {
         let t = Tensor::zeros(&[128 << 10], DType::U8).map_err(|e| e.to_string())?;
         match t.share_memory_() {
             Ok(()) => keep.push(t),
-            Err(multiproc::Error::FdLimit(m)) => {
-                return if m.contains(&format!("limit {}", open + 8))
-                    && m.contains("files open")
+            Err(e @ multiproc::Error::FdLimit { soft, in_use, .. }) => {
+                let m = e.to_string();
+                return if soft == Some(open + 8)
+                    && in_use as u64 >= open
+                    && m.contains(&format!("soft limit is {}", open + 8))
                     && m.contains("ulimit -n")
                     && m.contains("file_system")
                 {
                     Ok(())
                 } else {
-                    Err(format!("unhelpful message: {m}"))
+                    Err(format!("unhelpful error: {e:?}: {m}"))
                 };
             }
             Err(e) => return Err(format!("wrong error: {e:?}")),
@@ -117,8 +121,160 @@ fn keep_2000_small_tensors(
     Ok(())
 }
 
+/// Under a limit of 64 fds, keeps received large tensors (one fd each) until a `get`
+/// fails for lack of fds; that error must be `FdLimit` with the figures, and after the
+/// consumer drops tensors the very message that failed arrives: nothing is lost.
+/// Reports `(kept before the limit, fds in use then, tensors checked in order)`.
+fn keep_large_tensors_until_the_fd_limit(
+    _rank: usize,
+    (inbox, done, count): (Queue<Tensor>, Queue<(usize, usize, usize)>, usize),
+) -> Result<(), String> {
+    use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
+    let maximum = getrlimit(Resource::Nofile).maximum;
+    setrlimit(
+        Resource::Nofile,
+        Rlimit {
+            current: Some(64),
+            maximum,
+        },
+    )
+    .map_err(|e| e.to_string())?;
+    let mut kept: Vec<Tensor> = Vec::new();
+    let mut next = 0usize;
+    let mut first_failure = None;
+    while next < count {
+        match inbox.get() {
+            Ok(t) => {
+                if !all_equal(&t, next as f64) {
+                    return Err(format!("tensor {next} arrived out of order or wrong"));
+                }
+                next += 1;
+                kept.push(t);
+            }
+            Err(e @ multiproc::Error::FdLimit { soft, in_use, .. }) => {
+                if soft != Some(64) || !e.to_string().contains("ulimit -n") {
+                    return Err(format!("unhelpful error: {e:?}"));
+                }
+                first_failure.get_or_insert((kept.len(), in_use));
+                // Make room: drop half of what is kept, then get the same message again.
+                kept.truncate(kept.len() / 2);
+            }
+            Err(e) => return Err(format!("tensor {next}: wrong error: {e:?}")),
+        }
+    }
+    let (before, in_use) = first_failure.ok_or("never hit the fd limit")?;
+    done.put((before, in_use, next))
+        .map_err(|e| e.error.to_string())?;
+    Ok(())
+}
+
+/// Under a limit of 64 fds, starts 100 workers: the error is `FdLimit`.
+fn spawn_100_under_64_fds(_rank: usize, _: ()) -> Result<(), String> {
+    use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
+    let maximum = getrlimit(Resource::Nofile).maximum;
+    setrlimit(
+        Resource::Nofile,
+        Rlimit {
+            current: Some(64),
+            maximum,
+        },
+    )
+    .map_err(|e| e.to_string())?;
+    fn idle(_rank: usize, _: ()) {
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+    match multiproc::start_processes(idle, (), 100, StartMethod::Spawn) {
+        Err(e @ multiproc::Error::FdLimit { soft: Some(64), .. }) => {
+            if e.to_string().contains("ulimit -n") {
+                Ok(())
+            } else {
+                Err(format!("unhelpful error: {e}"))
+            }
+        }
+        Err(e) => Err(format!("wrong error: {e:?}")),
+        Ok(_) => Err("100 workers started under 64 fds".into()),
+    }
+}
+
 // ---------------------------------------------------------------------------------------
 // Tests.
+
+#[test]
+fn a_get_at_the_fd_limit_is_fd_limit_and_loses_nothing() {
+    common::run(secs(120), || {
+        const COUNT: usize = 120;
+        let (inbox, done) = (Queue::with_capacity(16).unwrap(), Queue::new().unwrap());
+        let mut ctx = start_processes(
+            keep_large_tensors_until_the_fd_limit,
+            (inbox.clone(), done.clone(), COUNT),
+            1,
+            StartMethod::Spawn,
+        )
+        .unwrap();
+        for i in 0..COUNT {
+            // 256 KiB: above the arena size limit, so one block (one fd) per tensor.
+            let t = Tensor::full(&[64 << 10], i as f64, DType::F32).unwrap();
+            inbox.put_timeout(t, secs(60)).unwrap();
+        }
+        let (before, in_use, got) = done.get_timeout(secs(60)).expect("the consumer's report");
+        eprintln!(
+            "fd limit 64: {before} large tensors kept before the first FdLimit ({in_use} fds in use); \
+             {got} of {COUNT} then received in order"
+        );
+        assert_eq!(got, COUNT);
+        ctx.join(Some(secs(30))).unwrap();
+    });
+}
+
+/// A shared tensor larger than this process may still commit is an error naming the
+/// size, the limit and its source, for both strategies (it used to be the OOM killer's
+/// SIGKILL); a memfd's error does not talk about /dev/shm.
+#[test]
+fn a_shared_tensor_beyond_the_memory_limit_is_out_of_shared_memory() {
+    common::run(secs(60), || {
+        for_each_strategy(|strategy| {
+            const TIB: usize = 1 << 40;
+            let err = Tensor::zeros_shared(&[TIB], DType::U8).expect_err("1 TiB cannot fit");
+            let multiproc::Error::OutOfSharedMemory {
+                size,
+                limit,
+                limit_source,
+                message,
+            } = &err
+            else {
+                panic!("{strategy}: expected OutOfSharedMemory, got {err:?}");
+            };
+            assert!(*size >= TIB as u64, "{strategy}: {err:?}");
+            assert!(limit.is_some_and(|l| l < TIB as u64), "{strategy}: {err:?}");
+            assert!(
+                limit_source.contains("cgroup") || limit_source.contains("MemAvailable"),
+                "{strategy}: {err:?}"
+            );
+            assert!(message.contains("1.0 TiB") && message.contains(limit_source.as_str()));
+            match strategy {
+                SharingStrategy::FileDescriptor => {
+                    assert!(
+                        !message.contains("/dev/shm"),
+                        "a memfd is not bounded by /dev/shm: {message}"
+                    )
+                }
+                SharingStrategy::FileSystem => {
+                    assert!(message.contains("64-byte header"), "{message}")
+                }
+            }
+        });
+    });
+}
+
+#[test]
+fn spawning_past_the_fd_limit_is_fd_limit() {
+    common::run(secs(120), || {
+        let mut ctx = start_processes(spawn_100_under_64_fds, (), 1, StartMethod::Spawn).unwrap();
+        if let Err(e) = ctx.join(Some(secs(60))) {
+            panic!("{e}");
+        }
+    });
+}
 
 #[test]
 fn a_consumer_under_a_256_fd_limit_keeps_2000_received_tensors() {

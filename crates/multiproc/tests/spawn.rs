@@ -119,6 +119,13 @@ fn nested_failure(_rank: usize, q: SimpleQueue<Error>) {
     q.put(err).expect("put");
 }
 
+/// Panics in a helper thread; the job unwraps the join, whose payload is an opaque `Any`.
+fn helper_thread_panics(_rank: usize, _: ()) {
+    std::thread::spawn(|| panic!("helper thread gave up on purpose"))
+        .join()
+        .unwrap();
+}
+
 // ---------------------------------------------------------------------------------------
 // Tests.
 
@@ -372,6 +379,54 @@ fn exit_code_is_reported_long_before_the_sleeper_ends() {
             }
             // The error stays.
             assert_eq!(ctx.join(None).unwrap_err(), err);
+        }
+    });
+}
+
+#[test]
+fn a_helper_thread_panic_is_reported_with_its_text_and_location() {
+    common::run(secs(120), || {
+        for method in StartMethod::ALL {
+            let err = SpawnOptions::new()
+                .start_method(method)
+                .spawn(helper_thread_panics, (), 1)
+                .expect_err("the job panics");
+            let Error::ProcessRaised { message, .. } = &err else {
+                panic!("{method}: expected ProcessRaised, got {err:?}");
+            };
+            assert!(
+                message.contains("helper thread gave up on purpose")
+                    && message.contains("tests/spawn.rs:"),
+                "{method}: {message}"
+            );
+        }
+    });
+}
+
+#[test]
+fn a_job_that_exits_0_without_returning_is_a_failure() {
+    // Exit code 0 without the worker's report means the job never finished: its
+    // function did not return (here it called `std::process::exit(0)`).
+    common::run(secs(120), || {
+        for method in StartMethod::ALL {
+            let err = start_processes(exit_rank0, (0, 0u64), 2, method)
+                .unwrap()
+                .join(None)
+                .expect_err("rank 0 never returned from its job");
+            let Error::ProcessExited {
+                error_index,
+                exit_code,
+                message,
+                ..
+            } = &err
+            else {
+                panic!("{method}: expected ProcessExited, got {err:?}");
+            };
+            assert_eq!((*error_index, *exit_code), (0, Some(0)), "{method}");
+            assert!(
+                message.contains("without reporting a result") && message.contains("exit"),
+                "{method}: {message}"
+            );
         }
     });
 }

@@ -6,7 +6,9 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use multiproc::{Barrier, Error, Lock, Semaphore, StartMethod, Value, start_processes};
+use multiproc::{
+    Barrier, Error, Event, Lock, Semaphore, SimpleQueue, StartMethod, Value, start_processes,
+};
 
 const DEADLINE: Duration = Duration::from_secs(60);
 
@@ -67,7 +69,26 @@ fn barrier_of_four() {
     });
 }
 
-fn bounded_work(_rank: usize, (sem, inside, most): (Semaphore, Value<u32>, Value<u32>)) {
+/// The first entry is held open until the parent, having seen two workers inside at
+/// once, sets `go`: the semaphore must admit two (and the 20 rounds after it never more).
+fn bounded_work(
+    rank: usize,
+    (sem, inside, most, entered, go): (
+        Semaphore,
+        Value<u32>,
+        Value<u32>,
+        SimpleQueue<usize>,
+        Event,
+    ),
+) {
+    sem.acquire(Some(Duration::from_secs(30))).expect("acquire");
+    let now = inside.update(|n| n + 1).expect("update");
+    most.update(|m| m.max(now)).expect("update");
+    entered.put(rank).expect("put");
+    go.wait(Some(Duration::from_secs(30)))
+        .expect("go never came");
+    inside.update(|n| n - 1).expect("update");
+    sem.release().expect("release");
     for _ in 0..20 {
         sem.acquire(Some(Duration::from_secs(30))).expect("acquire");
         let now = inside.update(|n| n + 1).expect("update");
@@ -84,15 +105,35 @@ fn semaphore_bounds_concurrency() {
         let sem = Semaphore::new(2).unwrap();
         let inside = Value::new(0u32).unwrap();
         let most = Value::new(0u32).unwrap();
-        let args = (sem, inside, most.clone());
+        let entered = SimpleQueue::new().unwrap();
+        let go = Event::new().unwrap();
+        let args = (
+            sem,
+            inside.clone(),
+            most.clone(),
+            entered.clone(),
+            go.clone(),
+        );
         let mut ctx = start_processes(bounded_work, args, 5, StartMethod::Spawn).unwrap();
+        // Two workers are inside at once (each waits for `go` before leaving).
+        let first: Vec<usize> = (0..2).map(|_| entered.get().unwrap()).collect();
+        assert_eq!(
+            inside.get(),
+            2,
+            "workers {first:?} entered, but {} are inside",
+            inside.get()
+        );
+        go.set();
+        for _ in 2..5 {
+            entered.get().unwrap();
+        }
         ctx.join(Some(Duration::from_secs(50))).unwrap();
-        assert!(
-            most.get() <= 2,
-            "{} processes were inside a semaphore of 2",
+        assert_eq!(
+            most.get(),
+            2,
+            "a semaphore of 2 must admit exactly 2 at once, saw {}",
             most.get()
         );
-        assert!(most.get() >= 1);
     });
 }
 

@@ -274,7 +274,7 @@ fn drain(sock: std::os::fd::BorrowedFd<'_>, registry: &mut Registry, buf: &mut [
                 }
             }
             Ok(Attempt::WouldBlock) => return true,
-            Err(Error::InvalidMessage(_)) | Err(Error::FdLimit(_)) => {}
+            Err(Error::InvalidMessage(_)) | Err(Error::FdLimit { .. }) => {}
             Err(_) => return false,
         }
     }

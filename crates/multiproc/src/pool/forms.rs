@@ -115,7 +115,9 @@ impl Pool {
 fn run_star_chunk<A, B, R, E>(
     function: CodeRef,
     args: Opaque,
-) -> std::result::Result<Opaque, String>
+    skip: usize,
+    report: super::Report<'_>,
+) -> std::result::Result<(), String>
 where
     A: Serialize + DeserializeOwned,
     B: Serialize + DeserializeOwned,
@@ -129,11 +131,12 @@ where
     // these types (this trampoline is the one monomorphized for them) in the same
     // executable, which `CodeRef` checks.
     let f = unsafe { function.resolve::<fn(A, B) -> std::result::Result<R, E>>() }?;
-    let results: Vec<std::result::Result<Opaque, String>> = items
-        .into_iter()
-        .map(|(a, b)| run_task(|| f(a, b)))
-        .collect();
-    Opaque::encode(&results).map_err(|e| format!("cannot encode the task's results: {e}"))
+    for (k, (a, b)) in items.into_iter().enumerate().skip(skip) {
+        if !report(k, run_task(|| f(a, b))) {
+            break;
+        }
+    }
+    Ok(())
 }
 
 /// The results of [`Pool::map_async`], in the order of the items.

@@ -55,6 +55,8 @@ pub(crate) struct Child {
     pub daemon: bool,
     /// Its entry in [`active_children`](crate::active_children).
     registration: std::sync::Arc<super::current::Registration>,
+    /// How it was started: says why a worker may exit 0 without a report.
+    method: StartMethod,
 }
 
 /// What a worker needs to start.
@@ -154,6 +156,7 @@ impl Child {
             status: None,
             signalled: false,
             daemon,
+            method,
         })
     }
 
@@ -268,11 +271,13 @@ impl Child {
         Ok(())
     }
 
-    /// Whether the worker failed on its own: it raised (whatever happened next), or it
-    /// exited unsuccessfully without having been signalled by us.
+    /// Whether the worker failed on its own: it raised (whatever happened next), it
+    /// exited unsuccessfully without having been signalled by us, or it exited 0
+    /// without reporting (its job never ran to the end).
     pub(crate) fn failed_on_its_own(&self) -> bool {
         match (&self.report, self.status) {
             (Some(Report::Raised { .. }), _) => true,
+            (_, Some(status)) if self.exited_without_report(status) => true,
             (_, Some(status)) => !status.success() && !self.signalled,
             (_, None) => false,
         }
@@ -281,7 +286,16 @@ impl Child {
     /// Whether it has ended badly in any way (including by our signal).
     pub(crate) fn failed(&self) -> bool {
         matches!(self.report, Some(Report::Raised { .. }))
-            || self.status.is_some_and(|s| !s.success())
+            || self
+                .status
+                .is_some_and(|s| !s.success() || self.exited_without_report(s))
+    }
+
+    /// A worker that exits 0 has returned from its job only if it said so first: a
+    /// program that did not call `init` runs its `main` instead and exits 0, and a job
+    /// that calls `std::process::exit(0)` never finished either.
+    fn exited_without_report(&self, status: ExitStatus) -> bool {
+        status.success() && self.report.is_none()
     }
 
     /// This worker's failure as a [`Failure`](crate::Failure) record.
@@ -295,7 +309,9 @@ impl Child {
                 message: message.clone(),
             });
         }
-        let status = self.status.filter(|s| !s.success())?;
+        let status = self
+            .status
+            .filter(|s| !s.success() || self.exited_without_report(*s))?;
         Some(crate::Failure {
             rank: self.rank,
             pid: self.pid,
@@ -307,6 +323,9 @@ impl Child {
 
     fn exit_message(&self, status: ExitStatus) -> String {
         let rank = self.rank;
+        if self.exited_without_report(status) {
+            return self.unreported_exit_message();
+        }
         match (status.code(), status.signal()) {
             (Some(code), _) => format!("process {rank} terminated with exit code {code}"),
             (None, Some(sig)) => {
@@ -334,6 +353,25 @@ impl Child {
         }
     }
 
+    /// Why a worker exited 0 without reporting, by start method.
+    fn unreported_exit_message(&self) -> String {
+        let rank = self.rank;
+        match self.method {
+            StartMethod::Spawn => format!(
+                "process {rank} exited with code 0 without reporting a result: the program \
+                 {} ran its main again instead of the worker's job, so its main does not call \
+                 multiproc::init() first thing (in integration tests, put \
+                 `multiproc::test_init!();` at the top of the test file); or the job called \
+                 std::process::exit",
+                program_name()
+            ),
+            StartMethod::Fork | StartMethod::Forkserver => format!(
+                "process {rank} exited with code 0 without reporting a result: its job called \
+                 std::process::exit (or exited another way) before returning"
+            ),
+        }
+    }
+
     /// The error for this worker alone, with `others` attached.
     pub(crate) fn error(&self, others: Vec<crate::Failure>) -> Option<Error> {
         let f = self.failure()?;
@@ -354,6 +392,17 @@ impl Child {
             },
         })
     }
+}
+
+/// This executable, for messages about running it again.
+pub(crate) fn program_name() -> String {
+    std::env::current_exe()
+        .map(|p| p.display().to_string())
+        .unwrap_or_else(|_| {
+            std::env::args()
+                .next()
+                .unwrap_or_else(|| "this program".into())
+        })
 }
 
 impl Drop for Child {

@@ -195,6 +195,14 @@ pub(crate) fn start(job: OwnedFd, env: Vec<(String, String)>) -> Result<ServerCh
                 tries += 1;
                 forget(&sock)?;
             }
+            Err(Error::Closed(why)) => {
+                return Err(Error::Closed(format!(
+                    "{why}: the fork server (pid {server_pid}) exited at once twice; it is the \
+                     program {} run again, so check that its main calls multiproc::init() \
+                     first thing",
+                    super::child::program_name()
+                )));
+            }
             Err(e) => return Err(e),
         }
     };
@@ -209,7 +217,10 @@ pub(crate) fn start(job: OwnedFd, env: Vec<(String, String)>) -> Result<ServerCh
         }
         Err(Error::Closed(_)) => {
             return Err(Error::Closed(format!(
-                "the fork server (pid {server_pid}) exited before it started the worker"
+                "the fork server (pid {server_pid}) exited before it started the worker: the \
+                 server is the program {} run again, so check that its main calls \
+                 multiproc::init() first thing",
+                super::child::program_name()
             )));
         }
         Err(e) => return Err(e),
@@ -305,8 +316,15 @@ fn serve(sock: OwnedFd) -> Result<()> {
             // The client is gone: so are we (our children follow by their death signal).
             Err(Error::Closed(_)) => return Ok(()),
             // A bad packet is consumed; the next one may be fine.
-            Err(e @ (Error::InvalidMessage(_) | Error::FdLimit(_))) => {
+            Err(e @ Error::InvalidMessage(_)) => {
                 eprintln!("multiproc fork server: dropped a request: {e}");
+                continue;
+            }
+            // At its fd limit the request stays queued: drop it (its client sees its
+            // status socket close) rather than spin on it.
+            Err(e @ Error::FdLimit { .. }) => {
+                eprintln!("multiproc fork server: dropped a request: {e}");
+                crate::sys::socket::discard_packet(sock.as_fd());
                 continue;
             }
             Err(e) => return Err(e),

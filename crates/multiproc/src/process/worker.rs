@@ -51,7 +51,14 @@ const EXIT_NO_JOB: i32 = 2;
 ///
 /// In `cargo test` integration tests, libtest owns `main`: use [`test_init!`](crate::test_init)
 /// instead.
+///
+/// `init` also raises this process's soft `RLIMIT_NOFILE` to its hard limit, as the Go
+/// runtime does: every received large tensor and every queue end is an open fd, and the
+/// usual soft limit of 1024 is far below what the kernel allows. Workers inherit the
+/// raised limit. Set `MULTIPROC_KEEP_NOFILE_LIMIT=1` to keep the soft limit as it is
+/// (for a program that still uses `select(2)`, whose fd sets stop at 1024).
 pub fn init() {
+    raise_nofile_limit();
     let Some(role) = std::env::var_os(ROLE_VAR) else {
         return;
     };
@@ -73,6 +80,28 @@ pub fn init() {
             );
             std::process::exit(EXIT_NO_JOB)
         }
+    }
+}
+
+/// Turns `init`'s raising of the soft fd limit off.
+pub(crate) const KEEP_NOFILE_VAR: &str = "MULTIPROC_KEEP_NOFILE_LIMIT";
+
+/// Raises the soft `RLIMIT_NOFILE` to the hard limit, unless [`KEEP_NOFILE_VAR`] is set
+/// to something other than `0` or empty. Best effort: a failure leaves the limit as it was.
+fn raise_nofile_limit() {
+    if std::env::var_os(KEEP_NOFILE_VAR).is_some_and(|v| !v.is_empty() && v != "0") {
+        return;
+    }
+    use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
+    let limit = getrlimit(Resource::Nofile);
+    if limit.current != limit.maximum {
+        let _ = setrlimit(
+            Resource::Nofile,
+            Rlimit {
+                current: limit.maximum,
+                maximum: limit.maximum,
+            },
+        );
     }
 }
 
@@ -145,6 +174,7 @@ pub(crate) fn run_worker(sock: OwnedFd) -> i32 {
     // The worker leaves with `_exit`: give back its shared-memory references now,
     // before the parent can learn that it has finished.
     crate::shm::release_before_exit();
+    let helpers = take_helper_panics();
     let report = match outcome {
         Ok(Ok(())) => Report::Ok,
         Ok(Err(Failed::Returned(text))) => Report::Raised {
@@ -159,6 +189,17 @@ pub(crate) fn run_worker(sock: OwnedFd) -> i32 {
                 message: format!("process {rank} raised: {text}"),
             }
         }
+    };
+    let report = match report {
+        Report::Raised { mut message } if !helpers.is_empty() => {
+            for (thread, text) in &helpers {
+                message.push_str(&format!(
+                    "\n(before that, thread '{thread}' panicked: {text})"
+                ));
+            }
+            Report::Raised { message }
+        }
+        other => other,
     };
     let code = match &report {
         Report::Ok => 0,
@@ -181,6 +222,12 @@ pub(crate) fn run_worker(sock: OwnedFd) -> i32 {
 static RECORDED_PANIC: Mutex<Option<String>> = Mutex::new(None);
 /// The thread that runs the job; panics on other threads keep the default report.
 static JOB_THREAD: OnceLock<ThreadId> = OnceLock::new();
+/// Panics of the job's helper threads (thread name, text and location), the first few:
+/// a job that unwraps a helper's `join` only sees an opaque `Any` payload, so the
+/// report adds what the helper itself said.
+static HELPER_PANICS: Mutex<Vec<(String, String)>> = Mutex::new(Vec::new());
+/// How many helper panics a report carries.
+const HELPER_PANICS_KEPT: usize = 4;
 
 fn install_panic_hook() {
     static ONCE: Once = Once::new();
@@ -193,6 +240,13 @@ fn install_panic_hook() {
                 if let Ok(mut slot) = RECORDED_PANIC.lock() {
                     *slot = Some(text);
                     return;
+                }
+            } else if JOB_THREAD.get().is_some() {
+                if let Ok(mut helpers) = HELPER_PANICS.lock() {
+                    if helpers.len() < HELPER_PANICS_KEPT {
+                        let name = thread::current().name().unwrap_or("<unnamed>").to_string();
+                        helpers.push((name, describe_panic(info)));
+                    }
                 }
             }
             previous(info)
@@ -260,6 +314,13 @@ fn trim_backtrace(full: &str) -> String {
         "\n(panic machinery and multiproc's worker frames omitted; RUST_BACKTRACE=full shows them)",
     );
     out
+}
+
+fn take_helper_panics() -> Vec<(String, String)> {
+    HELPER_PANICS
+        .lock()
+        .map(|mut h| std::mem::take(&mut *h))
+        .unwrap_or_default()
 }
 
 fn take_recorded_panic() -> Option<String> {

@@ -2,7 +2,15 @@
 //!
 //! Words of the block: `SLOTS` — free places left (a semaphore; only when bounded),
 //! `ITEMS` — messages put and not yet taken (approximate `qsize`), `UNFINISHED` — items
-//! put and not yet marked done (for `JoinableQueue::join`), `CAPACITY` (0 = unbounded).
+//! put and not yet marked done (for `JoinableQueue::join`), `CAPACITY` (0 = unbounded),
+//! `SLOT_DEBT` — places given back for packets that turned out not to have taken one.
+//!
+//! Capacity is exact under hostile input: a `put` marks its packet as counted (a header
+//! flag, see `wire`), and a getter gives a place back only for a packet with a
+//! well-formed, counted header. A forged packet that carries the flag but does not
+//! decode had its place given back before decoding (see below); the getter then takes
+//! that place again — a free one at once, or, when none is free, as a debt that the
+//! next place given back pays instead of freeing it.
 //!
 //! A `put` on a full queue and a `get` on an empty one spin for a few tens of
 //! microseconds (`futex::spin_until`, `MULTIPROC_SPIN_US`) before they sleep: a producer
@@ -11,7 +19,17 @@
 //!
 //! A process killed between taking a slot and sending (or between receiving and giving
 //! the slot back) costs the queue one place of capacity, never a message or a hang of
-//! others beyond their own deadlines.
+//! others beyond their own deadlines. The getter gives the place back right after
+//! `recvmsg` returns, before decoding, so the only window left is a SIGKILL while
+//! `recvmsg` itself runs: the kernel has dequeued the packet and the process dies on
+//! the way back to user space (about 2 in 100 kills of a busy consumer in
+//! `tests/faults.rs`). That place cannot be recovered with this design: no user-space
+//! step runs between the dequeue and the death, and the kernel keeps no count of a
+//! `SOCK_SEQPACKET` socket's queued packets that another process could compare with
+//! `SLOTS` (`SIOCINQ` reports only the first packet's size). Closing it would take a
+//! slot per message that the receiver confirms (a second shared step per `get`, with
+//! its own kill window), so the loss stays, bounded and reported: a later `put` waits
+//! for room and a `put_timeout` says it timed out.
 
 use std::fmt;
 use std::marker::PhantomData;
@@ -25,6 +43,7 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use super::channel::Channel;
 use crate::sync::block::SharedBlock;
 use crate::sync::futex;
+use crate::sys::socket::Packet;
 use crate::sys::{Deadline, deadline_after};
 use crate::{Error, PutError, Result, wire};
 
@@ -34,6 +53,7 @@ const ITEMS: usize = 2;
 const UNFINISHED: usize = 3;
 const CAPACITY: usize = 4;
 const SLOT_WAITERS: usize = 5;
+const SLOT_DEBT: usize = 6;
 
 /// What [`Queue`] and [`JoinableQueue`] share.
 #[derive(Debug)]
@@ -99,6 +119,10 @@ impl Shared {
     }
 
     fn release_slot(&self) {
+        // A place owed (given back for a forged packet) is paid before one is freed.
+        if saturating_dec(self.block.word(SLOT_DEBT)) > 0 {
+            return;
+        }
         let slots = self.block.word(SLOTS);
         slots.fetch_add(1, Ordering::AcqRel);
         if self.block.word(SLOT_WAITERS).load(Ordering::Acquire) > 0 {
@@ -115,6 +139,7 @@ impl Shared {
             Ok(e) => e,
             Err(error) => return Err(PutError { error, item }),
         };
+        encoded.mark_counted();
         if self.bounded() {
             match self.acquire_slot(deadline) {
                 Ok(true) => {}
@@ -158,17 +183,59 @@ impl Shared {
     /// its semaphore after receiving. A later `put` then waits for room (and a
     /// `put_timeout` says it timed out); nothing hangs without a deadline the caller
     /// chose.
-    fn taken<T>(&self, got: &Result<Option<T>>) {
-        // A malformed or truncated packet was still a packet taken off the queue.
-        if matches!(
-            got,
-            Ok(Some(_)) | Err(Error::InvalidMessage(_)) | Err(Error::FdLimit(_))
-        ) {
-            saturating_dec(self.block.word(ITEMS));
-            if self.bounded() {
-                self.release_slot();
+    ///
+    /// Only a packet whose header says a `put` counted it gives anything back (see the
+    /// module docs); the result says what was given back, for [`untake`](Self::untake).
+    fn taken(&self, got: &Result<Option<Packet>>) -> Taken {
+        let counted = match got {
+            Ok(Some(packet)) => wire::is_counted(packet),
+            // The fds did not all arrive: the packet was consumed; only a real message
+            // carries fds, and a forged one cannot be told apart here.
+            Err(Error::FdLimit { .. }) => true,
+            _ => false,
+        };
+        if !counted {
+            return Taken::default();
+        }
+        let item = saturating_dec(self.block.word(ITEMS)) > 0;
+        let slot = self.bounded();
+        if slot {
+            self.release_slot();
+        }
+        Taken { item, slot }
+    }
+
+    /// Takes back what [`taken`](Self::taken) gave for a packet that then failed to
+    /// decode as a message (forged: a real `put` never sends one).
+    fn untake(&self, taken: Taken) {
+        if taken.item {
+            self.block.word(ITEMS).fetch_add(1, Ordering::AcqRel);
+        }
+        if taken.slot {
+            let slots = self.block.word(SLOTS);
+            let took = slots
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| v.checked_sub(1))
+                .is_ok();
+            if !took {
+                self.block.word(SLOT_DEBT).fetch_add(1, Ordering::AcqRel);
             }
         }
+    }
+
+    /// Decodes a taken packet, taking back its place if it turns out to be forged.
+    fn finish_get<T: DeserializeOwned>(
+        &self,
+        packet: Result<Option<Packet>>,
+        taken: Taken,
+    ) -> Result<Option<T>> {
+        let Some(packet) = packet? else {
+            return Ok(None);
+        };
+        let value = wire::decode(packet);
+        if let Err(Error::InvalidMessage(_)) = &value {
+            self.untake(taken);
+        }
+        value.map(Some)
     }
 
     fn get<T: DeserializeOwned>(&self, deadline: Deadline) -> Result<Option<T>> {
@@ -180,14 +247,14 @@ impl Shared {
             futex::spin_until(deadline, || items.load(Ordering::Acquire) > 0);
         }
         let packet = self.channel.recv(deadline);
-        self.taken(&packet);
-        packet?.map(wire::decode).transpose()
+        let taken = self.taken(&packet);
+        self.finish_get(packet, taken)
     }
 
     fn try_get<T: DeserializeOwned>(&self) -> Result<Option<T>> {
         let packet = self.channel.try_recv();
-        self.taken(&packet);
-        packet?.map(wire::decode).transpose()
+        let taken = self.taken(&packet);
+        self.finish_get(packet, taken)
     }
 
     fn task_done_unchecked(&self) {
@@ -228,6 +295,15 @@ impl Wait {
             Wait::Forever => Error::timeout(format!("a put on {what}"), None),
         }
     }
+}
+
+/// What a getter gave back for a taken packet.
+#[derive(Clone, Copy, Default)]
+struct Taken {
+    /// It counted the packet off `ITEMS`.
+    item: bool,
+    /// It gave back a place.
+    slot: bool,
 }
 
 /// Decrements without going below zero; returns the previous value.

@@ -20,6 +20,11 @@
 //! Received handles are checked before anything is mapped (memfd seals include
 //! `SHRINK`; a named file is a regular 0600 file of ours; sizes cover what the handle
 //! claims), so a short or forged segment is [`Error::InvalidMessage`], never a SIGBUS.
+//! A receiver never commits memory because of bytes a peer wrote: whether a memfd is a
+//! block comes from the handle's kind (`HandleWire::Block`), never from magic bytes in
+//! the file; a plain segment and a large block are mapped only over the claimed range
+//! (an arena-sized block, at most 1 MiB, whole), and only the pages the tensor covers
+//! are faulted in ahead of use.
 //!
 //! **Residual risk (named segments).** A memfd is sealed, so once checked it can never
 //! shrink. A named segment cannot be sealed: its size is checked when it is mapped, but
@@ -64,9 +69,10 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-pub(crate) use cache::{CacheKey, release_before_exit};
+pub(crate) use cache::{CacheKey, flush_retained, release_before_exit};
 pub(crate) use name::SegmentName;
 pub(crate) use pool::allocate;
+pub(crate) use pool::release_idle as release_idle_blocks;
 #[cfg(test)]
 pub(crate) use pool::small_max as allocate_small_max;
 pub(crate) use segment::BLOCK_MAGIC_BYTES;
@@ -207,10 +213,11 @@ impl<'de> Deserialize<'de> for SegmentHandle {
                 nbytes,
             } => {
                 let end = claimed_end(offset, nbytes).map_err(fail)?;
-                let segment =
-                    wire::with_received_fd(index, "a shared tensor", |fd| receive_fd(fd, end))
-                        .map_err(D::Error::custom)?
-                        .map_err(fail)?;
+                let segment = wire::with_received_fd(index, "a shared tensor", |fd| {
+                    receive_fd(fd, offset, end, false)
+                })
+                .map_err(D::Error::custom)?
+                .map_err(fail)?;
                 Ok(SegmentHandle {
                     segment,
                     offset,
@@ -224,10 +231,11 @@ impl<'de> Deserialize<'de> for SegmentHandle {
                 nbytes,
             } => {
                 let end = claimed_end(offset, nbytes).map_err(fail)?;
-                let segment =
-                    wire::with_received_fd(index, "a shared tensor", |fd| receive_fd(fd, end))
-                        .map_err(D::Error::custom)?
-                        .map_err(fail)?;
+                let segment = wire::with_received_fd(index, "a shared tensor", |fd| {
+                    receive_fd(fd, offset, end, true)
+                })
+                .map_err(D::Error::custom)?
+                .map_err(fail)?;
                 if !segment.is_block() || offset < segment::BLOCK_HEADER_LEN as u64 {
                     return Err(fail(Error::InvalidMessage(format!(
                         "a received tensor's handle names a pooled block, but its segment has no \
@@ -274,9 +282,12 @@ fn claimed_end(offset: u64, nbytes: u64) -> Result<u64> {
     })
 }
 
-/// Maps a received memfd that must hold at least `nbytes`, or finds it already mapped
+/// Maps a received memfd that must hold at least `end` bytes, or finds it already mapped
 /// here. Only a new mapping keeps (a duplicate of) the fd; a hit costs one `fstat`.
-fn receive_fd(fd: BorrowedFd<'_>, nbytes: u64) -> Result<Arc<Segment>> {
+/// Whether the segment is a block comes from the handle (`as_block`), and a segment
+/// already mapped as the other kind is refused; a new block has only the bytes the
+/// tensor covers (`offset..end`) faulted in, never the rest of a peer's file.
+fn receive_fd(fd: BorrowedFd<'_>, offset: u64, end: u64, as_block: bool) -> Result<Arc<Segment>> {
     let st = rustix::fs::fstat(fd).map_err(|e| Error::os("fstat of a received segment", e))?;
     let key = CacheKey::Inode {
         dev: st.st_dev,
@@ -286,16 +297,33 @@ fn receive_fd(fd: BorrowedFd<'_>, nbytes: u64) -> Result<Arc<Segment>> {
         let fd = fd
             .try_clone_to_owned()
             .map_err(|e| Error::os("duplicating a received segment's fd", e))?;
-        let segment = Segment::open_anonymous(fd, nbytes)?;
-        if segment.is_block() {
+        if as_block {
+            let segment = Segment::open_block(fd, end)?;
             // A block comes back again and again (its creator recycles it, and this
-            // process keeps it mapped): map its pages once, in one pass.
-            segment.populate();
+            // process keeps it mapped): map the tensor's pages in one pass.
+            segment.populate_range(offset, end - offset);
+            Ok(segment)
+        } else {
+            Segment::open_anonymous(fd, end)
         }
-        Ok(segment)
     })?
     .0;
-    check_claim(&segment, nbytes)?;
+    if segment.is_block() != as_block {
+        return Err(Error::InvalidMessage(format!(
+            "a received tensor's handle names a {} but the segment is mapped here as a {}",
+            if as_block {
+                "pooled block"
+            } else {
+                "plain segment"
+            },
+            if as_block {
+                "plain segment"
+            } else {
+                "pooled block"
+            },
+        )));
+    }
+    check_claim(&segment, end)?;
     Ok(segment)
 }
 
@@ -320,7 +348,7 @@ fn receive_named(name: SegmentName, nbytes: u64) -> Result<Arc<Segment>> {
 
 /// [`receive_fd`] for the micro-benchmarks (`crate::__bench`).
 pub(crate) fn receive_fd_for_bench(fd: BorrowedFd<'_>, nbytes: u64) -> Result<Arc<Segment>> {
-    receive_fd(fd, nbytes)
+    receive_fd(fd, 0, nbytes, false)
 }
 
 fn check_claim(segment: &Segment, nbytes: u64) -> Result<()> {

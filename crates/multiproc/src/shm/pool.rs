@@ -129,6 +129,33 @@ pub(crate) fn allocate(strategy: SharingStrategy, len: usize) -> Result<Slice> {
     }
 }
 
+/// Lets go of this process's idle blocks: full arenas and large blocks nobody uses
+/// (the current arena stays); for leak checks that count fds exactly. Returns how many
+/// were let go.
+pub(crate) fn release_idle() -> usize {
+    let pid = crate::sys::process::cached_pid();
+    let idle: Vec<Arc<Segment>> = {
+        let mut guard = POOL.lock().unwrap_or_else(PoisonError::into_inner);
+        match guard.as_mut() {
+            Some(pool) if pool.pid == pid => {
+                let mut idle = Vec::new();
+                for list in [&mut pool.retired, &mut pool.large] {
+                    let (free, used): (VecDeque<_>, VecDeque<_>) =
+                        list.drain(..).partition(|s| is_free(s));
+                    *list = used;
+                    idle.extend(free);
+                }
+                idle
+            }
+            _ => Vec::new(),
+        }
+    };
+    let n = idle.len();
+    // Released outside the pool lock: the last reference unmaps and closes.
+    idle.into_iter().for_each(release);
+    n
+}
+
 impl Pool {
     fn carve(&mut self, len: usize) -> Result<Slice> {
         if let Some(a) = self.arena.as_mut() {

@@ -102,24 +102,10 @@ pub(crate) struct Segment {
     /// Bytes of data.
     len: usize,
     backing: Backing,
-}
-
-/// Turns "too many open files" into [`Error::FdLimit`] naming the limit and the way out.
-fn fd_limit_advice(e: Error) -> Error {
-    if matches!(e.errno(), Some(libc::EMFILE) | Some(libc::ENFILE)) {
-        let limit = rustix::process::getrlimit(rustix::process::Resource::Nofile)
-            .current
-            .map_or("unlimited".to_owned(), |v| v.to_string());
-        let in_use = std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count());
-        Error::FdLimit(format!(
-            "cannot share a tensor: this process has {in_use} files open, at its RLIMIT_NOFILE \
-             soft limit {limit}; every large file_descriptor segment is an open fd — raise \
-             `ulimit -n`, drop tensors sooner, or use the file_system strategy \
-             (set_sharing_strategy(SharingStrategy::FileSystem)) ({e})"
-        ))
-    } else {
-        e
-    }
+    /// Whether this is a block (see `pool`): decided by whoever made the value — its
+    /// creator, or a receiver from the *handle's* kind — never from bytes in the
+    /// mapping, which a peer may have written.
+    is_block: bool,
 }
 
 fn pid() -> i32 {
@@ -130,7 +116,7 @@ impl Segment {
     /// Creates an anonymous segment of `len > 0` bytes: a memfd whose pages are
     /// reserved and whose size is sealed.
     pub(crate) fn create_anonymous(len: usize) -> Result<Segment> {
-        let fd = memfd::create("multiproc-tensor", len as u64).map_err(fd_limit_advice)?;
+        let fd = memfd::create("multiproc-tensor", len as u64)?;
         memfd::seal_size(fd.as_fd())?;
         let st = rustix::fs::fstat(&fd).map_err(|e| Error::os("fstat of a new memfd", e))?;
         let mapping = SharedMapping::map(fd.as_fd(), len)?;
@@ -143,6 +129,7 @@ impl Segment {
                 dev: st.st_dev,
                 ino: st.st_ino,
             },
+            is_block: false,
         })
     }
 
@@ -150,7 +137,8 @@ impl Segment {
     /// [`BLOCK_HEADER_LEN`] bytes are a [`BlockHeader`] with no uses, pooled by this
     /// process.
     pub(crate) fn create_block(len: usize) -> Result<Segment> {
-        let segment = Segment::create_anonymous(len.max(BLOCK_HEADER_LEN + 1))?;
+        let mut segment = Segment::create_anonymous(len.max(BLOCK_HEADER_LEN + 1))?;
+        segment.is_block = true;
         let ptr = segment.mapping.as_ptr().cast::<BlockHeader>();
         // SAFETY: the mapping is page-aligned, longer than BLOCK_HEADER_LEN and lives as
         // long as `segment`; BlockHeader is all atomics, valid for any bit pattern.
@@ -182,6 +170,9 @@ impl Segment {
             fd.as_fd(),
             total as u64,
             &format!("the shared-memory segment {path}"),
+            memfd::Place::DevShm {
+                header: HEADER_LEN as u64,
+            },
         )
         .and_then(|()| SharedMapping::map(fd.as_fd(), total));
         let mapping = match made {
@@ -199,6 +190,7 @@ impl Segment {
                 name,
                 owner_pid: AtomicI32::new(pid()),
             },
+            is_block: false,
         };
         if let Some(h) = segment.header() {
             h.data_len.store(len as u64, Ordering::Relaxed);
@@ -211,9 +203,23 @@ impl Segment {
     }
 
     /// Maps a received memfd after checking it: it must be sealed against shrinking and
-    /// hold at least `claimed` bytes. The whole file is mapped, so a later handle for the
-    /// same file that claims more than an earlier one is judged against the real size.
+    /// hold at least `claimed` bytes. Only the claimed range is mapped (rounded up to a
+    /// page): a peer that sends a huge sparse file and claims a little of it costs
+    /// this process no more than the claim. The segment is plain, never a block,
+    /// whatever its first bytes say.
     pub(crate) fn open_anonymous(fd: OwnedFd, claimed: u64) -> Result<Segment> {
+        Segment::open_received(fd, claimed, false)
+    }
+
+    /// [`open_anonymous`](Self::open_anonymous) for a handle that names a block: the
+    /// file must also start with a block header. An arena-sized block is mapped whole
+    /// (later storages are carved anywhere in it); a larger one holds one storage and
+    /// only the claimed range is mapped.
+    pub(crate) fn open_block(fd: OwnedFd, claimed: u64) -> Result<Segment> {
+        Segment::open_received(fd, claimed, true)
+    }
+
+    fn open_received(fd: OwnedFd, claimed: u64, as_block: bool) -> Result<Segment> {
         let st = rustix::fs::fstat(&fd).map_err(|e| Error::os("fstat of a received segment", e))?;
         if !memfd::is_shrink_sealed(fd.as_fd()) {
             return Err(Error::InvalidMessage(
@@ -228,13 +234,25 @@ impl Segment {
                 "a received tensor's handle claims {claimed} bytes but its segment holds {size}"
             )));
         }
-        let len = usize::try_from(size).map_err(|_| {
+        if as_block && size <= BLOCK_HEADER_LEN as u64 {
+            return Err(Error::InvalidMessage(format!(
+                "a received tensor's handle names a pooled block, but its segment of {size} \
+                 bytes is too short for a block header"
+            )));
+        }
+        let page = crate::sys::mmap::page_size() as u64;
+        let wanted = if as_block && size <= super::pool::ARENA_LEN as u64 {
+            size
+        } else {
+            claimed.max(1).next_multiple_of(page).min(size)
+        };
+        let len = usize::try_from(wanted).map_err(|_| {
             Error::InvalidMessage(format!(
-                "a received segment of {size} bytes cannot be mapped"
+                "a received segment of {wanted} bytes cannot be mapped"
             ))
         })?;
         let mapping = SharedMapping::map(fd.as_fd(), len)?;
-        Ok(Segment {
+        let segment = Segment {
             mapping,
             data_offset: 0,
             len,
@@ -243,7 +261,16 @@ impl Segment {
                 dev: st.st_dev,
                 ino: st.st_ino,
             },
-        })
+            is_block: as_block,
+        };
+        if as_block && segment.block().is_none() {
+            return Err(Error::InvalidMessage(
+                "a received tensor's handle names a pooled block, but its segment has no \
+                 block header"
+                    .into(),
+            ));
+        }
+        Ok(segment)
     }
 
     /// Maps the named segment `name` after checking it (a regular file of ours, mode
@@ -312,6 +339,7 @@ impl Segment {
                 name,
                 owner_pid: AtomicI32::new(0),
             },
+            is_block: false,
         };
         let h = segment
             .header()
@@ -402,10 +430,11 @@ impl Segment {
         }
     }
 
-    /// The block header, when this is a block (an anonymous segment with the block magic).
+    /// The block header, when this is a block: made as one here, or received by a block
+    /// handle, and still carrying the block magic.
     fn block(&self) -> Option<&BlockHeader> {
         match self.backing {
-            Backing::Anonymous { .. } if self.mapping.len() > BLOCK_HEADER_LEN => {
+            Backing::Anonymous { .. } if self.is_block && self.mapping.len() > BLOCK_HEADER_LEN => {
                 let ptr = self.mapping.as_ptr().cast::<BlockHeader>();
                 // SAFETY: the mapping is page-aligned and longer than BLOCK_HEADER_LEN and
                 // lives as long as `&self`; BlockHeader is all atomics, valid for any bit
@@ -417,9 +446,10 @@ impl Segment {
         }
     }
 
-    /// Maps every page now (see [`SharedMapping::populate`]).
-    pub(crate) fn populate(&self) {
-        self.mapping.populate();
+    /// Maps the pages of `offset..offset + len` of the data now (clamped to the
+    /// mapping): for a received segment, only what the tensor covers.
+    pub(crate) fn populate_range(&self, offset: u64, len: u64) {
+        self.mapping.populate_range(offset, len);
     }
 
     /// Whether this is a block (a pooled anonymous segment with a use count).

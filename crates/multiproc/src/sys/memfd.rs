@@ -17,29 +17,114 @@ pub(crate) fn create(name: &str, len: u64) -> Result<OwnedFd> {
         fd.as_fd(),
         len,
         "an anonymous shared-memory segment (memfd)",
+        Place::Memfd,
     )?;
     Ok(fd)
 }
 
+/// Where a reservation's pages live, for the checks and the error texts.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Place {
+    /// An anonymous memfd: bounded by memory limits, not by `/dev/shm`.
+    Memfd,
+    /// A file in `/dev/shm` whose first `header` bytes are multiproc's header.
+    DevShm {
+        /// Bytes of the header included in the reservation.
+        header: u64,
+    },
+}
+
+/// Reservations at least this large are checked against the memory limits first (a
+/// smaller one cannot be what sets off the OOM killer, and the check reads files).
+const HEADROOM_CHECK_MIN: u64 = 1 << 20;
+
 /// Sizes `fd` to `len` bytes and reserves its pages (`fallocate`), turning a full
-/// filesystem into an error now instead of a SIGBUS later.
-pub(crate) fn reserve(fd: BorrowedFd<'_>, len: u64, what: &str) -> Result<()> {
+/// filesystem into an error now instead of a SIGBUS later, and a reservation larger
+/// than what this process may still commit (see [`memlimit`](super::memlimit)) into an
+/// error instead of an OOM kill.
+pub(crate) fn reserve(fd: BorrowedFd<'_>, len: u64, what: &str, place: Place) -> Result<()> {
     if len == 0 {
         return Ok(());
     }
+    if len >= HEADROOM_CHECK_MIN {
+        if let Some(room) = super::memlimit::headroom() {
+            if len > room.bytes {
+                return Err(Error::out_of_shared_memory(
+                    len,
+                    Some(room.bytes),
+                    room.source.clone(),
+                    format!(
+                        "cannot reserve {}{} for {what}: only {} more may be committed under \
+                         {}; free memory, raise that limit, or share smaller tensors",
+                        human_bytes(len),
+                        header_note(len, place),
+                        human_bytes(room.bytes),
+                        room.source
+                    ),
+                ));
+            }
+        }
+    }
     match rustix::fs::fallocate(fd, FallocateFlags::empty(), 0, len) {
         Ok(()) => Ok(()),
-        Err(Errno::NOSPC) | Err(Errno::NOMEM) => Err(Error::OutOfSharedMemory(format!(
-            "cannot reserve {} for {what}: {}. {}",
-            human_bytes(len),
-            free_shm_description(),
-            SHM_ADVICE
-        ))),
+        Err(e @ (Errno::NOSPC | Errno::NOMEM)) => Err(no_room(len, what, place, e)),
         Err(Errno::OPNOTSUPP) => {
             // Not every filesystem can reserve; fall back to sizing without reservation.
             rustix::fs::ftruncate(fd, len).map_err(|e| Error::os(format!("ftruncate({len})"), e))
         }
         Err(e) => Err(Error::os(format!("fallocate({len} bytes) for {what}"), e)),
+    }
+}
+
+/// " (1.0 MiB of data plus the 64-byte header)" for a `/dev/shm` file; empty otherwise.
+fn header_note(len: u64, place: Place) -> String {
+    match place {
+        Place::DevShm { header } if header > 0 => format!(
+            " ({} of data plus the {header}-byte header)",
+            human_bytes(len.saturating_sub(header))
+        ),
+        _ => String::new(),
+    }
+}
+
+/// The error for a reservation the kernel refused for lack of room.
+fn no_room(len: u64, what: &str, place: Place, e: Errno) -> Error {
+    match place {
+        Place::DevShm { .. } => {
+            let free = rustix::fs::statvfs("/dev/shm")
+                .ok()
+                .map(|s| s.f_bavail * s.f_frsize);
+            Error::out_of_shared_memory(
+                len,
+                free,
+                "/dev/shm",
+                format!(
+                    "cannot reserve {}{} for {what}: {}. {}",
+                    human_bytes(len),
+                    header_note(len, place),
+                    free_shm_description(),
+                    SHM_ADVICE
+                ),
+            )
+        }
+        Place::Memfd => {
+            let room = super::memlimit::headroom();
+            Error::out_of_shared_memory(
+                len,
+                room.as_ref().map(|r| r.bytes),
+                room.as_ref()
+                    .map_or_else(|| "memory".to_string(), |r| r.source.clone()),
+                format!(
+                    "cannot reserve {} for {what}: the kernel has no memory for it ({e}; {}); \
+                     free memory, raise the memory limit, or share smaller tensors",
+                    human_bytes(len),
+                    room.map_or_else(
+                        || "the memory left is unknown".to_string(),
+                        |r| format!("{} left under {}", human_bytes(r.bytes), r.source)
+                    )
+                ),
+            )
+        }
     }
 }
 

@@ -7,6 +7,13 @@ use rustix::mm::{MapFlags, ProtFlags};
 
 use crate::{Error, Result};
 
+/// The system's page size.
+pub(crate) fn page_size() -> usize {
+    // SAFETY: sysconf has no memory-safety preconditions.
+    let n = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    usize::try_from(n).ok().filter(|&n| n > 0).unwrap_or(4096)
+}
+
 /// A `MAP_SHARED` read-write mapping of `len` bytes of a file.
 ///
 /// The memory may be written by other processes at any time, so this type never hands
@@ -61,6 +68,29 @@ impl SharedMapping {
             rustix::mm::madvise(
                 self.ptr.as_ptr().cast(),
                 self.len,
+                rustix::mm::Advice::LinuxPopulateWrite,
+            )
+        };
+    }
+
+    /// [`populate`](Self::populate) for `offset..offset + len` only (page-aligned
+    /// outward, clamped to the mapping).
+    pub(crate) fn populate_range(&self, offset: u64, len: u64) {
+        let page = page_size() as u64;
+        let start = (offset / page * page).min(self.len as u64);
+        let end = offset
+            .saturating_add(len)
+            .next_multiple_of(page)
+            .min(self.len as u64);
+        if end <= start {
+            return;
+        }
+        // SAFETY: `start..end` lies inside this mapping (clamped above) and `start` is
+        // page-aligned; populating changes no contents.
+        let _ = unsafe {
+            rustix::mm::madvise(
+                self.ptr.as_ptr().add(start as usize).cast(),
+                (end - start) as usize,
                 rustix::mm::Advice::LinuxPopulateWrite,
             )
         };

@@ -13,6 +13,7 @@ pub(crate) mod daemon;
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) mod lease;
 pub(crate) mod memfd;
+pub(crate) mod memlimit;
 pub(crate) mod mmap;
 pub(crate) mod process;
 pub(crate) mod socket;

@@ -320,6 +320,21 @@ extern "C" fn forget_cached_pid() {
     CACHED_PID.store(0, std::sync::atomic::Ordering::Relaxed);
 }
 
+/// How many fds this process has open. Lists `/proc/self/fd` (which takes an fd
+/// itself); at the fd limit, where that fails, probes every number below the soft
+/// limit `soft` (up to 65,536 of them) instead.
+pub(crate) fn open_fd_count(soft: Option<u64>) -> usize {
+    if let Ok(dir) = std::fs::read_dir("/proc/self/fd") {
+        // The listing's own fd is in it.
+        return dir.count().saturating_sub(1);
+    }
+    let probe_to = soft.unwrap_or(1 << 16).min(1 << 16) as i32;
+    (0..probe_to)
+        // SAFETY: F_GETFD only reads the flags of an fd number, open or not.
+        .filter(|&fd| unsafe { libc::fcntl(fd, libc::F_GETFD) } != -1)
+        .count()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -154,7 +154,7 @@ pub(crate) fn try_send_packet(
     fds: &[BorrowedFd<'_>],
 ) -> Result<Attempt<()>> {
     if fds.len() > MAX_FDS_PER_PACKET {
-        return Err(Error::FdLimit(format!(
+        return Err(Error::Encode(format!(
             "a message carries {} file descriptors; one message can carry at most {MAX_FDS_PER_PACKET} — \
              send fewer tensors per message, or use the file_system sharing strategy",
             fds.len()
@@ -170,7 +170,12 @@ pub(crate) fn try_send_packet(
         )));
     }
     let iov = [IoSlice::new(header), IoSlice::new(body)];
-    match sendmsg(sock, &iov, &mut control, SendFlags::DONTWAIT | SendFlags::NOSIGNAL) {
+    match sendmsg(
+        sock,
+        &iov,
+        &mut control,
+        SendFlags::DONTWAIT | SendFlags::NOSIGNAL,
+    ) {
         Ok(n) if n == header.len() + body.len() => Ok(Attempt::Done(())),
         Ok(n) => Err(Error::Encode(format!(
             "the kernel accepted {n} of {} bytes of one packet",
@@ -184,10 +189,9 @@ pub(crate) fn try_send_packet(
             "a packet of {} bytes is larger than the socket allows",
             header.len() + body.len()
         ))),
-        Err(Errno::TOOMANYREFS) => Err(Error::FdLimit(
-            "too many file descriptors are in flight on unix sockets (the kernel counts them against \
-             RLIMIT_NOFILE); receive pending messages, raise `ulimit -n`, or use the file_system strategy"
-                .into(),
+        Err(Errno::TOOMANYREFS) => Err(Error::fd_limit(
+            "too many file descriptors are in flight on unix sockets (the kernel counts them \
+             against RLIMIT_NOFILE); receive pending messages first",
         )),
         Err(e) => Err(Error::os("sendmsg on a multiproc channel", e)),
     }
@@ -206,6 +210,9 @@ pub(crate) struct Packet {
 /// all fit, is [`Error::InvalidMessage`] (the packet is consumed either way, so the
 /// channel stays usable).
 pub(crate) fn try_recv_packet(sock: BorrowedFd<'_>, buf: &mut [u8]) -> Result<Attempt<Packet>> {
+    // The kernel installs a packet's fds as it dequeues it and drops the ones that do
+    // not fit: check for room first, so a receiver at its fd limit keeps the message.
+    ensure_fd_room(sock)?;
     let mut space =
         [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS_PER_PACKET))];
     let mut control = RecvAncillaryBuffer::new(&mut space);
@@ -247,19 +254,75 @@ pub(crate) fn try_recv_packet(sock: BorrowedFd<'_>, buf: &mut [u8]) -> Result<At
         )));
     }
     if msg.flags.contains(ReturnFlags::CTRUNC) {
-        return Err(Error::FdLimit(format!(
-            "a message's file descriptors did not all arrive ({} did): the receiver is at its fd limit \
-             (RLIMIT_NOFILE soft limit {}); raise `ulimit -n` or use the file_system sharing strategy",
-            fds.len(),
-            rustix::process::getrlimit(rustix::process::Resource::Nofile)
-                .current
-                .map_or("unlimited".to_string(), |v| v.to_string())
+        // Only when another thread took the room between the check and the receive.
+        return Err(Error::fd_limit(format!(
+            "a message's file descriptors did not all arrive ({} did) and the message is lost",
+            fds.len()
         )));
     }
     Ok(Attempt::Done(Packet {
         bytes: buf[..msg.bytes].to_vec(),
         fds,
     }))
+}
+
+/// Fds a received packet may need beyond the ones it brings: each new segment it names
+/// is duplicated once while it is mapped.
+const FDS_PER_RECEIVED_FD: u64 = 2;
+/// With at least this many fd numbers free above the lowest free one, any packet fits
+/// (fds are handed out lowest first) and the exact count is skipped.
+const FD_ROOM_FAST: u64 = FDS_PER_RECEIVED_FD * MAX_FDS_PER_PACKET as u64 + 64;
+
+/// Fails with [`Error::FdLimit`], leaving the packet queued, when the next packet on
+/// `sock` would need more fds than this process may still open. Cheap when far from
+/// the limit (`getrlimit` and the lowest free fd number); near it, the packet's header
+/// is peeked (without its fds) and the open fds are counted.
+fn ensure_fd_room(sock: BorrowedFd<'_>) -> Result<()> {
+    let Some(soft) = rustix::process::getrlimit(rustix::process::Resource::Nofile).current else {
+        return Ok(());
+    };
+    let lowest_free = match rustix::io::fcntl_dupfd_cloexec(sock, 0) {
+        // Dropped at once: the probe only learns the number.
+        Ok(probe) => std::os::fd::AsRawFd::as_raw_fd(&probe) as u64,
+        Err(Errno::MFILE) => soft,
+        Err(_) => return Ok(()),
+    };
+    if soft.saturating_sub(lowest_free) >= FD_ROOM_FAST {
+        return Ok(());
+    }
+    let mut header = [0u8; 16];
+    let declared =
+        match rustix::net::recv(sock, &mut header[..], RecvFlags::PEEK | RecvFlags::DONTWAIT) {
+            // A multiproc header declares its fds (plus the payload memfd of kind 1); a
+            // forged packet may carry undeclared ones, which only the kernel can count.
+            Ok((_, n)) if n >= 16 && header[0..4] == *b"MPW\x01" => {
+                u64::from(u32::from_le_bytes([
+                    header[8], header[9], header[10], header[11],
+                ])) + u64::from(header[5] == 1)
+            }
+            _ => return Ok(()),
+        };
+    if declared == 0 {
+        return Ok(());
+    }
+    let (_, _, in_use) = crate::error::fd_usage();
+    let free = soft.saturating_sub(in_use as u64);
+    if free < declared * FDS_PER_RECEIVED_FD {
+        return Err(Error::fd_limit(format!(
+            "cannot receive a message that carries {declared} file descriptors ({} free); it \
+             stays queued: drop received tensors (or other files) and get again",
+            free
+        )));
+    }
+    Ok(())
+}
+
+/// Takes the next packet off `sock` and drops it with its fds, without installing them
+/// (no room for ancillary data: the kernel releases them). For a server that must not
+/// stall on a request it cannot receive at its fd limit.
+pub(crate) fn discard_packet(sock: BorrowedFd<'_>) {
+    let mut byte = [0u8; 1];
+    let _ = rustix::net::recv(sock, &mut byte[..], RecvFlags::DONTWAIT | RecvFlags::TRUNC);
 }
 
 /// Sends one packet, waiting for room until the deadline.

@@ -19,7 +19,8 @@
 //! | 0..4 | magic `b"MPW\x01"` |
 //! | 4 | version ([`VERSION`]) |
 //! | 5 | kind: 0 inline payload, 1 payload in a sealed memfd (the last fd) |
-//! | 6..8 | zero |
+//! | 6 | flags: bit 0 set by a queue's `put`, which counted the message in the queue's size and (bounded) took a place for it |
+//! | 7 | zero |
 //! | 8..12 | number of fds the payload uses (not counting the payload memfd) |
 //! | 12..16 | payload length in bytes |
 //!
@@ -49,6 +50,8 @@ pub(crate) const VERSION: u8 = 1;
 const HEADER_LEN: usize = 16;
 const KIND_INLINE: u8 = 0;
 const KIND_MEMFD: u8 = 1;
+/// Header flag: a queue's `put` counted this message (see [`Encoded::mark_counted`]).
+const FLAG_COUNTED: u8 = 1;
 /// Largest payload sent inside the packet itself.
 pub(crate) const INLINE_MAX: usize = 60 * 1024;
 /// Largest payload accepted from a memfd (a sanity bound against hostile lengths).
@@ -347,7 +350,7 @@ pub(crate) fn encode<T: Serialize + ?Sized>(value: &T) -> Result<Encoded> {
     })?;
     let nfds = fds.len();
     if nfds > MAX_FDS_PER_PACKET - 1 {
-        return Err(Error::FdLimit(format!(
+        return Err(Error::Encode(format!(
             "a message would carry {nfds} file descriptors but one message carries at most {}: \
              send fewer unshared-storage tensors or queues per message, or use the file_system sharing strategy",
             MAX_FDS_PER_PACKET - 1
@@ -407,7 +410,22 @@ fn write_all_at(fd: BorrowedFd<'_>, mut bytes: &[u8]) -> Result<()> {
     Ok(())
 }
 
+/// Whether a received packet claims to have been counted by a queue's `put`: a
+/// well-formed header of this version with [`FLAG_COUNTED`]. Random bytes, another
+/// version or a forged header without the flag do not, so the getter gives back no
+/// place for them.
+pub(crate) fn is_counted(packet: &Packet) -> bool {
+    let b = &packet.bytes;
+    b.len() >= HEADER_LEN && b[0..4] == MAGIC && b[4] == VERSION && b[6] & FLAG_COUNTED != 0
+}
+
 impl Encoded {
+    /// Marks the packet as counted by a queue's `put` (it took a place, or at least
+    /// counted in the queue's size): only such a packet gives a place back when taken.
+    pub(crate) fn mark_counted(&mut self) {
+        self.header[6] |= FLAG_COUNTED;
+    }
+
     /// The packet as a receiver would get it (bytes and fds), without sending it; for
     /// the fuzz target's seeds. The references taken for a receiver stay taken.
     pub(crate) fn into_packet(mut self) -> Packet {
@@ -565,10 +583,21 @@ fn read_sealed_payload(fd: BorrowedFd<'_>, len: usize) -> Result<Vec<u8>> {
             "the payload memfd is not sealed against writing and shrinking".into(),
         ));
     }
-    let size = memfd::file_size(fd)?;
+    let st = rustix::fs::fstat(fd).map_err(|e| Error::os("fstat of a message memfd", e))?;
+    let size = st.st_size.max(0) as u64;
     if (len as u64) > size || size > MEMFD_PAYLOAD_MAX {
         return Err(Error::InvalidMessage(format!(
             "the header declares a {len}-byte payload but its memfd holds {size} bytes"
+        )));
+    }
+    // A sender writes its whole payload, so every page of it is allocated; a sparse
+    // file claims bytes nobody paid for, and reading them would make this process
+    // commit that memory (a hole reads as zeros into a buffer of the full length).
+    let written = (st.st_blocks.max(0) as u64).saturating_mul(512);
+    if written < len as u64 {
+        return Err(Error::InvalidMessage(format!(
+            "the header declares a {len}-byte payload but only {written} bytes of its memfd \
+             were ever written (a sparse file); refusing to read it"
         )));
     }
     // The length is the sender's word: allocating must fail as an error, never abort.
@@ -650,6 +679,20 @@ impl Opaque {
 }
 
 impl Opaque {
+    /// A copy that can be sent independently, when the value holds no handles (no fds,
+    /// no references taken for a receiver): then it is only bytes. `None` otherwise —
+    /// a handle's references can be handed to one receiver only.
+    pub(crate) fn try_clone_plain(&self) -> Option<Opaque> {
+        if !self.fds.is_empty() || !self.undo_list().is_empty() {
+            return None;
+        }
+        Some(Opaque {
+            bytes: self.bytes.clone(),
+            fds: Vec::new(),
+            on_unsent: Arc::new(Mutex::new(Vec::new())),
+        })
+    }
+
     fn undo_list(&self) -> MutexGuard<'_, Vec<Undo>> {
         self.on_unsent.lock().unwrap_or_else(|p| p.into_inner())
     }

@@ -13,11 +13,6 @@ use std::time::{Duration, Instant};
 
 static SERIAL: Mutex<()> = Mutex::new(());
 
-/// A process keeps the last few small segments it received mapped (at most this many,
-/// one fd each) so that a stream of small tensors does not map and unmap every time;
-/// that bounded cache is not a leak.
-pub const RETAINED_SEGMENT_FDS: usize = 8;
-
 /// Runs `body` with a deadline and a leak check; fails the test if either is broken.
 pub fn run(deadline: Duration, body: impl FnOnce() + Send + 'static) {
     let guard = Guard::new();
@@ -61,6 +56,8 @@ impl Guard {
     pub fn new() -> Self {
         let serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
         warm_up();
+        multiproc::__testing::flush_retained_segments();
+        multiproc::__testing::release_idle_blocks();
         Self {
             _serial: serial,
             segments: our_segments(),
@@ -75,9 +72,13 @@ impl Guard {
         let until = Instant::now() + Duration::from_secs(10);
         loop {
             let segs: Vec<_> = our_segments().difference(&self.segments).cloned().collect();
+            // The received segments a process keeps mapped for a while (one fd each)
+            // are let go first: then every fd counts.
+            multiproc::__testing::flush_retained_segments();
+            multiproc::__testing::release_idle_blocks();
             let fds = open_fds();
             let kids: Vec<_> = children().difference(&self.children).cloned().collect();
-            if segs.is_empty() && fds <= self.fds + RETAINED_SEGMENT_FDS && kids.is_empty() {
+            if segs.is_empty() && fds <= self.fds && kids.is_empty() {
                 return;
             }
             if Instant::now() > until {

@@ -1,0 +1,16 @@
+//! Hooks for the integration tests' leak checks (`tests/common`). **Not public API**:
+//! hidden from the docs, exempt from semver, and may change or vanish in any release.
+
+/// Lets go of the received segments this process keeps mapped after their last tensor
+/// was dropped (the retention cache, see `shm::cache`), so that a leak check can count
+/// fds exactly. Returns how many were let go.
+pub fn flush_retained_segments() -> usize {
+    crate::shm::flush_retained()
+}
+
+/// Lets go of this process's idle pooled blocks (full arenas and large blocks that no
+/// storage uses, here or elsewhere), so that a leak check can count fds exactly.
+/// Returns how many were let go.
+pub fn release_idle_blocks() -> usize {
+    crate::shm::release_idle_blocks()
+}
