@@ -54,6 +54,7 @@
 //! tree is connected.
 
 mod cache;
+pub(crate) mod file;
 pub(crate) mod name;
 mod pool;
 #[allow(unsafe_code)]

@@ -9,6 +9,7 @@
 //! are non-blocking and every wait goes through [`wait_fd`] with a deadline.
 
 pub(crate) mod daemon;
+pub(crate) mod file_map;
 pub(crate) mod memfd;
 pub(crate) mod mmap;
 pub(crate) mod process;

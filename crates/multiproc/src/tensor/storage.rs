@@ -8,6 +8,12 @@
 //! access goes through `raw`'s relaxed atomics. The pointer is stable while a read guard
 //! lives: only [`Storage::share_memory_`] replaces the backing, and it holds the write
 //! lock. The byte length never changes after creation.
+//!
+//! A *read-only* storage (the pages of a file, `Backing::ReadOnlyFile`, mapped
+//! `PROT_READ`) is never written: every in-place operation asks
+//! [`Storage::check_writable`] first, so a write is an error naming the tensor, never a
+//! SIGSEGV. A storage is read-only from creation to drop (no backing change makes it so
+//! or undoes it), so the check needs no lock held across the write.
 
 use std::alloc::Layout;
 use std::collections::HashMap;
@@ -18,6 +24,7 @@ use std::sync::{Arc, Mutex, PoisonError, RwLock, RwLockReadGuard, Weak};
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
+use crate::shm::file::{FileHandle, FileSegment};
 use crate::shm::{self, Segment, SegmentHandle};
 use crate::{Error, Result, SharingStrategy, get_sharing_strategy, wire};
 
@@ -53,6 +60,39 @@ impl PrivateBuf {
         })?;
         Ok(PrivateBuf { ptr, layout })
     }
+
+    /// A buffer holding a copy of `bytes` (`len > 0`): one memcpy, no zeroing first.
+    fn copy_of(bytes: &[u8]) -> Result<PrivateBuf> {
+        let len = bytes.len();
+        let layout = Layout::from_size_align(len, ALIGN).map_err(|_| {
+            Error::Tensor(format!(
+                "a storage of {len} bytes is larger than memory can hold"
+            ))
+        })?;
+        // SAFETY: `layout` has a non-zero size (callers never ask for 0 bytes).
+        let ptr = unsafe { std::alloc::alloc(layout) };
+        let ptr = NonNull::new(ptr).ok_or_else(|| {
+            Error::Tensor(format!(
+                "cannot allocate {} for a tensor: out of memory",
+                crate::sys::memfd::human_bytes(len as u64)
+            ))
+        })?;
+        // SAFETY: the new allocation holds `len` bytes and cannot overlap `bytes`; every
+        // byte is written before the buffer is used.
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), ptr.as_ptr(), len) };
+        Ok(PrivateBuf { ptr, layout })
+    }
+}
+
+/// How a new shared storage's bytes start out.
+#[derive(Clone, Copy)]
+enum Init<'a> {
+    /// Zeros.
+    Zero,
+    /// Whatever a recycled block held.
+    Uninit,
+    /// A copy of these bytes (as many as the storage has).
+    Copy(&'a [u8]),
 }
 
 impl Drop for PrivateBuf {
@@ -74,7 +114,30 @@ enum Backing {
         segment: Arc<Segment>,
         offset: usize,
     },
+    /// Bytes of a regular file mapped read-only and shared (`safetensors::load`), `offset`
+    /// bytes into it; `name` is the tensor's, for errors.
+    ReadOnlyFile {
+        file: Arc<FileSegment>,
+        offset: usize,
+        name: Arc<str>,
+    },
+    /// Memory owned by another library in this process (a DLPack capsule), kept alive
+    /// by `owner` until this backing is dropped or replaced.
+    #[cfg(feature = "dlpack")]
+    Foreign {
+        owner: Box<dyn Send + Sync>,
+        ptr: NonNull<u8>,
+        read_only: bool,
+    },
 }
+
+// SAFETY: the foreign pointer is only dereferenced through the storage's lock discipline
+// and atomics, like the others; its owner is `Send + Sync`.
+#[cfg(feature = "dlpack")]
+unsafe impl Send for Backing {}
+// SAFETY: as above.
+#[cfg(feature = "dlpack")]
+unsafe impl Sync for Backing {}
 
 struct StorageInner {
     nbytes: usize,
@@ -188,7 +251,22 @@ impl Storage {
 
     /// [`new_shared`](Self::new_shared) with an explicit strategy.
     pub(crate) fn new_shared_with(nbytes: usize, strategy: SharingStrategy) -> Result<Storage> {
-        Storage::shared_with(nbytes, strategy, true)
+        Storage::shared_with(nbytes, strategy, Init::Zero)
+    }
+
+    /// A storage holding a copy of `bytes`, in one memcpy: private, or in shared memory
+    /// with the current strategy when `shared` (then no private buffer is made at all).
+    pub(crate) fn copy_of(bytes: &[u8], shared: bool) -> Result<Storage> {
+        if shared {
+            Storage::shared_with(bytes.len(), get_sharing_strategy(), Init::Copy(bytes))
+        } else if bytes.is_empty() {
+            Ok(Storage::with_backing(0, Backing::Empty { shared: false }))
+        } else {
+            Ok(Storage::with_backing(
+                bytes.len(),
+                Backing::Private(PrivateBuf::copy_of(bytes)?),
+            ))
+        }
     }
 
     /// Like [`new_shared`](Self::new_shared), but the bytes are unspecified: a recycled
@@ -200,25 +278,35 @@ impl Storage {
     ///
     /// As [`new_shared`](Self::new_shared).
     pub fn new_shared_uninit(nbytes: usize) -> Result<Storage> {
-        Storage::shared_with(nbytes, get_sharing_strategy(), false)
+        Storage::shared_with(nbytes, get_sharing_strategy(), Init::Uninit)
     }
 
-    fn shared_with(nbytes: usize, strategy: SharingStrategy, zero: bool) -> Result<Storage> {
+    fn shared_with(nbytes: usize, strategy: SharingStrategy, init: Init<'_>) -> Result<Storage> {
         if nbytes == 0 {
             return Ok(Storage::with_backing(0, Backing::Empty { shared: true }));
         }
         let slice = shm::allocate(strategy, nbytes)?;
         let holds_use = slice.segment.is_block();
-        if zero && !slice.zeroed {
-            // SAFETY: the slice holds `nbytes` bytes at `offset` (allocate's contract),
-            // 64-byte aligned.
-            unsafe {
-                write_shared(
-                    slice.segment.data_ptr().wrapping_add(slice.offset),
-                    None,
-                    nbytes,
-                )
-            };
+        let dst = slice.segment.data_ptr().wrapping_add(slice.offset);
+        match init {
+            Init::Zero if !slice.zeroed => {
+                // SAFETY: the slice holds `nbytes` bytes at `offset` (allocate's
+                // contract), 64-byte aligned.
+                unsafe { write_shared(dst, None, nbytes) };
+            }
+            Init::Copy(bytes) if slice.zeroed => {
+                debug_assert_eq!(bytes.len(), nbytes);
+                // SAFETY: fresh bytes no other process has been told about, `nbytes`
+                // long (allocate's contract); `bytes` is as long and cannot overlap a
+                // fresh mapping.
+                unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), dst, nbytes) };
+            }
+            Init::Copy(bytes) => {
+                // SAFETY: as above, 64-byte aligned; a recycled block is written
+                // atomically (see `write_shared`).
+                unsafe { write_shared(dst, Some(bytes.as_ptr()), nbytes) };
+            }
+            Init::Zero | Init::Uninit => {}
         }
         let key = StorageKey::new(&slice.segment, slice.offset, nbytes);
         let storage = Storage::with_backing(
@@ -298,6 +386,148 @@ impl Storage {
         })
     }
 
+    /// The storage over `nbytes` bytes at `offset` of a read-only mapped file, named
+    /// `name` (the tensor's name, for errors): the one this process already has there, or
+    /// a new one.
+    pub(crate) fn from_file(
+        file: Arc<FileSegment>,
+        offset: usize,
+        nbytes: usize,
+        name: &str,
+    ) -> Result<Storage> {
+        if offset
+            .checked_add(nbytes)
+            .is_none_or(|end| end > file.len())
+        {
+            return Err(Error::InvalidMessage(format!(
+                "read-only tensor {name:?} of {nbytes} bytes at offset {offset} does not fit in \
+                 {} of {} bytes",
+                file.origin(),
+                file.len()
+            )));
+        }
+        if nbytes == 0 {
+            return Ok(Storage::empty_shared());
+        }
+        let key = StorageKey(Arc::as_ptr(&file) as usize, offset, nbytes);
+        with_storage_cache(|c| {
+            if let Some(inner) = c.entries.get(&key).and_then(Weak::upgrade) {
+                return Ok(Storage { inner });
+            }
+            let storage = Storage::with_backing(
+                nbytes,
+                Backing::ReadOnlyFile {
+                    file,
+                    offset,
+                    name: Arc::from(name),
+                },
+            );
+            c.put(key, &storage);
+            Ok(storage)
+        })
+    }
+
+    /// A storage over `nbytes` bytes at `ptr` that another library owns in this process,
+    /// kept alive by `owner` (dropped with the storage, or when the bytes are copied
+    /// into shared memory by [`share_memory_`](Self::share_memory_)).
+    ///
+    /// # Safety
+    ///
+    /// `ptr..ptr+nbytes` must stay valid (and writable unless `read_only`) while `owner`
+    /// lives, be aligned for the dtype it will be viewed as, and be accessed by others
+    /// only in ways that tolerate racing atomic accesses.
+    #[cfg(feature = "dlpack")]
+    pub(crate) unsafe fn from_foreign(
+        owner: Box<dyn Send + Sync>,
+        ptr: NonNull<u8>,
+        nbytes: usize,
+        read_only: bool,
+    ) -> Storage {
+        if nbytes == 0 {
+            return Storage::with_backing(0, Backing::Empty { shared: false });
+        }
+        Storage::with_backing(
+            nbytes,
+            Backing::Foreign {
+                owner,
+                ptr,
+                read_only,
+            },
+        )
+    }
+
+    /// Whether the bytes can only be read (a tensor loaded with
+    /// `multiproc::safetensors::load`, or a read-only DLPack import): every in-place
+    /// operation on it is an error. Make a writable copy with `Tensor::deep_clone`.
+    pub fn is_read_only(&self) -> bool {
+        match &*self.backing() {
+            Backing::ReadOnlyFile { .. } => true,
+            #[cfg(feature = "dlpack")]
+            Backing::Foreign { read_only, .. } => *read_only,
+            _ => false,
+        }
+    }
+
+    /// `Ok` when the bytes may be written; the error names the tensor and the operation
+    /// `op`. Every in-place operation calls this before it writes.
+    pub(crate) fn check_writable(&self, op: &str) -> Result<()> {
+        match &*self.backing() {
+            Backing::ReadOnlyFile { file, name, .. } => Err(Error::Tensor(format!(
+                "{op}: tensor {name:?} is read-only (its bytes are the pages of {}, mapped \
+                 read-only and shared); make a writable copy with deep_clone()",
+                file.origin()
+            ))),
+            #[cfg(feature = "dlpack")]
+            Backing::Foreign {
+                read_only: true, ..
+            } => Err(Error::Tensor(format!(
+                "{op}: the tensor is a read-only DLPack import; make a writable copy with \
+                 deep_clone()"
+            ))),
+            _ => Ok(()),
+        }
+    }
+
+    /// The base pointer of a private storage that nobody else can reach: this is the
+    /// only handle (no clone, no weak reference), so no other thread can write it and
+    /// nothing can share it (which would move the bytes) while `&mut self` is borrowed.
+    /// `None` for a shared, read-only or foreign storage, or one with other handles.
+    #[cfg_attr(not(feature = "ndarray"), allow(dead_code))]
+    pub(crate) fn unique_private_ptr(&mut self) -> Option<*mut u8> {
+        let inner = Arc::get_mut(&mut self.inner)?;
+        match inner
+            .backing
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner)
+        {
+            Backing::Empty { .. } => Some(NonNull::<u64>::dangling().as_ptr().cast()),
+            Backing::Private(buf) => Some(buf.ptr.as_ptr()),
+            _ => None,
+        }
+    }
+
+    /// The base pointer when the bytes can never move while the storage lives (shared,
+    /// read-only file, foreign), `None` while private: a private storage's bytes move
+    /// when [`share_memory_`](Self::share_memory_) runs.
+    #[cfg_attr(not(any(feature = "ndarray", feature = "dlpack")), allow(dead_code))]
+    pub(crate) fn stable_ptr(&self) -> Option<*mut u8> {
+        let read = self.read();
+        match &*read._guard {
+            Backing::Private(_) | Backing::Empty { shared: false } => None,
+            _ => Some(read.ptr()),
+        }
+    }
+
+    /// The read-only file, offset and tensor name under a file-backed storage.
+    fn file_with_name(&self) -> Option<(Arc<FileSegment>, usize, String)> {
+        match &*self.backing() {
+            Backing::ReadOnlyFile { file, offset, name } => {
+                Some((Arc::clone(file), *offset, name.to_string()))
+            }
+            _ => None,
+        }
+    }
+
     /// An empty storage that reports itself shared (received from another process).
     pub(crate) fn empty_shared() -> Storage {
         Storage::with_backing(0, Backing::Empty { shared: true })
@@ -313,11 +543,12 @@ impl Storage {
     pub fn is_shared(&self) -> bool {
         matches!(
             *self.backing(),
-            Backing::Shared { .. } | Backing::Empty { shared: true }
+            Backing::Shared { .. } | Backing::ReadOnlyFile { .. } | Backing::Empty { shared: true }
         )
     }
 
-    /// The strategy of the segment the bytes live in; `None` while private or empty.
+    /// The strategy of the segment the bytes live in; `None` while private or empty, and
+    /// for a read-only file (which travels by its fd whatever the strategy).
     pub fn sharing_strategy(&self) -> Option<SharingStrategy> {
         match &*self.backing() {
             Backing::Shared { segment, .. } => Some(segment.strategy()),
@@ -370,37 +601,38 @@ impl Storage {
             .backing
             .write()
             .unwrap_or_else(PoisonError::into_inner);
-        let slice = match &*backing {
-            Backing::Shared { .. } | Backing::Empty { shared: true } => return Ok(()),
+        let src: *const u8 = match &*backing {
+            Backing::Shared { .. }
+            | Backing::Empty { shared: true }
+            | Backing::ReadOnlyFile { .. } => return Ok(()),
             Backing::Empty { shared: false } => {
                 *backing = Backing::Empty { shared: true };
                 return Ok(());
             }
-            Backing::Private(buf) => {
-                let slice = shm::allocate(strategy, self.inner.nbytes)?;
-                let dst = slice.segment.data_ptr().wrapping_add(slice.offset);
-                if slice.zeroed {
-                    // SAFETY: the slice holds `nbytes` bytes at `offset` (allocate's
-                    // contract) and the buffer `nbytes`; they cannot overlap (mapping vs
-                    // heap); we hold the write lock, so no thread of this process touches
-                    // the buffer, and no other process has ever been told about these
-                    // fresh bytes.
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(buf.ptr.as_ptr(), dst, self.inner.nbytes)
-                    };
-                } else {
-                    // SAFETY: as above, and `dst` is 64-byte aligned; the bytes of a
-                    // recycled block are written atomically (see `write_shared`).
-                    unsafe { write_shared(dst, Some(buf.ptr.as_ptr()), self.inner.nbytes) };
-                }
-                if slice.segment.is_block() {
-                    self.inner
-                        .use_owner
-                        .store(crate::sys::process::cached_pid(), Ordering::Release);
-                }
-                slice
-            }
+            Backing::Private(buf) => buf.ptr.as_ptr(),
+            // A DLPack import is copied into shared memory, and its capsule released.
+            #[cfg(feature = "dlpack")]
+            Backing::Foreign { ptr, .. } => ptr.as_ptr(),
         };
+        let slice = shm::allocate(strategy, self.inner.nbytes)?;
+        let dst = slice.segment.data_ptr().wrapping_add(slice.offset);
+        if slice.zeroed {
+            // SAFETY: the slice holds `nbytes` bytes at `offset` (allocate's contract) and
+            // the source `nbytes`; they cannot overlap (a fresh mapping vs the heap or a
+            // foreign buffer); we hold the write lock, so no thread of this process touches
+            // the source through this storage, and no other process has ever been told
+            // about these fresh bytes.
+            unsafe { std::ptr::copy_nonoverlapping(src, dst, self.inner.nbytes) };
+        } else {
+            // SAFETY: as above, and `dst` is 64-byte aligned; the bytes of a recycled
+            // block are written atomically (see `write_shared`).
+            unsafe { write_shared(dst, Some(src), self.inner.nbytes) };
+        }
+        if slice.segment.is_block() {
+            self.inner
+                .use_owner
+                .store(crate::sys::process::cached_pid(), Ordering::Release);
+        }
         let key = StorageKey::new(&slice.segment, slice.offset, self.inner.nbytes);
         *backing = Backing::Shared {
             segment: slice.segment,
@@ -427,6 +659,12 @@ impl Storage {
             Backing::Empty { .. } => NonNull::<u64>::dangling().as_ptr().cast(),
             Backing::Private(buf) => buf.ptr.as_ptr(),
             Backing::Shared { segment, offset } => segment.data_ptr().wrapping_add(*offset),
+            // Never written through: every writer calls `check_writable` first.
+            Backing::ReadOnlyFile { file, offset, .. } => {
+                file.data_ptr().wrapping_add(*offset).cast_mut()
+            }
+            #[cfg(feature = "dlpack")]
+            Backing::Foreign { ptr, .. } => ptr.as_ptr(),
         };
         StorageRead {
             _guard: guard,
@@ -457,6 +695,13 @@ impl fmt::Debug for Storage {
             Backing::Empty { shared } => d.field("shared", shared),
             Backing::Private(_) => d.field("shared", &false),
             Backing::Shared { segment, .. } => d.field("shared", &segment.strategy().name()),
+            Backing::ReadOnlyFile { file, name, .. } => d
+                .field("read_only_file", &file.origin())
+                .field("name", name),
+            #[cfg(feature = "dlpack")]
+            Backing::Foreign { read_only, .. } => d
+                .field("shared", &false)
+                .field("dlpack_read_only", read_only),
         };
         d.finish()
     }
@@ -505,6 +750,8 @@ fn with_storage_cache<R>(f: impl FnOnce(&mut StorageCache) -> R) -> R {
 enum StorageWire {
     Empty,
     Segment(SegmentHandle),
+    /// A read-only file's fd (see `shm::file`); appended, so older codes keep their index.
+    ReadOnlyFile(FileHandle),
 }
 
 impl Serialize for Storage {
@@ -520,6 +767,13 @@ impl Serialize for Storage {
             .map_err(|e| S::Error::custom(wire::fail_with(e)))?;
         let wire = if self.nbytes() == 0 {
             StorageWire::Empty
+        } else if let Some((file, offset, name)) = self.file_with_name() {
+            StorageWire::ReadOnlyFile(FileHandle {
+                file,
+                offset: offset as u64,
+                nbytes: self.nbytes() as u64,
+                name,
+            })
         } else {
             let (segment, offset) = self.segment().ok_or_else(|| {
                 S::Error::custom(wire::fail("a shared storage without a segment".into()))
@@ -555,6 +809,24 @@ impl<'de> Deserialize<'de> for Storage {
                     ))));
                 };
                 Storage::from_segment(segment, offset, nbytes, carries_use)
+                    .map_err(|e| D::Error::custom(wire::fail_with(e)))
+            }
+            StorageWire::ReadOnlyFile(FileHandle {
+                file,
+                offset,
+                nbytes,
+                name,
+            }) => {
+                let (Ok(offset), Ok(nbytes)) = (usize::try_from(offset), usize::try_from(nbytes))
+                else {
+                    return Err(D::Error::custom(wire::fail_with(Error::InvalidMessage(
+                        format!(
+                            "read-only tensor {name:?} of {nbytes} bytes at offset {offset} does \
+                             not fit this machine"
+                        ),
+                    ))));
+                };
+                Storage::from_file(file, offset, nbytes, &name)
                     .map_err(|e| D::Error::custom(wire::fail_with(e)))
             }
         }
