@@ -97,6 +97,8 @@ mod manager;
 mod pool;
 mod process;
 mod queue;
+#[cfg(feature = "safetensors")]
+pub mod safetensors;
 mod sharing;
 mod shm;
 mod sync;

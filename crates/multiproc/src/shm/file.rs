@@ -22,8 +22,7 @@
 
 use std::collections::HashMap;
 use std::fmt;
-use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
-use std::path::Path;
+use std::os::fd::{BorrowedFd, OwnedFd};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
@@ -52,18 +51,12 @@ impl fmt::Debug for FileSegment {
 static FILES: Mutex<Option<HashMap<(u64, u64), Weak<FileSegment>>>> = Mutex::new(None);
 
 impl FileSegment {
-    /// Opens and maps `path` read-only (once per process: a second `open` of the same
-    /// file returns the same mapping).
+    /// Maps an opened file read-only (once per process: the same file mapped twice is
+    /// one mapping). It must be a regular file of at least `len` bytes (its size as the
+    /// caller read it, before parsing what it maps); `origin` names it in errors.
     #[cfg_attr(not(feature = "safetensors"), allow(dead_code))]
-    pub(crate) fn open(path: &Path) -> Result<Arc<FileSegment>> {
-        let shown = path.display().to_string();
-        let fd = rustix::fs::open(
-            path,
-            rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::CLOEXEC,
-            rustix::fs::Mode::empty(),
-        )
-        .map_err(|e| Error::os(format!("opening {shown}"), e))?;
-        FileSegment::map(fd.as_fd(), 0, &shown)
+    pub(crate) fn from_fd(fd: BorrowedFd<'_>, len: u64, origin: &str) -> Result<Arc<FileSegment>> {
+        FileSegment::map(fd, len, origin)
     }
 
     /// Maps a received fd that must be a regular file of at least `claimed` bytes, or

@@ -26,6 +26,8 @@
 //! arithmetic itself is exact (wrapping), and bool `add_`/`mul_` are logical or/and.
 
 pub(crate) mod dtype;
+#[cfg(feature = "candle")]
+mod interop_candle;
 #[cfg(feature = "ndarray")]
 #[allow(unsafe_code)]
 mod interop_ndarray;
@@ -50,6 +52,12 @@ pub use storage::Storage;
 use storage::StorageRead;
 
 use crate::{Error, Result, wire};
+
+/// The bytes of a slice of elements (for writers such as `safetensors::save`).
+#[cfg_attr(not(feature = "safetensors"), allow(dead_code))]
+pub(crate) fn element_bytes<T: Element>(values: &[T]) -> &[u8] {
+    raw::as_bytes(values)
+}
 
 /// An n-dimensional array: a [`DType`], a shape, strides and an offset (in elements)
 /// over a [`Storage`].
