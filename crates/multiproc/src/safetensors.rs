@@ -58,8 +58,8 @@ use std::path::Path;
 use ::safetensors::tensor::{Metadata, TensorInfo};
 use ::safetensors::{Dtype, View};
 
-use crate::shm::file::FileSegment;
 use crate::error::{Error, Result};
+use crate::shm::file::FileSegment;
 use crate::tensor::{DType, Storage, Tensor, dispatch};
 
 /// The largest header [`load`] accepts, in bytes (the safetensors library's own limit).
@@ -141,7 +141,9 @@ pub(crate) fn parse_header(
     if header_len > MAX_HEADER_LEN {
         return Err(bad(
             path,
-            format!("its header claims {header_len} bytes, more than the limit of {MAX_HEADER_LEN}"),
+            format!(
+                "its header claims {header_len} bytes, more than the limit of {MAX_HEADER_LEN}"
+            ),
         ));
     }
     if header_len > file_len - 8 {
@@ -225,13 +227,8 @@ pub fn load(path: impl AsRef<Path>) -> Result<BTreeMap<String, Tensor>> {
         .into_iter()
         .map(|e| {
             let storage = Storage::from_file(segment.clone(), e.file_offset, e.nbytes, &e.name)?;
-            let tensor = Tensor::from_storage(
-                storage,
-                e.dtype,
-                &e.shape,
-                &contiguous_strides(&e.shape),
-                0,
-            )?;
+            let tensor =
+                Tensor::from_storage(storage, e.dtype, &e.shape, &contiguous_strides(&e.shape), 0)?;
             Ok((e.name, tensor))
         })
         .collect()
@@ -334,7 +331,10 @@ mod tests {
         // start at byte 118.
         let err = error_of(&f);
         assert!(err.contains("not aligned for float64"), "{err}");
-        let padded = format!("{:<112}", r#"{"b":{"dtype":"U32","shape":[2],"data_offsets":[16,24]},"a":{"dtype":"F64","shape":[2],"data_offsets":[0,16]}}"#);
+        let padded = format!(
+            "{:<112}",
+            r#"{"b":{"dtype":"U32","shape":[2],"data_offsets":[16,24]},"a":{"dtype":"F64","shape":[2],"data_offsets":[0,16]}}"#
+        );
         let entries = parse(&header_file(&padded, 24)).unwrap();
         assert_eq!(entries.len(), 2);
         assert_eq!(entries[0].name, "a");
@@ -356,12 +356,25 @@ mod tests {
             r#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},"b":{"dtype":"U8","shape":[4],"data_offsets":[2,6]}}"#,
             6,
         );
-        assert!(error_of(&overlap).contains("header is not valid"), "{}", error_of(&overlap));
-        let short_data = header_file(r#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}}"#, 3);
+        assert!(
+            error_of(&overlap).contains("header is not valid"),
+            "{}",
+            error_of(&overlap)
+        );
+        let short_data = header_file(
+            r#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}}"#,
+            3,
+        );
         assert!(error_of(&short_data).contains("truncated or padded"));
-        let wrong_size = header_file(r#"{"a":{"dtype":"F32","shape":[4],"data_offsets":[0,4]}}"#, 4);
+        let wrong_size = header_file(
+            r#"{"a":{"dtype":"F32","shape":[4],"data_offsets":[0,4]}}"#,
+            4,
+        );
         assert!(error_of(&wrong_size).contains("header is not valid"));
-        let f8 = header_file(r#"{"a":{"dtype":"F8_E4M3","shape":[8],"data_offsets":[0,8]}}"#, 8);
+        let f8 = header_file(
+            r#"{"a":{"dtype":"F8_E4M3","shape":[8],"data_offsets":[0,8]}}"#,
+            8,
+        );
         assert!(error_of(&f8).contains("F8_E4M3"));
         assert!(error_of(&header_file("not json", 0)).contains("header is not valid"));
     }

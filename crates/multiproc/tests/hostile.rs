@@ -73,6 +73,16 @@ enum StorageWire {
     #[allow(dead_code)]
     Empty,
     Segment(HandleWire),
+    ReadOnlyFile(FileHandleWire),
+}
+
+/// A read-only file's handle (what `safetensors::load` tensors travel as).
+#[derive(Serialize)]
+struct FileHandleWire {
+    index: u32,
+    offset: u64,
+    nbytes: u64,
+    name: String,
 }
 
 #[derive(Serialize)]
@@ -409,6 +419,93 @@ fn memfd_segments_that_are_short_unsealed_or_not_memfds() {
         let body0 = fd_tensor(F32, &[0], &[1], 0, 0);
         send_raw(there.as_fd(), &packet(1, &body0), &[sealed(0).as_fd()]);
         assert_says(&refused(&here), &["holds 0"]);
+        tensor_channel_works(&here, &there);
+    });
+}
+
+/// A read-only file handle: what a loaded weight travels as.
+fn file_tensor(numel: u64, offset: u64, nbytes: u64) -> Vec<u8> {
+    payload(&TensorWire {
+        dtype: F32,
+        shape: vec![numel],
+        strides: vec![1],
+        offset: 0,
+        storage: StorageWire::ReadOnlyFile(FileHandleWire {
+            index: 0,
+            offset,
+            nbytes,
+            name: "layer.weight".into(),
+        }),
+    })
+}
+
+#[test]
+fn read_only_file_handles_that_lie_about_their_file() {
+    common::run(DEADLINE, || {
+        let (here, there) = pipe::<Tensor>().unwrap();
+        // A file shorter than the handle claims: refused before it is mapped (a read
+        // past its end would be a SIGBUS).
+        let short = tempfile_with(100);
+        send_raw(
+            there.as_fd(),
+            &packet(1, &file_tensor(64, 0, 256)),
+            &[short.as_fd()],
+        );
+        assert_says(&refused(&here), &["claims 256 bytes", "holds 100"]);
+        // A range that starts inside the file but runs past it.
+        let file = tempfile_with(4096);
+        send_raw(
+            there.as_fd(),
+            &packet(1, &file_tensor(64, 4000, 256)),
+            &[file.as_fd()],
+        );
+        assert_says(&refused(&here), &["claims 4256 bytes", "holds 4096"]);
+        // A range whose end overflows.
+        send_raw(
+            there.as_fd(),
+            &packet(1, &file_tensor(1, u64::MAX, 4)),
+            &[file.as_fd()],
+        );
+        assert_says(&refused(&here), &["layer.weight", "past any file"]);
+        // Not a regular file: a socket, a pipe.
+        send_raw(
+            there.as_fd(),
+            &packet(1, &file_tensor(1, 0, 4)),
+            &[seqpacket().0.as_fd()],
+        );
+        assert_says(&refused(&here), &["not a regular file"]);
+        let (r, _w) = rustix::pipe::pipe().unwrap();
+        send_raw(
+            there.as_fd(),
+            &packet(1, &file_tensor(1, 0, 4)),
+            &[r.as_fd()],
+        );
+        assert_says(&refused(&here), &["not a regular file"]);
+        // A layout that reaches past the claimed bytes (the file holds enough).
+        send_raw(
+            there.as_fd(),
+            &packet(1, &file_tensor(64, 0, 16)),
+            &[file.as_fd()],
+        );
+        assert_says(&refused(&here), &["layout is invalid"]);
+        // A well-formed handle maps; the tensor reads the file and refuses writes by name.
+        send_raw(
+            there.as_fd(),
+            &packet(1, &file_tensor(4, 8, 16)),
+            &[file.as_fd()],
+        );
+        let t = here
+            .recv_timeout(WAIT)
+            .unwrap()
+            .expect("a good read-only tensor");
+        assert!(t.is_read_only());
+        assert_eq!(t.to_vec::<f32>().unwrap(), [0.0; 4]);
+        let err = t.fill_(1.0).unwrap_err().to_string();
+        assert_says(&err, &["fill_", "layer.weight", "read-only"]);
+        drop(t);
+        // No handle count: a missing fd is an error too.
+        send_raw(there.as_fd(), &packet(0, &file_tensor(4, 8, 16)), &[]);
+        assert_says(&refused(&here), &["file descriptor #0"]);
         tensor_channel_works(&here, &there);
     });
 }

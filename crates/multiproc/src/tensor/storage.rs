@@ -406,9 +406,8 @@ impl Storage {
                 file.len()
             )));
         }
-        if nbytes == 0 {
-            return Ok(Storage::empty_shared());
-        }
+        // An empty tensor of the file is read-only too (like its neighbours), so it keeps
+        // its backing rather than becoming an ordinary empty storage.
         let key = StorageKey(Arc::as_ptr(&file) as usize, offset, nbytes);
         with_storage_cache(|c| {
             if let Some(inner) = c.entries.get(&key).and_then(Weak::upgrade) {
@@ -765,15 +764,15 @@ impl Serialize for Storage {
         }
         self.share_memory_()
             .map_err(|e| S::Error::custom(wire::fail_with(e)))?;
-        let wire = if self.nbytes() == 0 {
-            StorageWire::Empty
-        } else if let Some((file, offset, name)) = self.file_with_name() {
+        let wire = if let Some((file, offset, name)) = self.file_with_name() {
             StorageWire::ReadOnlyFile(FileHandle {
                 file,
                 offset: offset as u64,
                 nbytes: self.nbytes() as u64,
                 name,
             })
+        } else if self.nbytes() == 0 {
+            StorageWire::Empty
         } else {
             let (segment, offset) = self.segment().ok_or_else(|| {
                 S::Error::custom(wire::fail("a shared storage without a segment".into()))
