@@ -458,3 +458,125 @@ mod safetensors_interop {
         });
     }
 }
+
+#[cfg(feature = "dlpack")]
+mod dlpack_interop {
+    use super::common::{self, secs};
+    use dlpark::DlpackFlags;
+    use dlpark::metadata::Dynamic;
+    use dlpark::versioned::Dlpack;
+    use multiproc::{DType, Queue, Tensor};
+
+    #[test]
+    fn export_and_import_are_zero_copy_and_the_capsule_keeps_the_storage_alive() {
+        common::run(secs(60), || {
+            let t = Tensor::arange(0.0, 12.0, 1.0, DType::I32)
+                .unwrap()
+                .reshape(&[3, 4])
+                .unwrap();
+            let view = t.transpose(0, 1).unwrap().narrow(0, 1, 2).unwrap();
+            let capsule = view.to_dlpack().unwrap();
+            assert!(
+                t.is_shared(),
+                "a private tensor is moved to shared memory before export"
+            );
+            {
+                let dl = capsule.validate().unwrap();
+                assert_eq!(dl.shape(), [2, 3]);
+                assert_eq!(dl.strides_or_compact().unwrap().as_ref(), [1, 4]);
+                assert_eq!(dl.byte_offset(), 4);
+            }
+            // Through a raw pointer, as a C or Python consumer would get it.
+            let raw = capsule.into_raw();
+            // SAFETY: `raw` came from `into_raw` just above and is owned by nobody else.
+            let capsule = unsafe { Dlpack::from_raw(raw) }.unwrap();
+            let expected = view.contiguous().unwrap().to_vec::<i32>().unwrap();
+            drop((t, view)); // the capsule alone keeps the memory alive now
+            let back = Tensor::from_dlpack(capsule).unwrap();
+            assert_eq!(back.to_vec::<i32>().unwrap(), expected);
+            assert_eq!(expected, [1, 5, 9, 2, 6, 10]);
+            // Writes go to the same memory: export the import and look again.
+            back.fill_(-1.0).unwrap();
+            let again = Tensor::from_dlpack(back.to_dlpack().unwrap()).unwrap();
+            assert_eq!(again.data_ptr(), back.data_ptr());
+            assert_eq!(again.sum(), -6.0);
+        });
+    }
+
+    /// Sums what it receives.
+    fn sum_of(_rank: usize, (inbox, outbox): (Queue<Tensor>, Queue<f64>)) -> multiproc::Result<()> {
+        let t = inbox.get()?;
+        outbox.put(t.sum()).map_err(|e| e.error)?;
+        Ok(())
+    }
+
+    #[test]
+    fn a_foreign_capsule_is_imported_in_place_and_copied_once_to_travel() {
+        common::run(secs(90), || {
+            // A capsule another library made: dlpark owning a Vec.
+            let data: Vec<f32> = (0..16).map(|i| i as f32).collect();
+            let ptr = data.as_ptr() as *mut std::ffi::c_void;
+            let mut init = Dynamic::compact(vec![4i64, 4])
+                .initialize(Box::new(data))
+                .unwrap();
+            init.set_data(ptr)
+                .set_device(dlpark::ffi::DLDevice::CPU)
+                .set_dtype(dlpark::ffi::DLDataType::F32);
+            // SAFETY: the data pointer is the boxed Vec's buffer, owned by the capsule.
+            let capsule = unsafe { init.finish() };
+            let t = Tensor::from_dlpack(capsule).unwrap();
+            assert_eq!(
+                t.data_ptr() as *const std::ffi::c_void,
+                ptr as *const _,
+                "zero-copy"
+            );
+            assert!(!t.is_shared());
+            let (inbox, outbox) = (Queue::new().unwrap(), Queue::new().unwrap());
+            inbox.put(t.clone()).map_err(|e| e.error).unwrap();
+            assert!(t.is_shared(), "sending copied it into shared memory");
+            multiproc::spawn(sum_of, (inbox, outbox.clone()), 1).unwrap();
+            assert_eq!(outbox.get().unwrap(), 120.0);
+        });
+    }
+
+    #[test]
+    fn read_only_flags_travel_both_ways_and_bad_capsules_are_errors() {
+        common::run(secs(60), || {
+            let data = vec![1u8, 2, 3, 4];
+            let ptr = data.as_ptr() as *mut std::ffi::c_void;
+            let mut init = Dynamic::compact(vec![4i64])
+                .initialize(Box::new(data))
+                .unwrap();
+            init.set_data(ptr)
+                .set_device(dlpark::ffi::DLDevice::CPU)
+                .set_dtype(dlpark::ffi::DLDataType::U8)
+                .set_flags(DlpackFlags::READ_ONLY)
+                .unwrap();
+            // SAFETY: as above.
+            let t = Tensor::from_dlpack(unsafe { init.finish() }).unwrap();
+            assert!(t.is_read_only());
+            assert!(
+                t.add_scalar_(1.0)
+                    .unwrap_err()
+                    .to_string()
+                    .contains("read-only")
+            );
+            let out = t.to_dlpack().unwrap();
+            assert!(out.flags().contains(DlpackFlags::READ_ONLY));
+            // Complex numbers: no such dtype here.
+            let data = vec![0f32; 4];
+            let ptr = data.as_ptr() as *mut std::ffi::c_void;
+            let mut init = Dynamic::compact(vec![2i64])
+                .initialize(Box::new(data))
+                .unwrap();
+            init.set_data(ptr)
+                .set_device(dlpark::ffi::DLDevice::CPU)
+                .set_dtype(dlpark::ffi::DLDataType::C64);
+            // SAFETY: as above.
+            let err = Tensor::from_dlpack(unsafe { init.finish() })
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("no dtype"), "{err}");
+        });
+    }
+}

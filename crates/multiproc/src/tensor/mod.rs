@@ -28,6 +28,9 @@
 pub(crate) mod dtype;
 #[cfg(feature = "candle")]
 mod interop_candle;
+#[cfg(feature = "dlpack")]
+#[allow(unsafe_code)]
+mod interop_dlpack;
 #[cfg(feature = "ndarray")]
 #[allow(unsafe_code)]
 mod interop_ndarray;

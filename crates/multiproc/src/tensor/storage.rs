@@ -125,7 +125,8 @@ enum Backing {
     /// by `owner` until this backing is dropped or replaced.
     #[cfg(feature = "dlpack")]
     Foreign {
-        owner: Box<dyn Send + Sync>,
+        /// Never read: holding it is the point (dropping it runs the capsule's deleter).
+        _owner: Box<dyn Send + Sync>,
         ptr: NonNull<u8>,
         read_only: bool,
     },
@@ -448,7 +449,7 @@ impl Storage {
         Storage::with_backing(
             nbytes,
             Backing::Foreign {
-                owner,
+                _owner: owner,
                 ptr,
                 read_only,
             },
