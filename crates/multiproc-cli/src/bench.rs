@@ -112,7 +112,7 @@ fn fresh(
     let mut total = 0.0;
     for _ in 0..count {
         match q.get_timeout(Duration::from_secs(120))? {
-            Some(Msg::Tensor(t)) => total += t.sum(),
+            Some(Msg::Tensor(t)) => total += t.sum()?,
             _ => return Err(multiproc::Error::Timeout("the producer stalled".into())),
         }
     }

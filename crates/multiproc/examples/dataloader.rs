@@ -223,7 +223,7 @@ fn main() -> multiproc::Result<()> {
         }
         while let Some(batch) = waiting.remove(&next) {
             // "Train" on the batch: read every pixel once.
-            checksum += batch.images.sum() + batch.labels.sum();
+            checksum += batch.images.sum()? + batch.labels.sum()?;
             samples += batch.images.shape()[0];
             next += 1;
             bar.inc(1);

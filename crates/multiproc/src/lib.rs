@@ -15,7 +15,7 @@
 //!
 //! fn worker(rank: usize, (params, results): (Tensor, Queue<(usize, f64)>)) -> multiproc::Result<()> {
 //!     params.add_scalar_(1.0)?; // writes the parent's memory: no copy was made
-//!     results.put((rank, params.sum()))?;
+//!     results.put((rank, params.sum()?))?;
 //!     Ok(())
 //! }
 //!
@@ -29,7 +29,7 @@
 //!         let (rank, sum) = results.get()?;
 //!         println!("worker {rank} saw {sum}");
 //!     }
-//!     assert_eq!(params.sum(), 4096.0);
+//!     assert_eq!(params.sum()?, 4096.0);
 //!     Ok(())
 //! }
 //! ```

@@ -140,7 +140,11 @@ fn small_shm_child() -> i32 {
         Err(Error::OutOfSharedMemory(m)) => say(&format!("oom {m}")),
         Err(e) => say(&format!("error wrong error: {e:?}")),
     }
-    say(&format!("private {} sum {}", !t.is_shared(), t.sum()));
+    say(&format!(
+        "private {} sum {}",
+        !t.is_shared(),
+        t.sum().unwrap()
+    ));
     let leftovers = std::fs::read_dir("/dev/shm").map_or(usize::MAX, Iterator::count);
     say(&format!("leftovers {leftovers}"));
     multiproc::set_sharing_strategy(SharingStrategy::FileDescriptor);

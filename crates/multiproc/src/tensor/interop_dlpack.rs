@@ -68,7 +68,7 @@ impl Tensor {
     /// let back = Tensor::from_dlpack(capsule)?; // zero-copy both ways
     /// assert_eq!(back.data_ptr(), t.data_ptr());
     /// back.fill_(1.0)?;
-    /// assert_eq!(t.sum(), 6.0);
+    /// assert_eq!(t.sum()?, 6.0);
     /// # Ok(()) }
     /// ```
     ///

@@ -76,7 +76,7 @@ pub(crate) fn element_bytes<T: Element>(values: &[T]) -> &[u8] {
 /// col.add_scalar_(10.0)?;
 /// assert_eq!(t.to_vec::<f32>()?, [0., 11., 2., 3., 14., 5.]);
 /// assert_eq!(t.transpose(0, 1)?.contiguous()?.to_vec::<f32>()?, [0., 3., 11., 14., 2., 5.]);
-/// assert_eq!(t.sum(), 35.0);
+/// assert_eq!(t.sum()?, 35.0);
 /// # Ok(()) }
 /// ```
 #[derive(Clone)]
@@ -152,7 +152,7 @@ impl Tensor {
     /// let t = Tensor::zeros_shared(&[1024], DType::F32)?;
     /// assert!(t.is_shared());
     /// t.fill_(2.0)?;
-    /// assert_eq!(t.sum(), 2048.0);
+    /// assert_eq!(t.sum()?, 2048.0);
     /// # Ok(()) }
     /// ```
     ///
@@ -177,7 +177,7 @@ impl Tensor {
     /// use multiproc::{DType, Tensor};
     /// let t = Tensor::empty_shared(&[1024], DType::F32)?;
     /// t.fill_(1.0)?;
-    /// assert_eq!(t.sum(), 1024.0);
+    /// assert_eq!(t.sum()?, 1024.0);
     /// # Ok(()) }
     /// ```
     ///
@@ -756,35 +756,44 @@ impl Tensor {
     // ----- reductions -----
 
     /// The sum of all elements, accumulated in `f64` whatever the dtype (bool counts
-    /// `true`s). torch returns a 0-d tensor; a plain `f64` is what Rust callers want.
-    pub fn sum(&self) -> f64 {
+    /// `true`s; `i64`/`u64` values beyond 2^53 are rounded). torch returns a 0-d tensor; a
+    /// plain `f64` is what Rust callers want.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Tensor`] when the elements cannot be read (a storage not aligned for the
+    /// dtype, e.g. a DLPack import at an odd address) — never a silent `NaN`.
+    pub fn sum(&self) -> Result<f64> {
         let read = self.storage.read();
-        dispatch!(self.dtype, T => Region::<T>::new(&read, &self.layout)
-            .map_or(f64::NAN, |r| raw::sum(&r)))
+        dispatch!(self.dtype, T => Ok(raw::sum(&Region::<T>::new(&read, &self.layout)?)))
     }
 
     /// Whether every element satisfies `|self - other| <= atol + rtol * |other|`
     /// (torch's `allclose`, `equal_nan=False`; torch's defaults are `rtol = 1e-5`,
-    /// `atol = 1e-8`). Compared as `f64`; different shapes are not close.
-    pub fn allclose(&self, other: &Tensor, rtol: f64, atol: f64) -> bool {
+    /// `atol = 1e-8`). Compared as `f64`, so any two dtypes can be compared.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Tensor`] when the shapes differ (torch raises too) or the elements cannot
+    /// be read — never a silent `false`.
+    pub fn allclose(&self, other: &Tensor, rtol: f64, atol: f64) -> Result<bool> {
         if self.shape() != other.shape() {
-            return false;
+            return Err(Error::Tensor(format!(
+                "allclose: shapes {:?} and {:?} differ",
+                self.shape(),
+                other.shape()
+            )));
         }
         let close = |a: f64, b: f64| (a - b).abs() <= atol + rtol * b.abs();
         if self.dtype == other.dtype && !Storage::ptr_eq(&self.storage, &other.storage) {
             let (ra, rb) = read_two(&self.storage, &other.storage);
             dispatch!(self.dtype, T => {
-                match (Region::<T>::new(&ra, &self.layout), Region::<T>::new(&rb, &other.layout)) {
-                    (Ok(a), Ok(b)) => raw::all_pairs(&a, &b, |x, y| close(x.to_f64(), y.to_f64()))
-                        .unwrap_or(false),
-                    _ => false,
-                }
+                let (a, b) = (Region::<T>::new(&ra, &self.layout)?, Region::<T>::new(&rb, &other.layout)?);
+                raw::all_pairs(&a, &b, |x, y| close(x.to_f64(), y.to_f64()))
             })
         } else {
-            match (self.to_f64_vec(), other.to_f64_vec()) {
-                (Ok(a), Ok(b)) => a.iter().zip(&b).all(|(&x, &y)| close(x, y)),
-                _ => false,
-            }
+            let (a, b) = (self.to_f64_vec()?, other.to_f64_vec()?);
+            Ok(a.iter().zip(&b).all(|(&x, &y)| close(x, y)))
         }
     }
 
