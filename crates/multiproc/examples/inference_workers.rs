@@ -290,7 +290,6 @@ fn main() -> multiproc::Result<()> {
         mean(&shared),
         mean(&copied)
     );
-    drop(parent_model);
     drop((parent_handles, weights));
     let _ = std::fs::remove_dir_all(&dir);
     Ok(())

@@ -403,16 +403,15 @@ mod safetensors_interop {
         });
     }
 
+    /// What a worker saw: the weight's sum, aliasing, a write's error, the file mapped.
+    type Seen = (f64, bool, String, bool);
+
     /// Receives the weights (twice), checks them and answers what it saw: the sum of
     /// the weight, whether both copies alias, the error of a write, and whether its
     /// memory map shows the file itself (pages shared, not copied).
     fn inspect_weights(
         _rank: usize,
-        (inbox, outbox, path): (
-            Queue<BTreeMap<String, Tensor>>,
-            Queue<(f64, bool, String, bool)>,
-            String,
-        ),
+        (inbox, outbox, path): (Queue<BTreeMap<String, Tensor>>, Queue<Seen>, String),
     ) -> multiproc::Result<()> {
         let weights = inbox.get()?;
         let again = inbox.get()?;

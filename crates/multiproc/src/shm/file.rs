@@ -47,8 +47,11 @@ impl fmt::Debug for FileSegment {
     }
 }
 
-/// Mapped files of this process by (device, inode). `Weak`: the cache keeps nothing alive.
-static FILES: Mutex<Option<HashMap<(u64, u64), Weak<FileSegment>>>> = Mutex::new(None);
+/// Mapped files by (device, inode). `Weak`: the cache keeps nothing alive.
+type FileTable = HashMap<(u64, u64), Weak<FileSegment>>;
+
+/// This process's mapped files.
+static FILES: Mutex<Option<FileTable>> = Mutex::new(None);
 
 impl FileSegment {
     /// Maps an opened file read-only (once per process: the same file mapped twice is
