@@ -4,16 +4,21 @@
 //! What this module owns: the element types, the layout arithmetic of views (shape,
 //! strides and offset, all in elements), and the few operations a multi-process
 //! program needs (constructors, views, in-place `fill_`/`copy_`/`add_`/`mul_`, `sum`,
-//! `allclose`). It is not a numerics library: convert to `ndarray`/`candle` with
-//! [`Tensor::to_vec`] and [`Tensor::from_vec`] for real math.
+//! `allclose`). It is not a numerics library: for real math, cross into `ndarray` or
+//! `candle` (features of the same names, `interop_*` below: one copy, or a zero-copy
+//! view where that is sound) or use [`Tensor::to_vec`] / [`Tensor::copy_from_slice`].
 //!
 //! Invariants:
 //!
 //! - A tensor's layout never addresses a byte outside its storage. This is checked
 //!   when a tensor is made (constructors, views, [`Tensor::from_storage`], decoding a
 //!   received message), and every kernel re-checks it once, up front.
-//! - Tensor memory is never exposed as `&[T]`/`&mut [T]`: other threads and processes
-//!   may write it at any time. Reads copy ([`Tensor::to_vec`]); element-wise operations
+//! - Tensor memory is never exposed as `&[T]`/`&mut [T]` by a safe function unless no
+//!   one else can write it (the `ndarray` feature's `array_view` on the only handle of a
+//!   private tensor, or on a read-only file): other threads and processes may write it
+//!   at any time.
+//! - A read-only storage (a `safetensors` file's pages) is never written: every
+//!   in-place operation calls `Storage::check_writable` before it touches a byte. Reads copy ([`Tensor::to_vec`]); element-wise operations
 //!   use relaxed atomics, so concurrent Hogwild updates are defined behaviour (an update
 //!   racing with another may be lost, never torn).
 //! - `Clone` is a cheap handle copy sharing the storage (like `Arc`);

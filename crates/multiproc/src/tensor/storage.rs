@@ -506,15 +506,17 @@ impl Storage {
         }
     }
 
-    /// The base pointer when the bytes can never move while the storage lives (shared,
-    /// read-only file, foreign), `None` while private: a private storage's bytes move
-    /// when [`share_memory_`](Self::share_memory_) runs.
+    /// The base pointer when the bytes can never move while the storage lives (shared or
+    /// a read-only file), `None` while private or foreign: those bytes move when
+    /// [`share_memory_`](Self::share_memory_) copies them into a segment.
     #[cfg_attr(not(any(feature = "ndarray", feature = "dlpack")), allow(dead_code))]
     pub(crate) fn stable_ptr(&self) -> Option<*mut u8> {
         let read = self.read();
         match &*read._guard {
-            Backing::Private(_) | Backing::Empty { shared: false } => None,
-            _ => Some(read.ptr()),
+            Backing::Shared { .. } | Backing::ReadOnlyFile { .. } | Backing::Empty { shared: true } => {
+                Some(read.ptr())
+            }
+            _ => None,
         }
     }
 
