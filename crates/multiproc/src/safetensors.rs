@@ -173,7 +173,11 @@ pub(crate) fn parse_header(
         ));
     }
     let mut entries = Vec::new();
-    for (name, info) in metadata.tensors() {
+    // In file order, so that the first problem reported is the same on every run.
+    for name in metadata.offset_keys() {
+        let Some(info) = metadata.info(&name) else {
+            continue;
+        };
         let TensorInfo {
             dtype,
             shape,

@@ -513,9 +513,9 @@ impl Storage {
     pub(crate) fn stable_ptr(&self) -> Option<*mut u8> {
         let read = self.read();
         match &*read._guard {
-            Backing::Shared { .. } | Backing::ReadOnlyFile { .. } | Backing::Empty { shared: true } => {
-                Some(read.ptr())
-            }
+            Backing::Shared { .. }
+            | Backing::ReadOnlyFile { .. }
+            | Backing::Empty { shared: true } => Some(read.ptr()),
             _ => None,
         }
     }
