@@ -721,7 +721,7 @@ fn receive_and_report(
     }
     for _ in 0..count {
         let r = match conn.recv_timeout(WAIT) {
-            Ok(Some(t)) => Ok(t.sum().unwrap()),
+            Ok(Some(t)) => t.sum().map_err(|e| e.to_string()),
             Ok(None) => Err("nothing arrived".into()),
             Err(e) => Err(e.to_string()),
         };
@@ -902,9 +902,10 @@ fn random_bytes_from_another_process() {
                     break;
                 }
                 // A mutation that still decodes is a valid message: it must be safe
-                // to use (this reads every element it addresses).
+                // to use (this reads every element it addresses; a storage that is not
+                // aligned for its dtype is a clear error, never a crash).
                 Ok(Some((_, t))) => {
-                    let _ = t.sum().unwrap();
+                    let _ = t.sum();
                     accepted += 1;
                 }
                 Ok(None) => panic!("the sender went quiet (seed {seed})"),

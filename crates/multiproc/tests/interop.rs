@@ -560,8 +560,35 @@ mod dlpack_interop {
                     .to_string()
                     .contains("read-only")
             );
-            let out = t.to_dlpack().unwrap();
-            assert!(out.flags().contains(DlpackFlags::READ_ONLY));
+            // Its memory is the other library's: it cannot move into shared memory, so
+            // it is neither re-exported nor sent (a writable copy can be).
+            let err = t.to_dlpack().err().expect("refused").to_string();
+            assert!(err.contains("read-only DLPack import"), "{err}");
+            let copy = t.deep_clone().unwrap();
+            assert!(
+                !copy
+                    .to_dlpack()
+                    .unwrap()
+                    .flags()
+                    .contains(DlpackFlags::READ_ONLY)
+            );
+            // A read-only tensor of our own (a safetensors weight) exports READ_ONLY.
+            #[cfg(feature = "safetensors")]
+            {
+                let dir = std::env::temp_dir().join(format!("mp-dlpack-{}", std::process::id()));
+                std::fs::create_dir_all(&dir).unwrap();
+                let path = dir.join("w.safetensors");
+                let mut m = std::collections::BTreeMap::new();
+                m.insert("w".to_string(), copy);
+                multiproc::safetensors::save(&path, &m).unwrap();
+                let loaded = multiproc::safetensors::load(&path).unwrap();
+                let out = loaded["w"].to_dlpack().unwrap();
+                assert!(out.flags().contains(DlpackFlags::READ_ONLY));
+                let back = Tensor::from_dlpack(out).unwrap();
+                assert!(back.is_read_only() && back.data_ptr() == loaded["w"].data_ptr());
+                drop((back, loaded));
+                std::fs::remove_dir_all(&dir).unwrap();
+            }
             // Complex numbers: no such dtype here.
             let data = vec![0f32; 4];
             let ptr = data.as_ptr() as *mut std::ffi::c_void;

@@ -74,8 +74,9 @@ impl Tensor {
     ///
     /// # Errors
     ///
-    /// As [`share_memory_`](Self::share_memory_) for a private tensor, or
-    /// [`Error::Tensor`] when the capsule cannot be allocated.
+    /// As [`share_memory_`](Self::share_memory_) for a private tensor (a read-only
+    /// DLPack import is refused), or [`Error::Tensor`] when the capsule cannot be
+    /// allocated.
     pub fn to_dlpack(&self) -> Result<Dlpack> {
         if self.storage.stable_ptr().is_none() {
             self.storage.share_memory_()?;
@@ -115,7 +116,8 @@ impl Tensor {
     /// memory and owns the capsule (its deleter runs when the last tensor on it is
     /// dropped). A capsule flagged `READ_ONLY` gives a read-only tensor. Sending the
     /// tensor to another process copies it into shared memory once (and releases the
-    /// capsule), as for any private tensor.
+    /// capsule), as for any private tensor; a read-only import cannot be sent or
+    /// re-exported (its copy would be writable): `deep_clone` it first.
     ///
     /// The producer must not write the memory non-atomically while multiproc reads or
     /// writes it (as with any memory two libraries share).

@@ -612,7 +612,18 @@ impl Storage {
                 return Ok(());
             }
             Backing::Private(buf) => buf.ptr.as_ptr(),
-            // A DLPack import is copied into shared memory, and its capsule released.
+            // A DLPack import is copied into shared memory, and its capsule released;
+            // unless it is read-only, which a copy in a writable segment would undo.
+            #[cfg(feature = "dlpack")]
+            Backing::Foreign {
+                read_only: true, ..
+            } => {
+                return Err(Error::Tensor(
+                    "a read-only DLPack import cannot be shared or sent (a shared copy would \
+                     be writable); make a writable copy with deep_clone() first"
+                        .into(),
+                ));
+            }
             #[cfg(feature = "dlpack")]
             Backing::Foreign { ptr, .. } => ptr.as_ptr(),
         };
