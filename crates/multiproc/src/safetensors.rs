@@ -281,7 +281,7 @@ pub fn save(path: impl AsRef<Path>, tensors: &BTreeMap<String, Tensor>) -> Resul
     let mut prepared = Vec::with_capacity(tensors.len());
     for (name, t) in tensors {
         let data = dispatch!(t.dtype(), T => {
-            crate::tensor::element_bytes(&t.to_vec::<T>()?).to_vec()
+            crate::tensor::copy_in::element_bytes(&t.to_vec::<T>()?).to_vec()
         });
         prepared.push((
             name.as_str(),
