@@ -91,6 +91,9 @@
 //! | `safetensors` | `safetensors::load`: tensors backed by the file's own pages, mapped shared and read-only, that travel to workers as the file's fd (N workers, one page-cache copy); `safetensors::save` |
 //! | `dlpack` | `Tensor::to_dlpack` / `Tensor::from_dlpack` (through the `dlpark` crate): zero-copy, the capsule keeps the storage alive |
 //!
+//! Toolchains: the crate, `ndarray` and `safetensors` build with Rust 1.85; `dlpack`
+//! needs 1.88 (dlpark) and `candle` 1.89 (candle's own dependencies).
+//!
 //! Without any feature, [`Tensor::copy_from_slice`] writes a slice into an existing
 //! tensor (shared or not) in one copy, and [`Tensor::from_slice_shared`] makes a shared
 //! tensor from a slice in one copy (not `from_slice` then `share_memory_`, which is two).
