@@ -112,7 +112,7 @@ fn fresh(
     let mut total = 0.0;
     for _ in 0..count {
         match q.get_timeout(Duration::from_secs(120))? {
-            Msg::Tensor(t) => total += t.sum(),
+            Msg::Tensor(t) => total += t.sum()?,
             Msg::Ready => {
                 return Err(multiproc::Error::InvalidMessage(
                     "the producer said it was ready twice".into(),

@@ -119,7 +119,7 @@ fn main() -> multiproc::Result<()> {
         match batch {
             Ok((images, labels)) => {
                 // "Train" on the batch: read every pixel once.
-                checksum += images.sum() + labels.sum();
+                checksum += images.sum()? + labels.sum()?;
                 samples += images.shape()[0];
             }
             Err(e) if interrupted.load(Ordering::SeqCst) => {

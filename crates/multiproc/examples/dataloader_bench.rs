@@ -98,7 +98,7 @@ fn measure(
             let (images, labels) = batch?;
             // Touch the batch as a trainer would (one read of one image per batch, so
             // the loader's throughput, not this loop's, is measured).
-            checksum += images.select(0, 0)?.sum() + labels.sum();
+            checksum += images.select(0, 0)?.sum()? + labels.sum()?;
             assert_eq!(
                 images.shape(),
                 [batch_size, 3, SIDE as usize, SIDE as usize]

@@ -61,7 +61,7 @@ fn main() -> multiproc::Result<()> {
     for batch in &mut loader {
         let (x, _labels) = batch?; // [batch, 3, side, side] u8, in shared memory
         images += x.shape()[0];
-        mean += x.sum() / x.numel() as f64;
+        mean += x.sum()? / x.numel() as f64;
     }
     let secs = start.elapsed().as_secs_f64();
     println!(

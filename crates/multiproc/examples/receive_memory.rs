@@ -65,7 +65,7 @@ fn main() -> multiproc::Result<()> {
     let before = rollup();
     let t = q.get()?;
     let got = rollup();
-    let total = t.sum();
+    let total = t.sum()?;
     let read = rollup();
     println!(
         "receiving one {} MiB f32 tensor (sum {total}); change from before the get:",

@@ -356,25 +356,67 @@
 //! }
 //! ```
 //!
-//! ## Other frameworks
+//! ## Interop: ndarray, candle, safetensors, DLPack
 //!
-//! A tensor crosses into another framework with one copy out and one copy in:
-//! [`Tensor::to_vec`] and [`Tensor::from_vec`] work with any of them. Optional cargo
-//! features (off by default) add the direct routes: `ndarray` (`Tensor::from_ndarray`,
-//! `to_ndarray`, zero-copy `as_array_view`), `candle` (`Tensor::to_candle`,
-//! `from_candle`), `safetensors` (`multiproc::safetensors::load`, whose tensors are the
-//! file's own shared read-only pages, and `save`) and `dlpack` (`to_dlpack`,
-//! `from_dlpack`, for a PyO3 extension handing tensors to torch).
+//! Optional features, off by default (the items below exist only with their feature;
+//! their own docs have the details and examples), connect tensors to the Rust ML ecosystem. The
+//! rule throughout: zero-copy where the other side can borrow memory soundly, one
+//! `memcpy` where it cannot, and never a safe Rust borrow of memory another process may
+//! write.
 //!
+//! | feature | what you get |
+//! |---|---|
+//! | `ndarray` | `Tensor::from_ndarray` / `from_ndarray_shared` (one copy, any strides, straight into shared memory for the `_shared` form), `Tensor::to_ndarray` (one copy), `Tensor::copy_from_ndarray` (into an existing tensor, shared or not), zero-copy views: the safe `Tensor::array_view` / `array_view_mut` and the `unsafe` `Tensor::as_array_view` / `as_array_view_mut` |
+//! | `candle` | `Tensor::to_candle`, `Tensor::from_candle` / `from_candle_shared`: one copy each, every dtype both sides know (`u8 u32 i16 i32 i64 bf16 f16 f32 f64`), an error naming the dtype otherwise |
+//! | `safetensors` | `safetensors::load`: tensors backed by the file's own pages, mapped shared and read-only, that travel to workers as the file's fd (N workers, one page-cache copy); `safetensors::save` |
+//! | `dlpack` | `Tensor::to_dlpack` / `Tensor::from_dlpack` (through the `dlpark` crate): zero-copy, the capsule keeps the storage alive |
+//!
+//! Toolchains: the crate, `ndarray` and `safetensors` build with Rust 1.85; `dlpack`
+//! needs 1.88 (dlpark) and `candle` 1.89 (candle's own dependencies).
+//!
+//! Without any feature, [`Tensor::copy_from_slice`] writes a slice into an existing
+//! tensor (shared or not) in one copy, and [`Tensor::from_slice_shared`] makes a shared
+//! tensor from a slice in one copy (not `from_slice` then `share_memory_`, which is two).
+//!
+//! **Which ndarray view?** A view is a Rust borrow, and a borrow of memory that someone
+//! else writes is undefined behaviour. So:
+//!
+//! - `Tensor::array_view` / `array_view_mut` (safe, take
+//!   `&mut self`) work on the only handle of a private tensor — nothing else can reach
+//!   it, and nothing can share it (which would move its bytes) while the view lives —
+//!   and `array_view` also on a read-only tensor (a safetensors weight).
+//! - `Tensor::as_array_view` / `as_array_view_mut`
+//!   (`unsafe`, take `&self`) work on shared tensors; you promise that no other thread
+//!   or process writes (or, for the mutable view, touches) the elements while the view
+//!   lives — e.g. after a [`Barrier`] that orders every writer before it. They refuse a
+//!   private tensor: its bytes move when it is shared, which would leave the view
+//!   dangling (the use-after-free of `ArrayView::from_shape_ptr(t.data_ptr())`).
+//! - Hogwild updates go through the in-place operations ([`Tensor::add_`] …), which
+//!   are relaxed atomics, and results come back with `Tensor::copy_from_ndarray`.
+//!
+//! ```ignore
+//! // [features = ["ndarray", "candle"]] A Hogwild worker: gradients in ndarray,
+//! // evaluation in candle, no unsafe.
+//! fn train(rank: usize, (params, barrier): (Tensor, Barrier)) -> multiproc::Result<()> {
+//!     let grad = Tensor::from_ndarray(&compute_gradient(&params.to_ndarray::<f32>()?))?;
+//!     params.add_(&grad, -0.01)?;              // atomic, shared with every worker
+//!     barrier.wait()?;
+//!     let logits = model.forward(&params.to_candle()?)?; // one memcpy
+//!     let best = Tensor::from_candle(&logits.argmax(1)?)?; // u32
+//!     Ok(())
+//! }
 //! ```
-//! use multiproc::{DType, Tensor};
-//! let weights: Vec<f32> = (0..6).map(|i| i as f32).collect(); // from any framework
-//! let t = Tensor::from_vec(weights, &[2, 3])?;
-//! assert_eq!((t.dtype(), t.shape()), (DType::F32, &[2usize, 3][..]));
-//! let back: Vec<f32> = t.to_vec()?; // and back into it
-//! assert_eq!(back[5], 5.0);
-//! # Ok::<(), multiproc::Error>(())
-//! ```
+//!
+//! **Read-only tensors.** A tensor from `safetensors::load`
+//! (or a DLPack capsule flagged read-only) refuses every in-place operation with an
+//! [`Error::Tensor`] naming it ([`Tensor::is_read_only`]); [`Tensor::deep_clone`] makes
+//! a writable copy. Inference workers that receive such weights add no private memory
+//! for them: `examples/inference_workers.rs` shows it from `/proc/PID/smaps_rollup`.
+//!
+//! **DLPack is one-process.** A capsule is a pointer into this process plus a deleter:
+//! hand it to a library in this process (a PyO3 extension's `torch.from_dlpack`), and
+//! send the multiproc [`Tensor`] itself to other processes. A private tensor is moved
+//! into shared memory before export (once), so the capsule's pointer stays valid.
 //!
 //! ## Tests
 //!
@@ -418,6 +460,8 @@ linux_only! {
     pub mod __testing;
     pub mod cuda;
     pub mod data;
+    #[cfg(feature = "safetensors")]
+    pub mod safetensors;
     mod error;
     mod manager;
     #[allow(unsafe_code)]

@@ -12,5 +12,10 @@ pub fn flush_retained_segments() -> usize {
 /// storage uses, here or elsewhere), so that a leak check can count fds exactly.
 /// Returns how many were let go.
 pub fn release_idle_blocks() -> usize {
+    // The CUDA pool and its receive cache hold fds too (exports and leases); only
+    // where CUDA is already initialised, so a leak check never starts the driver.
+    if crate::cuda::initialised() {
+        crate::cuda::empty_cache();
+    }
     crate::shm::release_idle_blocks()
 }

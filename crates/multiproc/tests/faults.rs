@@ -989,11 +989,11 @@ fn scenario_shm_manager() {
                 take(item, &mut received, stats);
             }
             assert_eq!(
-                keep.sum(),
+                keep.sum().unwrap(),
                 3000.0,
                 "a tensor shared before the kill is intact"
             );
-            assert_eq!(next.sum(), 500.0);
+            assert_eq!(next.sum().unwrap(), 500.0);
             drop(p);
             assert_no_children_left();
             stats.iterations += 1;

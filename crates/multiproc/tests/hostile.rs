@@ -78,6 +78,19 @@ enum StorageWire {
     #[allow(dead_code)]
     Empty,
     Segment(HandleWire),
+    /// A CUDA allocation's handle (feature `cuda`; forged in tests/cuda.rs).
+    #[allow(dead_code)]
+    Cuda,
+    ReadOnlyFile(FileHandleWire),
+}
+
+/// A read-only file's handle (what `safetensors::load` tensors travel as).
+#[derive(Serialize)]
+struct FileHandleWire {
+    index: u32,
+    offset: u64,
+    nbytes: u64,
+    name: String,
 }
 
 #[derive(Serialize)]
@@ -215,7 +228,7 @@ fn tensor_channel_works(here: &Connection<Tensor>, there: &Connection<Tensor>) {
         .map_err(|e| e.error)
         .unwrap();
     let t = here.recv_timeout(WAIT).expect("the good tensor");
-    assert_eq!(t.sum(), 20.0);
+    assert_eq!(t.sum().unwrap(), 20.0);
 }
 
 // ----- the classes -----
@@ -420,6 +433,90 @@ fn memfd_segments_that_are_short_unsealed_or_not_memfds() {
     });
 }
 
+/// A read-only file handle: what a loaded weight travels as.
+fn file_tensor(numel: u64, offset: u64, nbytes: u64) -> Vec<u8> {
+    payload(&TensorWire {
+        dtype: F32,
+        shape: vec![numel],
+        strides: vec![1],
+        offset: 0,
+        storage: StorageWire::ReadOnlyFile(FileHandleWire {
+            index: 0,
+            offset,
+            nbytes,
+            name: "layer.weight".into(),
+        }),
+    })
+}
+
+#[test]
+fn read_only_file_handles_that_lie_about_their_file() {
+    common::run(DEADLINE, || {
+        let (here, there) = pipe::<Tensor>().unwrap();
+        // A file shorter than the handle claims: refused before it is mapped (a read
+        // past its end would be a SIGBUS).
+        let short = tempfile_with(100);
+        send_raw(
+            there.as_fd(),
+            &packet(1, &file_tensor(64, 0, 256)),
+            &[short.as_fd()],
+        );
+        assert_says(&refused(&here), &["claims 256 bytes", "holds 100"]);
+        // A range that starts inside the file but runs past it.
+        let file = tempfile_with(4096);
+        send_raw(
+            there.as_fd(),
+            &packet(1, &file_tensor(64, 4000, 256)),
+            &[file.as_fd()],
+        );
+        assert_says(&refused(&here), &["claims 4256 bytes", "holds 4096"]);
+        // A range whose end overflows.
+        send_raw(
+            there.as_fd(),
+            &packet(1, &file_tensor(1, u64::MAX, 4)),
+            &[file.as_fd()],
+        );
+        assert_says(&refused(&here), &["layer.weight", "past any file"]);
+        // Not a regular file: a socket, a pipe.
+        send_raw(
+            there.as_fd(),
+            &packet(1, &file_tensor(1, 0, 4)),
+            &[seqpacket().0.as_fd()],
+        );
+        assert_says(&refused(&here), &["not a regular file"]);
+        let (r, _w) = rustix::pipe::pipe().unwrap();
+        send_raw(
+            there.as_fd(),
+            &packet(1, &file_tensor(1, 0, 4)),
+            &[r.as_fd()],
+        );
+        assert_says(&refused(&here), &["not a regular file"]);
+        // A layout that reaches past the claimed bytes (the file holds enough).
+        send_raw(
+            there.as_fd(),
+            &packet(1, &file_tensor(64, 0, 16)),
+            &[file.as_fd()],
+        );
+        assert_says(&refused(&here), &["layout is invalid"]);
+        // A well-formed handle maps; the tensor reads the file and refuses writes by name.
+        send_raw(
+            there.as_fd(),
+            &packet(1, &file_tensor(4, 8, 16)),
+            &[file.as_fd()],
+        );
+        let t = here.recv_timeout(WAIT).expect("a good read-only tensor");
+        assert!(t.is_read_only());
+        assert_eq!(t.to_vec::<f32>().unwrap(), [0.0; 4]);
+        let err = t.fill_(1.0).unwrap_err().to_string();
+        assert_says(&err, &["fill_", "layer.weight", "read-only"]);
+        drop(t);
+        // No handle count: a missing fd is an error too.
+        send_raw(there.as_fd(), &packet(0, &file_tensor(4, 8, 16)), &[]);
+        assert_says(&refused(&here), &["file descriptor #0"]);
+        tensor_channel_works(&here, &there);
+    });
+}
+
 fn tempfile_with(len: u64) -> std::fs::File {
     let path = std::env::temp_dir().join(format!("mp-hostile-{}", std::process::id()));
     let f = std::fs::OpenOptions::new()
@@ -493,7 +590,7 @@ fn layouts_that_overflow_or_point_past_the_storage_and_unknown_dtypes() {
             &[seg.as_fd()],
         );
         let t = here.recv_timeout(WAIT).unwrap();
-        assert_eq!((t.numel(), t.sum()), (1000, 0.0));
+        assert_eq!((t.numel(), t.sum().unwrap()), (1000, 0.0));
         drop(t);
         tensor_channel_works(&here, &there);
     });
@@ -630,7 +727,7 @@ fn receive_and_report(
         .map_err(|e| format!("never told to go: {e}"))?;
     for _ in 0..count {
         let r = match conn.recv_timeout(WAIT) {
-            Ok(t) => Ok(t.sum()),
+            Ok(t) => t.sum().map_err(|e| e.to_string()),
             Err(e) => Err(e.to_string()),
         };
         results.put(r).map_err(|e| e.error.to_string())?;
@@ -804,11 +901,12 @@ fn random_bytes_from_another_process() {
             assert!(Instant::now() < until, "the random packets took too long");
             match here.recv_timeout(WAIT) {
                 Ok((u64::MAX, t)) => {
-                    assert_eq!(t.sum(), 3.0);
+                    assert_eq!(t.sum().unwrap(), 3.0);
                     break;
                 }
                 // A mutation that still decodes is a valid message: it must be safe
-                // to use (this reads every element it addresses).
+                // to use (this reads every element it addresses; a storage that is not
+                // aligned for its dtype is a clear error, never a crash).
                 Ok((_, t)) => {
                     let _ = t.sum();
                     accepted += 1;
@@ -922,7 +1020,7 @@ fn a_forged_block_handle_over_a_huge_sparse_memfd_commits_only_the_tensor() {
         send_raw(there.as_fd(), &packet(1, &body), &[fd.as_fd()]);
         let t = here.recv_timeout(WAIT).expect("the tensor");
         let took = start.elapsed();
-        assert_eq!(t.sum(), 0.0);
+        assert_eq!(t.sum().unwrap(), 0.0);
         let used = committed(fd.as_fd());
         assert!(
             used <= 64 << 10,

@@ -145,7 +145,11 @@ fn small_shm_child() -> i32 {
         }) => say(&format!("oom {size} {limit_source} {message}")),
         Err(e) => say(&format!("error wrong error: {e:?}")),
     }
-    say(&format!("private {} sum {}", !t.is_shared(), t.sum()));
+    say(&format!(
+        "private {} sum {}",
+        !t.is_shared(),
+        t.sum().unwrap()
+    ));
     let leftovers = std::fs::read_dir("/dev/shm").map_or(usize::MAX, Iterator::count);
     say(&format!("leftovers {leftovers}"));
     multiproc::set_sharing_strategy(SharingStrategy::FileDescriptor);

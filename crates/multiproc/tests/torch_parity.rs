@@ -170,7 +170,7 @@ fn test_is_shared() {
             t.share_memory_().unwrap();
             assert!(t.is_shared());
             assert_eq!(t.storage().sharing_strategy(), Some(strategy));
-            assert_eq!(t.sum(), 300.0);
+            assert_eq!(t.sum().unwrap(), 300.0);
         });
     });
 }

@@ -17,6 +17,10 @@
 //!   [shm manager](crate::manager) *before* the file is created, so a SIGKILLed tree
 //!   leaves nothing behind.
 //!
+//! A third kind, **read-only file segments** ([`file`]), maps a regular file's pages
+//! `PROT_READ` and shared (`safetensors::load`); its fd is the handle, its kind comes
+//! from its own handle variant, and it has no header, refcount or pool (see there).
+//!
 //! Received handles are checked before anything is mapped (memfd seals include
 //! `SHRINK`; a named file is a regular 0600 file of ours; sizes cover what the handle
 //! claims), so a short or forged segment is [`Error::InvalidMessage`], never a SIGBUS.
@@ -59,6 +63,7 @@
 //! tree is connected.
 
 mod cache;
+pub(crate) mod file;
 pub(crate) mod name;
 mod pool;
 #[allow(unsafe_code)]

@@ -38,11 +38,17 @@ pub enum DType {
     U8,
     /// `bool`, one byte per element (torch `bool`).
     Bool,
+    /// `u16` (torch `uint16`).
+    U16,
+    /// `u32` (torch `uint32`; candle's `argmax` returns it).
+    U32,
+    /// `u64` (torch `uint64`).
+    U64,
 }
 
 impl DType {
-    /// Every dtype, in wire-code order.
-    pub const ALL: [DType; 10] = [
+    /// Every dtype, in wire-code order (new dtypes are appended, so codes never change).
+    pub const ALL: [DType; 13] = [
         DType::F32,
         DType::F64,
         DType::F16,
@@ -53,14 +59,17 @@ impl DType {
         DType::I64,
         DType::U8,
         DType::Bool,
+        DType::U16,
+        DType::U32,
+        DType::U64,
     ];
 
     /// Bytes per element.
     pub const fn size(self) -> usize {
         match self {
-            DType::F64 | DType::I64 => 8,
-            DType::F32 | DType::I32 => 4,
-            DType::F16 | DType::BF16 | DType::I16 => 2,
+            DType::F64 | DType::I64 | DType::U64 => 8,
+            DType::F32 | DType::I32 | DType::U32 => 4,
+            DType::F16 | DType::BF16 | DType::I16 | DType::U16 => 2,
             DType::I8 | DType::U8 | DType::Bool => 1,
         }
     }
@@ -83,6 +92,9 @@ impl DType {
             DType::I64 => "int64",
             DType::U8 => "uint8",
             DType::Bool => "bool",
+            DType::U16 => "uint16",
+            DType::U32 => "uint32",
+            DType::U64 => "uint64",
         }
     }
 
@@ -127,7 +139,8 @@ pub(crate) mod sealed {
     }
 }
 
-/// A Rust type that can be a tensor element: `f32 f64 f16 bf16 i8 i16 i32 i64 u8 bool`.
+/// A Rust type that can be a tensor element: `f32 f64 f16 bf16 i8 i16 i32 i64 u8 u16 u32
+/// u64 bool`.
 ///
 /// Sealed: the set of element types is fixed by [`DType`].
 pub trait Element: sealed::Sealed {
@@ -174,6 +187,9 @@ int_element!(i16, u16, I16);
 int_element!(i32, u32, I32);
 int_element!(i64, u64, I64);
 int_element!(u8, u8, U8);
+int_element!(u16, u16, U16);
+int_element!(u32, u32, U32);
+int_element!(u64, u64, U64);
 
 macro_rules! float_element {
     ($t:ty, $bits:ty, $d:ident, $to:expr, $from:expr) => {
@@ -290,6 +306,18 @@ macro_rules! dispatch {
                 type $t = bool;
                 $body
             }
+            $crate::tensor::DType::U16 => {
+                type $t = u16;
+                $body
+            }
+            $crate::tensor::DType::U32 => {
+                type $t = u32;
+                $body
+            }
+            $crate::tensor::DType::U64 => {
+                type $t = u64;
+                $body
+            }
         }
     };
 }
@@ -308,7 +336,12 @@ mod tests {
             assert_eq!(size, d.size(), "{d}");
             assert_eq!(dispatch!(d, T => T::DTYPE), d);
         }
-        assert_eq!(DType::from_code(10), None);
+        assert_eq!(DType::from_code(DType::ALL.len() as u8), None);
+        assert_eq!(
+            DType::U32.code(),
+            11,
+            "wire codes of existing dtypes never move"
+        );
         assert_eq!(DType::BF16.to_string(), "bfloat16");
     }
 
@@ -318,6 +351,10 @@ mod tests {
         assert_eq!(i8::from_f64_exact(128.0), None);
         assert_eq!(i8::from_f64_exact(-128.0), Some(-128));
         assert_eq!(u8::from_f64_exact(-1.0), None);
+        assert_eq!(u16::from_f64_exact(65_535.0), Some(u16::MAX));
+        assert_eq!(u32::from_f64_exact(-1.0), None);
+        assert_eq!(u64::from_f64_exact(18_446_744_073_709_551_616.0), None);
+        assert_eq!(u64::from_f64_exact(9_007_199_254_740_992.0), Some(1 << 53));
         assert_eq!(i32::from_f64_exact(1.5), None);
         assert_eq!(i64::from_f64_exact(9_223_372_036_854_775_808.0), None);
         assert_eq!(

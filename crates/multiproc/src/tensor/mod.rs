@@ -4,16 +4,21 @@
 //! What this module owns: the element types, the layout arithmetic of views (shape,
 //! strides and offset, all in elements), and the few operations a multi-process
 //! program needs (constructors, views, in-place `fill_`/`copy_`/`add_`/`mul_`, `sum`,
-//! `allclose`). It is not a numerics library: convert to `ndarray`/`candle` with
-//! [`Tensor::to_vec`] and [`Tensor::from_vec`] for real math.
+//! `allclose`). It is not a numerics library: for real math, cross into `ndarray` or
+//! `candle` (features of the same names, `interop_*` below: one copy, or a zero-copy
+//! view where that is sound) or use [`Tensor::to_vec`] / [`Tensor::copy_from_slice`].
 //!
 //! Invariants:
 //!
 //! - A tensor's layout never addresses a byte outside its storage. This is checked
 //!   when a tensor is made (constructors, views, [`Tensor::from_storage`], decoding a
 //!   received message), and every kernel re-checks it once, up front.
-//! - Tensor memory is never exposed as `&[T]`/`&mut [T]`: other threads and processes
-//!   may write it at any time. Reads copy ([`Tensor::to_vec`]); element-wise operations
+//! - Tensor memory is never exposed as `&[T]`/`&mut [T]` by a safe function unless no
+//!   one else can write it (the `ndarray` feature's `array_view` on the only handle of a
+//!   private tensor, or on a read-only file): other threads and processes may write it
+//!   at any time.
+//! - A read-only storage (a `safetensors` file's pages) is never written: every
+//!   in-place operation calls `Storage::check_writable` before it touches a byte. Reads copy ([`Tensor::to_vec`]); element-wise operations
 //!   use relaxed atomics, so concurrent Hogwild updates are defined behaviour (an update
 //!   racing with another may be lost, never torn).
 //! - `Clone` is a cheap handle copy sharing the storage (like `Arc`);
@@ -26,7 +31,16 @@
 //! arithmetic itself is exact (wrapping), and bool `add_`/`mul_` are logical or/and.
 
 mod device;
+pub(crate) mod copy_in;
 pub(crate) mod dtype;
+#[cfg(feature = "candle")]
+mod interop_candle;
+#[cfg(feature = "dlpack")]
+#[allow(unsafe_code)]
+mod interop_dlpack;
+#[cfg(feature = "ndarray")]
+#[allow(unsafe_code)]
+mod interop_ndarray;
 mod layout;
 #[allow(unsafe_code)]
 mod raw;
@@ -66,7 +80,7 @@ use crate::{Error, Result, wire};
 /// col.add_scalar_(10.0)?;
 /// assert_eq!(t.to_vec::<f32>()?, [0., 11., 2., 3., 14., 5.]);
 /// assert_eq!(t.transpose(0, 1)?.contiguous()?.to_vec::<f32>()?, [0., 3., 11., 14., 2., 5.]);
-/// assert_eq!(t.sum(), 35.0);
+/// assert_eq!(t.sum()?, 35.0);
 /// # Ok(()) }
 /// ```
 #[derive(Clone)]
@@ -142,7 +156,7 @@ impl Tensor {
     /// let t = Tensor::zeros_shared(&[1024], DType::F32)?;
     /// assert!(t.is_shared());
     /// t.fill_(2.0)?;
-    /// assert_eq!(t.sum(), 2048.0);
+    /// assert_eq!(t.sum()?, 2048.0);
     /// # Ok(()) }
     /// ```
     ///
@@ -167,7 +181,7 @@ impl Tensor {
     /// use multiproc::{DType, Tensor};
     /// let t = Tensor::empty_shared(&[1024], DType::F32)?;
     /// t.fill_(1.0)?;
-    /// assert_eq!(t.sum(), 1024.0);
+    /// assert_eq!(t.sum()?, 1024.0);
     /// # Ok(()) }
     /// ```
     ///
@@ -245,11 +259,7 @@ impl Tensor {
                 data.len()
             )));
         }
-        let t = Tensor::zeros(shape, T::DTYPE)?;
-        let read = t.storage.read();
-        raw::write_all(&Region::<T>::new(&read, &t.layout)?, data)?;
-        drop(read);
-        Ok(t)
+        Tensor::contiguous_copy_of(data, shape, false)
     }
 
     /// A tensor over an existing storage (torch's `set_`): `dtype`, `shape`, `strides`
@@ -496,6 +506,7 @@ impl Tensor {
     ///
     /// [`Error::Tensor`] when `value` is not representable in the dtype.
     pub fn fill_(&self, value: f64) -> Result<()> {
+        self.storage.check_writable("fill_")?;
         dispatch!(self.dtype, T => {
             let v: T = scalar(value)?;
             let read = self.storage.read();
@@ -508,6 +519,7 @@ impl Tensor {
     /// converted as by [`to_dtype`](Self::to_dtype)). Either may be a CUDA tensor; a
     /// CUDA destination must be contiguous.
     pub fn copy_(&self, src: &Tensor) -> Result<()> {
+        self.storage.check_writable("copy_")?;
         self.check_same_shape(src, "copy_")?;
         if self.device() != crate::Device::Cpu || src.device() != crate::Device::Cpu {
             return self.copy_across_devices_(src);
@@ -556,6 +568,7 @@ impl Tensor {
     ///
     /// [`Error::Tensor`] when `value` is not representable in the dtype.
     pub fn add_scalar_(&self, value: f64) -> Result<()> {
+        self.storage.check_writable("add_scalar_")?;
         dispatch!(self.dtype, T => {
             let v: T = scalar(value)?;
             let read = self.storage.read();
@@ -570,6 +583,7 @@ impl Tensor {
     ///
     /// [`Error::Tensor`] when `value` is not representable in the dtype.
     pub fn mul_scalar_(&self, value: f64) -> Result<()> {
+        self.storage.check_writable("mul_scalar_")?;
         dispatch!(self.dtype, T => {
             let v: T = scalar(value)?;
             let read = self.storage.read();
@@ -583,6 +597,7 @@ impl Tensor {
             BinaryOp::Add { .. } => "add_",
             BinaryOp::Mul => "mul_",
         };
+        self.storage.check_writable(name)?;
         self.check_same_shape(other, name)?;
         if self.dtype != other.dtype {
             return Err(Error::Tensor(format!(
@@ -646,35 +661,44 @@ impl Tensor {
     // ----- reductions -----
 
     /// The sum of all elements, accumulated in `f64` whatever the dtype (bool counts
-    /// `true`s). torch returns a 0-d tensor; a plain `f64` is what Rust callers want.
-    pub fn sum(&self) -> f64 {
+    /// `true`s; `i64`/`u64` values beyond 2^53 are rounded). torch returns a 0-d tensor; a
+    /// plain `f64` is what Rust callers want.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Tensor`] when the elements cannot be read (a storage not aligned for the
+    /// dtype, e.g. a DLPack import at an odd address) — never a silent `NaN`.
+    pub fn sum(&self) -> Result<f64> {
         let read = self.storage.read();
-        dispatch!(self.dtype, T => Region::<T>::new(&read, &self.layout)
-            .map_or(f64::NAN, |r| raw::sum(&r)))
+        dispatch!(self.dtype, T => Ok(raw::sum(&Region::<T>::new(&read, &self.layout)?)))
     }
 
     /// Whether every element satisfies `|self - other| <= atol + rtol * |other|`
     /// (torch's `allclose`, `equal_nan=False`; torch's defaults are `rtol = 1e-5`,
-    /// `atol = 1e-8`). Compared as `f64`; different shapes are not close.
-    pub fn allclose(&self, other: &Tensor, rtol: f64, atol: f64) -> bool {
+    /// `atol = 1e-8`). Compared as `f64`, so any two dtypes can be compared.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Tensor`] when the shapes differ (torch raises too) or the elements cannot
+    /// be read — never a silent `false`.
+    pub fn allclose(&self, other: &Tensor, rtol: f64, atol: f64) -> Result<bool> {
         if self.shape() != other.shape() {
-            return false;
+            return Err(Error::Tensor(format!(
+                "allclose: shapes {:?} and {:?} differ",
+                self.shape(),
+                other.shape()
+            )));
         }
         let close = |a: f64, b: f64| (a - b).abs() <= atol + rtol * b.abs();
         if self.dtype == other.dtype && !Storage::ptr_eq(&self.storage, &other.storage) {
             let (ra, rb) = read_two(&self.storage, &other.storage);
             dispatch!(self.dtype, T => {
-                match (Region::<T>::new(&ra, &self.layout), Region::<T>::new(&rb, &other.layout)) {
-                    (Ok(a), Ok(b)) => raw::all_pairs(&a, &b, |x, y| close(x.to_f64(), y.to_f64()))
-                        .unwrap_or(false),
-                    _ => false,
-                }
+                let (a, b) = (Region::<T>::new(&ra, &self.layout)?, Region::<T>::new(&rb, &other.layout)?);
+                raw::all_pairs(&a, &b, |x, y| close(x.to_f64(), y.to_f64()))
             })
         } else {
-            match (self.to_f64_vec(), other.to_f64_vec()) {
-                (Ok(a), Ok(b)) => a.iter().zip(&b).all(|(&x, &y)| close(x, y)),
-                _ => false,
-            }
+            let (a, b) = (self.to_f64_vec()?, other.to_f64_vec()?);
+            Ok(a.iter().zip(&b).all(|(&x, &y)| close(x, y)))
         }
     }
 
@@ -700,9 +724,17 @@ impl Tensor {
         self.storage.share_memory_()
     }
 
-    /// Whether the storage is in shared memory.
+    /// Whether the storage is in shared memory (a read-only file's pages count: they
+    /// travel by handle too).
     pub fn is_shared(&self) -> bool {
         self.storage.is_shared()
+    }
+
+    /// Whether the tensor can only be read (see [`Storage::is_read_only`]): loaded with
+    /// `multiproc::safetensors::load`, or a read-only DLPack import. Every in-place
+    /// operation on it is an [`Error::Tensor`] naming it.
+    pub fn is_read_only(&self) -> bool {
+        self.storage.is_read_only()
     }
 }
 

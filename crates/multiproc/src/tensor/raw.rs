@@ -243,8 +243,12 @@ pub(crate) fn convert<T: Element, U: Element>(
     each_index_pair(dst, src, |i, j| unsafe { dst.store(i, f(src.load(j))) })
 }
 
-/// Copies `values` into the elements of `dst`, in row-major order.
-pub(crate) fn write_all<T: Element>(dst: &Region<'_, T>, values: &[T]) -> Result<()> {
+/// Copies the values `values` yields into the elements of `dst`, in row-major order;
+/// an error unless it yields exactly as many as `dst` has.
+pub(crate) fn write_iter<T: Element>(
+    dst: &Region<'_, T>,
+    values: impl ExactSizeIterator<Item = T>,
+) -> Result<()> {
     if values.len() != dst.numel {
         return Err(Error::Tensor(format!(
             "{} values for a tensor of {} elements",
@@ -252,9 +256,9 @@ pub(crate) fn write_all<T: Element>(dst: &Region<'_, T>, values: &[T]) -> Result
             dst.numel
         )));
     }
-    let mut it = values.iter();
+    let mut it = values;
     each_index(dst, |i| {
-        if let Some(&v) = it.next() {
+        if let Some(v) = it.next() {
             // SAFETY: `each_index` yields only indices the layout addresses.
             unsafe { dst.store(i, v) }
         }
@@ -264,10 +268,27 @@ pub(crate) fn write_all<T: Element>(dst: &Region<'_, T>, values: &[T]) -> Result
 
 /// The elements of `r`, copied out in row-major order.
 pub(crate) fn read_all<T: Element>(r: &Region<'_, T>) -> Vec<T> {
-    let mut out = Vec::with_capacity(r.numel);
-    // SAFETY: `each_index` yields only indices the layout addresses.
-    each_index(r, |i| out.push(unsafe { r.load(i) }));
+    let mut out: Vec<T> = Vec::with_capacity(r.numel);
+    let spare = out.spare_capacity_mut().as_mut_ptr();
+    let mut n = 0;
+    each_index(r, |i| {
+        // SAFETY: `each_index` yields exactly `numel` indices the layout addresses, and
+        // the vector has room for `numel` elements: `n < numel` here.
+        unsafe { spare.add(n).write(std::mem::MaybeUninit::new(r.load(i))) };
+        n += 1;
+    });
+    debug_assert_eq!(n, r.numel);
+    // SAFETY: the first `n <= capacity` elements were written above.
+    unsafe { out.set_len(n) };
     out
+}
+
+/// The bytes of a slice of elements (plain values without padding: every element type
+/// is an integer, a float or a one-byte bool).
+pub(crate) fn as_bytes<T: Element>(values: &[T]) -> &[u8] {
+    // SAFETY: `values` is `size_of_val` readable bytes, initialised (no padding in any
+    // element type); `u8` has alignment 1; the borrow keeps `values` alive.
+    unsafe { std::slice::from_raw_parts(values.as_ptr().cast::<u8>(), size_of_val(values)) }
 }
 
 /// Calls `f` on every element (row-major), stopping at the first `false`; returns

@@ -74,7 +74,10 @@ fn constructors_give_expected_values() {
     let s = Tensor::from_slice(&[bf16::ONE, bf16::ZERO], &[2]).unwrap();
     assert_eq!(s.to_vec::<bf16>().unwrap(), [bf16::ONE, bf16::ZERO]);
     let scalar = Tensor::from_vec(vec![7.0f64], &[]).unwrap();
-    assert_eq!((scalar.dim(), scalar.numel(), scalar.sum()), (0, 1, 7.0));
+    assert_eq!(
+        (scalar.dim(), scalar.numel(), scalar.sum().unwrap()),
+        (0, 1, 7.0)
+    );
 }
 
 #[test]
@@ -257,7 +260,7 @@ fn integer_and_bool_arithmetic() {
     p.mul_(&Tensor::from_vec(vec![false, true, true], &[3]).unwrap())
         .unwrap();
     assert_eq!(p.to_vec::<bool>().unwrap(), [false, true, false]);
-    assert_eq!(p.sum(), 1.0);
+    assert_eq!(p.sum().unwrap(), 1.0);
 }
 
 #[test]
@@ -318,34 +321,48 @@ fn overlapping_copies_read_the_source_first() {
 #[test]
 fn sum_and_allclose() {
     let g = grid();
-    assert_eq!(g.sum(), 66.0);
+    assert_eq!(g.sum().unwrap(), 66.0);
     assert_eq!(
-        g.transpose(0, 1).unwrap().narrow(0, 1, 2).unwrap().sum(),
+        g.transpose(0, 1)
+            .unwrap()
+            .narrow(0, 1, 2)
+            .unwrap()
+            .sum()
+            .unwrap(),
         1. + 5. + 9. + 2. + 6. + 10.
     );
     let long = Tensor::ones(&[1001], DType::F16).unwrap();
-    assert_eq!(long.sum(), 1001.0);
-    assert_eq!(Tensor::zeros(&[0], DType::F32).unwrap().sum(), 0.0);
+    assert_eq!(long.sum().unwrap(), 1001.0);
+    assert_eq!(Tensor::zeros(&[0], DType::F32).unwrap().sum().unwrap(), 0.0);
     let a = Tensor::from_vec(vec![1.0f32, 2.0], &[2]).unwrap();
     let b = Tensor::from_vec(vec![1.0f32 + 1e-7, 2.0], &[2]).unwrap();
-    assert!(a.allclose(&b, 1e-5, 1e-8));
-    assert!(!a.allclose(
-        &Tensor::from_vec(vec![1.1f32, 2.0], &[2]).unwrap(),
-        1e-5,
-        1e-8
-    ));
-    assert!(a.allclose(
-        &Tensor::from_vec(vec![1.0f64, 2.0], &[2]).unwrap(),
-        0.0,
-        0.0
-    ));
+    assert!(a.allclose(&b, 1e-5, 1e-8).unwrap());
+    let far = Tensor::from_vec(vec![1.1f32, 2.0], &[2]).unwrap();
+    assert!(!a.allclose(&far, 1e-5, 1e-8).unwrap());
+    let f64s = Tensor::from_vec(vec![1.0f64, 2.0], &[2]).unwrap();
+    assert!(a.allclose(&f64s, 0.0, 0.0).unwrap());
+    let err = a
+        .allclose(&a.view(&[1, 2]).unwrap(), 1e-5, 1e-8)
+        .unwrap_err();
     assert!(
-        !a.allclose(&a.view(&[1, 2]).unwrap(), 1e-5, 1e-8),
-        "shapes differ"
+        err.to_string().contains("shapes [2] and [1, 2] differ"),
+        "{err}"
     );
-    assert!(a.allclose(&a, 0.0, 0.0));
+    assert!(a.allclose(&a, 0.0, 0.0).unwrap());
     let nan = Tensor::full(&[1], f64::NAN, DType::F32).unwrap();
-    assert!(!nan.allclose(&nan.deep_clone().unwrap(), 1.0, 1.0));
+    assert!(!nan.allclose(&nan.deep_clone().unwrap(), 1.0, 1.0).unwrap());
+    // Every dtype sums and compares (the new unsigned ones too).
+    for dtype in DType::ALL {
+        let t = Tensor::arange(0.0, 4.0, 1.0, dtype).unwrap();
+        let expected = if dtype == DType::Bool { 3.0 } else { 6.0 };
+        assert_eq!(t.sum().unwrap(), expected, "{dtype}");
+        assert!(
+            t.allclose(&t.deep_clone().unwrap(), 0.0, 0.0).unwrap(),
+            "{dtype}"
+        );
+    }
+    let big = Tensor::from_slice(&[u64::MAX, 1], &[2]).unwrap();
+    assert_eq!(big.sum().unwrap(), u64::MAX as f64 + 1.0);
 }
 
 #[test]
@@ -376,7 +393,7 @@ fn every_dtype_round_trips_through_to_vec() {
     for dtype in DType::ALL {
         let t = Tensor::ones(&[2, 2], dtype).unwrap();
         t.select(0, 0).unwrap().fill_(0.0).unwrap();
-        assert_eq!(t.sum(), 2.0, "{dtype}");
+        assert_eq!(t.sum().unwrap(), 2.0, "{dtype}");
         dispatch!(dtype, T => {
             let v = t.to_vec::<T>().unwrap();
             let back = Tensor::from_vec(v.clone(), &[2, 2]).unwrap();
@@ -402,7 +419,7 @@ fn share_memory_moves_in_place_and_views_follow() {
         assert_eq!(col.data_ptr() as usize - g.data_ptr() as usize, before);
         assert_eq!(f32s(&col), [1., 5., 9.]);
         col.fill_(0.0).unwrap();
-        assert_eq!(g.sum(), 66.0 - 15.0);
+        assert_eq!(g.sum().unwrap(), 66.0 - 15.0);
         g.storage().share_memory_with(*strategy).unwrap();
         match strategy {
             SharingStrategy::FileSystem => {
@@ -445,11 +462,11 @@ fn small_storages_share_arenas_and_large_ones_do_not() {
     }
     b.fill_(2.0).unwrap();
     a.fill_(255.0).unwrap();
-    assert_eq!(b.sum(), 200.0);
+    assert_eq!(b.sum().unwrap(), 200.0);
     // A received slice keeps its offset.
     let (ra, rb): (Tensor, Tensor) = roundtrip(&(a.clone(), b.clone())).unwrap();
     assert_eq!((ra.data_ptr(), rb.data_ptr()), (a.data_ptr(), b.data_ptr()));
-    assert_eq!(rb.sum(), 200.0);
+    assert_eq!(rb.sum().unwrap(), 200.0);
 }
 
 #[test]
@@ -478,7 +495,7 @@ fn share_memory_waits_for_concurrent_writers_and_loses_no_update() {
         s.spawn(move || t.share_memory_().unwrap());
     });
     assert!(t.is_shared());
-    assert_eq!(t.sum(), 200.0 * 8.0 * 1024.0);
+    assert_eq!(t.sum().unwrap(), 200.0 * 8.0 * 1024.0);
 }
 
 #[test]
@@ -538,7 +555,7 @@ fn a_tensor_round_trips_and_aliases_the_original() {
     assert_eq!(f32s(&back), f32s(&view));
     assert_eq!(back.data_ptr(), view.data_ptr(), "one mapping per process");
     back.fill_(0.0).unwrap();
-    assert_eq!(g.sum(), 66.0 - (1. + 5. + 9. + 2. + 6. + 10.));
+    assert_eq!(g.sum().unwrap(), 66.0 - (1. + 5. + 9. + 2. + 6. + 10.));
 }
 
 #[test]
@@ -849,7 +866,7 @@ fn perf_figures() {
         t.fill_(1.0).unwrap();
         let fill = t0.elapsed();
         let t0 = Instant::now();
-        assert_eq!(t.sum(), n as f64);
+        assert_eq!(t.sum().unwrap(), n as f64);
         let sum = t0.elapsed();
         let t0 = Instant::now();
         plain.fill(2.0);
@@ -868,7 +885,7 @@ fn perf_figures() {
             wire::encode(&x).unwrap().send(a.as_fd(), None).unwrap();
             drop(x);
             let y: Tensor = receive(&b).unwrap();
-            assert_eq!(y.sum(), 64.0);
+            assert_eq!(y.sum().unwrap(), 64.0);
         }
         let dt = t0.elapsed();
         println!(
@@ -915,7 +932,7 @@ fn blocks_are_recycled_only_when_unused() {
     let c = shared();
     let (seg_c, _) = c.storage().segment().unwrap();
     assert!(std::sync::Arc::ptr_eq(&seg_a, &seg_c));
-    assert_eq!(c.sum(), 0.0);
+    assert_eq!(c.sum().unwrap(), 0.0);
     drop((b, c));
 }
 

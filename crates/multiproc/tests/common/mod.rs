@@ -249,6 +249,7 @@ pub fn all_equal(t: &multiproc::Tensor, value: f64) -> bool {
         0.0,
         0.0,
     )
+    .expect("allclose")
 }
 
 /// torch's `simple_fill`: fill the first tensor received with 4, then set the event.

@@ -12,6 +12,11 @@
 //! A CUDA storage's bytes are device memory (see `crate::cuda`): its read guard says so
 //! ([`StorageRead::is_host`]), and the element kernels refuse it; only the copies in
 //! [`copy_bytes`] reach it, through the driver.
+//! A *read-only* storage (the pages of a file, `Backing::ReadOnlyFile`, mapped
+//! `PROT_READ`) is never written: every in-place operation asks
+//! [`Storage::check_writable`] first, so a write is an error naming the tensor, never a
+//! SIGSEGV. A storage is read-only from creation to drop (no backing change makes it so
+//! or undoes it), so the check needs no lock held across the write.
 
 use std::alloc::Layout;
 use std::collections::HashMap;
@@ -26,8 +31,11 @@ mod device_memory;
 pub(crate) use device_memory::copy_bytes;
 
 use crate::cuda::{self, CudaHandle, CudaUse, Device};
+use crate::shm::file::{FileHandle, FileSegment};
 use crate::shm::{self, Segment, SegmentHandle};
 use crate::{Error, Result, SharingStrategy, get_sharing_strategy, wire};
+
+mod read_only;
 
 /// Alignment of private storage (a cache line; at least every element's alignment).
 pub(crate) const ALIGN: usize = 64;
@@ -61,6 +69,39 @@ impl PrivateBuf {
         })?;
         Ok(PrivateBuf { ptr, layout })
     }
+
+    /// A buffer holding a copy of `bytes` (`len > 0`): one memcpy, no zeroing first.
+    fn copy_of(bytes: &[u8]) -> Result<PrivateBuf> {
+        let len = bytes.len();
+        let layout = Layout::from_size_align(len, ALIGN).map_err(|_| {
+            Error::Tensor(format!(
+                "a storage of {len} bytes is larger than memory can hold"
+            ))
+        })?;
+        // SAFETY: `layout` has a non-zero size (callers never ask for 0 bytes).
+        let ptr = unsafe { std::alloc::alloc(layout) };
+        let ptr = NonNull::new(ptr).ok_or_else(|| {
+            Error::Tensor(format!(
+                "cannot allocate {} for a tensor: out of memory",
+                crate::sys::memfd::human_bytes(len as u64)
+            ))
+        })?;
+        // SAFETY: the new allocation holds `len` bytes and cannot overlap `bytes`; every
+        // byte is written before the buffer is used.
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), ptr.as_ptr(), len) };
+        Ok(PrivateBuf { ptr, layout })
+    }
+}
+
+/// How a new shared storage's bytes start out.
+#[derive(Clone, Copy)]
+enum Init<'a> {
+    /// Zeros.
+    Zero,
+    /// Whatever a recycled block held.
+    Uninit,
+    /// A copy of these bytes (as many as the storage has).
+    Copy(&'a [u8]),
 }
 
 impl Drop for PrivateBuf {
@@ -84,7 +125,31 @@ enum Backing {
     },
     /// Bytes in CUDA device memory, `offset` bytes into the allocation.
     Cuda { memory: Arc<CudaUse>, offset: usize },
+    /// Bytes of a regular file mapped read-only and shared (`safetensors::load`), `offset`
+    /// bytes into it; `name` is the tensor's, for errors.
+    ReadOnlyFile {
+        file: Arc<FileSegment>,
+        offset: usize,
+        name: Arc<str>,
+    },
+    /// Memory owned by another library in this process (a DLPack capsule), kept alive
+    /// by `owner` until this backing is dropped or replaced.
+    #[cfg(feature = "dlpack")]
+    Foreign {
+        /// Never read: holding it is the point (dropping it runs the capsule's deleter).
+        _owner: Box<dyn Send + Sync>,
+        ptr: NonNull<u8>,
+        read_only: bool,
+    },
 }
+
+// SAFETY: the foreign pointer is only dereferenced through the storage's lock discipline
+// and atomics, like the others; its owner is `Send + Sync`.
+#[cfg(feature = "dlpack")]
+unsafe impl Send for Backing {}
+// SAFETY: as above.
+#[cfg(feature = "dlpack")]
+unsafe impl Sync for Backing {}
 
 struct StorageInner {
     nbytes: usize,
@@ -204,7 +269,22 @@ impl Storage {
 
     /// [`new_shared`](Self::new_shared) with an explicit strategy.
     pub(crate) fn new_shared_with(nbytes: usize, strategy: SharingStrategy) -> Result<Storage> {
-        Storage::shared_with(nbytes, strategy, true)
+        Storage::shared_with(nbytes, strategy, Init::Zero)
+    }
+
+    /// A storage holding a copy of `bytes`, in one memcpy: private, or in shared memory
+    /// with the current strategy when `shared` (then no private buffer is made at all).
+    pub(crate) fn copy_of(bytes: &[u8], shared: bool) -> Result<Storage> {
+        if shared {
+            Storage::shared_with(bytes.len(), get_sharing_strategy(), Init::Copy(bytes))
+        } else if bytes.is_empty() {
+            Ok(Storage::with_backing(0, Backing::Empty { shared: false }))
+        } else {
+            Ok(Storage::with_backing(
+                bytes.len(),
+                Backing::Private(PrivateBuf::copy_of(bytes)?),
+            ))
+        }
     }
 
     /// Like [`new_shared`](Self::new_shared), but the bytes are unspecified: a recycled
@@ -216,25 +296,35 @@ impl Storage {
     ///
     /// As [`new_shared`](Self::new_shared).
     pub fn new_shared_uninit(nbytes: usize) -> Result<Storage> {
-        Storage::shared_with(nbytes, get_sharing_strategy(), false)
+        Storage::shared_with(nbytes, get_sharing_strategy(), Init::Uninit)
     }
 
-    fn shared_with(nbytes: usize, strategy: SharingStrategy, zero: bool) -> Result<Storage> {
+    fn shared_with(nbytes: usize, strategy: SharingStrategy, init: Init<'_>) -> Result<Storage> {
         if nbytes == 0 {
             return Ok(Storage::with_backing(0, Backing::Empty { shared: true }));
         }
         let slice = shm::allocate(strategy, nbytes)?;
         let holds_use = slice.segment.is_block();
-        if zero && !slice.zeroed {
-            // SAFETY: the slice holds `nbytes` bytes at `offset` (allocate's contract),
-            // 64-byte aligned.
-            unsafe {
-                write_shared(
-                    slice.segment.data_ptr().wrapping_add(slice.offset),
-                    None,
-                    nbytes,
-                )
-            };
+        let dst = slice.segment.data_ptr().wrapping_add(slice.offset);
+        match init {
+            Init::Zero if !slice.zeroed => {
+                // SAFETY: the slice holds `nbytes` bytes at `offset` (allocate's
+                // contract), 64-byte aligned.
+                unsafe { write_shared(dst, None, nbytes) };
+            }
+            Init::Copy(bytes) if slice.zeroed => {
+                debug_assert_eq!(bytes.len(), nbytes);
+                // SAFETY: fresh bytes no other process has been told about, `nbytes`
+                // long (allocate's contract); `bytes` is as long and cannot overlap a
+                // fresh mapping.
+                unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), dst, nbytes) };
+            }
+            Init::Copy(bytes) => {
+                // SAFETY: as above, 64-byte aligned; a recycled block is written
+                // atomically (see `write_shared`).
+                unsafe { write_shared(dst, Some(bytes.as_ptr()), nbytes) };
+            }
+            Init::Zero | Init::Uninit => {}
         }
         let key = StorageKey::new(&slice.segment, slice.offset, nbytes);
         let storage = Storage::with_backing(
@@ -337,11 +427,15 @@ impl Storage {
     pub fn is_shared(&self) -> bool {
         matches!(
             *self.backing(),
-            Backing::Shared { .. } | Backing::Cuda { .. } | Backing::Empty { shared: true }
+            Backing::Shared { .. }
+            | Backing::Cuda { .. }
+            | Backing::ReadOnlyFile { .. }
+            | Backing::Empty { shared: true }
         )
     }
 
-    /// The strategy of the segment the bytes live in; `None` while private or empty.
+    /// The strategy of the segment the bytes live in; `None` while private or empty, and
+    /// for a read-only file (which travels by its fd whatever the strategy).
     pub fn sharing_strategy(&self) -> Option<SharingStrategy> {
         match &*self.backing() {
             Backing::Shared { segment, .. } => Some(segment.strategy()),
@@ -394,39 +488,50 @@ impl Storage {
             .backing
             .write()
             .unwrap_or_else(PoisonError::into_inner);
-        let slice = match &*backing {
-            Backing::Shared { .. } | Backing::Cuda { .. } | Backing::Empty { shared: true } => {
-                return Ok(());
-            }
+        let src: *const u8 = match &*backing {
+            Backing::Shared { .. }
+            | Backing::Empty { shared: true }
+            | Backing::Cuda { .. }
+            | Backing::ReadOnlyFile { .. } => return Ok(()),
             Backing::Empty { shared: false } => {
                 *backing = Backing::Empty { shared: true };
                 return Ok(());
             }
-            Backing::Private(buf) => {
-                let slice = shm::allocate(strategy, self.inner.nbytes)?;
-                let dst = slice.segment.data_ptr().wrapping_add(slice.offset);
-                if slice.zeroed {
-                    // SAFETY: the slice holds `nbytes` bytes at `offset` (allocate's
-                    // contract) and the buffer `nbytes`; they cannot overlap (mapping vs
-                    // heap); we hold the write lock, so no thread of this process touches
-                    // the buffer, and no other process has ever been told about these
-                    // fresh bytes.
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(buf.ptr.as_ptr(), dst, self.inner.nbytes)
-                    };
-                } else {
-                    // SAFETY: as above, and `dst` is 64-byte aligned; the bytes of a
-                    // recycled block are written atomically (see `write_shared`).
-                    unsafe { write_shared(dst, Some(buf.ptr.as_ptr()), self.inner.nbytes) };
-                }
-                if slice.segment.is_block() {
-                    self.inner
-                        .use_owner
-                        .store(crate::sys::process::cached_pid(), Ordering::Release);
-                }
-                slice
+            Backing::Private(buf) => buf.ptr.as_ptr(),
+            // A DLPack import is copied into shared memory, and its capsule released;
+            // unless it is read-only, which a copy in a writable segment would undo.
+            #[cfg(feature = "dlpack")]
+            Backing::Foreign {
+                read_only: true, ..
+            } => {
+                return Err(Error::Tensor(
+                    "a read-only DLPack import cannot be shared or sent (a shared copy would \
+                     be writable); make a writable copy with deep_clone() first"
+                        .into(),
+                ));
             }
+            #[cfg(feature = "dlpack")]
+            Backing::Foreign { ptr, .. } => ptr.as_ptr(),
         };
+        let slice = shm::allocate(strategy, self.inner.nbytes)?;
+        let dst = slice.segment.data_ptr().wrapping_add(slice.offset);
+        if slice.zeroed {
+            // SAFETY: the slice holds `nbytes` bytes at `offset` (allocate's contract) and
+            // the source `nbytes`; they cannot overlap (a fresh mapping vs the heap or a
+            // foreign buffer); we hold the write lock, so no thread of this process touches
+            // the source through this storage, and no other process has ever been told
+            // about these fresh bytes.
+            unsafe { std::ptr::copy_nonoverlapping(src, dst, self.inner.nbytes) };
+        } else {
+            // SAFETY: as above, and `dst` is 64-byte aligned; the bytes of a recycled
+            // block are written atomically (see `write_shared`).
+            unsafe { write_shared(dst, Some(src), self.inner.nbytes) };
+        }
+        if slice.segment.is_block() {
+            self.inner
+                .use_owner
+                .store(crate::sys::process::cached_pid(), Ordering::Release);
+        }
         let key = StorageKey::new(&slice.segment, slice.offset, self.inner.nbytes);
         *backing = Backing::Shared {
             segment: slice.segment,
@@ -459,6 +564,12 @@ impl Storage {
                 (memory.device_ptr() as usize).wrapping_add(*offset) as *mut u8,
                 false,
             ),
+            // Never written through: every writer calls `check_writable` first.
+            Backing::ReadOnlyFile { file, offset, .. } => {
+                (file.data_ptr().wrapping_add(*offset).cast_mut(), true)
+            }
+            #[cfg(feature = "dlpack")]
+            Backing::Foreign { ptr, .. } => (ptr.as_ptr(), true),
         };
         StorageRead {
             _guard: guard,
@@ -491,6 +602,13 @@ impl fmt::Debug for Storage {
             Backing::Private(_) => d.field("shared", &false),
             Backing::Shared { segment, .. } => d.field("shared", &segment.strategy().name()),
             Backing::Cuda { memory, .. } => d.field("device", &Device::Cuda(memory.device())),
+            Backing::ReadOnlyFile { file, name, .. } => d
+                .field("read_only_file", &file.origin())
+                .field("name", name),
+            #[cfg(feature = "dlpack")]
+            Backing::Foreign { read_only, .. } => d
+                .field("shared", &false)
+                .field("dlpack_read_only", read_only),
         };
         d.finish()
     }
@@ -540,6 +658,8 @@ enum StorageWire {
     Empty,
     Segment(SegmentHandle),
     Cuda(CudaHandle),
+    /// A read-only file's fd (see `shm::file`); appended, so older codes keep their index.
+    ReadOnlyFile(FileHandle),
 }
 
 /// A storage's wire form built from parts, for the fuzzing entry points that forge
@@ -569,7 +689,14 @@ impl Serialize for Storage {
         }
         self.share_memory_()
             .map_err(|e| S::Error::custom(wire::fail_with(e)))?;
-        let wire = if self.nbytes() == 0 {
+        let wire = if let Some((file, offset, name)) = self.file_with_name() {
+            StorageWire::ReadOnlyFile(FileHandle {
+                file,
+                offset: offset as u64,
+                nbytes: self.nbytes() as u64,
+                name,
+            })
+        } else if self.nbytes() == 0 {
             StorageWire::Empty
         } else {
             let (segment, offset) = self.segment().ok_or_else(|| {
@@ -611,6 +738,24 @@ impl<'de> Deserialize<'de> for Storage {
             StorageWire::Cuda(handle) => {
                 let (memory, offset, nbytes) = cuda::receive(&handle).map_err(D::Error::custom)?;
                 Ok(Storage::from_cuda(memory, offset, nbytes))
+            }
+            StorageWire::ReadOnlyFile(FileHandle {
+                file,
+                offset,
+                nbytes,
+                name,
+            }) => {
+                let (Ok(offset), Ok(nbytes)) = (usize::try_from(offset), usize::try_from(nbytes))
+                else {
+                    return Err(D::Error::custom(wire::fail_with(Error::InvalidMessage(
+                        format!(
+                            "read-only tensor {name:?} of {nbytes} bytes at offset {offset} does \
+                             not fit this machine"
+                        ),
+                    ))));
+                };
+                Storage::from_file(file, offset, nbytes, &name)
+                    .map_err(|e| D::Error::custom(wire::fail_with(e)))
             }
         }
     }
