@@ -111,7 +111,7 @@ fn the_serve_loop_unlinks_leftovers_after_its_clients_hang_up() {
         "a second manager finds the address in use"
     );
     let grace = Duration::from_millis(300);
-    let server = std::thread::spawn(move || serve(listener, grace));
+    let server = std::thread::spawn(move || serve(listener, grace, None));
 
     let (kept, left, gone) = (
         SegmentName::generate().unwrap(),

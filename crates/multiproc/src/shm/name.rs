@@ -1,4 +1,7 @@
-//! Names of named segments: `multiproc_<pid>_<32 hex digits>` in `/dev/shm`.
+//! Names of named segments: `multiproc_<pid>_<32 hex digits>_<tree>` in `/dev/shm`,
+//! where `<tree>` (`<root pid>_<root start time>_<16 hex digits>`, see
+//! `manager::tree`) says which process tree made it; names without it (made by a tree
+//! whose manager address has no tree) are still valid.
 //!
 //! Invariant: a [`SegmentName`] always matches that pattern, so it is a single path
 //! component (no `/`, no `..`) and can only ever name one of our own segments; names that
@@ -31,6 +34,10 @@ impl SegmentName {
         for b in random {
             name.push_str(&format!("{b:02x}"));
         }
+        if let Some(tree) = crate::manager::tree::this_tree() {
+            name.push('_');
+            name.push_str(&tree.tag());
+        }
         Ok(SegmentName(name))
     }
 
@@ -50,8 +57,15 @@ impl SegmentName {
         let Some(rest) = name.strip_prefix(PREFIX) else {
             return false;
         };
-        let Some((pid, random)) = rest.split_once('_') else {
+        let Some((pid, rest)) = rest.split_once('_') else {
             return false;
+        };
+        let random = match rest.split_once('_') {
+            Some(_) if crate::manager::tree::Tree::of_name(name).is_none() => {
+                return false;
+            }
+            Some((random, _)) => random,
+            None => rest,
         };
         !pid.is_empty()
             && pid.len() <= 10
