@@ -50,7 +50,7 @@
 //! - `file_descriptor` (default): an anonymous, sealed memfd whose fd is the handle. It
 //!   is not bounded by `/dev/shm`'s size and cannot leak: the kernel frees it with its
 //!   last fd or mapping.
-//! - `file_system`: a named segment `/dev/shm/multiproc_<pid>_<random>` with a
+//! - `file_system`: a named segment `/dev/shm/multiproc_<pid>_<random>_<tree>` with a
 //!   cross-process refcount; a shm manager daemon removes whatever a crashed process tree
 //!   left behind.
 //!

@@ -126,12 +126,12 @@ fn detach_and_serve() -> Result<(bool, String)> {
     let addr = std::env::var(ADDRESS_ENV).map_err(|_| {
         Error::Manager(format!(
             "{ADDRESS_ENV} is not set: it names the abstract socket the manager listens on \
-             (multiproc-shm-<uid>-<pid>-<random>)"
+             (multiproc-shm-<uid>-<root pid>-<root start time>-<random>)"
         ))
     })?;
     if !is_valid_address(&addr) {
         return Err(Error::Manager(format!(
-            "{ADDRESS_ENV}={addr:?} is not a manager address (multiproc-shm-<uid>-<pid>-<random>)"
+            "{ADDRESS_ENV}={addr:?} is not a manager address (multiproc-shm-<uid>-<root pid>-<root start time>-<random>)"
         )));
     }
     let Some(listener) = bind(&addr)? else {

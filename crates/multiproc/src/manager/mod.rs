@@ -11,7 +11,7 @@
 //! then exits.
 //!
 //! **One per tree.** The address is an abstract Unix `SOCK_SEQPACKET` socket named
-//! `multiproc-shm-<uid>-<root pid>-<random>`, chosen by the first process that needs it
+//! `multiproc-shm-<uid>-<root pid>-<root start time>-<random>`, chosen by the first process that needs it
 //! and passed to every process multiproc starts in `MULTIPROC_SHM_MANAGER`
 //! ([`crate::sharing::env_for_child`]), so all processes of a tree share one manager.
 //! Only the same user can use it: the manager checks `SO_PEERCRED` on every connection.
@@ -82,7 +82,7 @@ fn is_valid_address(a: &str) -> bool {
 }
 
 /// The manager address of this process tree: inherited from `MULTIPROC_SHM_MANAGER`,
-/// or chosen now (`multiproc-shm-<uid>-<pid>-<random>`). Choosing it starts nothing.
+/// or chosen now (`multiproc-shm-<uid>-<pid>-<start time>-<random>`). Choosing it starts nothing.
 pub(crate) fn address() -> &'static str {
     ADDRESS.get_or_init(|| {
         if let Ok(a) = std::env::var(ADDRESS_ENV) {
