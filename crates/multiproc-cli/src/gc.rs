@@ -31,6 +31,9 @@ pub struct Scan {
     /// Segments whose creator is dead but which a live shm manager of this user may
     /// still hold (and will remove when its tree has exited); gc leaves them alone.
     pub left_to_managers: usize,
+    /// Live managers that did not answer a query (an older multiproc): every name
+    /// they might hold was left alone.
+    pub unanswering: Vec<String>,
 }
 
 /// Our segments in /dev/shm whose creator has ended.
@@ -43,6 +46,7 @@ pub fn scan() -> Scan {
     let mut out = Scan {
         stale: Vec::new(),
         left_to_managers: 0,
+        unanswering: Vec::new(),
     };
     let Ok(dir) = std::fs::read_dir("/dev/shm") else {
         return out;
@@ -62,7 +66,27 @@ pub fn scan() -> Scan {
                 if creator_alive(creator) {
                     continue;
                 }
-                if managers.iter().any(|m| manager_holds(m, &name)) {
+                let mut held = false;
+                for m in &managers {
+                    // One that did not answer is not asked again: it counts as holding.
+                    if out.unanswering.contains(m) {
+                        held = true;
+                        break;
+                    }
+                    match manager_holds(m, &name) {
+                        Some(false) => {}
+                        Some(true) => {
+                            held = true;
+                            break;
+                        }
+                        None => {
+                            out.unanswering.push(m.clone());
+                            held = true;
+                            break;
+                        }
+                    }
+                }
+                if held {
                     out.left_to_managers += 1;
                     continue;
                 }
@@ -99,10 +123,10 @@ fn start_time(pid: u32) -> Option<u64> {
     fields.get(19)?.parse().ok()
 }
 
-/// Asks the manager at `address` whether it holds `name`. Anything but a clear `N`
-/// (no answer in time, an error) counts as yes: gc never removes what a live manager
-/// may still own.
-fn manager_holds(address: &str, name: &str) -> bool {
+/// Asks the manager at `address` whether it holds `name`: `None` when it gave no clear
+/// answer in time (then gc must assume it does: it never removes what a live manager
+/// may still own).
+fn manager_holds(address: &str, name: &str) -> Option<bool> {
     use rustix::net::{
         AddressFamily, RecvFlags, SendFlags, SocketAddrUnix, SocketFlags, SocketType,
     };
@@ -121,7 +145,7 @@ fn manager_holds(address: &str, name: &str) -> bool {
         rustix::net::sockopt::set_socket_timeout(
             &sock,
             rustix::net::sockopt::Timeout::Recv,
-            Some(std::time::Duration::from_secs(2)),
+            Some(std::time::Duration::from_millis(500)),
         )
         .ok()?;
         let mut request = b"Q".to_vec();
@@ -129,9 +153,9 @@ fn manager_holds(address: &str, name: &str) -> bool {
         rustix::net::send(&sock, &request, SendFlags::NOSIGNAL).ok()?;
         let mut answer = [0u8; 1];
         let (n, _) = rustix::net::recv(&sock, &mut answer, RecvFlags::empty()).ok()?;
-        Some(!(n == 1 && answer[0] == b'N'))
+        (n == 1 && matches!(answer[0], b'Y' | b'N')).then_some(answer[0] == b'Y')
     };
-    ask().unwrap_or(true)
+    ask()
 }
 
 /// The creator pid encoded in one of our segment names.
@@ -192,7 +216,14 @@ pub fn run(dry_run: bool) -> u64 {
     let Scan {
         stale,
         left_to_managers,
+        unanswering,
     } = scan();
+    for m in &unanswering {
+        println!(
+            "could not ask the shm manager at @{m} which names it holds (it does not answer \
+             queries: an older multiproc?); left alone every name it might hold"
+        );
+    }
     let mut reclaimed = 0;
     let mut count = 0;
     for s in &stale {

@@ -199,17 +199,31 @@ fn two_gc_runs_at_once_remove_each_stale_segment_once() {
         pa.intersection(&pb)
     );
     assert!(live.exists(), "a live creator's segment was removed");
-    assert!(
-        !ta.contains("left alone") && !tb.contains("left alone"),
-        "no live manager holds these names: {ta}\n{tb}"
-    );
+    // Every live manager answers gc's query and none holds these names, so each goes,
+    // removed by exactly one run — unless gc says a manager could not be asked (one of
+    // an older multiproc, on a shared machine): then each is removed by one run or by
+    // none, and never twice.
+    let unasked = ta.contains("could not ask") || tb.contains("could not ask");
+    if !unasked {
+        assert!(
+            !ta.contains("left alone") && !tb.contains("left alone"),
+            "no live manager holds these names: {ta}\n{tb}"
+        );
+    }
     for p in &stale {
         let gone = !std::path::Path::new(p).exists();
         let by_one = pa.contains(p) as u8 + pb.contains(p) as u8;
-        assert!(
-            gone && by_one == 1,
-            "{p}: gone {gone}, removed by {by_one} runs\n{ta}\n{tb}"
-        );
+        if unasked {
+            assert!(
+                gone == (by_one == 1),
+                "{p}: gone {gone}, removed by {by_one} runs"
+            );
+        } else {
+            assert!(
+                gone && by_one == 1,
+                "{p}: gone {gone}, removed by {by_one} runs\n{ta}\n{tb}"
+            );
+        }
     }
     eprintln!(
         "gc runs removed {} and {} of {} stale segments",

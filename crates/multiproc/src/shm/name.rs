@@ -98,6 +98,7 @@ mod tests {
     use super::*;
 
     #[test]
+    #[cfg_attr(miri, ignore = "a name's tree comes from getuid and /proc")]
     fn generated_names_parse_and_are_unique() {
         let a = SegmentName::generate().unwrap();
         let b = SegmentName::generate().unwrap();
@@ -108,6 +109,13 @@ mod tests {
                 .starts_with(&format!("multiproc_{}_", std::process::id()))
         );
         assert!(shm_path(&a).starts_with("/dev/shm/multiproc_"));
+        let tree =
+            crate::manager::tree::Tree::of_name(a.as_str()).expect("a name carries its tree");
+        assert_eq!(
+            tree.root,
+            std::process::id(),
+            "this process is its tree's root"
+        );
     }
 
     #[test]
