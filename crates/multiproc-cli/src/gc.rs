@@ -1,7 +1,11 @@
 //! `multiproc gc`: removes named segments whose creator is dead.
 //!
-//! A segment is `/dev/shm/multiproc_<pid>_<random>`. It is stale when the process that
-//! created it is gone and no live shm manager holds it; then nobody will unlink it. A
+//! A segment is `/dev/shm/multiproc_<pid>_<random>[_<root pid>_<root start>_<tree>]`.
+//! One that names its process tree is stale once the tree's root has exited (no
+//! process of the tree can hold it any more: workers die with their parents). One
+//! without a tree is stale when the process that created it is gone and no live shm
+//! manager of this user holds it — `gc` asks each one (`Q<name>`, answered `Y` or
+//! `N`); a manager that cannot be asked counts as holding it. A
 //! process that opened it still keeps its memory mapped after the name is removed, so
 //! removing a name is safe even if some process still uses the segment. Several `gc`
 //! runs at once are safe: each removal is one `unlink`, so each segment is removed by
@@ -27,6 +31,9 @@ pub struct Scan {
     /// Segments whose creator is dead but which a live shm manager of this user may
     /// still hold (and will remove when its tree has exited); gc leaves them alone.
     pub left_to_managers: usize,
+    /// Live managers that did not answer a query (an older multiproc): every name
+    /// they might hold was left alone.
+    pub unanswering: Vec<String>,
 }
 
 /// Our segments in /dev/shm whose creator has ended.
@@ -39,6 +46,7 @@ pub fn scan() -> Scan {
     let mut out = Scan {
         stale: Vec::new(),
         left_to_managers: 0,
+        unanswering: Vec::new(),
     };
     let Ok(dir) = std::fs::read_dir("/dev/shm") else {
         return out;
@@ -49,15 +57,40 @@ pub fn scan() -> Scan {
         let Some(creator) = creator_pid(&name) else {
             continue;
         };
-        if creator_alive(creator) {
-            continue;
-        }
-        // A manager keeps the names its tree registered; a segment whose creator died
-        // is that manager's to clean once its clients are gone, and which manager holds
-        // which name cannot be seen from outside: leave them all to a live one.
-        if managers > 0 {
-            out.left_to_managers += 1;
-            continue;
+        match tree_root(&name) {
+            // A live tree's names are its own (and its manager's) business.
+            Some((root, start)) if start_time(root) == Some(start) => continue,
+            // Its root is gone, so is every process of the tree.
+            Some(_) => {}
+            None => {
+                if creator_alive(creator) {
+                    continue;
+                }
+                let mut held = false;
+                for m in &managers {
+                    // One that did not answer is not asked again: it counts as holding.
+                    if out.unanswering.contains(m) {
+                        held = true;
+                        break;
+                    }
+                    match manager_holds(m, &name) {
+                        Some(false) => {}
+                        Some(true) => {
+                            held = true;
+                            break;
+                        }
+                        None => {
+                            out.unanswering.push(m.clone());
+                            held = true;
+                            break;
+                        }
+                    }
+                }
+                if held {
+                    out.left_to_managers += 1;
+                    continue;
+                }
+            }
         }
         let bytes = entry.metadata().map(|m| m.len()).unwrap_or(0);
         out.stale.push(Stale {
@@ -67,6 +100,62 @@ pub fn scan() -> Scan {
         });
     }
     out
+}
+
+/// The tree's root (pid, start time) a segment name carries, if any.
+fn tree_root(name: &str) -> Option<(u32, u64)> {
+    let parts: Vec<&str> = name.strip_prefix("multiproc_")?.split('_').collect();
+    let [_, _, root, start, random] = parts.as_slice() else {
+        return None;
+    };
+    (random.len() == 16 && random.bytes().all(|b| b.is_ascii_hexdigit())).then_some(())?;
+    Some((root.parse().ok()?, start.parse().ok()?))
+}
+
+/// The start time of process `pid` (`/proc/<pid>/stat` field 22), unless it is gone or
+/// a zombie.
+fn start_time(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let fields: Vec<&str> = stat[stat.rfind(')')? + 1..].split_whitespace().collect();
+    if matches!(fields.first(), Some(&"Z") | Some(&"X")) {
+        return None;
+    }
+    fields.get(19)?.parse().ok()
+}
+
+/// Asks the manager at `address` whether it holds `name`: `None` when it gave no clear
+/// answer in time (then gc must assume it does: it never removes what a live manager
+/// may still own).
+fn manager_holds(address: &str, name: &str) -> Option<bool> {
+    use rustix::net::{
+        AddressFamily, RecvFlags, SendFlags, SocketAddrUnix, SocketFlags, SocketType,
+    };
+    let ask = || -> Option<bool> {
+        let sock = rustix::net::socket_with(
+            AddressFamily::UNIX,
+            SocketType::SEQPACKET,
+            SocketFlags::CLOEXEC,
+            None,
+        )
+        .ok()?;
+        let addr = SocketAddrUnix::new_abstract_name(address.as_bytes()).ok()?;
+        rustix::net::connect(&sock, &addr).ok()?;
+        let me = rustix::process::getuid();
+        (rustix::net::sockopt::socket_peercred(&sock).ok()?.uid == me).then_some(())?;
+        rustix::net::sockopt::set_socket_timeout(
+            &sock,
+            rustix::net::sockopt::Timeout::Recv,
+            Some(std::time::Duration::from_millis(500)),
+        )
+        .ok()?;
+        let mut request = b"Q".to_vec();
+        request.extend_from_slice(name.as_bytes());
+        rustix::net::send(&sock, &request, SendFlags::NOSIGNAL).ok()?;
+        let mut answer = [0u8; 1];
+        let (n, _) = rustix::net::recv(&sock, &mut answer, RecvFlags::empty()).ok()?;
+        (n == 1 && matches!(answer[0], b'Y' | b'N')).then_some(answer[0] == b'Y')
+    };
+    ask()
 }
 
 /// The creator pid encoded in one of our segment names.
@@ -89,40 +178,36 @@ fn creator_alive(pid: u32) -> bool {
     }
 }
 
-/// Live shm managers of this user (`MULTIPROC_ROLE=shm-manager` in their
-/// environment). A manager of another user cannot remove our files, so it does not
-/// count.
-fn live_managers() -> usize {
+/// The addresses of the live shm managers of this user (`MULTIPROC_ROLE=shm-manager`
+/// and `MULTIPROC_SHM_MANAGER=<address>` in their environment). A manager of another
+/// user cannot remove our files, so it does not count.
+fn live_managers() -> Vec<String> {
     let Ok(dir) = std::fs::read_dir("/proc") else {
-        return 0;
+        return Vec::new();
     };
     let me = rustix::process::geteuid().as_raw();
     dir.flatten()
         .filter(|e| {
-            e.file_name()
-                .to_string_lossy()
-                .bytes()
-                .all(|b| b.is_ascii_digit())
-        })
-        .filter(|e| {
-            std::fs::read(e.path().join("environ"))
-                .map(|env| {
-                    env.split(|&b| b == 0)
-                        .any(|v| v == b"MULTIPROC_ROLE=shm-manager")
-                })
-                .unwrap_or(false)
-        })
-        .filter(|e| {
             use std::os::unix::fs::MetadataExt;
             std::fs::metadata(e.path()).is_ok_and(|m| m.uid() == me)
+                && e.file_name()
+                    .to_str()
+                    .and_then(|p| p.parse().ok())
+                    .is_some_and(creator_alive)
         })
-        .filter(|e| {
-            e.file_name()
-                .to_str()
-                .and_then(|p| p.parse().ok())
-                .is_some_and(creator_alive)
+        .filter_map(|e| {
+            let env = std::fs::read(e.path().join("environ")).ok()?;
+            let vars: Vec<&[u8]> = env.split(|&b| b == 0).collect();
+            if !vars.contains(&b"MULTIPROC_ROLE=shm-manager".as_slice()) {
+                return None;
+            }
+            vars.iter().find_map(|v| {
+                v.strip_prefix(b"MULTIPROC_SHM_MANAGER=")
+                    .and_then(|a| std::str::from_utf8(a).ok())
+                    .map(str::to_owned)
+            })
         })
-        .count()
+        .collect()
 }
 
 /// Removes (or with `dry_run`, lists) stale segments; prints what it did and returns
@@ -131,7 +216,14 @@ pub fn run(dry_run: bool) -> u64 {
     let Scan {
         stale,
         left_to_managers,
+        unanswering,
     } = scan();
+    for m in &unanswering {
+        println!(
+            "could not ask the shm manager at @{m} which names it holds (it does not answer \
+             queries: an older multiproc?); left alone every name it might hold"
+        );
+    }
     let mut reclaimed = 0;
     let mut count = 0;
     for s in &stale {
@@ -160,7 +252,7 @@ pub fn run(dry_run: bool) -> u64 {
     if left_to_managers > 0 {
         println!(
             "left alone {left_to_managers} segment(s) of dead processes: a live shm manager of \
-             this user may still remove them when its process tree exits; run gc again after that"
+             this user holds them and removes them when its process tree exits"
         );
     }
     println!(

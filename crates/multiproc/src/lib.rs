@@ -120,9 +120,9 @@
 //!
 //! - `file_descriptor` (default): an anonymous, sealed memfd whose fd is the handle. It
 //!   is not bounded by `/dev/shm`'s size and cannot leak: the kernel frees it with its
-//!   last fd or mapping. Each shared storage costs an fd in every process that holds
-//!   it; `multiproc doctor` shows the limit.
-//! - `file_system`: a named segment `/dev/shm/multiproc_<pid>_<random>` with a
+//!   last fd or mapping. Each shared storage above 64 KiB costs an fd in every process
+//!   that holds it (small ones share 1 MiB arenas); `multiproc doctor` shows the limit.
+//! - `file_system`: a named segment `/dev/shm/multiproc_<pid>_<random>_<tree>` with a
 //!   cross-process refcount, so a process holds no fd per storage; a shm manager daemon
 //!   removes whatever a crashed process tree left behind.
 //!

@@ -96,6 +96,25 @@ fn run_child(role: &str) -> i32 {
                 }
             }
         }
+        "orphan_in_flight" => {
+            // The last reference of this segment is in a message nobody will receive.
+            let t = shared_fs_tensor(3.0).expect("share");
+            let name = t.storage().shm_name().expect("a name");
+            let q = multiproc::Queue::new().expect("queue");
+            q.put(t).expect("put");
+            drop(q);
+            say(&format!("name {name}"));
+            // "alloc": restart the killed manager by allocating once more, then exit.
+            if wait_for_stdin_line() == "alloc" {
+                let again = shared_fs_tensor(4.0).expect("share after the kill");
+                say(&format!(
+                    "name {}",
+                    again.storage().shm_name().expect("a name")
+                ));
+                wait_for_stdin_line();
+            }
+            0
+        }
         "small_shm" => small_shm_child(),
         other => {
             say(&format!("error unknown role {other}"));
@@ -181,10 +200,20 @@ fn fresh_address() -> String {
 }
 
 fn spawn_child(role: &str) -> Kid {
-    let address = fresh_address();
-    let mut child = Command::new(std::env::current_exe().unwrap())
+    spawn_child_at(role, Some(fresh_address()))
+}
+
+/// A child that is the root of its own tree; `None`: it picks its manager address
+/// itself (then `Kid::address` is empty).
+fn spawn_child_at(role: &str, address: Option<String>) -> Kid {
+    let mut command = Command::new(std::env::current_exe().unwrap());
+    match &address {
+        Some(a) => command.env("MULTIPROC_SHM_MANAGER", a),
+        None => command.env_remove("MULTIPROC_SHM_MANAGER"),
+    };
+    let address = address.unwrap_or_default();
+    let mut child = command
         .env("TEST_CHILD", role)
-        .env("MULTIPROC_SHM_MANAGER", &address)
         .env("MULTIPROC_SHM_MANAGER_GRACE_MS", "300")
         .env_remove("MULTIPROC_SHARING_STRATEGY")
         .stdin(Stdio::piped())
@@ -310,7 +339,49 @@ fn sigkill(pid: i32) {
     assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
 }
 
+/// The manager address of the tree a segment name says it was made in.
+fn address_of_tree_in(name: &str) -> String {
+    let parts: Vec<&str> = name.split('_').collect();
+    let [_, _, _, root, start, random] = parts.as_slice() else {
+        panic!("{name} names no tree");
+    };
+    format!(
+        "multiproc-shm-{}-{root}-{start}-{random}",
+        rustix::process::getuid().as_raw()
+    )
+}
+
 // ----- tests -----
+
+/// A name whose last reference is in a message nobody received, in a tree whose manager
+/// was SIGKILLed: the root removes it as it exits normally (no manager is left), or a
+/// restarted manager does once the root has gone. It used to stay in /dev/shm forever.
+#[test]
+fn names_only_in_flight_outlive_neither_a_killed_manager_nor_its_tree() {
+    for restart in [false, true] {
+        let mut kid = spawn_child_at("orphan_in_flight", None);
+        let orphan = kid.names(1).remove(0);
+        assert!(shm_exists(&orphan), "the in-flight reference keeps it");
+        let address = address_of_tree_in(&orphan);
+        let old = wait_for_manager(&address);
+        sigkill(old);
+        let deadline = Instant::now() + WATCHDOG;
+        while manager_pids(&address).contains(&old) {
+            assert!(Instant::now() < deadline);
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let mut names = vec![orphan];
+        if restart {
+            kid.tell("alloc");
+            names.extend(kid.names(1));
+            let new = wait_for_manager(&address);
+            assert_ne!(new, old);
+        }
+        kid.tell("exit");
+        assert!(kid.wait().success());
+        assert_gone_within(&names, Duration::from_secs(5));
+    }
+}
 
 #[test]
 fn a_sigkilled_file_system_producer_leaves_nothing_in_dev_shm() {

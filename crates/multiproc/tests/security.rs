@@ -45,9 +45,11 @@ fn segment_names_carry_128_random_bits_and_files_are_private() {
         let me = rustix::process::geteuid().as_raw();
         for t in &tensors {
             let name = t.storage().shm_name().unwrap();
+            // multiproc_<pid>_<random>_<root pid>_<root start time>_<tree random>
             let random = name
                 .strip_prefix(&prefix)
-                .expect("multiproc_<pid>_<random>");
+                .and_then(|rest| rest.split('_').next())
+                .expect("multiproc_<pid>_<random>_<tree>");
             assert_eq!(random.len(), 32, "128 bits are 32 hex digits: {name}");
             assert!(random.bytes().all(|b| b.is_ascii_hexdigit()), "{name}");
             for (i, c) in random.chars().enumerate() {

@@ -262,7 +262,7 @@ fn start(addr: &str) -> Result<()> {
     match super::daemon::bind(addr)? {
         Some(listener) => {
             let grace = super::grace();
-            std::thread::spawn(move || super::daemon::serve(listener, grace));
+            std::thread::spawn(move || super::daemon::serve(listener, grace, None));
             Ok(())
         }
         None => Ok(()),

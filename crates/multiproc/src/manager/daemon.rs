@@ -10,6 +10,7 @@ use rustix::event::{PollFd, PollFlags, Timespec, poll};
 use rustix::io::Errno;
 use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
 
+use super::tree::Tree;
 use super::{ADDRESS_ENV, Request, grace, is_valid_address};
 use crate::sys::daemon::{Forked, fork_single_threaded, redirect_stdio_to_null};
 use crate::sys::socket::{Attempt, try_recv_packet};
@@ -59,7 +60,14 @@ impl Registry {
             Request::Unregister(name) => {
                 self.names.remove(&name);
             }
+            // Answered by `drain`, which has the connection.
+            Request::Query(_) => {}
         }
+    }
+
+    /// Whether `name` is registered.
+    pub(super) fn holds(&self, name: &str) -> bool {
+        self.names.contains(name)
     }
 
     /// When the manager should clean up and exit, if no client comes.
@@ -118,12 +126,12 @@ fn detach_and_serve() -> Result<(bool, String)> {
     let addr = std::env::var(ADDRESS_ENV).map_err(|_| {
         Error::Manager(format!(
             "{ADDRESS_ENV} is not set: it names the abstract socket the manager listens on \
-             (multiproc-shm-<uid>-<pid>-<random>)"
+             (multiproc-shm-<uid>-<root pid>-<root start time>-<random>)"
         ))
     })?;
     if !is_valid_address(&addr) {
         return Err(Error::Manager(format!(
-            "{ADDRESS_ENV}={addr:?} is not a manager address (multiproc-shm-<uid>-<pid>-<random>)"
+            "{ADDRESS_ENV}={addr:?} is not a manager address (multiproc-shm-<uid>-<root pid>-<root start time>-<random>)"
         )));
     }
     let Some(listener) = bind(&addr)? else {
@@ -137,7 +145,7 @@ fn detach_and_serve() -> Result<(bool, String)> {
             let _ = rustix::process::setsid();
             let _ = std::env::set_current_dir("/");
             let _ = redirect_stdio_to_null();
-            serve(listener, grace());
+            serve(listener, grace(), Tree::of_address(&addr));
             std::process::exit(0)
         }
     }
@@ -169,8 +177,9 @@ pub(super) fn bind(addr: &str) -> Result<Option<OwnedFd>> {
 
 /// The manager's loop: accepts clients of our uid, applies their requests, and returns
 /// after unlinking every leftover name once no client has been connected for the grace
-/// period.
-pub(super) fn serve(listener: OwnedFd, grace: Duration) {
+/// period — and, when its tree's root has exited, every name of the tree, registered
+/// or not (see `tree`).
+pub(super) fn serve(listener: OwnedFd, grace: Duration, tree: Option<Tree>) {
     let uid = rustix::process::getuid();
     let _span = tracing::info_span!("multiproc::shm_manager", pid = std::process::id()).entered();
     tracing::info!(?grace, "shm manager serving");
@@ -231,6 +240,9 @@ pub(super) fn serve(listener: OwnedFd, grace: Duration) {
             Err(e) => tracing::warn!(segment = name, "shm manager cannot unlink: {e}"),
         }
     }
+    if let Some(tree) = tree.filter(|t| !t.root_alive()) {
+        tree.remove_names();
+    }
 }
 
 fn accept_all(
@@ -268,11 +280,14 @@ fn accept_all(
 fn drain(sock: std::os::fd::BorrowedFd<'_>, registry: &mut Registry, buf: &mut [u8]) -> bool {
     loop {
         match try_recv_packet(sock, buf) {
-            Ok(Attempt::Done(packet)) => {
-                if let Some(request) = Request::decode(&packet.bytes) {
-                    registry.apply(request);
+            Ok(Attempt::Done(packet)) => match Request::decode(&packet.bytes) {
+                Some(Request::Query(name)) => {
+                    let answer: &[u8] = if registry.holds(&name) { b"Y" } else { b"N" };
+                    let _ = rustix::net::send(sock, answer, rustix::net::SendFlags::DONTWAIT);
                 }
-            }
+                Some(request) => registry.apply(request),
+                None => {}
+            },
             Ok(Attempt::WouldBlock) => return true,
             Err(Error::InvalidMessage(_)) | Err(Error::FdLimit { .. }) => {}
             Err(_) => return false,

@@ -11,7 +11,7 @@
 //! then exits.
 //!
 //! **One per tree.** The address is an abstract Unix `SOCK_SEQPACKET` socket named
-//! `multiproc-shm-<uid>-<root pid>-<random>`, chosen by the first process that needs it
+//! `multiproc-shm-<uid>-<root pid>-<root start time>-<random>`, chosen by the first process that needs it
 //! and passed to every process multiproc starts in `MULTIPROC_SHM_MANAGER`
 //! ([`crate::sharing::env_for_child`]), so all processes of a tree share one manager.
 //! Only the same user can use it: the manager checks `SO_PEERCRED` on every connection.
@@ -28,9 +28,21 @@
 //! **A killed manager** is noticed by the next send (`EPIPE`): the client starts a new one
 //! at the same address and registers its live names again, or fails with
 //! [`Error::Manager`](crate::Error::Manager) saying why.
+//!
+//! **Knowledge that survives the manager.** Names that only an in-flight message held
+//! (its queue dropped), or that a worker leaving by `std::process::exit` still held, are
+//! not re-registered by anyone after a restart. So every name carries its tree (see
+//! [`tree`]): when the tree's root has exited, the manager's cleanup removes every name
+//! of the tree, registered or not; when no manager is left (it was SIGKILLed and nobody
+//! restarted it), the root removes them as it exits; and `multiproc gc` removes them
+//! once the root is gone. `gc` also asks live managers (`Q`) whether they hold a
+//! name of a dead creator, instead of leaving all such names alone while any manager
+//! of the user runs. Left for gc: a root killed by SIGKILL while its manager was dead
+//! too.
 
 mod client;
 mod daemon;
+pub(crate) mod tree;
 
 use std::sync::OnceLock;
 use std::time::Duration;
@@ -70,9 +82,8 @@ fn is_valid_address(a: &str) -> bool {
 }
 
 /// The manager address of this process tree: inherited from `MULTIPROC_SHM_MANAGER`,
-/// or chosen now (`multiproc-shm-<uid>-<pid>-<random>`). Choosing it starts nothing.
+/// or chosen now (`multiproc-shm-<uid>-<pid>-<start time>-<random>`). Choosing it starts nothing.
 pub(crate) fn address() -> &'static str {
-    static ADDRESS: OnceLock<String> = OnceLock::new();
     ADDRESS.get_or_init(|| {
         if let Ok(a) = std::env::var(ADDRESS_ENV) {
             if is_valid_address(&a) {
@@ -82,6 +93,13 @@ pub(crate) fn address() -> &'static str {
         }
         new_address()
     })
+}
+
+static ADDRESS: OnceLock<String> = OnceLock::new();
+
+/// The address, if this process has used one.
+pub(crate) fn address_if_used() -> Option<&'static str> {
+    ADDRESS.get().map(String::as_str)
 }
 
 fn new_address() -> String {
@@ -94,18 +112,28 @@ fn new_address() -> String {
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos() as u64),
     };
+    // The root's start time makes the tree's name survive pid reuse (see `tree`).
+    let pid = std::process::id();
+    // (Miri, whose isolation forbids reading /proc, runs the codec tests with 0.)
+    let start = if cfg!(miri) {
+        0
+    } else {
+        crate::sys::process::start_time(pid).unwrap_or(0)
+    };
     format!(
-        "{ADDRESS_PREFIX}{}-{}-{random:016x}",
+        "{ADDRESS_PREFIX}{}-{pid}-{start}-{random:016x}",
         rustix::process::getuid().as_raw(),
-        std::process::id()
     )
 }
 
-/// A client request: one packet, `R` or `U` followed by the segment name.
+/// A client request: one packet, `R`, `U` or `Q` followed by the segment name. `Q`
+/// (query, used by `multiproc gc`) is answered with one packet on the same
+/// connection: `Y` when the manager holds the name, `N` when not.
 #[derive(Clone, Debug, PartialEq, Eq)]
 enum Request {
     Register(String),
     Unregister(String),
+    Query(String),
 }
 
 impl Request {
@@ -113,6 +141,7 @@ impl Request {
         let (tag, name) = match self {
             Request::Register(n) => (b'R', n),
             Request::Unregister(n) => (b'U', n),
+            Request::Query(n) => (b'Q', n),
         };
         let mut bytes = Vec::with_capacity(1 + name.len());
         bytes.push(tag);
@@ -131,6 +160,7 @@ impl Request {
         match tag {
             b'R' => Some(Request::Register(name.to_owned())),
             b'U' => Some(Request::Unregister(name.to_owned())),
+            b'Q' => Some(Request::Query(name.to_owned())),
             _ => None,
         }
     }

@@ -15,8 +15,13 @@ use crate::sys::socket::send_packet;
 
 #[test]
 fn requests_round_trip_and_hostile_ones_are_ignored() {
-    let name = SegmentName::generate().unwrap().as_str().to_owned();
-    for r in [Request::Register(name.clone()), Request::Unregister(name)] {
+    // A fixed name: generating one reads the tree from /proc (not under Miri).
+    let name = "multiproc_7_0123456789abcdef0123456789abcdef_42_12345_0123456789abcdef".to_owned();
+    for r in [
+        Request::Register(name.clone()),
+        Request::Unregister(name.clone()),
+        Request::Query(name),
+    ] {
         assert_eq!(Request::decode(&r.encode()), Some(r));
     }
     for bad in [
@@ -111,7 +116,7 @@ fn the_serve_loop_unlinks_leftovers_after_its_clients_hang_up() {
         "a second manager finds the address in use"
     );
     let grace = Duration::from_millis(300);
-    let server = std::thread::spawn(move || serve(listener, grace));
+    let server = std::thread::spawn(move || serve(listener, grace, None));
 
     let (kept, left, gone) = (
         SegmentName::generate().unwrap(),
@@ -126,6 +131,17 @@ fn the_serve_loop_unlinks_leftovers_after_its_clients_hang_up() {
     send(&a, Request::Register(left.as_str().into()));
     send(&b, Request::Register(gone.as_str().into()));
     send_packet(b.as_fd(), b"garbage", &[], &[], None).unwrap();
+    // A query (what `multiproc gc` asks) is answered on the same connection.
+    for (name, held) in [(&gone, b'Y'), (&kept, b'N')] {
+        send(&b, Request::Query(name.as_str().into()));
+        let packet = crate::wire::recv_packet(
+            b.as_fd(),
+            crate::sys::deadline_after(Some(Duration::from_secs(10))),
+        )
+        .unwrap()
+        .expect("an answer");
+        assert_eq!(packet.bytes, [held], "{name}");
+    }
     drop(a);
     // One client remains, so nothing is cleaned up even after the grace period.
     std::thread::sleep(grace * 2);

@@ -60,6 +60,10 @@ const EXIT_NO_JOB: i32 = 2;
 pub fn init() {
     raise_nofile_limit();
     let Some(role) = std::env::var_os(ROLE_VAR) else {
+        // A process multiproc did not start may be the root of a tree: it cleans up
+        // after a killed shm manager as it exits (see `manager::tree`).
+        static AT_EXIT: Once = Once::new();
+        AT_EXIT.call_once(|| sys::at_exit(clean_up_at_exit));
         return;
     };
     // The process is single-threaded here: it was just executed by multiproc and `init`
@@ -81,6 +85,11 @@ pub fn init() {
             std::process::exit(EXIT_NO_JOB)
         }
     }
+}
+
+extern "C" fn clean_up_at_exit() {
+    // Never unwind into libc.
+    let _ = std::panic::catch_unwind(crate::manager::tree::clean_up_at_root_exit);
 }
 
 /// Turns `init`'s raising of the soft fd limit off.

@@ -189,9 +189,9 @@ impl Shared {
     fn taken(&self, got: &Result<Option<Packet>>) -> Taken {
         let counted = match got {
             Ok(Some(packet)) => wire::is_counted(packet),
-            // The fds did not all arrive: the packet was consumed; only a real message
-            // carries fds, and a forged one cannot be told apart here.
-            Err(Error::FdLimit { .. }) => true,
+            // No room for its fds: the packet stays queued for the next get, with its
+            // place. (Only if another thread took the room between the check and the
+            // receive is it lost, and its place with it.)
             _ => false,
         };
         if !counted {

@@ -85,7 +85,8 @@ impl Channel {
     }
 
     /// Receives one packet without decoding it; `Ok(None)` at the deadline. An
-    /// `InvalidMessage` or `FdLimit` error here means a packet was consumed anyway.
+    /// `InvalidMessage` error here means a packet was consumed anyway; an `FdLimit` one
+    /// that it stays queued (no room for its fds).
     pub(crate) fn recv(&self, deadline: Deadline) -> Result<Option<Packet>> {
         self.check_open("get")?;
         wire::recv_packet(self.rx.as_fd(), deadline)

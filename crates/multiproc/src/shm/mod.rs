@@ -9,7 +9,7 @@
 //!   cgroup like any shmem page but is **not** bounded by the size of the `/dev/shm`
 //!   mount: docker's `--shm-size` does not limit it. This is deliberate — the commonest
 //!   torch DataLoader failure ("bus error, insufficient shared memory") cannot happen.
-//! - **`file_system`** — a named file `/dev/shm/multiproc_<pid>_<random>` (0600, created
+//! - **`file_system`** — a named file `/dev/shm/multiproc_<pid>_<random>_<tree>` (0600, created
 //!   with `O_EXCL | O_NOFOLLOW`), pages reserved with `fallocate` so a full `/dev/shm` is
 //!   an [`Error::OutOfSharedMemory`] now rather than a SIGBUS later. A 64-byte header
 //!   holds a cross-process refcount: one reference per process that maps it plus one per

@@ -1,4 +1,7 @@
-//! Names of named segments: `multiproc_<pid>_<32 hex digits>` in `/dev/shm`.
+//! Names of named segments: `multiproc_<pid>_<32 hex digits>_<tree>` in `/dev/shm`,
+//! where `<tree>` (`<root pid>_<root start time>_<16 hex digits>`, see
+//! `manager::tree`) says which process tree made it; names without it (made by a tree
+//! whose manager address has no tree) are still valid.
 //!
 //! Invariant: a [`SegmentName`] always matches that pattern, so it is a single path
 //! component (no `/`, no `..`) and can only ever name one of our own segments; names that
@@ -31,6 +34,10 @@ impl SegmentName {
         for b in random {
             name.push_str(&format!("{b:02x}"));
         }
+        if let Some(tree) = crate::manager::tree::this_tree() {
+            name.push('_');
+            name.push_str(&tree.tag());
+        }
         Ok(SegmentName(name))
     }
 
@@ -50,8 +57,15 @@ impl SegmentName {
         let Some(rest) = name.strip_prefix(PREFIX) else {
             return false;
         };
-        let Some((pid, random)) = rest.split_once('_') else {
+        let Some((pid, rest)) = rest.split_once('_') else {
             return false;
+        };
+        let random = match rest.split_once('_') {
+            Some(_) if crate::manager::tree::Tree::of_name(name).is_none() => {
+                return false;
+            }
+            Some((random, _)) => random,
+            None => rest,
         };
         !pid.is_empty()
             && pid.len() <= 10
@@ -84,6 +98,7 @@ mod tests {
     use super::*;
 
     #[test]
+    #[cfg_attr(miri, ignore = "a name's tree comes from getuid and /proc")]
     fn generated_names_parse_and_are_unique() {
         let a = SegmentName::generate().unwrap();
         let b = SegmentName::generate().unwrap();
@@ -94,6 +109,13 @@ mod tests {
                 .starts_with(&format!("multiproc_{}_", std::process::id()))
         );
         assert!(shm_path(&a).starts_with("/dev/shm/multiproc_"));
+        let tree =
+            crate::manager::tree::Tree::of_name(a.as_str()).expect("a name carries its tree");
+        assert_eq!(
+            tree.root,
+            std::process::id(),
+            "this process is its tree's root"
+        );
     }
 
     #[test]

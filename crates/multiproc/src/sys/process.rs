@@ -335,6 +335,25 @@ pub(crate) fn open_fd_count(soft: Option<u64>) -> usize {
         .count()
 }
 
+/// The start time of process `pid` (clock ticks since boot, `/proc/<pid>/stat` field
+/// 22), or `None` when it does not exist or is a zombie.
+pub(crate) fn start_time(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // "pid (comm) state ppid ...": comm may hold spaces and parentheses.
+    let fields: Vec<&str> = stat[stat.rfind(')')? + 1..].split_whitespace().collect();
+    if matches!(fields.first(), Some(&"Z") | Some(&"X")) {
+        return None;
+    }
+    fields.get(19)?.parse().ok()
+}
+
+/// Registers `f` to run when this process exits normally (`exit`, or returning from
+/// `main`); not on `_exit`, signals or `abort`.
+pub(crate) fn at_exit(f: extern "C" fn()) {
+    // SAFETY: `f` is a plain function that lives as long as the program.
+    let _ = unsafe { libc::atexit(f) };
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -206,9 +206,10 @@ pub(crate) struct Packet {
 }
 
 /// Receives one packet of at most `max_len` bytes. Non-blocking. End of stream (every
-/// sender gone) is [`Error::Closed`]. A packet that was truncated, or whose fds did not
-/// all fit, is [`Error::InvalidMessage`] (the packet is consumed either way, so the
-/// channel stays usable).
+/// sender gone) is [`Error::Closed`]. A packet that was truncated is
+/// [`Error::InvalidMessage`] (it is consumed, so the channel stays usable). A packet
+/// whose fds would not fit under `RLIMIT_NOFILE` is [`Error::FdLimit`] and stays queued
+/// (see `ensure_fd_room`).
 pub(crate) fn try_recv_packet(sock: BorrowedFd<'_>, buf: &mut [u8]) -> Result<Attempt<Packet>> {
     // The kernel installs a packet's fds as it dequeues it and drops the ones that do
     // not fit: check for room first, so a receiver at its fd limit keeps the message.
