@@ -161,7 +161,10 @@ fn manager_holds(address: &str, name: &str) -> Option<bool> {
 /// The creator pid encoded in one of our segment names.
 fn creator_pid(name: &str) -> Option<u32> {
     let rest = name.strip_prefix("multiproc_")?;
-    let (pid, random) = rest.split_once('_')?;
+    let (pid, rest) = rest.split_once('_')?;
+    // `<pid>_<32 hex>`, then the tree's suffix (`_<root pid>_<root start>_<16 hex>`) in
+    // names made since segments carry their tree.
+    let random = rest.split('_').next()?;
     (random.len() >= 32 && random.bytes().all(|b| b.is_ascii_hexdigit())).then_some(())?;
     pid.parse().ok()
 }
@@ -264,4 +267,29 @@ pub fn run(dry_run: bool) -> u64 {
         },
     );
     reclaimed
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_with_and_without_a_tree_suffix_give_their_creator_and_root() {
+        let old = "multiproc_4242_00d4e1b4f99ab117123bde5aa3313e6b";
+        let new = "multiproc_19447_ab79c54535247b8e7efabf2712a3f8c5_19440_1042197_0a1dc4da1d19eb0e";
+        assert_eq!(creator_pid(old), Some(4242));
+        assert_eq!(tree_root(old), None);
+        // A tree-suffixed name (found left behind by a killed tree): gc must see its
+        // creator, or it never reclaims it.
+        assert_eq!(creator_pid(new), Some(19447));
+        assert_eq!(tree_root(new), Some((19440, 1042197)));
+        for bad in [
+            "multiproc_x_00d4e1b4f99ab117123bde5aa3313e6b",
+            "multiproc_4242_short",
+            "other_4242_00d4e1b4f99ab117123bde5aa3313e6b",
+            "multiproc_4242_00d4e1b4f99ab117123bde5aa3313e6bzz",
+        ] {
+            assert_eq!(creator_pid(bad), None, "{bad}");
+        }
+    }
 }
