@@ -91,6 +91,7 @@ pub mod __bench;
 #[doc(hidden)]
 #[path = "fuzzing.rs"]
 pub mod __fuzz;
+pub mod dist;
 mod error;
 mod manager;
 #[allow(unsafe_code)]

@@ -1,0 +1,17 @@
+//! Beyond one process group: the same program under `spawn`, torchrun, `srun` and
+//! `mpirun`.
+//!
+//! - [`Env`] (`env`) — who this process is (rank, local rank, sizes, node, rendezvous
+//!   address), read from the launcher's variables.
+//! - [`ProcessGroup`] (`group`) — collectives (barrier, broadcast, all-reduce,
+//!   all-gather, reduce-scatter, send/recv) among the ranks of one node, through
+//!   shared memory.
+//!
+//! multiproc's [`spawn`](crate::spawn) sets torchrun's variables for its workers, so code
+//! written for torchrun runs under `spawn` unchanged, and a worker that fails with
+//! `TORCHELASTIC_ERROR_FILE` set writes torchelastic's error file.
+
+mod env;
+
+pub use env::{Env, Launcher};
+pub(crate) use env::LAUNCHER_VAR;
