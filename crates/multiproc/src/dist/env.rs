@@ -18,9 +18,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::{Error, Result};
 
-/// Set by multiproc's [`spawn`](crate::spawn) beside the torchrun variables, so a worker
-/// knows its launcher was multiproc.
-pub(crate) const LAUNCHER_VAR: &str = "MULTIPROC_LAUNCHER";
+use crate::process::LAUNCHER_VAR;
 
 /// Which program started this process and set its rank.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -418,10 +416,12 @@ fn slurm(v: &Vars<'_>) -> Result<Env> {
         })?,
         None => world_size,
     };
-    let run_id = v.get("SLURM_JOB_ID").map(|job| match v.get("SLURM_STEP_ID") {
-        Some(step) => format!("{job}.{step}"),
-        None => job.to_string(),
-    });
+    let run_id = v
+        .get("SLURM_JOB_ID")
+        .map(|job| match v.get("SLURM_STEP_ID") {
+            Some(step) => format!("{job}.{step}"),
+            None => job.to_string(),
+        });
     Ok(Env {
         rank,
         local_rank,
@@ -572,8 +572,7 @@ mod tests {
         assert_eq!(e.launcher, Launcher::OpenMpi);
         assert_eq!((e.rank, e.local_rank, e.node_rank), (3, 1, 1));
         assert_eq!(e.run_id.as_deref(), Some("prterun-host-123@1"));
-        let err = env(&[("OMPI_COMM_WORLD_RANK", "0"), ("OMPI_COMM_WORLD_SIZE", "2")])
-            .unwrap_err();
+        let err = env(&[("OMPI_COMM_WORLD_RANK", "0"), ("OMPI_COMM_WORLD_SIZE", "2")]).unwrap_err();
         assert!(
             err.to_string().contains("OMPI_COMM_WORLD_LOCAL_RANK"),
             "{err}"
@@ -591,8 +590,12 @@ mod tests {
         .unwrap();
         assert_eq!(e.launcher, Launcher::Mpich);
         assert_eq!((e.rank, e.local_rank, e.node_rank), (2, 0, 1));
-        let err = env(&[("PMI_RANK", "2"), ("PMI_SIZE", "4"), ("MPI_LOCALRANKID", "0")])
-            .unwrap_err();
+        let err = env(&[
+            ("PMI_RANK", "2"),
+            ("PMI_SIZE", "4"),
+            ("MPI_LOCALRANKID", "0"),
+        ])
+        .unwrap_err();
         assert!(err.to_string().contains("MPI_LOCALNRANKS"), "{err}");
     }
 

@@ -14,4 +14,3 @@
 mod env;
 
 pub use env::{Env, Launcher};
-pub(crate) use env::LAUNCHER_VAR;

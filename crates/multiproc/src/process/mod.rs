@@ -10,6 +10,7 @@
 //! - `forkserver` — the single-threaded fork server and its client.
 //! - `child` — a started worker as the parent tracks it, and [`Process`].
 //! - `context` — [`spawn`], [`start_processes`], [`SpawnOptions`], [`ProcessContext`].
+//! - `error_file` — torchelastic's error file, written by a failed worker.
 //!
 //! Invariants:
 //!
@@ -38,6 +39,7 @@ mod child;
 #[allow(unsafe_code)]
 pub(crate) mod code;
 mod context;
+mod error_file;
 mod forkserver;
 #[allow(unsafe_code)]
 mod job;
@@ -45,6 +47,7 @@ mod launch;
 mod worker;
 
 pub use child::Process;
+pub(crate) use context::LAUNCHER_VAR;
 pub use context::{ProcessContext, SpawnOptions, spawn, start_processes};
 pub use forkserver::ensure_forkserver_running;
 pub use job::WorkerResult;
