@@ -50,17 +50,3 @@ pub(crate) fn write_if_asked(message: &str, backtrace: Option<String>) {
         );
     }
 }
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn renders_torch_layout() {
-        let json = render("process 1 raised: \"boom\"", Some("0: main"), 1_700_000_000);
-        let v: serde_json::Value = serde_json::from_str(&json).unwrap();
-        assert_eq!(v["message"]["message"], "process 1 raised: \"boom\"");
-        assert_eq!(v["message"]["extraInfo"]["py_callstack"], "0: main");
-        assert_eq!(v["message"]["extraInfo"]["timestamp"], "1700000000");
-    }
-}
