@@ -11,6 +11,11 @@
 //! written for torchrun runs under `spawn` unchanged, and a worker that fails with
 //! `TORCHELASTIC_ERROR_FILE` set writes torchelastic's error file.
 
+#[allow(unsafe_code)]
+mod arena;
 mod env;
+#[allow(unsafe_code)]
+mod group;
 
 pub use env::{Env, Launcher};
+pub use group::{DEFAULT_TIMEOUT, ProcessGroup, ReduceOp, Work};

@@ -44,7 +44,7 @@ pub use dtype::{DType, Element};
 use layout::{Layout, MAX_DIMS, numel_of};
 use raw::Region;
 pub use storage::Storage;
-use storage::StorageRead;
+pub(crate) use storage::StorageRead;
 
 use crate::{Error, Result, wire};
 

@@ -1,0 +1,571 @@
+//! [`ProcessGroup`]: collectives among the ranks of one node through a shared segment
+//! ([`Arena`]), with [`ReduceOp`] and the [`Work`] handle of the async forms.
+//!
+//! Every collective runs on the group's one collective thread, in the order it was
+//! called: the async forms return at once with a [`Work`], the plain forms wait for
+//! theirs. So ranks that issue the same collectives in the same order meet in the same
+//! barriers whatever mix of the two they use.
+//!
+//! A waiting rank checks its peers' pidfds every few tens of milliseconds: a peer that
+//! exited makes the call fail with [`Error::RankDied`] naming it, and marks the group
+//! failed so every other rank learns it at once.
+
+use std::fmt;
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::mpsc::{Receiver, Sender, channel};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+use super::arena::{Arena, SLOT_BYTES};
+use super::env::Env;
+use crate::sys::process as sysproc;
+use crate::sys::{Deadline, deadline_after};
+use crate::tensor::{DType, Tensor};
+use crate::{Error, Result, wire};
+
+/// How long a collective waits for slow (but living) peers by default.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(1800);
+
+/// How [`ProcessGroup::all_reduce_`] and [`ProcessGroup::reduce_scatter`] combine
+/// the ranks' elements.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum ReduceOp {
+    /// The sum.
+    Sum,
+    /// The sum divided by the world size (integer division for integer dtypes).
+    Mean,
+    /// The largest.
+    Max,
+    /// The smallest.
+    Min,
+}
+
+type Job = Box<dyn FnOnce() + Send>;
+
+/// A group of processes on one node that run collectives together.
+///
+/// Create it in the parent with [`new_local`](Self::new_local) and hand it to the
+/// workers in their arguments (it travels as the segment's fd); a worker's copy takes
+/// its rank from `RANK`, which [`spawn`](crate::spawn) sets. Each rank then calls the
+/// same collectives in the same order.
+///
+/// ```no_run
+/// use multiproc::dist::{ProcessGroup, ReduceOp};
+/// use multiproc::{DType, Tensor};
+///
+/// fn worker(rank: usize, group: ProcessGroup) -> multiproc::Result<()> {
+///     let t = Tensor::full(&[1024], rank as f64, DType::F32)?;
+///     group.all_reduce_(&t, ReduceOp::Sum)?;
+///     assert_eq!(t.to_vec::<f32>()?[0], 1.0); // 0 + 1
+///     Ok(())
+/// }
+///
+/// fn main() -> multiproc::Result<()> {
+///     multiproc::init();
+///     multiproc::spawn(worker, ProcessGroup::new_local(2)?, 2)
+/// }
+/// ```
+#[derive(Clone)]
+pub struct ProcessGroup {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    arena: Arena,
+    /// `None` in the process that created the group for others.
+    rank: Option<usize>,
+    state: Mutex<State>,
+    /// The collective thread's queue, started on first use.
+    jobs: Mutex<Option<Sender<Job>>>,
+}
+
+struct State {
+    /// Barriers this rank has passed.
+    epoch: u32,
+    /// Pidfds of the peers, opened once their pid is known.
+    peers: Vec<Option<OwnedFd>>,
+    timeout: Option<Duration>,
+}
+
+impl fmt::Debug for ProcessGroup {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ProcessGroup")
+            .field("rank", &self.inner.rank)
+            .field("world_size", &self.world_size())
+            .finish()
+    }
+}
+
+/// An async collective in flight; [`wait`](Self::wait) for its result.
+#[must_use = "a collective's result arrives through wait()"]
+#[derive(Debug)]
+pub struct Work {
+    done: Receiver<Result<()>>,
+}
+
+impl Work {
+    /// Waits for the collective to finish.
+    ///
+    /// # Errors
+    /// The collective's error (see [`ProcessGroup::all_reduce_`]).
+    pub fn wait(self) -> Result<()> {
+        self.done.recv().unwrap_or_else(|_| {
+            Err(Error::Closed(
+                "the process group's collective thread is gone".into(),
+            ))
+        })
+    }
+}
+
+impl ProcessGroup {
+    /// A new group for `world_size` ranks on this node, to hand to the workers (this
+    /// process is not one of the ranks).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a size outside `1..=512`; shared-memory errors.
+    pub fn new_local(world_size: usize) -> Result<ProcessGroup> {
+        Ok(Self::with_arena(Arena::create(world_size)?, None))
+    }
+
+    fn with_arena(arena: Arena, rank: Option<usize>) -> ProcessGroup {
+        let peers = (0..arena.world_size()).map(|_| None).collect();
+        ProcessGroup {
+            inner: Arc::new(Inner {
+                arena,
+                rank,
+                state: Mutex::new(State {
+                    epoch: 0,
+                    peers,
+                    timeout: Some(DEFAULT_TIMEOUT),
+                }),
+                jobs: Mutex::new(None),
+            }),
+        }
+    }
+
+    /// This process's rank in the group (`None` in the process that created it).
+    pub fn rank(&self) -> Option<usize> {
+        self.inner.rank
+    }
+
+    /// The number of ranks.
+    pub fn world_size(&self) -> usize {
+        self.inner.arena.world_size()
+    }
+
+    /// How long a collective waits for living peers before [`Error::Timeout`] (default
+    /// [`DEFAULT_TIMEOUT`]; `None`: for ever). A dead peer is reported at once
+    /// whatever this says.
+    pub fn set_timeout(&self, timeout: Option<Duration>) {
+        self.inner.lock().timeout = timeout;
+    }
+
+    /// Waits until every rank has called `barrier`.
+    ///
+    /// # Errors
+    /// [`Error::RankDied`] naming a rank that exited while the others waited;
+    /// [`Error::Timeout`] past the group's timeout.
+    pub fn barrier(&self) -> Result<()> {
+        self.submit(|inner, st| inner.sync(st)).wait()
+    }
+
+    /// Sets `tensor` on every rank to its value on rank `src`.
+    ///
+    /// # Errors
+    /// As [`all_reduce_`](Self::all_reduce_).
+    pub fn broadcast_(&self, tensor: &Tensor, src: usize) -> Result<()> {
+        self.broadcast_async(tensor, src).wait()
+    }
+
+    /// The async form of [`broadcast_`](Self::broadcast_).
+    pub fn broadcast_async(&self, tensor: &Tensor, src: usize) -> Work {
+        let t = tensor.clone();
+        self.submit(move |inner, st| inner.broadcast(st, &t, src))
+    }
+
+    /// Replaces `tensor` on every rank by the reduction of all ranks' values, element
+    /// by element.
+    ///
+    /// # Errors
+    /// [`Error::Tensor`] for a non-contiguous tensor or a dtype other than f32, f64,
+    /// i32, i64; [`Error::InvalidArgument`] in the process that created the group (it
+    /// has no rank); [`Error::RankDied`] naming a rank that exited while the others
+    /// waited for it; [`Error::Timeout`] past the group's timeout.
+    pub fn all_reduce_(&self, tensor: &Tensor, op: ReduceOp) -> Result<()> {
+        self.all_reduce_async(tensor, op).wait()
+    }
+
+    /// The async form of [`all_reduce_`](Self::all_reduce_).
+    pub fn all_reduce_async(&self, tensor: &Tensor, op: ReduceOp) -> Work {
+        let t = tensor.clone();
+        self.submit(move |inner, st| inner.all_reduce(st, &t, op))
+    }
+
+    /// Fills `output` (`world_size` times `input`'s elements) with every rank's `input`,
+    /// rank 0's first (torch's `all_gather_into_tensor`).
+    ///
+    /// # Errors
+    /// As [`all_reduce_`](Self::all_reduce_), and [`Error::Tensor`] when the sizes or
+    /// dtypes do not match.
+    pub fn all_gather(&self, output: &Tensor, input: &Tensor) -> Result<()> {
+        self.all_gather_async(output, input).wait()
+    }
+
+    /// The async form of [`all_gather`](Self::all_gather).
+    pub fn all_gather_async(&self, output: &Tensor, input: &Tensor) -> Work {
+        let (o, i) = (output.clone(), input.clone());
+        self.submit(move |inner, st| inner.all_gather(st, &o, &i))
+    }
+
+    /// Reduces `input` (`world_size` blocks of `output`'s size) across ranks and leaves
+    /// block `rank` of the result in `output` (torch's `reduce_scatter_tensor`).
+    ///
+    /// # Errors
+    /// As [`all_gather`](Self::all_gather).
+    pub fn reduce_scatter(&self, output: &Tensor, input: &Tensor, op: ReduceOp) -> Result<()> {
+        self.reduce_scatter_async(output, input, op).wait()
+    }
+
+    /// The async form of [`reduce_scatter`](Self::reduce_scatter).
+    pub fn reduce_scatter_async(&self, output: &Tensor, input: &Tensor, op: ReduceOp) -> Work {
+        let (o, i) = (output.clone(), input.clone());
+        self.submit(move |inner, st| inner.reduce_scatter(st, &o, &i, op))
+    }
+
+    /// Queues `op` on the collective thread.
+    fn submit(&self, op: impl FnOnce(&Inner, &mut State) -> Result<()> + Send + 'static) -> Work {
+        let (tx, done) = channel();
+        let inner = Arc::clone(&self.inner);
+        let job: Job = Box::new(move || {
+            let result = {
+                let mut st = inner.lock();
+                op(&inner, &mut st)
+            };
+            let _ = tx.send(result);
+        });
+        if let Err(e) = self.inner.enqueue(job) {
+            let (tx, done) = channel();
+            let _ = tx.send(Err(e));
+            return Work { done };
+        }
+        Work { done }
+    }
+}
+
+impl Inner {
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn enqueue(&self, job: Job) -> Result<()> {
+        let mut slot = self.jobs.lock().unwrap_or_else(PoisonError::into_inner);
+        if slot.is_none() {
+            let (tx, rx) = channel::<Job>();
+            std::thread::Builder::new()
+                .name("multiproc-collectives".into())
+                .spawn(move || {
+                    for job in rx {
+                        job();
+                    }
+                })
+                .map_err(|e| Error::os("starting the process group's collective thread", e))?;
+            *slot = Some(tx);
+        }
+        let tx = slot.as_ref().expect("started above");
+        tx.send(job)
+            .map_err(|_| Error::Closed("the process group's collective thread is gone".into()))
+    }
+
+    fn my_rank(&self) -> Result<usize> {
+        self.rank.ok_or_else(|| {
+            Error::InvalidArgument(
+                "this process created the group for others and is not one of its ranks: \
+                 call collectives in the workers that received it"
+                    .into(),
+            )
+        })
+    }
+
+    /// The deadline of one barrier: every timed wait of the group goes through here.
+    fn deadline(st: &State) -> Deadline {
+        deadline_after(st.timeout)
+    }
+
+    /// One barrier among all ranks, watching the peers.
+    fn sync(&self, st: &mut State) -> Result<()> {
+        let me = self.my_rank()?;
+        let deadline = Self::deadline(st);
+        let epoch = st.epoch;
+        let arena = &self.arena;
+        let peers = &mut st.peers;
+        let result = arena.barrier(epoch, deadline, || {
+            (0..arena.world_size()).filter(|&r| r != me).find(|&r| {
+                let pid = arena.pid(r);
+                if pid == 0 {
+                    return false; // not joined yet: only the deadline can tell
+                }
+                if peers[r].is_none() {
+                    match sysproc::pidfd_open(pid as i32) {
+                        Ok(fd) => peers[r] = Some(fd),
+                        Err(_) => return true, // no such process
+                    }
+                }
+                peers[r]
+                    .as_ref()
+                    .is_some_and(|fd| sysproc::has_exited(fd.as_fd()))
+            })
+        });
+        st.epoch = epoch.wrapping_add(1);
+        result
+    }
+
+    fn all_reduce(&self, st: &mut State, t: &Tensor, op: ReduceOp) -> Result<()> {
+        let me = self.my_rank()?;
+        let p = self.arena.world_size();
+        let bytes = Bytes::of(t, "all_reduce_")?;
+        let size = t.dtype().size();
+        for (k, (off, len)) in chunks(bytes.len).enumerate() {
+            let set = k % 2;
+            // SAFETY: the range is inside the tensor's storage (checked by `Bytes::of`,
+            // whose guard keeps it mapped); slot `me` is ours during copy-in.
+            unsafe { self.arena.copy_in(set, me, 0, bytes.ptr.add(off), len) };
+            self.sync(st)?;
+            let n = len / size;
+            let (lo, hi) = (me * n / p, (me + 1) * n / p);
+            // SAFETY: after the barrier no one writes the slots; elements lo..hi of the
+            // result are this rank's alone until the next barrier.
+            unsafe { reduce_dtype(&self.arena, t.dtype(), set, lo, hi, op, p) };
+            self.sync(st)?;
+            // SAFETY: the result is complete and read-only until every rank passes the
+            // next barrier; the tensor's range is checked and ours to write.
+            unsafe { self.arena.copy_out(set, p, 0, bytes.ptr.add(off), len) };
+        }
+        Ok(())
+    }
+
+    fn broadcast(&self, st: &mut State, t: &Tensor, src: usize) -> Result<()> {
+        let me = self.my_rank()?;
+        let p = self.arena.world_size();
+        if src >= p {
+            return Err(Error::InvalidArgument(format!(
+                "broadcast_ from rank {src} in a group of {p} ranks"
+            )));
+        }
+        let bytes = Bytes::of(t, "broadcast_")?;
+        for (k, (off, len)) in chunks(bytes.len).enumerate() {
+            let set = k % 2;
+            if me == src {
+                // SAFETY: as in `all_reduce`: our slot, the checked tensor range.
+                unsafe { self.arena.copy_in(set, src, 0, bytes.ptr.add(off), len) };
+            }
+            self.sync(st)?;
+            if me != src {
+                // SAFETY: src's slot is read-only until the next barrier.
+                unsafe { self.arena.copy_out(set, src, 0, bytes.ptr.add(off), len) };
+            }
+            self.sync(st)?;
+        }
+        Ok(())
+    }
+
+    fn all_gather(&self, st: &mut State, out: &Tensor, inp: &Tensor) -> Result<()> {
+        let me = self.my_rank()?;
+        let p = self.arena.world_size();
+        let i = Bytes::of(inp, "all_gather input")?;
+        let o = Bytes::of(out, "all_gather output")?;
+        check_pair(out, inp, o.len, i.len * p, "all_gather", "output", p)?;
+        for (k, (off, len)) in chunks(i.len).enumerate() {
+            let set = k % 2;
+            // SAFETY: as in `all_reduce`.
+            unsafe { self.arena.copy_in(set, me, 0, i.ptr.add(off), len) };
+            self.sync(st)?;
+            for r in 0..p {
+                // SAFETY: every slot is read-only until the next barrier; the output
+                // range `r * i.len + off .. + len` is inside `o` (checked sizes).
+                unsafe {
+                    self.arena
+                        .copy_out(set, r, 0, o.ptr.add(r * i.len + off), len)
+                };
+            }
+            self.sync(st)?;
+        }
+        Ok(())
+    }
+
+    fn reduce_scatter(
+        &self,
+        st: &mut State,
+        out: &Tensor,
+        inp: &Tensor,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let me = self.my_rank()?;
+        let p = self.arena.world_size();
+        let i = Bytes::of(inp, "reduce_scatter input")?;
+        let o = Bytes::of(out, "reduce_scatter output")?;
+        check_pair(out, inp, i.len, o.len * p, "reduce_scatter", "input", p)?;
+        let size = inp.dtype().size();
+        let (mine_lo, mine_hi) = (me * o.len, (me + 1) * o.len);
+        for (k, (off, len)) in chunks(i.len).enumerate() {
+            let set = k % 2;
+            // SAFETY: as in `all_reduce`.
+            unsafe { self.arena.copy_in(set, me, 0, i.ptr.add(off), len) };
+            self.sync(st)?;
+            let n = len / size;
+            let (lo, hi) = (me * n / p, (me + 1) * n / p);
+            // SAFETY: as in `all_reduce`.
+            unsafe { reduce_dtype(&self.arena, inp.dtype(), set, lo, hi, op, p) };
+            self.sync(st)?;
+            let (a, b) = (off.max(mine_lo), (off + len).min(mine_hi));
+            if a < b {
+                // SAFETY: the result is read-only until the next barrier; `a - mine_lo
+                // .. b - mine_lo` lies inside the output (its length is `o.len`).
+                unsafe {
+                    self.arena
+                        .copy_out(set, p, a - off, o.ptr.add(a - mine_lo), b - a)
+                };
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The bytes of a contiguous tensor, with its storage's guard held.
+struct Bytes<'a> {
+    _guard: crate::tensor::StorageRead<'a>,
+    ptr: *mut u8,
+    len: usize,
+}
+
+impl<'a> Bytes<'a> {
+    fn of(t: &'a Tensor, what: &str) -> Result<Bytes<'a>> {
+        if !t.is_contiguous() {
+            return Err(Error::Tensor(format!(
+                "{what} needs a contiguous tensor (shape {:?}, strides {:?}): call .contiguous() first",
+                t.shape(),
+                t.strides()
+            )));
+        }
+        if !matches!(t.dtype(), DType::F32 | DType::F64 | DType::I32 | DType::I64) {
+            return Err(Error::Tensor(format!(
+                "{what} supports f32, f64, i32 and i64 tensors, not {}",
+                t.dtype()
+            )));
+        }
+        let guard = t.storage().read();
+        let start = t.storage_offset() * t.dtype().size();
+        let len = t.numel() * t.dtype().size();
+        if start.checked_add(len).is_none_or(|end| end > guard.len()) {
+            return Err(Error::Tensor(format!(
+                "{what}: the tensor's {len} bytes at offset {start} overrun its {}-byte storage",
+                guard.len()
+            )));
+        }
+        let ptr = guard.ptr().wrapping_add(start);
+        Ok(Bytes {
+            _guard: guard,
+            ptr,
+            len,
+        })
+    }
+}
+
+fn check_pair(
+    out: &Tensor,
+    inp: &Tensor,
+    have: usize,
+    want: usize,
+    what: &str,
+    which: &str,
+    p: usize,
+) -> Result<()> {
+    if out.dtype() != inp.dtype() || have != want {
+        return Err(Error::Tensor(format!(
+            "{what}: the {which} must hold {p} times the other's elements of the same dtype \
+             (output {:?} {}, input {:?} {})",
+            out.shape(),
+            out.dtype(),
+            inp.shape(),
+            inp.dtype()
+        )));
+    }
+    Ok(())
+}
+
+/// `(offset, length)` of each chunk of a `len`-byte transfer.
+fn chunks(len: usize) -> impl Iterator<Item = (usize, usize)> {
+    (0..len)
+        .step_by(SLOT_BYTES)
+        .map(move |off| (off, SLOT_BYTES.min(len - off)))
+}
+
+/// # Safety
+/// As [`Arena::reduce`].
+unsafe fn reduce_dtype(
+    arena: &Arena,
+    dtype: DType,
+    set: usize,
+    lo: usize,
+    hi: usize,
+    op: ReduceOp,
+    p: usize,
+) {
+    macro_rules! go {
+        ($t:ty, $div:expr) => {{
+            let f: fn($t, $t) -> $t = match op {
+                ReduceOp::Sum | ReduceOp::Mean => |a, b| a + b,
+                ReduceOp::Max => |a, b| if b > a { b } else { a },
+                ReduceOp::Min => |a, b| if b < a { b } else { a },
+            };
+            let finish: Option<Box<dyn Fn($t) -> $t>> = match op {
+                ReduceOp::Mean => Some(Box::new(move |x: $t| $div(x, p))),
+                _ => None,
+            };
+            // SAFETY: forwarded from the caller.
+            unsafe { arena.reduce::<$t>(set, lo, hi, f, finish.as_deref()) }
+        }};
+    }
+    match dtype {
+        DType::F32 => go!(f32, |x: f32, p: usize| x / p as f32),
+        DType::F64 => go!(f64, |x: f64, p: usize| x / p as f64),
+        DType::I32 => go!(i32, |x: i32, p: usize| x.wrapping_div(p as i32)),
+        DType::I64 => go!(i64, |x: i64, p: usize| x.wrapping_div(p as i64)),
+        _ => {} // refused by `Bytes::of`
+    }
+}
+
+impl Serialize for ProcessGroup {
+    fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        let index = wire::attach_fd(self.inner.arena.fd(), "process group")
+            .map_err(serde::ser::Error::custom)?;
+        index.serialize(s)
+    }
+}
+
+/// A received group takes its rank from the environment (`RANK`, which `spawn`, torchrun
+/// and the MPI launchers set; see [`Env::detect`]) and claims it in the segment.
+impl<'de> Deserialize<'de> for ProcessGroup {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        let index = u32::deserialize(d)?;
+        let fd = wire::received_fd(index, "process group").map_err(serde::de::Error::custom)?;
+        let join = || -> Result<ProcessGroup> {
+            let arena = Arena::open(fd)?;
+            let env = Env::detect()?;
+            if env.local_world_size != arena.world_size() || env.local_rank >= arena.world_size() {
+                return Err(Error::InvalidArgument(format!(
+                    "a process group of {} ranks arrived in local rank {} of {} (from {}): \
+                     create the group with as many ranks as you spawn workers",
+                    arena.world_size(),
+                    env.local_rank,
+                    env.local_world_size,
+                    env.launcher
+                )));
+            }
+            arena.register(env.local_rank)?;
+            Ok(Self::with_arena(arena, Some(env.local_rank)))
+        };
+        join().map_err(|e| serde::de::Error::custom(wire::fail_with(e)))
+    }
+}
