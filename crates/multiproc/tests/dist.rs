@@ -307,3 +307,30 @@ fn a_rank_killed_mid_all_reduce_is_named_by_the_others() {
         }
     });
 }
+
+fn from_env_sum(rank: usize, _: ()) -> multiproc::Result<()> {
+    let group = ProcessGroup::from_env()?;
+    assert_eq!(group.rank(), Some(rank));
+    let t = Tensor::full(&[5], rank as f64 + 1.0, DType::F64)?;
+    group.all_reduce_(&t, ReduceOp::Sum)?;
+    let p = group.world_size() as f64;
+    if t.to_vec::<f64>()? != vec![p * (p + 1.0) / 2.0; 5] {
+        return Err(Error::InvalidArgument(format!(
+            "rank {rank}: wrong sum {:?}",
+            t.to_vec::<f64>()?
+        )));
+    }
+    Ok(())
+}
+
+#[test]
+fn ranks_meet_through_the_launchers_variables() {
+    common::run(secs(60), || {
+        for method in StartMethod::ALL {
+            SpawnOptions::new()
+                .start_method(method)
+                .spawn(from_env_sum, (), 3)
+                .unwrap();
+        }
+    });
+}

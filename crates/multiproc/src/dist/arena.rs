@@ -303,8 +303,8 @@ impl Arena {
         set: usize,
         start: usize,
         end: usize,
-        op: fn(T, T) -> T,
-        finish: Option<&dyn Fn(T) -> T>,
+        op: impl Fn(T, T) -> T,
+        finish: Option<impl Fn(T) -> T>,
     ) {
         let size = std::mem::size_of::<T>();
         assert!(

@@ -20,6 +20,7 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use super::arena::{Arena, SLOT_BYTES};
 use super::env::Env;
+use super::rendezvous;
 use crate::sys::process as sysproc;
 use crate::sys::{Deadline, deadline_after};
 use crate::tensor::{DType, Tensor};
@@ -127,6 +128,43 @@ impl ProcessGroup {
     /// [`Error::InvalidArgument`] for a size outside `1..=512`; shared-memory errors.
     pub fn new_local(world_size: usize) -> Result<ProcessGroup> {
         Ok(Self::with_arena(Arena::create(world_size)?, None))
+    }
+
+    /// The group of this node's ranks, when a launcher (torchrun, `mpirun`, `srun`,
+    /// [`spawn`](crate::spawn)) started them: [`Env::detect`] says who is who, local rank
+    /// 0 creates the shared segment and the others receive it over a local Unix socket
+    /// named after the launcher's run (no TCP, no file). Every local rank must call it.
+    ///
+    /// # Errors
+    /// [`Error::Env`] for contradictory launcher variables; [`Error::InvalidArgument`]
+    /// when the job spans several nodes (the local backend covers one node);
+    /// [`Error::Timeout`] when the other local ranks do not arrive within 5 minutes.
+    pub fn from_env() -> Result<ProcessGroup> {
+        let env = Env::detect()?;
+        if env.world_size != env.local_world_size {
+            return Err(Error::InvalidArgument(format!(
+                "the job spans {} nodes ({} ranks, {} on this node, from {}): the                  shared-memory process group covers one node; across nodes use MPI",
+                env.nodes(),
+                env.world_size,
+                env.local_world_size,
+                env.launcher
+            )));
+        }
+        if env.local_world_size == 1 {
+            let arena = Arena::create(1)?;
+            arena.register(0)?;
+            return Ok(Self::with_arena(arena, Some(0)));
+        }
+        let name = rendezvous::socket_name(&env);
+        if env.local_rank == 0 {
+            let arena = Arena::create(env.local_world_size)?;
+            arena.register(0)?;
+            let group = Self::with_arena(arena, Some(0));
+            rendezvous::serve(&name, &group, env.local_world_size - 1)?;
+            Ok(group)
+        } else {
+            rendezvous::join(&name)
+        }
     }
 
     fn with_arena(arena: Arena, rank: Option<usize>) -> ProcessGroup {
@@ -514,17 +552,21 @@ unsafe fn reduce_dtype(
 ) {
     macro_rules! go {
         ($t:ty, $div:expr) => {{
-            let f: fn($t, $t) -> $t = match op {
-                ReduceOp::Sum | ReduceOp::Mean => |a, b| a + b,
-                ReduceOp::Max => |a, b| if b > a { b } else { a },
-                ReduceOp::Min => |a, b| if b < a { b } else { a },
-            };
-            let finish: Option<Box<dyn Fn($t) -> $t>> = match op {
-                ReduceOp::Mean => Some(Box::new(move |x: $t| $div(x, p))),
-                _ => None,
-            };
-            // SAFETY: forwarded from the caller.
-            unsafe { arena.reduce::<$t>(set, lo, hi, f, finish.as_deref()) }
+            // One monomorphic loop per op, so each inlines and vectorises.
+            let none: Option<fn($t) -> $t> = None;
+            // SAFETY (all four): forwarded from the caller.
+            match op {
+                ReduceOp::Sum => unsafe { arena.reduce::<$t>(set, lo, hi, |a, b| a + b, none) },
+                ReduceOp::Mean => unsafe {
+                    arena.reduce::<$t>(set, lo, hi, |a, b| a + b, Some(move |x: $t| $div(x, p)))
+                },
+                ReduceOp::Max => unsafe {
+                    arena.reduce::<$t>(set, lo, hi, |a, b| if b > a { b } else { a }, none)
+                },
+                ReduceOp::Min => unsafe {
+                    arena.reduce::<$t>(set, lo, hi, |a, b| if b < a { b } else { a }, none)
+                },
+            }
         }};
     }
     match dtype {

@@ -16,6 +16,7 @@ mod arena;
 mod env;
 #[allow(unsafe_code)]
 mod group;
+mod rendezvous;
 
 pub use env::{Env, Launcher};
 pub use group::{DEFAULT_TIMEOUT, ProcessGroup, ReduceOp, Work};
