@@ -14,8 +14,8 @@
 //! ```
 
 use clap::Parser;
-use multiproc::dist::{Env, ProcessGroup, ReduceOp};
 use multiproc::Tensor;
+use multiproc::dist::{Env, ProcessGroup, ReduceOp};
 use serde::{Deserialize, Serialize};
 
 /// Data-parallel training with gradients averaged by all_reduce_.

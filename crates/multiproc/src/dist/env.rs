@@ -323,7 +323,7 @@ fn torchrun(v: &Vars<'_>) -> Result<Env> {
     };
     let node_rank = match v.num("GROUP_RANK")? {
         Some(g) => g,
-        None => rank.checked_sub(local_rank).unwrap_or(0) / local_world_size.max(1),
+        None => rank.saturating_sub(local_rank) / local_world_size.max(1),
     };
     let restart_count = v.num("TORCHELASTIC_RESTART_COUNT")?.unwrap_or(0);
     Ok(Env {

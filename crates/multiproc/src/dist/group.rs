@@ -554,15 +554,18 @@ unsafe fn reduce_dtype(
         ($t:ty, $div:expr) => {{
             // One monomorphic loop per op, so each inlines and vectorises.
             let none: Option<fn($t) -> $t> = None;
-            // SAFETY (all four): forwarded from the caller.
             match op {
+                // SAFETY: forwarded from the caller.
                 ReduceOp::Sum => unsafe { arena.reduce::<$t>(set, lo, hi, |a, b| a + b, none) },
+                // SAFETY: forwarded from the caller.
                 ReduceOp::Mean => unsafe {
                     arena.reduce::<$t>(set, lo, hi, |a, b| a + b, Some(move |x: $t| $div(x, p)))
                 },
+                // SAFETY: forwarded from the caller.
                 ReduceOp::Max => unsafe {
                     arena.reduce::<$t>(set, lo, hi, |a, b| if b > a { b } else { a }, none)
                 },
+                // SAFETY: forwarded from the caller.
                 ReduceOp::Min => unsafe {
                     arena.reduce::<$t>(set, lo, hi, |a, b| if b < a { b } else { a }, none)
                 },
