@@ -294,15 +294,20 @@ impl Arena {
 
     /// Reduces elements `start..end` (of type `T`) of every rank's slot of `set` into
     /// the same elements of the result slot, with `op`, then applies `finish` to them.
+    /// With `own = Some((rank, chunk))`, rank `rank`'s elements are read from `chunk`
+    /// (its tensor, element 0 of this chunk) instead of its slot, which it then need
+    /// not have filled for this range.
     ///
     /// # Safety
     /// By the protocol, during this phase no rank writes the slots' range and only this
-    /// rank touches the result's range; `end * size_of::<T>() <= SLOT_BYTES`.
+    /// rank touches the result's range; `end * size_of::<T>() <= SLOT_BYTES`; `own`'s
+    /// pointer is valid for `end` elements that no one writes now.
     pub(crate) unsafe fn reduce<T: Copy>(
         &self,
         set: usize,
         start: usize,
         end: usize,
+        own: Option<(usize, *const T)>,
         op: impl Fn(T, T) -> T,
         finish: Option<impl Fn(T) -> T>,
     ) {
@@ -312,20 +317,32 @@ impl Arena {
             "reduce range out of bounds"
         );
         let n = end - start;
-        // SAFETY: every range below is inside the mapping (asserted) and aligned (slots
-        // are page-aligned, `start` counts elements); the caller vouches that no one
-        // writes the source ranges and no one else touches the result range now.
+        // SAFETY: every range below is inside the mapping (asserted) or the caller's
+        // chunk (vouched for), and aligned (slots are page-aligned, `start` counts
+        // elements); the caller vouches that no one writes the source ranges and no one
+        // else touches the result range now.
         unsafe {
+            let source = |slot: usize| -> &[T] {
+                let base = match own {
+                    Some((rank, chunk)) if rank == slot => chunk,
+                    _ => self.slot_ptr(set, slot).cast::<T>().cast_const(),
+                };
+                std::slice::from_raw_parts(base.add(start), n)
+            };
             let result = std::slice::from_raw_parts_mut(
                 self.slot_ptr(set, self.world_size).cast::<T>().add(start),
                 n,
             );
-            let first = std::slice::from_raw_parts(self.slot_ptr(set, 0).cast::<T>().add(start), n);
-            result.copy_from_slice(first);
-            for slot in 1..self.world_size {
-                let src =
-                    std::slice::from_raw_parts(self.slot_ptr(set, slot).cast::<T>().add(start), n);
-                for (r, s) in result.iter_mut().zip(src) {
+            if self.world_size == 1 {
+                result.copy_from_slice(source(0));
+            } else {
+                // The first two in one pass: one write of the result, not two.
+                for ((r, a), b) in result.iter_mut().zip(source(0)).zip(source(1)) {
+                    *r = op(*a, *b);
+                }
+            }
+            for slot in 2..self.world_size {
+                for (r, s) in result.iter_mut().zip(source(slot)) {
                     *r = op(*r, *s);
                 }
             }

@@ -366,15 +366,26 @@ impl Inner {
         let size = t.dtype().size();
         for (k, (off, len)) in chunks(bytes.len).enumerate() {
             let set = k % 2;
-            // SAFETY: the range is inside the tensor's storage (checked by `Bytes::of`,
-            // whose guard keeps it mapped); slot `me` is ours during copy-in.
-            unsafe { self.arena.copy_in(set, me, 0, bytes.ptr.add(off), len) };
-            self.sync(st)?;
             let n = len / size;
+            // This rank reduces elements lo..hi of the chunk, reading its own straight
+            // from its tensor: it copies in (and later out) only the rest.
             let (lo, hi) = (me * n / p, (me + 1) * n / p);
+            let (lo_b, hi_b) = (lo * size, hi * size);
+            // SAFETY: the ranges are inside the tensor's storage (checked by
+            // `Bytes::of`, whose guard keeps it mapped); slot `me` is ours during
+            // copy-in.
+            unsafe {
+                let chunk = bytes.ptr.add(off);
+                self.arena.copy_in(set, me, 0, chunk, lo_b);
+                self.arena
+                    .copy_in(set, me, hi_b, chunk.add(hi_b), len - hi_b);
+            }
+            self.sync(st)?;
+            let own = Some((me, bytes.ptr.wrapping_add(off).cast_const()));
             // SAFETY: after the barrier no one writes the slots; elements lo..hi of the
-            // result are this rank's alone until the next barrier.
-            unsafe { reduce_dtype(&self.arena, t.dtype(), set, lo, hi, op, p) };
+            // result are this rank's alone until the next barrier; the tensor's chunk is
+            // checked and not written during the collective.
+            unsafe { reduce_dtype(&self.arena, t.dtype(), set, lo..hi, own, op, p) };
             self.sync(st)?;
             // SAFETY: the result is complete and read-only until every rank passes the
             // next barrier; the tensor's range is checked and ours to write.
@@ -454,7 +465,7 @@ impl Inner {
             let n = len / size;
             let (lo, hi) = (me * n / p, (me + 1) * n / p);
             // SAFETY: as in `all_reduce`.
-            unsafe { reduce_dtype(&self.arena, inp.dtype(), set, lo, hi, op, p) };
+            unsafe { reduce_dtype(&self.arena, inp.dtype(), set, lo..hi, None, op, p) };
             self.sync(st)?;
             let (a, b) = (off.max(mine_lo), (off + len).min(mine_hi));
             if a < b {
@@ -545,29 +556,60 @@ unsafe fn reduce_dtype(
     arena: &Arena,
     dtype: DType,
     set: usize,
-    lo: usize,
-    hi: usize,
+    elements: std::ops::Range<usize>,
+    own: Option<(usize, *const u8)>,
     op: ReduceOp,
     p: usize,
 ) {
+    let (lo, hi) = (elements.start, elements.end);
     macro_rules! go {
         ($t:ty, $div:expr) => {{
             // One monomorphic loop per op, so each inlines and vectorises.
             let none: Option<fn($t) -> $t> = None;
             match op {
                 // SAFETY: forwarded from the caller.
-                ReduceOp::Sum => unsafe { arena.reduce::<$t>(set, lo, hi, |a, b| a + b, none) },
+                ReduceOp::Sum => unsafe {
+                    arena.reduce::<$t>(
+                        set,
+                        lo,
+                        hi,
+                        own.map(|(r, c)| (r, c.cast::<$t>())),
+                        |a, b| a + b,
+                        none,
+                    )
+                },
                 // SAFETY: forwarded from the caller.
                 ReduceOp::Mean => unsafe {
-                    arena.reduce::<$t>(set, lo, hi, |a, b| a + b, Some(move |x: $t| $div(x, p)))
+                    arena.reduce::<$t>(
+                        set,
+                        lo,
+                        hi,
+                        own.map(|(r, c)| (r, c.cast::<$t>())),
+                        |a, b| a + b,
+                        Some(move |x: $t| $div(x, p)),
+                    )
                 },
                 // SAFETY: forwarded from the caller.
                 ReduceOp::Max => unsafe {
-                    arena.reduce::<$t>(set, lo, hi, |a, b| if b > a { b } else { a }, none)
+                    arena.reduce::<$t>(
+                        set,
+                        lo,
+                        hi,
+                        own.map(|(r, c)| (r, c.cast::<$t>())),
+                        |a, b| if b > a { b } else { a },
+                        none,
+                    )
                 },
                 // SAFETY: forwarded from the caller.
                 ReduceOp::Min => unsafe {
-                    arena.reduce::<$t>(set, lo, hi, |a, b| if b < a { b } else { a }, none)
+                    arena.reduce::<$t>(
+                        set,
+                        lo,
+                        hi,
+                        own.map(|(r, c)| (r, c.cast::<$t>())),
+                        |a, b| if b < a { b } else { a },
+                        none,
+                    )
                 },
             }
         }};
