@@ -150,20 +150,36 @@ impl ProcessGroup {
                 env.launcher
             )));
         }
+        Self::node_local(&env)
+    }
+
+    /// The group of this node's ranks as `env` describes them (local rank and size,
+    /// node), whatever the world size: the node-local half of a hierarchical group.
+    pub(crate) fn node_local(env: &Env) -> Result<ProcessGroup> {
         if env.local_world_size == 1 {
             let arena = Arena::create(1)?;
             arena.register(0)?;
             return Ok(Self::with_arena(arena, Some(0)));
         }
-        let name = rendezvous::socket_name(&env);
+        let name = rendezvous::socket_name(env);
         if env.local_rank == 0 {
             let arena = Arena::create(env.local_world_size)?;
             arena.register(0)?;
-            let group = Self::with_arena(arena, Some(0));
-            rendezvous::serve(&name, &group, env.local_world_size - 1)?;
-            Ok(group)
+            rendezvous::serve(&name, &SegmentFd(&arena), env.local_world_size - 1)?;
+            Ok(Self::with_arena(arena, Some(0)))
         } else {
-            rendezvous::join(&name)
+            let ReceivedSegment(arena) = rendezvous::join(&name)?;
+            if arena.world_size() != env.local_world_size {
+                return Err(Error::InvalidArgument(format!(
+                    "the process group at rendezvous @{name} has {} ranks, but this node \
+                     runs {} (local rank {}): are two jobs sharing launcher variables?",
+                    arena.world_size(),
+                    env.local_world_size,
+                    env.local_rank
+                )));
+            }
+            arena.register(env.local_rank)?;
+            Ok(Self::with_arena(arena, Some(env.local_rank)))
         }
     }
 
@@ -620,6 +636,31 @@ unsafe fn reduce_dtype(
         DType::I32 => go!(i32, |x: i32, p: usize| x.wrapping_div(p as i32)),
         DType::I64 => go!(i64, |x: i64, p: usize| x.wrapping_div(p as i64)),
         _ => {} // refused by `Bytes::of`
+    }
+}
+
+/// The bare segment of a group, sent at a rendezvous where the receiver's rank comes
+/// from its caller rather than from `RANK` (a node-local rank of a hierarchical group).
+struct SegmentFd<'a>(&'a Arena);
+
+impl Serialize for SegmentFd<'_> {
+    fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        let index =
+            wire::attach_fd(self.0.fd(), "process group").map_err(serde::ser::Error::custom)?;
+        index.serialize(s)
+    }
+}
+
+/// A segment received at a rendezvous (see [`SegmentFd`]).
+struct ReceivedSegment(Arena);
+
+impl<'de> Deserialize<'de> for ReceivedSegment {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        let index = u32::deserialize(d)?;
+        let fd = wire::received_fd(index, "process group").map_err(serde::de::Error::custom)?;
+        Arena::open(fd)
+            .map(ReceivedSegment)
+            .map_err(|e| serde::de::Error::custom(wire::fail_with(e)))
     }
 }
 

@@ -16,7 +16,11 @@ mod arena;
 mod env;
 #[allow(unsafe_code)]
 mod group;
+#[cfg(feature = "mpi")]
+mod mpi;
 mod rendezvous;
 
 pub use env::{Env, Launcher};
 pub use group::{DEFAULT_TIMEOUT, ProcessGroup, ReduceOp, Work};
+#[cfg(feature = "mpi")]
+pub use mpi::{MpiGroup, RANKS_PER_NODE_VAR};
