@@ -334,3 +334,35 @@ fn ranks_meet_through_the_launchers_variables() {
         }
     });
 }
+
+/// A ring: rank r sends a multi-chunk tensor to r + 1 and receives from r - 1 (even
+/// ranks send first, odd ranks receive first, as synchronous sends need).
+fn ring(rank: usize, group: ProcessGroup) -> multiproc::Result<()> {
+    let p = group.world_size();
+    let n = 1_500_000; // f32: more than one 4 MiB chunk
+    let out = Tensor::full(&[n], rank as f64, DType::F32)?;
+    let got = Tensor::zeros(&[n], DType::F32)?;
+    let (next, prev) = ((rank + 1) % p, (rank + p - 1) % p);
+    if rank % 2 == 0 {
+        group.send(&out, next)?;
+        group.recv(&got, prev)?;
+    } else {
+        group.recv(&got, prev)?;
+        group.send(&out, next)?;
+    }
+    if got.to_vec::<f32>()?.iter().any(|&x| x != prev as f32) {
+        return Err(Error::InvalidArgument(format!(
+            "rank {rank}: wrong data from {prev}"
+        )));
+    }
+    let err = group.send(&out, rank).unwrap_err();
+    assert!(err.to_string().contains("another rank"), "{err}");
+    group.barrier()
+}
+
+#[test]
+fn send_and_recv_around_a_ring() {
+    common::run(secs(60), || {
+        multiproc::spawn(ring, ProcessGroup::new_local(4).unwrap(), 4).unwrap();
+    });
+}

@@ -9,7 +9,14 @@
 //!              generation, abort word, the pid of each rank
 //! set 0        slot[0] .. slot[P-1], result        (SLOT_BYTES each)
 //! set 1        slot[0] .. slot[P-1], result
+//! mailboxes    for each ordered pair (src, dst): chunks sent, chunks taken, length
 //! ```
+//!
+//! send/recv moves a chunk through the sender's slot of set 0: the sender waits until
+//! its previous chunk was taken, copies in, bumps `sent`; the receiver waits for `sent`
+//! to move, checks the length, copies out, bumps `taken`. The sender returns only once
+//! its last chunk was taken, so its slot is free again for the next operation (each
+//! rank runs one operation at a time).
 //!
 //! A collective moves its data in chunks of at most `SLOT_BYTES`; chunk `k` uses set
 //! `k % 2`. Within a chunk every phase ends with a barrier, and the protocol gives each
@@ -53,6 +60,17 @@ const W_GENERATION: usize = 3;
 const W_ABORT: usize = 4;
 const W_PIDS: usize = 16;
 
+/// The words of one mailbox (one per ordered pair of ranks) of send/recv.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Mail {
+    /// Chunks the sender has put in its slot.
+    Sent = 0,
+    /// Chunks the receiver has copied out.
+    Taken = 1,
+    /// The byte length of the chunk in flight, for the receiver to check.
+    Len = 2,
+}
+
 /// How often a waiting rank checks that its peers are alive.
 const LIVENESS_TICK: Duration = Duration::from_millis(20);
 
@@ -65,8 +83,14 @@ pub(crate) struct Arena {
 }
 
 impl Arena {
-    fn bytes_for(world_size: usize) -> usize {
+    /// Where the mailboxes of send/recv start: after the slots.
+    fn mailbox_offset(world_size: usize) -> usize {
         CONTROL_BYTES + 2 * (world_size + 1) * SLOT_BYTES
+    }
+
+    fn bytes_for(world_size: usize) -> usize {
+        let mail = (world_size * world_size * 12).div_ceil(4096) * 4096;
+        Self::mailbox_offset(world_size) + mail
     }
 
     /// A new segment for `world_size` ranks.
@@ -194,7 +218,7 @@ impl Arena {
         &self,
         epoch: u32,
         deadline: Deadline,
-        mut dead_peer: impl FnMut() -> Option<usize>,
+        dead_peer: impl FnMut() -> Option<usize>,
     ) -> Result<()> {
         let p = self.world_size as u32;
         let target = epoch.wrapping_add(1).wrapping_mul(p);
@@ -208,7 +232,25 @@ impl Arena {
             futex::wake_all(generation);
             return Ok(());
         }
-        let passed = || generation.load(Ordering::Acquire) != epoch;
+        self.wait_while(generation, epoch, deadline, dead_peer, || {
+            let now_arrived = self.word(W_ARRIVED).load(Ordering::Acquire);
+            timed_out(self.world_size, now_arrived, target)
+        })
+    }
+
+    /// Waits while `word` holds `value`: spins briefly, then sleeps on the futex in
+    /// [`LIVENESS_TICK`] slices, checking between them whether the group was aborted or
+    /// `dead_peer` finds a peer gone (then it aborts the group). Every wait of the
+    /// group goes through here.
+    fn wait_while(
+        &self,
+        word: &AtomicU32,
+        value: u32,
+        deadline: Deadline,
+        mut dead_peer: impl FnMut() -> Option<usize>,
+        timed_out: impl FnOnce() -> Error,
+    ) -> Result<()> {
+        let passed = || word.load(Ordering::Acquire) != value;
         if futex::spin_until(deadline, passed) {
             return Ok(());
         }
@@ -225,13 +267,40 @@ impl Arena {
             }
             let now = Instant::now();
             if deadline.is_some_and(|d| now >= d) {
-                let now_arrived = self.word(W_ARRIVED).load(Ordering::Acquire);
-                return Err(timed_out(self.world_size, now_arrived, target));
+                return Err(timed_out());
             }
             let tick = now + LIVENESS_TICK;
             let until = Some(deadline.map_or(tick, |d| d.min(tick)));
-            futex::wait(generation, epoch, until)?;
+            futex::wait(word, value, until)?;
         }
+    }
+
+    /// Word `field` of the mailbox from `src` to `dst` (see [`Mail`]).
+    pub(crate) fn mail(&self, src: usize, dst: usize, field: Mail) -> &AtomicU32 {
+        let p = self.world_size;
+        assert!(src < p && dst < p, "mailbox {src}->{dst} out of range");
+        let offset = Self::mailbox_offset(p) + ((src * p + dst) * 3 + field as usize) * 4;
+        // SAFETY: `offset` lies in the mailbox area, which `bytes_for` includes in the
+        // mapping; 4-aligned (the area is page-aligned); only used atomically.
+        unsafe { &*self.map.as_ptr().add(offset).cast::<AtomicU32>() }
+    }
+
+    /// Sleeps while the mailbox word `field` of `src -> dst` holds `value` (see
+    /// [`wait_while`](Self::wait_while)); `peer` is the rank whose death ends the wait.
+    pub(crate) fn wait_mail(
+        &self,
+        (src, dst, field): (usize, usize, Mail),
+        value: u32,
+        deadline: Deadline,
+        dead_peer: impl FnMut() -> Option<usize>,
+    ) -> Result<()> {
+        let word = self.mail(src, dst, field);
+        self.wait_while(word, value, deadline, dead_peer, || {
+            Error::Timeout(format!(
+                "send/recv between ranks {src} and {dst} timed out: every send needs the \
+                 matching recv on the other rank"
+            ))
+        })
     }
 
     fn died(&self, rank: usize, how: &str) -> Error {

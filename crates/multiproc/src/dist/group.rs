@@ -12,15 +12,17 @@
 
 use std::fmt;
 use std::os::fd::{AsFd, OwnedFd};
+use std::sync::atomic::Ordering;
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use super::arena::{Arena, SLOT_BYTES};
+use super::arena::{Arena, Mail, SLOT_BYTES};
 use super::env::Env;
 use super::rendezvous;
+use crate::sync::futex;
 use crate::sys::process as sysproc;
 use crate::sys::{Deadline, deadline_after};
 use crate::tensor::{DType, Tensor};
@@ -288,6 +290,39 @@ impl ProcessGroup {
         self.submit(move |inner, st| inner.reduce_scatter(st, &o, &i, op))
     }
 
+    /// Sends `tensor` to rank `dst`, which must call [`recv`](Self::recv) with a tensor
+    /// of the same size; returns once `dst` has taken all of it (a synchronous send,
+    /// like `MPI_Ssend`: two ranks that both send to each other first deadlock, so pair
+    /// them as one sends while the other receives).
+    ///
+    /// # Errors
+    /// As [`all_reduce_`](Self::all_reduce_); [`Error::InvalidArgument`] when `dst` is
+    /// this rank or outside the group.
+    pub fn send(&self, tensor: &Tensor, dst: usize) -> Result<()> {
+        self.send_async(tensor, dst).wait()
+    }
+
+    /// The async form of [`send`](Self::send).
+    pub fn send_async(&self, tensor: &Tensor, dst: usize) -> Work {
+        let t = tensor.clone();
+        self.submit(move |inner, st| inner.send(st, &t, dst))
+    }
+
+    /// Receives into `tensor` what rank `src` sends with [`send`](Self::send).
+    ///
+    /// # Errors
+    /// As [`send`](Self::send), and [`Error::Tensor`] when the sizes differ (the group
+    /// is then failed).
+    pub fn recv(&self, tensor: &Tensor, src: usize) -> Result<()> {
+        self.recv_async(tensor, src).wait()
+    }
+
+    /// The async form of [`recv`](Self::recv).
+    pub fn recv_async(&self, tensor: &Tensor, src: usize) -> Work {
+        let t = tensor.clone();
+        self.submit(move |inner, st| inner.recv(st, &t, src))
+    }
+
     /// Queues `op` on the collective thread.
     fn submit(&self, op: impl FnOnce(&Inner, &mut State) -> Result<()> + Send + 'static) -> Work {
         let (tx, done) = channel();
@@ -347,6 +382,26 @@ impl Inner {
         deadline_after(st.timeout)
     }
 
+    /// The first peer found gone: checked through pidfds, opened once a peer's pid is
+    /// known (a peer that has not joined yet can only be waited out by the deadline).
+    fn dead_peer(arena: &Arena, me: usize, peers: &mut [Option<OwnedFd>]) -> Option<usize> {
+        (0..arena.world_size()).filter(|&r| r != me).find(|&r| {
+            let pid = arena.pid(r);
+            if pid == 0 {
+                return false;
+            }
+            if peers[r].is_none() {
+                match sysproc::pidfd_open(pid as i32) {
+                    Ok(fd) => peers[r] = Some(fd),
+                    Err(_) => return true, // no such process
+                }
+            }
+            peers[r]
+                .as_ref()
+                .is_some_and(|fd| sysproc::has_exited(fd.as_fd()))
+        })
+    }
+
     /// One barrier among all ranks, watching the peers.
     fn sync(&self, st: &mut State) -> Result<()> {
         let me = self.my_rank()?;
@@ -354,25 +409,84 @@ impl Inner {
         let epoch = st.epoch;
         let arena = &self.arena;
         let peers = &mut st.peers;
-        let result = arena.barrier(epoch, deadline, || {
-            (0..arena.world_size()).filter(|&r| r != me).find(|&r| {
-                let pid = arena.pid(r);
-                if pid == 0 {
-                    return false; // not joined yet: only the deadline can tell
-                }
-                if peers[r].is_none() {
-                    match sysproc::pidfd_open(pid as i32) {
-                        Ok(fd) => peers[r] = Some(fd),
-                        Err(_) => return true, // no such process
-                    }
-                }
-                peers[r]
-                    .as_ref()
-                    .is_some_and(|fd| sysproc::has_exited(fd.as_fd()))
-            })
-        });
+        let result = arena.barrier(epoch, deadline, || Self::dead_peer(arena, me, peers));
         st.epoch = epoch.wrapping_add(1);
         result
+    }
+
+    fn check_peer(&self, me: usize, peer: usize, what: &str) -> Result<()> {
+        let p = self.arena.world_size();
+        if peer >= p || peer == me {
+            return Err(Error::InvalidArgument(format!(
+                "{what} rank {peer} from rank {me} in a group of {p} ranks: the peer must be \
+                 another rank of the group"
+            )));
+        }
+        Ok(())
+    }
+
+    fn send(&self, st: &mut State, t: &Tensor, dst: usize) -> Result<()> {
+        let me = self.my_rank()?;
+        self.check_peer(me, dst, "send to")?;
+        let bytes = Bytes::of(t, "send")?;
+        let deadline = Self::deadline(st);
+        let arena = &self.arena;
+        let peers = &mut st.peers;
+        let sent = arena.mail(me, dst, Mail::Sent);
+        for (off, len) in chunks(bytes.len) {
+            let s = sent.load(Ordering::Acquire);
+            // The previous chunk must be taken before the slot is reused.
+            wait_taken(arena, me, dst, s, deadline, peers)?;
+            // SAFETY: our slot of set 0 is free (taken == sent, and this rank runs one
+            // operation at a time); the tensor range is checked.
+            unsafe { arena.copy_in(0, me, 0, bytes.ptr.add(off), len) };
+            arena
+                .mail(me, dst, Mail::Len)
+                .store(len as u32, Ordering::Relaxed);
+            sent.store(s.wrapping_add(1), Ordering::Release);
+            futex::wake_all(sent);
+        }
+        // Return once the last chunk is out of our slot.
+        wait_taken(
+            arena,
+            me,
+            dst,
+            sent.load(Ordering::Acquire),
+            deadline,
+            peers,
+        )
+    }
+
+    fn recv(&self, st: &mut State, t: &Tensor, src: usize) -> Result<()> {
+        let me = self.my_rank()?;
+        self.check_peer(me, src, "recv from")?;
+        let bytes = Bytes::of(t, "recv")?;
+        let deadline = Self::deadline(st);
+        let arena = &self.arena;
+        let peers = &mut st.peers;
+        let taken = arena.mail(src, me, Mail::Taken);
+        for (off, len) in chunks(bytes.len) {
+            let k = taken.load(Ordering::Acquire);
+            arena.wait_mail((src, me, Mail::Sent), k, deadline, || {
+                Self::dead_peer(arena, me, peers)
+            })?;
+            let sent_len = arena.mail(src, me, Mail::Len).load(Ordering::Relaxed) as usize;
+            if sent_len != len {
+                arena.abort(me);
+                return Err(Error::Tensor(format!(
+                    "recv on rank {me}: rank {src} sent a chunk of {sent_len} bytes where this \
+                     tensor expects {len} (at byte {off} of {}): send and recv need tensors of \
+                     the same size; the group is now failed",
+                    bytes.len
+                )));
+            }
+            // SAFETY: the sender filled its slot and waits for `taken` before touching it
+            // again; the tensor range is checked and ours to write.
+            unsafe { arena.copy_out(0, src, 0, bytes.ptr.add(off), len) };
+            taken.store(k.wrapping_add(1), Ordering::Release);
+            futex::wake_all(taken);
+        }
+        Ok(())
     }
 
     fn all_reduce(&self, st: &mut State, t: &Tensor, op: ReduceOp) -> Result<()> {
@@ -494,6 +608,27 @@ impl Inner {
             }
         }
         Ok(())
+    }
+}
+
+/// Waits until `dst` has taken every chunk up to `sent` from `src`'s mailbox.
+fn wait_taken(
+    arena: &Arena,
+    src: usize,
+    dst: usize,
+    sent: u32,
+    deadline: Deadline,
+    peers: &mut [Option<OwnedFd>],
+) -> Result<()> {
+    let taken = arena.mail(src, dst, Mail::Taken);
+    loop {
+        let k = taken.load(Ordering::Acquire);
+        if k == sent {
+            return Ok(());
+        }
+        arena.wait_mail((src, dst, Mail::Taken), k, deadline, || {
+            Inner::dead_peer(arena, src, peers)
+        })?;
     }
 }
 
