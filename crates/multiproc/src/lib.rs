@@ -76,6 +76,14 @@
 //! (futexes in shared memory); a lock whose holder died reports [`Error::OwnerDied`]
 //! instead of deadlocking.
 //!
+//! ## Beyond one machine
+//!
+//! [`dist::Env::detect`] reads who this process is from torchrun, Open MPI, MPICH, SLURM
+//! or [`spawn`] (which sets torchrun's variables for its workers), and
+//! [`dist::ProcessGroup`] runs collectives (`all_reduce_`, `broadcast_`, `all_gather`,
+//! `reduce_scatter`, `send`/`recv`) among a node's ranks through shared memory; the `mpi`
+//! feature adds `dist::MpiGroup` across nodes.
+//!
 //! ## Errors
 //!
 //! Everything fallible returns [`Result`]; [`Error`] says what happened, to what, and
