@@ -6,6 +6,7 @@
 
 use std::time::{Duration, Instant};
 
+use multiproc::dist::{ProcessGroup, ReduceOp};
 use multiproc::{DType, Queue, SharingStrategy, StartMethod, Tensor};
 use serde::{Deserialize, Serialize};
 
@@ -30,6 +31,11 @@ pub struct Figure {
 }
 
 impl Figure {
+    /// The bandwidth, when the figure has one.
+    pub fn gb_s(&self) -> Option<f64> {
+        self.gb_s
+    }
+
     /// A figure of the raw floor (`impl: "floor"`).
     pub fn floor(
         scenario: &'static str,
@@ -259,6 +265,59 @@ pub fn run(plan: &Plan, mut report: impl FnMut(&Figure)) -> multiproc::Result<Ve
         record(spawn4(scaled(10))?, &mut figures);
     }
     Ok(figures)
+}
+
+/// Worker of `--collectives`: `count` all-reduces of `floats` f32 after a warm-up; rank 0
+/// reports the time.
+fn all_reducer(
+    rank: usize,
+    (group, floats, count, q): (ProcessGroup, usize, u64, Queue<f64>),
+) -> multiproc::Result<()> {
+    let t = Tensor::full(&[floats], 1.0, DType::F32)?;
+    for _ in 0..3 {
+        group.all_reduce_(&t, ReduceOp::Sum)?;
+    }
+    group.barrier()?;
+    let start = Instant::now();
+    for _ in 0..count {
+        group.all_reduce_(&t, ReduceOp::Sum)?;
+    }
+    group.barrier()?;
+    if rank == 0 {
+        q.put(start.elapsed().as_secs_f64())?;
+    }
+    Ok(())
+}
+
+/// `multiproc bench --collectives`: all_reduce_ of 64 MiB f32 across 2 local ranks, and
+/// the memory bandwidth floor (`memcpy` of 64 MiB) measured in the same run.
+pub fn collectives(scale: f64) -> multiproc::Result<Vec<Figure>> {
+    let bytes = 64u64 << 20;
+    let count = ((20.0 * scale).round() as u64).max(2);
+    let q = Queue::new()?;
+    multiproc::spawn(
+        all_reducer,
+        (
+            ProcessGroup::new_local(2)?,
+            (bytes / 4) as usize,
+            count,
+            q.clone(),
+        ),
+        2,
+    )?;
+    let seconds = q.get()?;
+    let reduce = Figure {
+        scenario: "allreduce",
+        strategy: Some("2 ranks".into()),
+        bytes: Some(bytes),
+        count,
+        per_s: Some(count as f64 / seconds),
+        gb_s: Some((bytes * count) as f64 / seconds / 1e9),
+        us_per_roundtrip: None,
+        seconds,
+        implementation: "multiproc",
+    };
+    Ok(vec![reduce, crate::floor::memcpy(bytes, count)])
 }
 
 /// One table row for a figure.

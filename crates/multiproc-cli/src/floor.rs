@@ -6,6 +6,8 @@
 //!   fd-passing queue can do.
 //! - `fill+sum`: fill a reused buffer of S bytes with a value, then sum it, in one
 //!   process — what `fresh` would cost with no process boundary and no allocation.
+//! - `memcpy`: copy a reused 64 MiB buffer into another in one process — the memory
+//!   bandwidth a shared-memory collective is measured against.
 
 use std::io::{IoSlice, IoSliceMut};
 use std::mem::MaybeUninit;
@@ -132,6 +134,26 @@ fn fill_sum(bytes: u64, count: u64) -> Figure {
     Figure::floor("fill+sum", Some(bytes), count, seconds, None)
 }
 
+/// The memory bandwidth floor: copy a reused `bytes`-byte buffer into another, `count`
+/// times, in one process (GB/s counts the bytes copied once).
+pub fn memcpy(bytes: u64, count: u64) -> Figure {
+    let src = vec![1u8; bytes as usize];
+    let mut dst = vec![0u8; bytes as usize];
+    dst.copy_from_slice(&src); // fault the pages in first
+    let start = Instant::now();
+    for _ in 0..count {
+        dst.copy_from_slice(std::hint::black_box(&src));
+        std::hint::black_box(&mut dst);
+    }
+    Figure::floor(
+        "memcpy",
+        Some(bytes),
+        count,
+        start.elapsed().as_secs_f64(),
+        None,
+    )
+}
+
 /// Runs the floor measurements.
 pub fn run(scale: f64) -> std::io::Result<Vec<Figure>> {
     let scaled = |n: u64| ((n as f64 * scale).round() as u64).max(2);
@@ -144,5 +166,6 @@ pub fn run(scale: f64) -> std::io::Result<Vec<Figure>> {
     ] {
         figures.push(fill_sum(bytes, scaled(count)));
     }
+    figures.push(memcpy(64 << 20, scaled(20)));
     Ok(figures)
 }

@@ -44,6 +44,10 @@ enum Command {
         /// repeatable.
         #[arg(long = "bytes")]
         sizes: Vec<u64>,
+        /// Instead: all_reduce_ of 64 MiB f32 across 2 local ranks beside the memory
+        /// bandwidth floor (memcpy of 64 MiB), measured in the same run.
+        #[arg(long)]
+        collectives: bool,
     },
     /// Measure the raw floor: a SEQPACKET + SCM_RIGHTS ping-pong and an in-process
     /// fill+sum on a reused buffer (what `scripts/compare_torch.py` divides by).
@@ -72,6 +76,36 @@ fn main() {
             only,
             strategy,
             sizes,
+            collectives: true,
+        } => match bench::collectives(scale) {
+            Ok(figures) => {
+                for f in &figures {
+                    if json {
+                        println!("{}", serde_json::to_string(f).unwrap_or_default());
+                    } else {
+                        println!("{}", bench::row(f));
+                    }
+                }
+                if let [reduce, floor] = &figures[..] {
+                    if let (Some(a), Some(b)) = (reduce.gb_s(), floor.gb_s()) {
+                        eprintln!("all_reduce / memcpy floor: {:.2}x", a / b);
+                    }
+                }
+                let _ = (only, strategy, sizes);
+                0
+            }
+            Err(e) => {
+                eprintln!("benchmark failed: {e}");
+                1
+            }
+        },
+        Command::Bench {
+            json,
+            scale,
+            only,
+            strategy,
+            sizes,
+            collectives: false,
         } => {
             let plan = bench::Plan {
                 scale,

@@ -199,6 +199,21 @@ pub enum Error {
     /// device, the size asked and the free memory).
     #[error("{0}")]
     Cuda(String),
+    /// The launcher's environment variables (torchrun, MPI, SLURM) are missing some of
+    /// a set, unparsable, or contradict each other; the message names them.
+    #[error("{0}")]
+    Env(String),
+    /// A rank of a [`ProcessGroup`](crate::dist::ProcessGroup) died (or left the
+    /// group after a failure) while the others waited for it in a collective.
+    #[error("{message}")]
+    RankDied {
+        /// The rank that is gone.
+        rank: usize,
+        /// Its process id, when known.
+        pid: Option<i32>,
+        /// What the caller was doing and what to do.
+        message: String,
+    },
 }
 
 fn after_suffix(after: Option<Duration>) -> String {

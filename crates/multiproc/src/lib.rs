@@ -306,6 +306,14 @@
 //! tensors in shared memory; a worker that fails, panics or dies is named with its pid,
 //! batch and samples ([`Error::LoaderFailed`]) and can be replaced.
 //!
+//! ## Beyond one machine
+//!
+//! [`dist::Env::detect`] reads who this process is from torchrun, Open MPI, MPICH, SLURM
+//! or [`spawn`] (which sets torchrun's variables for its workers), and
+//! [`dist::ProcessGroup`] runs collectives (`all_reduce_`, `broadcast_`, `all_gather`,
+//! `reduce_scatter`, `send`/`recv`) among a node's ranks through shared memory; the `mpi`
+//! feature adds `dist::MpiGroup` across nodes.
+//!
 //! ## Errors and timeouts
 //!
 //! Everything fallible returns [`Result`]; [`Error`] says what happened, to what, and
@@ -460,6 +468,7 @@ linux_only! {
     pub mod __testing;
     pub mod cuda;
     pub mod data;
+    pub mod dist;
     #[cfg(feature = "safetensors")]
     pub mod safetensors;
     mod error;

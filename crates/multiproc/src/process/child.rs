@@ -65,24 +65,31 @@ pub(crate) struct JobSpec {
     pub args: Encoded,
     pub method: StartMethod,
     /// `RANK`, `LOCAL_RANK`, `WORLD_SIZE`, …
-    pub env: Vec<(&'static str, String)>,
+    pub env: Vec<(String, String)>,
     pub daemon: bool,
 }
 
 /// The environment torchrun gives a worker, plus `MASTER_ADDR`/`MASTER_PORT` when the
 /// caller has them (a fork server started earlier would not otherwise see them).
-pub(crate) fn worker_env(rank: usize, world_size: Option<usize>) -> Vec<(&'static str, String)> {
-    let mut env = vec![("RANK", rank.to_string()), ("LOCAL_RANK", rank.to_string())];
+pub(crate) fn worker_env(rank: usize, world_size: Option<usize>) -> Vec<(String, String)> {
+    let mut env = vec![
+        ("RANK".to_string(), rank.to_string()),
+        ("LOCAL_RANK".to_string(), rank.to_string()),
+    ];
     if let Some(n) = world_size {
-        env.push(("WORLD_SIZE", n.to_string()));
+        env.push(("WORLD_SIZE".to_string(), n.to_string()));
     }
     for key in ["MASTER_ADDR", "MASTER_PORT"] {
         if let Ok(value) = std::env::var(key) {
-            env.push((key, value));
+            env.push((key.to_string(), value));
         }
     }
     // The sharing strategy and the shm manager of this process tree.
-    env.extend(crate::sharing::env_for_child());
+    env.extend(
+        crate::sharing::env_for_child()
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v)),
+    );
     env
 }
 
@@ -124,7 +131,7 @@ impl Child {
         args.send(channel.as_fd(), deadline)?;
         let (pid, pidfd, exit_source) = match method {
             StartMethod::Spawn => {
-                let mut exec_env = vec![(ROLE_VAR, "worker".to_string())];
+                let mut exec_env = vec![(ROLE_VAR.to_string(), "worker".to_string())];
                 exec_env.extend(env);
                 let l = launch::launch(Launch::Exec {
                     env: exec_env,
@@ -138,7 +145,6 @@ impl Child {
                 (l.pid, l.pidfd, ExitSource::Direct)
             }
             StartMethod::Forkserver => {
-                let env = env.into_iter().map(|(k, v)| (k.to_string(), v)).collect();
                 let c = forkserver::start(job_end, env)?;
                 (c.pid, c.pidfd, ExitSource::Server(Some(c.status)))
             }

@@ -8,7 +8,10 @@
 //! then reaping every worker, and returns the error of the first failure with every
 //! other rank that failed on its own (not the ones it killed itself).
 
+use std::fmt;
 use std::os::fd::BorrowedFd;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use serde::Serialize;
@@ -24,8 +27,15 @@ use crate::{Error, Result, wire};
 /// The default time between SIGTERM and SIGKILL when a group is torn down (torch's 30 s).
 pub(crate) const DEFAULT_GRACE_PERIOD: Duration = Duration::from_secs(30);
 
-/// Options for starting a group of workers: start method, daemon flag, and the grace
-/// periods of the tear-down after a failure.
+/// Set to `spawn` in a group's workers beside torchrun's variables, so that
+/// [`Env::detect`](crate::dist::Env::detect) can tell multiproc from torchrun.
+pub(crate) const LAUNCHER_VAR: &str = "MULTIPROC_LAUNCHER";
+
+/// A caller's per-rank environment: rank in, variables out.
+type EnvPerRank = Arc<dyn Fn(usize) -> Vec<(String, String)> + Send + Sync>;
+
+/// Options for starting a group of workers: start method, daemon flag, the grace
+/// periods of the tear-down after a failure, and the workers' environment.
 ///
 /// ```no_run
 /// use std::time::Duration;
@@ -40,15 +50,35 @@ pub(crate) const DEFAULT_GRACE_PERIOD: Duration = Duration::from_secs(30);
 ///     SpawnOptions::new()
 ///         .start_method(StartMethod::Forkserver)
 ///         .grace_period(Duration::from_secs(5))
+///         .env("OMP_NUM_THREADS", "1")
+///         .env_per_rank(|rank| vec![("CUDA_VISIBLE_DEVICES", rank.to_string())])
 ///         .spawn(work, 100u32, 4)
 /// }
 /// ```
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone)]
 pub struct SpawnOptions {
     start_method: StartMethod,
     daemon: bool,
     grace_period: Duration,
     pre_termination_grace: Option<Duration>,
+    env: Vec<(String, String)>,
+    env_per_rank: Option<EnvPerRank>,
+}
+
+impl fmt::Debug for SpawnOptions {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SpawnOptions")
+            .field("start_method", &self.start_method)
+            .field("daemon", &self.daemon)
+            .field("grace_period", &self.grace_period)
+            .field("pre_termination_grace", &self.pre_termination_grace)
+            .field("env", &self.env)
+            .field(
+                "env_per_rank",
+                &self.env_per_rank.as_ref().map(|_| "Fn(rank)"),
+            )
+            .finish()
+    }
 }
 
 impl Default for SpawnOptions {
@@ -58,6 +88,8 @@ impl Default for SpawnOptions {
             daemon: false,
             grace_period: DEFAULT_GRACE_PERIOD,
             pre_termination_grace: None,
+            env: Vec::new(),
+            env_per_rank: None,
         }
     }
 }
@@ -97,12 +129,82 @@ impl SpawnOptions {
         self
     }
 
+    /// Sets `key=value` in every worker's environment (after torchrun's variables, so
+    /// `MASTER_PORT` set here wins). The parent's environment is not touched: this is
+    /// the safe form of `std::env::set_var` before spawning.
+    pub fn env(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
+        self.env.push((key.into(), value.into()));
+        self
+    }
+
+    /// Sets variables that differ by rank, such as `CUDA_VISIBLE_DEVICES`: `vars(rank)`
+    /// is called in the parent for each worker and set in that worker's environment
+    /// (after [`env`](Self::env)'s), with every start method. A variable named twice
+    /// takes its last value.
+    pub fn env_per_rank<F, I, K, V>(mut self, vars: F) -> Self
+    where
+        F: Fn(usize) -> I + Send + Sync + 'static,
+        I: IntoIterator<Item = (K, V)>,
+        K: Into<String>,
+        V: Into<String>,
+    {
+        self.env_per_rank = Some(Arc::new(move |rank| {
+            vars(rank)
+                .into_iter()
+                .map(|(k, v)| (k.into(), v.into()))
+                .collect()
+        }));
+        self
+    }
+
+    /// Every variable a worker of rank `rank` in a group of `nprocs` gets, in order:
+    /// torchrun's contract, multiproc's own, then the caller's.
+    fn worker_env(
+        &self,
+        rank: usize,
+        nprocs: usize,
+        rendezvous: &Rendezvous,
+    ) -> Vec<(String, String)> {
+        let mut env = worker_env(rank, Some(nprocs));
+        // `worker_env` passes on the parent's MASTER_ADDR/MASTER_PORT: ours replace them.
+        env.retain(|(k, _)| k != "MASTER_ADDR" && k != "MASTER_PORT");
+        let n = nprocs.to_string();
+        let r = rank.to_string();
+        for (key, value) in [
+            ("LOCAL_WORLD_SIZE", n.as_str()),
+            ("GROUP_RANK", "0"),
+            ("GROUP_WORLD_SIZE", "1"),
+            ("ROLE_NAME", "default"),
+            ("ROLE_RANK", r.as_str()),
+            ("ROLE_WORLD_SIZE", n.as_str()),
+            ("MASTER_ADDR", rendezvous.addr.as_str()),
+            ("MASTER_PORT", rendezvous.port.as_str()),
+            ("TORCHELASTIC_RUN_ID", rendezvous.run_id.as_str()),
+            ("TORCHELASTIC_RESTART_COUNT", "0"),
+            ("TORCHELASTIC_MAX_RESTARTS", "0"),
+            // torch's rank 0 hosts the rendezvous store itself: there is no agent's.
+            ("TORCHELASTIC_USE_AGENT_STORE", "False"),
+            (LAUNCHER_VAR, "spawn"),
+        ] {
+            env.push((key.to_string(), value.to_string()));
+        }
+        env.extend(self.env.iter().cloned());
+        if let Some(per_rank) = &self.env_per_rank {
+            env.extend(per_rank(rank));
+        }
+        env
+    }
+
     /// Starts `nprocs` workers running `worker(rank, args)`, ranks `0..nprocs`, and
     /// returns without waiting for them.
     ///
     /// Each worker gets its own copy of `args` (handles inside, such as queues, are
-    /// shared), and `RANK`, `LOCAL_RANK` (its rank) and `WORLD_SIZE` (`nprocs`) in its
-    /// environment, plus `MASTER_ADDR`/`MASTER_PORT` when set here.
+    /// shared) and torchrun's environment: `RANK`, `LOCAL_RANK`, `ROLE_RANK` (its
+    /// rank), `WORLD_SIZE`, `LOCAL_WORLD_SIZE`, `ROLE_WORLD_SIZE` (`nprocs`),
+    /// `GROUP_RANK=0`, `MASTER_ADDR`/`MASTER_PORT` (this process's when set, else
+    /// 127.0.0.1 and a free port), `TORCHELASTIC_RUN_ID` (unique to this group),
+    /// `TORCHELASTIC_RESTART_COUNT=0`, then what [`env`](Self::env) and
+    /// [`env_per_rank`](Self::env_per_rank) add.
     ///
     /// # Errors
     /// When the arguments cannot be encoded or a worker cannot be started; the workers
@@ -117,6 +219,7 @@ impl SpawnOptions {
         A: Serialize + DeserializeOwned,
         R: WorkerResult,
     {
+        let rendezvous = Rendezvous::choose()?;
         let mut children: Vec<Child> = Vec::with_capacity(nprocs);
         for rank in 0..nprocs {
             let started = wire::encode(&args).and_then(|encoded| {
@@ -124,7 +227,7 @@ impl SpawnOptions {
                     header: JobHeader::new(worker, rank),
                     args: encoded,
                     method: self.start_method,
-                    env: worker_env(rank, Some(nprocs)),
+                    env: self.worker_env(rank, nprocs, &rendezvous),
                     daemon: self.daemon,
                 })
             });
@@ -159,6 +262,37 @@ impl SpawnOptions {
     {
         let mut context = self.start(worker, args, nprocs)?;
         context.join(None)
+    }
+}
+
+/// Where a group's workers meet (torchrun's `MASTER_ADDR:MASTER_PORT`) and the run id
+/// that names the group.
+struct Rendezvous {
+    addr: String,
+    port: String,
+    run_id: String,
+}
+
+impl Rendezvous {
+    /// The parent's `MASTER_ADDR`/`MASTER_PORT` when set, else 127.0.0.1 and a port that
+    /// is free now (as torch's `spawn` callers pick one: the kernel's choice for port 0).
+    fn choose() -> Result<Rendezvous> {
+        static GROUPS: AtomicU64 = AtomicU64::new(0);
+        let run_id = format!(
+            "multiproc-{}-{}",
+            sys::current_pid(),
+            GROUPS.fetch_add(1, Ordering::Relaxed)
+        );
+        let addr = std::env::var("MASTER_ADDR").unwrap_or_else(|_| "127.0.0.1".into());
+        let port = match std::env::var("MASTER_PORT") {
+            Ok(port) => port,
+            Err(_) => std::net::TcpListener::bind(("127.0.0.1", 0))
+                .and_then(|l| l.local_addr())
+                .map_err(|e| Error::os("choosing a free MASTER_PORT on 127.0.0.1", e))?
+                .port()
+                .to_string(),
+        };
+        Ok(Rendezvous { addr, port, run_id })
     }
 }
 

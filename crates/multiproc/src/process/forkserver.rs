@@ -145,7 +145,7 @@ fn connect() -> Result<(Arc<OwnedFd>, i32)> {
         }
         let (sock, server_end) = seqpacket_pair()?;
         let server = launch::launch(Launch::Exec {
-            env: vec![(ROLE_VAR, "forkserver".to_string())],
+            env: vec![(ROLE_VAR.to_string(), "forkserver".to_string())],
             fd_var: SERVER_FD_VAR,
             fd: server_end,
         })?;

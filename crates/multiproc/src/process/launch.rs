@@ -30,13 +30,13 @@ pub(crate) enum Launch {
     /// Re-execute this program with `env`, passing `fd` (its number goes in the
     /// environment under `fd_var`).
     Exec {
-        env: Vec<(&'static str, String)>,
+        env: Vec<(String, String)>,
         fd_var: &'static str,
         fd: OwnedFd,
     },
     /// Fork; the child sets `env` and runs the job that arrives on `job`.
     Fork {
-        env: Vec<(&'static str, String)>,
+        env: Vec<(String, String)>,
         job: OwnedFd,
     },
 }
@@ -93,7 +93,10 @@ fn start(launch: Launch) -> Result<Launched> {
             fd_var,
             fd,
         } => {
-            env.push((fd_var, std::os::fd::AsRawFd::as_raw_fd(&fd).to_string()));
+            env.push((
+                fd_var.to_string(),
+                std::os::fd::AsRawFd::as_raw_fd(&fd).to_string(),
+            ));
             sys::spawn_self(&env, fd.as_fd())?
             // `fd` (the child's end) closes here, in the parent.
         }

@@ -12,6 +12,7 @@
 //! - `current` — [`current_process`], [`active_children`], [`cpu_count`].
 //! - `logs` — workers' `tracing` events, forwarded to the parent's subscriber.
 //! - `context` — [`spawn`], [`start_processes`], [`SpawnOptions`], [`ProcessContext`].
+//! - `error_file` — torchelastic's error file, written by a failed worker.
 //!
 //! Invariants:
 //!
@@ -41,6 +42,7 @@ mod child;
 pub(crate) mod code;
 mod context;
 mod current;
+mod error_file;
 mod forkserver;
 #[allow(unsafe_code)]
 mod job;
@@ -49,6 +51,7 @@ mod logs;
 mod worker;
 
 pub use child::Process;
+pub(crate) use context::LAUNCHER_VAR;
 pub use context::{ProcessContext, SpawnOptions, spawn, start_processes};
 pub use current::{ChildProcess, CurrentProcess, active_children, cpu_count, current_process};
 pub use forkserver::ensure_forkserver_running;

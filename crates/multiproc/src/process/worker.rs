@@ -16,8 +16,8 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use super::forkserver;
 use super::job::{Failed, JobHeader};
+use super::{error_file, forkserver};
 use crate::sys::deadline_after;
 use crate::sys::process as sys;
 use crate::wire;
@@ -212,7 +212,10 @@ pub(crate) fn run_worker(sock: OwnedFd) -> i32 {
     };
     let code = match &report {
         Report::Ok => 0,
-        Report::Raised { .. } => EXIT_RAISED,
+        Report::Raised { message } => {
+            error_file::write_if_asked(message, take_recorded_backtrace());
+            EXIT_RAISED
+        }
     };
     let sent = wire::encode(&report)
         .and_then(|mut m| m.send(sock.as_fd(), deadline_after(Some(Duration::from_secs(10)))));
@@ -229,6 +232,9 @@ pub(crate) fn run_worker(sock: OwnedFd) -> i32 {
 /// The panic being recorded on the worker's thread: text and location, and the
 /// backtrace when enabled.
 static RECORDED_PANIC: Mutex<Option<String>> = Mutex::new(None);
+/// The panic's backtrace, captured even without `RUST_BACKTRACE` when torchelastic
+/// asked for an error file (its `py_callstack`).
+static RECORDED_BACKTRACE: Mutex<Option<String>> = Mutex::new(None);
 /// The thread that runs the job; panics on other threads keep the default report.
 static JOB_THREAD: OnceLock<ThreadId> = OnceLock::new();
 /// Panics of the job's helper threads (thread name, text and location), the first few:
@@ -246,6 +252,11 @@ fn install_panic_hook() {
         std::panic::set_hook(Box::new(move |info| {
             if JOB_THREAD.get() == Some(&thread::current().id()) {
                 let text = describe_panic(info);
+                if error_file::requested() {
+                    if let Ok(mut slot) = RECORDED_BACKTRACE.lock() {
+                        *slot = Some(Backtrace::force_capture().to_string());
+                    }
+                }
                 if let Ok(mut slot) = RECORDED_PANIC.lock() {
                     *slot = Some(text);
                     return;
@@ -330,6 +341,13 @@ fn take_helper_panics() -> Vec<(String, String)> {
         .lock()
         .map(|mut h| std::mem::take(&mut *h))
         .unwrap_or_default()
+}
+
+fn take_recorded_backtrace() -> Option<String> {
+    RECORDED_BACKTRACE
+        .lock()
+        .ok()
+        .and_then(|mut slot| slot.take())
 }
 
 fn take_recorded_panic() -> Option<String> {

@@ -42,7 +42,7 @@ pub(crate) struct RawExit {
 ///
 /// Call only from a thread that lives as long as the process: the death signal is tied
 /// to the forking thread.
-pub(crate) fn spawn_self(env: &[(&str, String)], keep_fd: BorrowedFd<'_>) -> Result<i32> {
+pub(crate) fn spawn_self(env: &[(String, String)], keep_fd: BorrowedFd<'_>) -> Result<i32> {
     let mut args = std::env::args_os();
     let argv0 = args
         .next()

@@ -60,7 +60,7 @@ use layout::{Layout, MAX_DIMS, numel_of};
 use raw::Region;
 pub(crate) use storage::ForgedStorageWire;
 pub use storage::Storage;
-use storage::StorageRead;
+pub(crate) use storage::StorageRead;
 
 use crate::{Error, Result, wire};
 

@@ -1,0 +1,434 @@
+//! The shared segment of a local [`ProcessGroup`](super::ProcessGroup): control words,
+//! then two sets of per-rank slots and a result area, and the barrier every collective
+//! is built from.
+//!
+//! Layout (one sealed memfd, mapped by every rank):
+//!
+//! ```text
+//! page 0       control words: magic, world size, slot bytes, barrier count and
+//!              generation, abort word, the pid of each rank
+//! set 0        slot[0] .. slot[P-1], result        (SLOT_BYTES each)
+//! set 1        slot[0] .. slot[P-1], result
+//! mailboxes    for each ordered pair (src, dst): chunks sent, chunks taken, length
+//! ```
+//!
+//! send/recv moves a chunk through the sender's slot of set 0: the sender waits until
+//! its previous chunk was taken, copies in, bumps `sent`; the receiver waits for `sent`
+//! to move, checks the length, copies out, bumps `taken`. The sender returns only once
+//! its last chunk was taken, so its slot is free again for the next operation (each
+//! rank runs one operation at a time).
+//!
+//! A collective moves its data in chunks of at most `SLOT_BYTES`; chunk `k` uses set
+//! `k % 2`. Within a chunk every phase ends with a barrier, and the protocol gives each
+//! byte one writer per phase: a rank writes only its own slot while copying in, only its
+//! own slice of the result while reducing, and nothing shared while copying out. With
+//! two sets, the copy-in of chunk `k + 2` (after chunk `k + 1`'s first barrier) cannot
+//! overlap anyone's copy-out of chunk `k` (before that same barrier).
+//!
+//! # Safety
+//!
+//! The control words are only touched as atomics. Slot and result bytes are plain
+//! memory that other processes write; the kernels view a range as a slice only during a
+//! phase in which, by the protocol above, no rank writes it (or, for the writer, no one
+//! else reads or writes it). A rank that breaks the protocol (a bug, or a hostile
+//! process holding the fd) can make the values wrong; it cannot make this process read
+//! outside the mapping, which is checked once at map time.
+
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use crate::sync::futex;
+use crate::sys::Deadline;
+use crate::sys::memfd;
+use crate::sys::mmap::SharedMapping;
+use crate::sys::process as sysproc;
+use crate::{Error, Result};
+
+/// Bytes per slot: the chunk a collective moves per round.
+pub(crate) const SLOT_BYTES: usize = 4 << 20;
+/// The most ranks a local group holds (one pid word each in the control page).
+pub(crate) const MAX_RANKS: usize = 512;
+const CONTROL_BYTES: usize = 4096;
+const MAGIC: u32 = 0x6d70_6467; // "mpdg"
+
+const W_MAGIC: usize = 0;
+const W_WORLD: usize = 1;
+const W_ARRIVED: usize = 2;
+const W_GENERATION: usize = 3;
+/// 0, or 1 + the rank whose death or failure ended the group.
+const W_ABORT: usize = 4;
+const W_PIDS: usize = 16;
+
+/// The words of one mailbox (one per ordered pair of ranks) of send/recv.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Mail {
+    /// Chunks the sender has put in its slot.
+    Sent = 0,
+    /// Chunks the receiver has copied out.
+    Taken = 1,
+    /// The byte length of the chunk in flight, for the receiver to check.
+    Len = 2,
+}
+
+/// How often a waiting rank checks that its peers are alive.
+const LIVENESS_TICK: Duration = Duration::from_millis(20);
+
+/// One rank's mapping of the group segment.
+#[derive(Debug)]
+pub(crate) struct Arena {
+    fd: OwnedFd,
+    map: SharedMapping,
+    world_size: usize,
+}
+
+impl Arena {
+    /// Where the mailboxes of send/recv start: after the slots.
+    fn mailbox_offset(world_size: usize) -> usize {
+        CONTROL_BYTES + 2 * (world_size + 1) * SLOT_BYTES
+    }
+
+    fn bytes_for(world_size: usize) -> usize {
+        let mail = (world_size * world_size * 12).div_ceil(4096) * 4096;
+        Self::mailbox_offset(world_size) + mail
+    }
+
+    /// A new segment for `world_size` ranks.
+    pub(crate) fn create(world_size: usize) -> Result<Arena> {
+        if world_size == 0 || world_size > MAX_RANKS {
+            return Err(Error::InvalidArgument(format!(
+                "a local process group holds 1..={MAX_RANKS} ranks, not {world_size}"
+            )));
+        }
+        let len = Self::bytes_for(world_size);
+        let fd = memfd::create("multiproc-group", len as u64)?;
+        memfd::seal_size(fd.as_fd())?;
+        let map = SharedMapping::map(fd.as_fd(), len)?;
+        let arena = Arena {
+            fd,
+            map,
+            world_size,
+        };
+        arena
+            .word(W_WORLD)
+            .store(world_size as u32, Ordering::Relaxed);
+        arena.word(W_MAGIC).store(MAGIC, Ordering::Release);
+        Ok(arena)
+    }
+
+    /// Maps a received segment, checking that it is one.
+    pub(crate) fn open(fd: OwnedFd) -> Result<Arena> {
+        let bad = |what: String| Error::InvalidMessage(format!("process group handle: {what}"));
+        if !memfd::is_shrink_sealed(fd.as_fd()) {
+            return Err(bad("not a sealed multiproc memfd".into()));
+        }
+        let size = memfd::file_size(fd.as_fd())? as usize;
+        if size < CONTROL_BYTES {
+            return Err(bad(format!("{size} bytes is too small")));
+        }
+        let control = SharedMapping::map(fd.as_fd(), CONTROL_BYTES)?;
+        // SAFETY: words 0 and 1 lie in the page just mapped, 4-aligned; read atomically.
+        let (magic, world) = unsafe {
+            let w = control.as_ptr().cast::<AtomicU32>();
+            (
+                (*w.add(W_MAGIC)).load(Ordering::Acquire),
+                (*w.add(W_WORLD)).load(Ordering::Relaxed) as usize,
+            )
+        };
+        drop(control);
+        if magic != MAGIC || world == 0 || world > MAX_RANKS {
+            return Err(bad(format!(
+                "magic {magic:#x} and world size {world} are not a group's"
+            )));
+        }
+        let len = Self::bytes_for(world);
+        if size < len {
+            return Err(bad(format!(
+                "{size} bytes, fewer than the {len} of {world} ranks"
+            )));
+        }
+        let map = SharedMapping::map(fd.as_fd(), len)?;
+        Ok(Arena {
+            fd,
+            map,
+            world_size: world,
+        })
+    }
+
+    pub(crate) fn fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+
+    pub(crate) fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    fn word(&self, index: usize) -> &AtomicU32 {
+        assert!(
+            index < CONTROL_BYTES / 4,
+            "control word {index} out of range"
+        );
+        // SAFETY: in bounds of the control page (checked above), 4-aligned (the mapping
+        // is page-aligned), only ever used atomically; the mapping outlives `&self`.
+        unsafe { &*self.map.as_ptr().cast::<AtomicU32>().add(index) }
+    }
+
+    /// Claims `rank` for this process: its pid goes in the rank's word.
+    pub(crate) fn register(&self, rank: usize) -> Result<()> {
+        let me = sysproc::current_pid() as u32;
+        let word = self.word(W_PIDS + rank);
+        match word.compare_exchange(0, me, Ordering::AcqRel, Ordering::Acquire) {
+            Ok(_) => Ok(()),
+            Err(pid) if pid == me => Ok(()),
+            Err(pid) => Err(Error::InvalidArgument(format!(
+                "rank {rank} of this process group is already taken by pid {pid}: \
+                 each process joins with its own RANK"
+            ))),
+        }
+    }
+
+    /// The pid registered for `rank` (0: not yet).
+    pub(crate) fn pid(&self, rank: usize) -> u32 {
+        self.word(W_PIDS + rank).load(Ordering::Acquire)
+    }
+
+    /// Marks the group failed because of `rank`, and wakes every waiter.
+    pub(crate) fn abort(&self, rank: usize) {
+        let _ = self.word(W_ABORT).compare_exchange(
+            0,
+            rank as u32 + 1,
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        );
+        futex::wake_all(self.word(W_GENERATION));
+    }
+
+    /// The rank whose failure ended the group, if one did.
+    pub(crate) fn aborted_by(&self) -> Option<usize> {
+        match self.word(W_ABORT).load(Ordering::Acquire) {
+            0 => None,
+            r => Some(r as usize - 1),
+        }
+    }
+
+    /// Waits until all ranks have called `barrier` for the `epoch`-th time (this rank's
+    /// count of barriers passed). `alive(rank)` says whether a peer still runs; it is
+    /// asked every [`LIVENESS_TICK`] while waiting.
+    pub(crate) fn barrier(
+        &self,
+        epoch: u32,
+        deadline: Deadline,
+        dead_peer: impl FnMut() -> Option<usize>,
+    ) -> Result<()> {
+        let p = self.world_size as u32;
+        let target = epoch.wrapping_add(1).wrapping_mul(p);
+        let generation = self.word(W_GENERATION);
+        let arrived = self
+            .word(W_ARRIVED)
+            .fetch_add(1, Ordering::AcqRel)
+            .wrapping_add(1);
+        if arrived == target {
+            generation.store(epoch.wrapping_add(1), Ordering::Release);
+            futex::wake_all(generation);
+            return Ok(());
+        }
+        self.wait_while(generation, epoch, deadline, dead_peer, || {
+            let now_arrived = self.word(W_ARRIVED).load(Ordering::Acquire);
+            timed_out(self.world_size, now_arrived, target)
+        })
+    }
+
+    /// Waits while `word` holds `value`: spins briefly, then sleeps on the futex in
+    /// [`LIVENESS_TICK`] slices, checking between them whether the group was aborted or
+    /// `dead_peer` finds a peer gone (then it aborts the group). Every wait of the
+    /// group goes through here.
+    fn wait_while(
+        &self,
+        word: &AtomicU32,
+        value: u32,
+        deadline: Deadline,
+        mut dead_peer: impl FnMut() -> Option<usize>,
+        timed_out: impl FnOnce() -> Error,
+    ) -> Result<()> {
+        let passed = || word.load(Ordering::Acquire) != value;
+        if futex::spin_until(deadline, passed) {
+            return Ok(());
+        }
+        loop {
+            if passed() {
+                return Ok(());
+            }
+            if let Some(rank) = self.aborted_by() {
+                return Err(self.died(rank, "its failure ended the group"));
+            }
+            if let Some(rank) = dead_peer() {
+                self.abort(rank);
+                return Err(self.died(rank, "it exited"));
+            }
+            let now = Instant::now();
+            if deadline.is_some_and(|d| now >= d) {
+                return Err(timed_out());
+            }
+            let tick = now + LIVENESS_TICK;
+            let until = Some(deadline.map_or(tick, |d| d.min(tick)));
+            futex::wait(word, value, until)?;
+        }
+    }
+
+    /// Word `field` of the mailbox from `src` to `dst` (see [`Mail`]).
+    pub(crate) fn mail(&self, src: usize, dst: usize, field: Mail) -> &AtomicU32 {
+        let p = self.world_size;
+        assert!(src < p && dst < p, "mailbox {src}->{dst} out of range");
+        let offset = Self::mailbox_offset(p) + ((src * p + dst) * 3 + field as usize) * 4;
+        // SAFETY: `offset` lies in the mailbox area, which `bytes_for` includes in the
+        // mapping; 4-aligned (the area is page-aligned); only used atomically.
+        unsafe { &*self.map.as_ptr().add(offset).cast::<AtomicU32>() }
+    }
+
+    /// Sleeps while the mailbox word `field` of `src -> dst` holds `value` (see
+    /// [`wait_while`](Self::wait_while)); `peer` is the rank whose death ends the wait.
+    pub(crate) fn wait_mail(
+        &self,
+        (src, dst, field): (usize, usize, Mail),
+        value: u32,
+        deadline: Deadline,
+        dead_peer: impl FnMut() -> Option<usize>,
+    ) -> Result<()> {
+        let word = self.mail(src, dst, field);
+        self.wait_while(word, value, deadline, dead_peer, || {
+            Error::timeout(format!(
+                "send/recv between ranks {src} and {dst} timed out: every send needs the \
+                 matching recv on the other rank"
+            ), None)
+        })
+    }
+
+    fn died(&self, rank: usize, how: &str) -> Error {
+        let pid = self.pid(rank);
+        Error::RankDied {
+            rank,
+            pid: (pid != 0).then_some(pid as i32),
+            message: format!(
+                "rank {rank} (pid {pid}) of the process group is gone ({how}) while the \
+                 others waited for it in a collective: the group cannot continue; see \
+                 that rank's own error, then restart the job"
+            ),
+        }
+    }
+
+    /// The start of slot `slot` (`0..P`, or `P` for the result) of buffer set `set`.
+    fn slot_ptr(&self, set: usize, slot: usize) -> *mut u8 {
+        debug_assert!(set < 2 && slot <= self.world_size);
+        let offset = CONTROL_BYTES + (set * (self.world_size + 1) + slot) * SLOT_BYTES;
+        self.map.as_ptr().wrapping_add(offset)
+    }
+
+    /// Copies `len` bytes from `src` into `slot` of `set` at byte `at`.
+    ///
+    /// # Safety
+    /// `src..src+len` is readable; `at + len <= SLOT_BYTES`; by the protocol, no other
+    /// rank accesses this range of the slot during the phase.
+    pub(crate) unsafe fn copy_in(
+        &self,
+        set: usize,
+        slot: usize,
+        at: usize,
+        src: *const u8,
+        len: usize,
+    ) {
+        assert!(at + len <= SLOT_BYTES, "slot range out of bounds");
+        // SAFETY: the destination lies inside the mapping (asserted); the caller vouches
+        // for the source and for exclusivity; the two cannot overlap (ours is shared
+        // memory of the group, the source a tensor's storage).
+        unsafe { std::ptr::copy_nonoverlapping(src, self.slot_ptr(set, slot).add(at), len) }
+    }
+
+    /// Copies `len` bytes at byte `at` of `slot` of `set` to `dst`.
+    ///
+    /// # Safety
+    /// `dst..dst+len` is writable and nothing else reads or writes it now;
+    /// `at + len <= SLOT_BYTES`; by the protocol, no rank writes the slot range now.
+    pub(crate) unsafe fn copy_out(
+        &self,
+        set: usize,
+        slot: usize,
+        at: usize,
+        dst: *mut u8,
+        len: usize,
+    ) {
+        assert!(at + len <= SLOT_BYTES, "slot range out of bounds");
+        // SAFETY: as for `copy_in`, the other way.
+        unsafe { std::ptr::copy_nonoverlapping(self.slot_ptr(set, slot).add(at), dst, len) }
+    }
+
+    /// Reduces elements `start..end` (of type `T`) of every rank's slot of `set` into
+    /// the same elements of the result slot, with `op`, then applies `finish` to them.
+    /// With `own = Some((rank, chunk))`, rank `rank`'s elements are read from `chunk`
+    /// (its tensor, element 0 of this chunk) instead of its slot, which it then need
+    /// not have filled for this range.
+    ///
+    /// # Safety
+    /// By the protocol, during this phase no rank writes the slots' range and only this
+    /// rank touches the result's range; `end * size_of::<T>() <= SLOT_BYTES`; `own`'s
+    /// pointer is valid for `end` elements that no one writes now.
+    pub(crate) unsafe fn reduce<T: Copy>(
+        &self,
+        set: usize,
+        start: usize,
+        end: usize,
+        own: Option<(usize, *const T)>,
+        op: impl Fn(T, T) -> T,
+        finish: Option<impl Fn(T) -> T>,
+    ) {
+        let size = std::mem::size_of::<T>();
+        assert!(
+            end * size <= SLOT_BYTES && start <= end,
+            "reduce range out of bounds"
+        );
+        let n = end - start;
+        // SAFETY: every range below is inside the mapping (asserted) or the caller's
+        // chunk (vouched for), and aligned (slots are page-aligned, `start` counts
+        // elements); the caller vouches that no one writes the source ranges and no one
+        // else touches the result range now.
+        unsafe {
+            let source = |slot: usize| -> &[T] {
+                let base = match own {
+                    Some((rank, chunk)) if rank == slot => chunk,
+                    _ => self.slot_ptr(set, slot).cast::<T>().cast_const(),
+                };
+                std::slice::from_raw_parts(base.add(start), n)
+            };
+            let result = std::slice::from_raw_parts_mut(
+                self.slot_ptr(set, self.world_size).cast::<T>().add(start),
+                n,
+            );
+            if self.world_size == 1 {
+                result.copy_from_slice(source(0));
+            } else {
+                // The first two in one pass: one write of the result, not two.
+                for ((r, a), b) in result.iter_mut().zip(source(0)).zip(source(1)) {
+                    *r = op(*a, *b);
+                }
+            }
+            for slot in 2..self.world_size {
+                for (r, s) in result.iter_mut().zip(source(slot)) {
+                    *r = op(*r, *s);
+                }
+            }
+            if let Some(finish) = finish {
+                for r in result.iter_mut() {
+                    *r = finish(*r);
+                }
+            }
+        }
+    }
+}
+
+fn timed_out(world: usize, arrived: u32, target: u32) -> Error {
+    let missing = target.wrapping_sub(arrived) as usize;
+    Error::timeout(format!(
+        "a process group collective timed out with {missing} of {world} ranks not arrived: \
+         every rank must call the same collectives in the same order (raise the group's \
+         timeout if they are only slow)"
+    ), None)
+}
