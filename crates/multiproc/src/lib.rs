@@ -445,11 +445,15 @@ macro_rules! linux_only {
 }
 
 linux_only! {
+    /// Not public API: the micro-benchmarks' entry points (`benches/`), behind the
+    /// `bench-internals` feature. May change or vanish in any release.
+    #[cfg(feature = "bench-internals")]
     #[doc(hidden)]
     #[path = "bench_api.rs"]
     pub mod __bench;
-    /// Not public API: the wire decoder's fuzzing entry points (see `fuzz/`). May change or
-    /// vanish in any release.
+    /// Not public API: the wire decoder's fuzzing entry points (see `fuzz/`), behind the
+    /// `fuzzing` feature. May change or vanish in any release.
+    #[cfg(feature = "fuzzing")]
     #[doc(hidden)]
     #[path = "fuzzing.rs"]
     pub mod __fuzz;

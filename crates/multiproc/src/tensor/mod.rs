@@ -58,6 +58,7 @@ use dtype::sealed::Sealed;
 pub use dtype::{DType, Element};
 use layout::{Layout, MAX_DIMS, numel_of};
 use raw::Region;
+#[cfg(feature = "fuzzing")]
 pub(crate) use storage::ForgedStorageWire;
 pub use storage::Storage;
 use storage::StorageRead;
