@@ -468,7 +468,6 @@ linux_only! {
     pub mod safetensors;
     mod error;
     mod manager;
-    #[allow(unsafe_code)]
     mod pool;
     mod process;
     mod queue;
