@@ -10,15 +10,40 @@ pub(crate) mod block;
 mod event;
 pub(crate) mod futex;
 mod lock;
-mod primitives;
+
+/// `Serialize`/`Deserialize` for a primitive that is one [`SharedBlock`](block::SharedBlock)
+/// (a field named `block`): the block's handle travels, checked against `$kind` on
+/// arrival. Defined before the modules that use it (textual macro scope).
+macro_rules! shared_block_serde {
+    ($ty:ident $(<$g:ident>)?, $kind:expr, $what:literal, |$block:ident| $build:expr) => {
+        impl$(<$g>)? Serialize for $ty$(<$g>)? {
+            fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+                self.block.serialize_as($what, s)
+            }
+        }
+
+        impl<'de, $($g: SharedValue)?> Deserialize<'de> for $ty$(<$g>)? {
+            fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+                let $block = Arc::new(SharedBlock::deserialize_as($kind, $what, d)?);
+                Ok($build)
+            }
+        }
+    };
+}
+mod barrier;
+mod bounded_semaphore;
+mod condition;
+mod semaphore;
+mod value;
 
 pub use event::Event;
 pub(crate) use lock::process_is_dead;
 pub use lock::{Lock, LockGuard, RLock, RLockGuard};
-pub use primitives::{
-    Barrier, BoundedSemaphore, Condition, ConditionGuard, Semaphore, SemaphoreGuard, SharedValue,
-    Value,
-};
+pub use barrier::Barrier;
+pub use bounded_semaphore::BoundedSemaphore;
+pub use condition::{Condition, ConditionGuard};
+pub use semaphore::{Semaphore, SemaphoreGuard};
+pub use value::{SharedValue, Value};
 
 #[cfg(test)]
 mod tests {
