@@ -263,6 +263,12 @@ impl Pool {
     /// Runs `f` on every item and yields the results in order, as they become
     /// available. Items are submitted as the iterator is consumed, a few per worker
     /// ahead.
+    ///
+    /// # Errors
+    ///
+    /// Not here, but per item: a task that panicked, returned `Err` or whose worker
+    /// died yields [`Error::TaskFailed`] with its index (the others still come);
+    /// [`Error::Closed`] (once) when the pool is closed or terminated.
     pub fn imap<A, R, E, I>(
         &self,
         f: fn(A) -> std::result::Result<R, E>,
@@ -279,6 +285,10 @@ impl Pool {
 
     /// As [`imap`](Self::imap), yielding results in the order they complete. A failed
     /// task's error carries its index ([`Error::TaskFailed`]).
+    ///
+    /// # Errors
+    ///
+    /// Per item, as [`imap`](Self::imap).
     pub fn imap_unordered<A, R, E, I>(
         &self,
         f: fn(A) -> std::result::Result<R, E>,
