@@ -3,11 +3,11 @@
 use std::sync::mpsc;
 use std::time::Duration;
 
-use serde::de::DeserializeOwned;
 use serde::Serialize;
+use serde::de::DeserializeOwned;
 
-use crate::error::{Error, Result};
 use super::state::{ChunkOutcome, dispatcher_gone};
+use crate::error::{Error, Result};
 
 /// The result of [`Pool::apply_async`](super::Pool::apply_async).
 pub struct AsyncResult<R> {

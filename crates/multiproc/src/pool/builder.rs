@@ -1,11 +1,9 @@
 //! [`PoolBuilder`]: the options a [`Pool`] is started with.
 
-
-
-use crate::process::StartMethod;
-use crate::error::Result;
-use super::handle::Pool;
 use super::forms::{self};
+use super::handle::Pool;
+use crate::error::Result;
+use crate::process::StartMethod;
 
 /// Options for a [`Pool`].
 #[derive(Debug, Clone)]

@@ -6,16 +6,15 @@ use std::os::fd::AsFd;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-
-use crate::process::code::CodeRef;
-use crate::process::Process;
-use crate::queue::{Connection, pipe};
-use crate::wire::Opaque;
-use crate::error::{Error, Result};
 use super::builder::PoolBuilder;
 use super::protocol::{PoolMsg, WorkerArgs};
 use super::state::{Pending, Shared, State};
 use super::worker::pool_worker;
+use crate::error::{Error, Result};
+use crate::process::Process;
+use crate::process::code::CodeRef;
+use crate::queue::{Connection, pipe};
+use crate::wire::Opaque;
 
 /// How often the dispatcher checks on workers when nothing else wakes it.
 pub(super) const TICK: Duration = Duration::from_millis(100);

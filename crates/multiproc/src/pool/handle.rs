@@ -8,22 +8,22 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use serde::de::DeserializeOwned;
 use serde::Serialize;
+use serde::de::DeserializeOwned;
 
-use crate::process::code::CodeRef;
-use crate::process::StartMethod;
-use crate::queue::pipe;
-use crate::wire::Opaque;
-use crate::error::{Error, Result};
+use super::async_result::AsyncResult;
 use super::builder::PoolBuilder;
+use super::dispatcher::Dispatcher;
+use super::dispatcher::Worker;
+use super::imap::Imap;
 use super::protocol::ChunkTrampoline;
 use super::state::{ChunkOutcome, Pending, Shared, State, dispatcher_gone, with_index};
 use super::worker::run_chunk;
-use super::imap::Imap;
-use super::async_result::AsyncResult;
-use super::dispatcher::Dispatcher;
-use super::dispatcher::Worker;
+use crate::error::{Error, Result};
+use crate::process::StartMethod;
+use crate::process::code::CodeRef;
+use crate::queue::pipe;
+use crate::wire::Opaque;
 
 /// A pool of worker processes, like `multiprocessing.Pool`.
 ///

@@ -5,13 +5,13 @@ use std::collections::BTreeMap;
 use std::fmt::Display;
 use std::sync::mpsc;
 
-use serde::de::DeserializeOwned;
 use serde::Serialize;
+use serde::de::DeserializeOwned;
 
-use crate::wire::Opaque;
-use crate::error::{Error, Result};
 use super::handle::Pool;
 use super::state::{ChunkOutcome, dispatcher_gone, with_index};
+use crate::error::{Error, Result};
+use crate::wire::Opaque;
 
 /// The iterator of [`Pool::imap`] and [`Pool::imap_unordered`]: yields `Result<R>` per
 /// item (a failed task is an `Err` with its index; the others still come).
@@ -36,7 +36,12 @@ where
     E: Display,
     I: Iterator<Item = A>,
 {
-    pub(super) fn new(pool: &'p Pool, f: fn(A) -> std::result::Result<R, E>, items: I, ordered: bool) -> Self {
+    pub(super) fn new(
+        pool: &'p Pool,
+        f: fn(A) -> std::result::Result<R, E>,
+        items: I,
+        ordered: bool,
+    ) -> Self {
         let (job, failed) = match pool.new_job() {
             Ok(j) => (Some(j), None),
             Err(e) => (None, Some(e)),

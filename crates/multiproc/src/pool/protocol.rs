@@ -1,13 +1,12 @@
 //! The pool's message protocol: what travels between the dispatcher and a worker
 //! process, and the shape of the chunk trampolines that run tasks there.
 
-
 use serde::{Deserialize, Serialize};
 
+use super::forms::InitCall;
 use crate::process::code::CodeRef;
 use crate::queue::Connection;
 use crate::wire::Opaque;
-use super::forms::InitCall;
 
 /// What travels between the dispatcher and a worker (one type, both directions).
 #[derive(Debug, Serialize, Deserialize)]
@@ -44,7 +43,8 @@ pub(super) enum PoolMsg {
 /// outcome)`; `false` back means stop (the parent is gone).
 pub(super) type Report<'a> = &'a mut dyn FnMut(usize, std::result::Result<Opaque, String>) -> bool;
 
-pub(super) type ChunkTrampoline = fn(CodeRef, Opaque, usize, Report<'_>) -> std::result::Result<(), String>;
+pub(super) type ChunkTrampoline =
+    fn(CodeRef, Opaque, usize, Report<'_>) -> std::result::Result<(), String>;
 
 #[derive(Serialize, Deserialize)]
 pub(super) struct WorkerArgs {

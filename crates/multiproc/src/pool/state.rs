@@ -8,11 +8,10 @@ use std::sync::mpsc;
 use std::sync::{Condvar, Mutex};
 use std::time::Duration;
 
-
+use crate::error::{Error, Result};
 use crate::process::code::CodeRef;
 use crate::queue::Connection;
 use crate::wire::Opaque;
-use crate::error::{Error, Result};
 
 /// One chunk that is waiting for, or running on, a worker.
 pub(super) struct Pending {

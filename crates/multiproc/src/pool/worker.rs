@@ -7,13 +7,13 @@
 use std::fmt::Display;
 use std::panic::AssertUnwindSafe;
 
-use serde::de::DeserializeOwned;
 use serde::Serialize;
+use serde::de::DeserializeOwned;
 
+use super::protocol::{ChunkTrampoline, PoolMsg, Report, WorkerArgs};
+use crate::error::Error;
 use crate::process::code::CodeRef;
 use crate::wire::Opaque;
-use crate::error::Error;
-use super::protocol::{ChunkTrampoline, PoolMsg, Report, WorkerArgs};
 
 /// Decodes a chunk of `A`, runs `f` under `catch_unwind` on each from item `skip` on,
 /// and reports each result as it comes.
@@ -123,7 +123,9 @@ pub(super) fn pool_worker(_rank: usize, args: WorkerArgs) -> std::result::Result
     }
 }
 
-pub(super) fn unsafe_resolve_trampoline(t: CodeRef) -> std::result::Result<ChunkTrampoline, String> {
+pub(super) fn unsafe_resolve_trampoline(
+    t: CodeRef,
+) -> std::result::Result<ChunkTrampoline, String> {
     // SAFETY: the parent took this offset from a `ChunkTrampoline` (`run_chunk` for some
     // types) in the same executable, which `CodeRef` checks.
     unsafe { t.resolve::<ChunkTrampoline>() }

@@ -30,18 +30,19 @@ macro_rules! shared_block_serde {
         }
     };
 }
+
 mod barrier;
 mod bounded_semaphore;
 mod condition;
 mod semaphore;
 mod value;
 
-pub use event::Event;
-pub(crate) use lock::process_is_dead;
-pub use lock::{Lock, LockGuard, RLock, RLockGuard};
 pub use barrier::Barrier;
 pub use bounded_semaphore::BoundedSemaphore;
 pub use condition::{Condition, ConditionGuard};
+pub use event::Event;
+pub(crate) use lock::process_is_dead;
+pub use lock::{Lock, LockGuard, RLock, RLockGuard};
 pub use semaphore::{Semaphore, SemaphoreGuard};
 pub use value::{SharedValue, Value};
 

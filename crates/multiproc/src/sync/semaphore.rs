@@ -11,8 +11,8 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use super::block::SharedBlock;
 use super::futex;
-use crate::sys::deadline_after;
 use crate::error::{Error, Result};
+use crate::sys::deadline_after;
 
 const SEM_KIND: u32 = 0x5345_4d41; // "SEMA"
 const SEM_VALUE: usize = 1;
@@ -189,4 +189,3 @@ impl fmt::Debug for SemaphoreGuard<'_> {
             .finish()
     }
 }
-
