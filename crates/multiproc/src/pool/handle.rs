@@ -269,16 +269,17 @@ impl Pool {
     /// Not here, but per item: a task that panicked, returned `Err` or whose worker
     /// died yields [`Error::TaskFailed`] with its index (the others still come);
     /// [`Error::Closed`] (once) when the pool is closed or terminated.
-    pub fn imap<A, R, E, I>(
-        &self,
+    pub fn imap<'p, A, R, E, I>(
+        &'p self,
         f: fn(A) -> std::result::Result<R, E>,
         items: I,
-    ) -> Imap<'_, A, R, E, I::IntoIter>
+    ) -> Imap<'p, R>
     where
-        A: Serialize + DeserializeOwned,
-        R: Serialize + DeserializeOwned,
-        E: Display,
+        A: Serialize + DeserializeOwned + 'p,
+        R: Serialize + DeserializeOwned + 'p,
+        E: Display + 'p,
         I: IntoIterator<Item = A>,
+        I::IntoIter: 'p,
     {
         Imap::new(self, f, items.into_iter(), true)
     }
@@ -289,16 +290,17 @@ impl Pool {
     /// # Errors
     ///
     /// Per item, as [`imap`](Self::imap).
-    pub fn imap_unordered<A, R, E, I>(
-        &self,
+    pub fn imap_unordered<'p, A, R, E, I>(
+        &'p self,
         f: fn(A) -> std::result::Result<R, E>,
         items: I,
-    ) -> Imap<'_, A, R, E, I::IntoIter>
+    ) -> Imap<'p, R>
     where
-        A: Serialize + DeserializeOwned,
-        R: Serialize + DeserializeOwned,
-        E: Display,
+        A: Serialize + DeserializeOwned + 'p,
+        R: Serialize + DeserializeOwned + 'p,
+        E: Display + 'p,
         I: IntoIterator<Item = A>,
+        I::IntoIter: 'p,
     {
         Imap::new(self, f, items.into_iter(), false)
     }

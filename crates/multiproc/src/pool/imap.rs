@@ -2,7 +2,8 @@
 //! keeps a window of tasks submitted ahead of what it has yielded.
 
 use std::collections::BTreeMap;
-use std::fmt::Display;
+use std::fmt::{self, Display};
+use std::marker::PhantomData;
 use std::sync::mpsc;
 
 use serde::Serialize;
@@ -13,43 +14,58 @@ use super::state::{ChunkOutcome, dispatcher_gone, with_index};
 use crate::error::{Error, Result};
 use crate::wire::Opaque;
 
+/// Pulls at most `room` items from the caller's iterator and queues them on `pool` as
+/// tasks `first..` of `job`; returns how many it queued (0: the items are exhausted).
+/// It holds the task function and the items, so [`Imap`] needs neither's type.
+type Submit<'p> = Box<dyn FnMut(&Pool, u64, usize, usize) -> Result<usize> + 'p>;
+
 /// The iterator of [`Pool::imap`] and [`Pool::imap_unordered`]: yields `Result<R>` per
 /// item (a failed task is an `Err` with its index; the others still come).
-pub struct Imap<'p, A, R, E, I> {
-    pub(super) pool: &'p Pool,
-    pub(super) f: fn(A) -> std::result::Result<R, E>,
-    pub(super) items: I,
-    pub(super) ordered: bool,
-    pub(super) job: Option<(u64, mpsc::Receiver<ChunkOutcome>)>,
-    pub(super) submitted: usize,
-    pub(super) yielded: usize,
+///
+/// Only the result type shows: the task function and the argument iterator are held
+/// type-erased. (So an `Imap` stays on the thread that made it: it is not `Send`.)
+pub struct Imap<'p, R> {
+    pool: &'p Pool,
+    submit: Submit<'p>,
+    ordered: bool,
+    job: Option<(u64, mpsc::Receiver<ChunkOutcome>)>,
+    submitted: usize,
+    yielded: usize,
     /// Results that arrived, by index, not yet yielded.
-    pub(super) ready: BTreeMap<usize, Result<Opaque>>,
-    pub(super) window: usize,
-    pub(super) failed: Option<Error>,
+    ready: BTreeMap<usize, Result<Opaque>>,
+    window: usize,
+    failed: Option<Error>,
+    _result: PhantomData<fn() -> R>,
 }
 
-impl<'p, A, R, E, I> Imap<'p, A, R, E, I>
-where
-    A: Serialize + DeserializeOwned,
-    R: Serialize + DeserializeOwned,
-    E: Display,
-    I: Iterator<Item = A>,
-{
-    pub(super) fn new(
+impl<'p, R: DeserializeOwned> Imap<'p, R> {
+    pub(super) fn new<A, E, I>(
         pool: &'p Pool,
         f: fn(A) -> std::result::Result<R, E>,
-        items: I,
+        mut items: I,
         ordered: bool,
-    ) -> Self {
+    ) -> Self
+    where
+        A: Serialize + DeserializeOwned + 'p,
+        R: Serialize + 'p,
+        E: Display + 'p,
+        I: Iterator<Item = A> + 'p,
+    {
         let (job, failed) = match pool.new_job() {
             Ok(j) => (Some(j), None),
             Err(e) => (None, Some(e)),
         };
+        let submit: Submit<'p> = Box::new(move |pool, job, first, room| {
+            let batch: Vec<A> = items.by_ref().take(room).collect();
+            let n = batch.len();
+            if n > 0 {
+                pool.enqueue(job, f, batch, first, 1)?;
+            }
+            Ok(n)
+        });
         Self {
             pool,
-            f,
-            items,
+            submit,
             ordered,
             job,
             submitted: 0,
@@ -57,35 +73,21 @@ where
             ready: BTreeMap::new(),
             window: pool.processes * 4,
             failed,
+            _result: PhantomData,
         }
     }
 
     /// Keeps up to `window` tasks submitted ahead of what has been yielded.
-    pub(super) fn top_up(&mut self, job: u64) -> Result<()> {
-        let mut batch = Vec::new();
-        while self.submitted + batch.len() - self.yielded < self.window {
-            match self.items.next() {
-                Some(item) => batch.push(item),
-                None => break,
-            }
+    fn top_up(&mut self, job: u64) -> Result<()> {
+        let room = self.window.saturating_sub(self.submitted - self.yielded);
+        if room > 0 {
+            self.submitted += (self.submit)(self.pool, job, self.submitted, room)?;
         }
-        if batch.is_empty() {
-            return Ok(());
-        }
-        let n = batch.len();
-        self.pool.enqueue(job, self.f, batch, self.submitted, 1)?;
-        self.submitted += n;
         Ok(())
     }
 }
 
-impl<A, R, E, I> Iterator for Imap<'_, A, R, E, I>
-where
-    A: Serialize + DeserializeOwned,
-    R: Serialize + DeserializeOwned,
-    E: Display,
-    I: Iterator<Item = A>,
-{
+impl<R: DeserializeOwned> Iterator for Imap<'_, R> {
     type Item = Result<R>;
 
     fn next(&mut self) -> Option<Result<R>> {
@@ -131,10 +133,20 @@ where
     }
 }
 
-impl<A, R, E, I> Drop for Imap<'_, A, R, E, I> {
+impl<R> Drop for Imap<'_, R> {
     fn drop(&mut self) {
         if let Some((job, _)) = &self.job {
             self.pool.end_job(*job);
         }
+    }
+}
+
+impl<R> fmt::Debug for Imap<'_, R> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Imap")
+            .field("ordered", &self.ordered)
+            .field("submitted", &self.submitted)
+            .field("yielded", &self.yielded)
+            .finish_non_exhaustive()
     }
 }
