@@ -1,8 +1,31 @@
-//! `multiproc bench`: the scenarios of DESIGN.md §3, measured end to end across real
-//! processes, with both sharing strategies.
+//! `multiproc bench`: the product's end-to-end scenarios, measured across real
+//! processes, with both sharing strategies (`file_descriptor` and `file_system`).
 //!
-//! Every scenario starts its worker first and waits for it to say it is ready, so
-//! process start-up is timed only by the `spawn` scenario.
+//! # Scenarios
+//!
+//! | scenario | what one iteration is | sizes (count at `--scale 1`) | figure |
+//! |---|---|---|---|
+//! | `fresh` | the worker makes a new shared f32 tensor (`Tensor::empty_shared`), fills it and `put`s it on a queue of capacity 4; the parent `get`s it and sums it | 4 KiB (2,000), 1 MiB (500), 64 MiB (40), 256 MiB (10) | tensors/s and GB/s |
+//! | `small` | as `fresh`, with 64 f32 (256 bytes) per tensor: the per-message cost | 256 B (20,000) | tensors/s |
+//! | `ping` | the parent `put`s one shared tensor, the worker sends it straight back, the parent `get`s it: a round trip of the same storage | 4 KiB and 64 MiB (2,000 each) | µs per round trip |
+//! | `spawn` | `multiproc::spawn` of 4 no-op workers and their join, after one warm-up | 4 workers (median of 10) | seconds |
+//!
+//! Every scenario but `spawn` starts its worker first and waits for it to say it is
+//! ready, so process start-up is timed only by `spawn`. `--json` prints one object per
+//! figure with the fields of [`Figure`] (`scenario, strategy, bytes, count, per_s, GB_s,
+//! us_per_roundtrip, seconds, impl`).
+//!
+//! # Baselines
+//!
+//! A figure means something only against a baseline measured in the same run on the
+//! same machine: `multiproc bench-floor` measures the raw floor (a `SOCK_SEQPACKET` +
+//! `SCM_RIGHTS` ping-pong between two processes, and fill+sum of a reused buffer in one
+//! process, `impl: "floor"`), and `scripts/compare_torch.py` runs this command, the floor
+//! and, when torch is installed, the same scenarios in torch.multiprocessing, and prints
+//! the ratios (the README's "Performance" table is one such run). The targets the
+//! project holds itself to, as ratios: `fresh` 4 KiB at ≥ 0.5× and 64 MiB / 256 MiB at
+//! ≥ 0.8× the in-process fill+sum; `ping` within 1.2× of the futex round trip;
+//! `file_system` within 1.5× of `file_descriptor`; `spawn` of 4 workers ≤ 30 ms.
 
 use std::time::{Duration, Instant};
 

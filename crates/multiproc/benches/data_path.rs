@@ -1,7 +1,8 @@
-//! Micro-benchmarks of the steps of the data path (DESIGN.md §2): encoding and decoding
-//! a message with 1 and 64 tensors, creating/opening/mapping a segment, passing an fd
-//! over a socket, a map-cache hit. They use `multiproc::__bench`, an internal entry
-//! point that is not public API.
+//! Micro-benchmarks of the steps of the data path a tensor takes through a queue (see
+//! the crate docs and `multiproc::__bench`): encoding and decoding a message with 1 and
+//! 64 tensors, creating/opening/mapping a segment, passing an fd over a socket, a
+//! map-cache hit. They use `multiproc::__bench`, an internal entry point that is not
+//! public API, behind the `bench-internals` feature (on for this package's benches).
 //!
 //! `cargo bench -p multiproc` runs them; CI only builds them (`cargo bench --no-run`).
 //! End-to-end figures are `multiproc bench`'s job.

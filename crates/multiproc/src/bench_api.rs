@@ -1,9 +1,17 @@
 //! Entry points for the criterion micro-benchmarks in `benches/`. **Not public API**:
 //! hidden from the docs, exempt from semver, and may change or vanish in any release.
 //!
-//! Each function wraps one step of the data path (DESIGN.md §2) so it can be timed on
-//! its own: encoding and decoding a message, making and mapping a segment, passing an
-//! fd over a socket, a map-cache hit.
+//! Built only with the `bench-internals` feature (off by default; this package's benches
+//! turn it on).
+//!
+//! Each function wraps one step of the data path so it can be timed on its own. A
+//! tensor sent on a queue is encoded (its storage becomes a segment handle: an fd in
+//! `file_descriptor` mode, a name in `file_system` mode), the message goes out as one
+//! `SOCK_SEQPACKET` write with the fds attached as `SCM_RIGHTS`, and the receiver
+//! checks the segment (size, seals) and maps it once per process (a cache keyed by the
+//! segment's identity, so a second tensor on the same storage is a cache hit). The
+//! steps timed: encoding and decoding a message, making and mapping a segment, passing
+//! an fd over a socket, a map-cache hit.
 
 #![allow(missing_docs)]
 

@@ -610,7 +610,10 @@ mod tests {
         let again = round_trip(&err);
         assert_eq!(again, err);
         let source = std::error::Error::source(&again).expect("a source");
-        assert_eq!(source.to_string(), err.to_string().split(": ").nth(1).unwrap());
+        assert_eq!(
+            source.to_string(),
+            err.to_string().split(": ").nth(1).unwrap()
+        );
         let Error::Os { source, .. } = again else {
             panic!()
         };
@@ -637,7 +640,10 @@ mod tests {
     fn a_timeout_says_what_waited_and_how_long() {
         let err = Error::timeout("a get on an empty queue", Some(Duration::from_millis(250)));
         assert!(err.is_timeout());
-        assert_eq!(err.to_string(), "a get on an empty queue timed out after 250ms");
+        assert_eq!(
+            err.to_string(),
+            "a get on an empty queue timed out after 250ms"
+        );
         assert_eq!(round_trip(&err), err);
         let forever = Error::timeout("a send", None);
         assert_eq!(forever.to_string(), "a send timed out");

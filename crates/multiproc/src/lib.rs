@@ -446,67 +446,93 @@ compile_error!(
      SOCK_SEQPACKET, pidfds and process-shared futexes, which this target does not have"
 );
 
-/// Applies `#[cfg(target_os = "linux")]` to every item: on other targets only the
-/// `compile_error!` above is reported, not a cascade of missing Linux APIs.
-macro_rules! linux_only {
-    ($($item:item)*) => { $( #[cfg(target_os = "linux")] $item )* };
+// Every item is Linux-only: on other targets only the `compile_error!` above is
+// reported, not a cascade of missing Linux APIs.
+#[cfg(target_os = "linux")]
+/// Not public API: the micro-benchmarks' entry points (`benches/`), behind the
+/// `bench-internals` feature. May change or vanish in any release.
+#[cfg(feature = "bench-internals")]
+#[doc(hidden)]
+#[path = "bench_api.rs"]
+pub mod __bench;
+#[cfg(target_os = "linux")]
+/// Not public API: the wire decoder's fuzzing entry points (see `fuzz/`), behind the
+/// `fuzzing` feature. May change or vanish in any release.
+#[cfg(feature = "fuzzing")]
+#[doc(hidden)]
+#[path = "fuzzing.rs"]
+pub mod __fuzz;
+#[cfg(target_os = "linux")]
+/// Not public API: hooks for the integration tests' leak checks. May change or vanish
+/// in any release.
+#[doc(hidden)]
+#[path = "testing.rs"]
+pub mod __testing;
+#[cfg(target_os = "linux")]
+pub mod cuda;
+#[cfg(target_os = "linux")]
+pub mod data;
+#[cfg(target_os = "linux")]
+pub mod dist;
+#[cfg(target_os = "linux")]
+mod error;
+#[cfg(target_os = "linux")]
+mod manager;
+#[cfg(target_os = "linux")]
+mod pool;
+#[cfg(target_os = "linux")]
+mod process;
+#[cfg(target_os = "linux")]
+mod queue;
+#[cfg(target_os = "linux")]
+#[cfg(feature = "safetensors")]
+pub mod safetensors;
+#[cfg(target_os = "linux")]
+mod sharing;
+#[cfg(target_os = "linux")]
+mod shm;
+#[cfg(target_os = "linux")]
+mod sync;
+#[cfg(target_os = "linux")]
+#[allow(unsafe_code)]
+mod sys;
+#[cfg(target_os = "linux")]
+mod tensor;
+#[cfg(target_os = "linux")]
+mod wire;
+
+#[cfg(target_os = "linux")]
+pub use cuda::Device;
+#[cfg(target_os = "linux")]
+pub use error::{Error, Failure, LockError, OsError, PutError, Result, UserError};
+#[cfg(target_os = "linux")]
+pub use manager::run_shm_manager_from_env;
+#[cfg(target_os = "linux")]
+pub use pool::{AsyncResult, Imap, MapResult, Pool, PoolBuilder};
+#[cfg(target_os = "linux")]
+pub use process::{ChildProcess, CurrentProcess, active_children, cpu_count, current_process};
+#[cfg(target_os = "linux")]
+pub use process::{
+    ExitStatus, Process, ProcessContext, SpawnOptions, StartMethod, WorkerResult,
+    ensure_forkserver_running, init, spawn, start_processes,
+};
+#[cfg(target_os = "linux")]
+pub use queue::{Connection, JoinableQueue, Queue, QueueIter, QueueTryIter, SimpleQueue, pipe};
+
+#[cfg(target_os = "linux")]
+/// Python's `multiprocessing.connection`: [`Connection`] and [`wait`](connection::wait)
+/// on several at once.
+pub mod connection {
+    pub use crate::queue::{Connection, wait};
 }
-
-linux_only! {
-    #[doc(hidden)]
-    #[path = "bench_api.rs"]
-    pub mod __bench;
-    /// Not public API: the wire decoder's fuzzing entry points (see `fuzz/`). May change or
-    /// vanish in any release.
-    #[doc(hidden)]
-    #[path = "fuzzing.rs"]
-    pub mod __fuzz;
-    /// Not public API: hooks for the integration tests' leak checks. May change or vanish
-    /// in any release.
-    #[doc(hidden)]
-    #[path = "testing.rs"]
-    pub mod __testing;
-    pub mod cuda;
-    pub mod data;
-    pub mod dist;
-    #[cfg(feature = "safetensors")]
-    pub mod safetensors;
-    mod error;
-    mod manager;
-    #[allow(unsafe_code)]
-    mod pool;
-    mod process;
-    mod queue;
-    mod sharing;
-    mod shm;
-    mod sync;
-    #[allow(unsafe_code)]
-    mod sys;
-    mod tensor;
-    mod wire;
-
-    pub use cuda::Device;
-    pub use error::{Error, Failure, LockError, OsError, PutError, Result, UserError};
-    pub use manager::run_shm_manager_from_env;
-    pub use pool::{AsyncResult, Imap, MapResult, Pool, PoolBuilder};
-    pub use process::{ChildProcess, CurrentProcess, active_children, cpu_count, current_process};
-    pub use process::{
-        ExitStatus, Process, ProcessContext, SpawnOptions, StartMethod, WorkerResult,
-        ensure_forkserver_running, init, spawn, start_processes,
-    };
-    pub use queue::{Connection, JoinableQueue, Queue, QueueIter, QueueTryIter, SimpleQueue, pipe};
-
-    /// Python's `multiprocessing.connection`: [`Connection`] and [`wait`](connection::wait)
-    /// on several at once.
-    pub mod connection {
-        pub use crate::queue::{Connection, wait};
-    }
-    pub use sharing::{
-        SharingStrategy, get_all_sharing_strategies, get_sharing_strategy, set_sharing_strategy,
-    };
-    pub use sync::{
-        Barrier, BoundedSemaphore, Condition, ConditionGuard, Event, Lock, LockGuard, RLock,
-        RLockGuard, Semaphore, SemaphoreGuard, SharedValue, Value,
-    };
-    pub use tensor::{DType, Element, Storage, Tensor};
-}
+#[cfg(target_os = "linux")]
+pub use sharing::{
+    SharingStrategy, get_all_sharing_strategies, get_sharing_strategy, set_sharing_strategy,
+};
+#[cfg(target_os = "linux")]
+pub use sync::{
+    Barrier, BoundedSemaphore, Condition, ConditionGuard, Event, Lock, LockGuard, RLock,
+    RLockGuard, Semaphore, SemaphoreGuard, SharedValue, Value,
+};
+#[cfg(target_os = "linux")]
+pub use tensor::{DType, Element, Storage, Tensor};

@@ -382,9 +382,11 @@ fn stop_slots(slots: Vec<Slot>, grace: Duration) {
     for p in &mut processes {
         let left = until.saturating_duration_since(Instant::now());
         if !left.is_zero() {
-            if let Err(e) = p.join(Some(left)).map(drop).or_else(|e| {
-                if e.is_timeout() { Ok(()) } else { Err(e) }
-            }) {
+            if let Err(e) = p
+                .join(Some(left))
+                .map(drop)
+                .or_else(|e| if e.is_timeout() { Ok(()) } else { Err(e) })
+            {
                 tracing::warn!("multiproc: waiting for a data loader worker: {e}");
             }
         }

@@ -296,10 +296,13 @@ impl Arena {
     ) -> Result<()> {
         let word = self.mail(src, dst, field);
         self.wait_while(word, value, deadline, dead_peer, || {
-            Error::timeout(format!(
-                "send/recv between ranks {src} and {dst} timed out: every send needs the \
+            Error::timeout(
+                format!(
+                    "send/recv between ranks {src} and {dst} timed out: every send needs the \
                  matching recv on the other rank"
-            ), None)
+                ),
+                None,
+            )
         })
     }
 
@@ -426,9 +429,12 @@ impl Arena {
 
 fn timed_out(world: usize, arrived: u32, target: u32) -> Error {
     let missing = target.wrapping_sub(arrived) as usize;
-    Error::timeout(format!(
-        "a process group collective timed out with {missing} of {world} ranks not arrived: \
+    Error::timeout(
+        format!(
+            "a process group collective timed out with {missing} of {world} ranks not arrived: \
          every rank must call the same collectives in the same order (raise the group's \
          timeout if they are only slow)"
-    ), None)
+        ),
+        None,
+    )
 }

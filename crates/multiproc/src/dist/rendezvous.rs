@@ -66,10 +66,13 @@ pub(crate) fn serve<T: serde::Serialize>(name: &str, handle: &T, peers: usize) -
     let deadline = deadline_after(Some(RENDEZVOUS_TIMEOUT));
     for served in 0..peers {
         if !wait_fd(listener.as_fd(), Readiness::Readable, deadline)? {
-            return Err(Error::timeout(format!(
-                "process group rendezvous @{name}: {served} of {peers} local ranks arrived \
+            return Err(Error::timeout(
+                format!(
+                    "process group rendezvous @{name}: {served} of {peers} local ranks arrived \
                  within {RENDEZVOUS_TIMEOUT:?}: start every local rank"
-            ), None));
+                ),
+                None,
+            ));
         }
         let peer = rustix::net::accept_with(&listener, SocketFlags::CLOEXEC)
             .map_err(|e| Error::os("accepting a rank at the rendezvous socket", e))?;
@@ -89,10 +92,13 @@ pub(crate) fn join<T: serde::de::DeserializeOwned>(name: &str) -> Result<T> {
             // Rank 0 has not bound yet, or its backlog is full: try again shortly.
             Err(Errno::CONNREFUSED | Errno::NOENT | Errno::AGAIN) => {
                 if deadline.is_some_and(|d| Instant::now() >= d) {
-                    return Err(Error::timeout(format!(
-                        "process group rendezvous @{name}: local rank 0 did not appear within \
+                    return Err(Error::timeout(
+                        format!(
+                            "process group rendezvous @{name}: local rank 0 did not appear within \
                          {RENDEZVOUS_TIMEOUT:?}: did it start, and call ProcessGroup::from_env?"
-                    ), None));
+                        ),
+                        None,
+                    ));
                 }
                 std::thread::sleep(Duration::from_millis(10));
             }

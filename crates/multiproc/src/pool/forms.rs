@@ -14,7 +14,11 @@ use std::time::{Duration, Instant};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
-use super::{ChunkOutcome, ChunkTrampoline, Pool, PoolBuilder, dispatcher_gone, run_task};
+use super::builder::PoolBuilder;
+use super::handle::Pool;
+use super::protocol::{ChunkTrampoline, Report};
+use super::state::{ChunkOutcome, dispatcher_gone, with_index};
+use super::worker::run_task;
 use crate::process::code::CodeRef;
 use crate::wire::Opaque;
 use crate::{Error, Result};
@@ -116,7 +120,7 @@ fn run_star_chunk<A, B, R, E>(
     function: CodeRef,
     args: Opaque,
     skip: usize,
-    report: super::Report<'_>,
+    report: Report<'_>,
 ) -> std::result::Result<(), String>
 where
     A: Serialize + DeserializeOwned,
@@ -215,7 +219,7 @@ impl<R: DeserializeOwned> MapResult<R> {
             .map(|(index, r)| {
                 r.unwrap_or_else(|| Err(dispatcher_gone()))
                     .and_then(|o| o.decode::<R>())
-                    .map_err(|e| super::with_index(e, index))
+                    .map_err(|e| with_index(e, index))
             })
             .collect()
     }

@@ -4,8 +4,10 @@
 //! This module owns every process multiproc creates, from the request to the reaping:
 //!
 //! - `worker` — the worker side: [`init`], the job loop, the panic hook, the report.
-//! - `job` — how a job names its function across `exec` (code offsets; the one unsafe
-//!   corner of this module).
+//! - `job` — how a job names its function across `exec` (code offsets from an anchor,
+//!   checked against the executable; unsafe allowed here).
+//! - `code` — [`CodeRef`](code::CodeRef), a function named by code offset for other
+//!   modules (the pool's task functions); unsafe allowed here too.
 //! - `launch` — the long-lived launcher thread that forks every direct child.
 //! - `forkserver` — the single-threaded fork server and its client.
 //! - `child` — a started worker as the parent tracks it, and [`Process`].

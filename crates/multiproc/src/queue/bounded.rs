@@ -627,7 +627,9 @@ impl<'de, T> Deserialize<'de> for Queue<T> {
 /// every `put` adds one, every [`task_done`](Self::task_done) takes one away, and
 /// [`join`](Self::join) waits until none is left.
 pub struct JoinableQueue<T> {
-    queue: Queue<T>,
+    /// The queue the forwarded operations (`get`, `qsize`, `close`, ...: `joinable`)
+    /// act on.
+    pub(super) queue: Queue<T>,
 }
 
 impl<T> Clone for JoinableQueue<T> {
@@ -732,15 +734,6 @@ impl<T: Serialize + DeserializeOwned> JoinableQueue<T> {
                 };
             }
         }
-    }
-}
-
-impl<T> std::ops::Deref for JoinableQueue<T> {
-    type Target = Queue<T>;
-
-    /// The queue's other operations (`get`, `qsize`, `close`, ...).
-    fn deref(&self) -> &Queue<T> {
-        &self.queue
     }
 }
 

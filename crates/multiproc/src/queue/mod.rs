@@ -10,6 +10,7 @@
 
 mod bounded;
 mod channel;
+mod joinable;
 mod pipe;
 mod simple;
 

@@ -80,6 +80,7 @@ pub(crate) use pool::allocate;
 pub(crate) use pool::release_idle as release_idle_blocks;
 #[cfg(test)]
 pub(crate) use pool::small_max as allocate_small_max;
+#[cfg(feature = "fuzzing")]
 pub(crate) use segment::BLOCK_MAGIC_BYTES;
 pub(crate) use segment::Segment;
 
@@ -352,6 +353,7 @@ fn receive_named(name: SegmentName, nbytes: u64) -> Result<Arc<Segment>> {
 }
 
 /// [`receive_fd`] for the micro-benchmarks (`crate::__bench`).
+#[cfg(feature = "bench-internals")]
 pub(crate) fn receive_fd_for_bench(fd: BorrowedFd<'_>, nbytes: u64) -> Result<Arc<Segment>> {
     receive_fd(fd, 0, nbytes, false)
 }

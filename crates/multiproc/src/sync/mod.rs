@@ -10,15 +10,41 @@ pub(crate) mod block;
 mod event;
 pub(crate) mod futex;
 mod lock;
-mod primitives;
 
+/// `Serialize`/`Deserialize` for a primitive that is one [`SharedBlock`](block::SharedBlock)
+/// (a field named `block`): the block's handle travels, checked against `$kind` on
+/// arrival. Defined before the modules that use it (textual macro scope).
+macro_rules! shared_block_serde {
+    ($ty:ident $(<$g:ident>)?, $kind:expr, $what:literal, |$block:ident| $build:expr) => {
+        impl$(<$g>)? Serialize for $ty$(<$g>)? {
+            fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+                self.block.serialize_as($what, s)
+            }
+        }
+
+        impl<'de, $($g: SharedValue)?> Deserialize<'de> for $ty$(<$g>)? {
+            fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+                let $block = Arc::new(SharedBlock::deserialize_as($kind, $what, d)?);
+                Ok($build)
+            }
+        }
+    };
+}
+
+mod barrier;
+mod bounded_semaphore;
+mod condition;
+mod semaphore;
+mod value;
+
+pub use barrier::Barrier;
+pub use bounded_semaphore::BoundedSemaphore;
+pub use condition::{Condition, ConditionGuard};
 pub use event::Event;
 pub(crate) use lock::process_is_dead;
 pub use lock::{Lock, LockGuard, RLock, RLockGuard};
-pub use primitives::{
-    Barrier, BoundedSemaphore, Condition, ConditionGuard, Semaphore, SemaphoreGuard, SharedValue,
-    Value,
-};
+pub use semaphore::{Semaphore, SemaphoreGuard};
+pub use value::{SharedValue, Value};
 
 #[cfg(test)]
 mod tests {
@@ -136,25 +162,38 @@ mod tests {
             let other = std::thread::spawn(move || r2.try_lock().map(|g| g.is_some()).unwrap());
             assert!(!other.join().unwrap(), "another thread cannot take it");
         }
-        assert!(r.release().is_err(), "both levels were released by the guards");
+        assert!(
+            r.release().is_err(),
+            "both levels were released by the guards"
+        );
 
         let c = Condition::new().unwrap();
         let g = c.lock().unwrap();
         assert!(c.try_lock().unwrap().is_none());
-        assert!(c.lock_timeout(Duration::from_millis(5)).unwrap_err().error.is_timeout());
+        assert!(
+            c.lock_timeout(Duration::from_millis(5))
+                .unwrap_err()
+                .error
+                .is_timeout()
+        );
         drop(g);
         drop(c.try_lock().unwrap().expect("free again"));
 
         let s = Semaphore::new(2).unwrap();
         let (a, b) = (s.permit().unwrap(), s.try_permit().unwrap().unwrap());
         assert_eq!(s.value(), 0);
-        assert!(s.try_permit().unwrap().is_none(), "a refused try_permit gives nothing back");
+        assert!(
+            s.try_permit().unwrap().is_none(),
+            "a refused try_permit gives nothing back"
+        );
         assert_eq!(s.value(), 0);
         drop((a, b));
         assert_eq!(s.value(), 2);
 
         let ev = Event::new().unwrap();
         let err = ev.wait(Some(Duration::from_millis(5))).unwrap_err();
-        assert!(matches!(err, Error::Timeout { after: Some(t), .. } if t == Duration::from_millis(5)));
+        assert!(
+            matches!(err, Error::Timeout { after: Some(t), .. } if t == Duration::from_millis(5))
+        );
     }
 }

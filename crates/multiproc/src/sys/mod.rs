@@ -10,9 +10,9 @@
 
 pub(crate) mod daemon;
 // Used by the `cuda` feature's memory (tested either way).
+pub(crate) mod file_map;
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) mod lease;
-pub(crate) mod file_map;
 pub(crate) mod memfd;
 pub(crate) mod memlimit;
 pub(crate) mod mmap;

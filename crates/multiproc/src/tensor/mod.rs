@@ -30,8 +30,8 @@
 //! `int_tensor.add_(1.5)`. `i64` values beyond 2^53 are not exact as scalars; integer
 //! arithmetic itself is exact (wrapping), and bool `add_`/`mul_` are logical or/and.
 
-mod device;
 pub(crate) mod copy_in;
+mod device;
 pub(crate) mod dtype;
 #[cfg(feature = "candle")]
 mod interop_candle;
@@ -58,6 +58,7 @@ use dtype::sealed::Sealed;
 pub use dtype::{DType, Element};
 use layout::{Layout, MAX_DIMS, numel_of};
 use raw::Region;
+#[cfg(feature = "fuzzing")]
 pub(crate) use storage::ForgedStorageWire;
 pub use storage::Storage;
 pub(crate) use storage::StorageRead;
@@ -193,6 +194,10 @@ impl Tensor {
     }
 
     /// A tensor of ones.
+    ///
+    /// # Errors
+    ///
+    /// As [`full`](Self::full).
     pub fn ones(shape: &[usize], dtype: DType) -> Result<Tensor> {
         Tensor::full(shape, 1.0, dtype)
     }
@@ -396,6 +401,12 @@ impl Tensor {
     }
 
     /// The same elements with another shape: a view when possible, else a copy.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Tensor`] when `shape` has more than 64 dimensions or another number of
+    /// elements than the tensor; as [`contiguous`](Self::contiguous) when a copy is
+    /// needed.
     pub fn reshape(&self, shape: &[usize]) -> Result<Tensor> {
         self.check_same_numel(shape)?;
         match self.view(shape) {
@@ -433,6 +444,11 @@ impl Tensor {
     }
 
     /// The view of `length` elements starting at `start` along `dim`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Tensor`] when `dim` is not a dimension of the tensor or
+    /// `start..start + length` runs past that dimension's size.
     pub fn narrow(&self, dim: usize, start: usize, length: usize) -> Result<Tensor> {
         self.check_dim(dim, "narrow")?;
         let size = self.layout.shape[dim];
@@ -450,6 +466,11 @@ impl Tensor {
     }
 
     /// The view at `index` along `dim`, with that dimension removed.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Tensor`] when `dim` is not a dimension of the tensor or `index` is not
+    /// below that dimension's size.
     pub fn select(&self, dim: usize, index: usize) -> Result<Tensor> {
         self.check_dim(dim, "select")?;
         let size = self.layout.shape[dim];
@@ -466,6 +487,10 @@ impl Tensor {
     }
 
     /// The view with dimensions `dim0` and `dim1` swapped.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Tensor`] when `dim0` or `dim1` is not a dimension of the tensor.
     pub fn transpose(&self, dim0: usize, dim1: usize) -> Result<Tensor> {
         self.check_dim(dim0, "transpose")?;
         self.check_dim(dim1, "transpose")?;
@@ -476,6 +501,10 @@ impl Tensor {
     }
 
     /// This tensor if it is contiguous, else a contiguous copy.
+    ///
+    /// # Errors
+    ///
+    /// As [`deep_clone`](Self::deep_clone) when a copy is needed.
     pub fn contiguous(&self) -> Result<Tensor> {
         if self.is_contiguous() {
             Ok(self.clone())
@@ -485,12 +514,21 @@ impl Tensor {
     }
 
     /// A copy of the data in a new, private, contiguous storage (torch's `.clone()`).
+    ///
+    /// # Errors
+    ///
+    /// As [`to_dtype`](Self::to_dtype).
     pub fn deep_clone(&self) -> Result<Tensor> {
         self.to_dtype(self.dtype)
     }
 
     /// A copy converted to `dtype` (as Rust's `as` converts: floats to integers round
     /// toward zero and saturate; anything non-zero is `true`).
+    ///
+    /// # Errors
+    ///
+    /// An allocation error for the new storage (on a CUDA tensor's device, a CUDA
+    /// error); as [`copy_`](Self::copy_).
     pub fn to_dtype(&self, dtype: DType) -> Result<Tensor> {
         // On the tensor's own device (a CUDA tensor's copy stays on its GPU, as in torch).
         let out = Tensor::empty_on(self.shape(), dtype, self.device())?;
@@ -518,6 +556,12 @@ impl Tensor {
     /// Copies `src`'s elements into this tensor (same shape; dtypes may differ and are
     /// converted as by [`to_dtype`](Self::to_dtype)). Either may be a CUDA tensor; a
     /// CUDA destination must be contiguous.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Tensor`] when this tensor is read-only (a file's pages, a foreign
+    /// buffer), the shapes differ, or a CUDA destination is not contiguous; a CUDA
+    /// error when either side is CUDA memory and the copy fails.
     pub fn copy_(&self, src: &Tensor) -> Result<()> {
         self.storage.check_writable("copy_")?;
         self.check_same_shape(src, "copy_")?;

@@ -428,6 +428,7 @@ impl Encoded {
 
     /// The packet as a receiver would get it (bytes and fds), without sending it; for
     /// the fuzz target's seeds. The references taken for a receiver stay taken.
+    #[cfg(any(test, feature = "fuzzing"))]
     pub(crate) fn into_packet(mut self) -> Packet {
         self.sent = true;
         let mut bytes = self.header.to_vec();

@@ -428,9 +428,9 @@ impl Storage {
         matches!(
             *self.backing(),
             Backing::Shared { .. }
-            | Backing::Cuda { .. }
-            | Backing::ReadOnlyFile { .. }
-            | Backing::Empty { shared: true }
+                | Backing::Cuda { .. }
+                | Backing::ReadOnlyFile { .. }
+                | Backing::Empty { shared: true }
         )
     }
 
@@ -664,9 +664,11 @@ enum StorageWire {
 
 /// A storage's wire form built from parts, for the fuzzing entry points that forge
 /// handles (`crate::__fuzz`).
+#[cfg(feature = "fuzzing")]
 #[derive(Serialize)]
 pub(crate) struct ForgedStorageWire(StorageWire);
 
+#[cfg(feature = "fuzzing")]
 impl ForgedStorageWire {
     /// A CUDA storage's handle.
     pub(crate) fn cuda(handle: CudaHandle) -> Self {

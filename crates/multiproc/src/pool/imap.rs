@@ -1,0 +1,152 @@
+//! [`Imap`]: the lazy iterator of [`Pool::imap`] and [`Pool::imap_unordered`], which
+//! keeps a window of tasks submitted ahead of what it has yielded.
+
+use std::collections::BTreeMap;
+use std::fmt::{self, Display};
+use std::marker::PhantomData;
+use std::sync::mpsc;
+
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use super::handle::Pool;
+use super::state::{ChunkOutcome, dispatcher_gone, with_index};
+use crate::error::{Error, Result};
+use crate::wire::Opaque;
+
+/// Pulls at most `room` items from the caller's iterator and queues them on `pool` as
+/// tasks `first..` of `job`; returns how many it queued (0: the items are exhausted).
+/// It holds the task function and the items, so [`Imap`] needs neither's type.
+type Submit<'p> = Box<dyn FnMut(&Pool, u64, usize, usize) -> Result<usize> + 'p>;
+
+/// The iterator of [`Pool::imap`] and [`Pool::imap_unordered`]: yields `Result<R>` per
+/// item (a failed task is an `Err` with its index; the others still come).
+///
+/// Only the result type shows: the task function and the argument iterator are held
+/// type-erased. (So an `Imap` stays on the thread that made it: it is not `Send`.)
+pub struct Imap<'p, R> {
+    pool: &'p Pool,
+    submit: Submit<'p>,
+    ordered: bool,
+    job: Option<(u64, mpsc::Receiver<ChunkOutcome>)>,
+    submitted: usize,
+    yielded: usize,
+    /// Results that arrived, by index, not yet yielded.
+    ready: BTreeMap<usize, Result<Opaque>>,
+    window: usize,
+    failed: Option<Error>,
+    _result: PhantomData<fn() -> R>,
+}
+
+impl<'p, R: DeserializeOwned> Imap<'p, R> {
+    pub(super) fn new<A, E, I>(
+        pool: &'p Pool,
+        f: fn(A) -> std::result::Result<R, E>,
+        mut items: I,
+        ordered: bool,
+    ) -> Self
+    where
+        A: Serialize + DeserializeOwned + 'p,
+        R: Serialize + 'p,
+        E: Display + 'p,
+        I: Iterator<Item = A> + 'p,
+    {
+        let (job, failed) = match pool.new_job() {
+            Ok(j) => (Some(j), None),
+            Err(e) => (None, Some(e)),
+        };
+        let submit: Submit<'p> = Box::new(move |pool, job, first, room| {
+            let batch: Vec<A> = items.by_ref().take(room).collect();
+            let n = batch.len();
+            if n > 0 {
+                pool.enqueue(job, f, batch, first, 1)?;
+            }
+            Ok(n)
+        });
+        Self {
+            pool,
+            submit,
+            ordered,
+            job,
+            submitted: 0,
+            yielded: 0,
+            ready: BTreeMap::new(),
+            window: pool.processes * 4,
+            failed,
+            _result: PhantomData,
+        }
+    }
+
+    /// Keeps up to `window` tasks submitted ahead of what has been yielded.
+    fn top_up(&mut self, job: u64) -> Result<()> {
+        let room = self.window.saturating_sub(self.submitted - self.yielded);
+        if room > 0 {
+            self.submitted += (self.submit)(self.pool, job, self.submitted, room)?;
+        }
+        Ok(())
+    }
+}
+
+impl<R: DeserializeOwned> Iterator for Imap<'_, R> {
+    type Item = Result<R>;
+
+    fn next(&mut self) -> Option<Result<R>> {
+        if let Some(e) = self.failed.take() {
+            return Some(Err(e));
+        }
+        let job = self.job.as_ref()?.0;
+        if let Err(e) = self.top_up(job) {
+            return Some(Err(e));
+        }
+        loop {
+            if self.yielded == self.submitted {
+                return None;
+            }
+            let pick = if self.ordered {
+                self.ready
+                    .contains_key(&self.yielded)
+                    .then_some(self.yielded)
+            } else {
+                self.ready.keys().next().copied()
+            };
+            if let Some(index) = pick {
+                let r = self
+                    .ready
+                    .remove(&index)
+                    .unwrap_or_else(|| Err(dispatcher_gone()));
+                self.yielded += 1;
+                return Some(
+                    r.and_then(|o| o.decode::<R>())
+                        .map_err(|e| with_index(e, index)),
+                );
+            }
+            let rx = &self.job.as_ref()?.1;
+            match rx.recv() {
+                Ok((first, results)) => {
+                    for (k, r) in results.into_iter().enumerate() {
+                        self.ready.insert(first + k, r);
+                    }
+                }
+                Err(_) => return Some(Err(dispatcher_gone())),
+            }
+        }
+    }
+}
+
+impl<R> Drop for Imap<'_, R> {
+    fn drop(&mut self) {
+        if let Some((job, _)) = &self.job {
+            self.pool.end_job(*job);
+        }
+    }
+}
+
+impl<R> fmt::Debug for Imap<'_, R> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Imap")
+            .field("ordered", &self.ordered)
+            .field("submitted", &self.submitted)
+            .field("yielded", &self.yielded)
+            .finish_non_exhaustive()
+    }
+}

@@ -1,0 +1,51 @@
+//! [`Pool`]: a pool of worker processes that run tasks, like `multiprocessing.Pool`.
+//!
+//! The parent owns a dispatcher thread and, per worker, a process and a pipe. The
+//! dispatcher hands each worker one chunk of tasks at a time and remembers which chunk
+//! is where; the worker reports each task's result as soon as it finishes. So when a
+//! worker dies mid-task (a signal, the OOM killer, `exit`) exactly the task it was
+//! running fails, with the cause, and the worker is replaced — the pool never hangs,
+//! unlike Python's and torch's. The tasks of that chunk that had finished keep their
+//! results; the ones after it, not yet started, are rerun on the fresh worker when
+//! their arguments are plain data, and fail (saying they never ran) when they hold
+//! shared handles (tensors, queues), whose references only one receiver may adopt. A
+//! task that panics or returns `Err` fails alone.
+//!
+//! Task functions are plain `fn(A) -> Result<R, E>`: they cross the process boundary as
+//! code offsets (see [`CodeRef`](crate::process::code::CodeRef)); arguments and results
+//! are wire values, so tensors in them travel by handle through shared memory.
+//!
+//! The files: [`protocol`] (what travels between the dispatcher and a worker),
+//! [`worker`] (the worker process's body), [`builder`] ([`PoolBuilder`]), [`handle`]
+//! ([`Pool`]), [`state`] (what `Pool` and the dispatcher share), [`async_result`]
+//! ([`AsyncResult`]), [`imap`] ([`Imap`]), [`dispatcher`] (the parent's thread that
+//! owns the workers) and [`forms`] (the other call forms and [`MapResult`]).
+//!
+//! # Safety
+//!
+//! The only unsafe code, in [`worker`] and [`forms`] (the two modules allowed it),
+//! turns a received `CodeRef` back into a function pointer. Each call names the exact
+//! pointer type the parent took the offset from: the chunk trampoline is
+//! `run_chunk::<A, R, E>` as a `ChunkTrampoline`, and that trampoline alone resolves
+//! the task function, as the `fn(A) -> Result<R, E>` it was monomorphized for; the
+//! initializer is a `fn()`. `CodeRef` checks that both sides run the same executable.
+//! The other call forms ([`forms`]: `starmap`, an initializer with arguments) follow
+//! the same rule with their own trampolines.
+
+mod async_result;
+mod builder;
+mod dispatcher;
+#[allow(unsafe_code)]
+mod forms;
+mod handle;
+mod imap;
+mod protocol;
+mod state;
+#[allow(unsafe_code)]
+mod worker;
+
+pub use async_result::AsyncResult;
+pub use builder::PoolBuilder;
+pub use forms::MapResult;
+pub use handle::Pool;
+pub use imap::Imap;

@@ -1,0 +1,132 @@
+//! The body of a pool worker process: run the initializer, then decode chunks of
+//! tasks, run each under `catch_unwind` and report its outcome as soon as it finishes.
+//!
+//! The unsafe code here turns a received [`CodeRef`] back into the function pointer
+//! the parent took it from (see the pool module's "Safety").
+
+use std::fmt::Display;
+use std::panic::AssertUnwindSafe;
+
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use super::protocol::{ChunkTrampoline, PoolMsg, Report, WorkerArgs};
+use crate::error::Error;
+use crate::process::code::CodeRef;
+use crate::wire::Opaque;
+
+/// Decodes a chunk of `A`, runs `f` under `catch_unwind` on each from item `skip` on,
+/// and reports each result as it comes.
+pub(super) fn run_chunk<A, R, E>(
+    function: CodeRef,
+    args: Opaque,
+    skip: usize,
+    report: Report<'_>,
+) -> std::result::Result<(), String>
+where
+    A: Serialize + DeserializeOwned,
+    R: Serialize + DeserializeOwned,
+    E: Display,
+{
+    let items: Vec<A> = args
+        .decode()
+        .map_err(|e| format!("cannot decode the task's arguments: {e}"))?;
+    // SAFETY: the parent took this offset from a `fn(A) -> Result<R, E>` for exactly
+    // these types (this trampoline is the one monomorphized for them) in the same
+    // executable, which `CodeRef` checks.
+    let f = unsafe { function.resolve::<fn(A) -> std::result::Result<R, E>>() }?;
+    for (k, a) in items.into_iter().enumerate().skip(skip) {
+        let outcome = run_task(|| f(a));
+        if !report(k, outcome) {
+            break;
+        }
+    }
+    Ok(())
+}
+
+/// Runs one task under `catch_unwind` and encodes its result or says how it failed.
+pub(super) fn run_task<R: Serialize, E: Display>(
+    task: impl FnOnce() -> std::result::Result<R, E>,
+) -> std::result::Result<Opaque, String> {
+    let _task = tracing::debug_span!("multiproc::pool_task").entered();
+    match std::panic::catch_unwind(AssertUnwindSafe(task)) {
+        Ok(Ok(r)) => Opaque::encode(&r).map_err(|e| format!("cannot encode its result: {e}")),
+        Ok(Err(e)) => Err(format!("returned an error: {e}")),
+        Err(payload) => Err(format!(
+            "panicked: {}",
+            crate::process::panic_text(&*payload)
+        )),
+    }
+}
+
+/// The body of every pool worker process.
+pub(super) fn pool_worker(_rank: usize, args: WorkerArgs) -> std::result::Result<(), String> {
+    if let Some(init) = args.initializer {
+        // SAFETY: the offset was taken from a `fn()` in the same executable.
+        let init = unsafe { init.resolve::<fn()>() }?;
+        init();
+    }
+    if let Some(call) = args.init_with {
+        call.run()?;
+    }
+    let mut done = 0u64;
+    loop {
+        let msg = match args.conn.recv() {
+            Ok(m) => m,
+            // The pool is gone: nothing more to do.
+            Err(Error::Closed(_)) => return Ok(()),
+            Err(e) => return Err(format!("pool worker cannot read its next task: {e}")),
+        };
+        let PoolMsg::Chunk {
+            job,
+            first,
+            skip,
+            trampoline,
+            function,
+            args: chunk,
+        } = msg
+        else {
+            return Ok(());
+        };
+        let mut parent_gone = false;
+        let mut report = |k: usize, outcome| {
+            let sent = args.conn.send(PoolMsg::TaskDone {
+                job,
+                index: first + k,
+                outcome,
+            });
+            parent_gone = sent.is_err();
+            !parent_gone
+        };
+        let outcome = match unsafe_resolve_trampoline(trampoline) {
+            Ok(t) => t(function, chunk, skip, &mut report),
+            Err(e) => Err(e),
+        };
+        if parent_gone {
+            return Ok(());
+        }
+        if args
+            .conn
+            .send(PoolMsg::Done {
+                job,
+                first,
+                outcome,
+            })
+            .is_err()
+        {
+            return Ok(());
+        }
+        done += 1;
+        if args.max_tasks.is_some_and(|m| done >= m) {
+            return Ok(());
+        }
+    }
+}
+
+pub(super) fn unsafe_resolve_trampoline(
+    t: CodeRef,
+) -> std::result::Result<ChunkTrampoline, String> {
+    // SAFETY: the parent took this offset from a `ChunkTrampoline` (`run_chunk` for some
+    // types) in the same executable, which `CodeRef` checks.
+    unsafe { t.resolve::<ChunkTrampoline>() }
+}

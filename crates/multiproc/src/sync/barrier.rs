@@ -1,0 +1,115 @@
+//! [`Barrier`]: a process-shared barrier for a fixed number of parties, like
+//! `multiprocessing.Barrier`. Its block holds the parties, the arrivals, the
+//! generation (what waiters futex-wait on) and the broken flag.
+
+use std::fmt;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+use super::block::SharedBlock;
+use super::futex;
+use crate::error::{Error, Result};
+use crate::sys::deadline_after;
+
+const BARRIER_KIND: u32 = 0x4241_5252; // "BARR"
+const BAR_PARTIES: usize = 1;
+const BAR_ARRIVED: usize = 2;
+const BAR_GENERATION: usize = 3;
+const BAR_BROKEN: usize = 4;
+
+/// A process-shared barrier for a fixed number of parties, like
+/// `multiprocessing.Barrier`: each [`wait`](Self::wait) blocks until all parties wait.
+#[derive(Clone)]
+pub struct Barrier {
+    block: Arc<SharedBlock>,
+}
+
+impl Barrier {
+    /// A barrier for `parties` processes (or threads).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for 0 parties; when the shared page cannot be made.
+    pub fn new(parties: u32) -> Result<Self> {
+        if parties == 0 {
+            return Err(Error::InvalidArgument(
+                "a barrier needs at least 1 party".into(),
+            ));
+        }
+        let block = SharedBlock::new(BARRIER_KIND)?;
+        block.word(BAR_PARTIES).store(parties, Ordering::Release);
+        Ok(Self {
+            block: Arc::new(block),
+        })
+    }
+
+    /// The number of parties.
+    pub fn parties(&self) -> u32 {
+        self.block.word(BAR_PARTIES).load(Ordering::Acquire)
+    }
+
+    /// Waits until every party has called `wait`, at most `timeout`. Returns this
+    /// party's arrival index (`0..parties`, the last to arrive gets `parties - 1`).
+    ///
+    /// # Errors
+    /// [`Error::Timeout`] when the timeout passed; the barrier is then broken and every
+    /// later or current `wait` fails with [`Error::Closed`], as in Python.
+    pub fn wait(&self, timeout: Option<Duration>) -> Result<u32> {
+        let deadline = deadline_after(timeout);
+        let broken = self.block.word(BAR_BROKEN);
+        let generation = self.block.word(BAR_GENERATION);
+        let check_broken = || -> Result<()> {
+            if broken.load(Ordering::Acquire) != 0 {
+                Err(Error::Closed(
+                    "the barrier is broken (a party timed out)".into(),
+                ))
+            } else {
+                Ok(())
+            }
+        };
+        check_broken()?;
+        let gen_now = generation.load(Ordering::Acquire);
+        let index = self.block.word(BAR_ARRIVED).fetch_add(1, Ordering::AcqRel);
+        let parties = self.parties();
+        if index + 1 == parties {
+            self.block.word(BAR_ARRIVED).store(0, Ordering::Release);
+            generation.fetch_add(1, Ordering::AcqRel);
+            futex::wake_all(generation);
+            return Ok(index);
+        }
+        loop {
+            if generation.load(Ordering::Acquire) != gen_now {
+                return Ok(index);
+            }
+            check_broken()?;
+            if !futex::wait(generation, gen_now, deadline)? {
+                if generation.load(Ordering::Acquire) != gen_now {
+                    return Ok(index);
+                }
+                broken.store(1, Ordering::Release);
+                futex::wake_all(generation);
+                return Err(Error::timeout(
+                    format!(
+                        "a barrier wait with {} of {parties} parties arrived",
+                        self.block.word(BAR_ARRIVED).load(Ordering::Acquire)
+                    ),
+                    timeout,
+                ));
+            }
+        }
+    }
+}
+
+impl fmt::Debug for Barrier {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Barrier")
+            .field("parties", &self.parties())
+            .finish()
+    }
+}
+
+shared_block_serde!(Barrier, BARRIER_KIND, "a Barrier", |block| Barrier {
+    block
+});

@@ -1,0 +1,254 @@
+//! [`Condition`] (and its [`ConditionGuard`]): a process-shared condition variable
+//! with its own lock, like `multiprocessing.Condition`. Its block holds the lock's
+//! words and the notification sequence number waiters futex-wait on.
+
+use std::fmt;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+use super::block::SharedBlock;
+use super::futex;
+use super::lock::{Lock, OnTimeout, RAW_LOCK_WORDS, RawLock, expect_guard, guarded};
+use crate::error::{Error, LockError, Result};
+use crate::sys::deadline_after;
+
+const COND_KIND: u32 = 0x434f_4e44; // "COND"
+const COND_LOCK: usize = 1;
+const COND_SEQ: usize = COND_LOCK + RAW_LOCK_WORDS;
+
+/// A process-shared condition variable with its own lock, like
+/// `multiprocessing.Condition`.
+///
+/// Hold the lock ([`acquire`](Self::acquire)) around [`wait`](Self::wait) and
+/// [`notify`](Self::notify). A waiter may wake without a notification; check the
+/// condition in a loop, or use [`wait_for`](Self::wait_for).
+#[derive(Clone)]
+pub struct Condition {
+    block: Arc<SharedBlock>,
+    lock: Lock,
+}
+
+impl Condition {
+    /// A new condition with a new lock.
+    ///
+    /// # Errors
+    /// When the shared page cannot be made.
+    pub fn new() -> Result<Self> {
+        Ok(Self::from_block(Arc::new(SharedBlock::new(COND_KIND)?)))
+    }
+
+    fn from_block(block: Arc<SharedBlock>) -> Self {
+        let lock = Lock::from_raw(RawLock::new(Arc::clone(&block), COND_LOCK));
+        Self { block, lock }
+    }
+
+    /// Acquires the condition's lock.
+    ///
+    /// # Errors
+    /// As [`Lock::acquire`].
+    pub fn acquire(&self, timeout: Option<Duration>) -> Result<()> {
+        self.lock.acquire(timeout)
+    }
+
+    fn guard(&self) -> ConditionGuard<'_> {
+        ConditionGuard { condition: self }
+    }
+
+    /// Acquires the condition's lock, waiting as long as it takes, and returns a guard
+    /// to [`wait`](ConditionGuard::wait) on that releases the lock when dropped.
+    ///
+    /// # Errors
+    /// As [`Lock::lock`].
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let ready = multiproc::Condition::new()?;
+    /// let mut held = ready.lock()?;
+    /// let err = held.wait(Some(Duration::from_millis(1))).unwrap_err();
+    /// assert!(err.is_timeout()); // nobody notified; the lock is held again
+    /// # Ok::<(), multiproc::Error>(())
+    /// ```
+    pub fn lock(&self) -> std::result::Result<ConditionGuard<'_>, LockError<ConditionGuard<'_>>> {
+        let got = self.lock.raw().acquire(None);
+        expect_guard(
+            guarded(got, "condition's lock", OnTimeout::Fail(None), || {
+                self.guard()
+            }),
+            "condition's lock",
+        )
+    }
+
+    /// Acquires the condition's lock if it is free: `Ok(None)` when it is held.
+    ///
+    /// # Errors
+    /// As [`Lock::lock`].
+    pub fn try_lock(
+        &self,
+    ) -> std::result::Result<Option<ConditionGuard<'_>>, LockError<ConditionGuard<'_>>> {
+        let got = self.lock.raw().acquire(Some(std::time::Instant::now()));
+        guarded(got, "condition's lock", OnTimeout::Nothing, || self.guard())
+    }
+
+    /// Acquires the condition's lock, waiting at most `timeout`.
+    ///
+    /// # Errors
+    /// As [`Lock::lock_timeout`].
+    pub fn lock_timeout(
+        &self,
+        timeout: Duration,
+    ) -> std::result::Result<ConditionGuard<'_>, LockError<ConditionGuard<'_>>> {
+        let got = self.lock.raw().acquire(deadline_after(Some(timeout)));
+        let t = OnTimeout::Fail(Some(timeout));
+        expect_guard(
+            guarded(got, "condition's lock", t, || self.guard()),
+            "condition's lock",
+        )
+    }
+
+    /// Releases the condition's lock.
+    ///
+    /// # Errors
+    /// As [`Lock::release`].
+    pub fn release(&self) -> Result<()> {
+        self.lock.release()
+    }
+
+    /// Releases the lock, waits for a notification or the timeout, and re-acquires the
+    /// lock (also when it times out). A wake-up may come without a notification.
+    ///
+    /// # Errors
+    /// [`Error::Timeout`] when the timeout passed (the lock is held again);
+    /// [`Error::InvalidArgument`] when the lock is not held; [`Error::OwnerDied`] when
+    /// re-acquiring took the lock over from a dead holder (the lock is held).
+    pub fn wait(&self, timeout: Option<Duration>) -> Result<()> {
+        let deadline = deadline_after(timeout);
+        let seq = self.block.word(COND_SEQ);
+        let seen = seq.load(Ordering::Acquire);
+        self.lock.release()?;
+        let woke = futex::wait(seq, seen, deadline);
+        self.lock.acquire(None)?;
+        if woke? {
+            Ok(())
+        } else {
+            Err(Error::timeout("a wait on a condition", timeout))
+        }
+    }
+
+    /// Waits until `predicate()` holds, at most `timeout`; the lock is held when
+    /// `predicate` runs and when this returns.
+    ///
+    /// # Errors
+    /// [`Error::Timeout`] when the timeout passed with `predicate()` still false;
+    /// otherwise as [`wait`](Self::wait).
+    pub fn wait_for(
+        &self,
+        mut predicate: impl FnMut() -> bool,
+        timeout: Option<Duration>,
+    ) -> Result<()> {
+        let deadline = deadline_after(timeout);
+        while !predicate() {
+            let left = match deadline {
+                None => None,
+                Some(d) => {
+                    let now = std::time::Instant::now();
+                    if now >= d {
+                        return Err(Error::timeout(
+                            "a wait on a condition for its predicate",
+                            timeout,
+                        ));
+                    }
+                    Some(d - now)
+                }
+            };
+            match self.wait(left) {
+                Err(e) if e.is_timeout() => {}
+                other => other?,
+            }
+        }
+        Ok(())
+    }
+
+    /// Wakes up to `n` waiters.
+    pub fn notify(&self, n: u32) {
+        let seq = self.block.word(COND_SEQ);
+        seq.fetch_add(1, Ordering::AcqRel);
+        futex::wake(seq, n);
+    }
+
+    /// Wakes every waiter.
+    pub fn notify_all(&self) {
+        let seq = self.block.word(COND_SEQ);
+        seq.fetch_add(1, Ordering::AcqRel);
+        futex::wake_all(seq);
+    }
+}
+
+impl fmt::Debug for Condition {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Condition")
+            .field("lock", &self.lock)
+            .finish()
+    }
+}
+
+shared_block_serde!(Condition, COND_KIND, "a Condition", |block| {
+    Condition::from_block(block)
+});
+
+/// Holds a [`Condition`]'s lock until dropped (see [`Condition::lock`]); wait and
+/// notify through it.
+#[must_use = "the condition's lock is released when the guard is dropped"]
+pub struct ConditionGuard<'a> {
+    condition: &'a Condition,
+}
+
+impl ConditionGuard<'_> {
+    /// [`Condition::wait`] with the lock this guard holds.
+    ///
+    /// # Errors
+    /// As [`Condition::wait`].
+    pub fn wait(&mut self, timeout: Option<Duration>) -> Result<()> {
+        self.condition.wait(timeout)
+    }
+
+    /// [`Condition::wait_for`] with the lock this guard holds.
+    ///
+    /// # Errors
+    /// As [`Condition::wait_for`].
+    pub fn wait_for(
+        &mut self,
+        predicate: impl FnMut() -> bool,
+        timeout: Option<Duration>,
+    ) -> Result<()> {
+        self.condition.wait_for(predicate, timeout)
+    }
+
+    /// [`Condition::notify`].
+    pub fn notify(&self, n: u32) {
+        self.condition.notify(n);
+    }
+
+    /// [`Condition::notify_all`].
+    pub fn notify_all(&self) {
+        self.condition.notify_all();
+    }
+}
+
+impl Drop for ConditionGuard<'_> {
+    fn drop(&mut self) {
+        let _ = self.condition.release();
+    }
+}
+
+impl fmt::Debug for ConditionGuard<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ConditionGuard")
+            .field("condition", self.condition)
+            .finish()
+    }
+}

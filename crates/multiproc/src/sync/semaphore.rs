@@ -1,0 +1,191 @@
+//! [`Semaphore`] (and its [`SemaphoreGuard`]): a process-shared counting semaphore,
+//! like `multiprocessing.Semaphore`. Its block holds the count, the number of waiters
+//! and, for a [`BoundedSemaphore`](super::BoundedSemaphore), the bound.
+
+use std::fmt;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+use super::block::SharedBlock;
+use super::futex;
+use crate::error::{Error, Result};
+use crate::sys::deadline_after;
+
+const SEM_KIND: u32 = 0x5345_4d41; // "SEMA"
+const SEM_VALUE: usize = 1;
+const SEM_WAITERS: usize = 2;
+/// 0 for a plain semaphore; the initial value + 1 for a bounded one.
+const SEM_BOUND: usize = 3;
+
+/// A process-shared counting semaphore, like `multiprocessing.Semaphore`.
+#[derive(Clone)]
+pub struct Semaphore {
+    block: Arc<SharedBlock>,
+}
+
+impl Semaphore {
+    /// A semaphore with `value` permits.
+    ///
+    /// # Errors
+    /// When the shared page cannot be made, or `value` does not fit in 31 bits.
+    pub fn new(value: u32) -> Result<Self> {
+        Self::build(value, false)
+    }
+
+    pub(super) fn build(value: u32, bounded: bool) -> Result<Self> {
+        if value > i32::MAX as u32 {
+            return Err(Error::InvalidArgument(format!(
+                "a semaphore's value must be below 2^31, got {value}"
+            )));
+        }
+        let block = SharedBlock::new(SEM_KIND)?;
+        block.word(SEM_VALUE).store(value, Ordering::Release);
+        if bounded {
+            block.word(SEM_BOUND).store(value + 1, Ordering::Release);
+        }
+        Ok(Self {
+            block: Arc::new(block),
+        })
+    }
+
+    /// Takes one permit, waiting at most `timeout` (`None`: as long as it takes).
+    /// Give it back with [`release`](Self::release), or use [`permit`](Self::permit)
+    /// for a guard that does.
+    ///
+    /// # Errors
+    /// [`Error::Timeout`] when no permit came in time.
+    pub fn acquire(&self, timeout: Option<Duration>) -> Result<()> {
+        if self.acquire_until(deadline_after(timeout))? {
+            Ok(())
+        } else {
+            Err(Error::timeout("an acquire of a semaphore", timeout))
+        }
+    }
+
+    /// Takes one permit, waiting as long as it takes, and returns a guard that gives it
+    /// back when dropped. A semaphore has no owner, so a holder that dies keeps its
+    /// permit: size a semaphore shared with workers that may crash accordingly.
+    ///
+    /// # Errors
+    /// An [`Error::Os`] only when the kernel refuses the wait.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// let slots = multiproc::Semaphore::new(1)?;
+    /// let held = slots.permit()?;
+    /// assert!(slots.try_permit()?.is_none());
+    /// drop(held);
+    /// assert!(slots.try_permit()?.is_some());
+    /// # Ok::<(), multiproc::Error>(())
+    /// ```
+    pub fn permit(&self) -> Result<SemaphoreGuard<'_>> {
+        self.acquire(None)?;
+        Ok(SemaphoreGuard { semaphore: self })
+    }
+
+    /// Takes one permit if one is free: `Ok(None)` when none is.
+    ///
+    /// # Errors
+    /// As [`permit`](Self::permit).
+    pub fn try_permit(&self) -> Result<Option<SemaphoreGuard<'_>>> {
+        let got = self.acquire_until(Some(std::time::Instant::now()))?;
+        // `then`, not `then_some`: a guard made and dropped would give back a permit
+        // that was never taken.
+        Ok(got.then(|| SemaphoreGuard { semaphore: self }))
+    }
+
+    /// Takes one permit, waiting at most `timeout`, and returns a guard.
+    ///
+    /// # Errors
+    /// [`Error::Timeout`] when no permit came in time.
+    pub fn permit_timeout(&self, timeout: Duration) -> Result<SemaphoreGuard<'_>> {
+        self.acquire(Some(timeout))?;
+        Ok(SemaphoreGuard { semaphore: self })
+    }
+
+    fn acquire_until(&self, deadline: crate::sys::Deadline) -> Result<bool> {
+        let value = self.block.word(SEM_VALUE);
+        loop {
+            let v = value.load(Ordering::Acquire);
+            if v > 0 {
+                if value
+                    .compare_exchange_weak(v, v - 1, Ordering::AcqRel, Ordering::Relaxed)
+                    .is_ok()
+                {
+                    return Ok(true);
+                }
+                continue;
+            }
+            self.block.word(SEM_WAITERS).fetch_add(1, Ordering::AcqRel);
+            let woke = futex::wait(value, 0, deadline);
+            self.block.word(SEM_WAITERS).fetch_sub(1, Ordering::AcqRel);
+            if !woke? {
+                return Ok(false);
+            }
+        }
+    }
+
+    /// Gives one permit back.
+    ///
+    /// # Errors
+    /// For a [`BoundedSemaphore`](super::BoundedSemaphore), [`Error::InvalidArgument`] when that would exceed
+    /// its initial value.
+    pub fn release(&self) -> Result<()> {
+        let value = self.block.word(SEM_VALUE);
+        let bound = self.block.word(SEM_BOUND).load(Ordering::Acquire);
+        let released = value.fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| {
+            (bound == 0 || v + 1 < bound).then_some(v + 1)
+        });
+        if released.is_err() {
+            return Err(Error::InvalidArgument(format!(
+                "a BoundedSemaphore was released more times than acquired (its value is at its bound of {})",
+                bound - 1
+            )));
+        }
+        if self.block.word(SEM_WAITERS).load(Ordering::Acquire) > 0 {
+            futex::wake(value, 1);
+        }
+        Ok(())
+    }
+
+    /// The number of permits free right now (approximate).
+    pub fn value(&self) -> u32 {
+        self.block.word(SEM_VALUE).load(Ordering::Acquire)
+    }
+}
+
+impl fmt::Debug for Semaphore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Semaphore")
+            .field("value", &self.value())
+            .finish()
+    }
+}
+
+shared_block_serde!(Semaphore, SEM_KIND, "a Semaphore", |block| Semaphore {
+    block
+});
+
+/// Holds one permit of a [`Semaphore`] until dropped (see [`Semaphore::permit`]).
+#[must_use = "the permit is given back when the guard is dropped"]
+pub struct SemaphoreGuard<'a> {
+    semaphore: &'a Semaphore,
+}
+
+impl Drop for SemaphoreGuard<'_> {
+    fn drop(&mut self) {
+        let _ = self.semaphore.release();
+    }
+}
+
+impl fmt::Debug for SemaphoreGuard<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SemaphoreGuard")
+            .field("semaphore", self.semaphore)
+            .finish()
+    }
+}
