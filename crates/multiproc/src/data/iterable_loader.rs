@@ -19,10 +19,8 @@ use serde::de::DeserializeOwned;
 use super::builder::Options;
 use super::collate::Collate;
 use super::dataset::IterableDataset;
-use super::worker::{Outcome, Reply, Task, WorkerArgs, next_batch, run_iterable_worker};
+use super::worker::{Outcome, Task, next_batch, run_iterable_worker};
 use super::worker_set::{Arrival, STOP_GRACE, Sent, WorkerSet};
-use crate::process::Process;
-use crate::queue::{Connection, SimpleQueue};
 use crate::{Error, Result};
 
 /// A loader of an [`IterableDataset`]; made by
@@ -118,39 +116,6 @@ where
     }
 }
 
-fn launch_iterable<D, C>(
-    dataset: &D,
-    collate: &C,
-    options: &Options,
-    id: usize,
-    generation: u64,
-    tasks: Connection<Task>,
-    results: SimpleQueue<Reply<C::Batch>>,
-) -> Result<Process>
-where
-    D: IterableDataset + Serialize + DeserializeOwned + Clone + 'static,
-    C: Collate<D::Item> + 'static,
-{
-    let args = WorkerArgs {
-        dataset: dataset.clone(),
-        collate: collate.clone(),
-        tasks,
-        results,
-        generation,
-        num_workers: options.num_workers,
-        seed: options.seed,
-        batch_size: options.batch_size,
-        drop_last: options.drop_last,
-        init: options.init_fn(),
-    };
-    let mut process = Process::new(run_iterable_worker::<D, C>, id, args)
-        .start_method(options.start_method)
-        .world_size(options.num_workers)
-        .daemon(true);
-    process.start()?;
-    Ok(process)
-}
-
 /// One epoch of an [`IterableDataLoader`]: yields `Result<Batch>`.
 pub struct IterableEpoch<'a, D, C>
 where
@@ -226,7 +191,16 @@ where
         if self.loader.workers.is_none() {
             let (dataset, collate) = (&self.loader.dataset, &self.loader.collate);
             let set = WorkerSet::start(o.num_workers, &|id, generation, tasks, results| {
-                launch_iterable(dataset, collate, o, id, generation, tasks, results)
+                super::worker::launch(
+                    run_iterable_worker::<D, C>,
+                    dataset,
+                    collate,
+                    o,
+                    id,
+                    generation,
+                    tasks,
+                    results,
+                )
             })?;
             self.loader.workers = Some(set);
         }

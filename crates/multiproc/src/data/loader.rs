@@ -23,10 +23,8 @@ use super::builder::{DataLoaderBuilder, Options};
 use super::collate::{Collate, DefaultCollate, Stack};
 use super::dataset::Dataset;
 use super::sampler::Sampler;
-use super::worker::{Reply, Task, WorkerArgs, load_batch, run_worker};
+use super::worker::{Task, load_batch, run_worker};
 use super::worker_set::{Arrival, STOP_GRACE, Sent, WorkerSet};
-use crate::process::Process;
-use crate::queue::{Connection, SimpleQueue};
 use crate::{Error, Result};
 
 /// torch's `DataLoader`: batches of a [`Dataset`], loaded by worker processes and
@@ -206,40 +204,6 @@ impl<D: Dataset, C: Collate<D::Item>> DataLoader<D, C> {
     }
 }
 
-/// Starts worker `id` of generation `generation` of a loader of `dataset`.
-fn launch_worker<D, C>(
-    dataset: &D,
-    collate: &C,
-    options: &Options,
-    id: usize,
-    generation: u64,
-    tasks: Connection<Task>,
-    results: SimpleQueue<Reply<C::Batch>>,
-) -> Result<Process>
-where
-    D: Dataset + Serialize + DeserializeOwned + Clone + 'static,
-    C: Collate<D::Item> + 'static,
-{
-    let args = WorkerArgs {
-        dataset: dataset.clone(),
-        collate: collate.clone(),
-        tasks,
-        results,
-        generation,
-        num_workers: options.num_workers,
-        seed: options.seed,
-        batch_size: options.batch_size,
-        drop_last: options.drop_last,
-        init: options.init_fn(),
-    };
-    let mut process = Process::new(run_worker::<D, C>, id, args)
-        .start_method(options.start_method)
-        .world_size(options.num_workers)
-        .daemon(true);
-    process.start()?;
-    Ok(process)
-}
-
 impl<'a, D, C> IntoIterator for &'a mut DataLoader<D, C>
 where
     D: Dataset + Serialize + DeserializeOwned + Clone + 'static,
@@ -376,7 +340,16 @@ where
         if self.loader.workers.is_none() {
             let (dataset, collate) = (&self.loader.dataset, &self.loader.collate);
             let set = WorkerSet::start(o.num_workers, &|id, generation, tasks, results| {
-                launch_worker(dataset, collate, o, id, generation, tasks, results)
+                super::worker::launch(
+                    run_worker::<D, C>,
+                    dataset,
+                    collate,
+                    o,
+                    id,
+                    generation,
+                    tasks,
+                    results,
+                )
             })?;
             self.loader.workers = Some(set);
         }
@@ -390,7 +363,16 @@ where
         } = &mut *self.loader;
         let (dataset, collate, options) = (&*dataset, &*collate, &*options);
         let launch = |id, generation, tasks, results| {
-            launch_worker(dataset, collate, options, id, generation, tasks, results)
+            super::worker::launch(
+                run_worker::<D, C>,
+                dataset,
+                collate,
+                options,
+                id,
+                generation,
+                tasks,
+                results,
+            )
         };
         let Some(set) = workers.as_mut() else {
             return Ok(());
@@ -453,7 +435,16 @@ where
         let (dataset, collate, options) = (&*dataset, &*collate, &*options);
         let set = workers.as_mut()?;
         let launch = |id, generation, tasks, results| {
-            launch_worker(dataset, collate, options, id, generation, tasks, results)
+            super::worker::launch(
+                run_worker::<D, C>,
+                dataset,
+                collate,
+                options,
+                id,
+                generation,
+                tasks,
+                results,
+            )
         };
         let retry = Sent {
             task: sent.task,

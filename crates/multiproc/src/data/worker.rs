@@ -75,6 +75,49 @@ pub(crate) struct WorkerArgs<D, C, B> {
     pub init: Option<super::from_fn::InitFn>,
 }
 
+/// A loader worker's body: [`run_worker`] or [`run_iterable_worker`].
+pub(crate) type WorkerBody<D, C, B> =
+    fn(usize, WorkerArgs<D, C, B>) -> std::result::Result<(), String>;
+
+/// Starts loader worker `id` of generation `generation`: `body` ([`run_worker`] or
+/// [`run_iterable_worker`]) on a copy of the data set and the collate, as a daemon
+/// process of the loader's start method.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn launch<D, C, B>(
+    body: WorkerBody<D, C, B>,
+    dataset: &D,
+    collate: &C,
+    options: &super::builder::Options,
+    id: usize,
+    generation: u64,
+    tasks: Connection<Task>,
+    results: SimpleQueue<Reply<B>>,
+) -> Result<crate::Process>
+where
+    D: Serialize + DeserializeOwned + Clone,
+    C: Serialize + DeserializeOwned + Clone,
+    B: Serialize + DeserializeOwned,
+{
+    let args = WorkerArgs {
+        dataset: dataset.clone(),
+        collate: collate.clone(),
+        tasks,
+        results,
+        generation,
+        num_workers: options.num_workers,
+        seed: options.seed,
+        batch_size: options.batch_size,
+        drop_last: options.drop_last,
+        init: options.init_fn(),
+    };
+    let mut process = crate::Process::new(body, id, args)
+        .start_method(options.start_method)
+        .world_size(options.num_workers)
+        .daemon(true);
+    process.start()?;
+    Ok(process)
+}
+
 /// Loads the samples `indices` and collates them: the work of one batch, in a worker
 /// or in the loader's own process.
 pub(crate) fn load_batch<D, C>(dataset: &D, collate: &C, indices: &[usize]) -> Result<C::Batch>
