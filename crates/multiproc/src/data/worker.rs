@@ -75,6 +75,31 @@ pub(crate) struct WorkerArgs<D, C, B> {
     pub init: Option<super::from_fn::InitFn>,
 }
 
+impl<D, C, B> WorkerArgs<D, C, B> {
+    /// What every worker does first: publish its [`WorkerInfo`] and run the user's
+    /// `worker_init`.
+    fn begin(&self, id: usize) -> std::result::Result<(), String> {
+        set_worker_info(WorkerInfo {
+            id,
+            num_workers: self.num_workers,
+            seed: self.seed.wrapping_add(id as u64),
+        });
+        match &self.init {
+            Some(init) => init.call(id),
+            None => Ok(()),
+        }
+    }
+
+    /// The next task from the loader; `None` once the loader has closed the pipe.
+    fn next_task(&self) -> std::result::Result<Option<Task>, String> {
+        match self.tasks.recv() {
+            Ok(task) => Ok(Some(task)),
+            Err(crate::Error::Closed(_)) => Ok(None),
+            Err(e) => Err(format!("cannot read its next task: {e}")),
+        }
+    }
+}
+
 /// A loader worker's body: [`run_worker`] or [`run_iterable_worker`].
 pub(crate) type WorkerBody<D, C, B> =
     fn(usize, WorkerArgs<D, C, B>) -> std::result::Result<(), String>;
@@ -141,20 +166,11 @@ where
     D: Dataset + Serialize + DeserializeOwned,
     C: Collate<D::Item>,
 {
-    set_worker_info(WorkerInfo {
-        id,
-        num_workers: args.num_workers,
-        seed: args.seed.wrapping_add(id as u64),
-    });
-    if let Some(init) = &args.init {
-        init.call(id)?;
-    }
+    args.begin(id)?;
     loop {
-        let task = match args.tasks.recv() {
-            Ok(task) => task,
-            // The loader closed our pipe (end of epoch, or dropped): done.
-            Err(crate::Error::Closed(_)) => return Ok(()),
-            Err(e) => return Err(format!("cannot read its next task: {e}")),
+        // `None`: the loader closed our pipe (end of epoch, or dropped): done.
+        let Some(task) = args.next_task()? else {
+            return Ok(());
         };
         let outcome = load_batch(&args.dataset, &args.collate, &task.indices).into();
         let reply = Reply {
@@ -216,20 +232,12 @@ where
     D: IterableDataset + Serialize + DeserializeOwned,
     C: Collate<D::Item>,
 {
-    set_worker_info(WorkerInfo {
-        id,
-        num_workers: args.num_workers,
-        seed: args.seed.wrapping_add(id as u64),
-    });
-    if let Some(init) = &args.init {
-        init.call(id)?;
-    }
+    args.begin(id)?;
     let mut current: Option<(u64, Option<D::Iter>)> = None;
     loop {
-        let task = match args.tasks.recv() {
-            Ok(task) => task,
-            Err(crate::Error::Closed(_)) => return Ok(()),
-            Err(e) => return Err(format!("cannot read its next task: {e}")),
+        // `None`: the loader closed our pipe (end of epoch, or dropped): done.
+        let Some(task) = args.next_task()? else {
+            return Ok(());
         };
         if current.as_ref().map(|(e, _)| *e) != Some(task.epoch) {
             current = Some((task.epoch, Some(args.dataset.iter(task.epoch))));
