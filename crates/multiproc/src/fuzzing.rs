@@ -150,7 +150,7 @@ fn exercise(m: FuzzMessage, depth: usize) -> Result<String> {
 /// | 3 | one end of a `SOCK_SEQPACKET` pair (a queue or pipe end) |
 /// | 4 | an [`Event`]'s shared block |
 /// | 5 | a [`Lock`]'s shared block |
-/// | 6 | a [`Queue`]'s shared block |
+/// | 6 | a [`Queue`]'s shared block; for an odd `arg`, the ring of its channel |
 /// | 7 | one end of a `SOCK_STREAM` pair (a socket of the wrong kind) |
 ///
 /// An fd that cannot be made (fd limit) is left out.
@@ -195,9 +195,15 @@ fn make_fd(kind: u8, arg: u64, blob: &[u8]) -> Result<OwnedFd> {
         4 => first_fd(&Event::new()?)?,
         5 => first_fd(&Lock::new()?)?,
         6 => {
+            // A queue travels as its sockets, its channel's ring, then its block.
             let mut fds = wire::encode(&Queue::<u32>::new()?)?.into_packet().fds;
-            fds.pop()
-                .ok_or_else(|| Error::Encode("a queue without a block".into()))?
+            let ring = fds.len().checked_sub(2).filter(|_| arg % 2 == 1);
+            match ring {
+                Some(i) => fds.swap_remove(i),
+                None => fds
+                    .pop()
+                    .ok_or_else(|| Error::Encode("a queue without a block".into()))?,
+            }
         }
         _ => {
             rustix::net::socketpair(
@@ -316,6 +322,11 @@ fn classify(fd: std::os::fd::BorrowedFd<'_>, blob: &mut Vec<u8>) -> Result<u8> {
         }
         *blob = bytes;
         return Ok(2);
+    }
+    let mut kind = [0u8; 4];
+    let _ = rustix::io::pread(fd, &mut kind, 0);
+    if u32::from_le_bytes(kind) == 0x5249_4e47 {
+        return Ok(6 + 8); // a queue's ring
     }
     if size == 4096 {
         let mut kind = [0u8; 4];

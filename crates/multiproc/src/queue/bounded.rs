@@ -240,12 +240,7 @@ impl Shared {
 
     fn get<T: DeserializeOwned>(&self, deadline: Deadline) -> Result<Option<T>> {
         let _span = tracing::trace_span!("multiproc::get", queue = "Queue").entered();
-        // As in `acquire_slot`: an item announced in ITEMS is usually microseconds
-        // away; waiting for it here saves a poll sleep and a wake-up.
-        let items = self.block.word(ITEMS);
-        if items.load(Ordering::Acquire) == 0 {
-            futex::spin_until(deadline, || items.load(Ordering::Acquire) > 0);
-        }
+        // (The channel spins briefly for an item before it sleeps.)
         let packet = self.channel.recv(deadline);
         let taken = self.taken(&packet);
         self.finish_get(packet, taken)

@@ -1,5 +1,7 @@
-//! The socket pair under every queue: what goes in at `tx` comes out at `rx`, one whole
-//! message to exactly one reader, whichever process it is in.
+//! The transport under every queue: a shared-memory [`Ring`] plus a socket pair. What
+//! goes in comes out once, whole, to exactly one reader, whichever process it is in,
+//! first in first out; a message without fds goes through the ring with no system
+//! call, one with fds through the socket in its place behind a marker (see `ring`).
 
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -7,15 +9,17 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
+use super::ring::Ring;
 use crate::sys::Deadline;
 use crate::sys::socket::{Packet, seqpacket_pair};
 use crate::{Error, PutError, Result, wire};
 
-/// Both ends of one `SOCK_SEQPACKET` pair. Every process holding the queue holds both,
-/// so none of them ever sees end-of-stream: a getter waits (with its deadline) until some
-/// holder puts.
+/// A ring and both ends of one `SOCK_SEQPACKET` pair. Every process holding the queue
+/// holds all three, so none of them ever sees end-of-stream: a getter waits (with its
+/// deadline) until some holder puts.
 #[derive(Debug)]
 pub(crate) struct Channel {
+    ring: Ring,
     tx: OwnedFd,
     rx: OwnedFd,
     closed: AtomicBool,
@@ -25,6 +29,7 @@ impl Channel {
     pub(crate) fn new() -> Result<Self> {
         let (tx, rx) = seqpacket_pair()?;
         Ok(Self {
+            ring: Ring::new()?,
             tx,
             rx,
             closed: AtomicBool::new(false),
@@ -53,7 +58,7 @@ impl Channel {
         let result = self
             .check_open("put")
             .and_then(|()| wire::encode(&item))
-            .and_then(|mut encoded| encoded.send(self.tx.as_fd(), deadline));
+            .and_then(|mut encoded| self.ring.send(&mut encoded, self.tx.as_fd(), deadline));
         match result {
             Ok(()) => Ok(()),
             Err(error) => Err(PutError { error, item }),
@@ -81,7 +86,7 @@ impl Channel {
     /// Sends a message made by [`encode`](Self::encode), waiting for room until the
     /// deadline.
     pub(crate) fn send(&self, encoded: &mut wire::Encoded, deadline: Deadline) -> Result<()> {
-        encoded.send(self.tx.as_fd(), deadline)
+        self.ring.send(encoded, self.tx.as_fd(), deadline)
     }
 
     /// Receives one packet without decoding it; `Ok(None)` at the deadline. An
@@ -89,23 +94,24 @@ impl Channel {
     /// that it stays queued (no room for its fds).
     pub(crate) fn recv(&self, deadline: Deadline) -> Result<Option<Packet>> {
         self.check_open("get")?;
-        wire::recv_packet(self.rx.as_fd(), deadline)
+        self.ring.recv(self.rx.as_fd(), deadline)
     }
 
     /// Receives one packet if one is waiting, without decoding it.
     pub(crate) fn try_recv(&self) -> Result<Option<Packet>> {
         self.check_open("get")?;
-        wire::try_recv_packet(self.rx.as_fd())
+        self.ring.try_recv(self.rx.as_fd())
     }
 
     /// Whether a message is waiting right now.
     pub(crate) fn has_waiting(&self) -> bool {
-        crate::sys::wait_fd(
-            self.rx.as_fd(),
-            crate::sys::Readiness::Readable,
-            Some(std::time::Instant::now()),
-        )
-        .unwrap_or(false)
+        self.ring.holds_messages()
+            || crate::sys::wait_fd(
+                self.rx.as_fd(),
+                crate::sys::Readiness::Readable,
+                Some(std::time::Instant::now()),
+            )
+            .unwrap_or(false)
     }
 
     /// The sending socket, for tests that inject raw packets.
@@ -117,21 +123,43 @@ impl Channel {
 
 impl Serialize for Channel {
     fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        use serde::ser::SerializeTuple;
         let tx = wire::attach_fd(self.tx.as_fd(), "a queue").map_err(serde::ser::Error::custom)?;
         let rx = wire::attach_fd(self.rx.as_fd(), "a queue").map_err(serde::ser::Error::custom)?;
-        (tx, rx).serialize(s)
+        let mut t = s.serialize_tuple(3)?;
+        t.serialize_element(&tx)?;
+        t.serialize_element(&rx)?;
+        t.serialize_element(&RingRef(&self.ring))?;
+        t.end()
+    }
+}
+
+struct RingRef<'a>(&'a Ring);
+
+impl Serialize for RingRef<'_> {
+    fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        self.0.serialize_as("a queue's ring", s)
+    }
+}
+
+struct OwnedRing(Ring);
+
+impl<'de> Deserialize<'de> for OwnedRing {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        Ring::deserialize_as("a queue's ring", d).map(OwnedRing)
     }
 }
 
 impl<'de> Deserialize<'de> for Channel {
     fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
-        let (tx, rx) = <(u32, u32)>::deserialize(d)?;
+        let (tx, rx, OwnedRing(ring)) = <(u32, u32, OwnedRing)>::deserialize(d)?;
         let tx = wire::received_fd(tx, "a queue").map_err(serde::de::Error::custom)?;
         let rx = wire::received_fd(rx, "a queue").map_err(serde::de::Error::custom)?;
         for fd in [&tx, &rx] {
             check_seqpacket(fd).map_err(|e| serde::de::Error::custom(wire::fail(e)))?;
         }
         Ok(Self {
+            ring,
             tx,
             rx,
             closed: AtomicBool::new(false),

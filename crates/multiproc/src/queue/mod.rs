@@ -12,6 +12,7 @@ mod bounded;
 mod channel;
 mod joinable;
 mod pipe;
+mod ring;
 mod simple;
 
 pub use bounded::{JoinableQueue, Queue, QueueIter, QueueTryIter};

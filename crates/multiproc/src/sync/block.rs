@@ -1,10 +1,15 @@
 //! # Safety
 //!
 //! A [`SharedBlock`] is one page of shared memory holding 32-bit atomic words that
-//! several processes update together. The only unsafe code turns a word's address into
-//! `&AtomicU32`: the address is in bounds and 4-byte aligned (checked at map time), the
-//! mapping lives as long as the block (the reference borrows the block), and atomics
-//! may be written concurrently by anyone, other processes included.
+//! several processes update together, optionally followed by a byte area (a queue's
+//! ring of messages). The unsafe code turns a word's address into `&AtomicU32`, and
+//! copies bytes between the byte area and process-local buffers: addresses are in
+//! bounds (checked on every call) and words 4-byte aligned (the mapping is
+//! page-aligned), the mapping lives as long as the block (the reference borrows the
+//! block), and atomics may be written concurrently by anyone, other processes
+//! included. The byte area is never handed out as a reference: other processes may
+//! write it at any moment, so it is only copied in and out, and what is copied out is
+//! untrusted bytes that the caller validates.
 
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::{AtomicU32, AtomicU64};
@@ -15,7 +20,7 @@ use crate::sys::memfd;
 use crate::sys::mmap::SharedMapping;
 use crate::{Error, Result, wire};
 
-/// Size of a block in bytes; it holds [`WORDS`] atomic words.
+/// Size of a block's page of words in bytes; it holds [`WORDS`] atomic words.
 const BLOCK_BYTES: usize = 4096;
 /// The number of `AtomicU32` words in a block.
 pub(crate) const WORDS: usize = BLOCK_BYTES / 4;
@@ -30,37 +35,47 @@ const KIND_WORD: usize = 0;
 pub(crate) struct SharedBlock {
     fd: OwnedFd,
     map: SharedMapping,
+    /// Bytes of the byte area after the page of words.
+    bytes: usize,
 }
 
 impl SharedBlock {
     /// A new zeroed block tagged with `kind` (a nonzero constant of the owner type).
     pub(crate) fn new(kind: u32) -> Result<Self> {
-        let fd = memfd::create("multiproc-sync", BLOCK_BYTES as u64)?;
+        Self::with_bytes(kind, 0)
+    }
+
+    /// A new zeroed block tagged with `kind`, with a byte area of `bytes` bytes after
+    /// its page of words.
+    pub(crate) fn with_bytes(kind: u32, bytes: usize) -> Result<Self> {
+        let total = BLOCK_BYTES + bytes;
+        let fd = memfd::create("multiproc-sync", total as u64)?;
         memfd::seal_size(fd.as_fd())?;
-        let map = SharedMapping::map(fd.as_fd(), BLOCK_BYTES)?;
-        let block = Self { fd, map };
+        let map = SharedMapping::map(fd.as_fd(), total)?;
+        let block = Self { fd, map, bytes };
         block
             .word(KIND_WORD)
             .store(kind, std::sync::atomic::Ordering::Release);
         Ok(block)
     }
 
-    /// Maps a received block, checking that it is a sealed memfd of the right size and
-    /// kind.
-    fn open(fd: OwnedFd, kind: u32, what: &str) -> Result<Self> {
+    /// Maps a received block, checking that it is a sealed memfd of the right size
+    /// (a page of words and `bytes` more) and kind.
+    fn open(fd: OwnedFd, kind: u32, bytes: usize, what: &str) -> Result<Self> {
         if !memfd::is_shrink_sealed(fd.as_fd()) {
             return Err(Error::InvalidMessage(format!(
                 "the {what} handle is not a sealed multiproc memfd"
             )));
         }
+        let total = BLOCK_BYTES + bytes;
         let size = memfd::file_size(fd.as_fd())?;
-        if size < BLOCK_BYTES as u64 {
+        if size < total as u64 {
             return Err(Error::InvalidMessage(format!(
-                "the {what} segment holds {size} bytes, fewer than the {BLOCK_BYTES} it needs"
+                "the {what} segment holds {size} bytes, fewer than the {total} it needs"
             )));
         }
-        let map = SharedMapping::map(fd.as_fd(), BLOCK_BYTES)?;
-        let block = Self { fd, map };
+        let map = SharedMapping::map(fd.as_fd(), total)?;
+        let block = Self { fd, map, bytes };
         let found = block
             .word(KIND_WORD)
             .load(std::sync::atomic::Ordering::Acquire);
@@ -98,6 +113,51 @@ impl SharedBlock {
         }
     }
 
+    /// Copies `out.len()` bytes of the byte area, from `offset` on, into `out`; `false`
+    /// (nothing copied) when that range is not inside the area. The bytes are whatever
+    /// the area holds at that moment: the caller validates them.
+    pub(crate) fn read_bytes(&self, offset: usize, out: &mut [u8]) -> bool {
+        if offset
+            .checked_add(out.len())
+            .is_none_or(|end| end > self.bytes)
+        {
+            return false;
+        }
+        // SAFETY: `offset..offset + out.len()` lies inside the byte area, which follows
+        // the page of words inside the mapping; `out` is a distinct local buffer. The
+        // source may be written concurrently by other processes (a copy, never a
+        // reference: the worst outcome is garbage bytes, which the caller checks).
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.map.as_ptr().add(BLOCK_BYTES + offset),
+                out.as_mut_ptr(),
+                out.len(),
+            );
+        }
+        true
+    }
+
+    /// Copies `data` into the byte area at `offset`; `false` (nothing copied) when that
+    /// range is not inside the area.
+    pub(crate) fn write_bytes(&self, offset: usize, data: &[u8]) -> bool {
+        if offset
+            .checked_add(data.len())
+            .is_none_or(|end| end > self.bytes)
+        {
+            return false;
+        }
+        // SAFETY: as in `read_bytes`, the range is inside the byte area and `data` is a
+        // distinct buffer; nothing in this process holds a reference into the area.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                data.as_ptr(),
+                self.map.as_ptr().add(BLOCK_BYTES + offset),
+                data.len(),
+            );
+        }
+        true
+    }
+
     /// Serializes the block as an fd in the wire's side table.
     pub(crate) fn serialize_as<S: Serializer>(
         &self,
@@ -114,8 +174,18 @@ impl SharedBlock {
         what: &str,
         d: D,
     ) -> std::result::Result<Self, D::Error> {
+        Self::deserialize_with_bytes(kind, 0, what, d)
+    }
+
+    /// [`deserialize_as`](Self::deserialize_as) for a block with a byte area of `bytes`.
+    pub(crate) fn deserialize_with_bytes<'de, D: Deserializer<'de>>(
+        kind: u32,
+        bytes: usize,
+        what: &str,
+        d: D,
+    ) -> std::result::Result<Self, D::Error> {
         let index = u32::deserialize(d)?;
         let fd = wire::received_fd(index, what).map_err(serde::de::Error::custom)?;
-        Self::open(fd, kind, what).map_err(|e| serde::de::Error::custom(wire::fail_with(e)))
+        Self::open(fd, kind, bytes, what).map_err(|e| serde::de::Error::custom(wire::fail_with(e)))
     }
 }

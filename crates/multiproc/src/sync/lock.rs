@@ -93,6 +93,12 @@ impl RawLock {
             match owner.compare_exchange(0, me, Ordering::Acquire, Ordering::Relaxed) {
                 Ok(_) => return Ok(Acquired::Yes),
                 Err(holder) => {
+                    // Most holders are inside a critical section of well under a
+                    // microsecond (a queue's ring): retry briefly before paying for a
+                    // liveness check (a /proc read) and a futex sleep.
+                    if holder != me && spin_until_free(owner) {
+                        continue;
+                    }
                     if holder != me && process_is_dead(holder) {
                         if owner
                             .compare_exchange(holder, me, Ordering::Acquire, Ordering::Relaxed)
@@ -140,6 +146,20 @@ impl RawLock {
     pub(crate) fn holder(&self) -> u32 {
         self.word(OWNER).load(Ordering::Acquire)
     }
+}
+
+/// How many times [`spin_until_free`] looks at a held lock word before giving up.
+const SPIN_TRIES: u32 = 256;
+
+/// Polls a lock word for a short while; whether it became free.
+fn spin_until_free(owner: &std::sync::atomic::AtomicU32) -> bool {
+    for _ in 0..SPIN_TRIES {
+        if owner.load(Ordering::Relaxed) == 0 {
+            return true;
+        }
+        std::hint::spin_loop();
+    }
+    false
 }
 
 pub(crate) fn owner_died(what: &str, pid: u32) -> Error {

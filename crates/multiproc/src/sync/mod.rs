@@ -9,7 +9,7 @@
 pub(crate) mod block;
 mod event;
 pub(crate) mod futex;
-mod lock;
+pub(crate) mod lock;
 
 /// `Serialize`/`Deserialize` for a primitive that is one [`SharedBlock`](block::SharedBlock)
 /// (a field named `block`): the block's handle travels, checked against `$kind` on

@@ -442,6 +442,30 @@ impl Encoded {
         Packet { bytes, fds }
     }
 
+    /// The packet's header and inline payload when it carries no fds (then it is
+    /// only bytes, and may travel through a queue's shared ring instead of a socket).
+    pub(crate) fn as_plain_bytes(&self) -> Option<(&[u8], &[u8])> {
+        self.fds
+            .is_empty()
+            .then_some((&self.header[..], &self.payload[..]))
+    }
+
+    /// Records that the packet went out some other way than [`send`](Self::send) (a
+    /// queue's ring): the references taken for its receiver are the receiver's now.
+    pub(crate) fn mark_sent(&mut self) {
+        self.sent = true;
+    }
+
+    /// Sends the packet if the socket has room now.
+    pub(crate) fn try_send(&mut self, sock: BorrowedFd<'_>) -> Result<Attempt<()>> {
+        let fds: Vec<BorrowedFd<'_>> = self.fds.iter().map(AttachedFd::as_fd).collect();
+        let sent = socket::try_send_packet(sock, &self.header, &self.payload, &fds)?;
+        if matches!(sent, Attempt::Done(())) {
+            self.sent = true;
+        }
+        Ok(sent)
+    }
+
     /// Sends the packet, waiting for room until the deadline.
     pub(crate) fn send(&mut self, sock: BorrowedFd<'_>, deadline: Deadline) -> Result<()> {
         let fds: Vec<BorrowedFd<'_>> = self.fds.iter().map(AttachedFd::as_fd).collect();
@@ -503,7 +527,8 @@ pub(crate) fn decode<T: DeserializeOwned>(packet: Packet) -> Result<T> {
     let kind = bytes[5];
     let nfds = u32::from_le_bytes([bytes[8], bytes[9], bytes[10], bytes[11]]) as usize;
     let len = u32::from_le_bytes([bytes[12], bytes[13], bytes[14], bytes[15]]) as usize;
-    let payload: Vec<u8> = match kind {
+    let from_memfd;
+    let payload: &[u8] = match kind {
         KIND_INLINE => {
             if nfds != fds.len() {
                 return bad(format!(
@@ -517,7 +542,7 @@ pub(crate) fn decode<T: DeserializeOwned>(packet: Packet) -> Result<T> {
                     bytes.len() - HEADER_LEN
                 ));
             }
-            bytes[HEADER_LEN..].to_vec()
+            &bytes[HEADER_LEN..]
         }
         KIND_MEMFD => {
             if fds.len() != nfds + 1 {
@@ -532,7 +557,8 @@ pub(crate) fn decode<T: DeserializeOwned>(packet: Packet) -> Result<T> {
             let Some(fd) = fds.pop() else {
                 return bad("the payload memfd is missing".into());
             };
-            read_sealed_payload(fd.as_fd(), len)?
+            from_memfd = read_sealed_payload(fd.as_fd(), len)?;
+            &from_memfd
         }
         other => return bad(format!("unknown packet kind {other}")),
     };
@@ -546,7 +572,7 @@ pub(crate) fn decode<T: DeserializeOwned>(packet: Packet) -> Result<T> {
         })
     });
     let guard = TableGuard(&DECODER, std::marker::PhantomData);
-    let result = postcard::take_from_bytes::<T>(&payload);
+    let result = postcard::take_from_bytes::<T>(payload);
     let table = DECODER.with(|d| d.borrow_mut().take());
     drop(guard);
     let (value, rest) = match result {
