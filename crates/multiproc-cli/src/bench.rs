@@ -355,7 +355,7 @@ pub fn header() -> String {
 pub fn row(f: &Figure) -> String {
     let size = f.bytes.map_or("-".to_string(), human);
     let value = if let Some(us) = f.us_per_roundtrip {
-        format!("{us:>12.1} us/roundtrip")
+        format!("{us:>12.2} us/roundtrip")
     } else if f.scenario == "spawn" {
         format!("{:>12.1} ms for 4", f.seconds * 1e3)
     } else {
