@@ -6,8 +6,11 @@
 Runs `multiproc bench --json` and `multiproc bench-floor --json` (release build), then
 the same scenarios in torch.multiprocessing (spawn context, file_descriptor strategy)
 when torch can be imported, and prints one table with the ratios multiproc/torch and
-multiproc/floor. torch is optional: `pip install torch` (CPU is enough). Keep it out
-of CI. Ratios, not absolute figures, are what to compare: the machine is shared.
+multiproc/floor. `ping` has two floors: the SEQPACKET + SCM_RIGHTS round trip (the
+"floor" column) and the futex round trip over one shared word ("futex"); the spinning
+round trip (no system call) is printed below the table. torch is optional:
+`pip install torch` (CPU is enough). Keep it out of CI. Ratios, not absolute figures,
+are what to compare: the machine is shared.
 """
 import argparse
 import json
@@ -141,28 +144,36 @@ def main():
 
     mine, floor = multiproc_figures(args.scale)
     torch = {key(f): f for f in torch_figures(args.torch_python, args.scale)}
-    floor_ping = next((f for f in floor if f["scenario"] == "ping"), None)
+    round_trip = {f["scenario"]: f["us_per_roundtrip"] for f in floor if "us_per_roundtrip" in f}
+    floor_ping, futex_ping = round_trip.get("ping"), round_trip.get("futex-ping")
     floor_fill = {f["bytes"]: f for f in floor if f["scenario"] == "fill+sum"}
 
-    print("%-6s %-16s %8s  %14s %14s %9s %14s %9s" % (
-        "scen.", "strategy", "size", "multiproc", "torch", "mp/torch", "floor", "mp/floor"))
+    print("%-6s %-16s %8s  %14s %14s %9s %14s %9s %8s %9s" % (
+        "scen.", "strategy", "size", "multiproc", "torch", "mp/torch", "floor", "mp/floor",
+        "futex", "mp/futex"))
     for f in mine:
         v, higher = value(f)
         unit = "us/rt" if f["scenario"] == "ping" else "ms" if f["scenario"] == "spawn" else "/s"
         t = torch.get((f["scenario"], "file_descriptor" if f.get("strategy") else None, f.get("bytes")))
         tv = value(t)[0] if t else None
+        fx = None
         if f["scenario"] == "ping":
-            fl = floor_ping["us_per_roundtrip"] if floor_ping else None
+            fl, fx = floor_ping, futex_ping
         elif f["scenario"] in ("fresh", "small") and f.get("bytes") in floor_fill:
             fl = floor_fill[f["bytes"]]["per_s"]
         else:
             fl = None
         ratio = lambda a, b: "-" if not b else "%.2fx" % ((a / b) if higher else (b / a))
-        print("%-6s %-16s %8s  %8.1f %-5s %14s %9s %14s %9s" % (
+        print("%-6s %-16s %8s  %8.1f %-5s %14s %9s %14s %9s %8s %9s" % (
             f["scenario"], f.get("strategy") or "-", size(f.get("bytes")), v, unit,
             "-" if tv is None else "%.1f" % tv, ratio(v, tv), "-" if fl is None else "%.1f" % fl,
-            ratio(v, fl)))
+            ratio(v, fl), "-" if fx is None else "%.1f" % fx, ratio(v, fx)))
     print("\nratios: >1 means multiproc is better (faster, or lower latency).")
+    print("round-trip floors of this run (us): %s" % ", ".join(
+        "%s %.2f" % (name, round_trip[scen]) for name, scen in (
+            ("SEQPACKET+SCM_RIGHTS", "ping"), ("futex", "futex-ping"), ("spin", "spin-ping"))
+        if scen in round_trip))
+    print("(spin needs two free cores: on a loaded machine each hop waits for a scheduler tick)")
     print("date: %s; machine: %s, %d cores" % (time.strftime("%Y-%m-%d"), os.uname().machine, os.cpu_count()))
 
 

@@ -19,8 +19,8 @@
 //!
 //! A figure means something only against a baseline measured in the same run on the
 //! same machine: `multiproc bench-floor` measures the raw floor (a `SOCK_SEQPACKET` +
-//! `SCM_RIGHTS` ping-pong between two processes, and fill+sum of a reused buffer in one
-//! process, `impl: "floor"`), and `scripts/compare_torch.py` runs this command, the floor
+//! `SCM_RIGHTS` ping-pong between two processes, a futex and a spinning ping-pong over
+//! one shared word, and fill+sum of a reused buffer in one process, `impl: "floor"`), and `scripts/compare_torch.py` runs this command, the floor
 //! and, when torch is installed, the same scenarios in torch.multiprocessing, and prints
 //! the ratios (the README's "Performance" table is one such run). The targets the
 //! project holds itself to, as ratios: `fresh` 4 KiB at ≥ 0.5× and 64 MiB / 256 MiB at
@@ -343,11 +343,19 @@ pub fn collectives(scale: f64) -> multiproc::Result<Vec<Figure>> {
     Ok(vec![reduce, crate::floor::memcpy(bytes, count)])
 }
 
+/// The header of the table that [`row`] makes rows of.
+pub fn header() -> String {
+    format!(
+        "{:<10} {:<16} {:>9} {:>7}  result",
+        "scenario", "strategy", "size", "count"
+    )
+}
+
 /// One table row for a figure.
 pub fn row(f: &Figure) -> String {
     let size = f.bytes.map_or("-".to_string(), human);
     let value = if let Some(us) = f.us_per_roundtrip {
-        format!("{us:>12.1} us/roundtrip")
+        format!("{us:>12.2} us/roundtrip")
     } else if f.scenario == "spawn" {
         format!("{:>12.1} ms for 4", f.seconds * 1e3)
     } else {
@@ -358,7 +366,7 @@ pub fn row(f: &Figure) -> String {
         )
     };
     format!(
-        "{:<7} {:<16} {:>9} {:>7}  {value}",
+        "{:<10} {:<16} {:>9} {:>7}  {value}",
         f.scenario,
         f.strategy.as_deref().unwrap_or("-"),
         size,

@@ -4,15 +4,39 @@
 //! - `ping`: a `SOCK_SEQPACKET` socketpair between two processes; each round trip is a
 //!   small packet with one fd attached (`SCM_RIGHTS`) there and back — the least any
 //!   fd-passing queue can do.
+//! - `futex-ping`: two processes share one 32-bit word (a memfd mapped `MAP_SHARED` in
+//!   both); the parent sets it to 1 and `FUTEX_WAKE`s, the child waits for 1, sets 2 and
+//!   wakes, the parent waits for 2: one round trip is parent → child → parent, and a
+//!   waiter whose value has not come yet sleeps in `FUTEX_WAIT` (no spinning) — the
+//!   least a queue that sleeps between messages can do.
+//! - `spin-ping`: the same word, busy-polled with spin-loop hints and no system call at
+//!   all — the least any cross-process round trip can do (two cache-line transfers).
 //! - `fill+sum`: fill a reused buffer of S bytes with a value, then sum it, in one
 //!   process — what `fresh` would cost with no process boundary and no allocation.
 //! - `memcpy`: copy a reused 64 MiB buffer into another in one process — the memory
 //!   bandwidth a shared-memory collective is measured against.
+//!
+//! The ping children are this binary re-executed: [`serve_child_if_asked`] runs first in
+//! `main` and finds its inherited fd (the socket, or the memfd) in an environment
+//! variable. Neither child outlives its parent: the socket child ends when the socket
+//! hangs up, the word child when the parent says stop or, checked at least every
+//! [`WAIT_SLICE`], when its parent is no longer the process that started it. A waiter
+//! never waits unboundedly: the spinner falls back to `FUTEX_WAIT` after [`SPIN_LIMIT`],
+//! and every `FUTEX_WAIT` is a [`WAIT_SLICE`] after which the parent checks that its
+//! child still runs (and gives up after [`ANSWER_LIMIT`] without an answer). The memfd
+//! has no name, so nothing is left in `/dev/shm`; each side closes it once mapped.
 
+use std::ffi::c_void;
 use std::io::{IoSlice, IoSliceMut};
 use std::mem::MaybeUninit;
-use std::os::fd::{AsFd, AsRawFd, OwnedFd};
-use std::time::Instant;
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
+use std::process::Child;
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use rustix::io::Errno;
+use rustix::thread::futex;
 
 use rustix::net::{
     AddressFamily, RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer,
@@ -23,6 +47,10 @@ use crate::bench::Figure;
 
 /// The environment variable that tells a re-executed `multiproc` to be the ping child.
 const CHILD_FD_ENV: &str = "MULTIPROC_FLOOR_CHILD_FD";
+
+/// The environment variable that tells a re-executed `multiproc` to be the futex (or
+/// spin) ping child: `"<memfd> <futex|spin> <parent pid>"`.
+const WORD_CHILD_ENV: &str = "MULTIPROC_FLOOR_WORD_CHILD";
 
 fn send_with_fd(sock: &OwnedFd, payload: &[u8], fd: &OwnedFd) -> std::io::Result<()> {
     let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(1))];
@@ -59,9 +87,19 @@ fn recv_with_fd(sock: &OwnedFd, buf: &mut [u8]) -> std::io::Result<Option<OwnedF
     Ok(got)
 }
 
-/// The ping child: echoes every packet and its fd until the parent closes the socket.
-/// Returns `true` when this process was started as the child.
+/// Serves as a ping child when this process was started as one (see the module doc).
+/// Returns `true` when it was: the caller then exits.
 pub fn serve_child_if_asked() -> bool {
+    if let Ok(spec) = std::env::var(WORD_CHILD_ENV) {
+        if let Err(e) = serve_word_child(&spec) {
+            eprintln!(
+                "multiproc bench-floor: the word ping child ({WORD_CHILD_ENV}={spec}) failed: {e}"
+            );
+            // The parent reads the exit status.
+            std::process::exit(1);
+        }
+        return true;
+    }
     let Ok(raw) = std::env::var(CHILD_FD_ENV) else {
         return false;
     };
@@ -69,7 +107,7 @@ pub fn serve_child_if_asked() -> bool {
         return true;
     };
     // SAFETY: the parent passed us this fd, open and ours alone, in the environment.
-    let sock = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(raw) };
+    let sock = unsafe { OwnedFd::from_raw_fd(raw) };
     let mut buf = [0u8; 64];
     while let Ok(Some(fd)) = recv_with_fd(&sock, &mut buf) {
         if send_with_fd(&sock, &buf[..16], &fd).is_err() {
@@ -118,6 +156,277 @@ fn ping(count: u64) -> std::io::Result<Figure> {
     ))
 }
 
+// ---- the futex and spin ping-pong over one shared word --------------------------------
+
+/// The word's values: whose turn it is, or that the child is to leave.
+const PARENT_SENT: u32 = 1;
+const CHILD_SENT: u32 = 2;
+const STOP: u32 = 3;
+
+/// How long a spinner polls before it falls back to `FUTEX_WAIT`: long enough never to
+/// happen in a healthy run, short enough that a stuck peer costs a core for a moment only.
+const SPIN_LIMIT: Duration = Duration::from_secs(1);
+
+/// The longest single `FUTEX_WAIT`: after each, the waiter checks that its peer lives.
+const WAIT_SLICE: Duration = Duration::from_millis(100);
+
+/// How long the parent waits for one answer before it gives the child up.
+const ANSWER_LIMIT: Duration = Duration::from_secs(10);
+
+/// How long one variant's timed loop may run, whatever the count: spinning on a
+/// machine with fewer free cores than spinners costs a scheduler tick per hop.
+const TIME_BUDGET: Duration = Duration::from_secs(3);
+
+/// How a side waits for its value.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Waiting {
+    /// Sleep in `FUTEX_WAIT`; the writer always `FUTEX_WAKE`s.
+    Futex,
+    /// Busy-poll; the writer makes no system call. The fallback after [`SPIN_LIMIT`]
+    /// sleeps in [`WAIT_SLICE`]s, unwoken, so it stays correct without a wake.
+    Spin,
+}
+
+impl Waiting {
+    fn name(self) -> &'static str {
+        match self {
+            Waiting::Futex => "futex",
+            Waiting::Spin => "spin",
+        }
+    }
+
+    fn parse(name: &str) -> Option<Self> {
+        [Waiting::Futex, Waiting::Spin]
+            .into_iter()
+            .find(|w| w.name() == name)
+    }
+}
+
+const PAGE: usize = 4096;
+
+/// One page of a memfd mapped `MAP_SHARED`, of which the first 4 bytes are the word
+/// both processes turn on. Unmapped on drop.
+struct SharedWord {
+    page: NonNull<c_void>,
+}
+
+impl SharedWord {
+    /// Maps the first page of `memfd`, which must be at least a page long (a shorter
+    /// file would fault with `SIGBUS` on access instead of failing here).
+    fn map(memfd: &OwnedFd) -> std::io::Result<Self> {
+        let len = rustix::fs::fstat(memfd)?.st_size;
+        if len < PAGE as i64 {
+            return Err(std::io::Error::other(format!(
+                "the shared word's memfd is {len} bytes, less than the page it must hold"
+            )));
+        }
+        // SAFETY: a fresh mapping at an address the kernel chooses overlaps nothing of
+        // ours; the file is a page long (checked above) and neither side truncates it.
+        let addr = unsafe {
+            rustix::mm::mmap(
+                std::ptr::null_mut(),
+                PAGE,
+                rustix::mm::ProtFlags::READ | rustix::mm::ProtFlags::WRITE,
+                rustix::mm::MapFlags::SHARED,
+                memfd,
+                0,
+            )?
+        };
+        let page = NonNull::new(addr)
+            .ok_or_else(|| std::io::Error::other("mmap of the shared word returned null"))?;
+        Ok(SharedWord { page })
+    }
+
+    fn word(&self) -> &AtomicU32 {
+        // SAFETY: the page is mapped readable and writable for as long as `self` lives
+        // (the borrow ties the reference to it), page-aligned (so aligned for a u32),
+        // and 4 bytes fit in it. The other process writes it, so it is only ever read
+        // and written atomically, never through a plain `&u32`.
+        unsafe { &*self.page.as_ptr().cast::<AtomicU32>() }
+    }
+}
+
+impl Drop for SharedWord {
+    fn drop(&mut self) {
+        // SAFETY: `page` is our mapping of PAGE bytes; no reference to it outlives
+        // `self` (`word` borrows `self`).
+        let _ = unsafe { rustix::mm::munmap(self.page.as_ptr(), PAGE) };
+    }
+}
+
+/// Sets `word` to `value` and, when the peer may sleep, wakes it.
+fn hand_over(word: &AtomicU32, value: u32, how: Waiting) -> std::io::Result<()> {
+    word.store(value, Ordering::Release);
+    if how == Waiting::Futex {
+        // Not PRIVATE: the waiter is another process with its own mapping.
+        futex::wake(word, futex::Flags::empty(), 1)?;
+    }
+    Ok(())
+}
+
+/// Waits until `word` holds `want` or [`STOP`] and returns what it holds; after each
+/// [`WAIT_SLICE`] asleep, `peer_alive` decides whether to go on waiting.
+fn wait_for(
+    word: &AtomicU32,
+    want: u32,
+    how: Waiting,
+    peer_alive: &mut dyn FnMut() -> std::io::Result<()>,
+) -> std::io::Result<u32> {
+    let ours = |v: u32| v == want || v == STOP;
+    if how == Waiting::Spin {
+        let start = Instant::now();
+        let mut polls = 0u32;
+        loop {
+            let v = word.load(Ordering::Acquire);
+            if ours(v) {
+                return Ok(v);
+            }
+            std::hint::spin_loop();
+            polls = polls.wrapping_add(1);
+            // Reading the clock costs more than a poll: look every 4096 polls only.
+            if polls % 4096 == 0 && start.elapsed() >= SPIN_LIMIT {
+                break;
+            }
+        }
+    }
+    let slice = futex::Timespec {
+        tv_sec: 0,
+        tv_nsec: WAIT_SLICE.as_nanos() as _,
+    };
+    loop {
+        let v = word.load(Ordering::Acquire);
+        if ours(v) {
+            return Ok(v);
+        }
+        match futex::wait(word, futex::Flags::empty(), v, Some(&slice)) {
+            // Woken, the word moved before we slept, or a signal: look again.
+            Ok(()) | Err(Errno::AGAIN) | Err(Errno::INTR) => {}
+            Err(Errno::TIMEDOUT) => peer_alive()?,
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
+/// The futex (or spin) ping child: answers every [`PARENT_SENT`] with [`CHILD_SENT`]
+/// until the parent says [`STOP`] or is gone.
+fn serve_word_child(spec: &str) -> std::io::Result<()> {
+    let bad = || std::io::Error::other("expected \"<memfd> <futex|spin> <parent pid>\"");
+    let mut parts = spec.split(' ');
+    let fd: i32 = parts.next().and_then(|p| p.parse().ok()).ok_or_else(bad)?;
+    let how = parts.next().and_then(Waiting::parse).ok_or_else(bad)?;
+    let parent: i32 = parts.next().and_then(|p| p.parse().ok()).ok_or_else(bad)?;
+    // SAFETY: the parent passed us this fd, open and ours alone, in the environment.
+    let memfd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let shared = SharedWord::map(&memfd)?;
+    drop(memfd); // the mapping keeps the memory
+    let word = shared.word();
+    // Reparented (to init or a subreaper) means the parent has gone.
+    let mut parent_alive = || match rustix::process::getppid() {
+        p if rustix::process::Pid::as_raw(p) == parent => Ok(()),
+        _ => Err(std::io::Error::other("the parent has gone")),
+    };
+    loop {
+        if wait_for(word, PARENT_SENT, how, &mut parent_alive)? == STOP {
+            return Ok(());
+        }
+        hand_over(word, CHILD_SENT, how)?;
+    }
+}
+
+/// The child of a word ping-pong, killed and reaped when dropped unless it has
+/// already been reaped.
+struct WordChild(Child);
+
+impl Drop for WordChild {
+    fn drop(&mut self) {
+        if let Ok(None) = self.0.try_wait() {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+}
+
+/// `futex-ping` or `spin-ping`: `count` round trips parent → child → parent over one
+/// shared word (fewer if [`TIME_BUDGET`] runs out first; the figure says how many).
+fn word_ping(how: Waiting, count: u64) -> std::io::Result<Figure> {
+    let memfd = rustix::fs::memfd_create("multiproc-floor-word", rustix::fs::MemfdFlags::CLOEXEC)?;
+    rustix::fs::ftruncate(&memfd, PAGE as u64)?;
+    let shared = SharedWord::map(&memfd)?;
+    let word = shared.word();
+    // The child's fd must survive exec; ours closes right after the spawn (the parent
+    // is single-threaded here, so no other spawn can inherit it meanwhile).
+    rustix::io::fcntl_setfd(&memfd, rustix::io::FdFlags::empty())?;
+    let spawned = std::process::Command::new(std::env::current_exe()?)
+        .env(
+            WORD_CHILD_ENV,
+            format!(
+                "{} {} {}",
+                memfd.as_raw_fd(),
+                how.name(),
+                std::process::id()
+            ),
+        )
+        .spawn();
+    drop(memfd);
+    let mut child = WordChild(spawned?);
+    let mut answers = 0u64;
+    let mut asked_at = Instant::now();
+    let mut round_trip = |child: &mut WordChild| -> std::io::Result<()> {
+        hand_over(word, PARENT_SENT, how)?;
+        asked_at = Instant::now();
+        let mut child_alive = || {
+            if let Some(status) = child.0.try_wait()? {
+                return Err(std::io::Error::other(format!(
+                    "the {} ping child exited ({status}) after {answers} answers",
+                    how.name()
+                )));
+            }
+            if asked_at.elapsed() >= ANSWER_LIMIT {
+                return Err(std::io::Error::other(format!(
+                    "the {} ping child did not answer for {ANSWER_LIMIT:?}",
+                    how.name()
+                )));
+            }
+            Ok(())
+        };
+        wait_for(word, CHILD_SENT, how, &mut child_alive)?;
+        answers += 1;
+        Ok(())
+    };
+    // Warm up (the first answer waits for the child's exec), then time.
+    for _ in 0..100 {
+        round_trip(&mut child)?;
+    }
+    let mut done = 0u64;
+    let start = Instant::now();
+    // The clock is read every 16 round trips: a spinning one costs little more.
+    while done < count && (done % 16 != 0 || start.elapsed() < TIME_BUDGET) {
+        round_trip(&mut child)?;
+        done += 1;
+    }
+    let seconds = start.elapsed().as_secs_f64();
+    // Always wake: the child may have fallen back to sleeping.
+    hand_over(word, STOP, Waiting::Futex)?;
+    let status = child.0.wait()?;
+    if !status.success() {
+        return Err(std::io::Error::other(format!(
+            "the {} ping child failed ({status})",
+            how.name()
+        )));
+    }
+    let scenario = match how {
+        Waiting::Futex => "futex-ping",
+        Waiting::Spin => "spin-ping",
+    };
+    Ok(Figure::floor(
+        scenario,
+        None,
+        done,
+        seconds,
+        Some(seconds * 1e6 / done as f64),
+    ))
+}
+
 fn fill_sum(bytes: u64, count: u64) -> Figure {
     let mut buf = vec![0f32; (bytes / 4) as usize];
     let mut total = 0.0f64;
@@ -157,7 +466,11 @@ pub fn memcpy(bytes: u64, count: u64) -> Figure {
 /// Runs the floor measurements.
 pub fn run(scale: f64) -> std::io::Result<Vec<Figure>> {
     let scaled = |n: u64| ((n as f64 * scale).round() as u64).max(2);
-    let mut figures = vec![ping(scaled(20_000))?];
+    let mut figures = vec![
+        ping(scaled(20_000))?,
+        word_ping(Waiting::Futex, scaled(20_000))?,
+        word_ping(Waiting::Spin, scaled(20_000))?,
+    ];
     for (bytes, count) in [
         (4u64 << 10, 20_000u64),
         (1 << 20, 500),

@@ -49,8 +49,9 @@ enum Command {
         #[arg(long)]
         collectives: bool,
     },
-    /// Measure the raw floor: a SEQPACKET + SCM_RIGHTS ping-pong and an in-process
-    /// fill+sum on a reused buffer (what `scripts/compare_torch.py` divides by).
+    /// Measure the raw floor: a SEQPACKET + SCM_RIGHTS ping-pong, a futex and a spinning
+    /// ping-pong over one shared word, and an in-process fill+sum on a reused buffer
+    /// (what `scripts/compare_torch.py` divides by).
     BenchFloor {
         /// One JSON object per line instead of a table.
         #[arg(long)]
@@ -114,10 +115,7 @@ fn main() {
                 sizes,
             };
             if !json {
-                println!(
-                    "{:<7} {:<16} {:>9} {:>7}  result",
-                    "scenario", "strategy", "size", "count"
-                );
+                println!("{}", bench::header());
             }
             let result = bench::run(&plan, |f| {
                 if json {
@@ -136,6 +134,9 @@ fn main() {
         }
         Command::BenchFloor { json, scale } => match floor::run(scale) {
             Ok(figures) => {
+                if !json {
+                    println!("{}", bench::header());
+                }
                 for f in &figures {
                     if json {
                         println!("{}", serde_json::to_string(f).unwrap_or_default());

@@ -1,6 +1,8 @@
 //! The `multiproc` command: `doctor` checks that a manager can start (and its exit code
 //! matches its verdict) and reports the memory limit; two `gc` runs at once remove each
-//! stale segment once, whether or not shm managers of this user run meanwhile.
+//! stale segment once, whether or not shm managers of this user run meanwhile;
+//! `bench-floor --json` reports every floor, the futex and spin ping-pongs among them,
+//! and leaves no child behind.
 
 use std::collections::BTreeSet;
 use std::path::PathBuf;
@@ -27,6 +29,11 @@ fn text(out: &Output) -> String {
 
 /// Pids of live processes whose environment contains `needle`.
 fn processes_with_env(needle: &str) -> Vec<u32> {
+    processes_with_env_var(|v| v == needle.as_bytes())
+}
+
+/// Pids of live processes with an environment entry (`NAME=value`) that `matches`.
+fn processes_with_env_var(matches: impl Fn(&[u8]) -> bool) -> Vec<u32> {
     let mut out = Vec::new();
     for e in std::fs::read_dir("/proc").unwrap().flatten() {
         let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
@@ -40,7 +47,7 @@ fn processes_with_env(needle: &str) -> Vec<u32> {
                 .and_then(|i| s[i + 1..].trim_start().chars().next())
                 .is_some_and(|c| c != 'Z' && c != 'X')
         });
-        if alive && env.split(|&b| b == 0).any(|v| v == needle.as_bytes()) {
+        if alive && env.split(|&b| b == 0).any(&matches) {
             out.push(pid);
         }
     }
@@ -235,4 +242,56 @@ fn two_gc_runs_at_once_remove_each_stale_segment_once() {
         let _ = std::fs::remove_file(p);
     }
     std::fs::remove_file(&live).unwrap();
+}
+
+#[test]
+fn bench_floor_reports_the_futex_and_spin_round_trips_and_leaves_no_child() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let mut run = multiproc(&["bench-floor", "--json", "--scale", "0.01"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = run.id();
+    // A watchdog, not a timing: a hung floor fails here instead of hanging the suite.
+    let until = Instant::now() + Duration::from_secs(120);
+    while run.try_wait().unwrap().is_none() {
+        if Instant::now() >= until {
+            let _ = run.kill();
+            let out = run.wait_with_output().unwrap();
+            panic!("bench-floor did not finish in 120 s:\n{}", text(&out));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let out = run.wait_with_output().unwrap();
+    let all = text(&out);
+    assert!(out.status.success(), "{all}");
+    let figures: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}\n{all}")))
+        .collect();
+    for scenario in ["ping", "futex-ping", "spin-ping"] {
+        let f = figures
+            .iter()
+            .find(|f| f["scenario"] == scenario)
+            .unwrap_or_else(|| panic!("no {scenario} figure:\n{all}"));
+        assert_eq!(f["impl"], "floor", "{f}");
+        let us = f["us_per_roundtrip"].as_f64().unwrap_or(0.0);
+        assert!(us.is_finite() && us > 0.0, "{scenario}: {f}");
+        assert!(f["count"].as_u64().unwrap_or(0) > 0, "{scenario}: {f}");
+    }
+    // Every child was reaped before bench-floor exited, and nothing is left in /dev/shm.
+    let suffix = format!(" {pid}");
+    let children = processes_with_env_var(|v| {
+        v.starts_with(b"MULTIPROC_FLOOR_WORD_CHILD=") && v.ends_with(suffix.as_bytes())
+    });
+    assert!(children.is_empty(), "children left: {children:?}");
+    let prefix = format!("multiproc_{pid}_");
+    let left: Vec<_> = std::fs::read_dir("/dev/shm")
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with(&prefix))
+        .map(|e| e.path())
+        .collect();
+    assert!(left.is_empty(), "left in /dev/shm: {left:?}");
 }
