@@ -6,7 +6,7 @@
 //!
 //! | bytes | what |
 //! |---|---|
-//! | 0 | `n`: the number of fd specs (`byte % 13`) |
+//! | 0 | `n`: the number of fd specs (`byte % 25`) |
 //! | 1..=n | one spec per fd (see [`fds_for_fuzzing`](crate::__fuzz::fds_for_fuzzing)) |
 //! | next 2 | `blob_len`, little-endian (clipped to what is left) |
 //! | next `blob_len` | the blob: the contents of payload memfds (spec kind 2) |
@@ -30,7 +30,7 @@ use crate::{
 };
 
 /// The most fds one input attaches.
-const MAX_FDS: usize = 12;
+const MAX_FDS: usize = 24;
 /// How deep nested messages are decoded.
 const MAX_DEPTH: usize = 3;
 /// Tensors with more elements than this are checked at their ends only (a zero-stride
@@ -150,7 +150,7 @@ fn exercise(m: FuzzMessage, depth: usize) -> Result<String> {
 /// | 3 | one end of a `SOCK_SEQPACKET` pair (a queue or pipe end) |
 /// | 4 | an [`Event`]'s shared block |
 /// | 5 | a [`Lock`]'s shared block |
-/// | 6 | a [`Queue`]'s shared block; for an odd `arg`, the ring of its channel |
+/// | 6 | a [`Queue`]'s ring (its shared block) |
 /// | 7 | one end of a `SOCK_STREAM` pair (a socket of the wrong kind) |
 ///
 /// An fd that cannot be made (fd limit) is left out.
@@ -195,15 +195,13 @@ fn make_fd(kind: u8, arg: u64, blob: &[u8]) -> Result<OwnedFd> {
         4 => first_fd(&Event::new()?)?,
         5 => first_fd(&Lock::new()?)?,
         6 => {
-            // A queue travels as its sockets, its channel's ring, then its block.
+            // A queue travels as its sockets, its ring (where its counters live), then
+            // the sockets of its block custody.
             let mut fds = wire::encode(&Queue::<u32>::new()?)?.into_packet().fds;
-            let ring = fds.len().checked_sub(2).filter(|_| arg % 2 == 1);
-            match ring {
-                Some(i) => fds.swap_remove(i),
-                None => fds
-                    .pop()
-                    .ok_or_else(|| Error::Encode("a queue without a block".into()))?,
+            if fds.len() < 3 {
+                return Err(Error::Encode("a queue without a ring".into()));
             }
+            fds.swap_remove(2)
         }
         _ => {
             rustix::net::socketpair(
@@ -326,7 +324,7 @@ fn classify(fd: std::os::fd::BorrowedFd<'_>, blob: &mut Vec<u8>) -> Result<u8> {
     let mut kind = [0u8; 4];
     let _ = rustix::io::pread(fd, &mut kind, 0);
     if u32::from_le_bytes(kind) == 0x5249_4e47 {
-        return Ok(6 + 8); // a queue's ring
+        return Ok(6); // a queue's ring
     }
     if size == 4096 {
         let mut kind = [0u8; 4];
@@ -334,7 +332,6 @@ fn classify(fd: std::os::fd::BorrowedFd<'_>, blob: &mut Vec<u8>) -> Result<u8> {
         match u32::from_le_bytes(kind) {
             0x4556_4e54 => return Ok(4), // an Event's block
             0x4c4f_434b => return Ok(5), // a Lock's
-            0x5155_4555 => return Ok(6), // a Queue's
             _ => {}
         }
     }

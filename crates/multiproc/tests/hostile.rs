@@ -639,38 +639,64 @@ fn queue_event_and_lock_handles_whose_fd_is_of_the_wrong_kind() {
         // A queue whose ends are not SEQPACKET sockets.
         let (here, there) = pipe::<Queue<u32>>().unwrap();
         let (_real, raw) = capture(Queue::<u32>::new().unwrap());
-        assert_eq!(raw.len(), 3, "a queue travels as two sockets and a block");
-        let body = payload(&((0u32, 1u32), 2u32));
+        assert_eq!(
+            raw.len(),
+            5,
+            "a queue travels as two sockets, its ring and the two sockets of its custody"
+        );
+        let body = payload(&(0u32, 1u32, 2u32, 3u32, 4u32));
         let m = sealed(4096);
         send_raw(
             there.as_fd(),
-            &packet(3, &body),
-            &[m.as_fd(), m.as_fd(), raw[2].as_fd()],
+            &packet(5, &body),
+            &with([&m, &m, &raw[2], &raw[3], &raw[4]]),
         );
         assert_says(&refused(&here), &["queue end is not a socket"]);
         let (s1, _s2) = std::os::unix::net::UnixStream::pair().unwrap();
+        let s1 = OwnedFd::from(s1);
         send_raw(
             there.as_fd(),
-            &packet(3, &body),
-            &[s1.as_fd(), s1.as_fd(), raw[2].as_fd()],
+            &packet(5, &body),
+            &with([&s1, &s1, &raw[2], &raw[3], &raw[4]]),
         );
         assert_says(&refused(&here), &["not SEQPACKET"]);
-        // Sockets where the block should be.
+        // A custody socket of the wrong kind.
+        send_raw(
+            there.as_fd(),
+            &packet(5, &body),
+            &with([&raw[0], &raw[1], &raw[2], &s1, &raw[4]]),
+        );
+        assert_says(&refused(&here), &["not SEQPACKET"]);
+        // Sockets, a short memfd, or a block of another kind where the ring should be.
         let (a, b) = seqpacket();
         send_raw(
             there.as_fd(),
-            &packet(3, &body),
-            &[a.as_fd(), b.as_fd(), a.as_fd()],
+            &packet(5, &body),
+            &with([&a, &b, &a, &raw[3], &raw[4]]),
         );
         assert_says(
             &refused(&here),
-            &["queue handle is not a sealed multiproc memfd"],
+            &["queue ring handle is not a sealed multiproc memfd"],
         );
+        send_raw(
+            there.as_fd(),
+            &packet(5, &body),
+            &with([&raw[0], &raw[1], &m, &raw[3], &raw[4]]),
+        );
+        assert_says(&refused(&here), &["queue ring segment holds 4096 bytes"]);
+        // Big enough, but not a ring (its kind word says so).
+        let not_a_ring = sealed(4096 + 64 * 1024);
+        send_raw(
+            there.as_fd(),
+            &packet(5, &body),
+            &with([&raw[0], &raw[1], &not_a_ring, &raw[3], &raw[4]]),
+        );
+        assert_says(&refused(&here), &["another kind"]);
         // And the real thing works.
         send_raw(
             there.as_fd(),
-            &packet(3, &body),
-            &[raw[0].as_fd(), raw[1].as_fd(), raw[2].as_fd()],
+            &packet(5, &body),
+            &with([&raw[0], &raw[1], &raw[2], &raw[3], &raw[4]]),
         );
         let q = here.recv_timeout(WAIT).unwrap();
         q.put(5).map_err(|e| e.error).unwrap();
@@ -711,6 +737,11 @@ fn queue_event_and_lock_handles_whose_fd_is_of_the_wrong_kind() {
 }
 
 // --- named segments: received by another process, which has not mapped them ---
+
+/// The fds of a forged packet, borrowed.
+fn with<'a, const N: usize>(fds: [&'a OwnedFd; N]) -> [BorrowedFd<'a>; N] {
+    fds.map(|f| f.as_fd())
+}
 
 /// Receives `count` tensors once `go` is set, answering each with `Ok(sum)` or the
 /// error's text.

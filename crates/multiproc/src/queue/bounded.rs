@@ -1,6 +1,7 @@
-//! [`Queue`] and [`JoinableQueue`]: a [`Channel`] plus counters in a shared block.
+//! [`Queue`] and [`JoinableQueue`]: a [`Channel`] plus counters in the block of its
+//! ring (words 32 and up, which the ring and the custody leave free).
 //!
-//! Words of the block: `SLOTS` — free places left (a semaphore; only when bounded),
+//! Words: `SLOTS` — free places left (a semaphore; only when bounded),
 //! `ITEMS` — messages put and not yet taken (approximate `qsize`), `UNFINISHED` — items
 //! put and not yet marked done (for `JoinableQueue::join`), `CAPACITY` (0 = unbounded),
 //! `SLOT_DEBT` — places given back for packets that turned out not to have taken one.
@@ -47,19 +48,19 @@ use crate::sys::socket::Packet;
 use crate::sys::{Deadline, deadline_after};
 use crate::{Error, PutError, Result, wire};
 
-const KIND: u32 = 0x5155_4555; // "QUEU"
-const SLOTS: usize = 1;
-const ITEMS: usize = 2;
-const UNFINISHED: usize = 3;
-const CAPACITY: usize = 4;
-const SLOT_WAITERS: usize = 5;
-const SLOT_DEBT: usize = 6;
+const SLOTS: usize = 33;
+const ITEMS: usize = 34;
+const UNFINISHED: usize = 35;
+const CAPACITY: usize = 36;
+const SLOT_WAITERS: usize = 37;
+const SLOT_DEBT: usize = 38;
 
 /// What [`Queue`] and [`JoinableQueue`] share.
 #[derive(Debug)]
 struct Shared {
     channel: Channel,
-    block: SharedBlock,
+    /// The channel's ring block, where the counters live.
+    block: Arc<SharedBlock>,
 }
 
 impl Shared {
@@ -76,13 +77,11 @@ impl Shared {
                 Error::InvalidArgument(format!("a queue's capacity must be below 2^32, got {c}"))
             })?,
         };
-        let block = SharedBlock::new(KIND)?;
+        let channel = Channel::new()?;
+        let block = Arc::clone(channel.block());
         block.word(CAPACITY).store(capacity, Ordering::Release);
         block.word(SLOTS).store(capacity, Ordering::Release);
-        Ok(Self {
-            channel: Channel::new()?,
-            block,
-        })
+        Ok(Self { channel, block })
     }
 
     fn bounded(&self) -> bool {
@@ -231,7 +230,7 @@ impl Shared {
         let Some(packet) = packet? else {
             return Ok(None);
         };
-        let value = wire::decode(packet);
+        let value = self.channel.decode(packet);
         if let Err(Error::InvalidMessage(_)) = &value {
             self.untake(taken);
         }
@@ -572,33 +571,14 @@ impl<T> fmt::Debug for Queue<T> {
 
 impl Serialize for Shared {
     fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
-        use serde::ser::SerializeTuple;
-        let mut t = s.serialize_tuple(2)?;
-        t.serialize_element(&self.channel)?;
-        t.serialize_element(&BlockRef(&self.block))?;
-        t.end()
-    }
-}
-
-struct BlockRef<'a>(&'a SharedBlock);
-
-impl Serialize for BlockRef<'_> {
-    fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
-        self.0.serialize_as("a queue", s)
-    }
-}
-
-struct OwnedBlock(SharedBlock);
-
-impl<'de> Deserialize<'de> for OwnedBlock {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
-        SharedBlock::deserialize_as(KIND, "a queue", d).map(OwnedBlock)
+        self.channel.serialize(s)
     }
 }
 
 impl<'de> Deserialize<'de> for Shared {
     fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
-        let (channel, OwnedBlock(block)) = <(Channel, OwnedBlock)>::deserialize(d)?;
+        let channel = Channel::deserialize(d)?;
+        let block = Arc::clone(channel.block());
         Ok(Self { channel, block })
     }
 }

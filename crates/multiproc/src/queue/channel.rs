@@ -9,7 +9,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
+use std::sync::Arc;
+
+use super::custody::Custody;
 use super::ring::Ring;
+use crate::shm::custody::{self, BlockCustody};
 use crate::sys::Deadline;
 use crate::sys::socket::{Packet, seqpacket_pair};
 use crate::{Error, PutError, Result, wire};
@@ -20,6 +24,8 @@ use crate::{Error, PutError, Result, wire};
 #[derive(Debug)]
 pub(crate) struct Channel {
     ring: Ring,
+    /// The fds of the blocks sent through the channel (see `custody`).
+    custody: Arc<Custody>,
     tx: OwnedFd,
     rx: OwnedFd,
     closed: AtomicBool,
@@ -28,8 +34,10 @@ pub(crate) struct Channel {
 impl Channel {
     pub(crate) fn new() -> Result<Self> {
         let (tx, rx) = seqpacket_pair()?;
+        let ring = Ring::new()?;
         Ok(Self {
-            ring: Ring::new()?,
+            custody: Arc::new(Custody::new(Arc::clone(ring.block()))?),
+            ring,
             tx,
             rx,
             closed: AtomicBool::new(false),
@@ -57,7 +65,7 @@ impl Channel {
         let _span = tracing::trace_span!("multiproc::put", queue = "SimpleQueue").entered();
         let result = self
             .check_open("put")
-            .and_then(|()| wire::encode(&item))
+            .and_then(|()| self.encode(&item))
             .and_then(|mut encoded| self.ring.send(&mut encoded, self.tx.as_fd(), deadline));
         match result {
             Ok(()) => Ok(()),
@@ -69,18 +77,33 @@ impl Channel {
     /// is consumed and reported; the queue stays usable.
     pub(crate) fn get<T: DeserializeOwned>(&self, deadline: Deadline) -> Result<Option<T>> {
         let _span = tracing::trace_span!("multiproc::get", queue = "SimpleQueue").entered();
-        self.recv(deadline)?.map(wire::decode).transpose()
+        self.recv(deadline)?.map(|p| self.decode(p)).transpose()
     }
 
     /// Receives one message if one is waiting.
     pub(crate) fn try_get<T: DeserializeOwned>(&self) -> Result<Option<T>> {
-        self.try_recv()?.map(wire::decode).transpose()
+        self.try_recv()?.map(|p| self.decode(p)).transpose()
+    }
+
+    /// The block the channel's ring lives in (a queue keeps its counters there too).
+    pub(crate) fn block(&self) -> &Arc<crate::sync::block::SharedBlock> {
+        self.ring.block()
+    }
+
+    /// Decodes a packet received from this channel (its block handles may name blocks
+    /// in the channel's custody).
+    pub(crate) fn decode<T: DeserializeOwned>(&self, packet: Packet) -> Result<T> {
+        custody::scope(self.custody_handle(), || wire::decode(packet))
+    }
+
+    fn custody_handle(&self) -> Arc<dyn BlockCustody> {
+        Arc::clone(&self.custody) as Arc<dyn BlockCustody>
     }
 
     /// Encodes `item` for [`send`](Self::send), without sending it.
     pub(crate) fn encode<T: Serialize>(&self, item: &T) -> Result<wire::Encoded> {
         self.check_open("put")?;
-        wire::encode(item)
+        custody::scope(self.custody_handle(), || wire::encode(item))
     }
 
     /// Sends a message made by [`encode`](Self::encode), waiting for room until the
@@ -123,42 +146,33 @@ impl Channel {
 
 impl Serialize for Channel {
     fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
-        use serde::ser::SerializeTuple;
-        let tx = wire::attach_fd(self.tx.as_fd(), "a queue").map_err(serde::ser::Error::custom)?;
-        let rx = wire::attach_fd(self.rx.as_fd(), "a queue").map_err(serde::ser::Error::custom)?;
-        let mut t = s.serialize_tuple(3)?;
-        t.serialize_element(&tx)?;
-        t.serialize_element(&rx)?;
-        t.serialize_element(&RingRef(&self.ring))?;
-        t.end()
-    }
-}
-
-struct RingRef<'a>(&'a Ring);
-
-impl Serialize for RingRef<'_> {
-    fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
-        self.0.serialize_as("a queue's ring", s)
-    }
-}
-
-struct OwnedRing(Ring);
-
-impl<'de> Deserialize<'de> for OwnedRing {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
-        Ring::deserialize_as("a queue's ring", d).map(OwnedRing)
+        use serde::ser::Error as _;
+        let what = "a queue";
+        let (ctx, crx) = self.custody.sockets();
+        let indices = (
+            wire::attach_fd(self.tx.as_fd(), what).map_err(S::Error::custom)?,
+            wire::attach_fd(self.rx.as_fd(), what).map_err(S::Error::custom)?,
+            self.ring.attach(what).map_err(S::Error::custom)?,
+            wire::attach_fd(ctx, what).map_err(S::Error::custom)?,
+            wire::attach_fd(crx, what).map_err(S::Error::custom)?,
+        );
+        indices.serialize(s)
     }
 }
 
 impl<'de> Deserialize<'de> for Channel {
     fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
-        let (tx, rx, OwnedRing(ring)) = <(u32, u32, OwnedRing)>::deserialize(d)?;
-        let tx = wire::received_fd(tx, "a queue").map_err(serde::de::Error::custom)?;
-        let rx = wire::received_fd(rx, "a queue").map_err(serde::de::Error::custom)?;
-        for fd in [&tx, &rx] {
-            check_seqpacket(fd).map_err(|e| serde::de::Error::custom(wire::fail(e)))?;
-        }
+        use serde::de::Error as _;
+        let (tx, rx, ring, ctx, crx) = <(u32, u32, u32, u32, u32)>::deserialize(d)?;
+        let socket = |index| {
+            let fd = wire::received_fd(index, "a queue").map_err(D::Error::custom)?;
+            check_seqpacket(&fd).map_err(|e| D::Error::custom(wire::fail(e)))?;
+            Ok(fd)
+        };
+        let (tx, rx, ctx, crx) = (socket(tx)?, socket(rx)?, socket(ctx)?, socket(crx)?);
+        let ring = Ring::open_received(ring, "queue ring").map_err(D::Error::custom)?;
         Ok(Self {
+            custody: Arc::new(Custody::from_parts(Arc::clone(ring.block()), ctx, crx)),
             ring,
             tx,
             rx,

@@ -10,6 +10,7 @@
 
 mod bounded;
 mod channel;
+mod custody;
 mod joinable;
 mod pipe;
 mod ring;

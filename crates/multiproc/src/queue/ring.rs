@@ -47,8 +47,6 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use serde::{Deserializer, Serializer};
-
 use crate::sync::block::SharedBlock;
 use crate::sync::futex;
 use crate::sync::lock::{Acquired, RawLock};
@@ -63,7 +61,8 @@ pub(crate) const RING_BYTES: usize = 64 << 10;
 /// in its place behind a marker.
 pub(crate) const RECORD_MAX: usize = 16 << 10;
 
-/// Words of the block (word 0 is the block's kind; the lock takes words 1..5).
+/// Words of the block (word 0 is the block's kind; the lock takes words 1..5; words
+/// 16..32 belong to the channel's custody, 32 and up to a queue's counters).
 const LOCK_BASE: usize = 1;
 const HEAD: usize = 8;
 const TAIL: usize = 10;
@@ -126,6 +125,12 @@ impl Ring {
             lock: RawLock::new(Arc::clone(&block), LOCK_BASE),
             block,
         }
+    }
+
+    /// The block the ring lives in (its words past the ring's own serve the channel's
+    /// custody).
+    pub(crate) fn block(&self) -> &Arc<SharedBlock> {
+        &self.block
     }
 
     fn word(&self, index: usize) -> &AtomicU32 {
@@ -402,21 +407,14 @@ impl Ring {
         self.position(TAIL).load(Ordering::Acquire) != self.position(HEAD).load(Ordering::Acquire)
     }
 
-    /// Serializes the ring as its block's fd.
-    pub(crate) fn serialize_as<S: Serializer>(
-        &self,
-        what: &str,
-        s: S,
-    ) -> std::result::Result<S::Ok, S::Error> {
-        self.block.serialize_as(what, s)
+    /// Puts the ring's fd into the side table of the message being encoded; its index.
+    pub(crate) fn attach(&self, what: &str) -> std::result::Result<u32, String> {
+        self.block.attach(what)
     }
 
-    /// Deserializes a ring sent with [`serialize_as`](Self::serialize_as).
-    pub(crate) fn deserialize_as<'de, D: Deserializer<'de>>(
-        what: &str,
-        d: D,
-    ) -> std::result::Result<Self, D::Error> {
-        SharedBlock::deserialize_with_bytes(KIND, RING_BYTES, what, d).map(Self::from_block)
+    /// The ring sent as fd `index` of the message being decoded.
+    pub(crate) fn open_received(index: u32, what: &str) -> std::result::Result<Self, String> {
+        SharedBlock::open_received(index, KIND, RING_BYTES, what).map(Self::from_block)
     }
 }
 

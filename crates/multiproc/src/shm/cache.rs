@@ -175,7 +175,12 @@ pub(crate) fn flush_retained() -> usize {
 }
 
 /// The live segment under `key`, if this process maps it.
+pub(crate) fn lookup(key: &CacheKey) -> Option<Arc<Segment>> {
+    with_cache(|c| c.live(key))
+}
+
+/// The live segment under `key`, if this process maps it.
 #[cfg(test)]
 pub(crate) fn get(key: &CacheKey) -> Option<Arc<Segment>> {
-    with_cache(|c| c.live(key))
+    lookup(key)
 }

@@ -63,6 +63,7 @@
 //! tree is connected.
 
 mod cache;
+pub(crate) mod custody;
 pub(crate) mod file;
 pub(crate) mod name;
 mod pool;
@@ -74,7 +75,7 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-pub(crate) use cache::{CacheKey, flush_retained, release_before_exit};
+pub(crate) use cache::{CacheKey, flush_retained, lookup as cached, release_before_exit};
 pub(crate) use name::SegmentName;
 pub(crate) use pool::allocate;
 pub(crate) use pool::release_idle as release_idle_blocks;
@@ -82,7 +83,7 @@ pub(crate) use pool::release_idle as release_idle_blocks;
 pub(crate) use pool::small_max as allocate_small_max;
 #[cfg(feature = "fuzzing")]
 pub(crate) use segment::BLOCK_MAGIC_BYTES;
-pub(crate) use segment::Segment;
+pub(crate) use segment::{BLOCK_HEADER_LEN, Segment};
 
 use crate::{Error, Result, SharingStrategy, wire};
 
@@ -140,6 +141,14 @@ enum HandleWire {
         offset: u64,
         nbytes: u64,
     },
+    /// A block named by its memfd's device and inode, its fd in the custody of the
+    /// channel the message travels through (see `custody`); otherwise as `Block`.
+    BlockRef {
+        dev: u64,
+        ino: u64,
+        offset: u64,
+        nbytes: u64,
+    },
 }
 
 /// A segment as a value inside a message: serializing attaches its fd, or takes an
@@ -160,20 +169,35 @@ impl Serialize for SegmentHandle {
     fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
         use serde::ser::Error as _;
         let wire = if let Some(fd) = self.segment.shared_fd() {
-            let index = wire::attach_shared_fd(fd, "a shared tensor").map_err(S::Error::custom)?;
             if self.segment.is_block() {
+                // By inode when the channel keeps the fd (see `custody`), else with it.
+                let by_inode = self.segment.inode().filter(|_| {
+                    custody::current().is_some_and(|custody| custody.publish(&self.segment))
+                });
+                let handle = match by_inode {
+                    Some((dev, ino)) => HandleWire::BlockRef {
+                        dev,
+                        ino,
+                        offset: self.offset,
+                        nbytes: self.nbytes,
+                    },
+                    None => HandleWire::Block {
+                        index: wire::attach_shared_fd(fd, "a shared tensor")
+                            .map_err(S::Error::custom)?,
+                        offset: self.offset,
+                        nbytes: self.nbytes,
+                    },
+                };
                 // The receiver adopts this use (or gives it back when it already holds
                 // one); if the message is never sent, `on_unsent` gives it back.
                 self.segment.acquire_use();
                 let segment = Arc::clone(&self.segment);
                 wire::on_unsent(Box::new(move || segment.release_use()))
                     .map_err(|e| S::Error::custom(wire::fail(e)))?;
-                HandleWire::Block {
-                    index,
-                    offset: self.offset,
-                    nbytes: self.nbytes,
-                }
+                handle
             } else {
+                let index =
+                    wire::attach_shared_fd(fd, "a shared tensor").map_err(S::Error::custom)?;
                 HandleWire::Fd {
                     index,
                     offset: self.offset,
@@ -255,6 +279,21 @@ impl<'de> Deserialize<'de> for SegmentHandle {
                     carries_use: true,
                 })
             }
+            HandleWire::BlockRef {
+                dev,
+                ino,
+                offset,
+                nbytes,
+            } => {
+                let end = claimed_end(offset, nbytes).map_err(fail)?;
+                let segment = receive_by_inode(dev, ino, offset, end).map_err(fail)?;
+                Ok(SegmentHandle {
+                    segment,
+                    offset,
+                    nbytes,
+                    carries_use: true,
+                })
+            }
             HandleWire::Named {
                 name,
                 offset,
@@ -328,6 +367,41 @@ fn receive_fd(fd: BorrowedFd<'_>, offset: u64, end: u64, as_block: bool) -> Resu
                 "pooled block"
             },
         )));
+    }
+    check_claim(&segment, end)?;
+    Ok(segment)
+}
+
+/// Finds the block a `BlockRef` handle names: mapped here already (no system call), or
+/// mapped from the duplicate of its fd that the channel's custody holds. Like a `Block`
+/// handle's, it must be a block (the handle says so) and cover the claimed range.
+fn receive_by_inode(dev: u64, ino: u64, offset: u64, end: u64) -> Result<Arc<Segment>> {
+    let Some(custody) = custody::current() else {
+        return Err(Error::InvalidMessage(
+            "a received tensor's handle names a block by inode, which only a queue that keeps              its blocks' fds can resolve, but it did not arrive through one"
+                .into(),
+        ));
+    };
+    if offset < segment::BLOCK_HEADER_LEN as u64 {
+        return Err(Error::InvalidMessage(format!(
+            "a received tensor's handle names a pooled block, but offset {offset} is inside              the block header"
+        )));
+    }
+    let (segment, _) = cache::get_or_try_insert(CacheKey::Inode { dev, ino }, || {
+        let fd = custody.find(dev, ino)?.ok_or_else(|| {
+            Error::InvalidMessage(format!(
+                "a received tensor names block {dev}:{ino}, which its queue does not hold"
+            ))
+        })?;
+        let segment = Segment::open_block(fd, end)?;
+        segment.populate_range(offset, end - offset);
+        Ok(segment)
+    })?;
+    if !segment.is_block() {
+        return Err(Error::InvalidMessage(
+            "a received tensor's handle names a pooled block, but the segment is mapped here as              a plain segment"
+                .into(),
+        ));
     }
     check_claim(&segment, end)?;
     Ok(segment)

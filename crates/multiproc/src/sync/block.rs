@@ -168,6 +168,23 @@ impl SharedBlock {
         index.serialize(s)
     }
 
+    /// Puts the block's fd into the side table of the message being encoded; its index.
+    pub(crate) fn attach(&self, what: &str) -> std::result::Result<u32, String> {
+        wire::attach_fd(self.fd.as_fd(), what)
+    }
+
+    /// Maps the block sent as fd `index` of the message being decoded (see
+    /// [`attach`](Self::attach)), checked like [`deserialize_with_bytes`](Self::deserialize_with_bytes).
+    pub(crate) fn open_received(
+        index: u32,
+        kind: u32,
+        bytes: usize,
+        what: &str,
+    ) -> std::result::Result<Self, String> {
+        let fd = wire::received_fd(index, what)?;
+        Self::open(fd, kind, bytes, what).map_err(wire::fail_with)
+    }
+
     /// Deserializes a block sent with [`serialize_as`](Self::serialize_as).
     pub(crate) fn deserialize_as<'de, D: Deserializer<'de>>(
         kind: u32,

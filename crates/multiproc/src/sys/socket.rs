@@ -211,6 +211,17 @@ pub(crate) struct Packet {
 /// whose fds would not fit under `RLIMIT_NOFILE` is [`Error::FdLimit`] and stays queued
 /// (see `ensure_fd_room`).
 pub(crate) fn try_recv_packet(sock: BorrowedFd<'_>, buf: &mut [u8]) -> Result<Attempt<Packet>> {
+    receive(sock, buf, RecvFlags::empty())
+}
+
+/// [`try_recv_packet`] that leaves the packet queued: the bytes are copied and the fds
+/// duplicated into this process (`MSG_PEEK`), and the next receive gets the same
+/// packet again.
+pub(crate) fn try_peek_packet(sock: BorrowedFd<'_>, buf: &mut [u8]) -> Result<Attempt<Packet>> {
+    receive(sock, buf, RecvFlags::PEEK)
+}
+
+fn receive(sock: BorrowedFd<'_>, buf: &mut [u8], extra: RecvFlags) -> Result<Attempt<Packet>> {
     // The kernel installs a packet's fds as it dequeues it and drops the ones that do
     // not fit: check for room first, so a receiver at its fd limit keeps the message.
     ensure_fd_room(sock)?;
@@ -218,7 +229,7 @@ pub(crate) fn try_recv_packet(sock: BorrowedFd<'_>, buf: &mut [u8]) -> Result<At
         [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS_PER_PACKET))];
     let mut control = RecvAncillaryBuffer::new(&mut space);
     let mut iov = [IoSliceMut::new(buf)];
-    let flags = RecvFlags::DONTWAIT | RecvFlags::CMSG_CLOEXEC;
+    let flags = RecvFlags::DONTWAIT | RecvFlags::CMSG_CLOEXEC | extra;
     let msg = match recvmsg(sock, &mut iov, &mut control, flags) {
         Ok(m) => m,
         Err(Errno::AGAIN) | Err(Errno::INTR) => return Ok(Attempt::WouldBlock),
