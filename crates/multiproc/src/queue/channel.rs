@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use super::custody::Custody;
 use super::ring::Ring;
@@ -28,6 +28,10 @@ pub(crate) struct Channel {
     custody: Arc<Custody>,
     tx: OwnedFd,
     rx: OwnedFd,
+    /// A message taken off the ring that could not be decoded for lack of fds (its
+    /// blocks had to come out of custody): it is this process's next message, so that
+    /// an fd limit loses nothing (see [`decode`](Self::decode)).
+    pending: Mutex<Option<Packet>>,
     closed: AtomicBool,
 }
 
@@ -40,6 +44,7 @@ impl Channel {
             ring,
             tx,
             rx,
+            pending: Mutex::new(None),
             closed: AtomicBool::new(false),
         })
     }
@@ -92,8 +97,30 @@ impl Channel {
 
     /// Decodes a packet received from this channel (its block handles may name blocks
     /// in the channel's custody).
-    pub(crate) fn decode<T: DeserializeOwned>(&self, packet: Packet) -> Result<T> {
-        custody::scope(self.custody_handle(), || wire::decode(packet))
+    ///
+    /// A packet without fds that fails with [`Error::FdLimit`] (a block it names had to
+    /// be taken out of custody, with no fd left to take it) is kept, uncounted, as this
+    /// process's next message: like a socket packet whose fds do not fit, it waits for
+    /// fds to be closed instead of being lost.
+    pub(crate) fn decode<T: DeserializeOwned>(&self, mut packet: Packet) -> Result<T> {
+        if !packet.fds.is_empty() {
+            return custody::scope(self.custody_handle(), || wire::decode(packet));
+        }
+        let result = custody::scope(self.custody_handle(), || {
+            wire::decode_from(&packet.bytes, Vec::new())
+        });
+        if let Err(Error::FdLimit { .. }) = &result {
+            wire::uncount(&mut packet);
+            *self.pending.lock().unwrap_or_else(PoisonError::into_inner) = Some(packet);
+        }
+        result
+    }
+
+    fn take_pending(&self) -> Option<Packet> {
+        self.pending
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
     }
 
     fn custody_handle(&self) -> Arc<dyn BlockCustody> {
@@ -117,18 +144,28 @@ impl Channel {
     /// that it stays queued (no room for its fds).
     pub(crate) fn recv(&self, deadline: Deadline) -> Result<Option<Packet>> {
         self.check_open("get")?;
+        if let Some(packet) = self.take_pending() {
+            return Ok(Some(packet));
+        }
         self.ring.recv(self.rx.as_fd(), deadline)
     }
 
     /// Receives one packet if one is waiting, without decoding it.
     pub(crate) fn try_recv(&self) -> Result<Option<Packet>> {
         self.check_open("get")?;
+        if let Some(packet) = self.take_pending() {
+            return Ok(Some(packet));
+        }
         self.ring.try_recv(self.rx.as_fd())
     }
 
     /// Whether a message is waiting right now.
     pub(crate) fn has_waiting(&self) -> bool {
-        self.ring.holds_messages()
+        self.pending
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .is_some()
+            || self.ring.holds_messages()
             || crate::sys::wait_fd(
                 self.rx.as_fd(),
                 crate::sys::Readiness::Readable,
@@ -176,6 +213,7 @@ impl<'de> Deserialize<'de> for Channel {
             ring,
             tx,
             rx,
+            pending: Mutex::new(None),
             closed: AtomicBool::new(false),
         })
     }

@@ -198,6 +198,7 @@ pub(crate) fn try_send_packet(
 }
 
 /// One received packet.
+#[derive(Debug)]
 pub(crate) struct Packet {
     /// The bytes of the packet.
     pub bytes: Vec<u8>,

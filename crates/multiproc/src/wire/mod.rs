@@ -410,6 +410,14 @@ fn write_all_at(fd: BorrowedFd<'_>, mut bytes: &[u8]) -> Result<()> {
     Ok(())
 }
 
+/// Clears a received packet's [`FLAG_COUNTED`]: its places were given back already,
+/// and it is to be received again (see `queue::channel`).
+pub(crate) fn uncount(packet: &mut Packet) {
+    if packet.bytes.len() >= HEADER_LEN {
+        packet.bytes[6] &= !FLAG_COUNTED;
+    }
+}
+
 /// Whether a received packet claims to have been counted by a queue's `put`: a
 /// well-formed header of this version with [`FLAG_COUNTED`]. Random bytes, another
 /// version or a forged header without the flag do not, so the getter gives back no
@@ -498,7 +506,13 @@ pub(crate) fn try_recv_packet(sock: BorrowedFd<'_>) -> Result<Option<Packet>> {
 /// Decodes a received packet. Never panics; a malformed packet is an error that says
 /// what was wrong with it.
 pub(crate) fn decode<T: DeserializeOwned>(packet: Packet) -> Result<T> {
-    let Packet { bytes, mut fds } = packet;
+    let Packet { bytes, fds } = packet;
+    decode_from(&bytes, fds)
+}
+
+/// [`decode`] of a packet's bytes and fds, the bytes borrowed (a packet without fds
+/// stays the caller's, to keep when decoding fails for a reason that may pass).
+pub(crate) fn decode_from<T: DeserializeOwned>(bytes: &[u8], mut fds: Vec<OwnedFd>) -> Result<T> {
     tracing::trace!(
         bytes = bytes.len(),
         handles = fds.len(),
