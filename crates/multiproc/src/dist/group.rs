@@ -21,6 +21,7 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use super::arena::Arena;
 use super::env::Env;
 use super::rendezvous;
+use super::zero_copy::PeerTensors;
 use crate::sys::process as sysproc;
 use crate::sys::{Deadline, deadline_after};
 use crate::tensor::Tensor;
@@ -84,10 +85,12 @@ pub(super) struct Inner {
 
 pub(super) struct State {
     /// Barriers this rank has passed.
-    epoch: u32,
+    pub(super) epoch: u32,
     /// Pidfds of the peers, opened once their pid is known.
     pub(super) peers: Vec<Option<OwnedFd>>,
     timeout: Option<Duration>,
+    /// The peers' tensors this rank maps, and its own that they map.
+    pub(super) zero_copy: PeerTensors,
 }
 
 impl fmt::Debug for ProcessGroup {
@@ -193,6 +196,7 @@ impl ProcessGroup {
                     epoch: 0,
                     peers,
                     timeout: Some(DEFAULT_TIMEOUT),
+                    zero_copy: PeerTensors::default(),
                 }),
                 jobs: Mutex::new(None),
             }),

@@ -34,7 +34,7 @@ pub(crate) fn socket_name(env: &Env) -> String {
     name
 }
 
-fn socket() -> Result<OwnedFd> {
+pub(crate) fn socket() -> Result<OwnedFd> {
     rustix::net::socket_with(
         AddressFamily::UNIX,
         SocketType::SEQPACKET,
@@ -44,7 +44,7 @@ fn socket() -> Result<OwnedFd> {
     .map_err(|e| Error::os("creating the process group's rendezvous socket", e))
 }
 
-fn address(name: &str) -> Result<SocketAddrUnix> {
+pub(crate) fn address(name: &str) -> Result<SocketAddrUnix> {
     SocketAddrUnix::new_abstract_name(name.as_bytes())
         .map_err(|e| Error::os(format!("the rendezvous socket name {name:?}"), e))
 }
