@@ -263,10 +263,12 @@ impl Inner {
         write_note(arena, me, &mine, evicted);
         self.sync(st)?;
 
-        // Step 2.
+        // Step 2: a snapshot, as a peer may write its next note once this call is over.
         let notes: Vec<NoteView> = (0..p).map(|r| read_note(arena, r)).collect();
-        for (r, n) in notes.iter().enumerate() {
-            let gone = arena.note(r, Note::Evicted).load(Ordering::Relaxed);
+        let evictions: Vec<u32> = (0..p)
+            .map(|r| arena.note(r, Note::Evicted).load(Ordering::Relaxed))
+            .collect();
+        for (r, &gone) in evictions.iter().enumerate() {
             if r != me && gone != 0 {
                 for (i, s) in st.zero_copy.theirs[r].iter_mut().enumerate() {
                     if gone & (1 << i) != 0 {
@@ -274,6 +276,8 @@ impl Inner {
                     }
                 }
             }
+        }
+        for (r, n) in notes.iter().enumerate() {
             if n.dtype != mine.dtype || n.numel != mine.numel {
                 let dtype = |c: u32| {
                     u8::try_from(c)
@@ -281,6 +285,9 @@ impl Inner {
                         .and_then(DType::from_code)
                         .map_or_else(|| format!("dtype #{c}"), |d| d.to_string())
                 };
+                // Every rank sees the same notes and fails here; the barrier keeps a
+                // fast one from writing its next note before a slow one has read this.
+                self.sync(st)?;
                 return Err(Error::Tensor(format!(
                     "all_reduce_: rank {r} passed {} elements of {}, rank {me} {} of {}: every \
                      rank must reduce a tensor of the same size and dtype",
