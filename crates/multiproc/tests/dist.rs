@@ -254,7 +254,10 @@ fn zero_copy_rounds(rank: usize, group: ProcessGroup) -> Result<(), String> {
             pool[round % 20] = Tensor::zeros(&[n], DType::F32).map_err(e)?;
         }
         let (op, want) = match round % 4 {
-            0 => (ReduceOp::Sum, (0..p).map(|r| (r + round) as f32).sum::<f32>()),
+            0 => (
+                ReduceOp::Sum,
+                (0..p).map(|r| (r + round) as f32).sum::<f32>(),
+            ),
             1 => (ReduceOp::Max, (p - 1 + round) as f32),
             2 => (ReduceOp::Min, round as f32),
             _ => (
@@ -273,7 +276,10 @@ fn zero_copy_rounds(rank: usize, group: ProcessGroup) -> Result<(), String> {
         }
     }
     let odd = Tensor::zeros(&[n + rank], DType::F32).map_err(e)?;
-    let err = group.all_reduce_(&odd, ReduceOp::Sum).unwrap_err().to_string();
+    let err = group
+        .all_reduce_(&odd, ReduceOp::Sum)
+        .unwrap_err()
+        .to_string();
     if !err.contains("same size") {
         return Err(format!("rank {rank}: unexpected error {err}"));
     }

@@ -46,6 +46,8 @@ pub enum ReduceOp {
 
 type Job = Box<dyn FnOnce() + Send>;
 
+const THREAD_GONE: &str = "the process group's collective thread is gone";
+
 /// A group of processes on one node that run collectives together.
 ///
 /// Create it in the parent with [`new_local`](Self::new_local) and hand it to the
@@ -107,19 +109,25 @@ impl fmt::Debug for ProcessGroup {
 #[derive(Debug)]
 pub struct Work {
     done: Receiver<Result<()>>,
+    /// What `wait` reports when the result can never come.
+    gone: &'static str,
 }
 
 impl Work {
+    /// The handle of a collective whose result arrives on `done`; `gone` says what
+    /// ended when it never does.
+    pub(super) fn from_channel(done: Receiver<Result<()>>, gone: &'static str) -> Work {
+        Work { done, gone }
+    }
+
     /// Waits for the collective to finish.
     ///
     /// # Errors
     /// The collective's error (see [`ProcessGroup::all_reduce_`]).
     pub fn wait(self) -> Result<()> {
-        self.done.recv().unwrap_or_else(|_| {
-            Err(Error::Closed(
-                "the process group's collective thread is gone".into(),
-            ))
-        })
+        self.done
+            .recv()
+            .unwrap_or_else(|_| Err(Error::Closed(self.gone.into())))
     }
 }
 
@@ -339,9 +347,9 @@ impl ProcessGroup {
         if let Err(e) = self.inner.enqueue(job) {
             let (tx, done) = channel();
             let _ = tx.send(Err(e));
-            return Work { done };
+            return Work::from_channel(done, THREAD_GONE);
         }
-        Work { done }
+        Work::from_channel(done, THREAD_GONE)
     }
 }
 

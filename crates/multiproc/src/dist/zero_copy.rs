@@ -194,7 +194,8 @@ impl PeerTensors {
 
 /// The abstract socket name of rank `rank` of the group whose segment is `arena`'s.
 fn socket_name(arena: &Arena, rank: usize) -> Result<String> {
-    let st = rustix::fs::fstat(arena.fd()).map_err(|e| Error::os("fstat of the group segment", e))?;
+    let st =
+        rustix::fs::fstat(arena.fd()).map_err(|e| Error::os("fstat of the group segment", e))?;
     Ok(format!(
         "multiproc-pg/{:x}.{:x}/zc{rank}",
         st.st_dev, st.st_ino
@@ -429,8 +430,8 @@ impl Inner {
             let peers = &mut st.peers;
             arena.check_peers(|| Self::dead_peer(arena, me, peers))?;
             waiting.retain(|&r| {
-                let failed =
-                    arena.note(r, Note::SendFailed).load(Ordering::Acquire) == epoch.wrapping_add(1);
+                let failed = arena.note(r, Note::SendFailed).load(Ordering::Acquire)
+                    == epoch.wrapping_add(1);
                 ok &= !failed;
                 !failed
             });
@@ -445,7 +446,11 @@ impl Inner {
                 ));
             }
             let tick = now + LIVENESS_TICK;
-            if !wait_fd(listener.as_fd(), Readiness::Readable, Some(deadline.map_or(tick, |d| d.min(tick))))? {
+            if !wait_fd(
+                listener.as_fd(),
+                Readiness::Readable,
+                Some(deadline.map_or(tick, |d| d.min(tick))),
+            )? {
                 continue;
             }
             let conn = match rustix::net::accept_with(listener, SocketFlags::CLOEXEC) {
@@ -473,11 +478,20 @@ impl Inner {
 }
 
 /// Connects to rank `q`'s socket and sends it `offer`.
-fn send_offer(arena: &Arena, q: usize, offer: &Offer, deadline: crate::sys::Deadline) -> Result<()> {
+fn send_offer(
+    arena: &Arena,
+    q: usize,
+    offer: &Offer,
+    deadline: crate::sys::Deadline,
+) -> Result<()> {
     let name = socket_name(arena, q)?;
     let sock = rendezvous::socket()?;
-    rustix::net::connect(&sock, &rendezvous::address(&name)?)
-        .map_err(|e| Error::os(format!("connecting to rank {q}'s zero-copy socket @{name}"), e))?;
+    rustix::net::connect(&sock, &rendezvous::address(&name)?).map_err(|e| {
+        Error::os(
+            format!("connecting to rank {q}'s zero-copy socket @{name}"),
+            e,
+        )
+    })?;
     wire::encode(offer)?.send(sock.as_fd(), deadline)
 }
 
@@ -556,7 +570,13 @@ unsafe fn reduce_dtype(
             match op {
                 ReduceOp::Sum => unsafe { reduce_into_all(&tensors, lo, hi, |a, b| a + b, none) },
                 ReduceOp::Mean => unsafe {
-                    reduce_into_all(&tensors, lo, hi, |a, b| a + b, Some(move |x: $t| $div(x, p)))
+                    reduce_into_all(
+                        &tensors,
+                        lo,
+                        hi,
+                        |a, b| a + b,
+                        Some(move |x: $t| $div(x, p)),
+                    )
                 },
                 ReduceOp::Max => unsafe {
                     reduce_into_all(&tensors, lo, hi, |a, b| if b > a { b } else { a }, none)
