@@ -566,24 +566,24 @@ unsafe fn reduce_dtype(
             let tensors: Vec<*mut $t> = bases.iter().map(|b| b.cast::<$t>()).collect();
             let none: Option<fn($t) -> $t> = None;
             // One monomorphic loop per op, so each inlines and vectorises.
-            // SAFETY (all four): forwarded from the caller.
-            match op {
-                ReduceOp::Sum => unsafe { reduce_into_all(&tensors, lo, hi, |a, b| a + b, none) },
-                ReduceOp::Mean => unsafe {
-                    reduce_into_all(
+            // SAFETY: forwarded from the caller.
+            unsafe {
+                match op {
+                    ReduceOp::Sum => reduce_into_all(&tensors, lo, hi, |a, b| a + b, none),
+                    ReduceOp::Mean => reduce_into_all(
                         &tensors,
                         lo,
                         hi,
                         |a, b| a + b,
                         Some(move |x: $t| $div(x, p)),
-                    )
-                },
-                ReduceOp::Max => unsafe {
-                    reduce_into_all(&tensors, lo, hi, |a, b| if b > a { b } else { a }, none)
-                },
-                ReduceOp::Min => unsafe {
-                    reduce_into_all(&tensors, lo, hi, |a, b| if b < a { b } else { a }, none)
-                },
+                    ),
+                    ReduceOp::Max => {
+                        reduce_into_all(&tensors, lo, hi, |a, b| if b > a { b } else { a }, none)
+                    }
+                    ReduceOp::Min => {
+                        reduce_into_all(&tensors, lo, hi, |a, b| if b < a { b } else { a }, none)
+                    }
+                }
             }
         }};
     }
