@@ -232,8 +232,8 @@ fn collectives_across_spawned_ranks() {
 
 /// Large tensors take the zero-copy path: the same tensor again (its peers' mapping
 /// reused), more tensors than the peers keep mapped, views at an offset into one
-/// storage, tensors dropped and replaced, each op; then sizes that differ between ranks
-/// are an error on every rank, and the group still works after it.
+/// storage, tensors dropped and replaced, each op, a transposed view; then sizes that
+/// differ between ranks are an error on every rank, and the group still works after it.
 fn zero_copy_rounds(rank: usize, group: ProcessGroup) -> Result<(), String> {
     let p = group.world_size();
     let e = |e: Error| e.to_string();
@@ -274,6 +274,21 @@ fn zero_copy_rounds(rank: usize, group: ProcessGroup) -> Result<(), String> {
                 got[i]
             ));
         }
+    }
+    // A transposed view: reduced through a contiguous copy, written back into the view.
+    let square = Tensor::from_vec(
+        (0..400 * 400)
+            .map(|i| (i + rank) as f32)
+            .collect::<Vec<_>>(),
+        &[400, 400],
+    )
+    .map_err(e)?;
+    let view = square.transpose(0, 1).map_err(e)?;
+    group.all_reduce_(&view, ReduceOp::Sum).map_err(e)?;
+    let sums = square.to_vec::<f32>().map_err(e)?;
+    let want = |i: usize| (0..p).map(|r| (i + r) as f32).sum::<f32>();
+    if let Some(i) = (0..sums.len()).find(|&i| sums[i] != want(i)) {
+        return Err(format!("rank {rank}: transposed sum [{i}] = {}", sums[i]));
     }
     let odd = Tensor::zeros(&[n + rank], DType::F32).map_err(e)?;
     let err = group

@@ -248,15 +248,19 @@ impl ProcessGroup {
     /// The async form of [`broadcast_`](Self::broadcast_).
     pub fn broadcast_async(&self, tensor: &Tensor, src: usize) -> Work {
         let t = tensor.clone();
-        self.submit(move |inner, st| inner.broadcast(st, &t, src))
+        self.submit(move |inner, st| through_contiguous(&t, |c| inner.broadcast(st, c, src)))
     }
 
     /// Replaces `tensor` on every rank by the reduction of all ranks' values, element
     /// by element.
     ///
+    /// A tensor of 256 KiB or more is reduced in place between the ranks' tensors, which
+    /// moves its storage into shared memory the first time (as
+    /// [`Tensor::share_memory_`]); a non-contiguous view goes through a contiguous copy.
+    ///
     /// # Errors
-    /// [`Error::Tensor`] for a non-contiguous tensor or a dtype other than f32, f64,
-    /// i32, i64; [`Error::InvalidArgument`] in the process that created the group (it
+    /// [`Error::Tensor`] for a dtype other than f32, f64, i32, i64, a tensor in
+    /// device memory, or a read-only one, and when the ranks' sizes or dtypes differ; [`Error::InvalidArgument`] in the process that created the group (it
     /// has no rank); [`Error::RankDied`] naming a rank that exited while the others
     /// waited for it; [`Error::Timeout`] past the group's timeout.
     pub fn all_reduce_(&self, tensor: &Tensor, op: ReduceOp) -> Result<()> {
@@ -266,7 +270,7 @@ impl ProcessGroup {
     /// The async form of [`all_reduce_`](Self::all_reduce_).
     pub fn all_reduce_async(&self, tensor: &Tensor, op: ReduceOp) -> Work {
         let t = tensor.clone();
-        self.submit(move |inner, st| inner.all_reduce(st, &t, op))
+        self.submit(move |inner, st| through_contiguous(&t, |c| inner.all_reduce(st, c, op)))
     }
 
     /// Fills `output` (`world_size` times `input`'s elements) with every rank's `input`,
@@ -282,7 +286,10 @@ impl ProcessGroup {
     /// The async form of [`all_gather`](Self::all_gather).
     pub fn all_gather_async(&self, output: &Tensor, input: &Tensor) -> Work {
         let (o, i) = (output.clone(), input.clone());
-        self.submit(move |inner, st| inner.all_gather(st, &o, &i))
+        self.submit(move |inner, st| {
+            let i = i.contiguous()?;
+            through_contiguous(&o, |o| inner.all_gather(st, o, &i))
+        })
     }
 
     /// Reduces `input` (`world_size` blocks of `output`'s size) across ranks and leaves
@@ -297,7 +304,10 @@ impl ProcessGroup {
     /// The async form of [`reduce_scatter`](Self::reduce_scatter).
     pub fn reduce_scatter_async(&self, output: &Tensor, input: &Tensor, op: ReduceOp) -> Work {
         let (o, i) = (output.clone(), input.clone());
-        self.submit(move |inner, st| inner.reduce_scatter(st, &o, &i, op))
+        self.submit(move |inner, st| {
+            let i = i.contiguous()?;
+            through_contiguous(&o, |o| inner.reduce_scatter(st, o, &i, op))
+        })
     }
 
     /// Sends `tensor` to rank `dst`, which must call [`recv`](Self::recv) with a tensor
@@ -315,7 +325,7 @@ impl ProcessGroup {
     /// The async form of [`send`](Self::send).
     pub fn send_async(&self, tensor: &Tensor, dst: usize) -> Work {
         let t = tensor.clone();
-        self.submit(move |inner, st| inner.send(st, &t, dst))
+        self.submit(move |inner, st| inner.send(st, &t.contiguous()?, dst))
     }
 
     /// Receives into `tensor` what rank `src` sends with [`send`](Self::send).
@@ -330,7 +340,7 @@ impl ProcessGroup {
     /// The async form of [`recv`](Self::recv).
     pub fn recv_async(&self, tensor: &Tensor, src: usize) -> Work {
         let t = tensor.clone();
-        self.submit(move |inner, st| inner.recv(st, &t, src))
+        self.submit(move |inner, st| through_contiguous(&t, |c| inner.recv(st, c, src)))
     }
 
     /// Queues `op` on the collective thread.
@@ -351,6 +361,18 @@ impl ProcessGroup {
         }
         Work::from_channel(done, THREAD_GONE)
     }
+}
+
+/// Runs `op` on `t`, or, when `t` is not contiguous (a transposed or strided view), on
+/// a contiguous copy that is then written back into `t`: the collectives move
+/// contiguous bytes, and the caller's view gets the result either way.
+fn through_contiguous(t: &Tensor, op: impl FnOnce(&Tensor) -> Result<()>) -> Result<()> {
+    if t.is_contiguous() {
+        return op(t);
+    }
+    let c = t.contiguous()?;
+    op(&c)?;
+    t.copy_(&c)
 }
 
 impl Inner {
