@@ -239,11 +239,11 @@ fn zero_copy_rounds(rank: usize, group: ProcessGroup) -> Result<(), String> {
     let e = |e: Error| e.to_string();
     let n = 100_000; // 400 KB of f32: above the zero-copy threshold
     let base = Tensor::zeros(&[3 * n], DType::F32).map_err(e)?;
-    let mut pool: Vec<Tensor> = (0..20)
+    let mut pool: Vec<Tensor> = (0..36)
         .map(|_| Tensor::zeros(&[n], DType::F32))
         .collect::<multiproc::Result<_>>()
         .map_err(e)?;
-    for round in 0..60usize {
+    for round in 0..90usize {
         let k = (round * 7) % (pool.len() + 3);
         let t = if k < pool.len() {
             pool[k].clone()
@@ -251,7 +251,7 @@ fn zero_copy_rounds(rank: usize, group: ProcessGroup) -> Result<(), String> {
             base.narrow(0, (k - pool.len()) * n, n).map_err(e)?
         };
         if round % 11 == 10 {
-            pool[round % 20] = Tensor::zeros(&[n], DType::F32).map_err(e)?;
+            pool[round % 36] = Tensor::zeros(&[n], DType::F32).map_err(e)?;
         }
         let (op, want) = match round % 4 {
             0 => (
@@ -267,6 +267,11 @@ fn zero_copy_rounds(rank: usize, group: ProcessGroup) -> Result<(), String> {
         };
         t.fill_((rank + round) as f64).map_err(e)?;
         group.all_reduce_(&t, op).map_err(e)?;
+        if !t.is_shared() {
+            return Err(format!(
+                "rank {rank}: round {round} did not take the zero-copy path"
+            ));
+        }
         let got = t.to_vec::<f32>().map_err(e)?;
         if let Some(i) = got.iter().position(|&x| x != want) {
             return Err(format!(

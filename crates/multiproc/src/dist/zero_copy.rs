@@ -56,7 +56,7 @@ use crate::tensor::{DType, Storage, StorageRead, Tensor, WeakStorage};
 use crate::{Device, Error, Result, wire};
 
 /// Slots of a rank's storages that its peers keep mapped.
-pub(crate) const SLOTS: usize = 16;
+pub(crate) const SLOTS: usize = 32; // one bit each in `Note::Evicted`
 /// Tensors smaller than this take the arena path (their copy costs less than a round
 /// of notes, and a small tensor is not moved into shared memory behind its owner's
 /// back).
