@@ -34,7 +34,7 @@ pub(crate) fn socket_name(env: &Env) -> String {
     name
 }
 
-pub(crate) fn socket() -> Result<OwnedFd> {
+fn socket() -> Result<OwnedFd> {
     rustix::net::socket_with(
         AddressFamily::UNIX,
         SocketType::SEQPACKET,

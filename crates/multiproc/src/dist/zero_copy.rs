@@ -43,7 +43,7 @@
 
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::Ordering;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use rustix::net::{AddressFamily, SocketFlags, SocketType};
 use serde::{Deserialize, Serialize};
@@ -63,6 +63,8 @@ pub(crate) const SLOTS: usize = 32; // one bit each in `Note::Evicted`
 pub(crate) const MIN_BYTES: usize = 256 << 10;
 /// Bytes of a piece of phase 4: the sources' and the buffer's pieces stay in cache.
 const PIECE_BYTES: usize = 64 << 10;
+/// How long a sender retries a peer's socket whose backlog is full.
+const CONNECT_PATIENCE: Duration = Duration::from_secs(1);
 /// Slices start on cache lines (in elements of 16 bytes at least), so two ranks never
 /// write one line.
 const LINE: usize = 64;
@@ -485,13 +487,32 @@ fn send_offer(
     deadline: crate::sys::Deadline,
 ) -> Result<()> {
     let name = socket_name(arena, q)?;
-    let sock = rendezvous::socket()?;
-    rustix::net::connect(&sock, &rendezvous::address(&name)?).map_err(|e| {
-        Error::os(
-            format!("connecting to rank {q}'s zero-copy socket @{name}"),
-            e,
-        )
-    })?;
+    let addr = rendezvous::address(&name)?;
+    let sock = rustix::net::socket_with(
+        AddressFamily::UNIX,
+        SocketType::SEQPACKET,
+        SocketFlags::CLOEXEC | SocketFlags::NONBLOCK,
+        None,
+    )
+    .map_err(|e| Error::os("creating a zero-copy socket", e))?;
+    // A full backlog (only a process flooding the socket can fill it: each exchange
+    // makes at most one connection per peer) is waited out briefly, then given up:
+    // every rank then takes the arena path, rather than this one blocking.
+    let give_up = Instant::now() + CONNECT_PATIENCE;
+    loop {
+        match rustix::net::connect(&sock, &addr) {
+            Ok(()) => break,
+            Err(rustix::io::Errno::AGAIN | rustix::io::Errno::INTR) if Instant::now() < give_up => {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            Err(e) => {
+                return Err(Error::os(
+                    format!("connecting to rank {q}'s zero-copy socket @{name}"),
+                    e,
+                ));
+            }
+        }
+    }
     wire::encode(offer)?.send(sock.as_fd(), deadline)
 }
 
