@@ -1,7 +1,8 @@
 //! The collectives of a local [`ProcessGroup`](super::ProcessGroup), as the rank's
 //! collective thread runs them: each moves its tensor through the [`Arena`] in chunks,
 //! phase by phase, with a barrier between phases (see `arena` for the protocol), and
-//! send/recv through the sender's slot and the pair's mailbox.
+//! send/recv through the sender's slot and the pair's mailbox. An all-reduce of a large
+//! tensor first tries `zero_copy`, which all ranks agree to take or not.
 
 use std::os::fd::OwnedFd;
 use std::sync::atomic::Ordering;

@@ -1,5 +1,6 @@
 //! [`ProcessGroup`]: collectives among the ranks of one node through a shared segment
-//! ([`Arena`]), with [`ReduceOp`] and the [`Work`] handle of the async forms.
+//! ([`Arena`]) or, for large all-reduces, straight between the ranks' shared tensors
+//! (`zero_copy`), with [`ReduceOp`] and the [`Work`] handle of the async forms.
 //!
 //! Every collective runs on the group's one collective thread, in the order it was
 //! called: the async forms return at once with a [`Work`], the plain forms wait for
