@@ -232,8 +232,9 @@ fn collectives_across_spawned_ranks() {
 
 /// Large tensors take the zero-copy path: the same tensor again (its peers' mapping
 /// reused), more tensors than the peers keep mapped, views at an offset into one
-/// storage, tensors dropped and replaced, each op, a transposed view; then sizes that
-/// differ between ranks are an error on every rank, and the group still works after it.
+/// storage, tensors dropped and replaced, each op, broadcasts from every rank, a
+/// transposed view; then sizes that differ between ranks are an error on every rank,
+/// and the group still works after it.
 fn zero_copy_rounds(rank: usize, group: ProcessGroup) -> Result<(), String> {
     let p = group.world_size();
     let e = |e: Error| e.to_string();
@@ -280,6 +281,20 @@ fn zero_copy_rounds(rank: usize, group: ProcessGroup) -> Result<(), String> {
             ));
         }
     }
+    // Broadcasts from every rank, of tensors the peers already map and of a new one.
+    for src in 0..p {
+        for t in [
+            pool[src].clone(),
+            Tensor::zeros(&[n], DType::F32).map_err(e)?,
+        ] {
+            t.fill_((rank + 100) as f64).map_err(e)?;
+            group.broadcast_(&t, src).map_err(e)?;
+            let got = t.to_vec::<f32>().map_err(e)?;
+            if got.iter().any(|&x| x != (src + 100) as f32) || !t.is_shared() {
+                return Err(format!("rank {rank}: zero-copy broadcast from {src} wrong"));
+            }
+        }
+    }
     // A transposed view: reduced through a contiguous copy, written back into the view.
     let square = Tensor::from_vec(
         (0..400 * 400)
@@ -312,7 +327,7 @@ fn zero_copy_rounds(rank: usize, group: ProcessGroup) -> Result<(), String> {
 }
 
 #[test]
-fn zero_copy_all_reduce_follows_the_ranks_storages() {
+fn zero_copy_collectives_follow_the_ranks_storages() {
     common::run(secs(120), || {
         for p in [2usize, 3] {
             multiproc::spawn(zero_copy_rounds, ProcessGroup::new_local(p).unwrap(), p).unwrap();

@@ -1,15 +1,15 @@
 //! The collectives of a local [`ProcessGroup`](super::ProcessGroup), as the rank's
 //! collective thread runs them: each moves its tensor through the [`Arena`] in chunks,
 //! phase by phase, with a barrier between phases (see `arena` for the protocol), and
-//! send/recv through the sender's slot and the pair's mailbox. An all-reduce of a large
-//! tensor first tries `zero_copy`, which all ranks agree to take or not.
+//! send/recv through the sender's slot and the pair's mailbox. An all-reduce or a broadcast
+//! of a large tensor first tries `zero_copy`, which all ranks agree to take or not.
 
 use std::os::fd::OwnedFd;
 use std::sync::atomic::Ordering;
 
 use super::arena::{Arena, Mail, SLOT_BYTES};
 use super::group::{Inner, ReduceOp, State};
-use super::zero_copy::Outcome;
+use super::zero_copy::{Kind, Outcome};
 use crate::sync::futex;
 use crate::sys::Deadline;
 use crate::tensor::{DType, Tensor};
@@ -99,7 +99,7 @@ impl Inner {
         if p == 1 {
             return Ok(()); // every op of one rank's values is those values
         }
-        if let Outcome::Done = self.zero_copy_all_reduce(st, me, t, op)? {
+        if let Outcome::Done = self.zero_copy(st, me, t, Kind::AllReduce(op))? {
             return Ok(());
         }
         let bytes = Bytes::of(t, "all_reduce_")?;
@@ -143,6 +143,12 @@ impl Inner {
             )));
         }
         check(t, "broadcast_", me != src)?;
+        if p == 1 {
+            return Ok(());
+        }
+        if let Outcome::Done = self.zero_copy(st, me, t, Kind::Broadcast(src))? {
+            return Ok(());
+        }
         let bytes = Bytes::of(t, "broadcast_")?;
         for (k, (off, len)) in chunks(bytes.len).enumerate() {
             let set = k % 2;

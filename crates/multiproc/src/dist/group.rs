@@ -240,6 +240,10 @@ impl ProcessGroup {
 
     /// Sets `tensor` on every rank to its value on rank `src`.
     ///
+    /// A tensor of 256 KiB or more is copied straight between the ranks' tensors, as in
+    /// [`all_reduce_`](Self::all_reduce_) (its storage moves into shared memory the
+    /// first time).
+    ///
     /// # Errors
     /// As [`all_reduce_`](Self::all_reduce_).
     pub fn broadcast_(&self, tensor: &Tensor, src: usize) -> Result<()> {

@@ -1,9 +1,10 @@
-//! The zero-copy all-reduce of a local [`ProcessGroup`](super::ProcessGroup): every
-//! rank's tensor lives in shared memory, each rank maps its peers' tensors once, and
-//! rank `r` reduces slice `r` of all the tensors and writes the result into all of them
-//! (a reduce-scatter and an all-gather fused, between two barriers). Each rank reads
-//! and writes about as many bytes as a `memcpy` of its tensor; nothing passes through
-//! the arena.
+//! The zero-copy all-reduce and broadcast of a local
+//! [`ProcessGroup`](super::ProcessGroup): every rank's tensor lives in shared memory,
+//! each rank maps its peers' tensors once, and rank `r` reduces slice `r` of all the
+//! tensors and writes the result into all of them (a reduce-scatter and an all-gather
+//! fused, between two barriers), or, for a broadcast, copies slice `r` of the source's
+//! tensor into all the others. Each rank reads and writes about as many bytes as a
+//! `memcpy` of its tensor; nothing passes through the arena.
 //!
 //! One call, on every rank:
 //!
@@ -21,8 +22,9 @@
 //!    this call's new entries and takes the arena path.
 //! 4. Rank `r` reduces elements `bound(r)..bound(r + 1)` of every tensor into a small
 //!    buffer, piece by piece (so the sources and the buffer stay in cache), and copies
-//!    each piece into every tensor. Barrier: no rank returns — and lets its caller touch
-//!    its tensor — before every slice is written.
+//!    each piece into every tensor (a broadcast copies the source's slice into the
+//!    others). Barrier: no rank returns — and lets its caller touch its tensor — before
+//!    every slice is written.
 //!
 //! Caches: a rank assigns its storages to [`SLOTS`] slots and its peers' caches mirror
 //! that assignment (they receive exactly what the notes announce), so no rank ever has
@@ -68,6 +70,24 @@ const CONNECT_PATIENCE: Duration = Duration::from_secs(1);
 /// Slices start on cache lines (in elements of 16 bytes at least), so two ranks never
 /// write one line.
 const LINE: usize = 64;
+
+/// The collective a call runs.
+#[derive(Clone, Copy)]
+pub(crate) enum Kind {
+    /// `all_reduce_` with this op.
+    AllReduce(ReduceOp),
+    /// `broadcast_` from this rank.
+    Broadcast(usize),
+}
+
+impl Kind {
+    fn name(self) -> &'static str {
+        match self {
+            Kind::AllReduce(_) => "all_reduce_",
+            Kind::Broadcast(_) => "broadcast_",
+        }
+    }
+}
 
 /// What a call did.
 pub(crate) enum Outcome {
@@ -236,13 +256,14 @@ fn can_take_part(t: &Tensor, bytes: usize) -> bool {
 impl Inner {
     /// Steps 1 to 4 of the module docs for `t` (contiguous, of a reducible dtype, on
     /// the host and writable: checked by the caller).
-    pub(super) fn zero_copy_all_reduce(
+    pub(super) fn zero_copy(
         &self,
         st: &mut State,
         me: usize,
         t: &Tensor,
-        op: ReduceOp,
+        kind: Kind,
     ) -> Result<Outcome> {
+        let what = kind.name();
         let arena = &self.arena;
         let p = arena.world_size();
         let size = t.dtype().size();
@@ -292,8 +313,8 @@ impl Inner {
                 // fast one from writing its next note before a slow one has read this.
                 self.sync(st)?;
                 return Err(Error::Tensor(format!(
-                    "all_reduce_: rank {r} passed {} elements of {}, rank {me} {} of {}: every \
-                     rank must reduce a tensor of the same size and dtype",
+                    "{what}: rank {r} passed {} elements of {}, rank {me} {} of {}: every \
+                     rank must pass a tensor of the same size and dtype",
                     n.numel,
                     dtype(n.dtype),
                     mine.numel,
@@ -308,7 +329,7 @@ impl Inner {
             if n.slot >= SLOTS {
                 arena.abort(me);
                 return Err(Error::InvalidMessage(format!(
-                    "all_reduce_: rank {r} named cache slot {} of {SLOTS}; the group is now failed",
+                    "{what}: rank {r} named cache slot {} of {SLOTS}; the group is now failed",
                     n.slot
                 )));
             }
@@ -331,11 +352,9 @@ impl Inner {
             .collect::<Option<_>>()
             .ok_or_else(|| {
                 arena.abort(me);
-                Error::InvalidMessage(
-                    "all_reduce_: a peer named a cache slot it never filled; the group is now \
-                     failed"
-                        .into(),
-                )
+                Error::InvalidMessage(format!(
+                    "{what}: a peer named a cache slot it never filled; the group is now failed"
+                ))
             })?;
         let guards: Vec<StorageRead<'_>> = storages.iter().map(Storage::read).collect();
         let mut bases = Vec::with_capacity(p);
@@ -347,7 +366,7 @@ impl Inner {
             if !fits {
                 arena.abort(me);
                 return Err(Error::InvalidMessage(format!(
-                    "all_reduce_: rank {r}'s tensor ({bytes} bytes at offset {offset}) does not \
+                    "{what}: rank {r}'s tensor ({bytes} bytes at offset {offset}) does not \
                      lie in the {}-byte storage it shared; the group is now failed",
                     g.len()
                 )));
@@ -360,7 +379,15 @@ impl Inner {
         // (checked above; aligned: storages are 64-byte aligned and offsets multiples of
         // the element size); by the protocol, between the barriers around this phase
         // only this rank touches elements `lo..hi` of any of them.
-        unsafe { reduce_dtype(t.dtype(), &bases, lo, hi, op, p) };
+        match kind {
+            // SAFETY: as above.
+            Kind::AllReduce(op) => unsafe { reduce_dtype(t.dtype(), &bases, lo, hi, op, p) },
+            Kind::Broadcast(src) => {
+                let (from, to) = (lo * size, hi * size);
+                // SAFETY: as above, in bytes: `from..to` of every tensor is this rank's.
+                unsafe { copy_into_all(&bases, src, from, to) }
+            }
+        }
         drop(guards);
         self.sync(st)?;
         Ok(Outcome::Done)
@@ -441,7 +468,7 @@ impl Inner {
             if deadline.is_some_and(|d| now >= d) {
                 return Err(Error::timeout(
                     format!(
-                        "all_reduce_ on rank {me}: ranks {waiting:?} did not send their tensors \
+                        "a collective on rank {me}: ranks {waiting:?} did not send their tensors \
                          within the group's timeout"
                     ),
                     None,
@@ -566,6 +593,27 @@ fn bound(r: usize, p: usize, n: usize, size: usize) -> usize {
     }
     let per_line = (LINE / size).max(1);
     (r * n / p) / per_line * per_line
+}
+
+/// Copies bytes `from..to` of tensor `src` of `bases` into the same bytes of the
+/// others, piece by piece.
+///
+/// # Safety
+/// Each base points at a writable tensor of at least `to` bytes; no one else reads or
+/// writes bytes `from..to` of any of them now.
+unsafe fn copy_into_all(bases: &[*mut u8], src: usize, from: usize, to: usize) {
+    let mut at = from;
+    while at < to {
+        let len = PIECE_BYTES.min(to - at);
+        for (r, &dst) in bases.iter().enumerate() {
+            if r != src {
+                // SAFETY: `at..at + len` lies in `from..to`, this rank's alone in every
+                // tensor; the source and the destination are different tensors.
+                unsafe { std::ptr::copy_nonoverlapping(bases[src].add(at), dst.add(at), len) };
+            }
+        }
+        at += len;
+    }
 }
 
 /// Reduces elements `lo..hi` of every tensor of `bases` with `op` and writes the
