@@ -282,11 +282,8 @@ fn zero_copy_rounds(rank: usize, group: ProcessGroup) -> Result<(), String> {
         }
     }
     // Broadcasts from every rank, of tensors the peers already map and of a new one.
-    for src in 0..p {
-        for t in [
-            pool[src].clone(),
-            Tensor::zeros(&[n], DType::F32).map_err(e)?,
-        ] {
+    for (src, known) in pool.iter().take(p).enumerate() {
+        for t in [known.clone(), Tensor::zeros(&[n], DType::F32).map_err(e)?] {
             t.fill_((rank + 100) as f64).map_err(e)?;
             group.broadcast_(&t, src).map_err(e)?;
             let got = t.to_vec::<f32>().map_err(e)?;
