@@ -6,7 +6,7 @@
 //!
 //! ```text
 //! page 0       control words: magic, world size, slot bytes, barrier count and
-//!              generation, abort word, the pid of each rank
+//!              generation, abort word, zero-copy piece counter, the pid of each rank
 //! set 0        slot[0] .. slot[P-1], result        (SLOT_BYTES each)
 //! set 1        slot[0] .. slot[P-1], result
 //! mailboxes    for each ordered pair (src, dst): chunks sent, chunks taken, length
@@ -60,6 +60,8 @@ const W_ARRIVED: usize = 2;
 const W_GENERATION: usize = 3;
 /// 0, or 1 + the rank whose death or failure ended the group.
 const W_ABORT: usize = 4;
+/// The next piece of a zero-copy collective to claim (see `zero_copy`).
+const W_PIECES: usize = 5;
 const W_PIDS: usize = 16;
 
 /// The words of one mailbox (one per ordered pair of ranks) of send/recv.
@@ -229,6 +231,11 @@ impl Arena {
     /// The pid registered for `rank` (0: not yet).
     pub(crate) fn pid(&self, rank: usize) -> u32 {
         self.word(W_PIDS + rank).load(Ordering::Acquire)
+    }
+
+    /// The counter through which ranks claim the pieces of a zero-copy collective.
+    pub(crate) fn pieces(&self) -> &AtomicU32 {
+        self.word(W_PIECES)
     }
 
     /// Marks the group failed because of `rank`, and wakes every waiter.

@@ -20,11 +20,14 @@
 //!    `wire`) to every peer's abstract Unix socket, and the peers receive it; each
 //!    writes whether it got everything; barrier. If one did not, every rank forgets
 //!    this call's new entries and takes the arena path.
-//! 4. Rank `r` reduces elements `bound(r)..bound(r + 1)` of every tensor into a small
-//!    buffer, piece by piece (so the sources and the buffer stay in cache), and copies
-//!    each piece into every tensor (a broadcast copies the source's slice into the
-//!    others). Barrier: no rank returns — and lets its caller touch its tensor — before
-//!    every slice is written.
+//! 4. The ranks claim 64 KiB pieces of the tensors one at a time from a counter in the
+//!    arena (rank 0 resets it in step 1, when no rank can still be claiming from the
+//!    previous call): the claimer reduces that piece of every tensor into a small
+//!    buffer (so the sources and the buffer stay in cache) and copies it into every
+//!    tensor (a broadcast copies the source's piece into the others). A rank the
+//!    scheduler leaves waiting does not hold the others back: they claim its share.
+//!    Barrier: no rank returns — and lets its caller touch its tensor — before every
+//!    piece is written.
 //!
 //! Caches: a rank assigns its storages to [`SLOTS`] slots and its peers' caches mirror
 //! that assignment (they receive exactly what the notes announce), so no rank ever has
@@ -36,15 +39,15 @@
 //! # Safety
 //!
 //! A peer's tensor is memory other processes write. During phase 4, by the protocol,
-//! elements `bound(r)..bound(r + 1)` of every tensor are read and written by rank `r`
-//! only, and their owners do not touch them (the call has not returned); the kernel
-//! views a piece as a slice only inside that phase, and never a piece it reads and one
-//! it writes at once. A rank that breaks the protocol can make values wrong, not make
+//! a piece of every tensor is read and written only by the rank that claimed it (the
+//! counter hands each piece out once), and the tensors' owners do not touch them (the
+//! call has not returned); the kernel views a piece as a slice only inside that phase,
+//! and never a piece it reads and one it writes at once. A rank that breaks the protocol can make values wrong, not make
 //! this process touch memory outside the mappings: every note is checked against the
 //! storage it names before any pointer is made.
 
 use std::os::fd::{AsFd, OwnedFd};
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use rustix::net::{AddressFamily, SocketFlags, SocketType};
@@ -67,9 +70,6 @@ pub(crate) const MIN_BYTES: usize = 256 << 10;
 const PIECE_BYTES: usize = 64 << 10;
 /// How long a sender retries a peer's socket whose backlog is full.
 const CONNECT_PATIENCE: Duration = Duration::from_secs(1);
-/// Slices start on cache lines (in elements of 16 bytes at least), so two ranks never
-/// write one line.
-const LINE: usize = 64;
 
 /// The collective a call runs.
 #[derive(Clone, Copy)]
@@ -284,6 +284,10 @@ impl Inner {
             slot,
             fresh,
         };
+        if me == 0 {
+            // Every rank passed the previous call's last barrier, so none still claims.
+            arena.pieces().store(0, Ordering::Relaxed);
+        }
         write_note(arena, me, &mine, evicted);
         self.sync(st)?;
 
@@ -374,18 +378,21 @@ impl Inner {
             bases.push(g.ptr().wrapping_add(offset));
         }
         let n = t.numel();
-        let (lo, hi) = (bound(me, p, n, size), bound(me + 1, p, n, size));
-        // SAFETY: every base points at `n` elements of a mapped, writable host storage
-        // (checked above; aligned: storages are 64-byte aligned and offsets multiples of
-        // the element size); by the protocol, between the barriers around this phase
-        // only this rank touches elements `lo..hi` of any of them.
+        // Every base points at `n` elements of a mapped, writable host storage (checked
+        // above; aligned: storages are 64-byte aligned and offsets multiples of the
+        // element size); by the protocol, between the barriers around this phase a piece
+        // claimed from the arena's counter is this rank's alone in every tensor.
         match kind {
-            // SAFETY: as above.
-            Kind::AllReduce(op) => unsafe { reduce_dtype(t.dtype(), &bases, lo, hi, op, p) },
+            Kind::AllReduce(op) => {
+                let piece = PIECE_BYTES / size;
+                let next = || claim(arena.pieces(), piece, n);
+                // SAFETY: as said above.
+                unsafe { reduce_dtype(t.dtype(), &bases, next, op, p) }
+            }
             Kind::Broadcast(src) => {
-                let (from, to) = (lo * size, hi * size);
-                // SAFETY: as above, in bytes: `from..to` of every tensor is this rank's.
-                unsafe { copy_into_all(&bases, src, from, to) }
+                let next = || claim(arena.pieces(), PIECE_BYTES, bytes);
+                // SAFETY: as said above, in bytes.
+                unsafe { copy_into_all(&bases, src, next) }
             }
         }
         drop(guards);
@@ -585,48 +592,46 @@ fn take_offer(
     Ok(Some((r, storage)))
 }
 
-/// The first element of rank `r`'s slice of `n` elements of `size` bytes among `p`
-/// ranks: on a cache line, except that the last slice ends at `n`.
-fn bound(r: usize, p: usize, n: usize, size: usize) -> usize {
-    if r >= p {
-        return n;
-    }
-    let per_line = (LINE / size).max(1);
-    (r * n / p) / per_line * per_line
+/// The next piece of `len` units (elements or bytes), `piece` units each, that no
+/// rank has claimed from `counter`: its start and length.
+fn claim(counter: &AtomicU32, piece: usize, len: usize) -> Option<(usize, usize)> {
+    let i = counter.fetch_add(1, Ordering::Relaxed) as usize;
+    let at = i.checked_mul(piece).filter(|&at| at < len)?;
+    Some((at, piece.min(len - at)))
 }
 
-/// Copies bytes `from..to` of tensor `src` of `bases` into the same bytes of the
-/// others, piece by piece.
+/// Copies each piece that `claim` hands out (in bytes) from tensor `src` of `bases`
+/// into the same bytes of the others.
 ///
 /// # Safety
-/// Each base points at a writable tensor of at least `to` bytes; no one else reads or
-/// writes bytes `from..to` of any of them now.
-unsafe fn copy_into_all(bases: &[*mut u8], src: usize, from: usize, to: usize) {
-    let mut at = from;
-    while at < to {
-        let len = PIECE_BYTES.min(to - at);
+/// Each base points at a writable tensor at least as long as the pieces reach; no one
+/// else reads or writes a claimed piece of any of them now.
+unsafe fn copy_into_all(
+    bases: &[*mut u8],
+    src: usize,
+    mut claim: impl FnMut() -> Option<(usize, usize)>,
+) {
+    while let Some((at, len)) = claim() {
         for (r, &dst) in bases.iter().enumerate() {
             if r != src {
-                // SAFETY: `at..at + len` lies in `from..to`, this rank's alone in every
-                // tensor; the source and the destination are different tensors.
+                // SAFETY: the claimed piece is this rank's alone in every tensor; the
+                // source and the destination are different tensors.
                 unsafe { std::ptr::copy_nonoverlapping(bases[src].add(at), dst.add(at), len) };
             }
         }
-        at += len;
     }
 }
 
-/// Reduces elements `lo..hi` of every tensor of `bases` with `op` and writes the
-/// result into all of them.
+/// Reduces each piece that `claim` hands out (in elements) of every tensor of `bases`
+/// with `op` and writes the result into all of them.
 ///
 /// # Safety
-/// Each base points at a writable, aligned tensor of at least `hi` elements of `dtype`;
-/// no one else reads or writes elements `lo..hi` of any of them now.
+/// Each base points at a writable, aligned tensor of `dtype` at least as long as the
+/// pieces reach; no one else reads or writes a claimed piece of any of them now.
 unsafe fn reduce_dtype(
     dtype: DType,
     bases: &[*mut u8],
-    lo: usize,
-    hi: usize,
+    claim: impl FnMut() -> Option<(usize, usize)>,
     op: ReduceOp,
     p: usize,
 ) {
@@ -638,19 +643,18 @@ unsafe fn reduce_dtype(
             // SAFETY: forwarded from the caller.
             unsafe {
                 match op {
-                    ReduceOp::Sum => reduce_into_all(&tensors, lo, hi, |a, b| a + b, none),
+                    ReduceOp::Sum => reduce_into_all(&tensors, claim, |a, b| a + b, none),
                     ReduceOp::Mean => reduce_into_all(
                         &tensors,
-                        lo,
-                        hi,
+                        claim,
                         |a, b| a + b,
                         Some(move |x: $t| $div(x, p)),
                     ),
                     ReduceOp::Max => {
-                        reduce_into_all(&tensors, lo, hi, |a, b| if b > a { b } else { a }, none)
+                        reduce_into_all(&tensors, claim, |a, b| if b > a { b } else { a }, none)
                     }
                     ReduceOp::Min => {
-                        reduce_into_all(&tensors, lo, hi, |a, b| if b < a { b } else { a }, none)
+                        reduce_into_all(&tensors, claim, |a, b| if b < a { b } else { a }, none)
                     }
                 }
             }
@@ -669,19 +673,17 @@ unsafe fn reduce_dtype(
 /// As [`reduce_dtype`], for `tensors` of `T`.
 unsafe fn reduce_into_all<T: Copy + Default>(
     tensors: &[*mut T],
-    lo: usize,
-    hi: usize,
+    mut claim: impl FnMut() -> Option<(usize, usize)>,
     op: impl Fn(T, T) -> T,
     finish: Option<impl Fn(T) -> T>,
 ) {
     let piece = (PIECE_BYTES / std::mem::size_of::<T>()).max(1);
     let mut buf = vec![T::default(); piece];
-    let mut at = lo;
-    while at < hi {
-        let len = piece.min(hi - at);
-        let acc = &mut buf[..len];
-        // SAFETY: `at..at + len` lies in `lo..hi`, which the caller gives to this rank
-        // alone in every tensor; each slice lives only within its statement's loop, so
+    while let Some((at, len)) = claim() {
+        let acc = &mut buf[..len.min(piece)];
+        let len = acc.len();
+        // SAFETY: the claimed piece `at..at + len` is this rank's alone in every tensor
+        // (the caller's contract); each slice lives only within its statement's loop, so
         // no piece is viewed as read and written at once.
         unsafe {
             let src = |r: usize| std::slice::from_raw_parts(tensors[r].add(at).cast_const(), len);
@@ -706,6 +708,5 @@ unsafe fn reduce_into_all<T: Copy + Default>(
                 std::slice::from_raw_parts_mut(t.add(at), len).copy_from_slice(acc);
             }
         }
-        at += len;
     }
 }
