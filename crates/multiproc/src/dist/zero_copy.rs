@@ -247,7 +247,7 @@ fn can_take_part(t: &Tensor, bytes: usize) -> bool {
         return false;
     }
     if let Err(e) = storage.share_memory_() {
-        tracing::debug!(error = %e, "all_reduce_ takes the arena path: the tensor cannot be shared");
+        tracing::debug!(error = %e, "a collective takes the arena path: the tensor cannot be shared");
         return false;
     }
     storage.segment().is_some()
