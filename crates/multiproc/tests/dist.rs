@@ -230,6 +230,108 @@ fn collectives_across_spawned_ranks() {
     });
 }
 
+/// Large tensors take the zero-copy path: the same tensor again (its peers' mapping
+/// reused), more tensors than the peers keep mapped, views at an offset into one
+/// storage, tensors dropped and replaced, each op, broadcasts from every rank, a
+/// transposed view; then sizes that differ between ranks are an error on every rank,
+/// and the group still works after it.
+fn zero_copy_rounds(rank: usize, group: ProcessGroup) -> Result<(), String> {
+    let p = group.world_size();
+    let e = |e: Error| e.to_string();
+    let n = 100_000; // 400 KB of f32: above the zero-copy threshold
+    let base = Tensor::zeros(&[3 * n], DType::F32).map_err(e)?;
+    let mut pool: Vec<Tensor> = (0..36)
+        .map(|_| Tensor::zeros(&[n], DType::F32))
+        .collect::<multiproc::Result<_>>()
+        .map_err(e)?;
+    for round in 0..90usize {
+        let k = (round * 7) % (pool.len() + 3);
+        let t = if k < pool.len() {
+            pool[k].clone()
+        } else {
+            base.narrow(0, (k - pool.len()) * n, n).map_err(e)?
+        };
+        if round % 11 == 10 {
+            pool[round % 36] = Tensor::zeros(&[n], DType::F32).map_err(e)?;
+        }
+        let (op, want) = match round % 4 {
+            0 => (
+                ReduceOp::Sum,
+                (0..p).map(|r| (r + round) as f32).sum::<f32>(),
+            ),
+            1 => (ReduceOp::Max, (p - 1 + round) as f32),
+            2 => (ReduceOp::Min, round as f32),
+            _ => (
+                ReduceOp::Mean,
+                (0..p).map(|r| (r + round) as f32).sum::<f32>() / p as f32,
+            ),
+        };
+        t.fill_((rank + round) as f64).map_err(e)?;
+        group.all_reduce_(&t, op).map_err(e)?;
+        if !t.is_shared() {
+            return Err(format!(
+                "rank {rank}: round {round} did not take the zero-copy path"
+            ));
+        }
+        let got = t.to_vec::<f32>().map_err(e)?;
+        if let Some(i) = got.iter().position(|&x| x != want) {
+            return Err(format!(
+                "rank {rank} round {round} ({op:?}): [{i}] = {}, expected {want}",
+                got[i]
+            ));
+        }
+    }
+    // Broadcasts from every rank, of tensors the peers already map and of a new one.
+    for (src, known) in pool.iter().take(p).enumerate() {
+        for t in [known.clone(), Tensor::zeros(&[n], DType::F32).map_err(e)?] {
+            t.fill_((rank + 100) as f64).map_err(e)?;
+            group.broadcast_(&t, src).map_err(e)?;
+            let got = t.to_vec::<f32>().map_err(e)?;
+            if got.iter().any(|&x| x != (src + 100) as f32) || !t.is_shared() {
+                return Err(format!("rank {rank}: zero-copy broadcast from {src} wrong"));
+            }
+        }
+    }
+    // A transposed view: reduced through a contiguous copy, written back into the view.
+    let square = Tensor::from_vec(
+        (0..400 * 400)
+            .map(|i| (i + rank) as f32)
+            .collect::<Vec<_>>(),
+        &[400, 400],
+    )
+    .map_err(e)?;
+    let view = square.transpose(0, 1).map_err(e)?;
+    group.all_reduce_(&view, ReduceOp::Sum).map_err(e)?;
+    let sums = square.to_vec::<f32>().map_err(e)?;
+    let want = |i: usize| (0..p).map(|r| (i + r) as f32).sum::<f32>();
+    if let Some(i) = (0..sums.len()).find(|&i| sums[i] != want(i)) {
+        return Err(format!("rank {rank}: transposed sum [{i}] = {}", sums[i]));
+    }
+    let odd = Tensor::zeros(&[n + rank], DType::F32).map_err(e)?;
+    let err = group
+        .all_reduce_(&odd, ReduceOp::Sum)
+        .unwrap_err()
+        .to_string();
+    if !err.contains("same size") {
+        return Err(format!("rank {rank}: unexpected error {err}"));
+    }
+    let t = Tensor::full(&[n], 1.0, DType::F32).map_err(e)?;
+    group.all_reduce_(&t, ReduceOp::Sum).map_err(e)?;
+    if t.to_vec::<f32>().map_err(e)?.iter().any(|&x| x != p as f32) {
+        return Err(format!("rank {rank}: wrong sum after the size error"));
+    }
+    Ok(())
+}
+
+#[test]
+fn zero_copy_collectives_follow_the_ranks_storages() {
+    common::run(secs(120), || {
+        for p in [2usize, 3] {
+            multiproc::spawn(zero_copy_rounds, ProcessGroup::new_local(p).unwrap(), p).unwrap();
+        }
+    });
+}
+
 #[test]
 fn the_creating_process_is_not_a_rank() {
     common::run(secs(30), || {

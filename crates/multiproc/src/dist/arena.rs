@@ -6,10 +6,12 @@
 //!
 //! ```text
 //! page 0       control words: magic, world size, slot bytes, barrier count and
-//!              generation, abort word, the pid of each rank
+//!              generation, abort word, zero-copy piece counter, the pid of each rank
 //! set 0        slot[0] .. slot[P-1], result        (SLOT_BYTES each)
 //! set 1        slot[0] .. slot[P-1], result
 //! mailboxes    for each ordered pair (src, dst): chunks sent, chunks taken, length
+//! notes        for each rank, one cache line of words describing its next zero-copy
+//!              all-reduce (see `zero_copy`): its tensor's size and where peers find it
 //! ```
 //!
 //! send/recv moves a chunk through the sender's slot of set 0: the sender waits until
@@ -58,6 +60,8 @@ const W_ARRIVED: usize = 2;
 const W_GENERATION: usize = 3;
 /// 0, or 1 + the rank whose death or failure ended the group.
 const W_ABORT: usize = 4;
+/// The next piece of a zero-copy collective to claim (see `zero_copy`).
+const W_PIECES: usize = 5;
 const W_PIDS: usize = 16;
 
 /// The words of one mailbox (one per ordered pair of ranks) of send/recv.
@@ -71,8 +75,36 @@ pub(crate) enum Mail {
     Len = 2,
 }
 
+/// The words of one rank's note (see `zero_copy`), one cache line per rank so that
+/// ranks writing their own do not contend.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Note {
+    /// 1 when this rank can take part in a zero-copy all-reduce this time, else 0.
+    Ready = 0,
+    /// The tensor's dtype (its `DType` index) and element count (low, high words).
+    DType = 1,
+    NumelLo = 2,
+    NumelHi = 3,
+    /// Byte offset of the tensor in its storage (low, high words).
+    OffsetLo = 4,
+    OffsetHi = 5,
+    /// The peers' cache slot that holds this rank's storage.
+    Slot = 6,
+    /// 1 when this rank sends its storage to every peer this time (a new slot).
+    Fresh = 7,
+    /// Slots whose storage this rank dropped: peers drop their mapping (a bit mask).
+    Evicted = 8,
+    /// 1 + the barrier epoch of an exchange in which this rank failed to send.
+    SendFailed = 9,
+    /// 1 when this rank received every fresh peer's storage, else 0.
+    Received = 10,
+}
+
+/// Words per rank note: a cache line.
+const NOTE_WORDS: usize = 16;
+
 /// How often a waiting rank checks that its peers are alive.
-const LIVENESS_TICK: Duration = Duration::from_millis(20);
+pub(crate) const LIVENESS_TICK: Duration = Duration::from_millis(20);
 
 /// One rank's mapping of the group segment.
 #[derive(Debug)]
@@ -88,9 +120,18 @@ impl Arena {
         CONTROL_BYTES + 2 * (world_size + 1) * SLOT_BYTES
     }
 
+    fn mail_bytes(world_size: usize) -> usize {
+        (world_size * world_size * 12).div_ceil(4096) * 4096
+    }
+
+    /// Where the per-rank notes of zero-copy collectives start: after the mailboxes.
+    fn notes_offset(world_size: usize) -> usize {
+        Self::mailbox_offset(world_size) + Self::mail_bytes(world_size)
+    }
+
     fn bytes_for(world_size: usize) -> usize {
-        let mail = (world_size * world_size * 12).div_ceil(4096) * 4096;
-        Self::mailbox_offset(world_size) + mail
+        let notes = (world_size * NOTE_WORDS * 4).div_ceil(4096) * 4096;
+        Self::notes_offset(world_size) + notes
     }
 
     /// A new segment for `world_size` ranks.
@@ -192,6 +233,11 @@ impl Arena {
         self.word(W_PIDS + rank).load(Ordering::Acquire)
     }
 
+    /// The counter through which ranks claim the pieces of a zero-copy collective.
+    pub(crate) fn pieces(&self) -> &AtomicU32 {
+        self.word(W_PIECES)
+    }
+
     /// Marks the group failed because of `rank`, and wakes every waiter.
     pub(crate) fn abort(&self, rank: usize) {
         let _ = self.word(W_ABORT).compare_exchange(
@@ -285,6 +331,15 @@ impl Arena {
         unsafe { &*self.map.as_ptr().add(offset).cast::<AtomicU32>() }
     }
 
+    /// Word `field` of rank `rank`'s note (see [`Note`]).
+    pub(crate) fn note(&self, rank: usize, field: Note) -> &AtomicU32 {
+        assert!(rank < self.world_size, "note of rank {rank} out of range");
+        let offset = Self::notes_offset(self.world_size) + (rank * NOTE_WORDS + field as usize) * 4;
+        // SAFETY: `offset` lies in the notes area, which `bytes_for` includes in the
+        // mapping; 4-aligned (the area is page-aligned); only used atomically.
+        unsafe { &*self.map.as_ptr().add(offset).cast::<AtomicU32>() }
+    }
+
     /// Sleeps while the mailbox word `field` of `src -> dst` holds `value` (see
     /// [`wait_while`](Self::wait_while)); `peer` is the rank whose death ends the wait.
     pub(crate) fn wait_mail(
@@ -304,6 +359,20 @@ impl Arena {
                 None,
             )
         })
+    }
+
+    /// Fails when the group was aborted or `dead_peer` finds a peer gone (then aborts
+    /// the group): what a rank that waits outside the arena (on a socket) checks
+    /// every [`LIVENESS_TICK`].
+    pub(crate) fn check_peers(&self, dead_peer: impl FnOnce() -> Option<usize>) -> Result<()> {
+        if let Some(rank) = self.aborted_by() {
+            return Err(self.died(rank, "its failure ended the group"));
+        }
+        if let Some(rank) = dead_peer() {
+            self.abort(rank);
+            return Err(self.died(rank, "it exited"));
+        }
+        Ok(())
     }
 
     fn died(&self, rank: usize, how: &str) -> Error {

@@ -1,17 +1,19 @@
 //! The collectives of a local [`ProcessGroup`](super::ProcessGroup), as the rank's
 //! collective thread runs them: each moves its tensor through the [`Arena`] in chunks,
 //! phase by phase, with a barrier between phases (see `arena` for the protocol), and
-//! send/recv through the sender's slot and the pair's mailbox.
+//! send/recv through the sender's slot and the pair's mailbox. An all-reduce or a broadcast
+//! of a large tensor first tries `zero_copy`, which all ranks agree to take or not.
 
 use std::os::fd::OwnedFd;
 use std::sync::atomic::Ordering;
 
 use super::arena::{Arena, Mail, SLOT_BYTES};
 use super::group::{Inner, ReduceOp, State};
+use super::zero_copy::{Kind, Outcome};
 use crate::sync::futex;
 use crate::sys::Deadline;
 use crate::tensor::{DType, Tensor};
-use crate::{Error, Result};
+use crate::{Device, Error, Result};
 
 impl Inner {
     fn check_peer(&self, me: usize, peer: usize, what: &str) -> Result<()> {
@@ -60,6 +62,7 @@ impl Inner {
     pub(super) fn recv(&self, st: &mut State, t: &Tensor, src: usize) -> Result<()> {
         let me = self.my_rank()?;
         self.check_peer(me, src, "recv from")?;
+        check(t, "recv", true)?;
         let bytes = Bytes::of(t, "recv")?;
         let deadline = Self::deadline(st);
         let arena = &self.arena;
@@ -92,6 +95,13 @@ impl Inner {
     pub(super) fn all_reduce(&self, st: &mut State, t: &Tensor, op: ReduceOp) -> Result<()> {
         let me = self.my_rank()?;
         let p = self.arena.world_size();
+        check(t, "all_reduce_", true)?;
+        if p == 1 {
+            return Ok(()); // every op of one rank's values is those values
+        }
+        if let Outcome::Done = self.zero_copy(st, me, t, Kind::AllReduce(op))? {
+            return Ok(());
+        }
         let bytes = Bytes::of(t, "all_reduce_")?;
         let size = t.dtype().size();
         for (k, (off, len)) in chunks(bytes.len).enumerate() {
@@ -132,6 +142,13 @@ impl Inner {
                 "broadcast_ from rank {src} in a group of {p} ranks"
             )));
         }
+        check(t, "broadcast_", me != src)?;
+        if p == 1 {
+            return Ok(());
+        }
+        if let Outcome::Done = self.zero_copy(st, me, t, Kind::Broadcast(src))? {
+            return Ok(());
+        }
         let bytes = Bytes::of(t, "broadcast_")?;
         for (k, (off, len)) in chunks(bytes.len).enumerate() {
             let set = k % 2;
@@ -153,6 +170,7 @@ impl Inner {
         let me = self.my_rank()?;
         let p = self.arena.world_size();
         let i = Bytes::of(inp, "all_gather input")?;
+        check(out, "all_gather output", true)?;
         let o = Bytes::of(out, "all_gather output")?;
         check_pair(out, inp, o.len, i.len * p, "all_gather", "output", p)?;
         for (k, (off, len)) in chunks(i.len).enumerate() {
@@ -183,6 +201,7 @@ impl Inner {
         let me = self.my_rank()?;
         let p = self.arena.world_size();
         let i = Bytes::of(inp, "reduce_scatter input")?;
+        check(out, "reduce_scatter output", true)?;
         let o = Bytes::of(out, "reduce_scatter output")?;
         check_pair(out, inp, i.len, o.len * p, "reduce_scatter", "input", p)?;
         let size = inp.dtype().size();
@@ -239,21 +258,39 @@ struct Bytes<'a> {
     len: usize,
 }
 
+/// Refuses a tensor the collectives cannot move: not contiguous, of a dtype they do not
+/// reduce, in device memory, or (when the collective writes it) read-only.
+fn check(t: &Tensor, what: &str, written: bool) -> Result<()> {
+    if !t.is_contiguous() {
+        return Err(Error::Tensor(format!(
+            "{what} needs a contiguous tensor (shape {:?}, strides {:?}): call .contiguous() first",
+            t.shape(),
+            t.strides()
+        )));
+    }
+    if !matches!(t.dtype(), DType::F32 | DType::F64 | DType::I32 | DType::I64) {
+        return Err(Error::Tensor(format!(
+            "{what} supports f32, f64, i32 and i64 tensors, not {}",
+            t.dtype()
+        )));
+    }
+    if t.device() != Device::Cpu {
+        return Err(Error::Tensor(format!(
+            "{what} moves host tensors through shared memory, not one on {}: copy it to the \
+             CPU first",
+            t.device()
+        )));
+    }
+    if written {
+        t.storage().check_writable(what)?;
+    }
+    Ok(())
+}
+
 impl<'a> Bytes<'a> {
+    /// The bytes of `t`, after [`check`] (`written`: the collective writes them).
     fn of(t: &'a Tensor, what: &str) -> Result<Bytes<'a>> {
-        if !t.is_contiguous() {
-            return Err(Error::Tensor(format!(
-                "{what} needs a contiguous tensor (shape {:?}, strides {:?}): call .contiguous() first",
-                t.shape(),
-                t.strides()
-            )));
-        }
-        if !matches!(t.dtype(), DType::F32 | DType::F64 | DType::I32 | DType::I64) {
-            return Err(Error::Tensor(format!(
-                "{what} supports f32, f64, i32 and i64 tensors, not {}",
-                t.dtype()
-            )));
-        }
+        check(t, what, false)?;
         let guard = t.storage().read();
         let start = t.storage_offset() * t.dtype().size();
         let len = t.numel() * t.dtype().size();
@@ -370,6 +407,6 @@ unsafe fn reduce_dtype(
         DType::F64 => go!(f64, |x: f64, p: usize| x / p as f64),
         DType::I32 => go!(i32, |x: i32, p: usize| x.wrapping_div(p as i32)),
         DType::I64 => go!(i64, |x: i64, p: usize| x.wrapping_div(p as i64)),
-        _ => {} // refused by `Bytes::of`
+        _ => {} // refused by `check`
     }
 }

@@ -1,5 +1,6 @@
 //! [`ProcessGroup`]: collectives among the ranks of one node through a shared segment
-//! ([`Arena`]), with [`ReduceOp`] and the [`Work`] handle of the async forms.
+//! ([`Arena`]) or, for large all-reduces, straight between the ranks' shared tensors
+//! (`zero_copy`), with [`ReduceOp`] and the [`Work`] handle of the async forms.
 //!
 //! Every collective runs on the group's one collective thread, in the order it was
 //! called: the async forms return at once with a [`Work`], the plain forms wait for
@@ -21,6 +22,7 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use super::arena::Arena;
 use super::env::Env;
 use super::rendezvous;
+use super::zero_copy::PeerTensors;
 use crate::sys::process as sysproc;
 use crate::sys::{Deadline, deadline_after};
 use crate::tensor::Tensor;
@@ -44,6 +46,8 @@ pub enum ReduceOp {
 }
 
 type Job = Box<dyn FnOnce() + Send>;
+
+const THREAD_GONE: &str = "the process group's collective thread is gone";
 
 /// A group of processes on one node that run collectives together.
 ///
@@ -84,10 +88,12 @@ pub(super) struct Inner {
 
 pub(super) struct State {
     /// Barriers this rank has passed.
-    epoch: u32,
+    pub(super) epoch: u32,
     /// Pidfds of the peers, opened once their pid is known.
     pub(super) peers: Vec<Option<OwnedFd>>,
     timeout: Option<Duration>,
+    /// The peers' tensors this rank maps, and its own that they map.
+    pub(super) zero_copy: PeerTensors,
 }
 
 impl fmt::Debug for ProcessGroup {
@@ -104,19 +110,25 @@ impl fmt::Debug for ProcessGroup {
 #[derive(Debug)]
 pub struct Work {
     done: Receiver<Result<()>>,
+    /// What `wait` reports when the result can never come.
+    gone: &'static str,
 }
 
 impl Work {
+    /// The handle of a collective whose result arrives on `done`; `gone` says what
+    /// ended when it never does.
+    pub(super) fn from_channel(done: Receiver<Result<()>>, gone: &'static str) -> Work {
+        Work { done, gone }
+    }
+
     /// Waits for the collective to finish.
     ///
     /// # Errors
     /// The collective's error (see [`ProcessGroup::all_reduce_`]).
     pub fn wait(self) -> Result<()> {
-        self.done.recv().unwrap_or_else(|_| {
-            Err(Error::Closed(
-                "the process group's collective thread is gone".into(),
-            ))
-        })
+        self.done
+            .recv()
+            .unwrap_or_else(|_| Err(Error::Closed(self.gone.into())))
     }
 }
 
@@ -193,6 +205,7 @@ impl ProcessGroup {
                     epoch: 0,
                     peers,
                     timeout: Some(DEFAULT_TIMEOUT),
+                    zero_copy: PeerTensors::default(),
                 }),
                 jobs: Mutex::new(None),
             }),
@@ -227,6 +240,10 @@ impl ProcessGroup {
 
     /// Sets `tensor` on every rank to its value on rank `src`.
     ///
+    /// A tensor of 256 KiB or more is copied straight between the ranks' tensors, as in
+    /// [`all_reduce_`](Self::all_reduce_) (its storage moves into shared memory the
+    /// first time).
+    ///
     /// # Errors
     /// As [`all_reduce_`](Self::all_reduce_).
     pub fn broadcast_(&self, tensor: &Tensor, src: usize) -> Result<()> {
@@ -236,15 +253,19 @@ impl ProcessGroup {
     /// The async form of [`broadcast_`](Self::broadcast_).
     pub fn broadcast_async(&self, tensor: &Tensor, src: usize) -> Work {
         let t = tensor.clone();
-        self.submit(move |inner, st| inner.broadcast(st, &t, src))
+        self.submit(move |inner, st| through_contiguous(&t, |c| inner.broadcast(st, c, src)))
     }
 
     /// Replaces `tensor` on every rank by the reduction of all ranks' values, element
     /// by element.
     ///
+    /// A tensor of 256 KiB or more is reduced in place between the ranks' tensors, which
+    /// moves its storage into shared memory the first time (as
+    /// [`Tensor::share_memory_`]); a non-contiguous view goes through a contiguous copy.
+    ///
     /// # Errors
-    /// [`Error::Tensor`] for a non-contiguous tensor or a dtype other than f32, f64,
-    /// i32, i64; [`Error::InvalidArgument`] in the process that created the group (it
+    /// [`Error::Tensor`] for a dtype other than f32, f64, i32, i64, a tensor in
+    /// device memory, or a read-only one, and when the ranks' sizes or dtypes differ; [`Error::InvalidArgument`] in the process that created the group (it
     /// has no rank); [`Error::RankDied`] naming a rank that exited while the others
     /// waited for it; [`Error::Timeout`] past the group's timeout.
     pub fn all_reduce_(&self, tensor: &Tensor, op: ReduceOp) -> Result<()> {
@@ -254,7 +275,7 @@ impl ProcessGroup {
     /// The async form of [`all_reduce_`](Self::all_reduce_).
     pub fn all_reduce_async(&self, tensor: &Tensor, op: ReduceOp) -> Work {
         let t = tensor.clone();
-        self.submit(move |inner, st| inner.all_reduce(st, &t, op))
+        self.submit(move |inner, st| through_contiguous(&t, |c| inner.all_reduce(st, c, op)))
     }
 
     /// Fills `output` (`world_size` times `input`'s elements) with every rank's `input`,
@@ -270,7 +291,10 @@ impl ProcessGroup {
     /// The async form of [`all_gather`](Self::all_gather).
     pub fn all_gather_async(&self, output: &Tensor, input: &Tensor) -> Work {
         let (o, i) = (output.clone(), input.clone());
-        self.submit(move |inner, st| inner.all_gather(st, &o, &i))
+        self.submit(move |inner, st| {
+            let i = i.contiguous()?;
+            through_contiguous(&o, |o| inner.all_gather(st, o, &i))
+        })
     }
 
     /// Reduces `input` (`world_size` blocks of `output`'s size) across ranks and leaves
@@ -285,7 +309,10 @@ impl ProcessGroup {
     /// The async form of [`reduce_scatter`](Self::reduce_scatter).
     pub fn reduce_scatter_async(&self, output: &Tensor, input: &Tensor, op: ReduceOp) -> Work {
         let (o, i) = (output.clone(), input.clone());
-        self.submit(move |inner, st| inner.reduce_scatter(st, &o, &i, op))
+        self.submit(move |inner, st| {
+            let i = i.contiguous()?;
+            through_contiguous(&o, |o| inner.reduce_scatter(st, o, &i, op))
+        })
     }
 
     /// Sends `tensor` to rank `dst`, which must call [`recv`](Self::recv) with a tensor
@@ -303,7 +330,7 @@ impl ProcessGroup {
     /// The async form of [`send`](Self::send).
     pub fn send_async(&self, tensor: &Tensor, dst: usize) -> Work {
         let t = tensor.clone();
-        self.submit(move |inner, st| inner.send(st, &t, dst))
+        self.submit(move |inner, st| inner.send(st, &t.contiguous()?, dst))
     }
 
     /// Receives into `tensor` what rank `src` sends with [`send`](Self::send).
@@ -318,7 +345,7 @@ impl ProcessGroup {
     /// The async form of [`recv`](Self::recv).
     pub fn recv_async(&self, tensor: &Tensor, src: usize) -> Work {
         let t = tensor.clone();
-        self.submit(move |inner, st| inner.recv(st, &t, src))
+        self.submit(move |inner, st| through_contiguous(&t, |c| inner.recv(st, c, src)))
     }
 
     /// Queues `op` on the collective thread.
@@ -335,10 +362,22 @@ impl ProcessGroup {
         if let Err(e) = self.inner.enqueue(job) {
             let (tx, done) = channel();
             let _ = tx.send(Err(e));
-            return Work { done };
+            return Work::from_channel(done, THREAD_GONE);
         }
-        Work { done }
+        Work::from_channel(done, THREAD_GONE)
     }
+}
+
+/// Runs `op` on `t`, or, when `t` is not contiguous (a transposed or strided view), on
+/// a contiguous copy that is then written back into `t`: the collectives move
+/// contiguous bytes, and the caller's view gets the result either way.
+fn through_contiguous(t: &Tensor, op: impl FnOnce(&Tensor) -> Result<()>) -> Result<()> {
+    if t.is_contiguous() {
+        return op(t);
+    }
+    let c = t.contiguous()?;
+    op(&c)?;
+    t.copy_(&c)
 }
 
 impl Inner {

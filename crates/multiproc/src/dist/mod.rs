@@ -6,7 +6,8 @@
 //! - [`ProcessGroup`] (`group`) — collectives (barrier, broadcast, all-reduce,
 //!   all-gather, reduce-scatter, send/recv) among the ranks of one node; `arena` is its
 //!   shared segment and barrier, `collectives` the data movement, `rendezvous` how
-//!   launcher-started ranks find the segment.
+//!   launcher-started ranks find the segment, `zero_copy` the all-reduce of large
+//!   tensors straight between the ranks' shared tensors.
 //! - `MpiGroup` (`mpi`, feature `mpi`) — the whole job: shared memory in a node, MPI
 //!   between one leader per node.
 //!
@@ -24,6 +25,8 @@ mod group;
 #[cfg(feature = "mpi")]
 mod mpi;
 mod rendezvous;
+#[allow(unsafe_code)]
+mod zero_copy;
 
 pub use env::{Env, Launcher};
 pub use group::{DEFAULT_TIMEOUT, ProcessGroup, ReduceOp, Work};

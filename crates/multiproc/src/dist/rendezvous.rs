@@ -44,7 +44,7 @@ fn socket() -> Result<OwnedFd> {
     .map_err(|e| Error::os("creating the process group's rendezvous socket", e))
 }
 
-fn address(name: &str) -> Result<SocketAddrUnix> {
+pub(crate) fn address(name: &str) -> Result<SocketAddrUnix> {
     SocketAddrUnix::new_abstract_name(name.as_bytes())
         .map_err(|e| Error::os(format!("the rendezvous socket name {name:?}"), e))
 }

@@ -62,6 +62,7 @@ use raw::Region;
 pub(crate) use storage::ForgedStorageWire;
 pub use storage::Storage;
 pub(crate) use storage::StorageRead;
+pub(crate) use storage::WeakStorage;
 
 use crate::{Error, Result, wire};
 

@@ -587,9 +587,31 @@ impl Storage {
         }
     }
 
+    /// A handle that does not keep the bytes alive, for caches keyed by storage
+    /// identity.
+    pub(crate) fn downgrade(&self) -> WeakStorage {
+        WeakStorage(Arc::downgrade(&self.inner))
+    }
+
     /// An order on storages, to lock two of them without deadlock.
     pub(crate) fn addr(&self) -> usize {
         Arc::as_ptr(&self.inner) as usize
+    }
+}
+
+/// A storage that does not keep its bytes alive (see [`Storage::downgrade`]).
+#[derive(Clone)]
+pub(crate) struct WeakStorage(Weak<StorageInner>);
+
+impl WeakStorage {
+    /// Whether `storage` is this one (an address that a weak handle keeps from reuse).
+    pub(crate) fn is(&self, storage: &Storage) -> bool {
+        std::ptr::eq(self.0.as_ptr(), Arc::as_ptr(&storage.inner))
+    }
+
+    /// Whether the storage still exists.
+    pub(crate) fn is_alive(&self) -> bool {
+        self.0.strong_count() > 0
     }
 }
 
