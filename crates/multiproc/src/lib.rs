@@ -488,6 +488,8 @@ mod queue;
 #[cfg(feature = "safetensors")]
 pub mod safetensors;
 #[cfg(target_os = "linux")]
+mod role;
+#[cfg(target_os = "linux")]
 mod sharing;
 #[cfg(target_os = "linux")]
 mod shm;

@@ -78,9 +78,16 @@ pub(super) fn address_at(offset: u64) -> usize {
     anchor_address().wrapping_add(offset as usize)
 }
 
+/// A second fixed point: its offset from [`anchor`] is what a job from another build
+/// is detected by.
+#[inline(never)]
+fn check_point() -> usize {
+    std::hint::black_box(0x6d70_6368_6563_6b70)
+}
+
 /// The offset of a function the worker knows, to detect a job from another build.
 pub(super) fn check_offset() -> u64 {
-    offset_of(crate::process::init as fn() as usize)
+    offset_of(check_point as fn() -> usize as usize)
 }
 
 /// What failed when a job ran.
