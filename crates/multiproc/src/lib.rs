@@ -485,10 +485,10 @@ mod process;
 #[cfg(target_os = "linux")]
 mod queue;
 #[cfg(target_os = "linux")]
+mod role;
+#[cfg(target_os = "linux")]
 #[cfg(feature = "safetensors")]
 pub mod safetensors;
-#[cfg(target_os = "linux")]
-mod role;
 #[cfg(target_os = "linux")]
 mod sharing;
 #[cfg(target_os = "linux")]

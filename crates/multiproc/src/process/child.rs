@@ -12,11 +12,11 @@ use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::time::Duration;
 
 use super::exit_status::ExitStatus;
-use super::{current, forkserver};
 use super::job::JobHeader;
 use super::launch::{self, Launch};
 use super::start_method::StartMethod;
 use super::worker::{self, Report, WORKER_FD_VAR};
+use super::{current, forkserver};
 use crate::error::{Error, Failure, Result};
 use crate::role::{ROLE_VAR, Role};
 use crate::sys::process as sys;

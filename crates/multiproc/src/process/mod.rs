@@ -58,12 +58,12 @@ mod start_method;
 mod test_init;
 mod worker;
 
-pub use handle::Process;
 pub(crate) use context::LAUNCHER_VAR;
 pub use context::{ProcessContext, SpawnOptions, spawn, start_processes};
 pub use current::{ChildProcess, CurrentProcess, active_children, cpu_count, current_process};
 pub use exit_status::ExitStatus;
 pub use forkserver::ensure_forkserver_running;
+pub use handle::Process;
 pub use init::init;
 pub use job::WorkerResult;
 pub(crate) use panic_hook::panic_text;
