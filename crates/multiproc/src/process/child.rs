@@ -318,7 +318,7 @@ impl Child {
     pub(crate) fn failure(&self) -> Option<Failure> {
         if let Some(Report::Raised { message }) = &self.report {
             return Some(Failure {
-                rank: self.rank,
+                error_index: self.rank,
                 pid: self.pid,
                 exit_code: None,
                 signal_name: None,
@@ -329,7 +329,7 @@ impl Child {
             .status
             .filter(|s| !s.success() || self.exited_without_report(*s))?;
         Some(Failure {
-            rank: self.rank,
+            error_index: self.rank,
             pid: self.pid,
             exit_code: status.code(),
             signal_name: status.signal_name(),
@@ -393,13 +393,13 @@ impl Child {
         let f = self.failure()?;
         Some(match &self.report {
             Some(Report::Raised { .. }) => Error::ProcessRaised {
-                error_index: f.rank,
+                error_index: f.error_index,
                 pid: f.pid,
                 message: f.message,
                 others,
             },
             _ => Error::ProcessExited {
-                error_index: f.rank,
+                error_index: f.error_index,
                 pid: f.pid,
                 exit_code: f.exit_code,
                 signal_name: f.signal_name,

@@ -306,7 +306,7 @@ fn ensure_fd_room(sock: BorrowedFd<'_>) -> Result<()> {
     if declared == 0 {
         return Ok(());
     }
-    let (_, _, in_use) = crate::error::fd_usage();
+    let (_, _, in_use) = super::os_errors::fd_usage();
     let free = soft.saturating_sub(in_use as u64);
     if free < declared * FDS_PER_RECEIVED_FD {
         return Err(Error::fd_limit(format!(
