@@ -16,9 +16,9 @@ use std::time::Instant;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use super::builder::Options;
 use super::collate::Collate;
 use super::dataset::IterableDataset;
+use super::options::Options;
 use super::worker::{Outcome, Task, next_batch, run_iterable_worker};
 use super::worker_set::{Arrival, STOP_GRACE, Sent, WorkerSet};
 use crate::{Error, Result};

@@ -14,6 +14,7 @@ use serde::{Deserialize, Serialize};
 
 use super::collate::Collate;
 use super::dataset::{Dataset, IterableDataset, WorkerInfo, set_worker_info};
+use super::options::Options;
 use crate::Result;
 use crate::queue::{Connection, SimpleQueue};
 
@@ -112,7 +113,7 @@ pub(crate) fn launch<D, C, B>(
     body: WorkerBody<D, C, B>,
     dataset: &D,
     collate: &C,
-    options: &super::builder::Options,
+    options: &Options,
     id: usize,
     generation: u64,
     tasks: Connection<Task>,
