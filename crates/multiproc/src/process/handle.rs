@@ -10,8 +10,9 @@ use serde::de::DeserializeOwned;
 
 use super::child::{Child, JobSpec, worker_env};
 use super::exit_status::ExitStatus;
-use super::job::{JobHeader, WorkerResult};
+use super::job::JobHeader;
 use super::start_method::StartMethod;
+use super::worker_outcome::IntoWorkerOutcome;
 use crate::error::{Error, Result};
 use crate::sys::deadline_after;
 use crate::wire::{self, Encoded};
@@ -61,7 +62,7 @@ impl Process {
     pub fn new<A, R>(worker: fn(usize, A) -> R, rank: usize, args: A) -> Process
     where
         A: Serialize + DeserializeOwned,
-        R: WorkerResult,
+        R: IntoWorkerOutcome,
     {
         Process {
             rank,

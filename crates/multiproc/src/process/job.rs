@@ -20,43 +20,14 @@
 //! itself, not in a dynamically loaded library, whose base differs between processes.
 
 use std::any::type_name;
-use std::fmt::Display;
 use std::os::fd::BorrowedFd;
 
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
+use super::worker_outcome::IntoWorkerOutcome;
+
 use crate::wire;
-
-/// What a worker function may return: `()` or `Result<(), E>` with `E: Display`. An
-/// `Err` is reported to the parent like a panic ([`Error::ProcessRaised`]).
-///
-/// This trait is sealed: multiproc implements it for those two shapes only.
-///
-/// [`Error::ProcessRaised`]: crate::Error::ProcessRaised
-pub trait WorkerResult: sealed::Sealed {
-    /// `Ok(())`, or the error's text.
-    #[doc(hidden)]
-    fn into_outcome(self) -> Result<(), String>;
-}
-
-mod sealed {
-    pub trait Sealed {}
-    impl Sealed for () {}
-    impl<E: std::fmt::Display> Sealed for Result<(), E> {}
-}
-
-impl WorkerResult for () {
-    fn into_outcome(self) -> Result<(), String> {
-        Ok(())
-    }
-}
-
-impl<E: Display> WorkerResult for Result<(), E> {
-    fn into_outcome(self) -> Result<(), String> {
-        self.map_err(|e| e.to_string())
-    }
-}
 
 /// The fixed point code offsets are measured from.
 #[inline(never)]
@@ -122,7 +93,7 @@ impl JobHeader {
     pub(crate) fn new<A, R>(worker: fn(usize, A) -> R, rank: usize) -> Self
     where
         A: Serialize + DeserializeOwned,
-        R: WorkerResult,
+        R: IntoWorkerOutcome,
     {
         let trampoline: Trampoline = trampoline::<A, R>;
         JobHeader {
@@ -160,7 +131,7 @@ impl JobHeader {
 fn trampoline<A, R>(job: &JobHeader, sock: BorrowedFd<'_>) -> Result<(), Failed>
 where
     A: Serialize + DeserializeOwned,
-    R: WorkerResult,
+    R: IntoWorkerOutcome,
 {
     if job.args_type != type_name::<A>() {
         return Err(Failed::Setup(format!(

@@ -6,7 +6,8 @@
 //!
 //! - `start_method` — [`StartMethod`]; `exit_status` — [`ExitStatus`].
 //! - `job` — how a job names its function across `exec` (code offsets from an anchor,
-//!   checked against the executable), and [`WorkerResult`]; unsafe allowed here.
+//!   checked against the executable); unsafe allowed here.
+//! - `worker_outcome` — [`IntoWorkerOutcome`], what a worker function may return.
 //! - `code` — [`CodeRef`](code::CodeRef) and its typed form, a function named by code
 //!   offset for other modules (the pool's task functions); unsafe allowed here too.
 //! - `current` — [`current_process`], [`active_children`], [`cpu_count`].
@@ -57,6 +58,7 @@ mod panic_hook;
 mod start_method;
 mod test_init;
 mod worker;
+mod worker_outcome;
 
 pub(crate) use context::LAUNCHER_VAR;
 pub use context::{ProcessContext, SpawnOptions, spawn, start_processes};
@@ -65,6 +67,8 @@ pub use exit_status::ExitStatus;
 pub use forkserver::ensure_forkserver_running;
 pub use handle::Process;
 pub use init::init;
-pub use job::WorkerResult;
 pub(crate) use panic_hook::panic_text;
 pub use start_method::StartMethod;
+pub use worker_outcome::IntoWorkerOutcome;
+#[allow(deprecated)]
+pub use worker_outcome::WorkerResult;
