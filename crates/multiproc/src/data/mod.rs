@@ -55,7 +55,6 @@ mod builder;
 mod collate;
 mod dataset;
 mod epoch;
-#[allow(unsafe_code)]
 mod from_fn;
 #[cfg(feature = "image")]
 mod image_folder;

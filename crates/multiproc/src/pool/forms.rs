@@ -16,10 +16,10 @@ use serde::{Deserialize, Serialize};
 
 use super::builder::PoolBuilder;
 use super::handle::Pool;
-use super::protocol::{ChunkTrampoline, Report};
+use super::protocol::{ChunkInput, Report};
 use super::state::{ChunkOutcome, dispatcher_gone, with_index};
 use super::worker::run_task;
-use crate::process::code::CodeRef;
+use crate::process::code::{CodeCall, Sink};
 use crate::wire::Opaque;
 use crate::{Error, Result};
 
@@ -71,11 +71,10 @@ impl Pool {
         let items: Vec<(A, B)> = items.into_iter().collect();
         let n = items.len();
         let chunksize = n.div_ceil(self.processes * 4).max(1);
-        let trampoline = CodeRef::of(run_star_chunk::<A, B, R, E> as ChunkTrampoline as usize);
-        let function = CodeRef::of(f as usize);
+        let call = CodeCall::new(f, run_star_chunk::<A, B, R, E>);
         let _span = tracing::debug_span!("multiproc::pool_starmap", tasks = n, chunksize).entered();
         let (job, rx) = self.new_job()?;
-        let queued = self.enqueue_code(job, trampoline, function, items, 0, chunksize);
+        let queued = self.enqueue_code(job, call, items, 0, chunksize);
         let result = queued.and_then(|()| self.collect_all::<R>(&rx, n));
         self.end_job(job);
         result
@@ -117,9 +116,8 @@ impl Pool {
 
 /// Decodes a chunk of `(A, B)`, runs `f(a, b)` on each, encodes the results.
 fn run_star_chunk<A, B, R, E>(
-    function: CodeRef,
-    args: Opaque,
-    skip: usize,
+    f: fn(A, B) -> std::result::Result<R, E>,
+    (args, skip): ChunkInput,
     report: Report<'_>,
 ) -> std::result::Result<(), String>
 where
@@ -131,12 +129,8 @@ where
     let items: Vec<(A, B)> = args
         .decode()
         .map_err(|e| format!("cannot decode the task's arguments: {e}"))?;
-    // SAFETY: the parent took this offset from a `fn(A, B) -> Result<R, E>` for exactly
-    // these types (this trampoline is the one monomorphized for them) in the same
-    // executable, which `CodeRef` checks.
-    let f = unsafe { function.resolve::<fn(A, B) -> std::result::Result<R, E>>() }?;
     for (k, (a, b)) in items.into_iter().enumerate().skip(skip) {
-        if !report(k, run_task(|| f(a, b))) {
+        if !report((k, run_task(|| f(a, b)))) {
             break;
         }
     }
@@ -234,37 +228,35 @@ impl<R> fmt::Debug for MapResult<R> {
     }
 }
 
-type InitTrampoline = fn(CodeRef, Opaque) -> std::result::Result<(), String>;
+/// An initializer `fn(A)` with the trampoline that decodes its argument (nothing is
+/// reported through the sink).
+type InitCode = CodeCall<Opaque, (), std::result::Result<(), String>>;
 
-/// An initializer call as it travels to a worker: its trampoline, its function and its
-/// encoded argument.
+/// An initializer call as it travels to a worker: its function (with its trampoline)
+/// and its encoded argument.
 #[derive(Serialize, Deserialize)]
 pub(super) struct InitCall {
-    trampoline: CodeRef,
-    function: CodeRef,
+    call: InitCode,
     arg: Opaque,
 }
 
 impl InitCall {
     /// Runs the initializer in the worker.
     pub(super) fn run(self) -> std::result::Result<(), String> {
-        // SAFETY: the parent took this offset from `run_init::<A>` as an
-        // `InitTrampoline`, in the same executable, which `CodeRef` checks.
-        let trampoline = unsafe { self.trampoline.resolve::<InitTrampoline>() }?;
-        trampoline(self.function, self.arg)
+        self.call
+            .call(self.arg, &mut |()| true)
+            .and_then(|outcome| outcome)
     }
 }
 
 fn run_init<A: DeserializeOwned>(
-    function: CodeRef,
+    f: fn(A),
     arg: Opaque,
+    _nothing_reported: Sink<'_, ()>,
 ) -> std::result::Result<(), String> {
     let arg: A = arg
         .decode()
         .map_err(|e| format!("cannot decode the initializer's argument: {e}"))?;
-    // SAFETY: the parent took this offset from a `fn(A)` for exactly this `A` (this
-    // trampoline is the one monomorphized for it) in the same executable.
-    let f = unsafe { function.resolve::<fn(A)>() }?;
     f(arg);
     Ok(())
 }
@@ -310,12 +302,10 @@ impl PoolBuilder {
     where
         A: Serialize + DeserializeOwned + Send + Sync + 'static,
     {
-        let trampoline = CodeRef::of(run_init::<A> as InitTrampoline as usize);
-        let function = CodeRef::of(f as usize);
+        let call = CodeCall::new(f, run_init::<A>);
         self.init_with = Some(InitWith(Arc::new(move || {
             Ok(InitCall {
-                trampoline,
-                function,
+                call,
                 arg: Opaque::encode(&arg)?,
             })
         })));

@@ -16,12 +16,12 @@ use super::builder::PoolBuilder;
 use super::dispatcher::Dispatcher;
 use super::dispatcher::Worker;
 use super::imap::Imap;
-use super::protocol::ChunkTrampoline;
+use super::protocol::ChunkCall;
 use super::state::{ChunkOutcome, Pending, Shared, State, dispatcher_gone, with_index};
 use super::worker::run_chunk;
 use crate::error::{Error, Result};
 use crate::process::StartMethod;
-use crate::process::code::CodeRef;
+use crate::process::code::CodeCall;
 use crate::queue::pipe;
 use crate::wire::Opaque;
 
@@ -139,18 +139,16 @@ impl Pool {
         R: Serialize + DeserializeOwned,
         E: Display,
     {
-        let trampoline = CodeRef::of(run_chunk::<A, R, E> as ChunkTrampoline as usize);
-        let function = CodeRef::of(f as usize);
-        self.enqueue_code(job, trampoline, function, items, first, chunksize)
+        let call = CodeCall::new(f, run_chunk::<A, R, E>);
+        self.enqueue_code(job, call, items, first, chunksize)
     }
 
-    /// Queues `items` to be run by `trampoline` (a [`ChunkTrampoline`] monomorphized
-    /// for `function`'s exact type).
+    /// Queues `items` to be run by `call` (a task function with the chunk trampoline
+    /// for its type).
     pub(super) fn enqueue_code<A: Serialize>(
         &self,
         job: u64,
-        trampoline: CodeRef,
-        function: CodeRef,
+        call: ChunkCall,
         items: Vec<A>,
         mut first: usize,
         chunksize: usize,
@@ -165,8 +163,7 @@ impl Pool {
                 first,
                 len,
                 skip: 0,
-                trampoline,
-                function,
+                call,
                 args: Opaque::encode(&chunk)?,
             });
             first += len;

@@ -8,7 +8,7 @@
 //! - `job` — how a job names its function across `exec` (code offsets from an anchor,
 //!   checked against the executable); unsafe allowed here.
 //! - `worker_outcome` — [`IntoWorkerOutcome`], what a worker function may return.
-//! - `code` — [`CodeRef`](code::CodeRef) and its typed form, a function named by code
+//! - `code` — [`Code`](code::Code) and [`CodeCall`](code::CodeCall), functions named by code
 //!   offset for other modules (the pool's task functions); unsafe allowed here too.
 //! - `current` — [`current_process`], [`active_children`], [`cpu_count`].
 //! - `logs` — workers' `tracing` events, forwarded to the parent's subscriber.
