@@ -23,7 +23,7 @@ import sys
 from collections import defaultdict
 
 USE_RE = re.compile(r"\buse\s+([^;]+);")
-INLINE_RE = re.compile(r"\b((?:crate|super)(?:::\w+)+)")
+INLINE_RE = re.compile(r"(?<![$\w])((?:crate|super)(?:::\w+)+)")
 PATH_ATTR_RE = re.compile(r'#\[path\s*=\s*"([^"]+)"\]\s*(?:pub(?:\([^)]*\))?\s+)?mod\s+(\w+)')
 
 

@@ -21,7 +21,7 @@ use super::dataset::IterableDataset;
 use super::options::Options;
 use super::worker::{Outcome, Task, next_batch, run_iterable_worker};
 use super::worker_set::{Arrival, STOP_GRACE, Sent, WorkerSet};
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 /// A loader of an [`IterableDataset`]; made by
 /// [`DataLoaderBuilder::build_iterable`](super::DataLoaderBuilder::build_iterable).

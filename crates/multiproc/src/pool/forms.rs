@@ -1,27 +1,25 @@
 //! The pool's other call forms, after Python's `multiprocessing.Pool`: [`Pool::apply`],
-//! [`Pool::starmap`], [`Pool::map_async`] (with its [`MapResult`]) and an initializer
-//! with arguments ([`PoolBuilder::initializer_with`]).
+//! [`Pool::starmap`] and [`Pool::map_async`] (with its [`MapResult`]).
 //!
-//! Each is built on the pool's own job machinery; the two that run a new function
-//! shape in the worker (`fn(A, B)`, `fn(A)` as initializer) bring their own
-//! trampoline, monomorphized for that shape, as `run_chunk` is for `fn(A)`.
+//! Each is built on the pool's own job machinery; `starmap`, which runs a new function
+//! shape in the worker (`fn(A, B)`), brings its own trampoline, monomorphized for that
+//! shape, as `run_chunk` is for `fn(A)`.
 
 use std::fmt::{self, Display};
 use std::marker::PhantomData;
-use std::sync::{Arc, mpsc};
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use serde::Serialize;
 use serde::de::DeserializeOwned;
-use serde::{Deserialize, Serialize};
 
-use super::builder::PoolBuilder;
 use super::handle::Pool;
 use super::protocol::{ChunkInput, Report};
 use super::state::{ChunkOutcome, dispatcher_gone, with_index};
 use super::worker::run_task;
-use crate::process::code::{CodeCall, Sink};
+use crate::error::{Error, Result};
+use crate::process::code::CodeCall;
 use crate::wire::Opaque;
-use crate::{Error, Result};
 
 impl Pool {
     /// Runs `f(arg)` on some worker and waits for its result, like Python's
@@ -225,90 +223,5 @@ impl<R> fmt::Debug for MapResult<R> {
             .field("arrived", &self.arrived)
             .field("of", &self.total)
             .finish()
-    }
-}
-
-/// An initializer `fn(A)` with the trampoline that decodes its argument (nothing is
-/// reported through the sink).
-type InitCode = CodeCall<Opaque, (), std::result::Result<(), String>>;
-
-/// An initializer call as it travels to a worker: its function (with its trampoline)
-/// and its encoded argument.
-#[derive(Serialize, Deserialize)]
-pub(super) struct InitCall {
-    call: InitCode,
-    arg: Opaque,
-}
-
-impl InitCall {
-    /// Runs the initializer in the worker.
-    pub(super) fn run(self) -> std::result::Result<(), String> {
-        self.call
-            .call(self.arg, &mut |()| true)
-            .and_then(|outcome| outcome)
-    }
-}
-
-fn run_init<A: DeserializeOwned>(
-    f: fn(A),
-    arg: Opaque,
-    _nothing_reported: Sink<'_, ()>,
-) -> std::result::Result<(), String> {
-    let arg: A = arg
-        .decode()
-        .map_err(|e| format!("cannot decode the initializer's argument: {e}"))?;
-    f(arg);
-    Ok(())
-}
-
-/// [`PoolBuilder::initializer_with`]'s function and argument, encoded anew for every
-/// worker the pool starts (replacements included).
-#[derive(Clone)]
-pub(super) struct InitWith(Arc<dyn Fn() -> Result<InitCall> + Send + Sync>);
-
-impl InitWith {
-    pub(super) fn call(&self) -> Result<InitCall> {
-        (self.0)()
-    }
-}
-
-impl fmt::Debug for InitWith {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("InitWith(..)")
-    }
-}
-
-impl PoolBuilder {
-    /// A function each worker runs once with `arg` when it starts, like Python's
-    /// `Pool(initializer=f, initargs=(arg,))` (several arguments: a tuple). `arg` is
-    /// sent to every worker, replacements included; tensors, queues and events in it
-    /// travel by handle.
-    ///
-    /// # Examples
-    ///
-    /// ```no_run
-    /// fn set_up(config: (String, u32)) {
-    ///     println!("worker {} ready with {} threads", config.0, config.1);
-    /// }
-    /// # fn main() -> multiproc::Result<()> {
-    /// multiproc::init();
-    /// let pool = multiproc::Pool::builder()
-    ///     .processes(2)
-    ///     .initializer_with(set_up, ("model-a".to_string(), 4))
-    ///     .build()?;
-    /// # drop(pool); Ok(()) }
-    /// ```
-    pub fn initializer_with<A>(mut self, f: fn(A), arg: A) -> Self
-    where
-        A: Serialize + DeserializeOwned + Send + Sync + 'static,
-    {
-        let call = CodeCall::new(f, run_init::<A>);
-        self.init_with = Some(InitWith(Arc::new(move || {
-            Ok(InitCall {
-                call,
-                arg: Opaque::encode(&arg)?,
-            })
-        })));
-        self
     }
 }

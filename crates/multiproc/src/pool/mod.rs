@@ -16,11 +16,14 @@
 //! arguments and results
 //! are wire values, so tensors in them travel by handle through shared memory.
 //!
-//! The files: [`protocol`] (what travels between the dispatcher and a worker),
-//! [`worker`] (the worker process's body), [`builder`] ([`PoolBuilder`]), [`handle`]
-//! ([`Pool`]), [`state`] (what `Pool` and the dispatcher share), [`async_result`]
-//! ([`AsyncResult`]), [`imap`] ([`Imap`]), [`dispatcher`] (the parent's thread that
-//! owns the workers) and [`forms`] (the other call forms and [`MapResult`]).
+//! The files, lowest first (each uses only files above it): [`init_call`] (an
+//! initializer with an argument, as it travels), [`protocol`] (what travels between
+//! the dispatcher and a worker), [`state`] (what `Pool` and the dispatcher share),
+//! [`worker`] (the worker process's body), [`builder`] ([`PoolBuilder`]),
+//! [`dispatcher`] (the parent's thread that owns the workers), [`async_result`]
+//! ([`AsyncResult`]), [`handle`] ([`Pool`], and [`PoolBuilder::build`]), [`imap`]
+//! ([`Imap`] and the `imap` methods) and [`forms`] (the other call forms and
+//! [`MapResult`]).
 //!
 //! # No unsafe code
 //!
@@ -37,6 +40,7 @@ mod dispatcher;
 mod forms;
 mod handle;
 mod imap;
+mod init_call;
 mod protocol;
 mod state;
 mod worker;

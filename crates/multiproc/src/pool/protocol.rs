@@ -3,7 +3,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::forms::InitCall;
+use super::init_call::InitCall;
 use crate::process::code::{Code, CodeCall, Sink};
 use crate::queue::Connection;
 use crate::wire::Opaque;

@@ -124,7 +124,7 @@ impl Child {
         let name = header.name.clone();
         refuse_in_uninitialized_worker()?;
         header.log = super::logs::sink_for_child();
-        crate::cuda::check_start_method(method)?;
+        method.check_usable()?;
         let (channel, job_end) = seqpacket_pair()?;
         let deadline = deadline_after(Some(JOB_SEND_TIMEOUT));
         wire::encode(&header)?.send(channel.as_fd(), deadline)?;

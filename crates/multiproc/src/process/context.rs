@@ -21,9 +21,10 @@ use super::child::{Child, JobSpec, worker_env};
 use super::job::JobHeader;
 use super::worker_outcome::IntoWorkerOutcome;
 use super::{ExitStatus, StartMethod};
+use crate::error::{Error, Result};
 use crate::sys::process as sys;
 use crate::sys::{Deadline, deadline_after};
-use crate::{Error, Result, wire};
+use crate::wire;
 
 /// The default time between SIGTERM and SIGKILL when a group is torn down (torch's 30 s).
 pub(crate) const DEFAULT_GRACE_PERIOD: Duration = Duration::from_secs(30);

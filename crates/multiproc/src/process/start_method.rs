@@ -53,6 +53,25 @@ impl StartMethod {
     }
 }
 
+impl StartMethod {
+    /// Refuses `Fork` once CUDA is initialised here: a forked child inherits a CUDA
+    /// state it cannot use (the driver's contexts do not survive `fork`).
+    pub(crate) fn check_usable(self) -> Result<(), Error> {
+        self.check_usable_with(crate::cuda::initialised())
+    }
+
+    fn check_usable_with(self, cuda_initialised: bool) -> Result<(), Error> {
+        if self == StartMethod::Fork && cuda_initialised {
+            return Err(Error::InvalidArgument(
+                "cannot start a worker with the fork start method: this process has initialised \
+                 CUDA, which does not survive fork; use StartMethod::Spawn or StartMethod::Forkserver"
+                    .into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
 impl fmt::Display for StartMethod {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.pad(self.name())
@@ -85,5 +104,21 @@ mod tests {
         }
         assert!("thread".parse::<StartMethod>().is_err());
         assert_eq!(StartMethod::default(), StartMethod::Spawn);
+    }
+
+    #[test]
+    fn fork_is_refused_once_cuda_is_initialised() {
+        let err = StartMethod::Fork.check_usable_with(true).unwrap_err();
+        assert!(err.to_string().contains("initialised CUDA"), "{err}");
+        assert!(err.to_string().contains("Spawn"), "{err}");
+        for m in [StartMethod::Spawn, StartMethod::Forkserver] {
+            m.check_usable_with(true).unwrap();
+        }
+        StartMethod::Fork.check_usable_with(false).unwrap();
+        // Without a driver (this machine, or a build without the feature) nothing was
+        // initialised, so fork stays allowed.
+        if !crate::cuda::is_available() {
+            StartMethod::Fork.check_usable().unwrap();
+        }
     }
 }

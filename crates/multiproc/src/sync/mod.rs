@@ -54,7 +54,7 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
-    use crate::Error;
+    use crate::error::Error;
 
     #[test]
     fn lock_excludes_threads_and_value_counts_exactly() {

@@ -46,6 +46,21 @@ impl From<std::io::Error> for Error {
 /// This process's `RLIMIT_NOFILE` (soft, hard; `None` for unlimited) and its open fds.
 pub(super) fn fd_usage() -> (Option<u64>, Option<u64>, usize) {
     let limit = rustix::process::getrlimit(rustix::process::Resource::Nofile);
-    let in_use = super::process::open_fd_count(limit.current);
+    let in_use = open_fd_count(limit.current);
     (limit.current, limit.maximum, in_use)
+}
+
+/// How many fds this process has open. Lists `/proc/self/fd` (which takes an fd
+/// itself); at the fd limit, where that fails, probes every number below the soft
+/// limit `soft` (up to 65,536 of them) instead.
+fn open_fd_count(soft: Option<u64>) -> usize {
+    if let Ok(dir) = std::fs::read_dir("/proc/self/fd") {
+        // The listing's own fd is in it.
+        return dir.count().saturating_sub(1);
+    }
+    let probe_to = soft.unwrap_or(1 << 16).min(1 << 16) as i32;
+    (0..probe_to)
+        // SAFETY: F_GETFD only reads the flags of an fd number, open or not.
+        .filter(|&fd| unsafe { libc::fcntl(fd, libc::F_GETFD) } != -1)
+        .count()
 }

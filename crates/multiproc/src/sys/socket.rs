@@ -17,7 +17,7 @@ use rustix::net::{
     sendmsg, socketpair,
 };
 
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 /// The most fds one packet can carry (the kernel's `SCM_MAX_FD`).
 pub(crate) const MAX_FDS_PER_PACKET: usize = 253;

@@ -37,7 +37,7 @@ impl Tensor {
     pub fn copy_(&self, src: &Tensor) -> Result<()> {
         self.storage.check_writable("copy_")?;
         self.check_same_shape(src, "copy_")?;
-        if self.device() != crate::Device::Cpu || src.device() != crate::Device::Cpu {
+        if self.device() != crate::cuda::Device::Cpu || src.device() != crate::cuda::Device::Cpu {
             return self.copy_across_devices_(src);
         }
         if let Some(snapshot) = self.snapshot_if_aliased(src)? {

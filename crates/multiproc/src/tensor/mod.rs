@@ -74,7 +74,8 @@ pub(crate) use storage::ForgedStorageWire;
 pub use storage::Storage;
 pub(crate) use storage::StorageRead;
 
-use crate::{Error, Result, wire};
+use crate::error::{Error, Result};
+use crate::wire;
 
 /// An n-dimensional array: a [`DType`], a shape, strides and an offset (in elements)
 /// over a [`Storage`].
@@ -229,7 +230,7 @@ impl fmt::Debug for Tensor {
             .field("offset", &self.layout.offset)
             .field("storage", &self.storage);
         // Values are shown for host tensors only (a CUDA tensor's would need a copy).
-        let values = if self.device() == crate::Device::Cpu {
+        let values = if self.device() == crate::cuda::Device::Cpu {
             self.narrowed_for_debug(SHOWN).and_then(|t| t.to_f64_vec())
         } else {
             Err(Error::Tensor("on a device".into()))
