@@ -5,6 +5,9 @@ use std::fmt;
 use serde::{Deserialize, Serialize};
 
 /// One failed worker, as carried in [`Error::ProcessRaised`] and [`Error::ProcessExited`].
+///
+/// [`Error::ProcessRaised`]: super::Error::ProcessRaised
+/// [`Error::ProcessExited`]: super::Error::ProcessExited
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Failure {
     /// The worker's index, as torch's `error_index` (and [`Error::ProcessRaised`]'s

@@ -8,8 +8,9 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
-/// The [`std::io::Error`] inside [`Error::Os`]: `Clone` (shared), compared and
-/// serialized as its errno and text; deserialized, it is rebuilt from the errno.
+/// The [`std::io::Error`] inside [`Error::Os`](super::Error::Os): `Clone` (shared),
+/// compared and serialized as its errno and text; deserialized, it is rebuilt from the
+/// errno.
 #[derive(Clone)]
 pub struct OsError(Arc<std::io::Error>);
 
@@ -65,7 +66,7 @@ impl<'de> Deserialize<'de> for OsError {
     }
 }
 
-/// The figures and the ways out of an [`Error::FdLimit`].
+/// The figures and the ways out of an [`Error::FdLimit`](super::Error::FdLimit).
 pub(super) fn fd_limit_advice(soft: Option<u64>, hard: Option<u64>, in_use: usize) -> String {
     let show = |v: Option<u64>| v.map_or("unlimited".to_string(), |v| v.to_string());
     format!(

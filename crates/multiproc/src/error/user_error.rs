@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
-/// A user's own error inside [`Error::User`]: shared (`Clone`), compared by its text,
+/// A user's own error inside [`Error::User`](super::Error::User): shared (`Clone`), compared by its text,
 /// and serialized as its text (the original type does not cross processes).
 #[derive(Clone)]
 pub struct UserError(Arc<dyn std::error::Error + Send + Sync>);
