@@ -4,15 +4,16 @@
 //! This module owns every process multiproc creates, from the request to the reaping.
 //! Its files, lowest first (each uses only those above it in this list):
 //!
-//! - `start_method` — [`StartMethod`]; `exit_status` — [`ExitStatus`].
-//! - `job` — how a job names its function across `exec` (code offsets from an anchor,
-//!   checked against the executable); unsafe allowed here.
-//! - `worker_outcome` — [`IntoWorkerOutcome`], what a worker function may return.
-//! - `code` — [`Code`](code::Code) and [`CodeCall`](code::CodeCall), functions named by code
-//!   offset for other modules (the pool's task functions); unsafe allowed here too.
+//! - `start_method` — [`StartMethod`]; `exit_status` — [`ExitStatus`];
+//!   `worker_outcome` — [`IntoWorkerOutcome`], what a worker function may return.
 //! - `current` — [`current_process`], [`active_children`], [`cpu_count`].
 //! - `logs` — workers' `tracing` events, forwarded to the parent's subscriber.
 //! - `error_file` — torchelastic's error file, written by a failed worker.
+//! - `job` — how a job names its function across `exec` (code offsets from an anchor,
+//!   checked against the executable); unsafe allowed here.
+//! - `code` — [`Code`](code::Code) and [`CodeCall`](code::CodeCall), functions named by
+//!   code offset for other modules (the pool's tasks, the data loader's hooks), behind a
+//!   safe typed API; unsafe allowed here too.
 //! - `panic_hook` — what a worker's panics said, for its report.
 //! - `worker` — the job loop every start method ends in, and the worker's report.
 //! - `launch` — the long-lived launcher thread that forks every direct child; it runs
