@@ -40,6 +40,7 @@ cargo "+$tc" miri test -p multiproc --lib -- \
   manager::tests::requests manager::tests::addresses manager::tests::registry \
   manager::tests::status \
   sharing::tests::names \
-  process::tests:: sys::process::tests::signal_names \
+  process::start_method::tests::start_method_names_round_trip \
+  process::exit_status::tests:: sys::process::tests::signal_names \
   --skip fork_reap
 echo "miri: no undefined behaviour found"

@@ -48,7 +48,10 @@ fn main() -> ExitCode {
                     (None, Some(sig)) => format!("signal {sig}"),
                     (None, None) => "raised".to_string(),
                 };
-                println!("  rank {} (pid {}): {how}", failure.rank, failure.pid);
+                println!(
+                    "  rank {} (pid {}): {how}",
+                    failure.error_index, failure.pid
+                );
             }
             if matches!(err, Error::ProcessRaised { error_index: 1, .. }) {
                 ExitCode::SUCCESS

@@ -20,8 +20,9 @@ use std::os::fd::{AsFd, OwnedFd};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
+use crate::error::{Error, Result};
 use crate::sys::socket::{self, Attempt};
-use crate::{Error, Result, shm, wire};
+use crate::{shm, wire};
 
 /// A connected pair of `SOCK_SEQPACKET` sockets, as under every queue.
 pub struct SocketPair {

@@ -51,7 +51,7 @@
 //! A worker is a plain `fn(rank, args)` of this executable (a closure that captures
 //! nothing works too); `args` is any `Serialize + DeserializeOwned` value, and every
 //! tensor, queue, lock or event inside it travels as a handle. It returns `()` or
-//! `Result<(), E>` with `E: Display` ([`WorkerResult`]).
+//! `Result<(), E>` with `E: Display` ([`IntoWorkerOutcome`]).
 //!
 //! ## Tensors in shared memory
 //!
@@ -485,6 +485,8 @@ mod process;
 #[cfg(target_os = "linux")]
 mod queue;
 #[cfg(target_os = "linux")]
+mod role;
+#[cfg(target_os = "linux")]
 #[cfg(feature = "safetensors")]
 pub mod safetensors;
 #[cfg(target_os = "linux")]
@@ -513,7 +515,7 @@ pub use pool::{AsyncResult, Imap, MapResult, Pool, PoolBuilder};
 pub use process::{ChildProcess, CurrentProcess, active_children, cpu_count, current_process};
 #[cfg(target_os = "linux")]
 pub use process::{
-    ExitStatus, Process, ProcessContext, SpawnOptions, StartMethod, WorkerResult,
+    ExitStatus, IntoWorkerOutcome, Process, ProcessContext, SpawnOptions, StartMethod,
     ensure_forkserver_running, init, spawn, start_processes,
 };
 #[cfg(target_os = "linux")]
@@ -531,8 +533,11 @@ pub use sharing::{
 };
 #[cfg(target_os = "linux")]
 pub use sync::{
-    Barrier, BoundedSemaphore, Condition, ConditionGuard, Event, Lock, LockGuard, RLock,
-    RLockGuard, Semaphore, SemaphoreGuard, SharedValue, Value,
+    Barrier, Bits64, BoundedSemaphore, Condition, ConditionGuard, Event, Lock, LockGuard, RLock,
+    RLockGuard, Semaphore, SemaphoreGuard, Value,
 };
 #[cfg(target_os = "linux")]
 pub use tensor::{DType, Element, Storage, Tensor};
+#[cfg(target_os = "linux")]
+#[allow(deprecated)]
+pub use {process::WorkerResult, sync::SharedValue};

@@ -60,7 +60,8 @@ use ::safetensors::{Dtype, View};
 
 use crate::error::{Error, Result};
 use crate::shm::file::FileSegment;
-use crate::tensor::{DType, Storage, Tensor, dispatch};
+use crate::tensor::dtype::dispatch;
+use crate::tensor::{DType, Storage, Tensor};
 
 /// The largest header [`load`] accepts, in bytes (the safetensors library's own limit).
 pub const MAX_HEADER_LEN: u64 = 100_000_000;

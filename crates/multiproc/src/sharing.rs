@@ -19,7 +19,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 
 use serde::{Deserialize, Serialize};
 
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 /// The environment variable a process reads its initial strategy from.
 pub(crate) const STRATEGY_ENV: &str = "MULTIPROC_SHARING_STRATEGY";

@@ -283,7 +283,7 @@ fn exception_in_both_processes() {
         );
         // The other one raised too, unless it was terminated before it got there.
         for other in others {
-            assert_eq!(other.rank, 1 - error_index);
+            assert_eq!(other.error_index, 1 - error_index);
             assert!(other.message.contains("legitimate exception"), "{other:?}");
         }
         assert_eq!(err.failures().len(), 1 + others.len());

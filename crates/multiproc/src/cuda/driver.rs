@@ -18,8 +18,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use cudarc::driver::sys;
 
+use crate::error::{Error, Result};
 use crate::sys::memfd::human_bytes;
-use crate::{Error, Result};
 
 /// Every driver symbol called below (cudarc's loader panics on a missing one).
 const SYMBOLS: &[&str] = &[

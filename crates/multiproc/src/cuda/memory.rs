@@ -37,9 +37,10 @@ use std::sync::{Arc, Mutex, PoisonError, Weak};
 
 use super::CudaHandle;
 use super::driver::{self, Driver, Mapping};
+use crate::error::{Error, Result};
 use crate::sys::lease;
 use crate::sys::memfd::human_bytes;
-use crate::{Error, Result, wire};
+use crate::wire;
 
 /// Allocations kept by the pool (in use elsewhere or idle).
 const MAX_KEPT: usize = 32;

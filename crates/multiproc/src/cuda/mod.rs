@@ -103,7 +103,7 @@ pub(crate) use memory::{CudaUse, allocate, receive, send};
 #[cfg(not(feature = "cuda"))]
 pub(crate) use stub::{CudaUse, allocate, receive, send};
 
-use crate::{Error, Result, StartMethod};
+use crate::error::{Error, Result};
 
 /// Where a tensor's elements live.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
@@ -247,42 +247,9 @@ pub(crate) fn initialised() -> bool {
     }
 }
 
-/// Refuses `Fork` once CUDA is initialised here: a forked child inherits a CUDA state
-/// it cannot use (the driver's contexts do not survive `fork`).
-pub(crate) fn check_start_method(method: StartMethod) -> Result<()> {
-    check_start_method_with(method, initialised())
-}
-
-fn check_start_method_with(method: StartMethod, cuda_initialised: bool) -> Result<()> {
-    if method == StartMethod::Fork && cuda_initialised {
-        return Err(Error::InvalidArgument(
-            "cannot start a worker with the fork start method: this process has initialised \
-             CUDA, which does not survive fork; use StartMethod::Spawn or StartMethod::Forkserver"
-                .into(),
-        ));
-    }
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn fork_is_refused_once_cuda_is_initialised() {
-        let err = check_start_method_with(StartMethod::Fork, true).unwrap_err();
-        assert!(err.to_string().contains("initialised CUDA"), "{err}");
-        assert!(err.to_string().contains("Spawn"), "{err}");
-        for m in [StartMethod::Spawn, StartMethod::Forkserver] {
-            check_start_method_with(m, true).unwrap();
-        }
-        check_start_method_with(StartMethod::Fork, false).unwrap();
-        // Without a driver (this machine, or a build without the feature) nothing was
-        // initialised, so fork stays allowed.
-        if !is_available() {
-            check_start_method(StartMethod::Fork).unwrap();
-        }
-    }
 
     #[test]
     fn devices_have_torch_names() {

@@ -5,7 +5,8 @@
 use std::sync::Arc;
 
 use super::CudaHandle;
-use crate::{Error, Result, wire};
+use crate::error::{Error, Result};
+use crate::wire;
 
 fn unavailable() -> Error {
     Error::CudaUnavailable {

@@ -5,32 +5,14 @@ use std::time::Duration;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use super::collate::{Collate, DefaultCollate};
+use super::collate::{Collate, DefaultCollate, Stack};
 use super::dataset::{Dataset, IterableDataset};
-use super::from_fn::InitFn;
 use super::iterable_loader::IterableDataLoader;
 use super::loader::DataLoader;
+use super::options::Options;
 use super::sampler::{RandomSampler, Sampler, SequentialSampler};
+use crate::error::{Error, Result};
 use crate::process::StartMethod;
-use crate::{Error, Result};
-
-/// The loader's settings, as the builder leaves them.
-#[derive(Clone, Debug)]
-pub(crate) struct Options {
-    pub batch_size: usize,
-    pub drop_last: bool,
-    pub num_workers: usize,
-    pub prefetch_factor: usize,
-    pub persistent_workers: bool,
-    pub timeout: Option<Duration>,
-    pub in_order: bool,
-    pub restart_workers: bool,
-    pub start_method: StartMethod,
-    pub seed: u64,
-    pub worker_init: Option<fn(usize)>,
-    #[cfg(feature = "progress")]
-    pub progress: bool,
-}
 
 /// How to order the samples, as chosen on the builder.
 enum Order {
@@ -236,25 +218,18 @@ where
     }
 }
 
-impl Options {
-    fn check(&self) -> Result<()> {
-        if self.batch_size == 0 {
-            return Err(Error::InvalidArgument(
-                "data loader: batch_size must be at least 1".into(),
-            ));
-        }
-        if self.prefetch_factor == 0 {
-            return Err(Error::InvalidArgument(
-                "data loader: prefetch_factor must be at least 1 (it is the number of \
-                 batches each worker may have in flight)"
-                    .into(),
-            ));
-        }
-        Ok(())
-    }
-
-    /// The hook as it travels.
-    pub(crate) fn init_fn(&self) -> Option<InitFn> {
-        self.worker_init.map(InitFn)
+impl<D> DataLoader<D, DefaultCollate>
+where
+    D: Dataset,
+    D::Item: Stack,
+{
+    /// A builder for a loader of `dataset` (torch's `DataLoader(dataset, ...)`).
+    ///
+    /// The data set travels to each worker as a value (tensors inside as handles); for
+    /// one that should be built in each worker instead, pass a
+    /// [`FromFn`](super::FromFn). For samples the default collate cannot stack, start
+    /// from [`DataLoaderBuilder::new`] and set a [`collate`](DataLoaderBuilder::collate).
+    pub fn builder(dataset: D) -> DataLoaderBuilder<D> {
+        DataLoaderBuilder::new(dataset)
     }
 }

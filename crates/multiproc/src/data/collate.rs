@@ -8,10 +8,10 @@
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
+use crate::error::{Error, Result};
 #[cfg(test)]
 use crate::tensor::DType;
 use crate::tensor::{Element, Tensor};
-use crate::{Error, Result};
 
 /// Turns the samples of one batch into the batch (torch's `collate_fn`).
 ///

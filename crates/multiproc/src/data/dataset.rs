@@ -10,7 +10,7 @@
 
 use std::cell::Cell;
 
-use crate::Result;
+use crate::error::Result;
 
 /// A map-style data set: `len` samples, sample `i` by [`get`](Self::get).
 ///

@@ -1,14 +1,10 @@
 //! Functions that travel to loader workers: [`FromFn`], a data set that each process
 //! builds for itself, and the `worker_init` hook.
 //!
-//! # Safety
-//!
-//! Both carry a function pointer as a [`CodeRef`] and turn it back with
-//! [`CodeRef::resolve`], whose contract is that the type named is exactly the type the
-//! reference was made from. Each type here makes its reference from one fixed
-//! function-pointer type (`fn() -> Result<D>` for `FromFn<D>`, `fn(usize)` for the
-//! init hook) and resolves it as that same type; `CodeRef` checks that both processes
-//! run the same executable.
+//! Both travel as a [`Code`] of their one function-pointer type (`fn() -> Result<D>`
+//! for `FromFn<D>`, `fn(usize)` for the init hook), which `process::code` turns back
+//! into that same type after checking that both processes run the same executable: no
+//! `unsafe` here.
 
 use std::fmt;
 use std::sync::Arc;
@@ -17,8 +13,8 @@ use serde::de::Error as _;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use super::dataset::Dataset;
-use crate::Result;
-use crate::process::code::CodeRef;
+use crate::error::Result;
+use crate::process::code::Code;
 
 /// A data set built by a function in every process that uses it, rather than sent to
 /// the workers: for data sets that hold open files, decoders, caches or anything else
@@ -111,17 +107,15 @@ impl<D> fmt::Debug for FromFn<D> {
 
 impl<D> Serialize for FromFn<D> {
     fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
-        CodeRef::of(self.make as usize).serialize(s)
+        Code::of(self.make).serialize(s)
     }
 }
 
 impl<'de, D> Deserialize<'de> for FromFn<D> {
     fn deserialize<De: Deserializer<'de>>(d: De) -> std::result::Result<Self, De::Error> {
-        let code = CodeRef::deserialize(d)?;
-        // SAFETY: a `FromFn<D>` serializes the reference of its `fn() -> Result<D>` (see
-        // `serialize`), and only a `FromFn<D>` of the same `D` decodes it, in the same
-        // executable (checked by `resolve`).
-        let make = unsafe { code.resolve::<fn() -> Result<D>>() }.map_err(De::Error::custom)?;
+        let make = Code::<fn() -> Result<D>>::deserialize(d)?
+            .get()
+            .map_err(De::Error::custom)?;
         let dataset = make()
             .map_err(|e| De::Error::custom(format!("building the data set in the worker: {e}")))?;
         Ok(Self {
@@ -145,16 +139,15 @@ impl InitFn {
 
 impl Serialize for InitFn {
     fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
-        CodeRef::of(self.0 as usize).serialize(s)
+        Code::of(self.0).serialize(s)
     }
 }
 
 impl<'de> Deserialize<'de> for InitFn {
     fn deserialize<De: Deserializer<'de>>(d: De) -> std::result::Result<Self, De::Error> {
-        let code = CodeRef::deserialize(d)?;
-        // SAFETY: an `InitFn` serializes the reference of its `fn(usize)`, and only an
-        // `InitFn` decodes it, in the same executable (checked by `resolve`).
-        let f = unsafe { code.resolve::<fn(usize)>() }.map_err(De::Error::custom)?;
+        let f = Code::<fn(usize)>::deserialize(d)?
+            .get()
+            .map_err(De::Error::custom)?;
         Ok(InitFn(f))
     }
 }

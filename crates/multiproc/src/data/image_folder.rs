@@ -6,8 +6,8 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use super::dataset::Dataset;
+use crate::error::{Error, Result};
 use crate::tensor::Tensor;
-use crate::{Error, Result};
 
 /// The image files under `root`: `root/<class>/<file>` with the classes in name order
 /// (labels `0..`), or, when `root` has no subdirectory, every file of `root` with

@@ -16,12 +16,12 @@ use std::time::Instant;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use super::builder::Options;
 use super::collate::Collate;
 use super::dataset::IterableDataset;
+use super::options::Options;
 use super::worker::{Outcome, Task, next_batch, run_iterable_worker};
 use super::worker_set::{Arrival, STOP_GRACE, Sent, WorkerSet};
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 /// A loader of an [`IterableDataset`]; made by
 /// [`DataLoaderBuilder::build_iterable`](super::DataLoaderBuilder::build_iterable).

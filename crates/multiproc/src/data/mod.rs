@@ -50,15 +50,17 @@
 //! }
 //! ```
 
+mod batch_plan;
 mod builder;
 mod collate;
 mod dataset;
-#[allow(unsafe_code)]
+mod epoch;
 mod from_fn;
 #[cfg(feature = "image")]
 mod image_folder;
 mod iterable_loader;
 mod loader;
+mod options;
 #[cfg(feature = "progress")]
 mod progress;
 mod sampler;
@@ -68,11 +70,12 @@ mod worker_set;
 pub use builder::DataLoaderBuilder;
 pub use collate::{Collate, DefaultCollate, Stack};
 pub use dataset::{Dataset, IterableDataset, WorkerInfo, worker_info};
+pub use epoch::Epoch;
 pub use from_fn::FromFn;
 #[cfg(feature = "image")]
 pub use image_folder::ImageFolder;
 pub use iterable_loader::{IterableDataLoader, IterableEpoch};
-pub use loader::{DataLoader, Epoch};
+pub use loader::DataLoader;
 pub use sampler::{
     DistributedSampler, RandomSampler, Sampler, SequentialSampler, WeightedRandomSampler,
 };

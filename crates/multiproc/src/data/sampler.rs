@@ -6,7 +6,7 @@
 //! and on every rank, and another epoch gives another order (torch's
 //! `DistributedSampler.set_epoch` contract, applied to all of them).
 
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 /// Which indices an epoch visits, in order.
 ///

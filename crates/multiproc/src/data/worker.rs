@@ -14,7 +14,8 @@ use serde::{Deserialize, Serialize};
 
 use super::collate::Collate;
 use super::dataset::{Dataset, IterableDataset, WorkerInfo, set_worker_info};
-use crate::Result;
+use super::options::Options;
+use crate::error::Result;
 use crate::queue::{Connection, SimpleQueue};
 
 /// One batch to load.
@@ -94,7 +95,7 @@ impl<D, C, B> WorkerArgs<D, C, B> {
     fn next_task(&self) -> std::result::Result<Option<Task>, String> {
         match self.tasks.recv() {
             Ok(task) => Ok(Some(task)),
-            Err(crate::Error::Closed(_)) => Ok(None),
+            Err(crate::error::Error::Closed(_)) => Ok(None),
             Err(e) => Err(format!("cannot read its next task: {e}")),
         }
     }
@@ -112,12 +113,12 @@ pub(crate) fn launch<D, C, B>(
     body: WorkerBody<D, C, B>,
     dataset: &D,
     collate: &C,
-    options: &super::builder::Options,
+    options: &Options,
     id: usize,
     generation: u64,
     tasks: Connection<Task>,
     results: SimpleQueue<Reply<B>>,
-) -> Result<crate::Process>
+) -> Result<crate::process::Process>
 where
     D: Serialize + DeserializeOwned + Clone,
     C: Serialize + DeserializeOwned + Clone,
@@ -135,7 +136,7 @@ where
         drop_last: options.drop_last,
         init: options.init_fn(),
     };
-    let mut process = crate::Process::new(body, id, args)
+    let mut process = crate::process::Process::new(body, id, args)
         .start_method(options.start_method)
         .world_size(options.num_workers)
         .daemon(true);

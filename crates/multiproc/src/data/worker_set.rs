@@ -19,9 +19,9 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use super::worker::{Outcome, Reply, Task};
+use crate::error::{Error, Result};
 use crate::process::Process;
 use crate::queue::{Connection, SimpleQueue, pipe};
-use crate::{Error, Result};
 
 /// How long stopped workers get to exit on their own before they are killed.
 pub(crate) const STOP_GRACE: Duration = Duration::from_millis(50);

@@ -12,9 +12,9 @@ use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
 
 use super::tree::Tree;
 use super::{ADDRESS_ENV, Request, grace, is_valid_address};
+use crate::error::{Error, Result};
 use crate::sys::daemon::{Forked, fork_single_threaded, redirect_stdio_to_null};
 use crate::sys::socket::{Attempt, try_recv_packet};
-use crate::{Error, Result};
 
 /// How long a new manager waits for its first client before giving up.
 const STARTUP_WINDOW: Duration = Duration::from_secs(10);

@@ -56,9 +56,9 @@ pub(crate) use daemon::serve_from_env;
 pub(crate) const ADDRESS_ENV: &str = "MULTIPROC_SHM_MANAGER";
 /// The environment variable that selects a process's role; the manager's is
 /// [`ROLE`].
-pub(crate) const ROLE_ENV: &str = "MULTIPROC_ROLE";
+pub(crate) use crate::role::ROLE_VAR as ROLE_ENV;
 /// The role of a process that serves as the shm manager.
-pub(crate) const ROLE: &str = "shm-manager";
+pub(crate) const ROLE: &str = crate::role::Role::ShmManager.name();
 /// Overrides the grace period (milliseconds), for tests.
 pub(crate) const GRACE_ENV: &str = "MULTIPROC_SHM_MANAGER_GRACE_MS";
 /// How long the manager waits after its last client left before cleaning up.

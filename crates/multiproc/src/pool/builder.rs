@@ -1,16 +1,17 @@
-//! [`PoolBuilder`]: the options a [`Pool`] is started with.
+//! [`PoolBuilder`]: the options a [`Pool`](super::Pool) is started with.
 
-use super::forms::{self};
-use super::handle::Pool;
-use crate::error::Result;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use super::init_call::InitWith;
 use crate::process::StartMethod;
 
-/// Options for a [`Pool`].
+/// Options for a [`Pool`](super::Pool); [`build`](Self::build) starts it.
 #[derive(Debug, Clone)]
 pub struct PoolBuilder {
     pub(super) processes: usize,
     pub(super) initializer: Option<fn()>,
-    pub(super) init_with: Option<forms::InitWith>,
+    pub(super) init_with: Option<InitWith>,
     pub(super) max_tasks_per_child: Option<u64>,
     pub(super) start_method: StartMethod,
 }
@@ -40,11 +41,30 @@ impl PoolBuilder {
         self
     }
 
-    /// Starts the workers.
+    /// A function each worker runs once with `arg` when it starts, like Python's
+    /// `Pool(initializer=f, initargs=(arg,))` (several arguments: a tuple). `arg` is
+    /// sent to every worker, replacements included; tensors, queues and events in it
+    /// travel by handle.
     ///
-    /// # Errors
-    /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for 0 processes; any error starting a worker.
-    pub fn build(self) -> Result<Pool> {
-        Pool::start(self)
+    /// # Examples
+    ///
+    /// ```no_run
+    /// fn set_up(config: (String, u32)) {
+    ///     println!("worker {} ready with {} threads", config.0, config.1);
+    /// }
+    /// # fn main() -> multiproc::Result<()> {
+    /// multiproc::init();
+    /// let pool = multiproc::Pool::builder()
+    ///     .processes(2)
+    ///     .initializer_with(set_up, ("model-a".to_string(), 4))
+    ///     .build()?;
+    /// # drop(pool); Ok(()) }
+    /// ```
+    pub fn initializer_with<A>(mut self, f: fn(A), arg: A) -> Self
+    where
+        A: Serialize + DeserializeOwned + Send + Sync + 'static,
+    {
+        self.init_with = Some(InitWith::new(f, arg));
+        self
     }
 }

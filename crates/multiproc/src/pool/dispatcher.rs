@@ -7,12 +7,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::builder::PoolBuilder;
-use super::protocol::{PoolMsg, WorkerArgs};
+use super::protocol::{ChunkCall, PoolMsg, WorkerArgs};
 use super::state::{Pending, Shared, State};
 use super::worker::pool_worker;
 use crate::error::{Error, Result};
 use crate::process::Process;
-use crate::process::code::CodeRef;
+use crate::process::code::Code;
 use crate::queue::{Connection, pipe};
 use crate::wire::Opaque;
 
@@ -28,7 +28,7 @@ pub(super) struct Running {
     pub(super) next: usize,
     /// What it takes to rerun the chunk's unstarted tasks elsewhere, when its
     /// arguments are plain data (see the module docs).
-    pub(super) retry: Option<(CodeRef, CodeRef, Opaque)>,
+    pub(super) retry: Option<(ChunkCall, Opaque)>,
 }
 
 /// One worker process and the parent's end of its pipe.
@@ -46,7 +46,7 @@ impl Worker {
         let (here, there) = pipe::<PoolMsg>()?;
         let args = WorkerArgs {
             conn: there,
-            initializer: options.initializer.map(|f| CodeRef::of(f as usize)),
+            initializer: options.initializer.map(Code::of),
             init_with: options.init_with.as_ref().map(|i| i.call()).transpose()?,
             max_tasks: options.max_tasks_per_child,
         };
@@ -143,17 +143,13 @@ impl Dispatcher {
                 first: chunk.first,
                 len: chunk.len,
                 next: chunk.first + chunk.skip,
-                retry: chunk
-                    .args
-                    .try_clone_plain()
-                    .map(|a| (chunk.trampoline, chunk.function, a)),
+                retry: chunk.args.try_clone_plain().map(|a| (chunk.call, a)),
             };
             let msg = PoolMsg::Chunk {
                 job: chunk.job,
                 first: chunk.first,
                 skip: chunk.skip,
-                trampoline: chunk.trampoline,
-                function: chunk.function,
+                call: chunk.call,
                 args: chunk.args,
             };
             match self.workers[i].conn.send(msg) {
@@ -164,8 +160,7 @@ impl Dispatcher {
                         job,
                         first,
                         skip,
-                        trampoline,
-                        function,
+                        call,
                         args,
                     } = back.item
                     {
@@ -174,8 +169,7 @@ impl Dispatcher {
                             first,
                             len: running.len,
                             skip,
-                            trampoline,
-                            function,
+                            call,
                             args,
                         });
                     }
@@ -331,15 +325,14 @@ impl Dispatcher {
                 let rest = index + 1;
                 if rest < end {
                     match &running.retry {
-                        Some((trampoline, function, args)) => {
+                        Some((call, args)) => {
                             if let Some(args) = args.try_clone_plain() {
                                 self.lock().queue.push_front(Pending {
                                     job: running.job,
                                     first: running.first,
                                     len: running.len,
                                     skip: rest - running.first,
-                                    trampoline: *trampoline,
-                                    function: *function,
+                                    call: *call,
                                     args,
                                 });
                             }

@@ -1,27 +1,25 @@
 //! The pool's other call forms, after Python's `multiprocessing.Pool`: [`Pool::apply`],
-//! [`Pool::starmap`], [`Pool::map_async`] (with its [`MapResult`]) and an initializer
-//! with arguments ([`PoolBuilder::initializer_with`]).
+//! [`Pool::starmap`] and [`Pool::map_async`] (with its [`MapResult`]).
 //!
-//! Each is built on the pool's own job machinery; the two that run a new function
-//! shape in the worker (`fn(A, B)`, `fn(A)` as initializer) bring their own
-//! trampoline, monomorphized for that shape, as `run_chunk` is for `fn(A)`.
+//! Each is built on the pool's own job machinery; `starmap`, which runs a new function
+//! shape in the worker (`fn(A, B)`), brings its own trampoline, monomorphized for that
+//! shape, as `run_chunk` is for `fn(A)`.
 
 use std::fmt::{self, Display};
 use std::marker::PhantomData;
-use std::sync::{Arc, mpsc};
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use serde::Serialize;
 use serde::de::DeserializeOwned;
-use serde::{Deserialize, Serialize};
 
-use super::builder::PoolBuilder;
 use super::handle::Pool;
-use super::protocol::{ChunkTrampoline, Report};
+use super::protocol::{ChunkInput, Report};
 use super::state::{ChunkOutcome, dispatcher_gone, with_index};
 use super::worker::run_task;
-use crate::process::code::CodeRef;
+use crate::error::{Error, Result};
+use crate::process::code::CodeCall;
 use crate::wire::Opaque;
-use crate::{Error, Result};
 
 impl Pool {
     /// Runs `f(arg)` on some worker and waits for its result, like Python's
@@ -71,11 +69,10 @@ impl Pool {
         let items: Vec<(A, B)> = items.into_iter().collect();
         let n = items.len();
         let chunksize = n.div_ceil(self.processes * 4).max(1);
-        let trampoline = CodeRef::of(run_star_chunk::<A, B, R, E> as ChunkTrampoline as usize);
-        let function = CodeRef::of(f as usize);
+        let call = CodeCall::new(f, run_star_chunk::<A, B, R, E>);
         let _span = tracing::debug_span!("multiproc::pool_starmap", tasks = n, chunksize).entered();
         let (job, rx) = self.new_job()?;
-        let queued = self.enqueue_code(job, trampoline, function, items, 0, chunksize);
+        let queued = self.enqueue_code(job, call, items, 0, chunksize);
         let result = queued.and_then(|()| self.collect_all::<R>(&rx, n));
         self.end_job(job);
         result
@@ -117,9 +114,8 @@ impl Pool {
 
 /// Decodes a chunk of `(A, B)`, runs `f(a, b)` on each, encodes the results.
 fn run_star_chunk<A, B, R, E>(
-    function: CodeRef,
-    args: Opaque,
-    skip: usize,
+    f: fn(A, B) -> std::result::Result<R, E>,
+    (args, skip): ChunkInput,
     report: Report<'_>,
 ) -> std::result::Result<(), String>
 where
@@ -131,12 +127,8 @@ where
     let items: Vec<(A, B)> = args
         .decode()
         .map_err(|e| format!("cannot decode the task's arguments: {e}"))?;
-    // SAFETY: the parent took this offset from a `fn(A, B) -> Result<R, E>` for exactly
-    // these types (this trampoline is the one monomorphized for them) in the same
-    // executable, which `CodeRef` checks.
-    let f = unsafe { function.resolve::<fn(A, B) -> std::result::Result<R, E>>() }?;
     for (k, (a, b)) in items.into_iter().enumerate().skip(skip) {
-        if !report(k, run_task(|| f(a, b))) {
+        if !report((k, run_task(|| f(a, b)))) {
             break;
         }
     }
@@ -231,94 +223,5 @@ impl<R> fmt::Debug for MapResult<R> {
             .field("arrived", &self.arrived)
             .field("of", &self.total)
             .finish()
-    }
-}
-
-type InitTrampoline = fn(CodeRef, Opaque) -> std::result::Result<(), String>;
-
-/// An initializer call as it travels to a worker: its trampoline, its function and its
-/// encoded argument.
-#[derive(Serialize, Deserialize)]
-pub(super) struct InitCall {
-    trampoline: CodeRef,
-    function: CodeRef,
-    arg: Opaque,
-}
-
-impl InitCall {
-    /// Runs the initializer in the worker.
-    pub(super) fn run(self) -> std::result::Result<(), String> {
-        // SAFETY: the parent took this offset from `run_init::<A>` as an
-        // `InitTrampoline`, in the same executable, which `CodeRef` checks.
-        let trampoline = unsafe { self.trampoline.resolve::<InitTrampoline>() }?;
-        trampoline(self.function, self.arg)
-    }
-}
-
-fn run_init<A: DeserializeOwned>(
-    function: CodeRef,
-    arg: Opaque,
-) -> std::result::Result<(), String> {
-    let arg: A = arg
-        .decode()
-        .map_err(|e| format!("cannot decode the initializer's argument: {e}"))?;
-    // SAFETY: the parent took this offset from a `fn(A)` for exactly this `A` (this
-    // trampoline is the one monomorphized for it) in the same executable.
-    let f = unsafe { function.resolve::<fn(A)>() }?;
-    f(arg);
-    Ok(())
-}
-
-/// [`PoolBuilder::initializer_with`]'s function and argument, encoded anew for every
-/// worker the pool starts (replacements included).
-#[derive(Clone)]
-pub(super) struct InitWith(Arc<dyn Fn() -> Result<InitCall> + Send + Sync>);
-
-impl InitWith {
-    pub(super) fn call(&self) -> Result<InitCall> {
-        (self.0)()
-    }
-}
-
-impl fmt::Debug for InitWith {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("InitWith(..)")
-    }
-}
-
-impl PoolBuilder {
-    /// A function each worker runs once with `arg` when it starts, like Python's
-    /// `Pool(initializer=f, initargs=(arg,))` (several arguments: a tuple). `arg` is
-    /// sent to every worker, replacements included; tensors, queues and events in it
-    /// travel by handle.
-    ///
-    /// # Examples
-    ///
-    /// ```no_run
-    /// fn set_up(config: (String, u32)) {
-    ///     println!("worker {} ready with {} threads", config.0, config.1);
-    /// }
-    /// # fn main() -> multiproc::Result<()> {
-    /// multiproc::init();
-    /// let pool = multiproc::Pool::builder()
-    ///     .processes(2)
-    ///     .initializer_with(set_up, ("model-a".to_string(), 4))
-    ///     .build()?;
-    /// # drop(pool); Ok(()) }
-    /// ```
-    pub fn initializer_with<A>(mut self, f: fn(A), arg: A) -> Self
-    where
-        A: Serialize + DeserializeOwned + Send + Sync + 'static,
-    {
-        let trampoline = CodeRef::of(run_init::<A> as InitTrampoline as usize);
-        let function = CodeRef::of(f as usize);
-        self.init_with = Some(InitWith(Arc::new(move || {
-            Ok(InitCall {
-                trampoline,
-                function,
-                arg: Opaque::encode(&arg)?,
-            })
-        })));
-        self
     }
 }

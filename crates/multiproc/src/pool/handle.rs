@@ -15,13 +15,12 @@ use super::async_result::AsyncResult;
 use super::builder::PoolBuilder;
 use super::dispatcher::Dispatcher;
 use super::dispatcher::Worker;
-use super::imap::Imap;
-use super::protocol::ChunkTrampoline;
+use super::protocol::ChunkCall;
 use super::state::{ChunkOutcome, Pending, Shared, State, dispatcher_gone, with_index};
 use super::worker::run_chunk;
 use crate::error::{Error, Result};
 use crate::process::StartMethod;
-use crate::process::code::CodeRef;
+use crate::process::code::CodeCall;
 use crate::queue::pipe;
 use crate::wire::Opaque;
 
@@ -139,18 +138,16 @@ impl Pool {
         R: Serialize + DeserializeOwned,
         E: Display,
     {
-        let trampoline = CodeRef::of(run_chunk::<A, R, E> as ChunkTrampoline as usize);
-        let function = CodeRef::of(f as usize);
-        self.enqueue_code(job, trampoline, function, items, first, chunksize)
+        let call = CodeCall::new(f, run_chunk::<A, R, E>);
+        self.enqueue_code(job, call, items, first, chunksize)
     }
 
-    /// Queues `items` to be run by `trampoline` (a [`ChunkTrampoline`] monomorphized
-    /// for `function`'s exact type).
+    /// Queues `items` to be run by `call` (a task function with the chunk trampoline
+    /// for its type).
     pub(super) fn enqueue_code<A: Serialize>(
         &self,
         job: u64,
-        trampoline: CodeRef,
-        function: CodeRef,
+        call: ChunkCall,
         items: Vec<A>,
         mut first: usize,
         chunksize: usize,
@@ -165,8 +162,7 @@ impl Pool {
                 first,
                 len,
                 skip: 0,
-                trampoline,
-                function,
+                call,
                 args: Opaque::encode(&chunk)?,
             });
             first += len;
@@ -258,51 +254,6 @@ impl Pool {
         out.into_iter()
             .map(|r| r.unwrap_or_else(|| Err(dispatcher_gone())))
             .collect()
-    }
-
-    /// Runs `f` on every item and yields the results in order, as they become
-    /// available. Items are submitted as the iterator is consumed, a few per worker
-    /// ahead.
-    ///
-    /// # Errors
-    ///
-    /// Not here, but per item: a task that panicked, returned `Err` or whose worker
-    /// died yields [`Error::TaskFailed`] with its index (the others still come);
-    /// [`Error::Closed`] (once) when the pool is closed or terminated.
-    pub fn imap<'p, A, R, E, I>(
-        &'p self,
-        f: fn(A) -> std::result::Result<R, E>,
-        items: I,
-    ) -> Imap<'p, R>
-    where
-        A: Serialize + DeserializeOwned + 'p,
-        R: Serialize + DeserializeOwned + 'p,
-        E: Display + 'p,
-        I: IntoIterator<Item = A>,
-        I::IntoIter: 'p,
-    {
-        Imap::new(self, f, items.into_iter(), true)
-    }
-
-    /// As [`imap`](Self::imap), yielding results in the order they complete. A failed
-    /// task's error carries its index ([`Error::TaskFailed`]).
-    ///
-    /// # Errors
-    ///
-    /// Per item, as [`imap`](Self::imap).
-    pub fn imap_unordered<'p, A, R, E, I>(
-        &'p self,
-        f: fn(A) -> std::result::Result<R, E>,
-        items: I,
-    ) -> Imap<'p, R>
-    where
-        A: Serialize + DeserializeOwned + 'p,
-        R: Serialize + DeserializeOwned + 'p,
-        E: Display + 'p,
-        I: IntoIterator<Item = A>,
-        I::IntoIter: 'p,
-    {
-        Imap::new(self, f, items.into_iter(), false)
     }
 
     /// Runs `f(arg)` on some worker; returns a handle to its result.
@@ -408,5 +359,15 @@ impl fmt::Debug for Pool {
         f.debug_struct("Pool")
             .field("processes", &self.processes)
             .finish()
+    }
+}
+
+impl PoolBuilder {
+    /// Starts the workers.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for 0 processes; any error starting a worker.
+    pub fn build(self) -> Result<Pool> {
+        Pool::start(self)
     }
 }

@@ -150,3 +150,50 @@ impl<R> fmt::Debug for Imap<'_, R> {
             .finish_non_exhaustive()
     }
 }
+
+impl Pool {
+    /// Runs `f` on every item and yields the results in order, as they become
+    /// available. Items are submitted as the iterator is consumed, a few per worker
+    /// ahead.
+    ///
+    /// # Errors
+    ///
+    /// Not here, but per item: a task that panicked, returned `Err` or whose worker
+    /// died yields [`Error::TaskFailed`] with its index (the others still come);
+    /// [`Error::Closed`] (once) when the pool is closed or terminated.
+    pub fn imap<'p, A, R, E, I>(
+        &'p self,
+        f: fn(A) -> std::result::Result<R, E>,
+        items: I,
+    ) -> Imap<'p, R>
+    where
+        A: Serialize + DeserializeOwned + 'p,
+        R: Serialize + DeserializeOwned + 'p,
+        E: Display + 'p,
+        I: IntoIterator<Item = A>,
+        I::IntoIter: 'p,
+    {
+        Imap::new(self, f, items.into_iter(), true)
+    }
+
+    /// As [`imap`](Self::imap), yielding results in the order they complete. A failed
+    /// task's error carries its index ([`Error::TaskFailed`]).
+    ///
+    /// # Errors
+    ///
+    /// Per item, as [`imap`](Self::imap).
+    pub fn imap_unordered<'p, A, R, E, I>(
+        &'p self,
+        f: fn(A) -> std::result::Result<R, E>,
+        items: I,
+    ) -> Imap<'p, R>
+    where
+        A: Serialize + DeserializeOwned + 'p,
+        R: Serialize + DeserializeOwned + 'p,
+        E: Display + 'p,
+        I: IntoIterator<Item = A>,
+        I::IntoIter: 'p,
+    {
+        Imap::new(self, f, items.into_iter(), false)
+    }
+}

@@ -12,36 +12,37 @@
 //! task that panics or returns `Err` fails alone.
 //!
 //! Task functions are plain `fn(A) -> Result<R, E>`: they cross the process boundary as
-//! code offsets (see [`CodeRef`](crate::process::code::CodeRef)); arguments and results
+//! code offsets (see `process::code`'s [`CodeCall`](crate::process::code::CodeCall));
+//! arguments and results
 //! are wire values, so tensors in them travel by handle through shared memory.
 //!
-//! The files: [`protocol`] (what travels between the dispatcher and a worker),
-//! [`worker`] (the worker process's body), [`builder`] ([`PoolBuilder`]), [`handle`]
-//! ([`Pool`]), [`state`] (what `Pool` and the dispatcher share), [`async_result`]
-//! ([`AsyncResult`]), [`imap`] ([`Imap`]), [`dispatcher`] (the parent's thread that
-//! owns the workers) and [`forms`] (the other call forms and [`MapResult`]).
+//! The files, lowest first (each uses only files above it): [`init_call`] (an
+//! initializer with an argument, as it travels), [`protocol`] (what travels between
+//! the dispatcher and a worker), [`state`] (what `Pool` and the dispatcher share),
+//! [`worker`] (the worker process's body), [`builder`] ([`PoolBuilder`]),
+//! [`dispatcher`] (the parent's thread that owns the workers), [`async_result`]
+//! ([`AsyncResult`]), [`handle`] ([`Pool`], and [`PoolBuilder::build`]), [`imap`]
+//! ([`Imap`] and the `imap` methods) and [`forms`] (the other call forms and
+//! [`MapResult`]).
 //!
-//! # Safety
+//! # No unsafe code
 //!
-//! The only unsafe code, in [`worker`] and [`forms`] (the two modules allowed it),
-//! turns a received `CodeRef` back into a function pointer. Each call names the exact
-//! pointer type the parent took the offset from: the chunk trampoline is
-//! `run_chunk::<A, R, E>` as a `ChunkTrampoline`, and that trampoline alone resolves
-//! the task function, as the `fn(A) -> Result<R, E>` it was monomorphized for; the
-//! initializer is a `fn()`. `CodeRef` checks that both sides run the same executable.
-//! The other call forms ([`forms`]: `starmap`, an initializer with arguments) follow
-//! the same rule with their own trampolines.
+//! Task functions travel as [`CodeCall`](crate::process::code::CodeCall)s and the
+//! initializer as a [`Code<fn()>`](crate::process::code::Code): `process::code` turns
+//! them back into function pointers, each as the type it was taken from (the chunk
+//! trampoline `run_chunk::<A, R, E>` is the one that gets the `fn(A) -> Result<R, E>`
+//! it was monomorphized for; `starmap` and an initializer with arguments bring their
+//! own trampolines), so this module needs no `unsafe`.
 
 mod async_result;
 mod builder;
 mod dispatcher;
-#[allow(unsafe_code)]
 mod forms;
 mod handle;
 mod imap;
+mod init_call;
 mod protocol;
 mod state;
-#[allow(unsafe_code)]
 mod worker;
 
 pub use async_result::AsyncResult;

@@ -8,8 +8,8 @@ use std::sync::mpsc;
 use std::sync::{Condvar, Mutex};
 use std::time::Duration;
 
+use super::protocol::ChunkCall;
 use crate::error::{Error, Result};
-use crate::process::code::CodeRef;
 use crate::queue::Connection;
 use crate::wire::Opaque;
 
@@ -20,8 +20,8 @@ pub(super) struct Pending {
     pub(super) len: usize,
     /// Items of the chunk already run (by a worker that died running the next one).
     pub(super) skip: usize,
-    pub(super) trampoline: CodeRef,
-    pub(super) function: CodeRef,
+    /// The task function and its chunk trampoline.
+    pub(super) call: ChunkCall,
     pub(super) args: Opaque,
 }
 

@@ -1,8 +1,8 @@
 //! The body of a pool worker process: run the initializer, then decode chunks of
 //! tasks, run each under `catch_unwind` and report its outcome as soon as it finishes.
 //!
-//! The unsafe code here turns a received [`CodeRef`] back into the function pointer
-//! the parent took it from (see the pool module's "Safety").
+//! The task functions arrive as [`ChunkCall`]s: calling one runs the trampoline the
+//! parent chose for the function's type (see `process::code`).
 
 use std::fmt::Display;
 use std::panic::AssertUnwindSafe;
@@ -10,17 +10,15 @@ use std::panic::AssertUnwindSafe;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use super::protocol::{ChunkTrampoline, PoolMsg, Report, WorkerArgs};
+use super::protocol::{ChunkCall, ChunkInput, PoolMsg, Report, WorkerArgs};
 use crate::error::Error;
-use crate::process::code::CodeRef;
 use crate::wire::Opaque;
 
 /// Decodes a chunk of `A`, runs `f` under `catch_unwind` on each from item `skip` on,
 /// and reports each result as it comes.
 pub(super) fn run_chunk<A, R, E>(
-    function: CodeRef,
-    args: Opaque,
-    skip: usize,
+    f: fn(A) -> std::result::Result<R, E>,
+    (args, skip): ChunkInput,
     report: Report<'_>,
 ) -> std::result::Result<(), String>
 where
@@ -31,13 +29,9 @@ where
     let items: Vec<A> = args
         .decode()
         .map_err(|e| format!("cannot decode the task's arguments: {e}"))?;
-    // SAFETY: the parent took this offset from a `fn(A) -> Result<R, E>` for exactly
-    // these types (this trampoline is the one monomorphized for them) in the same
-    // executable, which `CodeRef` checks.
-    let f = unsafe { function.resolve::<fn(A) -> std::result::Result<R, E>>() }?;
     for (k, a) in items.into_iter().enumerate().skip(skip) {
         let outcome = run_task(|| f(a));
-        if !report(k, outcome) {
+        if !report((k, outcome)) {
             break;
         }
     }
@@ -62,9 +56,7 @@ pub(super) fn run_task<R: Serialize, E: Display>(
 /// The body of every pool worker process.
 pub(super) fn pool_worker(_rank: usize, args: WorkerArgs) -> std::result::Result<(), String> {
     if let Some(init) = args.initializer {
-        // SAFETY: the offset was taken from a `fn()` in the same executable.
-        let init = unsafe { init.resolve::<fn()>() }?;
-        init();
+        init.get()?();
     }
     if let Some(call) = args.init_with {
         call.run()?;
@@ -81,15 +73,14 @@ pub(super) fn pool_worker(_rank: usize, args: WorkerArgs) -> std::result::Result
             job,
             first,
             skip,
-            trampoline,
-            function,
+            call,
             args: chunk,
         } = msg
         else {
             return Ok(());
         };
         let mut parent_gone = false;
-        let mut report = |k: usize, outcome| {
+        let mut report = |(k, outcome): (usize, _)| {
             let sent = args.conn.send(PoolMsg::TaskDone {
                 job,
                 index: first + k,
@@ -98,10 +89,7 @@ pub(super) fn pool_worker(_rank: usize, args: WorkerArgs) -> std::result::Result
             parent_gone = sent.is_err();
             !parent_gone
         };
-        let outcome = match unsafe_resolve_trampoline(trampoline) {
-            Ok(t) => t(function, chunk, skip, &mut report),
-            Err(e) => Err(e),
-        };
+        let outcome = run_call(&call, (chunk, skip), &mut report);
         if parent_gone {
             return Ok(());
         }
@@ -123,10 +111,12 @@ pub(super) fn pool_worker(_rank: usize, args: WorkerArgs) -> std::result::Result
     }
 }
 
-pub(super) fn unsafe_resolve_trampoline(
-    t: CodeRef,
-) -> std::result::Result<ChunkTrampoline, String> {
-    // SAFETY: the parent took this offset from a `ChunkTrampoline` (`run_chunk` for some
-    // types) in the same executable, which `CodeRef` checks.
-    unsafe { t.resolve::<ChunkTrampoline>() }
+/// Runs a chunk call: `Err` when the chunk could not run (another build, arguments that
+/// do not decode).
+fn run_call(
+    call: &ChunkCall,
+    input: ChunkInput,
+    report: Report<'_>,
+) -> std::result::Result<(), String> {
+    call.call(input, report).and_then(|outcome| outcome)
 }

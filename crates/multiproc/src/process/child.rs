@@ -1,4 +1,5 @@
-//! A started worker as its parent tracks it ([`Child`]), and the public [`Process`].
+//! A started worker as its parent tracks it ([`Child`]); the public
+//! [`Process`](crate::Process) wraps one.
 //!
 //! A [`Child`] owns the pidfd of the worker, the parent end of its job socket (where the
 //! worker's [`Report`] arrives) and, for a fork-server worker, the socket on which the
@@ -7,22 +8,21 @@
 //! child (the server reaps it). Dropping a `Child` that still runs kills it first if it
 //! is a daemon, then waits for it and reaps it.
 
-use std::fmt;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::time::Duration;
 
-use serde::Serialize;
-use serde::de::DeserializeOwned;
-
-use super::job::{JobHeader, WorkerResult};
+use super::exit_status::ExitStatus;
+use super::job::JobHeader;
 use super::launch::{self, Launch};
-use super::worker::{ROLE_VAR, Report, WORKER_FD_VAR};
-use super::{ExitStatus, StartMethod, forkserver};
+use super::start_method::StartMethod;
+use super::worker::{self, Report, WORKER_FD_VAR};
+use super::{current, forkserver};
+use crate::error::{Error, Failure, Result};
+use crate::role::{ROLE_VAR, Role};
 use crate::sys::process as sys;
 use crate::sys::socket::seqpacket_pair;
 use crate::sys::{Deadline, deadline_after};
 use crate::wire::{self, Encoded};
-use crate::{Error, Result};
 
 /// How long sending a job may wait for room in the job socket (a fresh socket holds the
 /// two small packets of a job at once, so this only bounds a pathological case).
@@ -101,7 +101,7 @@ fn refuse_in_uninitialized_worker() -> Result<()> {
     match std::env::var_os(ROLE_VAR) {
         None => Ok(()),
         Some(role) => Err(Error::InvalidArgument(format!(
-            "this process was started by multiproc (MULTIPROC_ROLE={}) but did not call \
+            "this process was started by multiproc ({ROLE_VAR}={}) but did not call \
              multiproc::init(): call it first thing in main (in integration tests, put \
              `multiproc::test_init!();` at the top of the test file); refusing to start \
              workers, which would do the same",
@@ -124,14 +124,14 @@ impl Child {
         let name = header.name.clone();
         refuse_in_uninitialized_worker()?;
         header.log = super::logs::sink_for_child();
-        crate::cuda::check_start_method(method)?;
+        method.check_usable()?;
         let (channel, job_end) = seqpacket_pair()?;
         let deadline = deadline_after(Some(JOB_SEND_TIMEOUT));
         wire::encode(&header)?.send(channel.as_fd(), deadline)?;
         args.send(channel.as_fd(), deadline)?;
         let (pid, pidfd, exit_source) = match method {
             StartMethod::Spawn => {
-                let mut exec_env = vec![(ROLE_VAR.to_string(), "worker".to_string())];
+                let mut exec_env = vec![Role::Worker.env_entry()];
                 exec_env.extend(env);
                 let l = launch::launch(Launch::Exec {
                     env: exec_env,
@@ -141,7 +141,12 @@ impl Child {
                 (l.pid, l.pidfd, ExitSource::Direct)
             }
             StartMethod::Fork => {
-                let l = launch::launch(Launch::Fork { env, job: job_end })?;
+                let run = Box::new(move || {
+                    // The child is single-threaded: only the launcher thread was copied.
+                    worker::set_worker_env(&env);
+                    worker::run_worker(job_end)
+                });
+                let l = launch::launch(Launch::Fork { run })?;
                 (l.pid, l.pidfd, ExitSource::Direct)
             }
             StartMethod::Forkserver => {
@@ -164,6 +169,11 @@ impl Child {
             daemon,
             method,
         })
+    }
+
+    /// The pidfd: readable once the worker has exited (Python's `Process.sentinel`).
+    pub(crate) fn pidfd(&self) -> BorrowedFd<'_> {
+        self.pidfd.as_fd()
     }
 
     /// The exit status, once observed.
@@ -304,11 +314,11 @@ impl Child {
         status.success() && self.report.is_none()
     }
 
-    /// This worker's failure as a [`Failure`](crate::Failure) record.
-    pub(crate) fn failure(&self) -> Option<crate::Failure> {
+    /// This worker's failure as a [`Failure`](Failure) record.
+    pub(crate) fn failure(&self) -> Option<Failure> {
         if let Some(Report::Raised { message }) = &self.report {
-            return Some(crate::Failure {
-                rank: self.rank,
+            return Some(Failure {
+                error_index: self.rank,
                 pid: self.pid,
                 exit_code: None,
                 signal_name: None,
@@ -318,8 +328,8 @@ impl Child {
         let status = self
             .status
             .filter(|s| !s.success() || self.exited_without_report(*s))?;
-        Some(crate::Failure {
-            rank: self.rank,
+        Some(Failure {
+            error_index: self.rank,
             pid: self.pid,
             exit_code: status.code(),
             signal_name: status.signal_name(),
@@ -369,7 +379,7 @@ impl Child {
                  multiproc::init() first thing (in integration tests, put \
                  `multiproc::test_init!();` at the top of the test file); or the job called \
                  std::process::exit",
-                program_name()
+                current::program_name()
             ),
             StartMethod::Fork | StartMethod::Forkserver => format!(
                 "process {rank} exited with code 0 without reporting a result: its job called \
@@ -379,17 +389,17 @@ impl Child {
     }
 
     /// The error for this worker alone, with `others` attached.
-    pub(crate) fn error(&self, others: Vec<crate::Failure>) -> Option<Error> {
+    pub(crate) fn error(&self, others: Vec<Failure>) -> Option<Error> {
         let f = self.failure()?;
         Some(match &self.report {
             Some(Report::Raised { .. }) => Error::ProcessRaised {
-                error_index: f.rank,
+                error_index: f.error_index,
                 pid: f.pid,
                 message: f.message,
                 others,
             },
             _ => Error::ProcessExited {
-                error_index: f.rank,
+                error_index: f.error_index,
                 pid: f.pid,
                 exit_code: f.exit_code,
                 signal_name: f.signal_name,
@@ -398,17 +408,6 @@ impl Child {
             },
         })
     }
-}
-
-/// This executable, for messages about running it again.
-pub(crate) fn program_name() -> String {
-    std::env::current_exe()
-        .map(|p| p.display().to_string())
-        .unwrap_or_else(|_| {
-            std::env::args()
-                .next()
-                .unwrap_or_else(|| "this program".into())
-        })
 }
 
 impl Drop for Child {
@@ -431,228 +430,5 @@ impl Drop for Child {
                 let _ = self.wait(None);
             }
         }
-    }
-}
-
-/// One worker process, like `multiprocessing.Process`.
-///
-/// Build it with [`Process::new`], choose a [`StartMethod`] and whether it is a daemon,
-/// then [`start`](Process::start) it and [`join`](Process::join) it:
-///
-/// ```no_run
-/// use multiproc::{Process, StartMethod};
-///
-/// fn work(rank: usize, name: String) {
-///     println!("{name} runs as rank {rank}");
-/// }
-///
-/// fn main() -> multiproc::Result<()> {
-///     multiproc::init();
-///     let mut p = Process::new(work, 0, "worker".to_string()).start_method(StartMethod::Spawn);
-///     p.start()?;
-///     let status = p.join(None)?;
-///     assert!(status.success());
-///     Ok(())
-/// }
-/// ```
-///
-/// Dropping a `Process` that still runs: a daemon is killed (SIGKILL); a non-daemon is
-/// waited for, as Python joins non-daemonic children at exit. Either way it is reaped:
-/// no zombie remains. Whatever happens to the parent, the worker dies with it (its
-/// parent-death signal is SIGKILL).
-pub struct Process {
-    rank: usize,
-    method: StartMethod,
-    daemon: bool,
-    world_size: Option<usize>,
-    name: String,
-    pending: Option<(JobHeader, Result<Encoded>)>,
-    child: Option<Child>,
-}
-
-impl Process {
-    /// A process that will run `worker(rank, args)`. The arguments are encoded now (any
-    /// queue, event or tensor inside travels as a handle); an encoding error is returned
-    /// by [`start`](Self::start).
-    ///
-    /// `worker` must be a function (or a closure capturing nothing) of this executable.
-    pub fn new<A, R>(worker: fn(usize, A) -> R, rank: usize, args: A) -> Process
-    where
-        A: Serialize + DeserializeOwned,
-        R: WorkerResult,
-    {
-        Process {
-            rank,
-            method: StartMethod::default(),
-            daemon: false,
-            world_size: None,
-            name: format!("Process-{rank}"),
-            pending: Some((JobHeader::new(worker, rank), wire::encode(&args))),
-            child: None,
-        }
-    }
-
-    /// Sets the start method (default [`StartMethod::Spawn`]).
-    pub fn start_method(mut self, method: StartMethod) -> Self {
-        self.method = method;
-        self
-    }
-
-    /// Makes it a daemon: killed when its `Process` is dropped (default: waited for).
-    pub fn daemon(mut self, daemon: bool) -> Self {
-        self.daemon = daemon;
-        self
-    }
-
-    /// Names the process (default `Process-RANK`); the worker sees it as
-    /// [`current_process().name`](crate::current_process), and
-    /// [`active_children`](crate::active_children) lists it under it.
-    pub fn with_name(mut self, name: impl Into<String>) -> Self {
-        self.name = name.into();
-        if let Some((header, _)) = &mut self.pending {
-            header.name.clone_from(&self.name);
-        }
-        self
-    }
-
-    /// Its name (see [`with_name`](Self::with_name)).
-    pub fn name(&self) -> &str {
-        &self.name
-    }
-
-    /// Sets `WORLD_SIZE` in the worker's environment (`RANK` and `LOCAL_RANK` are always
-    /// set to its rank).
-    pub fn world_size(mut self, world_size: usize) -> Self {
-        self.world_size = Some(world_size);
-        self
-    }
-
-    /// Starts the worker.
-    ///
-    /// # Errors
-    /// When the arguments could not be encoded, the process could not be created (fd or
-    /// process limits), or it was already started ([`Error::InvalidArgument`]).
-    pub fn start(&mut self) -> Result<()> {
-        let Some((header, args)) = self.pending.take() else {
-            return Err(Error::InvalidArgument(format!(
-                "process {} was already started; a Process starts once",
-                self.rank
-            )));
-        };
-        self.child = Some(Child::start(JobSpec {
-            header,
-            args: args?,
-            method: self.method,
-            env: worker_env(self.rank, self.world_size),
-            daemon: self.daemon,
-        })?);
-        Ok(())
-    }
-
-    /// Its rank (the worker's first argument).
-    pub fn rank(&self) -> usize {
-        self.rank
-    }
-
-    /// Whether it is a daemon.
-    pub fn is_daemon(&self) -> bool {
-        self.daemon
-    }
-
-    /// Its process id, once started.
-    pub fn pid(&self) -> Option<i32> {
-        self.child.as_ref().map(|c| c.pid)
-    }
-
-    /// Python's `Process.sentinel`: once started, a descriptor (its pidfd) that becomes
-    /// readable when the process exits, to wait on together with pipes through
-    /// [`connection::wait`](crate::connection::wait). Waiting on it does not reap the
-    /// process: [`join`](Self::join) does.
-    pub fn sentinel(&self) -> Option<BorrowedFd<'_>> {
-        self.child.as_ref().map(|c| c.pidfd.as_fd())
-    }
-
-    /// Whether it has been started and has not exited yet.
-    pub fn is_alive(&self) -> bool {
-        self.child.as_ref().is_some_and(Child::is_alive)
-    }
-
-    /// Waits until it exits, at most `timeout` (`None`: without limit), and returns its
-    /// exit status. Joining an exited process again returns the same status.
-    ///
-    /// # Errors
-    /// [`Error::Timeout`] when it still runs at the deadline; [`Error::InvalidArgument`]
-    /// when it was never started; an [`Error::Os`] when waiting failed.
-    pub fn join(&mut self, timeout: Option<Duration>) -> Result<ExitStatus> {
-        let rank = self.rank;
-        let child = self.started_mut("join")?;
-        child.wait(deadline_after(timeout))?;
-        child.status().ok_or_else(|| {
-            Error::timeout(
-                format!(
-                    "a join of process {rank} (pid {}), which still runs",
-                    child.pid
-                ),
-                timeout,
-            )
-        })
-    }
-
-    /// Its exit status if it has exited (reaping it), without waiting.
-    pub fn exit_status(&mut self) -> Option<ExitStatus> {
-        let child = self.child.as_mut()?;
-        if let Err(e) = child.collect() {
-            tracing::warn!(pid = child.pid, "multiproc: checking a worker failed: {e}");
-        }
-        child.status()
-    }
-
-    /// Sends SIGTERM (a no-op once it has exited).
-    ///
-    /// # Errors
-    /// When it was never started, or the signal could not be sent.
-    pub fn terminate(&mut self) -> Result<()> {
-        self.started_mut("terminate")?.signal(libc::SIGTERM)
-    }
-
-    /// Sends SIGKILL (a no-op once it has exited).
-    ///
-    /// # Errors
-    /// As [`terminate`](Self::terminate).
-    pub fn kill(&mut self) -> Result<()> {
-        self.started_mut("kill")?.signal(libc::SIGKILL)
-    }
-
-    /// Once it has exited: `None` if it succeeded, else the error that says how it
-    /// failed ([`Error::ProcessRaised`] with its panic message, or
-    /// [`Error::ProcessExited`] with its exit code or signal).
-    pub fn error(&self) -> Option<Error> {
-        let child = self.child.as_ref()?;
-        if !child.has_exited() || !child.failed() {
-            return None;
-        }
-        child.error(Vec::new())
-    }
-
-    fn started_mut(&mut self, what: &str) -> Result<&mut Child> {
-        let rank = self.rank;
-        self.child.as_mut().ok_or_else(|| {
-            Error::InvalidArgument(format!(
-                "cannot {what} process {rank}: it was not started (call start first)"
-            ))
-        })
-    }
-}
-
-impl fmt::Debug for Process {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Process")
-            .field("rank", &self.rank)
-            .field("name", &self.name)
-            .field("start_method", &self.method)
-            .field("daemon", &self.daemon)
-            .field("pid", &self.pid())
-            .field("status", &self.child.as_ref().and_then(Child::status))
-            .finish()
     }
 }

@@ -18,11 +18,13 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use super::child::{Child, JobSpec, worker_env};
-use super::job::{JobHeader, WorkerResult};
+use super::job::JobHeader;
+use super::worker_outcome::IntoWorkerOutcome;
 use super::{ExitStatus, StartMethod};
+use crate::error::{Error, Result};
 use crate::sys::process as sys;
 use crate::sys::{Deadline, deadline_after};
-use crate::{Error, Result, wire};
+use crate::wire;
 
 /// The default time between SIGTERM and SIGKILL when a group is torn down (torch's 30 s).
 pub(crate) const DEFAULT_GRACE_PERIOD: Duration = Duration::from_secs(30);
@@ -217,7 +219,7 @@ impl SpawnOptions {
     ) -> Result<ProcessContext>
     where
         A: Serialize + DeserializeOwned,
-        R: WorkerResult,
+        R: IntoWorkerOutcome,
     {
         let rendezvous = Rendezvous::choose()?;
         let mut children: Vec<Child> = Vec::with_capacity(nprocs);
@@ -258,7 +260,7 @@ impl SpawnOptions {
     pub fn spawn<A, R>(&self, worker: fn(usize, A) -> R, args: A, nprocs: usize) -> Result<()>
     where
         A: Serialize + DeserializeOwned,
-        R: WorkerResult,
+        R: IntoWorkerOutcome,
     {
         let mut context = self.start(worker, args, nprocs)?;
         context.join(None)
@@ -324,7 +326,7 @@ impl Rendezvous {
 pub fn spawn<A, R>(worker: fn(usize, A) -> R, args: A, nprocs: usize) -> Result<()>
 where
     A: Serialize + DeserializeOwned,
-    R: WorkerResult,
+    R: IntoWorkerOutcome,
 {
     SpawnOptions::new().spawn(worker, args, nprocs)
 }
@@ -342,7 +344,7 @@ pub fn start_processes<A, R>(
 ) -> Result<ProcessContext>
 where
     A: Serialize + DeserializeOwned,
-    R: WorkerResult,
+    R: IntoWorkerOutcome,
 {
     SpawnOptions::new()
         .start_method(start_method)

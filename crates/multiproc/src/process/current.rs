@@ -127,3 +127,14 @@ pub fn active_children() -> Vec<ChildProcess> {
         })
         .collect()
 }
+
+/// This executable, for messages about running it again.
+pub(crate) fn program_name() -> String {
+    std::env::current_exe()
+        .map(|p| p.display().to_string())
+        .unwrap_or_else(|_| {
+            std::env::args()
+                .next()
+                .unwrap_or_else(|| "this program".into())
+        })
+}

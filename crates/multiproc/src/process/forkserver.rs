@@ -29,13 +29,15 @@ use std::time::Duration;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use super::ExitStatus;
+use super::exit_status::ExitStatus;
 use super::launch::{self, Launch, Launched};
-use super::worker::{self, ROLE_VAR};
+use super::worker;
+use crate::error::{Error, Result};
+use crate::role::Role;
 use crate::sys::deadline_after;
 use crate::sys::process as sys;
 use crate::sys::socket::seqpacket_pair;
-use crate::{Error, Result, wire};
+use crate::wire;
 
 /// The number of the inherited request socket of the fork server.
 const SERVER_FD_VAR: &str = "MULTIPROC_FORKSERVER_FD";
@@ -145,7 +147,7 @@ fn connect() -> Result<(Arc<OwnedFd>, i32)> {
         }
         let (sock, server_end) = seqpacket_pair()?;
         let server = launch::launch(Launch::Exec {
-            env: vec![(ROLE_VAR.to_string(), "forkserver".to_string())],
+            env: vec![Role::Forkserver.env_entry()],
             fd_var: SERVER_FD_VAR,
             fd: server_end,
         })?;
@@ -200,7 +202,7 @@ pub(crate) fn start(job: OwnedFd, env: Vec<(String, String)>) -> Result<ServerCh
                     "{why}: the fork server (pid {server_pid}) exited at once twice; it is the \
                      program {} run again, so check that its main calls multiproc::init() \
                      first thing",
-                    super::child::program_name()
+                    super::current::program_name()
                 )));
             }
             Err(e) => return Err(e),
@@ -220,7 +222,7 @@ pub(crate) fn start(job: OwnedFd, env: Vec<(String, String)>) -> Result<ServerCh
                 "the fork server (pid {server_pid}) exited before it started the worker: the \
                  server is the program {} run again, so check that its main calls \
                  multiproc::init() first thing",
-                super::child::program_name()
+                super::current::program_name()
             )));
         }
         Err(e) => return Err(e),

@@ -14,9 +14,8 @@ use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Mutex;
 use std::sync::mpsc::{Receiver, Sender, channel};
 
-use super::worker;
+use crate::error::{Error, Result};
 use crate::sys::process as sys;
-use crate::{Error, Result};
 
 /// A started direct child.
 #[derive(Debug)]
@@ -34,12 +33,14 @@ pub(crate) enum Launch {
         fd_var: &'static str,
         fd: OwnedFd,
     },
-    /// Fork; the child sets `env` and runs the job that arrives on `job`.
-    Fork {
-        env: Vec<(String, String)>,
-        job: OwnedFd,
-    },
+    /// Fork; the child runs `run` and exits with the code it returns. The child is
+    /// single-threaded (only the launcher thread is copied); `run` was made, and its
+    /// captures allocated, before the fork.
+    Fork { run: ForkedJob },
 }
+
+/// What a forked child runs (its exit code is the result).
+pub(crate) type ForkedJob = Box<dyn FnOnce() -> i32 + Send>;
 
 struct Request {
     launch: Launch,
@@ -100,11 +101,7 @@ fn start(launch: Launch) -> Result<Launched> {
             sys::spawn_self(&env, fd.as_fd())?
             // `fd` (the child's end) closes here, in the parent.
         }
-        Launch::Fork { env, job } => sys::fork_child(move || {
-            // The child is single-threaded: only this thread was copied.
-            worker::set_worker_env(&env);
-            worker::run_worker(job)
-        })?,
+        Launch::Fork { run } => sys::fork_child(run)?,
     };
     let pidfd = match sys::pidfd_open(pid) {
         Ok(fd) => fd,

@@ -6,8 +6,8 @@ use std::time::{Duration, Instant};
 use rustix::io::Errno;
 use rustix::thread::futex;
 
+use crate::error::{Error, Result};
 use crate::sys::Deadline;
-use crate::{Error, Result};
 
 /// Sleeps while `*word == expected`, until woken or the deadline passes. Returns
 /// `false` only when the deadline has passed; spurious wake-ups return `true`, so

@@ -22,7 +22,7 @@ macro_rules! shared_block_serde {
             }
         }
 
-        impl<'de, $($g: SharedValue)?> Deserialize<'de> for $ty$(<$g>)? {
+        impl<'de, $($g: Bits64)?> Deserialize<'de> for $ty$(<$g>)? {
             fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
                 let $block = Arc::new(SharedBlock::deserialize_as($kind, $what, d)?);
                 Ok($build)
@@ -44,7 +44,9 @@ pub use event::Event;
 pub(crate) use lock::process_is_dead;
 pub use lock::{Lock, LockGuard, RLock, RLockGuard};
 pub use semaphore::{Semaphore, SemaphoreGuard};
-pub use value::{SharedValue, Value};
+#[allow(deprecated)]
+pub use value::SharedValue;
+pub use value::{Bits64, Value};
 
 #[cfg(test)]
 mod tests {
@@ -52,7 +54,7 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
-    use crate::Error;
+    use crate::error::Error;
 
     #[test]
     fn lock_excludes_threads_and_value_counts_exactly() {

@@ -1,5 +1,5 @@
 //! [`Value`]: plain data in shared memory with a lock, like `multiprocessing.Value`,
-//! and [`SharedValue`], the types it can hold (those that round-trip through 64 bits).
+//! and [`Bits64`], the types it can hold (plain data that round-trips through 64 bits).
 
 use std::fmt;
 use std::marker::PhantomData;
@@ -12,25 +12,27 @@ use super::block::SharedBlock;
 use super::lock::{Lock, RawLock};
 use crate::error::{Error, Result};
 
-/// Plain data that a [`Value`] can hold: it round-trips through 64 bits.
-pub trait SharedValue: Copy + Send + Sync + 'static {
+/// Plain data that fits in 64 bits — the types a [`Value`] can hold: each round-trips
+/// through a `u64` ([`to_bits`](Self::to_bits), [`from_bits`](Self::from_bits)), which
+/// is what the shared word stores.
+pub trait Bits64: Copy + Send + Sync + 'static {
     /// The value as bits.
     fn to_bits(self) -> u64;
     /// The value back from [`to_bits`](Self::to_bits).
     fn from_bits(bits: u64) -> Self;
 }
 
-macro_rules! shared_value_int {
+macro_rules! bits64_int {
     ($($t:ty),*) => {$(
-        impl SharedValue for $t {
+        impl Bits64 for $t {
             fn to_bits(self) -> u64 { self as u64 }
             fn from_bits(bits: u64) -> Self { bits as $t }
         }
     )*};
 }
-shared_value_int!(u8, u16, u32, u64, usize, i8, i16, i32, i64, isize);
+bits64_int!(u8, u16, u32, u64, usize, i8, i16, i32, i64, isize);
 
-impl SharedValue for bool {
+impl Bits64 for bool {
     fn to_bits(self) -> u64 {
         self as u64
     }
@@ -39,7 +41,7 @@ impl SharedValue for bool {
     }
 }
 
-impl SharedValue for f32 {
+impl Bits64 for f32 {
     fn to_bits(self) -> u64 {
         f32::to_bits(self) as u64
     }
@@ -48,7 +50,7 @@ impl SharedValue for f32 {
     }
 }
 
-impl SharedValue for f64 {
+impl Bits64 for f64 {
     fn to_bits(self) -> u64 {
         f64::to_bits(self)
     }
@@ -56,6 +58,17 @@ impl SharedValue for f64 {
         f64::from_bits(bits)
     }
 }
+
+/// The former name of [`Bits64`], kept so that bounds written with it still compile:
+/// every `Bits64` type is a `SharedValue`.
+#[deprecated(
+    since = "0.1.0",
+    note = "renamed to `Bits64` (plain data that fits in 64 bits)"
+)]
+pub trait SharedValue: Bits64 {}
+
+#[allow(deprecated)]
+impl<T: Bits64> SharedValue for T {}
 
 const VALUE_KIND: u32 = 0x5641_4c55; // "VALU"
 const VALUE_LOCK: usize = 1;
@@ -91,7 +104,7 @@ impl<T> Clone for Value<T> {
     }
 }
 
-impl<T: SharedValue> Value<T> {
+impl<T: Bits64> Value<T> {
     /// A new shared value.
     ///
     /// # Errors
@@ -151,7 +164,7 @@ impl<T: SharedValue> Value<T> {
     }
 }
 
-impl<T: SharedValue + fmt::Debug> fmt::Debug for Value<T> {
+impl<T: Bits64 + fmt::Debug> fmt::Debug for Value<T> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Value").field("value", &self.get()).finish()
     }

@@ -3,7 +3,7 @@
 
 use std::os::fd::AsRawFd;
 
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 /// Which side of a [`fork_single_threaded`] we are on.
 #[derive(Debug, PartialEq, Eq)]

@@ -15,7 +15,7 @@ use std::ptr::NonNull;
 
 use rustix::mm::{MapFlags, ProtFlags};
 
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 /// A `MAP_SHARED`, `PROT_READ` mapping of the first `len` bytes of a file.
 #[derive(Debug)]

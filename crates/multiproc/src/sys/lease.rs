@@ -18,7 +18,7 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 
 use rustix::fs::{FlockOperation, Mode, OFlags};
 
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 /// A new lease file, held by nobody yet (the owner's description).
 pub(crate) fn create(name: &str) -> Result<OwnedFd> {

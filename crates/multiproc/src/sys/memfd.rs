@@ -5,7 +5,7 @@ use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use rustix::fs::{FallocateFlags, MemfdFlags, SealFlags};
 use rustix::io::Errno;
 
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 /// Creates a close-on-exec memfd of `len` bytes whose pages are reserved now, so that a
 /// later write can never SIGBUS for lack of memory. Sealing is allowed; call

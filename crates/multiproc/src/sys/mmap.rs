@@ -5,7 +5,7 @@ use std::ptr::NonNull;
 
 use rustix::mm::{MapFlags, ProtFlags};
 
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 /// The system's page size.
 pub(crate) fn page_size() -> usize {

@@ -16,6 +16,7 @@ pub(crate) mod lease;
 pub(crate) mod memfd;
 pub(crate) mod memlimit;
 pub(crate) mod mmap;
+mod os_errors;
 pub(crate) mod process;
 pub(crate) mod socket;
 

@@ -23,7 +23,7 @@ use rustix::io::Errno;
 use rustix::process::{Pid, PidfdFlags, Signal, WaitId, WaitIdOptions};
 
 use super::Deadline;
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 /// How a child ended, as `waitid` reports it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -318,21 +318,6 @@ static CACHED_PID: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::
 
 extern "C" fn forget_cached_pid() {
     CACHED_PID.store(0, std::sync::atomic::Ordering::Relaxed);
-}
-
-/// How many fds this process has open. Lists `/proc/self/fd` (which takes an fd
-/// itself); at the fd limit, where that fails, probes every number below the soft
-/// limit `soft` (up to 65,536 of them) instead.
-pub(crate) fn open_fd_count(soft: Option<u64>) -> usize {
-    if let Ok(dir) = std::fs::read_dir("/proc/self/fd") {
-        // The listing's own fd is in it.
-        return dir.count().saturating_sub(1);
-    }
-    let probe_to = soft.unwrap_or(1 << 16).min(1 << 16) as i32;
-    (0..probe_to)
-        // SAFETY: F_GETFD only reads the flags of an fd number, open or not.
-        .filter(|&fd| unsafe { libc::fcntl(fd, libc::F_GETFD) } != -1)
-        .count()
 }
 
 /// The start time of process `pid` (clock ticks since boot, `/proc/<pid>/stat` field

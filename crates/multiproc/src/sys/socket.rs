@@ -17,7 +17,7 @@ use rustix::net::{
     sendmsg, socketpair,
 };
 
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 /// The most fds one packet can carry (the kernel's `SCM_MAX_FD`).
 pub(crate) const MAX_FDS_PER_PACKET: usize = 253;
@@ -318,7 +318,7 @@ fn ensure_fd_room(sock: BorrowedFd<'_>) -> Result<()> {
     if declared == 0 {
         return Ok(());
     }
-    let (_, _, in_use) = crate::error::fd_usage();
+    let (_, _, in_use) = super::os_errors::fd_usage();
     let free = soft.saturating_sub(in_use as u64);
     if free < declared * FDS_PER_RECEIVED_FD {
         return Err(Error::fd_limit(format!(

@@ -6,7 +6,7 @@
 use super::layout::numel_of;
 use super::raw::{self, Region};
 use super::{Element, Storage, Tensor};
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 /// The bytes of a slice of elements (for writers such as `safetensors::save`).
 #[cfg_attr(not(feature = "safetensors"), allow(dead_code))]

@@ -11,7 +11,8 @@
 use super::layout::Layout;
 use super::storage::{self, Storage};
 use super::{DType, Tensor};
-use crate::{Device, Error, Result};
+use crate::cuda::Device;
+use crate::error::{Error, Result};
 
 impl Tensor {
     /// Where the elements live.

@@ -14,7 +14,7 @@
 use candle_core::{CpuStorage, Device};
 
 use super::{DType, Element, Tensor};
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 fn candle_error(op: &str, e: candle_core::Error) -> Error {
     Error::Tensor(format!("{op}: candle refused the tensor: {e}"))

@@ -28,7 +28,7 @@ use dlpark::metadata::Dynamic;
 use dlpark::versioned::Dlpack;
 
 use super::{DType, Storage, Tensor};
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 fn dl_dtype(dtype: DType) -> DLDataType {
     let code = match dtype {

@@ -26,7 +26,7 @@ use ndarray::{
 
 use super::raw::Region;
 use super::{Element, Tensor};
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 impl Tensor {
     /// A private tensor holding a copy of `array` (any dimension, any strides: the

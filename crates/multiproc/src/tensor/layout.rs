@@ -3,7 +3,7 @@
 //! Invariant checked by [`Layout::check_bounds`]: every element the layout addresses
 //! lies inside the storage. All arithmetic on untrusted values is checked.
 
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 /// Most dimensions a tensor may have (also a bound on what a message may claim).
 pub(crate) const MAX_DIMS: usize = 64;

@@ -20,7 +20,7 @@ use std::sync::atomic::{AtomicU8, AtomicU16, AtomicU32, AtomicU64, Ordering::Rel
 use super::dtype::Element;
 use super::layout::Layout;
 use super::storage::StorageRead;
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 /// The elements of one tensor, checked to lie inside a read-locked storage.
 pub(crate) struct Region<'a, T> {

@@ -9,9 +9,11 @@
 
 use std::sync::{Arc, Weak};
 
-use super::{Backing, Storage, StorageKey, with_storage_cache};
+use super::Storage;
+use super::backing::Backing;
+use super::received_cache::{StorageKey, with_storage_cache};
 use crate::cuda::{self, CudaUse};
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 impl Storage {
     /// A storage of `nbytes` in CUDA memory on `device`: zeroed, or with unspecified

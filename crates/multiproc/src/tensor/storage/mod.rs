@@ -17,192 +17,42 @@
 //! [`Storage::check_writable`] first, so a write is an error naming the tensor, never a
 //! SIGSEGV. A storage is read-only from creation to drop (no backing change makes it so
 //! or undoes it), so the check needs no lock held across the write.
+//!
+//! Files: `backing` (where the bytes are, and the state every handle shares),
+//! `private_buf` (heap bytes), `initial_bytes` (how new shared bytes start out),
+//! `received_cache` (a received handle finds the storage this process already has),
+//! `read_only` (a file's pages), `device_memory` (CUDA memory and the copies that reach
+//! it); this file: the [`Storage`] handle, its read guard and its wire form.
 
-use std::alloc::Layout;
-use std::collections::HashMap;
+mod backing;
+mod device_memory;
+mod initial_bytes;
+mod private_buf;
+mod read_only;
+mod received_cache;
+
 use std::fmt;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicU8, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError, RwLock, RwLockReadGuard, Weak};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard, Weak};
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-mod device_memory;
+use backing::{Backing, StorageInner};
 pub(crate) use device_memory::copy_bytes;
+use initial_bytes::{Init, write_shared};
+use private_buf::PrivateBuf;
+use received_cache::{StorageKey, with_storage_cache};
 
-use crate::cuda::{self, CudaHandle, CudaUse, Device};
-use crate::shm::file::{FileHandle, FileSegment};
+use crate::cuda::{self, CudaHandle, Device};
+use crate::error::{Error, Result};
+use crate::sharing::{SharingStrategy, get_sharing_strategy};
+use crate::shm::file::FileHandle;
 use crate::shm::{self, Segment, SegmentHandle};
-use crate::{Error, Result, SharingStrategy, get_sharing_strategy, wire};
-
-mod read_only;
+use crate::wire;
 
 /// Alignment of private storage (a cache line; at least every element's alignment).
 pub(crate) const ALIGN: usize = 64;
-
-/// A 64-byte-aligned, zero-initialised heap buffer of `len > 0` bytes.
-struct PrivateBuf {
-    ptr: NonNull<u8>,
-    layout: Layout,
-}
-
-// SAFETY: the buffer is plain memory owned by this value; it is only accessed through
-// raw pointers under the storage's lock discipline and atomics.
-unsafe impl Send for PrivateBuf {}
-// SAFETY: as above: `&PrivateBuf` exposes only the pointer.
-unsafe impl Sync for PrivateBuf {}
-
-impl PrivateBuf {
-    fn zeroed(len: usize) -> Result<PrivateBuf> {
-        let layout = Layout::from_size_align(len, ALIGN).map_err(|_| {
-            Error::Tensor(format!(
-                "a storage of {len} bytes is larger than memory can hold"
-            ))
-        })?;
-        // SAFETY: `layout` has a non-zero size (callers never ask for 0 bytes).
-        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
-        let ptr = NonNull::new(ptr).ok_or_else(|| {
-            Error::Tensor(format!(
-                "cannot allocate {} for a tensor: out of memory",
-                crate::sys::memfd::human_bytes(len as u64)
-            ))
-        })?;
-        Ok(PrivateBuf { ptr, layout })
-    }
-
-    /// A buffer holding a copy of `bytes` (`len > 0`): one memcpy, no zeroing first.
-    fn copy_of(bytes: &[u8]) -> Result<PrivateBuf> {
-        let len = bytes.len();
-        let layout = Layout::from_size_align(len, ALIGN).map_err(|_| {
-            Error::Tensor(format!(
-                "a storage of {len} bytes is larger than memory can hold"
-            ))
-        })?;
-        // SAFETY: `layout` has a non-zero size (callers never ask for 0 bytes).
-        let ptr = unsafe { std::alloc::alloc(layout) };
-        let ptr = NonNull::new(ptr).ok_or_else(|| {
-            Error::Tensor(format!(
-                "cannot allocate {} for a tensor: out of memory",
-                crate::sys::memfd::human_bytes(len as u64)
-            ))
-        })?;
-        // SAFETY: the new allocation holds `len` bytes and cannot overlap `bytes`; every
-        // byte is written before the buffer is used.
-        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), ptr.as_ptr(), len) };
-        Ok(PrivateBuf { ptr, layout })
-    }
-}
-
-/// How a new shared storage's bytes start out.
-#[derive(Clone, Copy)]
-enum Init<'a> {
-    /// Zeros.
-    Zero,
-    /// Whatever a recycled block held.
-    Uninit,
-    /// A copy of these bytes (as many as the storage has).
-    Copy(&'a [u8]),
-}
-
-impl Drop for PrivateBuf {
-    fn drop(&mut self) {
-        // SAFETY: `ptr` was allocated with exactly `layout` and is freed once, here.
-        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), self.layout) };
-    }
-}
-
-enum Backing {
-    /// No bytes. `shared` is what `is_shared` reports (an empty storage that was
-    /// "shared" or received needs no segment).
-    Empty { shared: bool },
-    /// Bytes on this process's heap.
-    Private(PrivateBuf),
-    /// Bytes in a shared segment, `offset` bytes into its data (small storages share
-    /// arena segments).
-    Shared {
-        segment: Arc<Segment>,
-        offset: usize,
-    },
-    /// Bytes in CUDA device memory, `offset` bytes into the allocation.
-    Cuda { memory: Arc<CudaUse>, offset: usize },
-    /// Bytes of a regular file mapped read-only and shared (`safetensors::load`), `offset`
-    /// bytes into it; `name` is the tensor's, for errors.
-    ReadOnlyFile {
-        file: Arc<FileSegment>,
-        offset: usize,
-        name: Arc<str>,
-    },
-    /// Memory owned by another library in this process (a DLPack capsule), kept alive
-    /// by `owner` until this backing is dropped or replaced.
-    #[cfg(feature = "dlpack")]
-    Foreign {
-        /// Never read: holding it is the point (dropping it runs the capsule's deleter).
-        _owner: Box<dyn Send + Sync>,
-        ptr: NonNull<u8>,
-        read_only: bool,
-    },
-}
-
-// SAFETY: the foreign pointer is only dereferenced through the storage's lock discipline
-// and atomics, like the others; its owner is `Send + Sync`.
-#[cfg(feature = "dlpack")]
-unsafe impl Send for Backing {}
-// SAFETY: as above.
-#[cfg(feature = "dlpack")]
-unsafe impl Sync for Backing {}
-
-struct StorageInner {
-    nbytes: usize,
-    backing: RwLock<Backing>,
-    /// The pid of the process whose use of the backing block (see `shm::pool`) this
-    /// storage holds; 0 for none. A `fork` child inherits the value but not the use, so
-    /// it must not give it back.
-    use_owner: AtomicU32,
-}
-
-impl Drop for StorageInner {
-    fn drop(&mut self) {
-        if self.use_owner.load(Ordering::Acquire) == crate::sys::process::cached_pid() {
-            if let Backing::Shared { segment, .. } = self
-                .backing
-                .get_mut()
-                .unwrap_or_else(PoisonError::into_inner)
-            {
-                segment.release_use();
-            }
-        }
-    }
-}
-
-/// Writes `len` bytes at `dst` (8-byte aligned) with relaxed atomic stores: a copy of
-/// `src` (private memory, not shared), or zeros when `src` is `None`. For a recycled
-/// block, whose bytes another process mapped before: no process may use them now (the
-/// block had no uses), but the stores are atomic so that even a misbehaving one could
-/// only see stale values, never undefined behaviour.
-///
-/// # Safety
-///
-/// `dst..dst+len` must be mapped, writable and 8-byte aligned; `src..src+len`, when
-/// given, readable and not written concurrently.
-unsafe fn write_shared(dst: *mut u8, src: Option<*const u8>, len: usize) {
-    let words = len / 8;
-    for i in 0..words {
-        // SAFETY: `i * 8 + 8 <= len`, so both words are in bounds (the caller's
-        // contract); `src` is private memory read unaligned.
-        let value = src.map_or(0, |p| unsafe {
-            p.add(i * 8).cast::<u64>().read_unaligned()
-        });
-        // SAFETY: in bounds and 8-byte aligned (dst is); shared memory is only ever
-        // accessed atomically.
-        unsafe { AtomicU64::from_ptr(dst.add(i * 8).cast()) }.store(value, Ordering::Relaxed);
-    }
-    for i in words * 8..len {
-        // SAFETY: `i < len`, in bounds of both ranges.
-        let value = src.map_or(0, |p| unsafe { *p.add(i) });
-        // SAFETY: in bounds; a byte is always aligned.
-        unsafe { AtomicU8::from_ptr(dst.add(i)) }.store(value, Ordering::Relaxed);
-    }
-}
 
 /// The bytes under one or more tensors: a cheap handle (cloning shares the bytes, like
 /// an `Arc`).
@@ -634,44 +484,6 @@ impl fmt::Debug for Storage {
         };
         d.finish()
     }
-}
-
-/// Where a shared storage's bytes are: its segment (by address: an entry is alive only
-/// while its storage, and so its segment, is), offset and length.
-#[derive(Clone, Copy, PartialEq, Eq, Hash)]
-struct StorageKey(usize, usize, usize);
-
-impl StorageKey {
-    fn new(segment: &Arc<Segment>, offset: usize, nbytes: usize) -> StorageKey {
-        StorageKey(Arc::as_ptr(segment) as usize, offset, nbytes)
-    }
-}
-
-/// This process's shared storages, so a received handle finds the `Storage` it names.
-/// `Weak` entries; dead ones are swept when the table has doubled.
-struct StorageCache {
-    entries: HashMap<StorageKey, Weak<StorageInner>>,
-    sweep_at: usize,
-}
-
-impl StorageCache {
-    fn put(&mut self, key: StorageKey, storage: &Storage) {
-        self.entries.insert(key, Arc::downgrade(&storage.inner));
-        if self.entries.len() >= self.sweep_at {
-            self.entries.retain(|_, w| w.strong_count() > 0);
-            self.sweep_at = (self.entries.len() * 2).max(64);
-        }
-    }
-}
-
-static STORAGES: Mutex<Option<StorageCache>> = Mutex::new(None);
-
-fn with_storage_cache<R>(f: impl FnOnce(&mut StorageCache) -> R) -> R {
-    let mut guard = STORAGES.lock().unwrap_or_else(PoisonError::into_inner);
-    f(guard.get_or_insert_with(|| StorageCache {
-        entries: HashMap::new(),
-        sweep_at: 64,
-    }))
 }
 
 /// The wire form of a storage.

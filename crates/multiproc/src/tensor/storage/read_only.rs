@@ -6,9 +6,11 @@
 use std::ptr::NonNull;
 use std::sync::{Arc, PoisonError, Weak};
 
-use super::{Backing, Storage, StorageKey, with_storage_cache};
+use super::Storage;
+use super::backing::Backing;
+use super::received_cache::{StorageKey, with_storage_cache};
+use crate::error::{Error, Result};
 use crate::shm::file::FileSegment;
-use crate::{Error, Result};
 
 impl Storage {
     /// The storage over `nbytes` bytes at `offset` of a read-only mapped file, named

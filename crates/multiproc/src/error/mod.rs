@@ -10,11 +10,20 @@
 //!
 //! The timeout convention is documented once, on [`Error`].
 
-use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
+
+mod failure;
+mod handed_back;
+mod os_error;
+mod user_error;
+
+pub use failure::Failure;
+pub use handed_back::{LockError, PutError};
+pub use os_error::OsError;
+pub use user_error::UserError;
 
 /// `Result<T, multiproc::Error>`.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -52,7 +61,8 @@ pub enum Error {
     /// A worker panicked or returned `Err`.
     #[error("{message}")]
     ProcessRaised {
-        /// Rank of the first worker that failed.
+        /// The index of the first worker that failed, as torch's `error_index`: its rank
+        /// (the first argument its function got).
         error_index: usize,
         /// Its process id.
         pid: i32,
@@ -65,7 +75,8 @@ pub enum Error {
     /// A worker exited with a non-zero code or was killed by a signal.
     #[error("{message}")]
     ProcessExited {
-        /// Rank of the first worker that failed.
+        /// The index of the first worker that failed, as torch's `error_index`: its rank
+        /// (the first argument its function got).
         error_index: usize,
         /// Its process id.
         pid: i32,
@@ -125,7 +136,7 @@ pub enum Error {
     },
     /// Too many file descriptors: the process is at its `RLIMIT_NOFILE` soft limit (or
     /// the system at its file table limit).
-    #[error("{context}: {}", fd_limit_advice(*.soft, *.hard, *.in_use))]
+    #[error("{context}: {}", os_error::fd_limit_advice(*.soft, *.hard, *.in_use))]
     FdLimit {
         /// The `RLIMIT_NOFILE` soft limit (`None`: unlimited or unknown).
         soft: Option<u64>,
@@ -216,6 +227,7 @@ pub enum Error {
     },
 }
 
+/// The end of a timeout's message: how long it waited, when there was a limit.
 fn after_suffix(after: Option<Duration>) -> String {
     match after {
         Some(d) => format!(" after {d:?}"),
@@ -223,188 +235,15 @@ fn after_suffix(after: Option<Duration>) -> String {
     }
 }
 
-/// The [`std::io::Error`] inside [`Error::Os`]: `Clone` (shared), compared and
-/// serialized as its errno and text; deserialized, it is rebuilt from the errno.
-#[derive(Clone)]
-pub struct OsError(Arc<std::io::Error>);
-
-impl OsError {
-    /// The system's error.
-    pub fn io_error(&self) -> &std::io::Error {
-        &self.0
-    }
-}
-
-impl fmt::Debug for OsError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        fmt::Debug::fmt(&*self.0, f)
-    }
-}
-
-impl fmt::Display for OsError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        fmt::Display::fmt(&*self.0, f)
-    }
-}
-
-impl std::error::Error for OsError {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        Some(&*self.0)
-    }
-}
-
-impl PartialEq for OsError {
-    fn eq(&self, other: &Self) -> bool {
-        self.0.raw_os_error() == other.0.raw_os_error() && self.0.to_string() == other.0.to_string()
-    }
-}
-
-impl Serialize for OsError {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
-        (self.0.raw_os_error(), self.0.to_string()).serialize(s)
-    }
-}
-
-impl<'de> Deserialize<'de> for OsError {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
-        let (errno, text) = <(Option<i32>, String)>::deserialize(d)?;
-        Ok(OsError(Arc::new(match errno {
-            Some(errno) => std::io::Error::from_raw_os_error(errno),
-            None => std::io::Error::other(text),
-        })))
-    }
-}
-
-/// A user's own error inside [`Error::User`]: shared (`Clone`), compared by its text,
-/// and serialized as its text (the original type does not cross processes).
-#[derive(Clone)]
-pub struct UserError(Arc<dyn std::error::Error + Send + Sync>);
-
-impl UserError {
-    /// The user's error, to downcast (`err.get_ref().downcast_ref::<MyError>()`); after
-    /// a trip through a queue it is a plain text error.
-    pub fn get_ref(&self) -> &(dyn std::error::Error + Send + Sync + 'static) {
-        &*self.0
-    }
-}
-
-impl fmt::Debug for UserError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        fmt::Debug::fmt(&*self.0, f)
-    }
-}
-
-impl fmt::Display for UserError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        fmt::Display::fmt(&*self.0, f)
-    }
-}
-
-impl std::error::Error for UserError {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        self.0.source()
-    }
-}
-
-impl PartialEq for UserError {
-    fn eq(&self, other: &Self) -> bool {
-        self.0.to_string() == other.0.to_string()
-    }
-}
-
-impl Serialize for UserError {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
-        self.0.to_string().serialize(s)
-    }
-}
-
-/// The text of a [`UserError`] that crossed a queue.
-#[derive(Debug)]
-struct UserText(String);
-
-impl fmt::Display for UserText {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl std::error::Error for UserText {}
-
-impl<'de> Deserialize<'de> for UserError {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
-        Ok(UserError(Arc::new(UserText(String::deserialize(d)?))))
-    }
-}
-
-impl From<std::io::Error> for Error {
-    /// An [`Error::Os`] with the io error as its source; the context is its kind.
-    fn from(err: std::io::Error) -> Self {
-        Error::os(format!("i/o error ({:?})", err.kind()), err)
-    }
-}
-
 impl From<Box<dyn std::error::Error + Send + Sync>> for Error {
     /// An [`Error::User`], so `?` on a boxed error works in a function returning
     /// [`multiproc::Result`](Result).
     fn from(err: Box<dyn std::error::Error + Send + Sync>) -> Self {
-        Error::User(UserError(Arc::from(err)))
+        Error::User(UserError::new(Arc::from(err)))
     }
-}
-
-/// One failed worker, as carried in [`Error::ProcessRaised`] and [`Error::ProcessExited`].
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Failure {
-    /// The worker's rank.
-    pub rank: usize,
-    /// Its process id.
-    pub pid: i32,
-    /// The exit code, when it exited.
-    pub exit_code: Option<i32>,
-    /// The signal's name, when a signal ended it.
-    pub signal_name: Option<String>,
-    /// The panic or error text, when it raised.
-    pub message: String,
-}
-
-impl fmt::Display for Failure {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.message)
-    }
-}
-
-/// The figures and the ways out of an [`Error::FdLimit`].
-fn fd_limit_advice(soft: Option<u64>, hard: Option<u64>, in_use: usize) -> String {
-    let show = |v: Option<u64>| v.map_or("unlimited".to_string(), |v| v.to_string());
-    format!(
-        "too many open files: this process has {in_use} open, its RLIMIT_NOFILE soft limit is {} \
-         (hard {}); raise it (`ulimit -n {}`; multiproc::init raises the soft limit to the \
-         hard one unless MULTIPROC_KEEP_NOFILE_LIMIT=1), drop received tensors sooner, or use \
-         the file_system sharing strategy (one fd per tensor only while it is being sent)",
-        show(soft),
-        show(hard),
-        show(hard),
-    )
-}
-
-/// This process's `RLIMIT_NOFILE` (soft, hard; `None` for unlimited) and its open fds.
-pub(crate) fn fd_usage() -> (Option<u64>, Option<u64>, usize) {
-    let limit = rustix::process::getrlimit(rustix::process::Resource::Nofile);
-    let in_use = crate::sys::process::open_fd_count(limit.current);
-    (limit.current, limit.maximum, in_use)
 }
 
 impl Error {
-    /// An [`Error::FdLimit`] for `context`, with this process's limits and fd count.
-    pub(crate) fn fd_limit(context: impl Into<String>) -> Self {
-        let (soft, hard, in_use) = fd_usage();
-        Error::FdLimit {
-            soft,
-            hard,
-            in_use,
-            context: context.into(),
-        }
-    }
-
     /// An [`Error::OutOfSharedMemory`].
     pub(crate) fn out_of_shared_memory(
         size: u64,
@@ -417,22 +256,6 @@ impl Error {
             limit,
             limit_source: limit_source.into(),
             message: message.into(),
-        }
-    }
-
-    /// An [`Error::Os`] from a system error and what we were doing; "too many open
-    /// files" (`EMFILE`, `ENFILE`) is an [`Error::FdLimit`] instead, wherever it comes
-    /// from.
-    pub(crate) fn os(context: impl Into<String>, err: impl Into<std::io::Error>) -> Self {
-        let err = err.into();
-        if matches!(err.raw_os_error(), Some(libc::EMFILE) | Some(libc::ENFILE)) {
-            return Error::fd_limit(format!("{} ({err})", context.into()));
-        }
-        Error::Os {
-            context: context.into(),
-            message: err.to_string(),
-            errno: err.raw_os_error(),
-            source: OsError(Arc::new(err)),
         }
     }
 
@@ -458,7 +281,7 @@ impl Error {
     /// assert_eq!(err.to_string(), "invalid digit found in string");
     /// ```
     pub fn user(err: impl std::error::Error + Send + Sync + 'static) -> Self {
-        Error::User(UserError(Arc::new(err)))
+        Error::User(UserError::new(Arc::new(err)))
     }
 
     /// Whether this is an [`Error::Timeout`]: a wait ran past the deadline its caller
@@ -486,7 +309,7 @@ impl Error {
                 others,
             } => {
                 let mut all = vec![Failure {
-                    rank: *error_index,
+                    error_index: *error_index,
                     pid: *pid,
                     exit_code: None,
                     signal_name: None,
@@ -504,7 +327,7 @@ impl Error {
                 others,
             } => {
                 let mut all = vec![Failure {
-                    rank: *error_index,
+                    error_index: *error_index,
                     pid: *pid,
                     exit_code: *exit_code,
                     signal_name: signal_name.clone(),
@@ -515,82 +338,6 @@ impl Error {
             }
             _ => Vec::new(),
         }
-    }
-}
-
-/// A failed `put`/`send`: the error, and the item, handed back.
-#[derive(thiserror::Error)]
-#[error("{error}")]
-pub struct PutError<T> {
-    /// Why it failed.
-    pub error: Error,
-    /// The item the caller tried to send.
-    pub item: T,
-}
-
-impl<T> PutError<T> {
-    /// The item that was not sent.
-    pub fn into_inner(self) -> T {
-        self.item
-    }
-}
-
-impl<T> fmt::Debug for PutError<T> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("PutError")
-            .field("error", &self.error)
-            .finish_non_exhaustive()
-    }
-}
-
-impl<T> From<PutError<T>> for Error {
-    fn from(e: PutError<T>) -> Self {
-        e.error
-    }
-}
-
-/// A failed `lock()`/`permit()` (and their timeout forms): the error and, when the
-/// previous holder died while holding the lock ([`Error::OwnerDied`]), the guard that
-/// now holds it.
-///
-/// With the guard in hand the caller can repair the state the lock protects and go on
-/// ([`into_guard`](Self::into_guard)), as with std's `PoisonError`. Propagating the
-/// error with `?` drops the guard, which releases the lock: the next holder is not told
-/// again, so repair first where the state matters.
-#[derive(thiserror::Error)]
-#[error("{error}")]
-pub struct LockError<G> {
-    /// Why the lock was not cleanly taken.
-    pub error: Error,
-    /// The guard, when the lock is held all the same (after [`Error::OwnerDied`]).
-    pub guard: Option<G>,
-}
-
-impl<G> LockError<G> {
-    /// The guard, when the lock is held despite the error (the holder died).
-    pub fn into_guard(self) -> Option<G> {
-        self.guard
-    }
-}
-
-impl<G> fmt::Debug for LockError<G> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("LockError")
-            .field("error", &self.error)
-            .field("holds_lock", &self.guard.is_some())
-            .finish()
-    }
-}
-
-impl<G> From<LockError<G>> for Error {
-    fn from(e: LockError<G>) -> Self {
-        e.error
-    }
-}
-
-impl<G> From<Error> for LockError<G> {
-    fn from(error: Error) -> Self {
-        LockError { error, guard: None }
     }
 }
 

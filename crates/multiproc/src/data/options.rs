@@ -1,0 +1,50 @@
+//! [`Options`]: a data loader's settings, as its builder leaves them (checked there),
+//! read by the loaders and their workers.
+
+use std::time::Duration;
+
+use super::from_fn::InitFn;
+use crate::error::{Error, Result};
+use crate::process::StartMethod;
+
+/// The loader's settings, as the builder leaves them.
+#[derive(Clone, Debug)]
+pub(crate) struct Options {
+    pub batch_size: usize,
+    pub drop_last: bool,
+    pub num_workers: usize,
+    pub prefetch_factor: usize,
+    pub persistent_workers: bool,
+    pub timeout: Option<Duration>,
+    pub in_order: bool,
+    pub restart_workers: bool,
+    pub start_method: StartMethod,
+    pub seed: u64,
+    pub worker_init: Option<fn(usize)>,
+    #[cfg(feature = "progress")]
+    pub progress: bool,
+}
+
+impl Options {
+    /// Refuses settings no loader can run with.
+    pub(super) fn check(&self) -> Result<()> {
+        if self.batch_size == 0 {
+            return Err(Error::InvalidArgument(
+                "data loader: batch_size must be at least 1".into(),
+            ));
+        }
+        if self.prefetch_factor == 0 {
+            return Err(Error::InvalidArgument(
+                "data loader: prefetch_factor must be at least 1 (it is the number of \
+                 batches each worker may have in flight)"
+                    .into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The hook as it travels.
+    pub(crate) fn init_fn(&self) -> Option<InitFn> {
+        self.worker_init.map(InitFn)
+    }
+}

@@ -1,0 +1,241 @@
+//! [`Process`]: one worker process, like `multiprocessing.Process` — the public handle
+//! over a [`Child`] once started.
+
+use std::fmt;
+use std::os::fd::BorrowedFd;
+use std::time::Duration;
+
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use super::child::{Child, JobSpec, worker_env};
+use super::exit_status::ExitStatus;
+use super::job::JobHeader;
+use super::start_method::StartMethod;
+use super::worker_outcome::IntoWorkerOutcome;
+use crate::error::{Error, Result};
+use crate::sys::deadline_after;
+use crate::wire::{self, Encoded};
+
+/// One worker process, like `multiprocessing.Process`.
+///
+/// Build it with [`Process::new`], choose a [`StartMethod`] and whether it is a daemon,
+/// then [`start`](Process::start) it and [`join`](Process::join) it:
+///
+/// ```no_run
+/// use multiproc::{Process, StartMethod};
+///
+/// fn work(rank: usize, name: String) {
+///     println!("{name} runs as rank {rank}");
+/// }
+///
+/// fn main() -> multiproc::Result<()> {
+///     multiproc::init();
+///     let mut p = Process::new(work, 0, "worker".to_string()).start_method(StartMethod::Spawn);
+///     p.start()?;
+///     let status = p.join(None)?;
+///     assert!(status.success());
+///     Ok(())
+/// }
+/// ```
+///
+/// Dropping a `Process` that still runs: a daemon is killed (SIGKILL); a non-daemon is
+/// waited for, as Python joins non-daemonic children at exit. Either way it is reaped:
+/// no zombie remains. Whatever happens to the parent, the worker dies with it (its
+/// parent-death signal is SIGKILL).
+pub struct Process {
+    rank: usize,
+    method: StartMethod,
+    daemon: bool,
+    world_size: Option<usize>,
+    name: String,
+    pending: Option<(JobHeader, Result<Encoded>)>,
+    child: Option<Child>,
+}
+
+impl Process {
+    /// A process that will run `worker(rank, args)`. The arguments are encoded now (any
+    /// queue, event or tensor inside travels as a handle); an encoding error is returned
+    /// by [`start`](Self::start).
+    ///
+    /// `worker` must be a function (or a closure capturing nothing) of this executable.
+    pub fn new<A, R>(worker: fn(usize, A) -> R, rank: usize, args: A) -> Process
+    where
+        A: Serialize + DeserializeOwned,
+        R: IntoWorkerOutcome,
+    {
+        Process {
+            rank,
+            method: StartMethod::default(),
+            daemon: false,
+            world_size: None,
+            name: format!("Process-{rank}"),
+            pending: Some((JobHeader::new(worker, rank), wire::encode(&args))),
+            child: None,
+        }
+    }
+
+    /// Sets the start method (default [`StartMethod::Spawn`]).
+    pub fn start_method(mut self, method: StartMethod) -> Self {
+        self.method = method;
+        self
+    }
+
+    /// Makes it a daemon: killed when its `Process` is dropped (default: waited for).
+    pub fn daemon(mut self, daemon: bool) -> Self {
+        self.daemon = daemon;
+        self
+    }
+
+    /// Names the process (default `Process-RANK`); the worker sees it as
+    /// [`current_process().name`](crate::current_process), and
+    /// [`active_children`](crate::active_children) lists it under it.
+    pub fn with_name(mut self, name: impl Into<String>) -> Self {
+        self.name = name.into();
+        if let Some((header, _)) = &mut self.pending {
+            header.name.clone_from(&self.name);
+        }
+        self
+    }
+
+    /// Its name (see [`with_name`](Self::with_name)).
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Sets `WORLD_SIZE` in the worker's environment (`RANK` and `LOCAL_RANK` are always
+    /// set to its rank).
+    pub fn world_size(mut self, world_size: usize) -> Self {
+        self.world_size = Some(world_size);
+        self
+    }
+
+    /// Starts the worker.
+    ///
+    /// # Errors
+    /// When the arguments could not be encoded, the process could not be created (fd or
+    /// process limits), or it was already started ([`Error::InvalidArgument`]).
+    pub fn start(&mut self) -> Result<()> {
+        let Some((header, args)) = self.pending.take() else {
+            return Err(Error::InvalidArgument(format!(
+                "process {} was already started; a Process starts once",
+                self.rank
+            )));
+        };
+        self.child = Some(Child::start(JobSpec {
+            header,
+            args: args?,
+            method: self.method,
+            env: worker_env(self.rank, self.world_size),
+            daemon: self.daemon,
+        })?);
+        Ok(())
+    }
+
+    /// Its rank (the worker's first argument).
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Whether it is a daemon.
+    pub fn is_daemon(&self) -> bool {
+        self.daemon
+    }
+
+    /// Its process id, once started.
+    pub fn pid(&self) -> Option<i32> {
+        self.child.as_ref().map(|c| c.pid)
+    }
+
+    /// Python's `Process.sentinel`: once started, a descriptor (its pidfd) that becomes
+    /// readable when the process exits, to wait on together with pipes through
+    /// [`connection::wait`](crate::connection::wait). Waiting on it does not reap the
+    /// process: [`join`](Self::join) does.
+    pub fn sentinel(&self) -> Option<BorrowedFd<'_>> {
+        self.child.as_ref().map(|c| c.pidfd())
+    }
+
+    /// Whether it has been started and has not exited yet.
+    pub fn is_alive(&self) -> bool {
+        self.child.as_ref().is_some_and(Child::is_alive)
+    }
+
+    /// Waits until it exits, at most `timeout` (`None`: without limit), and returns its
+    /// exit status. Joining an exited process again returns the same status.
+    ///
+    /// # Errors
+    /// [`Error::Timeout`] when it still runs at the deadline; [`Error::InvalidArgument`]
+    /// when it was never started; an [`Error::Os`] when waiting failed.
+    pub fn join(&mut self, timeout: Option<Duration>) -> Result<ExitStatus> {
+        let rank = self.rank;
+        let child = self.started_mut("join")?;
+        child.wait(deadline_after(timeout))?;
+        child.status().ok_or_else(|| {
+            Error::timeout(
+                format!(
+                    "a join of process {rank} (pid {}), which still runs",
+                    child.pid
+                ),
+                timeout,
+            )
+        })
+    }
+
+    /// Its exit status if it has exited (reaping it), without waiting.
+    pub fn exit_status(&mut self) -> Option<ExitStatus> {
+        let child = self.child.as_mut()?;
+        if let Err(e) = child.collect() {
+            tracing::warn!(pid = child.pid, "multiproc: checking a worker failed: {e}");
+        }
+        child.status()
+    }
+
+    /// Sends SIGTERM (a no-op once it has exited).
+    ///
+    /// # Errors
+    /// When it was never started, or the signal could not be sent.
+    pub fn terminate(&mut self) -> Result<()> {
+        self.started_mut("terminate")?.signal(libc::SIGTERM)
+    }
+
+    /// Sends SIGKILL (a no-op once it has exited).
+    ///
+    /// # Errors
+    /// As [`terminate`](Self::terminate).
+    pub fn kill(&mut self) -> Result<()> {
+        self.started_mut("kill")?.signal(libc::SIGKILL)
+    }
+
+    /// Once it has exited: `None` if it succeeded, else the error that says how it
+    /// failed ([`Error::ProcessRaised`] with its panic message, or
+    /// [`Error::ProcessExited`] with its exit code or signal).
+    pub fn error(&self) -> Option<Error> {
+        let child = self.child.as_ref()?;
+        if !child.has_exited() || !child.failed() {
+            return None;
+        }
+        child.error(Vec::new())
+    }
+
+    fn started_mut(&mut self, what: &str) -> Result<&mut Child> {
+        let rank = self.rank;
+        self.child.as_mut().ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "cannot {what} process {rank}: it was not started (call start first)"
+            ))
+        })
+    }
+}
+
+impl fmt::Debug for Process {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Process")
+            .field("rank", &self.rank)
+            .field("name", &self.name)
+            .field("start_method", &self.method)
+            .field("daemon", &self.daemon)
+            .field("pid", &self.pid())
+            .field("status", &self.child.as_ref().and_then(Child::status))
+            .finish()
+    }
+}
