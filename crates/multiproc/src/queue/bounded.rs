@@ -42,11 +42,12 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use super::channel::Channel;
+use crate::error::{Error, PutError, Result};
 use crate::sync::block::SharedBlock;
 use crate::sync::futex;
 use crate::sys::socket::Packet;
 use crate::sys::{Deadline, deadline_after};
-use crate::{Error, PutError, Result, wire};
+use crate::wire;
 
 const SLOTS: usize = 33;
 const ITEMS: usize = 34;

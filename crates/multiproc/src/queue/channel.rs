@@ -13,10 +13,11 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use super::custody::Custody;
 use super::ring::Ring;
+use crate::error::{Error, PutError, Result};
 use crate::shm::custody::{self, BlockCustody};
 use crate::sys::Deadline;
 use crate::sys::socket::{Packet, seqpacket_pair};
-use crate::{Error, PutError, Result, wire};
+use crate::wire;
 
 /// A ring and both ends of one `SOCK_SEQPACKET` pair. Every process holding the queue
 /// holds all three, so none of them ever sees end-of-stream: a getter waits (with its

@@ -33,12 +33,12 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::{Duration, Instant};
 
+use crate::error::{Error, Result};
 use crate::shm::custody::BlockCustody;
 use crate::shm::{CacheKey, Segment, cached};
 use crate::sync::block::SharedBlock;
 use crate::sync::lock::{Acquired, RawLock};
 use crate::sys::socket::{self, Attempt, Packet, seqpacket_pair};
-use crate::{Error, Result};
 
 const LOCK_BASE: usize = 16;
 const ENTRIES: usize = 20;

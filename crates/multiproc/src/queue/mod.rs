@@ -21,7 +21,7 @@ pub use pipe::{Connection, pipe, wait};
 pub use simple::SimpleQueue;
 
 #[cfg(test)]
-use crate::Event;
+use crate::sync::Event;
 
 #[cfg(test)]
 mod tests {
@@ -29,7 +29,7 @@ mod tests {
     use std::time::{Duration, Instant};
 
     use super::*;
-    use crate::Error;
+    use crate::error::Error;
 
     #[test]
     fn put_then_get_in_one_process() {

@@ -9,9 +9,10 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use super::channel::check_seqpacket;
+use crate::error::{Error, PutError, Result};
 use crate::sys::socket::{poll_readable, seqpacket_pair};
 use crate::sys::{Deadline, Readiness, deadline_after, wait_fd};
-use crate::{Error, PutError, Result, wire};
+use crate::wire;
 
 /// Two connected ends, like `multiprocessing.Pipe()`: what one end sends, the other
 /// receives, in both directions.

@@ -47,12 +47,13 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use crate::error::{Error, Result};
 use crate::sync::block::SharedBlock;
 use crate::sync::futex;
 use crate::sync::lock::{Acquired, RawLock};
 use crate::sys::socket::{Attempt, Packet};
 use crate::sys::{Deadline, Readiness, wait_fd};
-use crate::{Error, Result, wire};
+use crate::wire;
 
 const KIND: u32 = 0x5249_4e47; // "RING"
 /// Bytes of a ring's record area.

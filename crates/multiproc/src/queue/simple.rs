@@ -9,8 +9,8 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use super::channel::Channel;
+use crate::error::{Error, PutError, Result};
 use crate::sys::deadline_after;
-use crate::{Error, PutError, Result};
 
 /// An unbounded multi-producer, multi-consumer queue between processes, like
 /// `multiprocessing.SimpleQueue`.
