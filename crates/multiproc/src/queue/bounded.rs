@@ -20,17 +20,15 @@
 //!
 //! A process killed between taking a slot and sending (or between receiving and giving
 //! the slot back) costs the queue one place of capacity, never a message or a hang of
-//! others beyond their own deadlines. The getter gives the place back right after
-//! `recvmsg` returns, before decoding, so the only window left is a SIGKILL while
-//! `recvmsg` itself runs: the kernel has dequeued the packet and the process dies on
-//! the way back to user space (about 2 in 100 kills of a busy consumer in
-//! `tests/faults.rs`). That place cannot be recovered with this design: no user-space
-//! step runs between the dequeue and the death, and the kernel keeps no count of a
-//! `SOCK_SEQPACKET` socket's queued packets that another process could compare with
-//! `SLOTS` (`SIOCINQ` reports only the first packet's size). Closing it would take a
-//! slot per message that the receiver confirms (a second shared step per `get`, with
-//! its own kill window), so the loss stays, bounded and reported: a later `put` waits
-//! for room and a `put_timeout` says it timed out.
+//! others beyond their own deadlines. The getter gives the place back right after it
+//! took the message off the ring (or the socket), before decoding. For a message in
+//! the ring the take is a user-space step under the ring lock, so a getter killed at
+//! any instant either left the message in the ring or holds it with its place given
+//! back (the soak in `tests/faults.rs` loses no place any more). For a message on the
+//! socket the old window stays: a SIGKILL while `recvmsg` itself runs (the kernel has
+//! dequeued the packet and the process dies on the way back to user space) loses that
+//! place, bounded and reported: a later `put` waits for room and a `put_timeout` says
+//! it timed out.
 
 use std::fmt;
 use std::marker::PhantomData;
@@ -339,7 +337,8 @@ impl<T> Clone for Queue<T> {
 }
 
 impl<T: Serialize + DeserializeOwned> Queue<T> {
-    /// An unbounded queue: `put` waits only when the kernel's socket buffer is full.
+    /// An unbounded queue: `put` waits only when the queue's ring and the kernel's
+    /// socket buffer behind it are both full.
     ///
     /// # Errors
     /// When the socket pair or the shared counters cannot be made (fd or memory limits).

@@ -1,12 +1,36 @@
 //! Channels between processes: [`SimpleQueue`], [`Queue`], [`JoinableQueue`] and
 //! [`pipe`]/[`Connection`].
 //!
-//! All of them are `SOCK_SEQPACKET` sockets carrying [`wire`](crate::wire) messages, so
-//! one message is one packet, delivered whole to exactly one reader, with its handles
-//! attached. Queues keep both ends in every process that holds them, which makes them
-//! multi-producer multi-consumer across processes with no lock and no feeder thread;
-//! the counters a `Queue` needs (capacity, size, unfinished tasks) live in a shared
-//! block of atomics.
+//! A queue's transport (`channel`) is three things that every process holding the
+//! queue holds, which makes queues multi-producer multi-consumer across processes with
+//! no feeder thread:
+//!
+//! - a **ring** (`ring`): a shared-memory buffer of [`wire`](crate::wire) packets under
+//!   a process-shared lock. A message without fds goes from `put` to `get` through it
+//!   with no system call at all; a getter spins briefly and then sleeps on a futex,
+//!   woken only when it sleeps;
+//! - a `SOCK_SEQPACKET` **socket pair** for messages that carry fds (queues, events,
+//!   payloads over 16 KiB, tensors whose block could not be kept in custody), each
+//!   keeping its place in the order as a marker in the ring, and for overflow;
+//! - a **custody** (`custody`): a second socket pair whose queued packets hold the fds
+//!   of the tensor blocks sent through the queue, so that a message names a block by
+//!   inode alone and a receiver that already maps it (the common case: blocks are
+//!   recycled and stay mapped) needs no fd and no system call.
+//!
+//! The counters a `Queue` needs (capacity, size, unfinished tasks) live in the ring's
+//! block of atomics. A [`pipe`] is a plain socket pair (one reader per end, and hang-up
+//! detection).
+//!
+//! One tensor from `put` to `get`: `Queue::put` encodes the item inside the channel's
+//! custody scope (`shm::custody`); the tensor's `Storage` moves to shared memory if it
+//! is not there (`share_memory_`), and its `SegmentHandle` takes one use of the block
+//! for the receiver and writes `BlockRef { dev, ino, offset, nbytes }`, having put the
+//! block's fd into the custody the first time this process sent that block on this
+//! queue. The packet (header and payload) is copied into the ring and a sleeping getter
+//! is woken. `get` copies the packet out of the ring, decodes it in the same scope: the
+//! block is found in this process's map cache (or its fd is taken from the custody and
+//! mapped once), the `Storage` adopts the message's use, and the tensor aliases the
+//! sender's memory.
 
 mod bounded;
 mod channel;

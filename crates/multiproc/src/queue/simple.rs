@@ -20,9 +20,10 @@ use crate::sys::deadline_after;
 /// shared memory. `Clone` gives another handle in this process; to use the queue in
 /// another process, pass it as a worker argument or through another queue.
 ///
-/// `put` returns once the message is in the kernel's socket buffer: the putter may exit
-/// at once and nothing is lost. When the buffer is full (tens of thousands of small
-/// messages, or fewer large ones), `put` waits for a getter.
+/// `put` returns once the message is in the queue's shared ring (or, with fds, in the
+/// kernel's socket buffer): the putter may exit at once and nothing is lost. When both
+/// are full (a few thousand small messages, or fewer large ones), `put` waits for a
+/// getter.
 pub struct SimpleQueue<T> {
     pub(super) channel: Arc<Channel>,
     _items: PhantomData<fn(T) -> T>,

@@ -24,6 +24,10 @@
 //! | 8..12 | number of fds the payload uses (not counting the payload memfd) |
 //! | 12..16 | payload length in bytes |
 //!
+//! A queue carries a packet without fds through its shared-memory ring instead of its
+//! socket (see `queue`), the same bytes either way; a tensor block in such a packet is
+//! named by inode, its fd in the queue's custody (see `shm::custody`).
+//!
 //! Payloads above [`INLINE_MAX`] go into a sealed memfd so every message is a single
 //! packet whatever its size: one packet is delivered whole to exactly one reader, which
 //! is what lets many processes put and get on one socket without locks.
