@@ -327,8 +327,11 @@ impl Ring {
         }
     }
 
-    /// Takes the oldest message, from the ring or the socket. Lock held.
-    fn take(&self, rx: BorrowedFd<'_>) -> Result<Option<Packet>> {
+    /// Takes the oldest message, from the ring or the socket. Lock held. With the ring
+    /// empty, the socket is looked at only when `look_at_socket` says so or the ring
+    /// overflowed: otherwise it holds nothing that a `put` sent (packets with fds have
+    /// their markers), only what came some other way.
+    fn take(&self, rx: BorrowedFd<'_>, look_at_socket: bool) -> Result<Option<Packet>> {
         loop {
             match self.oldest()? {
                 Some((Oldest::Packet(bytes), next)) => {
@@ -355,6 +358,9 @@ impl Ring {
                     }
                 },
                 None => {
+                    if !look_at_socket && self.word(OVERFLOW).load(Ordering::Acquire) == 0 {
+                        return Ok(None);
+                    }
                     let packet = wire::try_recv_packet(rx)?;
                     if packet.is_none() {
                         self.word(OVERFLOW).store(0, Ordering::Release);
@@ -368,12 +374,16 @@ impl Ring {
     /// Receives the oldest message, waiting until the deadline; `Ok(None)` when none
     /// came.
     pub(crate) fn recv(&self, rx: BorrowedFd<'_>, deadline: Deadline) -> Result<Option<Packet>> {
+        // The socket is looked at only after a sleep that ended without a publication
+        // (see `take`): a packet that did not come through a `put` waits at most one
+        // SOCKET_RECHECK.
+        let mut look_at_socket = false;
         loop {
             let seen = {
                 let Some(_held) = self.hold(deadline)? else {
                     return Ok(None);
                 };
-                if let Some(packet) = self.take(rx)? {
+                if let Some(packet) = self.take(rx, look_at_socket)? {
                     return Ok(Some(packet));
                 }
                 self.word(SEQ).load(Ordering::SeqCst)
@@ -382,6 +392,7 @@ impl Ring {
             if deadline.is_some_and(|d| now >= d) {
                 return Ok(None);
             }
+            look_at_socket = false;
             let seq = self.word(SEQ);
             if futex::spin_until(deadline, || seq.load(Ordering::Acquire) != seen) {
                 continue;
@@ -392,6 +403,7 @@ impl Ring {
             let slept = futex::wait(seq, seen, Some(until));
             self.word(GET_WAITERS).fetch_sub(1, Ordering::SeqCst);
             slept?;
+            look_at_socket = seq.load(Ordering::Acquire) == seen;
         }
     }
 
@@ -400,7 +412,7 @@ impl Ring {
         let Some(_held) = self.hold(Some(Instant::now() + TRY_LOCK))? else {
             return Ok(None);
         };
-        self.take(rx)
+        self.take(rx, true)
     }
 
     /// Whether the ring holds a message right now (the socket is the caller's to ask).

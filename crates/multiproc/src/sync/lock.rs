@@ -24,6 +24,8 @@ use crate::{Error, LockError, Result};
 
 /// How often a waiter checks that the holder still lives.
 const LIVENESS_CHECK: Duration = Duration::from_millis(50);
+/// How long a waiter first sleeps (woken by the release) before its first check.
+const FIRST_WAIT: Duration = Duration::from_millis(1);
 
 const LOCK_KIND: u32 = 0x4c4f_434b; // "LOCK"
 const RLOCK_KIND: u32 = 0x524c_434b; // "RLCK"
@@ -90,6 +92,7 @@ impl RawLock {
     pub(crate) fn acquire(&self, deadline: Deadline) -> Result<Acquired> {
         let me = my_pid();
         let owner = self.word(OWNER);
+        let mut waited = false;
         loop {
             match owner.compare_exchange(0, me, Ordering::Acquire, Ordering::Relaxed) {
                 Ok(_) => return Ok(Acquired::Yes),
@@ -100,7 +103,12 @@ impl RawLock {
                     if holder != me && spin_until_free(owner) {
                         continue;
                     }
-                    if holder != me && process_is_dead(holder) {
+                    // A holder that did not let go within the spin was most likely
+                    // preempted: wait for its release once (briefly) before paying
+                    // for the liveness check, and check before giving up.
+                    let now = Instant::now();
+                    let late = deadline.is_some_and(|d| now + FIRST_WAIT >= d);
+                    if holder != me && (waited || late) && process_is_dead(holder) {
                         if owner
                             .compare_exchange(holder, me, Ordering::Acquire, Ordering::Relaxed)
                             .is_ok()
@@ -109,11 +117,11 @@ impl RawLock {
                         }
                         continue;
                     }
-                    let now = Instant::now();
                     if deadline.is_some_and(|d| now >= d) {
                         return Ok(Acquired::TimedOut);
                     }
-                    let slice = now + LIVENESS_CHECK;
+                    let slice = now + if waited { LIVENESS_CHECK } else { FIRST_WAIT };
+                    waited = true;
                     let until = Some(deadline.map_or(slice, |d| d.min(slice)));
                     self.word(WAITERS).fetch_add(1, Ordering::AcqRel);
                     let r = futex::wait(owner, holder, until);
