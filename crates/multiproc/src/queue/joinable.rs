@@ -1,17 +1,21 @@
-//! [`JoinableQueue`]'s taking and inspecting operations. The type, its `put`s (which
-//! count an unfinished task) and its `task_done`/`join` live with [`Queue`](super::Queue) in
-//! `bounded`, whose shared block holds the unfinished-task count; the operations here
-//! are a [`Queue`](super::Queue)'s own, forwarded to the queue inside (a `JoinableQueue` is not a
-//! `Queue`, so it does not deref to one: a plain `put` through one would skip the
-//! count).
+//! [`JoinableQueue`]: a [`Queue`](super::Queue) that also counts unfinished tasks. Its
+//! `put`s count a task, `task_done`/`join` use the count in the channel's block (see
+//! `counted`); its taking and inspecting operations are a `Queue`'s own, forwarded to
+//! the queue inside (a `JoinableQueue` is not a `Queue`, so it does not deref to one:
+//! a plain `put` through one would skip the count).
 
+use std::fmt;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use serde::Serialize;
 use serde::de::DeserializeOwned;
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use super::bounded::{JoinableQueue, QueueIter, QueueTryIter};
-use crate::error::Result;
+use super::bounded::{Queue, QueueIter, QueueTryIter};
+use super::counted::{UNFINISHED, Wait};
+use crate::error::{Error, PutError, Result};
+use crate::sync::futex;
+use crate::sys::deadline_after;
 
 impl<T: Serialize + DeserializeOwned> JoinableQueue<T> {
     /// Takes the next item, waiting as long as it takes. Mark it done with
@@ -92,6 +96,151 @@ impl<T: Serialize + DeserializeOwned> JoinableQueue<T> {
     /// Closes this process's handles, as [`Queue::close`](super::Queue::close).
     pub fn close(&self) {
         self.queue.close()
+    }
+}
+
+/// A [`Queue`] that also counts unfinished tasks, like `multiprocessing.JoinableQueue`:
+/// every `put` adds one, every [`task_done`](Self::task_done) takes one away, and
+/// [`join`](Self::join) waits until none is left.
+pub struct JoinableQueue<T> {
+    /// The queue the forwarded operations (`get`, `qsize`, `close`, ...: `joinable`)
+    /// act on.
+    pub(super) queue: Queue<T>,
+}
+
+impl<T> Clone for JoinableQueue<T> {
+    fn clone(&self) -> Self {
+        Self {
+            queue: self.queue.clone(),
+        }
+    }
+}
+
+impl<T: Serialize + DeserializeOwned> JoinableQueue<T> {
+    /// An unbounded joinable queue.
+    ///
+    /// # Errors
+    /// As [`Queue::new`].
+    pub fn new() -> Result<Self> {
+        Ok(Self {
+            queue: Queue::new()?,
+        })
+    }
+
+    /// A joinable queue holding at most `capacity` items.
+    ///
+    /// # Errors
+    /// As [`Queue::with_capacity`].
+    pub fn with_capacity(capacity: usize) -> Result<Self> {
+        Ok(Self {
+            queue: Queue::with_capacity(capacity)?,
+        })
+    }
+
+    /// Puts `item` and counts it as an unfinished task.
+    ///
+    /// # Errors
+    /// As [`Queue::put`].
+    pub fn put(&self, item: T) -> Result<(), PutError<T>> {
+        self.queue.shared.put(item, Wait::Forever, true)
+    }
+
+    /// Puts `item` waiting at most `timeout` for room.
+    ///
+    /// # Errors
+    /// As [`Queue::put_timeout`].
+    pub fn put_timeout(&self, item: T, timeout: Duration) -> Result<(), PutError<T>> {
+        self.queue.shared.put(item, Wait::For(timeout), true)
+    }
+
+    /// Puts `item` if there is room right now, counting it as an unfinished task.
+    ///
+    /// # Errors
+    /// As [`Queue::try_put`].
+    pub fn try_put(&self, item: T) -> Result<(), PutError<T>> {
+        self.queue.shared.put(item, Wait::Never, true)
+    }
+
+    /// Python's name for [`try_put`](Self::try_put).
+    ///
+    /// # Errors
+    /// As [`Queue::try_put`].
+    pub fn put_nowait(&self, item: T) -> Result<(), PutError<T>> {
+        self.try_put(item)
+    }
+
+    /// Marks one task taken from the queue as done.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when called more times than items were put.
+    pub fn task_done(&self) -> Result<()> {
+        let unfinished = self.queue.shared.block.word(UNFINISHED);
+        match unfinished.fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| v.checked_sub(1)) {
+            Ok(1) => {
+                futex::wake_all(unfinished);
+                Ok(())
+            }
+            Ok(_) => Ok(()),
+            Err(_) => Err(Error::InvalidArgument(
+                "task_done() called more times than items were put on the JoinableQueue".into(),
+            )),
+        }
+    }
+
+    /// Waits until every item put has been marked done, at most `timeout` (`None`:
+    /// forever).
+    ///
+    /// # Errors
+    /// [`Error::Timeout`] (with the number of tasks left) when the timeout passed first.
+    pub fn join(&self, timeout: Option<Duration>) -> Result<()> {
+        let deadline = deadline_after(timeout);
+        let unfinished = self.queue.shared.block.word(UNFINISHED);
+        loop {
+            let left = unfinished.load(Ordering::Acquire);
+            if left == 0 {
+                return Ok(());
+            }
+            if !futex::wait(unfinished, left, deadline)? {
+                return match unfinished.load(Ordering::Acquire) {
+                    0 => Ok(()),
+                    left => Err(Error::timeout(
+                        format!("a join on a JoinableQueue with {left} unfinished tasks"),
+                        timeout,
+                    )),
+                };
+            }
+        }
+    }
+}
+
+impl<T> fmt::Debug for JoinableQueue<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("JoinableQueue")
+            .field("queue", &self.queue)
+            .field(
+                "unfinished",
+                &self
+                    .queue
+                    .shared
+                    .block
+                    .word(UNFINISHED)
+                    .load(Ordering::Relaxed),
+            )
+            .finish()
+    }
+}
+
+impl<T> Serialize for JoinableQueue<T> {
+    fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        self.queue.serialize(s)
+    }
+}
+
+impl<'de, T> Deserialize<'de> for JoinableQueue<T> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        Ok(Self {
+            queue: Queue::deserialize(d)?,
+        })
     }
 }
 

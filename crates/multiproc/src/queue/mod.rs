@@ -34,13 +34,15 @@
 
 mod bounded;
 mod channel;
+mod counted;
 mod custody;
 mod joinable;
 mod pipe;
 mod ring;
 mod simple;
 
-pub use bounded::{JoinableQueue, Queue, QueueIter, QueueTryIter};
+pub use bounded::{Queue, QueueIter, QueueTryIter};
+pub use joinable::JoinableQueue;
 pub use pipe::{Connection, pipe, wait};
 pub use simple::SimpleQueue;
 
