@@ -8,7 +8,7 @@
 //!
 //! Anonymous segments a process receives from another process are also kept mapped
 //! for a while after their last tensor is dropped: the [`RECENT`] most recently
-//! received ones, at most [`RECENT_BYTES`] in all. A consumer that handles one tensor
+//! received ones, at most as many bytes in all as the pool keeps idle (`pool::idle_bytes_limit`). A consumer that handles one tensor
 //! at a time would otherwise map and unmap the same arena for every small tensor, and
 //! — since the producer recycles its blocks (see `pool`) — map, fault in and unmap
 //! the same large block for every large one. A retained block that can never come
@@ -64,7 +64,9 @@ struct MapCache {
 /// How many received segments stay mapped after their last tensor is dropped.
 pub(crate) const RECENT: usize = 8;
 /// How many bytes of received segments stay mapped after their last tensor is dropped.
-pub(crate) const RECENT_BYTES: usize = 512 << 20;
+fn recent_bytes() -> usize {
+    super::pool::idle_bytes_limit()
+}
 
 static CACHE: Mutex<Option<MapCache>> = Mutex::new(None);
 
@@ -93,7 +95,7 @@ impl MapCache {
     fn retain_recent(&mut self, segment: &Arc<Segment>) {
         let small = segment.len() <= super::pool::ARENA_LEN;
         if segment.fd().is_none()
-            || segment.len() > RECENT_BYTES
+            || segment.len() > recent_bytes()
             || segment.is_own_block()
             || !(small || segment.is_block())
         {
@@ -107,7 +109,7 @@ impl MapCache {
         } else {
             self.recent.retain(|s| !s.is_dead_block());
             let mut bytes: usize = self.recent.iter().map(|s| s.len()).sum();
-            while self.recent.len() >= RECENT || bytes + segment.len() > RECENT_BYTES {
+            while self.recent.len() >= RECENT || bytes + segment.len() > recent_bytes() {
                 match self.recent.pop_front() {
                     Some(old) => bytes -= old.len(),
                     None => break,

@@ -22,7 +22,7 @@
 //!
 //! Bounds: at most [`MAX_RETIRED`] full arenas and [`MAX_LARGE`] large blocks are kept
 //! waiting for their uses to end, and idle large blocks (no uses) are kept only up to
-//! [`IDLE_LARGE_BYTES`] in total; beyond that the oldest is released (its memory goes
+//! [`idle_bytes_limit`] in total; beyond that the oldest is released (its memory goes
 //! back to the system when the last process unmaps it). An arena lives while any
 //! storage carved from it lives, in any process, so one long-lived small tensor keeps
 //! its whole arena (1 MiB) alive.
@@ -52,8 +52,26 @@ const SLICE_ALIGN: usize = 64;
 const MAX_RETIRED: usize = 16;
 /// Large blocks kept (in use elsewhere or idle).
 const MAX_LARGE: usize = 32;
-/// Bytes of idle large blocks kept for reuse.
-const IDLE_LARGE_BYTES: usize = 512 << 20;
+/// Most bytes of idle large blocks kept for reuse (see [`idle_bytes_limit`]).
+const IDLE_LARGE_BYTES: usize = 2 << 30;
+
+/// How many bytes of idle blocks a process keeps for reuse (and of received blocks
+/// mapped after their last tensor, see `cache`): [`IDLE_LARGE_BYTES`], or an eighth of
+/// what this process may still commit (the memory cgroup's limit, or the machine's
+/// available memory) when that is less, but at least 64 MiB. A producer of 256 MiB
+/// tensors through a queue of 4 cycles through about six blocks; keeping them all
+/// saves zeroing and mapping 256 MiB per tensor on both sides.
+pub(crate) fn idle_bytes_limit() -> usize {
+    static LIMIT: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *LIMIT.get_or_init(|| {
+        let room = crate::sys::memlimit::headroom()
+            .map_or(u64::MAX, |h| h.bytes / 8)
+            .min(IDLE_LARGE_BYTES as u64);
+        usize::try_from(room)
+            .unwrap_or(IDLE_LARGE_BYTES)
+            .max(64 << 20)
+    })
+}
 
 /// Shared bytes for one storage: `len` bytes at `offset` in `segment`. For a block,
 /// one use has been taken on behalf of the storage.
@@ -224,7 +242,7 @@ impl Pool {
         })
     }
 
-    /// Keeps at most [`MAX_LARGE`] large blocks and [`IDLE_LARGE_BYTES`] of idle ones.
+    /// Keeps at most [`MAX_LARGE`] large blocks and [`idle_bytes_limit`] bytes of idle ones.
     fn trim_large(&mut self) {
         while self.large.len() > MAX_LARGE {
             if let Some(oldest) = self.large.pop_front() {
@@ -237,7 +255,7 @@ impl Pool {
             .filter(|s| is_free(s))
             .map(|s| s.len())
             .sum();
-        while idle > IDLE_LARGE_BYTES {
+        while idle > idle_bytes_limit() {
             let Some(i) = self.large.iter().position(|s| is_free(s)) else {
                 break;
             };
