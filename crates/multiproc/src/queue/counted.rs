@@ -40,6 +40,7 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use super::channel::Channel;
 use crate::error::{Error, PutError, Result};
 use crate::sync::block::SharedBlock;
+use crate::sync::counter::FutexCount;
 use crate::sync::futex;
 use crate::sys::socket::Packet;
 use crate::sys::{Deadline, deadline_after};
@@ -87,31 +88,12 @@ impl Shared {
 
     /// Takes one free place, waiting until the deadline. `Ok(false)` on timeout.
     pub(super) fn acquire_slot(&self, deadline: Deadline) -> Result<bool> {
-        let slots = self.block.word(SLOTS);
-        let waiters = self.block.word(SLOT_WAITERS);
-        loop {
-            let free = slots.load(Ordering::Acquire);
-            if free > 0 {
-                if slots
-                    .compare_exchange_weak(free, free - 1, Ordering::AcqRel, Ordering::Relaxed)
-                    .is_ok()
-                {
-                    return Ok(true);
-                }
-                continue;
-            }
-            // Most waits end within microseconds (a consumer is taking an item right
-            // now): spin briefly before paying for a futex sleep and wake.
-            if futex::spin_until(deadline, || slots.load(Ordering::Acquire) > 0) {
-                continue;
-            }
-            waiters.fetch_add(1, Ordering::AcqRel);
-            let woke = futex::wait(slots, 0, deadline);
-            waiters.fetch_sub(1, Ordering::AcqRel);
-            if !woke? {
-                return Ok(false);
-            }
-        }
+        self.slots().take(deadline)
+    }
+
+    /// The free places: a futex counter shared with every holder of the queue.
+    fn slots(&self) -> FutexCount<'_> {
+        FutexCount::new(self.block.word(SLOTS), self.block.word(SLOT_WAITERS))
     }
 
     pub(super) fn release_slot(&self) {
@@ -119,11 +101,7 @@ impl Shared {
         if saturating_dec(self.block.word(SLOT_DEBT)) > 0 {
             return;
         }
-        let slots = self.block.word(SLOTS);
-        slots.fetch_add(1, Ordering::AcqRel);
-        if self.block.word(SLOT_WAITERS).load(Ordering::Acquire) > 0 {
-            futex::wake(slots, 1);
-        }
+        self.slots().give(None);
     }
 
     pub(super) fn put<T: Serialize>(
@@ -213,11 +191,7 @@ impl Shared {
             self.block.word(ITEMS).fetch_add(1, Ordering::AcqRel);
         }
         if taken.slot {
-            let slots = self.block.word(SLOTS);
-            let took = slots
-                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| v.checked_sub(1))
-                .is_ok();
-            if !took {
+            if !self.slots().try_take() {
                 self.block.word(SLOT_DEBT).fetch_add(1, Ordering::AcqRel);
             }
         }

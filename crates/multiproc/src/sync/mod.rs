@@ -7,6 +7,7 @@
 
 #[allow(unsafe_code)]
 pub(crate) mod block;
+pub(crate) mod counter;
 mod event;
 pub(crate) mod futex;
 pub(crate) mod lock;

@@ -10,7 +10,7 @@ use std::time::Duration;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use super::block::SharedBlock;
-use super::futex;
+use super::counter::FutexCount;
 use crate::error::{Error, Result};
 use crate::sys::deadline_after;
 
@@ -108,25 +108,11 @@ impl Semaphore {
     }
 
     fn acquire_until(&self, deadline: crate::sys::Deadline) -> Result<bool> {
-        let value = self.block.word(SEM_VALUE);
-        loop {
-            let v = value.load(Ordering::Acquire);
-            if v > 0 {
-                if value
-                    .compare_exchange_weak(v, v - 1, Ordering::AcqRel, Ordering::Relaxed)
-                    .is_ok()
-                {
-                    return Ok(true);
-                }
-                continue;
-            }
-            self.block.word(SEM_WAITERS).fetch_add(1, Ordering::AcqRel);
-            let woke = futex::wait(value, 0, deadline);
-            self.block.word(SEM_WAITERS).fetch_sub(1, Ordering::AcqRel);
-            if !woke? {
-                return Ok(false);
-            }
-        }
+        self.count().take(deadline)
+    }
+
+    fn count(&self) -> FutexCount<'_> {
+        FutexCount::new(self.block.word(SEM_VALUE), self.block.word(SEM_WAITERS))
     }
 
     /// Gives one permit back.
@@ -135,26 +121,19 @@ impl Semaphore {
     /// For a [`BoundedSemaphore`](super::BoundedSemaphore), [`Error::InvalidArgument`] when that would exceed
     /// its initial value.
     pub fn release(&self) -> Result<()> {
-        let value = self.block.word(SEM_VALUE);
         let bound = self.block.word(SEM_BOUND).load(Ordering::Acquire);
-        let released = value.fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| {
-            (bound == 0 || v + 1 < bound).then_some(v + 1)
-        });
-        if released.is_err() {
+        if !self.count().give((bound != 0).then_some(bound)) {
             return Err(Error::InvalidArgument(format!(
                 "a BoundedSemaphore was released more times than acquired (its value is at its bound of {})",
-                bound - 1
+                bound.saturating_sub(1)
             )));
-        }
-        if self.block.word(SEM_WAITERS).load(Ordering::Acquire) > 0 {
-            futex::wake(value, 1);
         }
         Ok(())
     }
 
     /// The number of permits free right now (approximate).
     pub fn value(&self) -> u32 {
-        self.block.word(SEM_VALUE).load(Ordering::Acquire)
+        self.count().value()
     }
 }
 
