@@ -190,10 +190,8 @@ impl Shared {
         if taken.item {
             self.block.word(ITEMS).fetch_add(1, Ordering::AcqRel);
         }
-        if taken.slot {
-            if !self.slots().try_take() {
-                self.block.word(SLOT_DEBT).fetch_add(1, Ordering::AcqRel);
-            }
+        if taken.slot && !self.slots().try_take() {
+            self.block.word(SLOT_DEBT).fetch_add(1, Ordering::AcqRel);
         }
     }
 
