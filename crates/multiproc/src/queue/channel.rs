@@ -223,12 +223,10 @@ impl<'de> Deserialize<'de> for Channel {
 /// A received queue or pipe end must be a unix seqpacket socket; anything else would
 /// make every later get fail in confusing ways.
 pub(crate) fn check_seqpacket(fd: &OwnedFd) -> std::result::Result<(), String> {
-    match rustix::net::sockopt::socket_type(fd) {
-        // O_NONBLOCK lives in the open file description, so it arrives already set.
-        Ok(rustix::net::SocketType::SEQPACKET) => Ok(()),
-        Ok(other) => Err(format!(
-            "a received queue end is a socket of type {other:?}, not SEQPACKET"
-        )),
-        Err(e) => Err(format!("a received queue end is not a socket ({e})")),
-    }
+    crate::sys::socket::is_seqpacket(fd.as_fd())
+        .map_err(|e| format!("a received queue end is not a socket ({e})"))?
+        .then_some(())
+        .ok_or_else(|| {
+            "a received queue end is a socket of another type, not SEQPACKET".to_string()
+        })
 }

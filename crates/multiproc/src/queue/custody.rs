@@ -283,7 +283,7 @@ impl BlockCustody for Custody {
 
 /// The device and inode of an entry's fd (what the kernel says, not the entry's bytes).
 fn identity(fd: &OwnedFd) -> (u64, u64) {
-    rustix::fs::fstat(fd).map_or((0, 0), |st| (st.st_dev, st.st_ino))
+    crate::sys::memfd::identity(fd.as_fd()).unwrap_or((0, 0))
 }
 
 /// Whether the block of an entry can never be named again (see the module docs).

@@ -177,3 +177,67 @@ pub(crate) fn file_size(fd: BorrowedFd<'_>) -> Result<u64> {
     let st = rustix::fs::fstat(fd).map_err(|e| Error::os("fstat of a received segment", e))?;
     Ok(st.st_size as u64)
 }
+
+/// Seals a memfd against any change (its size and its bytes): a message payload.
+pub(crate) fn seal_contents(fd: BorrowedFd<'_>) -> Result<()> {
+    rustix::fs::fcntl_add_seals(
+        fd,
+        SealFlags::SHRINK | SealFlags::GROW | SealFlags::WRITE | SealFlags::SEAL,
+    )
+    .map_err(|e| Error::os("sealing a memfd's contents (F_ADD_SEALS)", e))
+}
+
+/// Whether `fd` is sealed against shrinking and writing; an error when it has no seals
+/// at all (not a memfd), with the kernel's reason.
+pub(crate) fn is_content_sealed(fd: BorrowedFd<'_>) -> std::result::Result<bool, String> {
+    rustix::fs::fcntl_get_seals(fd)
+        .map(|s| s.contains(SealFlags::SHRINK | SealFlags::WRITE))
+        .map_err(|e| e.to_string())
+}
+
+/// The size of the file behind `fd` and how many of its bytes have pages (a sparse
+/// file has fewer).
+pub(crate) fn size_and_allocated(fd: BorrowedFd<'_>) -> Result<(u64, u64)> {
+    let st = rustix::fs::fstat(fd).map_err(|e| Error::os("fstat of a memfd", e))?;
+    Ok((
+        st.st_size.max(0) as u64,
+        (st.st_blocks.max(0) as u64).saturating_mul(512),
+    ))
+}
+
+/// The device and inode of the file behind `fd` (`None` when `fstat` fails).
+pub(crate) fn identity(fd: BorrowedFd<'_>) -> Option<(u64, u64)> {
+    rustix::fs::fstat(fd).ok().map(|st| (st.st_dev, st.st_ino))
+}
+
+/// Writes all of `bytes` at the start of `fd`.
+pub(crate) fn write_all_at(fd: BorrowedFd<'_>, mut bytes: &[u8]) -> Result<()> {
+    let mut offset = 0u64;
+    while !bytes.is_empty() {
+        match rustix::io::pwrite(fd, bytes, offset) {
+            Ok(0) => return Err(Error::Encode("a memfd accepted no bytes".into())),
+            Ok(n) => {
+                bytes = &bytes[n..];
+                offset += n as u64;
+            }
+            Err(Errno::INTR) => {}
+            Err(e) => return Err(Error::os("writing into a memfd", e)),
+        }
+    }
+    Ok(())
+}
+
+/// Fills `out` from the start of `fd`; `Ok(n)` with `n < out.len()` when the file
+/// ended after `n` bytes.
+pub(crate) fn read_at_start(fd: BorrowedFd<'_>, out: &mut [u8]) -> Result<usize> {
+    let mut done = 0;
+    while done < out.len() {
+        match rustix::io::pread(fd, &mut out[done..], done as u64) {
+            Ok(0) => break,
+            Ok(n) => done += n,
+            Err(Errno::INTR) => {}
+            Err(e) => return Err(Error::os("reading a memfd", e)),
+        }
+    }
+    Ok(done)
+}

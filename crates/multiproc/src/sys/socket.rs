@@ -412,3 +412,12 @@ fn more_queued(sock: BorrowedFd<'_>) -> bool {
         Ok((_, n)) if n > 0
     )
 }
+
+/// Whether `fd` is a `SOCK_SEQPACKET` socket; an error (the kernel's reason) when it is
+/// not a socket at all. (`O_NONBLOCK` lives in the open file description, so a received
+/// one arrives already set.)
+pub(crate) fn is_seqpacket(fd: BorrowedFd<'_>) -> std::result::Result<bool, String> {
+    rustix::net::sockopt::socket_type(fd)
+        .map(|t| t == SocketType::SEQPACKET)
+        .map_err(|e| e.to_string())
+}

@@ -55,8 +55,8 @@ pub(crate) use fd_table::{
     outside_channel, received_fd, with_received_fd,
 };
 pub(crate) use opaque::Opaque;
+use packet::read_sealed_payload;
 pub(crate) use packet::{Encoded, is_counted, recv_packet, try_recv_packet, uncount};
-use packet::{read_sealed_payload, write_all_at};
 
 use crate::error::{Error, Result};
 use crate::sys::memfd;
@@ -121,15 +121,8 @@ pub(crate) fn encode<T: Serialize + ?Sized>(value: &T) -> Result<Encoded> {
     }
     let kind = if payload_len > INLINE_MAX {
         let fd = memfd::create("multiproc-message", payload.len() as u64)?;
-        write_all_at(fd.as_fd(), &payload)?;
-        rustix::fs::fcntl_add_seals(
-            &fd,
-            rustix::fs::SealFlags::SHRINK
-                | rustix::fs::SealFlags::GROW
-                | rustix::fs::SealFlags::WRITE
-                | rustix::fs::SealFlags::SEAL,
-        )
-        .map_err(|e| Error::os("sealing a message memfd", e))?;
+        memfd::write_all_at(fd.as_fd(), &payload)?;
+        memfd::seal_contents(fd.as_fd())?;
         fds.push(AttachedFd::Owned(fd));
         KIND_MEMFD
     } else {

@@ -8,6 +8,7 @@ use std::os::fd::BorrowedFd;
 use super::fd_table::AttachedFd;
 use super::{FLAG_COUNTED, HEADER_LEN, INLINE_MAX, MAGIC, MEMFD_PAYLOAD_MAX, VERSION};
 use crate::error::{Error, Result};
+use crate::sys::memfd;
 use crate::sys::socket::{self, Attempt, Deadline, Packet};
 
 /// A value encoded and ready to send, possibly several times.
@@ -31,22 +32,6 @@ impl Drop for Encoded {
             }
         }
     }
-}
-
-pub(super) fn write_all_at(fd: BorrowedFd<'_>, mut bytes: &[u8]) -> Result<()> {
-    let mut offset = 0u64;
-    while !bytes.is_empty() {
-        match rustix::io::pwrite(fd, bytes, offset) {
-            Ok(0) => return Err(Error::Encode("a message memfd accepted no bytes".into())),
-            Ok(n) => {
-                bytes = &bytes[n..];
-                offset += n as u64;
-            }
-            Err(rustix::io::Errno::INTR) => {}
-            Err(e) => return Err(Error::os("writing a message into a memfd", e)),
-        }
-    }
-    Ok(())
 }
 
 /// Clears a received packet's [`FLAG_COUNTED`]: its places were given back already,
@@ -143,17 +128,15 @@ pub(crate) fn try_recv_packet(sock: BorrowedFd<'_>) -> Result<Option<Packet>> {
 }
 
 pub(super) fn read_sealed_payload(fd: BorrowedFd<'_>, len: usize) -> Result<Vec<u8>> {
-    let seals = rustix::fs::fcntl_get_seals(fd).map_err(|e| {
+    let sealed = memfd::is_content_sealed(fd).map_err(|e| {
         Error::InvalidMessage(format!("the payload fd is not a sealed memfd ({e})"))
     })?;
-    use rustix::fs::SealFlags;
-    if !seals.contains(SealFlags::SHRINK | SealFlags::WRITE) {
+    if !sealed {
         return Err(Error::InvalidMessage(
             "the payload memfd is not sealed against writing and shrinking".into(),
         ));
     }
-    let st = rustix::fs::fstat(fd).map_err(|e| Error::os("fstat of a message memfd", e))?;
-    let size = st.st_size.max(0) as u64;
+    let (size, written) = memfd::size_and_allocated(fd)?;
     if (len as u64) > size || size > MEMFD_PAYLOAD_MAX {
         return Err(Error::InvalidMessage(format!(
             "the header declares a {len}-byte payload but its memfd holds {size} bytes"
@@ -162,7 +145,6 @@ pub(super) fn read_sealed_payload(fd: BorrowedFd<'_>, len: usize) -> Result<Vec<
     // A sender writes its whole payload, so every page of it is allocated; a sparse
     // file claims bytes nobody paid for, and reading them would make this process
     // commit that memory (a hole reads as zeros into a buffer of the full length).
-    let written = (st.st_blocks.max(0) as u64).saturating_mul(512);
     if written < len as u64 {
         return Err(Error::InvalidMessage(format!(
             "the header declares a {len}-byte payload but only {written} bytes of its memfd \
@@ -177,18 +159,11 @@ pub(super) fn read_sealed_payload(fd: BorrowedFd<'_>, len: usize) -> Result<Vec<
         ))
     })?;
     out.resize(len, 0);
-    let mut done = 0;
-    while done < len {
-        match rustix::io::pread(fd, &mut out[done..], done as u64) {
-            Ok(0) => {
-                return Err(Error::InvalidMessage(format!(
-                    "the payload memfd ended after {done} of {len} bytes"
-                )));
-            }
-            Ok(n) => done += n,
-            Err(rustix::io::Errno::INTR) => {}
-            Err(e) => return Err(Error::os("reading a message memfd", e)),
-        }
+    let done = memfd::read_at_start(fd, &mut out)?;
+    if done < len {
+        return Err(Error::InvalidMessage(format!(
+            "the payload memfd ended after {done} of {len} bytes"
+        )));
     }
     Ok(out)
 }
