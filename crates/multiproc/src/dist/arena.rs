@@ -40,8 +40,8 @@ use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
-use crate::sync::futex;
 use crate::sys::Deadline;
+use crate::sys::futex;
 use crate::sys::memfd;
 use crate::sys::mmap::SharedMapping;
 use crate::sys::process as sysproc;

@@ -10,8 +10,8 @@ use std::sync::atomic::Ordering;
 use super::arena::{Arena, Mail, SLOT_BYTES};
 use super::group::{Inner, ReduceOp, State};
 use super::zero_copy::{Kind, Outcome};
-use crate::sync::futex;
 use crate::sys::Deadline;
+use crate::sys::futex;
 use crate::tensor::{DType, Tensor};
 use crate::{Device, Error, Result};
 

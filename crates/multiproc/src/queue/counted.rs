@@ -41,7 +41,7 @@ use super::channel::Channel;
 use crate::error::{Error, PutError, Result};
 use crate::sync::block::SharedBlock;
 use crate::sync::counter::FutexCount;
-use crate::sync::futex;
+use crate::sys::futex;
 use crate::sys::socket::Packet;
 use crate::sys::{Deadline, deadline_after};
 use crate::wire;

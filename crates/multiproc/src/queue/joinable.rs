@@ -14,8 +14,8 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use super::bounded::{Queue, QueueIter, QueueTryIter};
 use super::counted::{UNFINISHED, Wait};
 use crate::error::{Error, PutError, Result};
-use crate::sync::futex;
 use crate::sys::deadline_after;
+use crate::sys::futex;
 
 impl<T: Serialize + DeserializeOwned> JoinableQueue<T> {
     /// Takes the next item, waiting as long as it takes. Mark it done with

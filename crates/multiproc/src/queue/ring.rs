@@ -49,8 +49,8 @@ use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
 use crate::sync::block::SharedBlock;
-use crate::sync::futex;
 use crate::sync::lock::{Acquired, RawLock};
+use crate::sys::futex;
 use crate::sys::socket::{Attempt, Packet};
 use crate::sys::{Deadline, Readiness, wait_fd};
 use crate::wire;

@@ -10,9 +10,9 @@ use std::time::Duration;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use super::block::SharedBlock;
-use super::futex;
 use crate::error::{Error, Result};
 use crate::sys::deadline_after;
+use crate::sys::futex;
 
 const BARRIER_KIND: u32 = 0x4241_5252; // "BARR"
 const BAR_PARTIES: usize = 1;

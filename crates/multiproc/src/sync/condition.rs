@@ -10,10 +10,10 @@ use std::time::Duration;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use super::block::SharedBlock;
-use super::futex;
 use super::lock::{Lock, OnTimeout, RAW_LOCK_WORDS, RawLock, expect_guard, guarded};
 use crate::error::{Error, LockError, Result};
 use crate::sys::deadline_after;
+use crate::sys::futex;
 
 const COND_KIND: u32 = 0x434f_4e44; // "COND"
 const COND_LOCK: usize = 1;

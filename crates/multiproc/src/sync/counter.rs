@@ -4,9 +4,9 @@
 
 use std::sync::atomic::{AtomicU32, Ordering};
 
-use super::futex;
 use crate::error::Result;
 use crate::sys::Deadline;
+use crate::sys::futex;
 
 /// The count and sleeper words of one counter, borrowed from a shared block.
 pub(crate) struct FutexCount<'a> {

@@ -8,9 +8,9 @@ use std::time::Duration;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use super::block::SharedBlock;
-use super::futex;
 use crate::error::{Error, Result};
 use crate::sys::deadline_after;
+use crate::sys::futex;
 
 const KIND: u32 = 0x4556_4e54; // "EVNT"
 const FLAG: usize = 1;

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use super::block::SharedBlock;
-use super::futex;
+use crate::sys::futex;
 use crate::sys::{Deadline, deadline_after};
 use crate::{Error, LockError, Result};
 

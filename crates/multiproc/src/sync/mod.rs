@@ -9,7 +9,6 @@
 pub(crate) mod block;
 pub(crate) mod counter;
 mod event;
-pub(crate) mod futex;
 pub(crate) mod lock;
 
 /// `Serialize`/`Deserialize` for a primitive that is one [`SharedBlock`](block::SharedBlock)

@@ -1,5 +1,10 @@
 //! Becoming a daemon: `fork` (only while single-threaded) and pointing stdio at
 //! `/dev/null`.
+//!
+//! # Safety
+//!
+//! `fork` while the process has exactly one thread (checked first), and `dup2` of an fd
+//! that is open for the call onto 0..=2: neither touches Rust-owned memory.
 
 use std::os::fd::AsRawFd;
 

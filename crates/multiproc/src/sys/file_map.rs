@@ -3,6 +3,12 @@
 //!
 //! # Safety
 //!
+//! `mmap`/`munmap` of a read-only shared mapping this module owns; the mapping is only
+//! ever read through raw pointers (the file's pages may change under it), never as a
+//! Rust reference.
+//!
+//! # Safety
+//!
 //! The mapping is `PROT_READ`: a store through it would be a SIGSEGV, so the layers above
 //! refuse every write to a read-only storage before it reaches the kernels. The pages
 //! belong to a file that another process may change (`write(2)` to it), so this type never

@@ -1,6 +1,10 @@
 //! Leases: who still holds a resource another process may be using, as the kernel
 //! counts it, with nothing to clean up after a crash.
 //!
+//! # Safety
+//!
+//! No unsafe code.
+//!
 //! A lease file is an empty memfd. Every holder (a process that maps the resource, a
 //! message in flight naming it) has an open file description of its own on that file,
 //! made by re-opening it through `/proc/self/fd`, with a shared `flock` on it. The

@@ -1,4 +1,10 @@
 //! Anonymous memory files (`memfd_create`), their page reservation and their seals.
+//!
+//! # Safety
+//!
+//! No unsafe code. Every memfd is close-on-exec and its pages are reserved
+//! (`fallocate`) before anyone maps it, so no access can SIGBUS for lack of memory;
+//! received ones are checked for seals before they are mapped.
 
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 

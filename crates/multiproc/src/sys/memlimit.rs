@@ -2,6 +2,10 @@
 //! (v2 `memory.max − memory.current` along the cgroup's ancestry, or v1
 //! `memory.limit_in_bytes − memory.usage_in_bytes`), else the system's `MemAvailable`.
 //!
+//! # Safety
+//!
+//! No unsafe code (it reads cgroup and /proc files).
+//!
 //! Shared segments are charged like any page (a memfd's and a `/dev/shm` file's pages
 //! both count against the cgroup of the process that first touches them), so a segment
 //! larger than this headroom would end in the OOM killer's SIGKILL, not an error. The

@@ -1,4 +1,10 @@
 //! Shared mappings of a file, unmapped on drop.
+//!
+//! # Safety
+//!
+//! `sysconf`, and `mmap`/`madvise`/`munmap` of the shared mappings this module owns. A
+//! mapping is handed out only as a raw pointer and its length: other processes may
+//! write it at any moment, so no Rust reference into it is ever made here.
 
 use std::os::fd::BorrowedFd;
 use std::ptr::NonNull;

@@ -1,5 +1,9 @@
 //! The system layer: the only place that talks to the kernel directly.
 //!
+//! # Safety
+//!
+//! This file has no unsafe code; each submodule says what its unsafe calls rely on.
+//!
 //! Everything above this module sees owned file descriptors, byte buffers and our
 //! [`Error`](crate::Error); everything below is rustix (and, where rustix has no safe
 //! wrapper, a few `libc` calls, each with a `// SAFETY:` comment).
@@ -11,6 +15,7 @@
 pub(crate) mod daemon;
 // Used by the `cuda` feature's memory (tested either way).
 pub(crate) mod file_map;
+pub(crate) mod futex;
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) mod lease;
 pub(crate) mod memfd;

@@ -2,6 +2,11 @@
 //! files" becomes an [`Error::FdLimit`], whatever call ran into it),
 //! [`Error::fd_limit`] with this process's figures, and `From<std::io::Error>`.
 //!
+//! # Safety
+//!
+//! One `fcntl(F_GETFD)` through libc, which only reads the flags of an fd number (open
+//! or not), to count open fds where `/proc/self/fd` cannot be listed.
+//!
 //! These live in the system layer, not beside the error types, because measuring the
 //! fd usage is a system call of its own ([`fd_usage`]).
 

@@ -2,6 +2,14 @@
 //! signals, the parent-death signal, and the few environment and name changes a new
 //! worker makes to itself.
 //!
+//! # Safety
+//!
+//! `fork` (only where the process is single-threaded, or followed at once by
+//! `exec`/`_exit` with async-signal-safe calls in between), `setenv` while
+//! single-threaded, `pthread_atfork` with a handler that only stores to an atomic, and
+//! taking ownership of an inherited fd number after checking it is open and claimed by
+//! nothing else.
+//!
 //! Every child made here gets `PR_SET_PDEATHSIG(SIGKILL)` before it runs any of our
 //! code, then checks that its parent is still the process that made it (the parent may
 //! have died between `fork` and `prctl`, in which case the signal would never come).

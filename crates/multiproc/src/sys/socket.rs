@@ -1,5 +1,10 @@
 //! Unix `SOCK_SEQPACKET` sockets that carry bytes and file descriptors together.
 //!
+//! # Safety
+//!
+//! one `setsockopt` through libc on a socket that is valid for the call; everything
+//! else is rustix. Received fds are `OwnedFd` from the moment they arrive.
+//!
 //! One `sendmsg` carries one whole packet and its fds (`SCM_RIGHTS`); the kernel
 //! delivers each packet whole to exactly one reader, which is what makes a socket shared
 //! by many processes a correct multi-producer multi-consumer channel without locks.

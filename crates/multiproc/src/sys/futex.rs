@@ -1,4 +1,10 @@
 //! Waiting on a shared 32-bit word: process-shared futexes with deadlines.
+//!
+//! # Safety
+//!
+//! No unsafe code: rustix's futex calls take `&AtomicU32`. The words live in memory
+//! other processes share, so every wait is `FUTEX_WAIT` without `FUTEX_PRIVATE`, and a
+//! waiter re-checks its condition after every return.
 
 use std::sync::atomic::AtomicU32;
 use std::time::{Duration, Instant};
