@@ -21,8 +21,8 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use super::arena::Arena;
 use super::env::Env;
+use super::peer_tensors::PeerTensors;
 use super::rendezvous;
-use super::zero_copy::PeerTensors;
 use crate::sys::process as sysproc;
 use crate::sys::{Deadline, deadline_after};
 use crate::tensor::Tensor;
