@@ -144,7 +144,7 @@ fn exercise(m: FuzzMessage, depth: usize) -> Result<String> {
 ///
 /// | kind | fd |
 /// |---|---|
-/// | 0 | a memfd of `arg * 256` bytes, sealed against shrinking and growing (a tensor segment); for an odd `arg` it starts with a block header (a pooled segment, see `shm::pool`) |
+/// | 0 | a memfd of `arg * 256` bytes, sealed against shrinking and growing (a tensor segment); for an odd `arg` it starts with a block header (a pooled segment, see `shm::recycler`) |
 /// | 1 | an unsealed memfd of 4096 bytes |
 /// | 2 | a memfd holding the blob, sealed against writing (a message payload) |
 /// | 3 | one end of a `SOCK_SEQPACKET` pair (a queue or pipe end) |

@@ -10,12 +10,12 @@
 //! for a while after their last tensor is dropped: the [`RECENT`] most recently
 //! received ones, at most [`RECENT_BYTES`] in all. A consumer that handles one tensor
 //! at a time would otherwise map and unmap the same arena for every small tensor, and
-//! — since the producer recycles its blocks (see `pool`) — map, fault in and unmap
+//! — since the producer recycles its blocks (see `recycler`) — map, fault in and unmap
 //! the same large block for every large one. A retained block that can never come
 //! back (no uses, and its creator no longer pools it or has exited) is let go as soon
 //! as the retention list next changes. Named segments are never retained (their name
 //! must go away with their last tensor); blocks this process created are kept by its
-//! pool instead.
+//! recycler instead.
 //!
 //! Entries remember the process that made them. A `fork` child inherits the table, but
 //! the segments in it hold its parent's references (and its parent's handles keep them
@@ -91,7 +91,7 @@ impl MapCache {
 
     /// Keeps a received anonymous segment mapped (see the module docs).
     fn retain_recent(&mut self, segment: &Arc<Segment>) {
-        let small = segment.len() <= super::pool::ARENA_LEN;
+        let small = segment.len() <= super::segment::ARENA_LEN;
         if segment.fd().is_none()
             || segment.len() > RECENT_BYTES
             || segment.is_own_block()

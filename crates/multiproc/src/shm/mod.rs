@@ -39,7 +39,7 @@
 //! message that names segments also leaves their in-flight references unadopted: those
 //! names stay until the tree's shm manager removes them when the tree has exited.
 //!
-//! `file_descriptor` storages live in *blocks* (see `pool`): memfd segments with a
+//! `file_descriptor` storages live in *blocks* (see `recycler`): memfd segments with a
 //! 64-byte header counting their uses across processes, which their creator recycles
 //! once no process uses them any more. Small storages are carved out of shared 1 MiB
 //! arena blocks, so a handle names a segment *and* an offset in it; a large storage has
@@ -66,7 +66,7 @@ mod cache;
 pub(crate) mod custody;
 pub(crate) mod file;
 pub(crate) mod name;
-mod pool;
+mod recycler;
 #[allow(unsafe_code)]
 mod segment;
 
@@ -77,10 +77,10 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 pub(crate) use cache::{CacheKey, flush_retained, lookup as cached, release_before_exit};
 pub(crate) use name::SegmentName;
-pub(crate) use pool::allocate;
-pub(crate) use pool::release_idle as release_idle_blocks;
+pub(crate) use recycler::allocate;
+pub(crate) use recycler::release_idle as release_idle_blocks;
 #[cfg(test)]
-pub(crate) use pool::small_max as allocate_small_max;
+pub(crate) use recycler::small_max as allocate_small_max;
 #[cfg(feature = "fuzzing")]
 pub(crate) use segment::BLOCK_MAGIC_BYTES;
 pub(crate) use segment::{BLOCK_HEADER_LEN, Segment};
@@ -111,7 +111,7 @@ pub(crate) fn create(strategy: SharingStrategy, len: usize) -> Result<Arc<Segmen
     Ok(segment)
 }
 
-/// Creates a block (see `pool`) of `len` bytes, header included, already in this
+/// Creates a block (see `recycler`) of `len` bytes, header included, already in this
 /// process's map cache.
 fn create_block(len: usize) -> Result<Arc<Segment>> {
     let segment = Arc::new(Segment::create_block(len)?);
@@ -160,7 +160,7 @@ pub(crate) struct SegmentHandle {
     pub(crate) offset: u64,
     /// How many bytes the storage uses.
     pub(crate) nbytes: u64,
-    /// Whether a received handle brought a use of its block (see `pool`), which the
+    /// Whether a received handle brought a use of its block (see `recycler`), which the
     /// storage made from it must adopt or give back.
     pub(crate) carries_use: bool,
 }

@@ -23,7 +23,7 @@ fn invalid(r: Result<Segment>) -> String {
 
 #[test]
 fn anonymous_segments_are_sealed_reserved_and_cached() {
-    let len = pool::ARENA_LEN + 10_000;
+    let len = segment::ARENA_LEN + 10_000;
     let seg = create(SharingStrategy::FileDescriptor, len).unwrap();
     let fd = seg.fd().unwrap();
     let seals = rustix::fs::fcntl_get_seals(fd).unwrap();
