@@ -26,7 +26,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 
 use super::{Segment, SegmentName};
-use crate::Result;
+use crate::error::Result;
 
 /// What identifies a segment across processes.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]

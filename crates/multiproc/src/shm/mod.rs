@@ -67,8 +67,11 @@ pub(crate) mod custody;
 pub(crate) mod file;
 pub(crate) mod name;
 mod recycler;
+pub(crate) mod registry;
 #[allow(unsafe_code)]
 mod segment;
+pub(crate) mod strategy;
+pub(crate) mod tree;
 
 use std::os::fd::BorrowedFd;
 use std::sync::Arc;
@@ -85,7 +88,9 @@ pub(crate) use recycler::small_max as allocate_small_max;
 pub(crate) use segment::BLOCK_MAGIC_BYTES;
 pub(crate) use segment::{BLOCK_HEADER_LEN, Segment};
 
-use crate::{Error, Result, SharingStrategy, wire};
+use self::strategy::SharingStrategy;
+use crate::error::{Error, Result};
+use crate::wire;
 
 /// Creates a segment of `len > 0` bytes with `strategy`, already in this process's map
 /// cache.
@@ -96,11 +101,11 @@ pub(crate) fn create(strategy: SharingStrategy, len: usize) -> Result<Arc<Segmen
             let name = SegmentName::generate()?;
             // Registered before it exists, so that no crash can leave it unknown to the
             // manager; unregistered again if creation fails.
-            crate::manager::register(&name)?;
+            registry::register(&name)?;
             match Segment::create_named(name.clone(), len) {
                 Ok(s) => s,
                 Err(e) => {
-                    crate::manager::unregister(&name);
+                    registry::unregister(&name);
                     return Err(e);
                 }
             }
@@ -419,7 +424,7 @@ fn receive_named(name: SegmentName, nbytes: u64) -> Result<Arc<Segment>> {
     } else if let Some(name) = segment.name() {
         // This process now holds a reference: connect to the manager, so it does not
         // clean up while we live, and so a restarted manager learns of the name again.
-        if let Err(e) = crate::manager::register(name) {
+        if let Err(e) = registry::register(name) {
             tracing::warn!(segment = %name, "cannot register a received segment: {e}");
         }
     }

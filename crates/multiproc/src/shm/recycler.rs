@@ -40,7 +40,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use super::Segment;
 use super::segment::{ARENA_LEN, BLOCK_HEADER_LEN};
-use crate::{Result, SharingStrategy};
+use super::strategy::SharingStrategy;
+use crate::error::Result;
 
 /// Largest storage carved from an arena.
 pub(crate) const SMALL_MAX: usize = 64 << 10;
@@ -199,7 +200,7 @@ impl Pool {
 
     fn large_block(&mut self, len: usize) -> Result<Slice> {
         let total = len.checked_add(BLOCK_HEADER_LEN).ok_or_else(|| {
-            crate::Error::InvalidArgument(format!("a {len}-byte segment is too large"))
+            crate::error::Error::InvalidArgument(format!("a {len}-byte segment is too large"))
         })?;
         let reuse = self
             .large

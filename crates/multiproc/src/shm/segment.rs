@@ -17,9 +17,10 @@ use rustix::fs::{Mode, OFlags};
 use rustix::io::Errno;
 
 use super::name::{SegmentName, shm_path};
+use super::strategy::SharingStrategy;
+use crate::error::{Error, Result};
 use crate::sys::memfd;
 use crate::sys::mmap::SharedMapping;
-use crate::{Error, Result, SharingStrategy};
 
 /// Bytes before the data of a named segment.
 pub(crate) const HEADER_LEN: usize = 64;
@@ -577,7 +578,7 @@ impl Segment {
                 Ok(()) | Err(Errno::NOENT) => {}
                 Err(e) => tracing::warn!(segment = %name, "cannot unlink: {e}"),
             }
-            crate::manager::unregister(name);
+            super::registry::unregister(name);
         }
     }
 }
@@ -636,7 +637,7 @@ impl Drop for Segment {
             if owner_pid.load(Ordering::Acquire) == pid() {
                 self.release_reference();
             }
-            crate::manager::forget(name);
+            super::registry::forget(name);
         }
     }
 }
