@@ -23,11 +23,13 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use crate::error::{Error, Result};
+use crate::queue::{Connection, Queue, SimpleQueue};
+use crate::shm::strategy::SharingStrategy;
+use crate::sync::{Event, Lock};
 use crate::sys::socket::Packet;
+use crate::tensor::{DType, Tensor};
 use crate::wire::{self, Opaque};
-use crate::{
-    Connection, DType, Error, Event, Lock, Queue, Result, SharingStrategy, SimpleQueue, Tensor,
-};
 
 /// The most fds one input attaches.
 const MAX_FDS: usize = 24;
@@ -256,7 +258,7 @@ pub fn seed_inputs() -> Result<Vec<Vec<u8>>> {
         lock: Some(Lock::new()?),
         queue: Some(Queue::new()?),
         simple: Some(SimpleQueue::new()?),
-        conn: Some(crate::pipe::<u8>()?.0),
+        conn: Some(crate::queue::pipe::<u8>()?.0),
         error: Some(Error::timeout(
             "a test wait",
             Some(std::time::Duration::from_millis(5)),

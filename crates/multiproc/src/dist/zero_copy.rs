@@ -57,9 +57,11 @@ use super::arena::{Arena, LIVENESS_TICK, Note};
 use super::group::{Inner, ReduceOp, State};
 use super::peer_tensors::{SLOTS, socket_name};
 use super::rendezvous;
+use crate::cuda::Device;
+use crate::error::{Error, Result};
 use crate::sys::{Readiness, wait_fd};
 use crate::tensor::{DType, Storage, StorageRead, Tensor};
-use crate::{Device, Error, Result, wire};
+use crate::wire;
 
 /// Tensors smaller than this take the arena path (their copy costs less than a round
 /// of notes, and a small tensor is not moved into shared memory behind its owner's
