@@ -1,7 +1,8 @@
 //! Shared-memory segments: how storage bytes come to live where other processes can map
 //! them, how a segment travels as a handle, and the per-process map cache.
 //!
-//! Two backends, one per [`SharingStrategy`]:
+//! Two backends, one per [`SharingStrategy`] (defined in [`strategy`]; which one a
+//! process uses is `crate::sharing`'s setting):
 //!
 //! - **`file_descriptor`** — an anonymous memfd, pages reserved with `fallocate`, sealed
 //!   against shrinking and growing. The fd is the handle; the kernel counts references
@@ -61,6 +62,14 @@
 //! soon as it is mapped; between a producer's exit and that moment the manager's grace
 //! period (2 s) is what keeps an unreceived segment alive when no other process of the
 //! tree is connected.
+//!
+//! Files, lowest first (each uses only those above it): `strategy` — the two kinds;
+//! `tree` — the manager address and the process tree it names; `name` — segment names,
+//! which carry their tree; `registry` — the client of the tree's manager (the names
+//! this process holds, the request codec, starting the daemon); `segment` — one
+//! mapped segment and its header; `recycler` — the blocks this process recycles;
+//! `cache`, `custody`, `file`. The manager daemon (`crate::manager`) sits above shm
+//! and speaks `registry`'s codec; nothing here depends on it.
 
 mod cache;
 pub(crate) mod custody;
