@@ -65,7 +65,7 @@ pub(crate) fn new_address() -> String {
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos() as u64),
     };
-    // The root's start time makes the tree's name survive pid reuse (see `tree`).
+    // The root's start time makes the tree's name survive pid reuse (see the module docs).
     let pid = std::process::id();
     // (Miri, whose isolation forbids reading /proc, runs the codec tests with 0.)
     let start = if cfg!(miri) {
