@@ -23,11 +23,13 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use crate::error::{Error, Result};
+use crate::queue::{Connection, Queue, SimpleQueue};
+use crate::shm::strategy::SharingStrategy;
+use crate::sync::{Event, Lock};
 use crate::sys::socket::Packet;
+use crate::tensor::{DType, Tensor};
 use crate::wire::{self, Opaque};
-use crate::{
-    Connection, DType, Error, Event, Lock, Queue, Result, SharingStrategy, SimpleQueue, Tensor,
-};
 
 /// The most fds one input attaches.
 const MAX_FDS: usize = 24;
@@ -144,7 +146,7 @@ fn exercise(m: FuzzMessage, depth: usize) -> Result<String> {
 ///
 /// | kind | fd |
 /// |---|---|
-/// | 0 | a memfd of `arg * 256` bytes, sealed against shrinking and growing (a tensor segment); for an odd `arg` it starts with a block header (a pooled segment, see `shm::pool`) |
+/// | 0 | a memfd of `arg * 256` bytes, sealed against shrinking and growing (a tensor segment); for an odd `arg` it starts with a block header (a pooled segment, see `shm::recycler`) |
 /// | 1 | an unsealed memfd of 4096 bytes |
 /// | 2 | a memfd holding the blob, sealed against writing (a message payload) |
 /// | 3 | one end of a `SOCK_SEQPACKET` pair (a queue or pipe end) |
@@ -256,7 +258,7 @@ pub fn seed_inputs() -> Result<Vec<Vec<u8>>> {
         lock: Some(Lock::new()?),
         queue: Some(Queue::new()?),
         simple: Some(SimpleQueue::new()?),
-        conn: Some(crate::pipe::<u8>()?.0),
+        conn: Some(crate::queue::pipe::<u8>()?.0),
         error: Some(Error::timeout(
             "a test wait",
             Some(std::time::Duration::from_millis(5)),

@@ -40,12 +40,12 @@ use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
+use crate::error::{Error, Result};
 use crate::sys::Deadline;
 use crate::sys::futex;
 use crate::sys::memfd;
 use crate::sys::mmap::SharedMapping;
 use crate::sys::process as sysproc;
-use crate::{Error, Result};
 
 /// Bytes per slot: the chunk a collective moves per round.
 pub(crate) const SLOT_BYTES: usize = 4 << 20;

@@ -10,10 +10,11 @@ use std::sync::atomic::Ordering;
 use super::arena::{Arena, Mail, SLOT_BYTES};
 use super::group::{Inner, ReduceOp, State};
 use super::zero_copy::{Kind, Outcome};
+use crate::cuda::Device;
+use crate::error::{Error, Result};
 use crate::sys::Deadline;
 use crate::sys::futex;
 use crate::tensor::{DType, Tensor};
-use crate::{Device, Error, Result};
 
 impl Inner {
     fn check_peer(&self, me: usize, peer: usize, what: &str) -> Result<()> {

@@ -21,12 +21,13 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use super::arena::Arena;
 use super::env::Env;
+use super::peer_tensors::PeerTensors;
 use super::rendezvous;
-use super::zero_copy::PeerTensors;
+use crate::error::{Error, Result};
 use crate::sys::process as sysproc;
 use crate::sys::{Deadline, deadline_after};
 use crate::tensor::Tensor;
-use crate::{Error, Result, wire};
+use crate::wire;
 
 /// How long a collective waits for slow (but living) peers by default.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(1800);

@@ -24,6 +24,7 @@ mod env;
 mod group;
 #[cfg(feature = "mpi")]
 mod mpi;
+mod peer_tensors;
 mod rendezvous;
 #[allow(unsafe_code)]
 mod zero_copy;

@@ -35,8 +35,8 @@ use mpi::traits::*;
 
 use super::env::Env;
 use super::group::{ProcessGroup, ReduceOp, Work};
+use crate::error::{Error, Result};
 use crate::tensor::{DType, Tensor};
-use crate::{Error, Result};
 
 /// The test override of the node size (see the module docs).
 pub const RANKS_PER_NODE_VAR: &str = "MULTIPROC_MPI_RANKS_PER_NODE";

@@ -13,8 +13,9 @@ use rustix::io::Errno;
 use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
 
 use super::env::Env;
+use crate::error::{Error, Result};
 use crate::sys::{Deadline, Readiness, deadline_after, wait_fd};
-use crate::{Error, Result, wire};
+use crate::wire;
 
 /// How long local ranks wait for each other to arrive.
 pub(crate) const RENDEZVOUS_TIMEOUT: Duration = Duration::from_secs(300);

@@ -29,7 +29,7 @@
 //!    Barrier: no rank returns — and lets its caller touch its tensor — before every
 //!    piece is written.
 //!
-//! Caches: a rank assigns its storages to [`SLOTS`] slots and its peers' caches mirror
+//! Caches: a rank assigns its storages to [`SLOTS`](super::peer_tensors::SLOTS) slots (see `peer_tensors`) and its peers' caches mirror
 //! that assignment (they receive exactly what the notes announce), so no rank ever has
 //! to ask for what it lacks. A storage that its owner dropped is announced in the note
 //! and unmapped by the peers; until then the peers' mapping keeps the owner's block from
@@ -55,13 +55,14 @@ use serde::{Deserialize, Serialize};
 
 use super::arena::{Arena, LIVENESS_TICK, Note};
 use super::group::{Inner, ReduceOp, State};
+use super::peer_tensors::{SLOTS, socket_name};
 use super::rendezvous;
+use crate::cuda::Device;
+use crate::error::{Error, Result};
 use crate::sys::{Readiness, wait_fd};
-use crate::tensor::{DType, Storage, StorageRead, Tensor, WeakStorage};
-use crate::{Device, Error, Result, wire};
+use crate::tensor::{DType, Storage, StorageRead, Tensor};
+use crate::wire;
 
-/// Slots of a rank's storages that its peers keep mapped.
-pub(crate) const SLOTS: usize = 32; // one bit each in `Note::Evicted`
 /// Tensors smaller than this take the arena path (their copy costs less than a round
 /// of notes, and a small tensor is not moved into shared memory behind its owner's
 /// back).
@@ -95,22 +96,6 @@ pub(crate) enum Outcome {
     Done,
     /// Every rank agreed to take the arena path instead.
     UseArena,
-}
-
-/// One rank's side of the zero-copy protocol: its socket, and both sides of the slot
-/// caches.
-#[derive(Default)]
-pub(crate) struct PeerTensors {
-    /// Where peers send their storages; bound on first use.
-    listener: Option<OwnedFd>,
-    /// Binding failed once: not retried on every call.
-    unlistenable: bool,
-    /// Which of this rank's storages each slot holds in the peers' caches.
-    mine: Vec<Option<WeakStorage>>,
-    /// The peers' storages, by rank and slot.
-    theirs: Vec<Vec<Option<Storage>>>,
-    /// The next live slot to reuse when every slot is live.
-    next_victim: usize,
 }
 
 /// A storage sent to a peer: who, in which exchange, for which slot.
@@ -157,87 +142,6 @@ fn write_note(arena: &Arena, me: usize, n: &NoteView, evicted: u32) {
     set(Note::Slot, n.slot as u32);
     set(Note::Fresh, u32::from(n.fresh));
     set(Note::Evicted, evicted);
-}
-
-impl PeerTensors {
-    fn sized(&mut self, p: usize) {
-        if self.mine.len() != SLOTS {
-            self.mine = vec![None; SLOTS];
-        }
-        if self.theirs.len() != p {
-            self.theirs = (0..p).map(|_| vec![None; SLOTS]).collect();
-        }
-    }
-
-    /// Binds this rank's socket once; `false` when it cannot be.
-    fn listen(&mut self, arena: &Arena, me: usize) -> bool {
-        if self.listener.is_none() && !self.unlistenable {
-            match bind(arena, me) {
-                Ok(fd) => self.listener = Some(fd),
-                Err(e) => {
-                    tracing::debug!(error = %e, "zero-copy all-reduce off for this group");
-                    self.unlistenable = true;
-                }
-            }
-        }
-        self.listener.is_some()
-    }
-
-    /// Clears the slots whose storage is gone; their bits, for the note.
-    fn sweep(&mut self) -> u32 {
-        let mut evicted = 0;
-        for (i, slot) in self.mine.iter_mut().enumerate() {
-            if slot.as_ref().is_some_and(|w| !w.is_alive()) {
-                *slot = None;
-                evicted |= 1 << i;
-            }
-        }
-        evicted
-    }
-
-    /// The slot of `storage`, and whether it is new to the peers.
-    fn slot_of(&mut self, storage: &Storage) -> (usize, bool) {
-        if let Some(i) = self
-            .mine
-            .iter()
-            .position(|w| w.as_ref().is_some_and(|w| w.is(storage)))
-        {
-            return (i, false);
-        }
-        let free = self.mine.iter().position(Option::is_none);
-        let i = free.unwrap_or_else(|| {
-            let i = self.next_victim % SLOTS;
-            self.next_victim = i + 1;
-            i
-        });
-        (i, true)
-    }
-}
-
-/// The abstract socket name of rank `rank` of the group whose segment is `arena`'s.
-fn socket_name(arena: &Arena, rank: usize) -> Result<String> {
-    let st =
-        rustix::fs::fstat(arena.fd()).map_err(|e| Error::os("fstat of the group segment", e))?;
-    Ok(format!(
-        "multiproc-pg/{:x}.{:x}/zc{rank}",
-        st.st_dev, st.st_ino
-    ))
-}
-
-fn bind(arena: &Arena, me: usize) -> Result<OwnedFd> {
-    let name = socket_name(arena, me)?;
-    let fd = rustix::net::socket_with(
-        AddressFamily::UNIX,
-        SocketType::SEQPACKET,
-        SocketFlags::CLOEXEC | SocketFlags::NONBLOCK,
-        None,
-    )
-    .map_err(|e| Error::os("creating a zero-copy socket", e))?;
-    rustix::net::bind(&fd, &rendezvous::address(&name)?)
-        .map_err(|e| Error::os(format!("binding the zero-copy socket @{name}"), e))?;
-    rustix::net::listen(&fd, arena.world_size() as i32)
-        .map_err(|e| Error::os("listening on the zero-copy socket", e))?;
-    Ok(fd)
 }
 
 /// Whether this rank can take part with `t`, making its storage shared if need be.

@@ -10,9 +10,11 @@ use rustix::event::{PollFd, PollFlags, Timespec, poll};
 use rustix::io::Errno;
 use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
 
-use super::tree::Tree;
-use super::{ADDRESS_ENV, Request, grace, is_valid_address};
+use super::grace;
 use crate::error::{Error, Result};
+use crate::shm::name::remove_names_of;
+use crate::shm::registry::Request;
+use crate::shm::tree::{ADDRESS_ENV, Tree, is_valid_address};
 use crate::sys::daemon::{Forked, fork_single_threaded, redirect_stdio_to_null};
 use crate::sys::socket::{Attempt, try_recv_packet};
 
@@ -178,7 +180,7 @@ pub(super) fn bind(addr: &str) -> Result<Option<OwnedFd>> {
 /// The manager's loop: accepts clients of our uid, applies their requests, and returns
 /// after unlinking every leftover name once no client has been connected for the grace
 /// period — and, when its tree's root has exited, every name of the tree, registered
-/// or not (see `tree`).
+/// or not (see `shm::tree`).
 pub(super) fn serve(listener: OwnedFd, grace: Duration, tree: Option<Tree>) {
     let uid = rustix::process::getuid();
     let _span = tracing::info_span!("multiproc::shm_manager", pid = std::process::id()).entered();
@@ -241,7 +243,7 @@ pub(super) fn serve(listener: OwnedFd, grace: Duration, tree: Option<Tree>) {
         }
     }
     if let Some(tree) = tree.filter(|t| !t.root_alive()) {
-        tree.remove_names();
+        remove_names_of(&tree);
     }
 }
 

@@ -1,5 +1,8 @@
 //! The shm manager: the daemon that removes `file_system` segments a crashed process
-//! tree left in `/dev/shm` (torch's `torch_shm_manager`), and its client.
+//! tree left in `/dev/shm` (torch's `torch_shm_manager`). Its clients' side — the
+//! connection, the request codec, starting the daemon — is `crate::shm::registry`, and
+//! the tree naming it relies on is `crate::shm::tree`; this module is only the daemon,
+//! and depends on shm, never the other way.
 //!
 //! **What it owns.** A set of segment names per process tree. Every process that creates
 //! or maps a named segment is a client: it connects to the manager and sends
@@ -13,7 +16,7 @@
 //! **One per tree.** The address is an abstract Unix `SOCK_SEQPACKET` socket named
 //! `multiproc-shm-<uid>-<root pid>-<root start time>-<random>`, chosen by the first process that needs it
 //! and passed to every process multiproc starts in `MULTIPROC_SHM_MANAGER`
-//! ([`crate::sharing::env_for_child`]), so all processes of a tree share one manager.
+//! (`process::child_env`), so all processes of a tree share one manager.
 //! Only the same user can use it: the manager checks `SO_PEERCRED` on every connection.
 //!
 //! **Started on demand**, the first time a process registers a name: the client
@@ -32,7 +35,7 @@
 //! **Knowledge that survives the manager.** Names that only an in-flight message held
 //! (its queue dropped), or that a worker leaving by `std::process::exit` still held, are
 //! not re-registered by anyone after a restart. So every name carries its tree (see
-//! [`tree`]): when the tree's root has exited, the manager's cleanup removes every name
+//! `shm::tree`): when the tree's root has exited, the manager's cleanup removes every name
 //! of the tree, registered or not; when no manager is left (it was SIGKILLed and nobody
 //! restarted it), the root removes them as it exits; and `multiproc gc` removes them
 //! once the root is gone. `gc` also asks live managers (`Q`) whether they hold a
@@ -40,30 +43,18 @@
 //! of the user runs. Left for gc: a root killed by SIGKILL while its manager was dead
 //! too.
 
-mod client;
 mod daemon;
-pub(crate) mod tree;
 
-use std::sync::OnceLock;
 use std::time::Duration;
 
-pub(crate) use client::{connect, forget, register, unregister};
 pub use daemon::run_shm_manager_from_env;
 // Called by `init()` (the process module) when MULTIPROC_ROLE=shm-manager.
 pub(crate) use daemon::serve_from_env;
 
-/// The environment variable that holds the manager's address.
-pub(crate) const ADDRESS_ENV: &str = "MULTIPROC_SHM_MANAGER";
-/// The environment variable that selects a process's role; the manager's is
-/// [`ROLE`].
-pub(crate) use crate::role::ROLE_VAR as ROLE_ENV;
-/// The role of a process that serves as the shm manager.
-pub(crate) const ROLE: &str = crate::role::Role::ShmManager.name();
 /// Overrides the grace period (milliseconds), for tests.
 pub(crate) const GRACE_ENV: &str = "MULTIPROC_SHM_MANAGER_GRACE_MS";
 /// How long the manager waits after its last client left before cleaning up.
 const DEFAULT_GRACE: Duration = Duration::from_secs(2);
-const ADDRESS_PREFIX: &str = "multiproc-shm-";
 
 /// The grace period: [`GRACE_ENV`] if set and valid, else 2 s.
 fn grace() -> Duration {
@@ -73,97 +64,19 @@ fn grace() -> Duration {
         .map_or(DEFAULT_GRACE, Duration::from_millis)
 }
 
-/// Whether `a` can be a manager address (our prefix, fits an abstract socket name,
-/// printable).
-fn is_valid_address(a: &str) -> bool {
-    a.starts_with(ADDRESS_PREFIX)
-        && a.len() < 100
-        && a.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
-}
-
-/// The manager address of this process tree: inherited from `MULTIPROC_SHM_MANAGER`,
-/// or chosen now (`multiproc-shm-<uid>-<pid>-<start time>-<random>`). Choosing it starts nothing.
-pub(crate) fn address() -> &'static str {
-    ADDRESS.get_or_init(|| {
-        if let Ok(a) = std::env::var(ADDRESS_ENV) {
-            if is_valid_address(&a) {
-                return a;
-            }
-            tracing::warn!("ignoring {ADDRESS_ENV}={a:?}: not a multiproc shm manager address");
+/// Makes this process start its managers on a thread of its own instead of
+/// re-executing the binary (see `shm::registry`): unit tests call it before they use
+/// `file_system`, since their binary, the test harness, cannot serve.
+#[cfg(test)]
+pub(crate) fn serve_in_this_process() {
+    fn start(addr: &str) -> crate::error::Result<()> {
+        if let Some(listener) = daemon::bind(addr)? {
+            let grace = grace();
+            std::thread::spawn(move || daemon::serve(listener, grace, None));
         }
-        new_address()
-    })
-}
-
-static ADDRESS: OnceLock<String> = OnceLock::new();
-
-/// The address, if this process has used one.
-pub(crate) fn address_if_used() -> Option<&'static str> {
-    ADDRESS.get().map(String::as_str)
-}
-
-fn new_address() -> String {
-    let mut random = [0u8; 8];
-    let random = match getrandom::fill(&mut random) {
-        Ok(()) => u64::from_le_bytes(random),
-        // The address need not be secret (the manager checks the peer's uid); it only
-        // has to differ between trees.
-        Err(_) => std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos() as u64),
-    };
-    // The root's start time makes the tree's name survive pid reuse (see `tree`).
-    let pid = std::process::id();
-    // (Miri, whose isolation forbids reading /proc, runs the codec tests with 0.)
-    let start = if cfg!(miri) {
-        0
-    } else {
-        crate::sys::process::start_time(pid).unwrap_or(0)
-    };
-    format!(
-        "{ADDRESS_PREFIX}{}-{pid}-{start}-{random:016x}",
-        rustix::process::getuid().as_raw(),
-    )
-}
-
-/// A client request: one packet, `R`, `U` or `Q` followed by the segment name. `Q`
-/// (query, used by `multiproc gc`) is answered with one packet on the same
-/// connection: `Y` when the manager holds the name, `N` when not.
-#[derive(Clone, Debug, PartialEq, Eq)]
-enum Request {
-    Register(String),
-    Unregister(String),
-    Query(String),
-}
-
-impl Request {
-    fn encode(&self) -> Vec<u8> {
-        let (tag, name) = match self {
-            Request::Register(n) => (b'R', n),
-            Request::Unregister(n) => (b'U', n),
-            Request::Query(n) => (b'Q', n),
-        };
-        let mut bytes = Vec::with_capacity(1 + name.len());
-        bytes.push(tag);
-        bytes.extend_from_slice(name.as_bytes());
-        bytes
+        Ok(())
     }
-
-    /// Parses a packet; `None` for anything that is not a request naming one of our
-    /// segments.
-    fn decode(bytes: &[u8]) -> Option<Request> {
-        let (&tag, name) = bytes.split_first()?;
-        let name = std::str::from_utf8(name).ok()?;
-        if !crate::shm::name::SegmentName::is_valid(name) {
-            return None;
-        }
-        match tag {
-            b'R' => Some(Request::Register(name.to_owned())),
-            b'U' => Some(Request::Unregister(name.to_owned())),
-            b'Q' => Some(Request::Query(name.to_owned())),
-            _ => None,
-        }
-    }
+    let _ = crate::shm::registry::START_IN_PROCESS.set(start);
 }
 
 #[cfg(test)]

@@ -9,8 +9,9 @@ use std::time::{Duration, Instant};
 use rustix::fs::{Mode, OFlags};
 
 use super::daemon::{Registry, bind, serve};
-use super::*;
 use crate::shm::SegmentName;
+use crate::shm::registry::{Request, connect_to, interpret_status_line};
+use crate::shm::tree::{address, is_valid_address, new_address};
 use crate::sys::socket::send_packet;
 
 #[test]
@@ -82,13 +83,13 @@ fn registry_waits_a_grace_period_after_the_last_client() {
 
 #[test]
 fn status_lines_are_interpreted() {
-    assert!(client::interpret_status_line("ready @x", "bin").is_ok());
-    assert!(client::interpret_status_line("in-use @x", "bin").is_ok());
-    let e = client::interpret_status_line("error: cannot listen", "bin").unwrap_err();
+    assert!(interpret_status_line("ready @x", "bin").is_ok());
+    assert!(interpret_status_line("in-use @x", "bin").is_ok());
+    let e = interpret_status_line("error: cannot listen", "bin").unwrap_err();
     assert_eq!(e.to_string(), "shm manager: cannot listen");
-    let e = client::interpret_status_line("", "bin").unwrap_err();
+    let e = interpret_status_line("", "bin").unwrap_err();
     assert!(e.to_string().contains("multiproc::init()"), "{e}");
-    let e = client::interpret_status_line("hello world", "bin").unwrap_err();
+    let e = interpret_status_line("hello world", "bin").unwrap_err();
     assert!(e.to_string().contains("hello world"), "{e}");
 }
 
@@ -124,8 +125,8 @@ fn the_serve_loop_unlinks_leftovers_after_its_clients_hang_up() {
         SegmentName::generate().unwrap(),
     );
     let (kept_path, left_path) = (make_file(&kept), make_file(&left));
-    let a = client::connect_to(&addr).unwrap().unwrap();
-    let b = client::connect_to(&addr).unwrap().unwrap();
+    let a = connect_to(&addr).unwrap().unwrap();
+    let b = connect_to(&addr).unwrap().unwrap();
     send(&a, Request::Register(kept.as_str().into()));
     send(&a, Request::Unregister(kept.as_str().into()));
     send(&a, Request::Register(left.as_str().into()));
@@ -156,10 +157,7 @@ fn the_serve_loop_unlinks_leftovers_after_its_clients_hang_up() {
         "an unregistered name was left alone"
     );
     rustix::fs::unlink(&kept_path).unwrap();
-    assert!(
-        client::connect_to(&addr).unwrap().is_none(),
-        "the manager has gone"
-    );
+    assert!(connect_to(&addr).unwrap().is_none(), "the manager has gone");
 }
 
 #[test]

@@ -86,7 +86,7 @@ pub(crate) fn worker_env(rank: usize, world_size: Option<usize>) -> Vec<(String,
     }
     // The sharing strategy and the shm manager of this process tree.
     env.extend(
-        crate::sharing::env_for_child()
+        super::child_env::env_for_child()
             .into_iter()
             .map(|(k, v)| (k.to_string(), v)),
     );

@@ -42,7 +42,7 @@ pub fn init() {
     raise_nofile_limit();
     let Some(value) = std::env::var_os(ROLE_VAR) else {
         // A process multiproc did not start may be the root of a tree: it cleans up
-        // after a killed shm manager as it exits (see `manager::tree`).
+        // after a killed shm manager as it exits (see `shm::tree`).
         static AT_EXIT: Once = Once::new();
         AT_EXIT.call_once(|| sys::at_exit(clean_up_at_exit));
         return;
@@ -71,7 +71,7 @@ pub fn init() {
 
 extern "C" fn clean_up_at_exit() {
     // Never unwind into libc.
-    let _ = std::panic::catch_unwind(crate::manager::tree::clean_up_at_root_exit);
+    let _ = std::panic::catch_unwind(crate::shm::registry::clean_up_at_root_exit);
 }
 
 /// Turns `init`'s raising of the soft fd limit off.

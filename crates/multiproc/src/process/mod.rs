@@ -19,6 +19,8 @@
 //! - `launch` — the long-lived launcher thread that forks every direct child; it runs
 //!   what its caller hands it, so it depends on nothing above it.
 //! - `forkserver` — the single-threaded fork server and its client.
+//! - `child_env` — the environment every child inherits: the sharing strategy and the
+//!   shm manager's address.
 //! - `child` — a started worker as the parent tracks it: its exit, its report, its
 //!   failure.
 //! - `handle` — [`Process`], the public handle of one worker.
@@ -42,6 +44,7 @@
 //!   `RUST_BACKTRACE` is set) or its exit code / signal name.
 
 mod child;
+mod child_env;
 #[allow(unsafe_code)]
 pub(crate) mod code;
 mod context;

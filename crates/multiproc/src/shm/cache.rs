@@ -8,14 +8,14 @@
 //!
 //! Anonymous segments a process receives from another process are also kept mapped
 //! for a while after their last tensor is dropped: the [`RECENT`] most recently
-//! received ones, at most as many bytes in all as the pool keeps idle (`pool::idle_bytes_limit`). A consumer that handles one tensor
+//! received ones, at most as many bytes in all as the pool keeps idle (`recycler::idle_bytes_limit`). A consumer that handles one tensor
 //! at a time would otherwise map and unmap the same arena for every small tensor, and
-//! — since the producer recycles its blocks (see `pool`) — map, fault in and unmap
+//! — since the producer recycles its blocks (see `recycler`) — map, fault in and unmap
 //! the same large block for every large one. A retained block that can never come
 //! back (no uses, and its creator no longer pools it or has exited) is let go as soon
 //! as the retention list next changes. Named segments are never retained (their name
 //! must go away with their last tensor); blocks this process created are kept by its
-//! pool instead.
+//! recycler instead.
 //!
 //! Entries remember the process that made them. A `fork` child inherits the table, but
 //! the segments in it hold its parent's references (and its parent's handles keep them
@@ -26,7 +26,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 
 use super::{Segment, SegmentName};
-use crate::Result;
+use crate::error::Result;
 
 /// What identifies a segment across processes.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -65,7 +65,7 @@ struct MapCache {
 pub(crate) const RECENT: usize = 8;
 /// How many bytes of received segments stay mapped after their last tensor is dropped.
 fn recent_bytes() -> usize {
-    super::pool::idle_bytes_limit()
+    super::recycler::idle_bytes_limit()
 }
 
 static CACHE: Mutex<Option<MapCache>> = Mutex::new(None);
@@ -93,7 +93,7 @@ impl MapCache {
 
     /// Keeps a received anonymous segment mapped (see the module docs).
     fn retain_recent(&mut self, segment: &Arc<Segment>) {
-        let small = segment.len() <= super::pool::ARENA_LEN;
+        let small = segment.len() <= super::segment::ARENA_LEN;
         if segment.fd().is_none()
             || segment.len() > recent_bytes()
             || segment.is_own_block()

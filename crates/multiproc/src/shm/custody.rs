@@ -21,7 +21,7 @@ use std::os::fd::OwnedFd;
 use std::sync::Arc;
 
 use super::Segment;
-use crate::Result;
+use crate::error::Result;
 
 /// Something that keeps the fds of the blocks sent through one channel.
 pub(crate) trait BlockCustody: Send + Sync {

@@ -27,8 +27,9 @@ use std::sync::{Arc, Mutex, PoisonError, Weak};
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
+use crate::error::{Error, Result};
 use crate::sys::file_map::ReadOnlyMapping;
-use crate::{Error, Result, wire};
+use crate::wire;
 
 /// A regular file mapped read-only and shared, whole.
 pub(crate) struct FileSegment {

@@ -1,7 +1,8 @@
 //! Shared-memory segments: how storage bytes come to live where other processes can map
 //! them, how a segment travels as a handle, and the per-process map cache.
 //!
-//! Two backends, one per [`SharingStrategy`]:
+//! Two backends, one per [`SharingStrategy`] (defined in [`strategy`]; which one a
+//! process uses is `crate::sharing`'s setting):
 //!
 //! - **`file_descriptor`** — an anonymous memfd, pages reserved with `fallocate`, sealed
 //!   against shrinking and growing. The fd is the handle; the kernel counts references
@@ -39,7 +40,7 @@
 //! message that names segments also leaves their in-flight references unadopted: those
 //! names stay until the tree's shm manager removes them when the tree has exited.
 //!
-//! `file_descriptor` storages live in *blocks* (see `pool`): memfd segments with a
+//! `file_descriptor` storages live in *blocks* (see `recycler`): memfd segments with a
 //! 64-byte header counting their uses across processes, which their creator recycles
 //! once no process uses them any more. Small storages are carved out of shared 1 MiB
 //! arena blocks, so a handle names a segment *and* an offset in it; a large storage has
@@ -61,14 +62,25 @@
 //! soon as it is mapped; between a producer's exit and that moment the manager's grace
 //! period (2 s) is what keeps an unreceived segment alive when no other process of the
 //! tree is connected.
+//!
+//! Files, lowest first (each uses only those above it): `strategy` — the two kinds;
+//! `tree` — the manager address and the process tree it names; `name` — segment names,
+//! which carry their tree; `registry` — the client of the tree's manager (the names
+//! this process holds, the request codec, starting the daemon); `segment` — one
+//! mapped segment and its header; `recycler` — the blocks this process recycles;
+//! `cache`, `custody`, `file`. The manager daemon (`crate::manager`) sits above shm
+//! and speaks `registry`'s codec; nothing here depends on it.
 
 mod cache;
 pub(crate) mod custody;
 pub(crate) mod file;
 pub(crate) mod name;
-mod pool;
+mod recycler;
+pub(crate) mod registry;
 #[allow(unsafe_code)]
 mod segment;
+pub(crate) mod strategy;
+pub(crate) mod tree;
 
 use std::os::fd::BorrowedFd;
 use std::sync::Arc;
@@ -77,15 +89,17 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 pub(crate) use cache::{CacheKey, flush_retained, lookup as cached, release_before_exit};
 pub(crate) use name::SegmentName;
-pub(crate) use pool::allocate;
-pub(crate) use pool::release_idle as release_idle_blocks;
+pub(crate) use recycler::allocate;
+pub(crate) use recycler::release_idle as release_idle_blocks;
 #[cfg(test)]
-pub(crate) use pool::small_max as allocate_small_max;
+pub(crate) use recycler::small_max as allocate_small_max;
 #[cfg(feature = "fuzzing")]
 pub(crate) use segment::BLOCK_MAGIC_BYTES;
 pub(crate) use segment::{BLOCK_HEADER_LEN, Segment};
 
-use crate::{Error, Result, SharingStrategy, wire};
+use self::strategy::SharingStrategy;
+use crate::error::{Error, Result};
+use crate::wire;
 
 /// Creates a segment of `len > 0` bytes with `strategy`, already in this process's map
 /// cache.
@@ -96,11 +110,11 @@ pub(crate) fn create(strategy: SharingStrategy, len: usize) -> Result<Arc<Segmen
             let name = SegmentName::generate()?;
             // Registered before it exists, so that no crash can leave it unknown to the
             // manager; unregistered again if creation fails.
-            crate::manager::register(&name)?;
+            registry::register(&name)?;
             match Segment::create_named(name.clone(), len) {
                 Ok(s) => s,
                 Err(e) => {
-                    crate::manager::unregister(&name);
+                    registry::unregister(&name);
                     return Err(e);
                 }
             }
@@ -111,7 +125,7 @@ pub(crate) fn create(strategy: SharingStrategy, len: usize) -> Result<Arc<Segmen
     Ok(segment)
 }
 
-/// Creates a block (see `pool`) of `len` bytes, header included, already in this
+/// Creates a block (see `recycler`) of `len` bytes, header included, already in this
 /// process's map cache.
 fn create_block(len: usize) -> Result<Arc<Segment>> {
     let segment = Arc::new(Segment::create_block(len)?);
@@ -160,7 +174,7 @@ pub(crate) struct SegmentHandle {
     pub(crate) offset: u64,
     /// How many bytes the storage uses.
     pub(crate) nbytes: u64,
-    /// Whether a received handle brought a use of its block (see `pool`), which the
+    /// Whether a received handle brought a use of its block (see `recycler`), which the
     /// storage made from it must adopt or give back.
     pub(crate) carries_use: bool,
 }
@@ -419,7 +433,7 @@ fn receive_named(name: SegmentName, nbytes: u64) -> Result<Arc<Segment>> {
     } else if let Some(name) = segment.name() {
         // This process now holds a reference: connect to the manager, so it does not
         // clean up while we live, and so a restarted manager learns of the name again.
-        if let Err(e) = crate::manager::register(name) {
+        if let Err(e) = registry::register(name) {
             tracing::warn!(segment = %name, "cannot register a received segment: {e}");
         }
     }

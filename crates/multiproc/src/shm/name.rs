@@ -1,6 +1,6 @@
 //! Names of named segments: `multiproc_<pid>_<32 hex digits>_<tree>` in `/dev/shm`,
 //! where `<tree>` (`<root pid>_<root start time>_<16 hex digits>`, see
-//! `manager::tree`) says which process tree made it; names without it (made by a tree
+//! `tree`) says which process tree made it; names without it (made by a tree
 //! whose manager address has no tree) are still valid.
 //!
 //! Invariant: a [`SegmentName`] always matches that pattern, so it is a single path
@@ -10,7 +10,10 @@
 
 use std::fmt;
 
-use crate::{Error, Result};
+use rustix::io::Errno;
+
+use super::tree::{Tree, this_tree};
+use crate::error::{Error, Result};
 
 /// The prefix of every segment we name (also what `multiproc gc` looks for).
 pub(crate) const PREFIX: &str = "multiproc_";
@@ -34,7 +37,7 @@ impl SegmentName {
         for b in random {
             name.push_str(&format!("{b:02x}"));
         }
-        if let Some(tree) = crate::manager::tree::this_tree() {
+        if let Some(tree) = this_tree() {
             name.push('_');
             name.push_str(&tree.tag());
         }
@@ -61,7 +64,7 @@ impl SegmentName {
             return false;
         };
         let random = match rest.split_once('_') {
-            Some(_) if crate::manager::tree::Tree::of_name(name).is_none() => {
+            Some(_) if tree_of_name(name).is_none() => {
                 return false;
             }
             Some((random, _)) => random,
@@ -93,6 +96,40 @@ pub(crate) fn shm_path(name: &SegmentName) -> String {
     format!("/dev/shm/{}", name.0)
 }
 
+/// The tree a segment name was made in, if it carries one.
+pub(crate) fn tree_of_name(name: &str) -> Option<Tree> {
+    let parts: Vec<&str> = name.strip_prefix(PREFIX)?.split('_').collect();
+    let [_pid, _random, root, start, random] = parts.as_slice() else {
+        return None;
+    };
+    Tree::from_parts(root, start, random)
+}
+
+/// Removes every `/dev/shm` name of `tree`; returns how many. Only sound once the
+/// tree's root is gone (see `tree`).
+pub(crate) fn remove_names_of(tree: &Tree) -> usize {
+    let Ok(dir) = std::fs::read_dir("/dev/shm") else {
+        return 0;
+    };
+    let mut removed = 0;
+    for entry in dir.flatten() {
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else { continue };
+        if !SegmentName::is_valid(name) || tree_of_name(name).as_ref() != Some(tree) {
+            continue;
+        }
+        match rustix::fs::unlink(format!("/dev/shm/{name}")) {
+            Ok(()) => removed += 1,
+            Err(Errno::NOENT) => {}
+            Err(e) => tracing::warn!(
+                segment = name,
+                "cannot unlink a segment of a dead tree: {e}"
+            ),
+        }
+    }
+    removed
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -109,8 +146,7 @@ mod tests {
                 .starts_with(&format!("multiproc_{}_", std::process::id()))
         );
         assert!(shm_path(&a).starts_with("/dev/shm/multiproc_"));
-        let tree =
-            crate::manager::tree::Tree::of_name(a.as_str()).expect("a name carries its tree");
+        let tree = tree_of_name(a.as_str()).expect("a name carries its tree");
         assert_eq!(
             tree.root,
             std::process::id(),
@@ -135,5 +171,26 @@ mod tests {
             assert!(SegmentName::parse(bad).is_err(), "{bad:?}");
         }
         assert!(SegmentName::parse("multiproc_42_0123456789abcdef0123456789abcdef").is_ok());
+    }
+
+    #[test]
+    fn trees_round_trip_through_addresses_and_names() {
+        let tree = Tree::of_address("multiproc-shm-0-42-12345-0123456789abcdef").unwrap();
+        assert_eq!((tree.root, tree.start), (42, 12345));
+        let name = format!("multiproc_7_{}_{}", "ab".repeat(16), tree.tag());
+        assert!(SegmentName::is_valid(&name), "{name}");
+        assert_eq!(tree_of_name(&name), Some(tree));
+        assert!(Tree::of_address("multiproc-shm-0-42-0123456789abcdef").is_none());
+        let untagged = format!("multiproc_7_{}", "ab".repeat(16));
+        assert!(SegmentName::is_valid(&untagged) && tree_of_name(&untagged).is_none());
+        for bad in [
+            "_1_2_x",
+            "_1_2_0123456789abcdeF",
+            "_1__0123456789abcdef",
+            "_1_2_3",
+        ] {
+            let name = format!("{untagged}{bad}");
+            assert!(!SegmentName::is_valid(&name), "{name}");
+        }
     }
 }

@@ -17,9 +17,10 @@ use rustix::fs::{Mode, OFlags};
 use rustix::io::Errno;
 
 use super::name::{SegmentName, shm_path};
+use super::strategy::SharingStrategy;
+use crate::error::{Error, Result};
 use crate::sys::memfd;
 use crate::sys::mmap::SharedMapping;
-use crate::{Error, Result, SharingStrategy};
 
 /// Bytes before the data of a named segment.
 pub(crate) const HEADER_LEN: usize = 64;
@@ -46,8 +47,11 @@ struct Header {
 
 const _: () = assert!(std::mem::size_of::<Header>() == HEADER_LEN);
 
-/// Bytes at the start of a pooled anonymous segment (a *block*, see `pool`).
+/// Bytes at the start of a pooled anonymous segment (a *block*, see `recycler`).
 pub(crate) const BLOCK_HEADER_LEN: usize = 64;
+/// Size of one arena block (header included; see `recycler`). A received block no
+/// larger than this may be an arena, so it is mapped whole.
+pub(crate) const ARENA_LEN: usize = 1 << 20;
 /// The first bytes of a block.
 pub(crate) const BLOCK_MAGIC_BYTES: [u8; 8] = *b"MPBLOCK1";
 /// [`BLOCK_MAGIC_BYTES`] as a little-endian u64.
@@ -102,7 +106,7 @@ pub(crate) struct Segment {
     /// Bytes of data.
     len: usize,
     backing: Backing,
-    /// Whether this is a block (see `pool`): decided by whoever made the value — its
+    /// Whether this is a block (see `recycler`): decided by whoever made the value — its
     /// creator, or a receiver from the *handle's* kind — never from bytes in the
     /// mapping, which a peer may have written.
     is_block: bool,
@@ -241,7 +245,7 @@ impl Segment {
             )));
         }
         let page = crate::sys::mmap::page_size() as u64;
-        let wanted = if as_block && size <= super::pool::ARENA_LEN as u64 {
+        let wanted = if as_block && size <= ARENA_LEN as u64 {
             size
         } else {
             claimed.max(1).next_multiple_of(page).min(size)
@@ -574,7 +578,7 @@ impl Segment {
                 Ok(()) | Err(Errno::NOENT) => {}
                 Err(e) => tracing::warn!(segment = %name, "cannot unlink: {e}"),
             }
-            crate::manager::unregister(name);
+            super::registry::unregister(name);
         }
     }
 }
@@ -633,7 +637,7 @@ impl Drop for Segment {
             if owner_pid.load(Ordering::Acquire) == pid() {
                 self.release_reference();
             }
-            crate::manager::forget(name);
+            super::registry::forget(name);
         }
     }
 }

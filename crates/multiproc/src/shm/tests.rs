@@ -23,7 +23,7 @@ fn invalid(r: Result<Segment>) -> String {
 
 #[test]
 fn anonymous_segments_are_sealed_reserved_and_cached() {
-    let len = pool::ARENA_LEN + 10_000;
+    let len = segment::ARENA_LEN + 10_000;
     let seg = create(SharingStrategy::FileDescriptor, len).unwrap();
     let fd = seg.fd().unwrap();
     let seals = rustix::fs::fcntl_get_seals(fd).unwrap();
@@ -82,6 +82,7 @@ fn received_memfds_are_checked_before_mapping() {
 
 #[test]
 fn named_segments_count_references_and_the_last_user_unlinks() {
+    crate::manager::serve_in_this_process();
     let seg = create(SharingStrategy::FileSystem, 1000).unwrap();
     let name = seg.name().unwrap().clone();
     let st = rustix::fs::stat(name::shm_path(&name)).unwrap();
@@ -107,6 +108,7 @@ fn named_segments_count_references_and_the_last_user_unlinks() {
 
 #[test]
 fn received_named_segments_are_checked_before_mapping() {
+    crate::manager::serve_in_this_process();
     let seg = create(SharingStrategy::FileSystem, 256).unwrap();
     let name = seg.name().unwrap().clone();
     assert!(invalid(Segment::open_named(name.clone(), 257)).contains("holds 256"));

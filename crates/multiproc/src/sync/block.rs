@@ -16,9 +16,10 @@ use std::sync::atomic::{AtomicU32, AtomicU64};
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
+use crate::error::{Error, Result};
 use crate::sys::memfd;
 use crate::sys::mmap::SharedMapping;
-use crate::{Error, Result, wire};
+use crate::wire;
 
 /// Size of a block's page of words in bytes; it holds [`WORDS`] atomic words.
 const BLOCK_BYTES: usize = 4096;

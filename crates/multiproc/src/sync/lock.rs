@@ -18,9 +18,9 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use super::block::SharedBlock;
+use crate::error::{Error, LockError, Result};
 use crate::sys::futex;
 use crate::sys::{Deadline, deadline_after};
-use crate::{Error, LockError, Result};
 
 /// How often a waiter checks that the holder still lives.
 const LIVENESS_CHECK: Duration = Duration::from_millis(50);

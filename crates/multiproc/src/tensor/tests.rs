@@ -37,6 +37,7 @@ fn grid() -> Tensor {
 #[test]
 #[cfg_attr(miri, ignore = "memfd, mmap, sockets")]
 fn share_memory_moves_in_place_and_views_follow() {
+    crate::manager::serve_in_this_process();
     for strategy in crate::get_all_sharing_strategies() {
         let g = grid();
         let col = g.select(1, 1).unwrap();
@@ -190,6 +191,7 @@ fn a_tensor_round_trips_and_aliases_the_original() {
 #[test]
 #[cfg_attr(miri, ignore = "memfd, mmap, sockets")]
 fn views_alias_within_one_message_and_across_messages() {
+    crate::manager::serve_in_this_process();
     for strategy in crate::get_all_sharing_strategies() {
         let g = grid();
         g.storage().share_memory_with(*strategy).unwrap();
@@ -268,6 +270,7 @@ fn serializing_outside_a_channel_is_an_error_and_shares_nothing() {
 #[test]
 #[cfg_attr(miri, ignore = "memfd, mmap, sockets")]
 fn an_unsent_file_system_message_gives_its_reference_back() {
+    crate::manager::serve_in_this_process();
     let t = Tensor::zeros(&[16], DType::U8).unwrap();
     t.storage()
         .share_memory_with(SharingStrategy::FileSystem)
@@ -445,6 +448,7 @@ fn forged_handles_are_errors_not_crashes() {
 #[test]
 #[cfg_attr(miri, ignore = "memfd, mmap, sockets")]
 fn a_forged_length_on_a_real_named_segment_is_an_error() {
+    crate::manager::serve_in_this_process();
     let t = Tensor::zeros(&[16], DType::U8).unwrap();
     t.storage()
         .share_memory_with(SharingStrategy::FileSystem)
@@ -477,6 +481,7 @@ fn a_forged_length_on_a_real_named_segment_is_an_error() {
 #[test]
 #[ignore]
 fn perf_figures() {
+    crate::manager::serve_in_this_process();
     use std::time::Instant;
     let n = 16 << 20; // 64 MiB of f32
     let mut plain = vec![0f32; n];

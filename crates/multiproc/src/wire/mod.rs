@@ -311,9 +311,9 @@ mod tests {
     #[cfg_attr(miri, ignore = "sockets and memfds")]
     fn nested_messages_carry_their_fds() {
         let (a, b) = socket::seqpacket_pair().unwrap();
-        let inner = Opaque::encode(&crate::Event::new().unwrap()).unwrap();
+        let inner = Opaque::encode(&crate::sync::Event::new().unwrap()).unwrap();
         let outer: (u8, Opaque) = roundtrip(&(7u8, inner)).unwrap();
-        let ev: crate::Event = outer.1.decode().unwrap();
+        let ev: crate::sync::Event = outer.1.decode().unwrap();
         ev.set();
         assert!(ev.is_set());
         drop((a, b));
@@ -322,9 +322,9 @@ mod tests {
     #[test]
     #[cfg_attr(miri, ignore = "sockets and named segments")]
     fn a_nested_message_that_fails_to_send_keeps_its_references() {
-        let t = crate::Tensor::full(&[256], 3.0, crate::DType::F32).unwrap();
+        let t = crate::tensor::Tensor::full(&[256], 3.0, crate::tensor::DType::F32).unwrap();
         t.storage()
-            .share_memory_with(crate::SharingStrategy::FileSystem)
+            .share_memory_with(crate::shm::strategy::SharingStrategy::FileSystem)
             .unwrap();
         let name = t.storage().shm_name().unwrap();
         let inner = Opaque::encode(&t).unwrap();
@@ -347,7 +347,7 @@ mod tests {
         again.send(c.as_fd(), None).unwrap();
         drop((again, inner));
         let back: (u8, Opaque) = decode(recv_packet(d.as_fd(), None).unwrap().unwrap()).unwrap();
-        let t: crate::Tensor = back.1.decode().unwrap();
+        let t: crate::tensor::Tensor = back.1.decode().unwrap();
         assert_eq!(t.sum().unwrap(), 768.0);
         drop(t);
         assert!(

@@ -56,7 +56,7 @@ unsafe impl Sync for Backing {}
 pub(super) struct StorageInner {
     pub(super) nbytes: usize,
     pub(super) backing: RwLock<Backing>,
-    /// The pid of the process whose use of the backing block (see `shm::pool`) this
+    /// The pid of the process whose use of the backing block (see `shm::recycler`) this
     /// storage holds; 0 for none. A `fork` child inherits the value but not the use, so
     /// it must not give it back.
     pub(super) use_owner: AtomicU32,

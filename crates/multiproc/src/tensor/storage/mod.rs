@@ -138,7 +138,7 @@ impl Storage {
     }
 
     /// Like [`new_shared`](Self::new_shared), but the bytes are unspecified: a recycled
-    /// block (see `shm::pool`) is not zeroed. For storages that will be overwritten
+    /// block (see `shm::recycler`) is not zeroed. For storages that will be overwritten
     /// whole. Reading them is still defined (every bit pattern is a value of every
     /// dtype); they hold whatever this process last stored in recycled shared memory.
     ///
@@ -208,7 +208,7 @@ impl Storage {
     /// process already has there (so the same storage received twice, or sent and
     /// received in one process, is one `Storage`, as in torch), or a new one.
     ///
-    /// `carries_use`: the handle brought a use of the segment's block (see `shm::pool`);
+    /// `carries_use`: the handle brought a use of the segment's block (see `shm::recycler`);
     /// a new storage adopts it, an existing one that already holds this process's use
     /// gives it back.
     pub(crate) fn from_segment(

@@ -31,7 +31,7 @@
 //! the last tensor using it is dropped.
 //!
 //! Invariant: blocks are only handed out by the process that created them (a `fork`
-//! child starts its own pool), so two processes never hand out the same bytes; and a
+//! child starts its own recycler), so two processes never hand out the same bytes; and a
 //! block is handed out again only when its uses are 0, so no storage anywhere still
 //! refers to those bytes.
 
@@ -39,13 +39,12 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use super::Segment;
-use super::segment::BLOCK_HEADER_LEN;
-use crate::{Result, SharingStrategy};
+use super::segment::{ARENA_LEN, BLOCK_HEADER_LEN};
+use super::strategy::SharingStrategy;
+use crate::error::Result;
 
 /// Largest storage carved from an arena.
 pub(crate) const SMALL_MAX: usize = 64 << 10;
-/// Size of one arena block (header included).
-pub(crate) const ARENA_LEN: usize = 1 << 20;
 /// Alignment of carved slices (a cache line).
 const SLICE_ALIGN: usize = 64;
 /// Full arenas kept waiting for their uses to end.
@@ -219,7 +218,7 @@ impl Pool {
 
     fn large_block(&mut self, len: usize) -> Result<Slice> {
         let total = len.checked_add(BLOCK_HEADER_LEN).ok_or_else(|| {
-            crate::Error::InvalidArgument(format!("a {len}-byte segment is too large"))
+            crate::error::Error::InvalidArgument(format!("a {len}-byte segment is too large"))
         })?;
         let reuse = self
             .large

@@ -1,9 +1,16 @@
-//! The client side: one connection per process, the names this process holds, and
-//! starting (or restarting) the daemon.
+//! The registry client: how a process tells its tree's shm manager (`crate::manager`,
+//! the daemon) which named segments it holds — one connection per process, the names
+//! this process holds, the request codec both sides speak, and starting (or
+//! restarting) the daemon by re-executing this binary.
 //!
 //! Invariant: `live` holds every named segment this process maps (created or
 //! received); after any (re)connection all of them are registered again, so a manager
 //! started after a crash of the previous one knows every name a living process uses.
+//! A name is registered *before* its file is created, and unregistered after it is
+//! unlinked; requests are one-way packets (nothing waits for a reply on the hot path).
+//!
+//! This module sits below the daemon: the daemon decodes [`Request`]s and the process
+//! start code asks for [`connect`], and nothing here depends on either.
 
 use std::collections::HashSet;
 use std::io::Read;
@@ -14,12 +21,15 @@ use std::time::{Duration, Instant};
 use rustix::io::Errno;
 use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
 
-use super::{ADDRESS_ENV, ROLE, ROLE_ENV, Request, address};
-use crate::shm::SegmentName;
+use super::name::{SegmentName, remove_names_of};
+use super::tree::{ADDRESS_ENV, Tree, address, address_if_used};
+use crate::error::{Error, Result};
+use crate::role::{ROLE_VAR, Role};
 use crate::sys::socket::send_packet;
 use crate::sys::{Readiness, deadline_after, wait_fd};
-use crate::{Error, Result};
 
+/// The role of a process that serves as the shm manager.
+const ROLE: &str = Role::ShmManager.name();
 /// How long a request may wait for room in the manager's socket.
 const SEND_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long a starting manager has to report that it listens.
@@ -150,7 +160,7 @@ impl Client {
 }
 
 /// Connects to the manager at `addr`; `None` when nobody listens there.
-pub(super) fn connect_to(addr: &str) -> Result<Option<OwnedFd>> {
+pub(crate) fn connect_to(addr: &str) -> Result<Option<OwnedFd>> {
     let sock = rustix::net::socket_with(
         AddressFamily::UNIX,
         SocketType::SEQPACKET,
@@ -214,7 +224,7 @@ fn connect_after_start(addr: &str) -> Result<OwnedFd> {
 fn start(addr: &str) -> Result<()> {
     use std::process::{Command, Stdio};
 
-    if std::env::var(ROLE_ENV).is_ok_and(|r| r == ROLE) {
+    if std::env::var(ROLE_VAR).is_ok_and(|r| r == ROLE) {
         return Err(Error::Manager(
             "this process was started to be the shm manager but is running the program instead: \
              does main() call multiproc::init() first?"
@@ -224,7 +234,7 @@ fn start(addr: &str) -> Result<()> {
     let exe = std::fs::read_link("/proc/self/exe")
         .map_or_else(|_| "/proc/self/exe".to_owned(), |p| p.display().to_string());
     let mut child = Command::new("/proc/self/exe")
-        .env(ROLE_ENV, ROLE)
+        .env(ROLE_VAR, ROLE)
         .env(ADDRESS_ENV, addr)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -254,20 +264,27 @@ fn start(addr: &str) -> Result<()> {
     })
 }
 
-/// In unit tests the binary is the test harness, which cannot serve: run the daemon's
-/// loop on a thread of this process instead.
+/// In unit tests the binary is the test harness, which cannot serve: the manager's
+/// tests install [`START_IN_PROCESS`] (`crate::manager::serve_in_this_process`), which
+/// runs the daemon's loop on a thread of this process.
 #[cfg(test)]
 fn start(addr: &str) -> Result<()> {
-    let _ = (ADDRESS_ENV, ROLE, ROLE_ENV);
-    match super::daemon::bind(addr)? {
-        Some(listener) => {
-            let grace = super::grace();
-            std::thread::spawn(move || super::daemon::serve(listener, grace, None));
-            Ok(())
-        }
-        None => Ok(()),
+    let _ = (ADDRESS_ENV, ROLE, ROLE_VAR);
+    match START_IN_PROCESS.get() {
+        Some(start) => start(addr),
+        None => Err(Error::Manager(
+            "a unit test uses file_system without a manager: call \
+             crate::manager::serve_in_this_process() first"
+                .into(),
+        )),
     }
 }
+
+/// How unit tests start a manager (see `start`): set once by the manager module, which
+/// sits above this one.
+#[cfg(test)]
+pub(crate) static START_IN_PROCESS: std::sync::OnceLock<fn(&str) -> Result<()>> =
+    std::sync::OnceLock::new();
 
 /// Reads the one line a starting manager writes, waiting at most `timeout`.
 #[cfg_attr(test, allow(dead_code))]
@@ -294,7 +311,7 @@ fn read_status_line(mut out: std::process::ChildStdout, timeout: Duration) -> Re
 }
 
 /// `ready …` or `in-use …` is success; `error: …` is the manager's own explanation.
-pub(super) fn interpret_status_line(line: &str, exe: &str) -> Result<()> {
+pub(crate) fn interpret_status_line(line: &str, exe: &str) -> Result<()> {
     if line.starts_with("ready") || line.starts_with("in-use") {
         Ok(())
     } else if let Some(why) = line.strip_prefix("error: ") {
@@ -308,5 +325,64 @@ pub(super) fn interpret_status_line(line: &str, exe: &str) -> Result<()> {
             "{exe} answered {line:?} instead of starting the shm manager; does main() call \
              multiproc::init() first?"
         )))
+    }
+}
+
+/// A client request: one packet, `R`, `U` or `Q` followed by the segment name. `Q`
+/// (query, used by `multiproc gc`) is answered with one packet on the same
+/// connection: `Y` when the manager holds the name, `N` when not.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Request {
+    Register(String),
+    Unregister(String),
+    Query(String),
+}
+
+impl Request {
+    pub(crate) fn encode(&self) -> Vec<u8> {
+        let (tag, name) = match self {
+            Request::Register(n) => (b'R', n),
+            Request::Unregister(n) => (b'U', n),
+            Request::Query(n) => (b'Q', n),
+        };
+        let mut bytes = Vec::with_capacity(1 + name.len());
+        bytes.push(tag);
+        bytes.extend_from_slice(name.as_bytes());
+        bytes
+    }
+
+    /// Parses a packet; `None` for anything that is not a request naming one of our
+    /// segments.
+    pub(crate) fn decode(bytes: &[u8]) -> Option<Request> {
+        let (&tag, name) = bytes.split_first()?;
+        let name = std::str::from_utf8(name).ok()?;
+        if !SegmentName::is_valid(name) {
+            return None;
+        }
+        match tag {
+            b'R' => Some(Request::Register(name.to_owned())),
+            b'U' => Some(Request::Unregister(name.to_owned())),
+            b'Q' => Some(Request::Query(name.to_owned())),
+            _ => None,
+        }
+    }
+}
+
+/// Run as this process exits (registered by `init` in a process that is not one
+/// multiproc started): when this process is the root of its tree and no manager of
+/// the tree is left to clean up after it (it was killed), removes the tree's names
+/// itself. With a live manager, nothing: the manager does it once the root is gone.
+pub(crate) fn clean_up_at_root_exit() {
+    let Some(addr) = address_if_used() else {
+        return;
+    };
+    let Some(tree) = Tree::of_address(addr) else {
+        return;
+    };
+    if tree.root != std::process::id() || !tree.root_alive() {
+        return; // not the root (its start time would differ)
+    }
+    if matches!(connect_to(addr), Ok(None)) {
+        remove_names_of(&tree);
     }
 }
