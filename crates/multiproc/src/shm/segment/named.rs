@@ -1,23 +1,15 @@
-//! A mapped shared-memory segment: anonymous (a sealed memfd) or named (a file in
-//! `/dev/shm` with a 64-byte header holding a cross-process refcount).
-//!
-//! # Safety
-//!
-//! The mapping is memory other processes may write at any time. This module never makes
-//! a Rust reference to the data; the only references it makes into the mapping are to the
-//! header's atomics (`&AtomicU32`/`&AtomicU64`), which are defined for memory written
-//! concurrently by atomics elsewhere. Every header access is in bounds because a named
-//! segment's mapping is always at least [`HEADER_LEN`] bytes (checked before mapping).
+//! The named backend: a file in `/dev/shm` (0600, created with `O_EXCL | O_NOFOLLOW`)
+//! whose 64-byte header holds a cross-process refcount — one reference per process that
+//! maps it, one per message in flight — and whose last user unlinks it.
 
-use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
-use std::sync::Arc;
+use std::os::fd::AsFd;
 use std::sync::atomic::{AtomicI32, AtomicU32, AtomicU64, Ordering};
 
 use rustix::fs::{Mode, OFlags};
 use rustix::io::Errno;
 
-use super::name::{SegmentName, shm_path};
-use super::strategy::SharingStrategy;
+use super::super::name::{SegmentName, shm_path};
+use super::{Backing, Segment, pid};
 use crate::error::{Error, Result};
 use crate::sys::memfd;
 use crate::sys::mmap::SharedMapping;
@@ -47,116 +39,7 @@ struct Header {
 
 const _: () = assert!(std::mem::size_of::<Header>() == HEADER_LEN);
 
-/// Bytes at the start of a pooled anonymous segment (a *block*, see `recycler`).
-pub(crate) const BLOCK_HEADER_LEN: usize = 64;
-/// Size of one arena block (header included; see `recycler`). A received block no
-/// larger than this may be an arena, so it is mapped whole.
-pub(crate) const ARENA_LEN: usize = 1 << 20;
-/// The first bytes of a block.
-pub(crate) const BLOCK_MAGIC_BYTES: [u8; 8] = *b"MPBLOCK1";
-/// [`BLOCK_MAGIC_BYTES`] as a little-endian u64.
-const BLOCK_MAGIC: u64 = u64::from_le_bytes(BLOCK_MAGIC_BYTES);
-
-/// The header of a block: a memfd segment that its creator recycles once nobody uses
-/// it. Every process that maps the block may read or write it at any time, so all
-/// fields are atomics; a process that lies about them can only make its creator keep a
-/// block too long or reuse a block whose bytes that process still reads.
-#[repr(C)]
-struct BlockHeader {
-    magic: AtomicU64,
-    /// Uses: one per process holding a storage on the block, plus one per message in
-    /// flight that names it. The creator reuses the block only at 0, so a process that
-    /// crashes while holding a use pins the block (never corrupts it).
-    uses: AtomicU32,
-    /// 1 while the creator keeps the block for reuse: receivers then keep it mapped too.
-    pooled: AtomicU32,
-    /// Pid of the creator.
-    creator_pid: AtomicU32,
-    _reserved: [AtomicU32; 11],
-}
-
-const _: () = assert!(std::mem::size_of::<BlockHeader>() == BLOCK_HEADER_LEN);
-
-/// What backs a segment.
-#[derive(Debug)]
-enum Backing {
-    /// A sealed memfd; the fd is the handle, the kernel counts the references. In an
-    /// `Arc` so a message can carry it without a `dup`.
-    Anonymous {
-        fd: Arc<OwnedFd>,
-        dev: u64,
-        ino: u64,
-    },
-    /// A named `/dev/shm` file.
-    Named {
-        name: SegmentName,
-        /// The pid whose reference this value holds, 0 for none. A child created by
-        /// `fork` inherits the value but not the reference, so it must not release it.
-        owner_pid: AtomicI32,
-    },
-}
-
-/// A shared-memory segment mapped into this process. Unmapped (and, for the last
-/// user of a named one, unlinked) on drop.
-#[derive(Debug)]
-pub(crate) struct Segment {
-    mapping: SharedMapping,
-    /// Offset of the data in the mapping: 0 anonymous, [`HEADER_LEN`] named.
-    data_offset: usize,
-    /// Bytes of data.
-    len: usize,
-    backing: Backing,
-    /// Whether this is a block (see `recycler`): decided by whoever made the value — its
-    /// creator, or a receiver from the *handle's* kind — never from bytes in the
-    /// mapping, which a peer may have written.
-    is_block: bool,
-}
-
-fn pid() -> i32 {
-    crate::sys::process::cached_pid() as i32
-}
-
 impl Segment {
-    /// Creates an anonymous segment of `len > 0` bytes: a memfd whose pages are
-    /// reserved and whose size is sealed.
-    pub(crate) fn create_anonymous(len: usize) -> Result<Segment> {
-        let fd = memfd::create("multiproc-tensor", len as u64)?;
-        memfd::seal_size(fd.as_fd())?;
-        let st = rustix::fs::fstat(&fd).map_err(|e| Error::os("fstat of a new memfd", e))?;
-        let mapping = SharedMapping::map(fd.as_fd(), len)?;
-        Ok(Segment {
-            mapping,
-            data_offset: 0,
-            len,
-            backing: Backing::Anonymous {
-                fd: Arc::new(fd),
-                dev: st.st_dev,
-                ino: st.st_ino,
-            },
-            is_block: false,
-        })
-    }
-
-    /// Creates a block: an anonymous segment of `len > BLOCK_HEADER_LEN` bytes whose first
-    /// [`BLOCK_HEADER_LEN`] bytes are a [`BlockHeader`] with no uses, pooled by this
-    /// process.
-    pub(crate) fn create_block(len: usize) -> Result<Segment> {
-        let mut segment = Segment::create_anonymous(len.max(BLOCK_HEADER_LEN + 1))?;
-        segment.is_block = true;
-        let ptr = segment.mapping.as_ptr().cast::<BlockHeader>();
-        // SAFETY: the mapping is page-aligned, longer than BLOCK_HEADER_LEN and lives as
-        // long as `segment`; BlockHeader is all atomics, valid for any bit pattern.
-        let h = unsafe { &*ptr };
-        h.uses.store(0, Ordering::Relaxed);
-        h.pooled.store(1, Ordering::Relaxed);
-        h.creator_pid.store(pid() as u32, Ordering::Relaxed);
-        h.magic.store(BLOCK_MAGIC, Ordering::Release);
-        // Its pages are reserved already (fallocate); map them all now rather than
-        // fault them in one by one as the first tensor is written.
-        segment.mapping.populate();
-        Ok(segment)
-    }
-
     /// Creates the named segment `name` with `len` bytes of data, refcount 1 (ours).
     /// On failure nothing is left in `/dev/shm`.
     pub(crate) fn create_named(name: SegmentName, len: usize) -> Result<Segment> {
@@ -202,77 +85,6 @@ impl Segment {
             h.creator_pid.store(pid() as u32, Ordering::Relaxed);
             h.refcount.store(1, Ordering::Relaxed);
             h.magic.store(HEADER_MAGIC, Ordering::Release);
-        }
-        Ok(segment)
-    }
-
-    /// Maps a received memfd after checking it: it must be sealed against shrinking and
-    /// hold at least `claimed` bytes. Only the claimed range is mapped (rounded up to a
-    /// page): a peer that sends a huge sparse file and claims a little of it costs
-    /// this process no more than the claim. The segment is plain, never a block,
-    /// whatever its first bytes say.
-    pub(crate) fn open_anonymous(fd: OwnedFd, claimed: u64) -> Result<Segment> {
-        Segment::open_received(fd, claimed, false)
-    }
-
-    /// [`open_anonymous`](Self::open_anonymous) for a handle that names a block: the
-    /// file must also start with a block header. An arena-sized block is mapped whole
-    /// (later storages are carved anywhere in it); a larger one holds one storage and
-    /// only the claimed range is mapped.
-    pub(crate) fn open_block(fd: OwnedFd, claimed: u64) -> Result<Segment> {
-        Segment::open_received(fd, claimed, true)
-    }
-
-    fn open_received(fd: OwnedFd, claimed: u64, as_block: bool) -> Result<Segment> {
-        let st = rustix::fs::fstat(&fd).map_err(|e| Error::os("fstat of a received segment", e))?;
-        if !memfd::is_shrink_sealed(fd.as_fd()) {
-            return Err(Error::InvalidMessage(
-                "a received tensor's segment is not a memfd sealed against shrinking; \
-                 refusing to map it (it could shrink under us and crash this process)"
-                    .into(),
-            ));
-        }
-        let size = st.st_size.max(0) as u64;
-        if size < claimed || size == 0 {
-            return Err(Error::InvalidMessage(format!(
-                "a received tensor's handle claims {claimed} bytes but its segment holds {size}"
-            )));
-        }
-        if as_block && size <= BLOCK_HEADER_LEN as u64 {
-            return Err(Error::InvalidMessage(format!(
-                "a received tensor's handle names a pooled block, but its segment of {size} \
-                 bytes is too short for a block header"
-            )));
-        }
-        let page = crate::sys::mmap::page_size() as u64;
-        let wanted = if as_block && size <= ARENA_LEN as u64 {
-            size
-        } else {
-            claimed.max(1).next_multiple_of(page).min(size)
-        };
-        let len = usize::try_from(wanted).map_err(|_| {
-            Error::InvalidMessage(format!(
-                "a received segment of {wanted} bytes cannot be mapped"
-            ))
-        })?;
-        let mapping = SharedMapping::map(fd.as_fd(), len)?;
-        let segment = Segment {
-            mapping,
-            data_offset: 0,
-            len,
-            backing: Backing::Anonymous {
-                fd: Arc::new(fd),
-                dev: st.st_dev,
-                ino: st.st_ino,
-            },
-            is_block: as_block,
-        };
-        if as_block && segment.block().is_none() {
-            return Err(Error::InvalidMessage(
-                "a received tensor's handle names a pooled block, but its segment has no \
-                 block header"
-                    .into(),
-            ));
         }
         Ok(segment)
     }
@@ -374,53 +186,6 @@ impl Segment {
         Ok(segment)
     }
 
-    /// The first data byte. Valid for [`len`](Self::len) bytes while `self` lives.
-    pub(crate) fn data_ptr(&self) -> *mut u8 {
-        self.mapping.as_ptr().wrapping_add(self.data_offset)
-    }
-
-    /// Bytes of data.
-    pub(crate) fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Which strategy made it.
-    pub(crate) fn strategy(&self) -> SharingStrategy {
-        match self.backing {
-            Backing::Anonymous { .. } => SharingStrategy::FileDescriptor,
-            Backing::Named { .. } => SharingStrategy::FileSystem,
-        }
-    }
-
-    /// The memfd of an anonymous segment.
-    pub(crate) fn fd(&self) -> Option<BorrowedFd<'_>> {
-        self.shared_fd().map(|fd| fd.as_fd())
-    }
-
-    /// The memfd of an anonymous segment, for a message to keep while it is sent.
-    pub(crate) fn shared_fd(&self) -> Option<&Arc<OwnedFd>> {
-        match &self.backing {
-            Backing::Anonymous { fd, .. } => Some(fd),
-            Backing::Named { .. } => None,
-        }
-    }
-
-    /// Device and inode of an anonymous segment (its identity in the map cache).
-    pub(crate) fn inode(&self) -> Option<(u64, u64)> {
-        match &self.backing {
-            Backing::Anonymous { dev, ino, .. } => Some((*dev, *ino)),
-            Backing::Named { .. } => None,
-        }
-    }
-
-    /// The name of a named segment.
-    pub(crate) fn name(&self) -> Option<&SegmentName> {
-        match &self.backing {
-            Backing::Named { name, .. } => Some(name),
-            Backing::Anonymous { .. } => None,
-        }
-    }
-
     fn header(&self) -> Option<&Header> {
         match self.backing {
             Backing::Named { .. } if self.mapping.len() >= HEADER_LEN => {
@@ -431,89 +196,6 @@ impl Segment {
                 Some(unsafe { &*ptr })
             }
             _ => None,
-        }
-    }
-
-    /// The block header, when this is a block: made as one here, or received by a block
-    /// handle, and still carrying the block magic.
-    fn block(&self) -> Option<&BlockHeader> {
-        match self.backing {
-            Backing::Anonymous { .. } if self.is_block && self.mapping.len() > BLOCK_HEADER_LEN => {
-                let ptr = self.mapping.as_ptr().cast::<BlockHeader>();
-                // SAFETY: the mapping is page-aligned and longer than BLOCK_HEADER_LEN and
-                // lives as long as `&self`; BlockHeader is all atomics, valid for any bit
-                // pattern and for concurrent access from other processes.
-                let h = unsafe { &*ptr };
-                (h.magic.load(Ordering::Acquire) == BLOCK_MAGIC).then_some(h)
-            }
-            _ => None,
-        }
-    }
-
-    /// Maps the pages of `offset..offset + len` of the data now (clamped to the
-    /// mapping): for a received segment, only what the tensor covers.
-    pub(crate) fn populate_range(&self, offset: u64, len: u64) {
-        self.mapping.populate_range(offset, len);
-    }
-
-    /// Whether this is a block (a pooled anonymous segment with a use count).
-    pub(crate) fn is_block(&self) -> bool {
-        self.block().is_some()
-    }
-
-    /// Takes one use of a block (saturating; nothing for other segments).
-    pub(crate) fn acquire_use(&self) {
-        if let Some(h) = self.block() {
-            let _ = h
-                .uses
-                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| v.checked_add(1));
-        }
-    }
-
-    /// Gives one use of a block back (never below zero; nothing for other segments).
-    pub(crate) fn release_use(&self) {
-        if let Some(h) = self.block() {
-            let _ = h
-                .uses
-                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| v.checked_sub(1));
-        }
-    }
-
-    /// The uses of a block (`None` for other segments).
-    pub(crate) fn uses(&self) -> Option<u32> {
-        self.block().map(|h| h.uses.load(Ordering::Acquire))
-    }
-
-    /// Whether this process created the block.
-    pub(crate) fn is_own_block(&self) -> bool {
-        self.block()
-            .is_some_and(|h| h.creator_pid.load(Ordering::Relaxed) == pid() as u32)
-    }
-
-    /// Says whether the creator keeps the block for reuse.
-    pub(crate) fn set_pooled(&self, pooled: bool) {
-        if let Some(h) = self.block() {
-            h.pooled.store(u32::from(pooled), Ordering::Release);
-        }
-    }
-
-    /// Whether a block mapped here (not by its creator) can never be used again: no
-    /// uses, and its creator no longer pools it or has exited. Keeping such a mapping
-    /// only holds memory.
-    pub(crate) fn is_dead_block(&self) -> bool {
-        let Some(h) = self.block() else {
-            return false;
-        };
-        if h.uses.load(Ordering::Acquire) != 0 {
-            return false;
-        }
-        if h.pooled.load(Ordering::Acquire) == 0 {
-            return true;
-        }
-        let creator = h.creator_pid.load(Ordering::Relaxed) as i32;
-        match rustix::process::Pid::from_raw(creator) {
-            Some(p) => rustix::process::test_kill_process(p) == Err(Errno::SRCH),
-            None => true,
         }
     }
 
@@ -578,7 +260,7 @@ impl Segment {
                 Ok(()) | Err(Errno::NOENT) => {}
                 Err(e) => tracing::warn!(segment = %name, "cannot unlink: {e}"),
             }
-            super::registry::unregister(name);
+            super::super::registry::unregister(name);
         }
     }
 }
@@ -627,17 +309,6 @@ impl Segment {
             {
                 self.release_reference();
             }
-        }
-    }
-}
-
-impl Drop for Segment {
-    fn drop(&mut self) {
-        if let Backing::Named { owner_pid, name } = &self.backing {
-            if owner_pid.load(Ordering::Acquire) == pid() {
-                self.release_reference();
-            }
-            super::registry::forget(name);
         }
     }
 }
