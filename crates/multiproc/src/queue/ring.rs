@@ -278,6 +278,9 @@ impl Ring {
             let Some(held) = self.hold(deadline)? else {
                 return Err(Error::timeout("a put waiting for a queue's lock", None));
             };
+            // Through the ring, or on the socket with a marker in the ring, or (after
+            // an overflow) on the socket alone.
+            let mut marked = false;
             if self.word(OVERFLOW).load(Ordering::Acquire) == 0 {
                 let plain = msg
                     .as_plain_bytes()
@@ -289,32 +292,22 @@ impl Ring {
                         self.wake_getter();
                         return Ok(());
                     }
-                    self.word(OVERFLOW).store(1, Ordering::Release);
-                } else if self.free().is_some_and(|f| f >= RECORD_HEADER) {
-                    match msg.try_send(tx)? {
-                        Attempt::Done(()) => {
-                            if !self.push(TAG_MARKER, &[]) {
-                                // Only a corrupt ring refuses a marker that fits: the
-                                // packet then waits on the socket as an unmarked one.
-                                self.word(OVERFLOW).store(1, Ordering::Release);
-                            }
-                            drop(held);
-                            self.wake_getter();
-                            return Ok(());
-                        }
-                        Attempt::WouldBlock => {
-                            drop(held);
-                            wait_for_room(tx, deadline)?;
-                            continue;
-                        }
-                    }
                 } else {
+                    marked = self.free().is_some_and(|f| f >= RECORD_HEADER);
+                }
+                if !marked {
                     self.word(OVERFLOW).store(1, Ordering::Release);
                 }
             }
             match msg.try_send(tx)? {
                 Attempt::Done(()) => {
-                    self.word(SEQ).fetch_add(1, Ordering::SeqCst);
+                    if !marked {
+                        self.word(SEQ).fetch_add(1, Ordering::SeqCst);
+                    } else if !self.push(TAG_MARKER, &[]) {
+                        // Only a corrupt ring refuses a marker that fits: the packet
+                        // then waits on the socket as an unmarked one.
+                        self.word(OVERFLOW).store(1, Ordering::Release);
+                    }
                     drop(held);
                     self.wake_getter();
                     return Ok(());
