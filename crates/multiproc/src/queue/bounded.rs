@@ -202,9 +202,11 @@ impl<T: Serialize + DeserializeOwned> Queue<T> {
         self.shared.block.word(ITEMS).load(Ordering::Acquire) as usize
     }
 
-    /// Whether no item is waiting right now (approximate, like [`qsize`](Self::qsize)).
+    /// Whether no item is waiting right now: `qsize() == 0`, one notion of emptiness
+    /// (approximate, like [`qsize`](Self::qsize): others may put or get at the same
+    /// moment).
     pub fn empty(&self) -> bool {
-        !self.shared.channel.has_waiting()
+        self.qsize() == 0
     }
 
     /// Whether the queue holds its capacity (never for an unbounded queue).

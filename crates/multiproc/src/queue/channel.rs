@@ -92,7 +92,7 @@ impl Channel {
     }
 
     /// The block the channel's ring lives in (a queue keeps its counters there too).
-    pub(crate) fn block(&self) -> &Arc<crate::sync::block::SharedBlock> {
+    pub(crate) fn block(&self) -> &Arc<crate::shm::SharedWords> {
         self.ring.block()
     }
 

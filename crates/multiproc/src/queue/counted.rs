@@ -39,7 +39,7 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use super::channel::Channel;
 use crate::error::{Error, PutError, Result};
-use crate::sync::block::SharedBlock;
+use crate::shm::SharedWords;
 use crate::sync::counter::FutexCount;
 use crate::sys::futex;
 use crate::sys::socket::Packet;
@@ -58,7 +58,7 @@ pub(super) const SLOT_DEBT: usize = 38;
 pub(super) struct Shared {
     pub(super) channel: Channel,
     /// The channel's ring block, where the counters live.
-    pub(super) block: Arc<SharedBlock>,
+    pub(super) block: Arc<SharedWords>,
 }
 
 impl Shared {

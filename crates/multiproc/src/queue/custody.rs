@@ -34,9 +34,9 @@ use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
+use crate::shm::SharedWords;
 use crate::shm::custody::BlockCustody;
 use crate::shm::{CacheKey, Segment, cached};
-use crate::sync::block::SharedBlock;
 use crate::sync::lock::{Acquired, RawLock};
 use crate::sys::socket::{self, Attempt, Packet, seqpacket_pair};
 
@@ -53,7 +53,7 @@ const ENTRY_LEN: usize = 16;
 
 /// The custody of one channel (see the module docs).
 pub(crate) struct Custody {
-    block: Arc<SharedBlock>,
+    block: Arc<SharedWords>,
     lock: RawLock,
     tx: OwnedFd,
     rx: OwnedFd,
@@ -82,14 +82,14 @@ impl Drop for Held<'_> {
 
 impl Custody {
     /// A new, empty custody in the words of `block` (a ring's).
-    pub(crate) fn new(block: Arc<SharedBlock>) -> Result<Self> {
+    pub(crate) fn new(block: Arc<SharedWords>) -> Result<Self> {
         let (tx, rx) = seqpacket_pair()?;
         Ok(Self::from_parts(block, tx, rx))
     }
 
     /// A custody received with its channel: `tx` and `rx` checked to be seqpacket
     /// sockets by the caller.
-    pub(crate) fn from_parts(block: Arc<SharedBlock>, tx: OwnedFd, rx: OwnedFd) -> Self {
+    pub(crate) fn from_parts(block: Arc<SharedWords>, tx: OwnedFd, rx: OwnedFd) -> Self {
         Self {
             lock: RawLock::new(Arc::clone(&block), LOCK_BASE),
             block,

@@ -4,7 +4,7 @@
 //! overflow, and for packets that did not come through a `put` (forged ones, which a
 //! getter still receives and reports).
 //!
-//! **Layout.** One [`SharedBlock`] (kind `RING`) with a byte area of [`RING_BYTES`]
+//! **Layout.** One [`SharedWords`] (kind `RING`) with a byte area of [`RING_BYTES`]
 //! after its page of words. Words: the ring lock (a [`RawLock`], words 1..5), `HEAD`
 //! and `TAIL` (64-bit byte positions, only ever growing; a position's place in the
 //! area is the position modulo [`RING_BYTES`]), `SEQ` (bumped by every publication;
@@ -48,7 +48,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
-use crate::sync::block::SharedBlock;
+use crate::shm::SharedWords;
 use crate::sync::lock::{Acquired, RawLock};
 use crate::sys::futex;
 use crate::sys::socket::{Attempt, Packet};
@@ -84,7 +84,7 @@ const TRY_LOCK: Duration = Duration::from_millis(5);
 
 /// The ring of one channel (see the module docs).
 pub(crate) struct Ring {
-    block: Arc<SharedBlock>,
+    block: Arc<SharedWords>,
     lock: RawLock,
 }
 
@@ -117,10 +117,10 @@ enum Oldest {
 impl Ring {
     /// A new, empty ring.
     pub(crate) fn new() -> Result<Self> {
-        Ok(Self::from_block(SharedBlock::with_bytes(KIND, RING_BYTES)?))
+        Ok(Self::from_block(SharedWords::with_bytes(KIND, RING_BYTES)?))
     }
 
-    fn from_block(block: SharedBlock) -> Self {
+    fn from_block(block: SharedWords) -> Self {
         let block = Arc::new(block);
         Self {
             lock: RawLock::new(Arc::clone(&block), LOCK_BASE),
@@ -130,7 +130,7 @@ impl Ring {
 
     /// The block the ring lives in (its words past the ring's own serve the channel's
     /// custody).
-    pub(crate) fn block(&self) -> &Arc<SharedBlock> {
+    pub(crate) fn block(&self) -> &Arc<SharedWords> {
         &self.block
     }
 
@@ -420,7 +420,7 @@ impl Ring {
 
     /// The ring sent as fd `index` of the message being decoded.
     pub(crate) fn open_received(index: u32, what: &str) -> std::result::Result<Self, String> {
-        SharedBlock::open_received(index, KIND, RING_BYTES, what).map(Self::from_block)
+        SharedWords::open_received(index, KIND, RING_BYTES, what).map(Self::from_block)
     }
 }
 

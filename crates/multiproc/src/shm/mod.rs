@@ -68,7 +68,8 @@
 //! which carry their tree; `registry` — the client of the tree's manager (the names
 //! this process holds, the request codec, starting the daemon); `segment` — one
 //! mapped segment and its header; `recycler` — the blocks this process recycles;
-//! `cache`, `custody`, `file`. The manager daemon (`crate::manager`) sits above shm
+//! `cache`, `custody`, `file`; `words` — pages of shared atomic words (the state of
+//! sync primitives and queues). The manager daemon (`crate::manager`) sits above shm
 //! and speaks `registry`'s codec; nothing here depends on it.
 
 mod cache;
@@ -81,6 +82,8 @@ pub(crate) mod registry;
 mod segment;
 pub(crate) mod strategy;
 pub(crate) mod tree;
+#[allow(unsafe_code)]
+mod words;
 
 use std::os::fd::BorrowedFd;
 use std::sync::Arc;
@@ -96,6 +99,7 @@ pub(crate) use recycler::small_max as allocate_small_max;
 #[cfg(feature = "fuzzing")]
 pub(crate) use segment::BLOCK_MAGIC_BYTES;
 pub(crate) use segment::{BLOCK_HEADER_LEN, Segment};
+pub(crate) use words::SharedWords;
 
 use self::strategy::SharingStrategy;
 use crate::error::{Error, Result};

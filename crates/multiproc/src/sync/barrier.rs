@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use super::block::SharedBlock;
 use crate::error::{Error, Result};
+use crate::shm::SharedWords;
 use crate::sys::deadline_after;
 use crate::sys::futex;
 
@@ -24,7 +24,7 @@ const BAR_BROKEN: usize = 4;
 /// `multiprocessing.Barrier`: each [`wait`](Self::wait) blocks until all parties wait.
 #[derive(Clone)]
 pub struct Barrier {
-    block: Arc<SharedBlock>,
+    block: Arc<SharedWords>,
 }
 
 impl Barrier {
@@ -38,7 +38,7 @@ impl Barrier {
                 "a barrier needs at least 1 party".into(),
             ));
         }
-        let block = SharedBlock::new(BARRIER_KIND)?;
+        let block = SharedWords::new(BARRIER_KIND)?;
         block.word(BAR_PARTIES).store(parties, Ordering::Release);
         Ok(Self {
             block: Arc::new(block),

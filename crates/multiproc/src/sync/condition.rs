@@ -9,9 +9,9 @@ use std::time::Duration;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use super::block::SharedBlock;
 use super::lock::{Lock, OnTimeout, RAW_LOCK_WORDS, RawLock, expect_guard, guarded};
 use crate::error::{Error, LockError, Result};
+use crate::shm::SharedWords;
 use crate::sys::deadline_after;
 use crate::sys::futex;
 
@@ -27,7 +27,7 @@ const COND_SEQ: usize = COND_LOCK + RAW_LOCK_WORDS;
 /// condition in a loop, or use [`wait_for`](Self::wait_for).
 #[derive(Clone)]
 pub struct Condition {
-    block: Arc<SharedBlock>,
+    block: Arc<SharedWords>,
     lock: Lock,
 }
 
@@ -37,10 +37,10 @@ impl Condition {
     /// # Errors
     /// When the shared page cannot be made.
     pub fn new() -> Result<Self> {
-        Ok(Self::from_block(Arc::new(SharedBlock::new(COND_KIND)?)))
+        Ok(Self::from_block(Arc::new(SharedWords::new(COND_KIND)?)))
     }
 
-    fn from_block(block: Arc<SharedBlock>) -> Self {
+    fn from_block(block: Arc<SharedWords>) -> Self {
         let lock = Lock::from_raw(RawLock::new(Arc::clone(&block), COND_LOCK));
         Self { block, lock }
     }

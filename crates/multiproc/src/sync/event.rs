@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use super::block::SharedBlock;
 use crate::error::{Error, Result};
+use crate::shm::SharedWords;
 use crate::sys::deadline_after;
 use crate::sys::futex;
 
@@ -34,7 +34,7 @@ const FLAG: usize = 1;
 /// ```
 #[derive(Clone)]
 pub struct Event {
-    block: Arc<SharedBlock>,
+    block: Arc<SharedWords>,
 }
 
 impl Event {
@@ -44,7 +44,7 @@ impl Event {
     /// When the shared page cannot be made (out of memory or file descriptors).
     pub fn new() -> Result<Self> {
         Ok(Self {
-            block: Arc::new(SharedBlock::new(KIND)?),
+            block: Arc::new(SharedWords::new(KIND)?),
         })
     }
 
@@ -105,7 +105,7 @@ impl Serialize for Event {
 impl<'de> Deserialize<'de> for Event {
     fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
         Ok(Self {
-            block: Arc::new(SharedBlock::deserialize_as(KIND, "an Event", d)?),
+            block: Arc::new(SharedWords::deserialize_as(KIND, "an Event", d)?),
         })
     }
 }

@@ -17,8 +17,8 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use super::block::SharedBlock;
 use crate::error::{Error, LockError, Result};
+use crate::shm::SharedWords;
 use crate::sys::futex;
 use crate::sys::{Deadline, deadline_after};
 
@@ -66,7 +66,7 @@ pub(crate) fn process_is_dead(pid: u32) -> bool {
 /// block starting at `base`.
 #[derive(Clone)]
 pub(crate) struct RawLock {
-    block: Arc<SharedBlock>,
+    block: Arc<SharedWords>,
     base: usize,
 }
 
@@ -81,7 +81,7 @@ pub(crate) enum Acquired {
 }
 
 impl RawLock {
-    pub(crate) fn new(block: Arc<SharedBlock>, base: usize) -> Self {
+    pub(crate) fn new(block: Arc<SharedWords>, base: usize) -> Self {
         Self { block, base }
     }
 
@@ -254,7 +254,7 @@ impl Lock {
     /// When the shared page cannot be made.
     pub fn new() -> Result<Self> {
         Ok(Self {
-            raw: RawLock::new(Arc::new(SharedBlock::new(LOCK_KIND)?), 1),
+            raw: RawLock::new(Arc::new(SharedWords::new(LOCK_KIND)?), 1),
         })
     }
 
@@ -376,7 +376,7 @@ impl Serialize for Lock {
 
 impl<'de> Deserialize<'de> for Lock {
     fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
-        let block = SharedBlock::deserialize_as(LOCK_KIND, "a Lock", d)?;
+        let block = SharedWords::deserialize_as(LOCK_KIND, "a Lock", d)?;
         Ok(Self::from_raw(RawLock::new(Arc::new(block), 1)))
     }
 }
@@ -395,7 +395,7 @@ impl RLock {
     /// When the shared page cannot be made.
     pub fn new() -> Result<Self> {
         Ok(Self {
-            raw: RawLock::new(Arc::new(SharedBlock::new(RLOCK_KIND)?), 1),
+            raw: RawLock::new(Arc::new(SharedWords::new(RLOCK_KIND)?), 1),
         })
     }
 
@@ -534,7 +534,7 @@ impl Serialize for RLock {
 
 impl<'de> Deserialize<'de> for RLock {
     fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
-        let block = SharedBlock::deserialize_as(RLOCK_KIND, "an RLock", d)?;
+        let block = SharedWords::deserialize_as(RLOCK_KIND, "an RLock", d)?;
         Ok(Self {
             raw: RawLock::new(Arc::new(block), 1),
         })

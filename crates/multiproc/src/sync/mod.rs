@@ -1,17 +1,15 @@
-//! Process-shared synchronisation: state lives in a [`SharedBlock`](block::SharedBlock)
+//! Process-shared synchronisation: state lives in a [`SharedWords`](crate::shm::SharedWords)
 //! of atomic words that every process holding the primitive maps, and waiting is a
 //! futex on one of those words (no busy-waiting, no helper process).
 //!
 //! Every primitive is `Clone` (another handle in this process) and `Serialize` through
 //! multiproc channels (a handle in another process).
 
-#[allow(unsafe_code)]
-pub(crate) mod block;
 pub(crate) mod counter;
 mod event;
 pub(crate) mod lock;
 
-/// `Serialize`/`Deserialize` for a primitive that is one [`SharedBlock`](block::SharedBlock)
+/// `Serialize`/`Deserialize` for a primitive that is one [`SharedWords`](crate::shm::SharedWords)
 /// (a field named `block`): the block's handle travels, checked against `$kind` on
 /// arrival. Defined before the modules that use it (textual macro scope).
 macro_rules! shared_block_serde {
@@ -24,7 +22,7 @@ macro_rules! shared_block_serde {
 
         impl<'de, $($g: Bits64)?> Deserialize<'de> for $ty$(<$g>)? {
             fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
-                let $block = Arc::new(SharedBlock::deserialize_as($kind, $what, d)?);
+                let $block = Arc::new(SharedWords::deserialize_as($kind, $what, d)?);
                 Ok($build)
             }
         }

@@ -9,9 +9,9 @@ use std::time::Duration;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use super::block::SharedBlock;
 use super::counter::FutexCount;
 use crate::error::{Error, Result};
+use crate::shm::SharedWords;
 use crate::sys::deadline_after;
 
 const SEM_KIND: u32 = 0x5345_4d41; // "SEMA"
@@ -23,7 +23,7 @@ const SEM_BOUND: usize = 3;
 /// A process-shared counting semaphore, like `multiprocessing.Semaphore`.
 #[derive(Clone)]
 pub struct Semaphore {
-    block: Arc<SharedBlock>,
+    block: Arc<SharedWords>,
 }
 
 impl Semaphore {
@@ -41,7 +41,7 @@ impl Semaphore {
                 "a semaphore's value must be below 2^31, got {value}"
             )));
         }
-        let block = SharedBlock::new(SEM_KIND)?;
+        let block = SharedWords::new(SEM_KIND)?;
         block.word(SEM_VALUE).store(value, Ordering::Release);
         if bounded {
             block.word(SEM_BOUND).store(value + 1, Ordering::Release);

@@ -8,9 +8,9 @@ use std::sync::atomic::Ordering;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use super::block::SharedBlock;
 use super::lock::{Lock, RawLock};
 use crate::error::{Error, Result};
+use crate::shm::SharedWords;
 
 /// Plain data that fits in 64 bits — the types a [`Value`] can hold: each round-trips
 /// through a `u64` ([`to_bits`](Self::to_bits), [`from_bits`](Self::from_bits)), which
@@ -89,7 +89,7 @@ const VALUE_BITS: usize = 8;
 /// # Ok::<(), multiproc::Error>(())
 /// ```
 pub struct Value<T> {
-    block: Arc<SharedBlock>,
+    block: Arc<SharedWords>,
     lock: Lock,
     _value: PhantomData<T>,
 }
@@ -110,14 +110,14 @@ impl<T: Bits64> Value<T> {
     /// # Errors
     /// When the shared page cannot be made.
     pub fn new(value: T) -> Result<Self> {
-        let block = Arc::new(SharedBlock::new(VALUE_KIND)?);
+        let block = Arc::new(SharedWords::new(VALUE_KIND)?);
         block
             .word64(VALUE_BITS)
             .store(value.to_bits(), Ordering::Release);
         Ok(Self::from_block(block))
     }
 
-    fn from_block(block: Arc<SharedBlock>) -> Self {
+    fn from_block(block: Arc<SharedWords>) -> Self {
         let lock = Lock::from_raw(RawLock::new(Arc::clone(&block), VALUE_LOCK));
         Self {
             block,

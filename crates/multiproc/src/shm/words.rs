@@ -1,6 +1,10 @@
+//! [`SharedWords`]: a page of process-shared 32-bit atomic words in a sealed memfd,
+//! optionally followed by a byte area — the state of every sync primitive, and of a
+//! queue's ring, custody and counters.
+//!
 //! # Safety
 //!
-//! A [`SharedBlock`] is one page of shared memory holding 32-bit atomic words that
+//! A [`SharedWords`] is one page of shared memory holding 32-bit atomic words that
 //! several processes update together, optionally followed by a byte area (a queue's
 //! ring of messages). The unsafe code turns a word's address into `&AtomicU32`, and
 //! copies bytes between the byte area and process-local buffers: addresses are in
@@ -33,14 +37,14 @@ const KIND_WORD: usize = 0;
 /// Sync primitives and queue counters live in these. The block travels between
 /// processes as its fd ([`Serialize`] through a multiproc channel only).
 #[derive(Debug)]
-pub(crate) struct SharedBlock {
+pub(crate) struct SharedWords {
     fd: OwnedFd,
     map: SharedMapping,
     /// Bytes of the byte area after the page of words.
     bytes: usize,
 }
 
-impl SharedBlock {
+impl SharedWords {
     /// A new zeroed block tagged with `kind` (a nonzero constant of the owner type).
     pub(crate) fn new(kind: u32) -> Result<Self> {
         Self::with_bytes(kind, 0)
