@@ -5,14 +5,17 @@
 //! Invariant: a rank's `mine` and every peer's `theirs[rank]` hold the same slots —
 //! peers receive exactly what the notes announce — so no rank asks for what it lacks.
 
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsFd, OwnedFd};
+use std::time::{Duration, Instant};
 
 use rustix::net::{AddressFamily, SocketFlags, SocketType};
+use serde::{Deserialize, Serialize};
 
 use super::arena::Arena;
 use super::rendezvous;
 use crate::error::{Error, Result};
-use crate::tensor::{Storage, WeakStorage};
+use crate::tensor::{Storage, Tensor, WeakStorage};
+use crate::wire;
 
 /// Slots of a rank's storages that its peers keep mapped.
 pub(crate) const SLOTS: usize = 32; // one bit each in `Note::Evicted`
@@ -112,4 +115,53 @@ fn bind(arena: &Arena, me: usize) -> Result<OwnedFd> {
     rustix::net::listen(&fd, arena.world_size() as i32)
         .map_err(|e| Error::os("listening on the zero-copy socket", e))?;
     Ok(fd)
+}
+
+/// How long a sender retries a peer's socket whose backlog is full.
+const CONNECT_PATIENCE: Duration = Duration::from_secs(1);
+
+/// A storage sent to a peer: who, in which exchange, for which slot.
+#[derive(Serialize, Deserialize)]
+pub(super) struct Offer {
+    pub(super) rank: u32,
+    pub(super) epoch: u32,
+    pub(super) slot: u32,
+    pub(super) tensor: Tensor,
+}
+
+/// Connects to rank `q`'s socket and sends it `offer`.
+pub(super) fn send_offer(
+    arena: &Arena,
+    q: usize,
+    offer: &Offer,
+    deadline: crate::sys::Deadline,
+) -> Result<()> {
+    let name = socket_name(arena, q)?;
+    let addr = rendezvous::address(&name)?;
+    let sock = rustix::net::socket_with(
+        AddressFamily::UNIX,
+        SocketType::SEQPACKET,
+        SocketFlags::CLOEXEC | SocketFlags::NONBLOCK,
+        None,
+    )
+    .map_err(|e| Error::os("creating a zero-copy socket", e))?;
+    // A full backlog (only a process flooding the socket can fill it: each exchange
+    // makes at most one connection per peer) is waited out briefly, then given up:
+    // every rank then takes the arena path, rather than this one blocking.
+    let give_up = Instant::now() + CONNECT_PATIENCE;
+    loop {
+        match rustix::net::connect(&sock, &addr) {
+            Ok(()) => break,
+            Err(rustix::io::Errno::AGAIN | rustix::io::Errno::INTR) if Instant::now() < give_up => {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            Err(e) => {
+                return Err(Error::os(
+                    format!("connecting to rank {q}'s zero-copy socket @{name}"),
+                    e,
+                ));
+            }
+        }
+    }
+    wire::encode(offer)?.send(sock.as_fd(), deadline)
 }

@@ -48,15 +48,13 @@
 
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use rustix::net::{AddressFamily, SocketFlags, SocketType};
-use serde::{Deserialize, Serialize};
+use rustix::net::SocketFlags;
 
 use super::arena::{Arena, LIVENESS_TICK, Note};
 use super::group::{Inner, ReduceOp, State};
-use super::peer_tensors::{SLOTS, socket_name};
-use super::rendezvous;
+use super::peer_tensors::{Offer, SLOTS, send_offer};
 use crate::cuda::Device;
 use crate::error::{Error, Result};
 use crate::sys::{Readiness, wait_fd};
@@ -69,8 +67,6 @@ use crate::wire;
 pub(crate) const MIN_BYTES: usize = 256 << 10;
 /// Bytes of a piece of phase 4: the sources' and the buffer's pieces stay in cache.
 const PIECE_BYTES: usize = 64 << 10;
-/// How long a sender retries a peer's socket whose backlog is full.
-const CONNECT_PATIENCE: Duration = Duration::from_secs(1);
 
 /// The collective a call runs.
 #[derive(Clone, Copy)]
@@ -96,15 +92,6 @@ pub(crate) enum Outcome {
     Done,
     /// Every rank agreed to take the arena path instead.
     UseArena,
-}
-
-/// A storage sent to a peer: who, in which exchange, for which slot.
-#[derive(Serialize, Deserialize)]
-struct Offer {
-    rank: u32,
-    epoch: u32,
-    slot: u32,
-    tensor: Tensor,
 }
 
 /// This rank's note, as it wrote it or read it from the arena.
@@ -415,43 +402,6 @@ impl Inner {
         }
         Ok(ok)
     }
-}
-
-/// Connects to rank `q`'s socket and sends it `offer`.
-fn send_offer(
-    arena: &Arena,
-    q: usize,
-    offer: &Offer,
-    deadline: crate::sys::Deadline,
-) -> Result<()> {
-    let name = socket_name(arena, q)?;
-    let addr = rendezvous::address(&name)?;
-    let sock = rustix::net::socket_with(
-        AddressFamily::UNIX,
-        SocketType::SEQPACKET,
-        SocketFlags::CLOEXEC | SocketFlags::NONBLOCK,
-        None,
-    )
-    .map_err(|e| Error::os("creating a zero-copy socket", e))?;
-    // A full backlog (only a process flooding the socket can fill it: each exchange
-    // makes at most one connection per peer) is waited out briefly, then given up:
-    // every rank then takes the arena path, rather than this one blocking.
-    let give_up = Instant::now() + CONNECT_PATIENCE;
-    loop {
-        match rustix::net::connect(&sock, &addr) {
-            Ok(()) => break,
-            Err(rustix::io::Errno::AGAIN | rustix::io::Errno::INTR) if Instant::now() < give_up => {
-                std::thread::sleep(Duration::from_millis(1));
-            }
-            Err(e) => {
-                return Err(Error::os(
-                    format!("connecting to rank {q}'s zero-copy socket @{name}"),
-                    e,
-                ));
-            }
-        }
-    }
-    wire::encode(offer)?.send(sock.as_fd(), deadline)
 }
 
 /// Reads one offer from `conn`: the storage and its sender when it is one this rank
