@@ -20,7 +20,6 @@ mod arena;
 #[allow(unsafe_code)]
 mod collectives;
 mod env;
-#[allow(unsafe_code)]
 mod group;
 #[cfg(feature = "mpi")]
 mod mpi;
