@@ -57,10 +57,10 @@ use crate::wire;
 
 const KIND: u32 = 0x5249_4e47; // "RING"
 /// Bytes of a ring's record area.
-pub(crate) const RING_BYTES: usize = 64 << 10;
+const RING_BYTES: usize = 64 << 10;
 /// The largest packet that travels through the ring; a larger one goes on the socket,
 /// in its place behind a marker.
-pub(crate) const RECORD_MAX: usize = 16 << 10;
+const RECORD_MAX: usize = 16 << 10;
 
 /// Words of the block (word 0 is the block's kind; the lock takes words 1..5; words
 /// 16..32 belong to the channel's custody, 32 and up to a queue's counters).
@@ -77,7 +77,7 @@ const TAG_WRAP: u32 = 3;
 const RECORD_HEADER: usize = 8;
 
 /// How long a sleeping getter waits before it looks at the socket again.
-pub(crate) const SOCKET_RECHECK: Duration = Duration::from_millis(20);
+const SOCKET_RECHECK: Duration = Duration::from_millis(20);
 /// How long a `try_` operation waits for the ring lock (whose holders keep it for
 /// well under a microsecond, unless they died holding it).
 const TRY_LOCK: Duration = Duration::from_millis(5);

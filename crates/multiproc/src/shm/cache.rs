@@ -180,9 +180,3 @@ pub(crate) fn flush_retained() -> usize {
 pub(crate) fn lookup(key: &CacheKey) -> Option<Arc<Segment>> {
     with_cache(|c| c.live(key))
 }
-
-/// The live segment under `key`, if this process maps it.
-#[cfg(test)]
-pub(crate) fn get(key: &CacheKey) -> Option<Arc<Segment>> {
-    lookup(key)
-}

@@ -408,7 +408,9 @@ fn receive_by_inode(dev: u64, ino: u64, offset: u64, end: u64) -> Result<Arc<Seg
     let (segment, _) = cache::get_or_try_insert(CacheKey::Inode { dev, ino }, || {
         let fd = custody.find(dev, ino)?.ok_or_else(|| {
             Error::InvalidMessage(format!(
-                "a received tensor names block {dev}:{ino}, which its queue does not hold"
+                "a received tensor names block {dev}:{ino}, which its queue does not hold: \
+                 the message was not made by a multiproc put (or the queue's sockets were \
+                 written by something else); it is dropped, and the queue stays usable"
             ))
         })?;
         let segment = Segment::open_block(fd, end)?;

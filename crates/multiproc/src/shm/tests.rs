@@ -32,7 +32,7 @@ fn anonymous_segments_are_sealed_reserved_and_cached() {
     assert_eq!(st.st_size as usize, len);
     assert!(st.st_blocks as usize * 512 >= len, "pages are reserved");
     let key = CacheKey::of(&seg).unwrap();
-    assert!(Arc::ptr_eq(&cache::get(&key).unwrap(), &seg));
+    assert!(Arc::ptr_eq(&cache::lookup(&key).unwrap(), &seg));
     // Receiving its fd again finds the same mapping.
     let again = receive_fd(fd, 0, len as u64, false).unwrap();
     assert!(Arc::ptr_eq(&again, &seg));
@@ -41,7 +41,7 @@ fn anonymous_segments_are_sealed_reserved_and_cached() {
     assert!(receive_fd(fd, 64, 128, true).is_err());
     drop((seg, again));
     assert!(
-        cache::get(&key).is_none(),
+        cache::lookup(&key).is_none(),
         "the cache does not keep large segments alive"
     );
 }
@@ -63,8 +63,8 @@ fn small_received_segments_stay_mapped_for_a_while() {
     }
     // The oldest was pushed out; the newest is still mapped, and found again. (Other
     // tests receive segments concurrently, so only the ends are certain.)
-    assert!(cache::get(&keys[0]).is_none());
-    assert!(cache::get(&keys[cache::RECENT]).is_some());
+    assert!(cache::lookup(&keys[0]).is_none());
+    assert!(cache::lookup(&keys[cache::RECENT]).is_some());
 }
 
 #[test]

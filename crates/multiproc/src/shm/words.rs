@@ -179,7 +179,7 @@ impl SharedWords {
     }
 
     /// Maps the block sent as fd `index` of the message being decoded (see
-    /// [`attach`](Self::attach)), checked like [`deserialize_with_bytes`](Self::deserialize_with_bytes).
+    /// [`attach`](Self::attach)), checked to be a sealed memfd of the right size and kind.
     pub(crate) fn open_received(
         index: u32,
         kind: u32,
@@ -196,18 +196,7 @@ impl SharedWords {
         what: &str,
         d: D,
     ) -> std::result::Result<Self, D::Error> {
-        Self::deserialize_with_bytes(kind, 0, what, d)
-    }
-
-    /// [`deserialize_as`](Self::deserialize_as) for a block with a byte area of `bytes`.
-    pub(crate) fn deserialize_with_bytes<'de, D: Deserializer<'de>>(
-        kind: u32,
-        bytes: usize,
-        what: &str,
-        d: D,
-    ) -> std::result::Result<Self, D::Error> {
         let index = u32::deserialize(d)?;
-        let fd = wire::received_fd(index, what).map_err(serde::de::Error::custom)?;
-        Self::open(fd, kind, bytes, what).map_err(|e| serde::de::Error::custom(wire::fail_with(e)))
+        Self::open_received(index, kind, 0, what).map_err(serde::de::Error::custom)
     }
 }
