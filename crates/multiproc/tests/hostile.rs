@@ -71,7 +71,22 @@ enum HandleWire {
         offset: u64,
         nbytes: u64,
     },
+    #[allow(dead_code)]
+    BlockRef {
+        dev: u64,
+        ino: u64,
+        offset: u64,
+        nbytes: u64,
+    },
+    NamedBlock {
+        name: String,
+        offset: u64,
+        nbytes: u64,
+    },
 }
+
+/// Where a block's data starts (after its use-counting header).
+const BLOCK_HEADER: u64 = 64;
 
 #[derive(Serialize)]
 enum StorageWire {
@@ -116,16 +131,27 @@ fn fd_tensor(dtype: u8, shape: &[u64], strides: &[u64], offset: u64, nbytes: u64
     })
 }
 
-fn named_tensor(name: &str, numel: u64) -> Vec<u8> {
+/// A tensor of `numel` f32 at the start of named segment `name`: a named block's
+/// (`block`, the kind multiproc sends), or a plain segment's.
+fn named_tensor(name: &str, numel: u64, block: bool) -> Vec<u8> {
+    let (offset, nbytes, name) = (BLOCK_HEADER, numel * 4, name.to_owned());
     payload(&TensorWire {
         dtype: F32,
         shape: vec![numel],
         strides: vec![1],
         offset: 0,
-        storage: StorageWire::Segment(HandleWire::Named {
-            name: name.to_owned(),
-            offset: 0,
-            nbytes: numel * 4,
+        storage: StorageWire::Segment(if block {
+            HandleWire::NamedBlock {
+                name,
+                offset,
+                nbytes,
+            }
+        } else {
+            HandleWire::Named {
+                name,
+                offset: 0,
+                nbytes,
+            }
         }),
     })
 }
@@ -323,13 +349,13 @@ fn truncated_messages() {
             send_raw(there.as_fd(), &[], &[]);
             assert_says(&refused(&here), &["empty packet"]);
             tensor_channel_works(&here, &there);
-            drop(fds);
-            // The captured message's reference (file_system) was never adopted by a
-            // receiver: give it back, as its sender would if it had not been sent.
-            if let Some(name) = t.storage().shm_name() {
-                drop(t);
-                let _ = std::fs::remove_file(format!("/dev/shm/{name}"));
-            }
+            // The captured message carries a use of t's block, which no receiver has
+            // adopted yet: delivered whole once, it is (here, where t holds one, it is
+            // given back), and the block can be recycled again.
+            send_raw(there.as_fd(), &good, &fds);
+            let back: Tensor = here.recv_timeout(WAIT).unwrap();
+            assert_eq!(back.data_ptr(), t.data_ptr());
+            drop((fds, back, t));
         }
         multiproc::set_sharing_strategy(SharingStrategy::FileDescriptor);
     });
@@ -783,7 +809,7 @@ fn named_segments_that_lie_or_shrank_after_they_were_sent() {
         let go = Event::new().unwrap();
         let mut ctx = start_processes(
             receive_and_report,
-            (there, results.clone(), go.clone(), 7),
+            (there, results.clone(), go.clone(), 8),
             1,
             multiproc::StartMethod::Spawn,
         )
@@ -791,10 +817,10 @@ fn named_segments_that_lie_or_shrank_after_they_were_sent() {
         let small = Tensor::full(&[250], 1.0, DType::F32).unwrap();
         small.share_memory_().unwrap();
         let small_name = small.storage().shm_name().unwrap();
-        // 1: claims more than the segment holds.
+        // 1: claims more than the segment (small's 1 MiB arena) holds.
         send_raw(
             here.as_fd(),
-            &packet(0, &named_tensor(&small_name, 1000)),
+            &packet(0, &named_tensor(&small_name, 1 << 19, true)),
             &[],
         );
         // 2: a valid name that names nothing.
@@ -803,11 +829,15 @@ fn named_segments_that_lie_or_shrank_after_they_were_sent() {
             std::process::id(),
             "0123456789abcdef".repeat(2)
         );
-        send_raw(here.as_fd(), &packet(0, &named_tensor(&ghost, 4)), &[]);
+        send_raw(
+            here.as_fd(),
+            &packet(0, &named_tensor(&ghost, 4, true)),
+            &[],
+        );
         // 3: not one of our names.
         send_raw(
             here.as_fd(),
-            &packet(0, &named_tensor("../../etc/passwd", 4)),
+            &packet(0, &named_tensor("../../etc/passwd", 4, true)),
             &[],
         );
         // 4: a symbolic link under one of our names.
@@ -818,7 +848,17 @@ fn named_segments_that_lie_or_shrank_after_they_were_sent() {
         );
         std::os::unix::fs::symlink(format!("/dev/shm/{small_name}"), format!("/dev/shm/{link}"))
             .unwrap();
-        send_raw(here.as_fd(), &packet(0, &named_tensor(&link, 250)), &[]);
+        send_raw(
+            here.as_fd(),
+            &packet(0, &named_tensor(&link, 250, true)),
+            &[],
+        );
+        // 4b: a plain segment's handle to a pooled block.
+        send_raw(
+            here.as_fd(),
+            &packet(0, &named_tensor(&small_name, 250, false)),
+            &[],
+        );
         // 5: a real send of a 4 MiB tensor, shrunk before the receiver maps it.
         let big = Tensor::full(&[1 << 20], 1.0, DType::F32).unwrap();
         big.share_memory_().unwrap();
@@ -838,19 +878,20 @@ fn named_segments_that_lie_or_shrank_after_they_were_sent() {
             .unwrap();
         go.set();
         let mut got = Vec::new();
-        for _ in 0..7 {
+        for _ in 0..8 {
             got.push(results.get_timeout(WAIT).expect("a result"));
         }
         ctx.join(Some(WAIT))
             .expect("the receiver did not finish cleanly");
         let err = |i: usize| got[i].clone().expect_err("a hostile handle was accepted");
-        assert_says(&err(0), &["claims 4000 bytes", "holds 1000"]);
+        assert_says(&err(0), &["claims 2097216 bytes", "holds 1048576"]);
         assert_says(&err(1), &["no longer exists"]);
         assert_says(&err(2), &["not a multiproc segment name"]);
         assert_says(&err(3), &["symbolic link"]);
-        assert_says(&err(4), &["claims 4194304 bytes", "holds 16"]);
-        assert_eq!(got[5], Ok(250.0));
-        assert_eq!(got[6], Ok(8.0));
+        assert_says(&err(4), &["names a plain segment", "is a pooled block"]);
+        assert_says(&err(5), &["claims 4194368 bytes", "holds 16"]);
+        assert_eq!(got[6], Ok(250.0));
+        assert_eq!(got[7], Ok(8.0));
         // Clean up what the hostile cases left: the link, and the shrunk segment, whose
         // in-flight reference no receiver adopted (the tree's shm manager would remove
         // it once every process of the tree had exited).

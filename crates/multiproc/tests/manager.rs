@@ -55,8 +55,11 @@ fn wait_for_stdin_line() -> String {
     line.trim().to_owned()
 }
 
+/// A `file_system` tensor with a block (a name) of its own: larger than the storages
+/// carved from shared arenas (64 KiB), so each one creates and registers a new name,
+/// which is what talks to the manager.
 fn shared_fs_tensor(value: f64) -> multiproc::Result<Tensor> {
-    let t = Tensor::full(&[1024], value, DType::F32)?;
+    let t = Tensor::full(&[16 * 1024 + 1], value, DType::F32)?;
     t.share_memory_()?;
     Ok(t)
 }
@@ -454,13 +457,13 @@ fn a_small_dev_shm_is_a_clear_error_and_memfds_are_not_bounded_by_it() {
     let msg = line
         .strip_prefix("oom ")
         .unwrap_or_else(|| panic!("expected OutOfSharedMemory, got {line}"));
-    // The size asked counts the header the segment adds.
+    // The size asked counts the headers the segment adds (its own and its block's).
     assert!(
-        msg.starts_with(&format!("{} /dev/shm ", (32u64 << 20) + 64)),
+        msg.starts_with(&format!("{} /dev/shm ", (32u64 << 20) + 128)),
         "{msg:?}"
     );
     for part in [
-        "32.0 MiB of data plus the 64-byte header",
+        "32.0 MiB of data plus its 128-byte header",
         "/dev/shm has",
         "of 16.0 MiB",
         "--shm-size",

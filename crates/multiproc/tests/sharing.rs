@@ -259,7 +259,7 @@ fn a_shared_tensor_beyond_the_memory_limit_is_out_of_shared_memory() {
                     )
                 }
                 SharingStrategy::FileSystem => {
-                    assert!(message.contains("64-byte header"), "{message}")
+                    assert!(message.contains("128-byte header"), "{message}")
                 }
             }
         });

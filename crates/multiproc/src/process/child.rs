@@ -207,7 +207,8 @@ impl Child {
 
     /// Takes in whatever has happened, without waiting: the report, the exit (reaping).
     pub(crate) fn collect(&mut self) -> Result<()> {
-        if self.status.is_none() {
+        let was_running = self.status.is_none();
+        if was_running {
             self.status = match &mut self.exit_source {
                 ExitSource::Direct => match sys::try_reap(self.pidfd.as_fd()) {
                     Ok(raw) => raw.map(ExitStatus::from_raw),
@@ -235,6 +236,11 @@ impl Child {
         if self.status.is_some() {
             self.registration.mark_exited();
             self.channel = None;
+            if was_running && self.report.is_none() {
+                // It ended before giving its shared memory back (a worker that reports
+                // has done so): let its idle named blocks go now.
+                crate::shm::unpool_blocks_of_ended(self.pid as u32);
+            }
         }
         Ok(())
     }

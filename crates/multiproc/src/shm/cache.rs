@@ -6,16 +6,17 @@
 //! mapping and insertion happen under one lock, so two threads receiving the same new
 //! segment at once still end up with one mapping.
 //!
-//! Anonymous segments a process receives from another process are also kept mapped
+//! Memfd segments and blocks a process receives from another process are also kept mapped
 //! for a while after their last tensor is dropped: the [`RECENT`] most recently
 //! received ones, at most as many bytes in all as the pool keeps idle (`recycler::idle_bytes_limit`). A consumer that handles one tensor
 //! at a time would otherwise map and unmap the same arena for every small tensor, and
 //! — since the producer recycles its blocks (see `recycler`) — map, fault in and unmap
 //! the same large block for every large one. A retained block that can never come
 //! back (no uses, and its creator no longer pools it or has exited) is let go as soon
-//! as the retention list next changes. Named segments are never retained (their name
-//! must go away with their last tensor); blocks this process created are kept by its
-//! recycler instead.
+//! as the retention list next changes. Plain named segments are never retained (the
+//! mapping holds a reference, and their name must go away with their last tensor); a
+//! named block's mapping holds none (see `segment::block`), so keeping it does not keep
+//! its name. Blocks this process created are kept by its recycler instead.
 //!
 //! Entries remember the process that made them. A `fork` child inherits the table, but
 //! the segments in it hold its parent's references (and its parent's handles keep them
@@ -57,7 +58,7 @@ struct MapCache {
     /// The segment and the pid of the process that cached it.
     entries: HashMap<CacheKey, (u32, Weak<Segment>)>,
     sweep_at: usize,
-    /// Small received anonymous segments kept mapped, most recent last.
+    /// Received segments kept mapped, most recent last.
     recent: VecDeque<Arc<Segment>>,
 }
 
@@ -91,10 +92,10 @@ impl MapCache {
         }
     }
 
-    /// Keeps a received anonymous segment mapped (see the module docs).
+    /// Keeps a received memfd segment or block mapped (see the module docs).
     fn retain_recent(&mut self, segment: &Arc<Segment>) {
         let small = segment.len() <= super::segment::ARENA_LEN;
-        if segment.fd().is_none()
+        if (segment.fd().is_none() && !segment.is_block())
             || segment.len() > recent_bytes()
             || segment.is_own_block()
             || !(small || segment.is_block())

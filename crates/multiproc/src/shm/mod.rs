@@ -105,8 +105,10 @@ use self::strategy::SharingStrategy;
 use crate::error::{Error, Result};
 use crate::wire;
 
-/// Creates a segment of `len > 0` bytes with `strategy`, already in this process's map
-/// cache.
+/// Creates a plain segment (not a block) of `len > 0` bytes with `strategy`, already in
+/// this process's map cache. Storages live in blocks (see `recycler`); plain segments
+/// are made only by tests now, and still accepted from the wire.
+#[cfg(test)]
 pub(crate) fn create(strategy: SharingStrategy, len: usize) -> Result<Arc<Segment>> {
     let segment = match strategy {
         SharingStrategy::FileDescriptor => Segment::create_anonymous(len)?,
@@ -129,10 +131,40 @@ pub(crate) fn create(strategy: SharingStrategy, len: usize) -> Result<Arc<Segmen
     Ok(segment)
 }
 
-/// Creates a block (see `recycler`) of `len` bytes, header included, already in this
-/// process's map cache.
-fn create_block(len: usize) -> Result<Arc<Segment>> {
-    let segment = Arc::new(Segment::create_block(len)?);
+/// Stops pooling the named blocks that process `pid` of this tree made, now that it has
+/// ended without doing so itself (killed, or crashed): their names then go with their
+/// last tensors (at once for idle ones) instead of staying until the shm manager
+/// cleans up after the whole tree. For the parent that collected its exit. Anything
+/// that is not such a block is left alone.
+pub(crate) fn unpool_blocks_of_ended(pid: u32) {
+    for name in name::names_made_by(pid) {
+        if let Ok(block) = Segment::open_named(name, 0, true) {
+            if block.block_creator() == Some(pid) {
+                block.unpool();
+            }
+        }
+    }
+}
+
+/// Creates a block (see `recycler`) of `len` bytes, header included, with `strategy`,
+/// already in this process's map cache.
+fn create_block(strategy: SharingStrategy, len: usize) -> Result<Arc<Segment>> {
+    let segment = match strategy {
+        SharingStrategy::FileDescriptor => Segment::create_anonymous_block(len)?,
+        SharingStrategy::FileSystem => {
+            let name = SegmentName::generate()?;
+            // Registered before it exists, as in `create`.
+            registry::register(&name)?;
+            match Segment::create_named_block(name.clone(), len) {
+                Ok(s) => s,
+                Err(e) => {
+                    registry::unregister(&name);
+                    return Err(e);
+                }
+            }
+        }
+    };
+    let segment = Arc::new(segment);
     cache::insert(&segment);
     Ok(segment)
 }
@@ -164,6 +196,13 @@ enum HandleWire {
     BlockRef {
         dev: u64,
         ino: u64,
+        offset: u64,
+        nbytes: u64,
+    },
+    /// A named block and the bytes the storage uses; the message carries one use of
+    /// the block (and with it a reference on its name), which the receiver adopts.
+    NamedBlock {
+        name: String,
         offset: u64,
         nbytes: u64,
     },
@@ -227,6 +266,19 @@ impl Serialize for SegmentHandle {
                 return Err(S::Error::custom(wire::fail(wire::outside_channel(
                     "a shared tensor",
                 ))));
+            }
+            if self.segment.is_block() {
+                // As for a memfd block: the receiver adopts the use.
+                self.segment.acquire_use();
+                let segment = Arc::clone(&self.segment);
+                wire::on_unsent(Box::new(move || segment.release_use()))
+                    .map_err(|e| S::Error::custom(wire::fail(e)))?;
+                return HandleWire::NamedBlock {
+                    name: name.as_str().to_owned(),
+                    offset: self.offset,
+                    nbytes: self.nbytes,
+                }
+                .serialize(s);
             }
             // The receiver adopts this reference (or drops it when it already maps the
             // segment); if the message is never sent, `on_unsent` gives it back.
@@ -316,24 +368,38 @@ impl<'de> Deserialize<'de> for SegmentHandle {
                 name,
                 offset,
                 nbytes,
-            } => {
-                if !wire::is_decoding() {
-                    return Err(D::Error::custom(wire::fail(
-                        "a shared tensor can only be deserialized by a multiproc channel".into(),
-                    )));
-                }
-                let name = SegmentName::parse(&name).map_err(fail)?;
-                let end = claimed_end(offset, nbytes).map_err(fail)?;
-                let segment = receive_named(name, end).map_err(fail)?;
-                Ok(SegmentHandle {
-                    segment,
-                    offset,
-                    nbytes,
-                    carries_use: false,
-                })
-            }
+            } => named_handle(&name, offset, nbytes, false).map_err(fail),
+            HandleWire::NamedBlock {
+                name,
+                offset,
+                nbytes,
+            } => named_handle(&name, offset, nbytes, true).map_err(fail),
         }
     }
+}
+
+/// The segment a `Named` or (`as_block`) `NamedBlock` handle names.
+fn named_handle(name: &str, offset: u64, nbytes: u64, as_block: bool) -> Result<SegmentHandle> {
+    if !wire::is_decoding() {
+        return Err(Error::InvalidMessage(
+            "a shared tensor can only be deserialized by a multiproc channel".into(),
+        ));
+    }
+    let name = SegmentName::parse(name)?;
+    let end = claimed_end(offset, nbytes)?;
+    if as_block && offset < segment::BLOCK_HEADER_LEN as u64 {
+        return Err(Error::InvalidMessage(format!(
+            "a received tensor's handle names a pooled block, but offset {offset} is inside \
+             the block header"
+        )));
+    }
+    let segment = receive_named(name, end, as_block)?;
+    Ok(SegmentHandle {
+        segment,
+        offset,
+        nbytes,
+        carries_use: as_block,
+    })
 }
 
 /// Where a handle's bytes end (`offset + nbytes`), refusing overflow.
@@ -374,16 +440,8 @@ fn receive_fd(fd: BorrowedFd<'_>, offset: u64, end: u64, as_block: bool) -> Resu
     if segment.is_block() != as_block {
         return Err(Error::InvalidMessage(format!(
             "a received tensor's handle names a {} but the segment is mapped here as a {}",
-            if as_block {
-                "pooled block"
-            } else {
-                "plain segment"
-            },
-            if as_block {
-                "plain segment"
-            } else {
-                "pooled block"
-            },
+            block_word(as_block),
+            block_word(!as_block),
         )));
     }
     check_claim(&segment, end)?;
@@ -427,23 +485,44 @@ fn receive_by_inode(dev: u64, ino: u64, offset: u64, end: u64) -> Result<Arc<Seg
     Ok(segment)
 }
 
-/// Maps a received named segment (whose data must be at least `nbytes` long), adopting the message's in-flight reference, or finds
-/// it already mapped here and drops that reference.
-fn receive_named(name: SegmentName, nbytes: u64) -> Result<Arc<Segment>> {
+/// Maps a received named segment (whose data must be at least `end` bytes long) or,
+/// when `as_block` (the handle's kind says so), named block. A plain segment adopts the
+/// message's in-flight reference, or drops it when the segment is mapped here already;
+/// a block's reference comes with the message's use, which the storage adopts.
+fn receive_named(name: SegmentName, end: u64, as_block: bool) -> Result<Arc<Segment>> {
     let key = CacheKey::Name(name.clone());
-    let (segment, fresh) = cache::get_or_try_insert(key, || Segment::open_named(name, nbytes))?;
+    let (segment, fresh) =
+        cache::get_or_try_insert(key, || Segment::open_named(name, end, as_block))?;
+    if segment.is_block() != as_block {
+        return Err(Error::InvalidMessage(format!(
+            "a received tensor's handle names a {} but segment {} is mapped here as a {}",
+            block_word(as_block),
+            segment.name().map_or("?", |n| n.as_str()),
+            block_word(!as_block),
+        )));
+    }
     if !fresh {
         // A claim that does not fit is refused before the reference count is touched.
-        check_claim(&segment, nbytes)?;
-        segment.absorb_in_flight();
+        check_claim(&segment, end)?;
+        if !as_block {
+            segment.absorb_in_flight();
+        }
     } else if let Some(name) = segment.name() {
-        // This process now holds a reference: connect to the manager, so it does not
-        // clean up while we live, and so a restarted manager learns of the name again.
+        // This process now maps it: connect to the manager, so it does not clean up
+        // while we live, and so a restarted manager learns of the name again.
         if let Err(e) = registry::register(name) {
             tracing::warn!(segment = %name, "cannot register a received segment: {e}");
         }
     }
     Ok(segment)
+}
+
+fn block_word(block: bool) -> &'static str {
+    if block {
+        "pooled block"
+    } else {
+        "plain segment"
+    }
 }
 
 /// [`receive_fd`] for the micro-benchmarks (`crate::__bench`).

@@ -130,6 +130,22 @@ pub(crate) fn remove_names_of(tree: &Tree) -> usize {
     removed
 }
 
+/// The names in `/dev/shm` that process `pid` of this process's tree made.
+pub(crate) fn names_made_by(pid: u32) -> Vec<SegmentName> {
+    let Ok(dir) = std::fs::read_dir("/dev/shm") else {
+        return Vec::new();
+    };
+    let prefix = format!("{PREFIX}{pid}_");
+    let tree = this_tree();
+    dir.flatten()
+        .filter_map(|entry| entry.file_name().into_string().ok())
+        .filter(|name| {
+            name.starts_with(&prefix) && SegmentName::is_valid(name) && tree_of_name(name) == tree
+        })
+        .map(SegmentName)
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

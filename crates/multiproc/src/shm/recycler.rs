@@ -1,5 +1,6 @@
-//! Where a storage's shared bytes come from: `file_descriptor` storages live in
-//! *blocks* that this process recycles; `file_system` storages get a segment each.
+//! Where a storage's shared bytes come from: *blocks* that this process recycles, memfd
+//! blocks for `file_descriptor` storages and named blocks for `file_system` ones (one
+//! pool each, alike).
 //!
 //! Creating, mapping, faulting in and unmapping a fresh memfd costs tens of
 //! microseconds for a small one and milliseconds for a large one (the kernel zeroes and
@@ -27,8 +28,13 @@
 //! storage carved from it lives, in any process, so one long-lived small tensor keeps
 //! its whole arena (1 MiB) alive.
 //!
-//! `file_system` storages are never pooled: a name must disappear from `/dev/shm` when
-//! the last tensor using it is dropped.
+//! A named block's name stays in `/dev/shm` while the block is pooled or used (see
+//! `segment::block`): it goes with the last tensor on it once its creator stops
+//! pooling it — when the pool lets it go (the bounds above, or a full `/dev/shm`), when
+//! a worker ends, and when this process exits through `exit` (an `atexit` handler).
+//! After a crash the shm manager removes what is left. Named blocks are bounded also by
+//! `/dev/shm`: idle ones are kept up to a quarter of its size, and a creation that finds
+//! it full lets every idle one go and tries again once.
 //!
 //! Invariant: blocks are only handed out by the process that created them (a `fork`
 //! child starts its own recycler), so two processes never hand out the same bytes; and a
@@ -41,7 +47,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use super::Segment;
 use super::segment::{ARENA_LEN, BLOCK_HEADER_LEN};
 use super::strategy::SharingStrategy;
-use crate::error::Result;
+use crate::error::{Error, Result};
 
 /// Largest storage carved from an arena.
 pub(crate) const SMALL_MAX: usize = 64 << 10;
@@ -72,7 +78,21 @@ pub(crate) fn idle_bytes_limit() -> usize {
     })
 }
 
-/// Shared bytes for one storage: `len` bytes at `offset` in `segment`. For a block,
+/// [`idle_bytes_limit`] for `strategy`: named blocks also at most a quarter of
+/// `/dev/shm`, whose space they take.
+fn idle_limit(strategy: SharingStrategy) -> usize {
+    static DEV_SHM_QUARTER: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    match strategy {
+        SharingStrategy::FileDescriptor => idle_bytes_limit(),
+        SharingStrategy::FileSystem => idle_bytes_limit().min(*DEV_SHM_QUARTER.get_or_init(|| {
+            crate::sys::memfd::dev_shm_size()
+                .and_then(|b| usize::try_from(b / 4).ok())
+                .unwrap_or(usize::MAX)
+        })),
+    }
+}
+
+/// Shared bytes for one storage: `len` bytes at `offset` in `segment`, a block of which
 /// one use has been taken on behalf of the storage.
 pub(crate) struct Slice {
     pub(crate) segment: Arc<Segment>,
@@ -88,8 +108,9 @@ struct Arena {
     fresh: bool,
 }
 
+/// The blocks of one strategy.
 struct Pool {
-    pid: u32,
+    strategy: SharingStrategy,
     arena: Option<Arena>,
     /// Full arenas, oldest first.
     retired: VecDeque<Arc<Segment>>,
@@ -97,7 +118,14 @@ struct Pool {
     large: VecDeque<Arc<Segment>>,
 }
 
-static POOL: Mutex<Option<Pool>> = Mutex::new(None);
+/// This process's pools.
+struct Pools {
+    pid: u32,
+    fd: Pool,
+    named: Pool,
+}
+
+static POOLS: Mutex<Option<Pools>> = Mutex::new(None);
 
 /// The largest storage carved from an arena (for tests elsewhere in the crate).
 #[cfg(test)]
@@ -110,70 +138,138 @@ fn is_free(block: &Segment) -> bool {
     block.uses() == Some(0)
 }
 
-/// Stops keeping a block: receivers may now unmap it once it has no uses.
+/// Stops keeping a block: receivers may now unmap it once it has no uses, and a named
+/// block's name goes with its last use.
 fn release(block: Arc<Segment>) {
-    block.set_pooled(false);
+    block.unpool();
 }
 
-/// Shared bytes for a storage of `len > 0` bytes with `strategy`.
-pub(crate) fn allocate(strategy: SharingStrategy, len: usize) -> Result<Slice> {
-    if strategy != SharingStrategy::FileDescriptor {
-        return Ok(Slice {
-            segment: super::create(strategy, len)?,
-            offset: 0,
-            zeroed: true,
-        });
-    }
+/// Runs `f` on this process's pool for `strategy`.
+fn with_pool<R>(strategy: SharingStrategy, f: impl FnOnce(&mut Pool) -> R) -> R {
     let pid = crate::sys::process::cached_pid();
-    let mut guard = POOL.lock().unwrap_or_else(PoisonError::into_inner);
-    let pool = match guard.as_mut() {
+    let mut guard = POOLS.lock().unwrap_or_else(PoisonError::into_inner);
+    let pools = match guard.as_mut() {
         Some(p) if p.pid == pid => p,
         _ => {
             // First use, or a `fork` child: the parent's blocks are the parent's to
             // hand out. (Dropping the inherited handles only unmaps them here.)
-            guard.insert(Pool {
+            guard.insert(Pools {
                 pid,
-                arena: None,
-                retired: VecDeque::new(),
-                large: VecDeque::new(),
+                fd: Pool::new(SharingStrategy::FileDescriptor),
+                named: Pool::new(SharingStrategy::FileSystem),
             })
         }
     };
-    if len > SMALL_MAX {
-        pool.large_block(len)
-    } else {
-        pool.carve(len)
+    f(match strategy {
+        SharingStrategy::FileDescriptor => &mut pools.fd,
+        SharingStrategy::FileSystem => &mut pools.named,
+    })
+}
+
+/// Shared bytes for a storage of `len > 0` bytes with `strategy`.
+pub(crate) fn allocate(strategy: SharingStrategy, len: usize) -> Result<Slice> {
+    let take = |pool: &mut Pool| {
+        if len > SMALL_MAX {
+            pool.large_block(len)
+        } else {
+            pool.carve(len)
+        }
+    };
+    match with_pool(strategy, take) {
+        Err(e @ Error::OutOfSharedMemory { .. }) if strategy == SharingStrategy::FileSystem => {
+            // `/dev/shm` is full: what this process keeps idle there may be the reason.
+            if release_idle_of(strategy) + super::cache::flush_retained() == 0 {
+                return Err(e);
+            }
+            with_pool(strategy, take)
+        }
+        other => other,
     }
 }
 
-/// Lets go of this process's idle blocks: full arenas and large blocks nobody uses
-/// (the current arena stays); for leak checks that count fds exactly. Returns how many
-/// were let go.
+/// Lets go of this process's idle blocks: arenas and large blocks nobody uses; for
+/// leak checks that count fds and names exactly, and to make room in a full
+/// `/dev/shm`. Returns how many were let go.
 pub(crate) fn release_idle() -> usize {
-    let pid = crate::sys::process::cached_pid();
-    let idle: Vec<Arc<Segment>> = {
-        let mut guard = POOL.lock().unwrap_or_else(PoisonError::into_inner);
-        match guard.as_mut() {
-            Some(pool) if pool.pid == pid => {
-                let mut idle = Vec::new();
-                for list in [&mut pool.retired, &mut pool.large] {
-                    let (free, used): (VecDeque<_>, VecDeque<_>) =
-                        list.drain(..).partition(|s| is_free(s));
-                    *list = used;
-                    idle.extend(free);
-                }
-                idle
-            }
-            _ => Vec::new(),
-        }
-    };
+    release_idle_of(SharingStrategy::FileDescriptor) + release_idle_of(SharingStrategy::FileSystem)
+}
+
+fn release_idle_of(strategy: SharingStrategy) -> usize {
+    let idle = with_pool(strategy, Pool::take_idle);
     let n = idle.len();
     // Released outside the pool lock: the last reference unmaps and closes.
     idle.into_iter().for_each(release);
     n
 }
 
+/// Stops pooling this process's named blocks, so that their names go with their last
+/// tensors: for a process about to end (a worker before `_exit`, or the `atexit`
+/// handler). Never waits for the pool's lock: a process that ends while another thread
+/// holds it leaves the names to the shm manager.
+pub(crate) fn unpool_named_before_exit() {
+    let Ok(guard) = POOLS.try_lock() else {
+        return;
+    };
+    if let Some(pools) = guard.as_ref() {
+        if pools.pid == crate::sys::process::cached_pid() {
+            pools.named.blocks().for_each(|b| b.unpool());
+        }
+    }
+}
+
+extern "C" fn unpool_named_at_exit() {
+    // Never unwind into libc.
+    let _ = std::panic::catch_unwind(unpool_named_before_exit);
+}
+
+/// Registers the `atexit` handler that lets named blocks go, once per process.
+fn unpool_named_at_exit_once() {
+    // A `fork` child inherits the handler with the rest of its parent's memory; it
+    // then finds the child's own pool.
+    static REGISTER: std::sync::Once = std::sync::Once::new();
+    REGISTER.call_once(|| crate::sys::process::at_exit(unpool_named_at_exit));
+}
+
 impl Pool {
+    fn new(strategy: SharingStrategy) -> Pool {
+        Pool {
+            strategy,
+            arena: None,
+            retired: VecDeque::new(),
+            large: VecDeque::new(),
+        }
+    }
+
+    fn create_block(&self, len: usize) -> Result<Arc<Segment>> {
+        if self.strategy == SharingStrategy::FileSystem {
+            unpool_named_at_exit_once();
+        }
+        super::create_block(self.strategy, len)
+    }
+
+    /// Every block of the pool.
+    fn blocks(&self) -> impl Iterator<Item = &Arc<Segment>> {
+        self.arena
+            .iter()
+            .map(|a| &a.segment)
+            .chain(self.retired.iter())
+            .chain(self.large.iter())
+    }
+
+    /// Removes the blocks nobody uses, the current arena included.
+    fn take_idle(&mut self) -> Vec<Arc<Segment>> {
+        let mut idle = Vec::new();
+        if self.arena.as_ref().is_some_and(|a| is_free(&a.segment)) {
+            idle.extend(self.arena.take().map(|a| a.segment));
+        }
+        for list in [&mut self.retired, &mut self.large] {
+            let (free, used): (VecDeque<_>, VecDeque<_>) = list.drain(..).partition(|s| is_free(s));
+            *list = used;
+            idle.extend(free);
+        }
+        idle
+    }
+
     fn carve(&mut self, len: usize) -> Result<Slice> {
         if let Some(a) = self.arena.as_mut() {
             if a.next + len <= a.segment.len() {
@@ -193,7 +289,7 @@ impl Pool {
         let (segment, fresh) = match self.retired.iter().position(|s| is_free(s)) {
             Some(i) => (self.retired.remove(i).expect("index from position"), false),
             None => {
-                let segment = super::create_block(ARENA_LEN)?;
+                let segment = self.create_block(ARENA_LEN)?;
                 if self.retired.len() > MAX_RETIRED {
                     if let Some(oldest) = self.retired.pop_front() {
                         release(oldest);
@@ -217,9 +313,9 @@ impl Pool {
     }
 
     fn large_block(&mut self, len: usize) -> Result<Slice> {
-        let total = len.checked_add(BLOCK_HEADER_LEN).ok_or_else(|| {
-            crate::error::Error::InvalidArgument(format!("a {len}-byte segment is too large"))
-        })?;
+        let total = len
+            .checked_add(BLOCK_HEADER_LEN)
+            .ok_or_else(|| Error::InvalidArgument(format!("a {len}-byte segment is too large")))?;
         let reuse = self
             .large
             .iter()
@@ -229,7 +325,7 @@ impl Pool {
                 let segment = self.large.remove(i).expect("index from position");
                 (segment, false)
             }
-            None => (super::create_block(total)?, true),
+            None => (self.create_block(total)?, true),
         };
         segment.acquire_use();
         self.large.push_back(Arc::clone(&segment));
@@ -241,20 +337,21 @@ impl Pool {
         })
     }
 
-    /// Keeps at most [`MAX_LARGE`] large blocks and [`idle_bytes_limit`] bytes of idle ones.
+    /// Keeps at most [`MAX_LARGE`] large blocks and [`idle_limit`] bytes of idle ones.
     fn trim_large(&mut self) {
         while self.large.len() > MAX_LARGE {
             if let Some(oldest) = self.large.pop_front() {
                 release(oldest);
             }
         }
+        let limit = idle_limit(self.strategy);
         let mut idle: usize = self
             .large
             .iter()
             .filter(|s| is_free(s))
             .map(|s| s.len())
             .sum();
-        while idle > idle_bytes_limit() {
+        while idle > limit {
             let Some(i) = self.large.iter().position(|s| is_free(s)) else {
                 break;
             };

@@ -92,14 +92,14 @@ fn named_segments_count_references_and_the_last_user_unlinks() {
     // What a message does: an in-flight reference, adopted by a fresh mapping.
     seg.acquire_in_flight().unwrap();
     assert_eq!(seg.refcount(), Some(2));
-    let other = Segment::open_named(name.clone(), 1000).unwrap();
+    let other = Segment::open_named(name.clone(), 1000, false).unwrap();
     assert_eq!(other.refcount(), Some(2));
     drop(other);
     assert_eq!(seg.refcount(), Some(1));
     assert!(exists(&name));
     // Another message, received where the segment is already mapped: absorbed.
     seg.acquire_in_flight().unwrap();
-    let same = receive_named(name.clone(), 1000).unwrap();
+    let same = receive_named(name.clone(), 1000, false).unwrap();
     assert!(Arc::ptr_eq(&same, &seg));
     assert_eq!(seg.refcount(), Some(1));
     drop((seg, same));
@@ -107,11 +107,55 @@ fn named_segments_count_references_and_the_last_user_unlinks() {
 }
 
 #[test]
+fn a_named_blocks_name_lives_while_it_is_pooled_or_used() {
+    crate::manager::serve_in_this_process();
+    let block = create_block(SharingStrategy::FileSystem, 4096).unwrap();
+    let name = block.name().unwrap().clone();
+    assert!(block.is_block() && block.is_own_block());
+    assert_eq!(
+        (block.uses(), block.refcount()),
+        (Some(0), Some(1)),
+        "the pool's"
+    );
+    // A storage's use, then a message's: each takes a reference on the name too.
+    block.acquire_use();
+    block.acquire_use();
+    assert_eq!((block.uses(), block.refcount()), (Some(2), Some(3)));
+    // A receiver that maps it holds no reference of its own: the use is what it adopts.
+    let mapped = Segment::open_named(name.clone(), 4096, true).unwrap();
+    assert!(mapped.is_block() && !mapped.is_dead_block());
+    drop(mapped);
+    assert_eq!(
+        block.refcount(),
+        Some(3),
+        "dropping a mapping takes nothing"
+    );
+    // A plain handle to it is refused where it is mapped as a block.
+    block.acquire_in_flight().unwrap();
+    let err = receive_named(name.clone(), 100, false).err().unwrap();
+    assert!(err.to_string().contains("names a plain segment"), "{err}");
+    block.release_reference();
+    block.release_use();
+    // The creator stops pooling it (twice: the second does nothing).
+    block.unpool();
+    block.unpool();
+    assert_eq!((block.uses(), block.refcount()), (Some(1), Some(1)));
+    assert!(exists(&name), "still used");
+    block.release_use();
+    assert_eq!(block.refcount(), Some(0));
+    assert!(
+        !exists(&name),
+        "the last use of an unpooled block unlinks its name"
+    );
+    assert!(block.is_dead_block());
+}
+
+#[test]
 fn received_named_segments_are_checked_before_mapping() {
     crate::manager::serve_in_this_process();
     let seg = create(SharingStrategy::FileSystem, 256).unwrap();
     let name = seg.name().unwrap().clone();
-    assert!(invalid(Segment::open_named(name.clone(), 257)).contains("holds 256"));
+    assert!(invalid(Segment::open_named(name.clone(), 257, false)).contains("holds 256"));
     // A file of the right name pattern that is not one of our segments.
     let other = SegmentName::generate().unwrap();
     let path = name::shm_path(&other);
@@ -123,13 +167,13 @@ fn received_named_segments_are_checked_before_mapping() {
     .unwrap();
     rustix::fs::fchmod(&fd, Mode::from_raw_mode(0o644)).unwrap();
     rustix::fs::ftruncate(&fd, 4096).unwrap();
-    assert!(invalid(Segment::open_named(other.clone(), 16)).contains("not a private"));
+    assert!(invalid(Segment::open_named(other.clone(), 16, false)).contains("not a private"));
     rustix::fs::fchmod(&fd, Mode::from_raw_mode(0o600)).unwrap();
-    assert!(invalid(Segment::open_named(other.clone(), 16)).contains("header"));
+    assert!(invalid(Segment::open_named(other.clone(), 16, false)).contains("header"));
     rustix::fs::unlink(&path).unwrap();
     // A symbolic link is never followed.
     std::os::unix::fs::symlink(name::shm_path(&name), &path).unwrap();
-    assert!(invalid(Segment::open_named(other.clone(), 256)).contains("symbolic link"));
+    assert!(invalid(Segment::open_named(other.clone(), 256, false)).contains("symbolic link"));
     rustix::fs::unlink(&path).unwrap();
     assert_eq!(seg.refcount(), Some(1), "failed opens took no reference");
 }

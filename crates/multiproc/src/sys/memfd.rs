@@ -82,11 +82,11 @@ pub(crate) fn reserve(fd: BorrowedFd<'_>, len: u64, what: &str, place: Place) ->
     }
 }
 
-/// " (1.0 MiB of data plus the 64-byte header)" for a `/dev/shm` file; empty otherwise.
+/// " (1.0 MiB of data plus its 128-byte header)" for a `/dev/shm` file; empty otherwise.
 fn header_note(len: u64, place: Place) -> String {
     match place {
         Place::DevShm { header } if header > 0 => format!(
-            " ({} of data plus the {header}-byte header)",
+            " ({} of data plus its {header}-byte header)",
             human_bytes(len.saturating_sub(header))
         ),
         _ => String::new(),
@@ -246,4 +246,11 @@ pub(crate) fn read_at_start(fd: BorrowedFd<'_>, out: &mut [u8]) -> Result<usize>
         }
     }
     Ok(done)
+}
+
+/// The size of the `/dev/shm` mount in bytes (`None` when it cannot be read).
+pub(crate) fn dev_shm_size() -> Option<u64> {
+    rustix::fs::statvfs("/dev/shm")
+        .ok()
+        .map(|s| s.f_blocks * s.f_frsize)
 }

@@ -53,13 +53,11 @@ fn share_memory_moves_in_place_and_views_follow() {
         g.storage().share_memory_with(*strategy).unwrap();
         match strategy {
             SharingStrategy::FileSystem => {
+                // A small storage lives in a named arena (its name's lifetime is
+                // `shm::tests`' subject).
                 let name = g.storage().shm_name().unwrap();
                 assert!(std::path::Path::new(&format!("/dev/shm/{name}")).exists());
-                drop((g, col));
-                assert!(
-                    !std::path::Path::new(&format!("/dev/shm/{name}")).exists(),
-                    "last user unlinks"
-                );
+                assert!(g.storage().segment().unwrap().0.is_block());
             }
             SharingStrategy::FileDescriptor => assert_eq!(g.storage().shm_name(), None),
         }
@@ -210,14 +208,28 @@ fn views_alias_within_one_message_and_across_messages() {
         );
         r1.fill_(7.0).unwrap();
         assert_eq!(f32s(&again.select(0, 2).unwrap()), [7.0; 4]);
-        if let Some((seg, _)) = g.storage().segment() {
-            if *strategy == SharingStrategy::FileSystem {
-                assert_eq!(
-                    seg.refcount(),
-                    Some(1),
-                    "in-flight references were absorbed"
-                );
-            }
+        // A storage of its own block (not an arena other tests carve from at the same
+        // time), so its counts are this test's alone.
+        let big = Tensor::zeros(&[(crate::shm::allocate_small_max() / 4) + 1], DType::F32).unwrap();
+        big.storage().share_memory_with(*strategy).unwrap();
+        let (seg, _) = big.storage().segment().unwrap();
+        let (b0, b1): (Tensor, Tensor) =
+            roundtrip(&(big.narrow(0, 0, 4).unwrap(), big.clone())).unwrap();
+        assert!(
+            Storage::ptr_eq(b0.storage(), big.storage())
+                && Storage::ptr_eq(b1.storage(), big.storage())
+        );
+        assert_eq!(
+            seg.uses(),
+            Some(1),
+            "{strategy}: the messages' uses were given back"
+        );
+        if *strategy == SharingStrategy::FileSystem {
+            assert_eq!(
+                seg.refcount(),
+                Some(2),
+                "the pool's reference and the one use"
+            );
         }
     }
 }
@@ -271,18 +283,39 @@ fn serializing_outside_a_channel_is_an_error_and_shares_nothing() {
 #[cfg_attr(miri, ignore = "memfd, mmap, sockets")]
 fn an_unsent_file_system_message_gives_its_reference_back() {
     crate::manager::serve_in_this_process();
-    let t = Tensor::zeros(&[16], DType::U8).unwrap();
+    // Its own block, so the counts are this test's alone.
+    let t = Tensor::zeros(&[crate::shm::allocate_small_max() + 1], DType::U8).unwrap();
     t.storage()
         .share_memory_with(SharingStrategy::FileSystem)
         .unwrap();
     let (seg, _) = t.storage().segment().unwrap();
+    assert_eq!(
+        (seg.uses(), seg.refcount()),
+        (Some(1), Some(2)),
+        "t's use, the pool's reference"
+    );
     let enc = wire::encode(&t).unwrap();
-    assert_eq!(seg.refcount(), Some(2));
+    assert_eq!(
+        (seg.uses(), seg.refcount()),
+        (Some(2), Some(3)),
+        "and the message's"
+    );
     drop(enc);
-    assert_eq!(seg.refcount(), Some(1));
+    assert_eq!((seg.uses(), seg.refcount()), (Some(1), Some(2)));
     let name = t.storage().shm_name().unwrap();
-    drop((t, seg));
-    assert!(!std::path::Path::new(&format!("/dev/shm/{name}")).exists());
+    drop(t);
+    assert_eq!(
+        (seg.uses(), seg.refcount()),
+        (Some(0), Some(1)),
+        "the pool keeps it"
+    );
+    assert!(std::path::Path::new(&format!("/dev/shm/{name}")).exists());
+    crate::shm::release_idle_blocks();
+    assert_eq!(seg.refcount(), Some(0));
+    assert!(
+        !std::path::Path::new(&format!("/dev/shm/{name}")).exists(),
+        "unpooled and unused: gone"
+    );
 }
 
 // A forged tensor message: the same wire layout with handles we choose.
@@ -294,6 +327,24 @@ enum ForgedHandle {
         nbytes: u64,
     },
     Named {
+        name: String,
+        offset: u64,
+        nbytes: u64,
+    },
+    #[allow(dead_code)]
+    Block {
+        index: u32,
+        offset: u64,
+        nbytes: u64,
+    },
+    #[allow(dead_code)]
+    BlockRef {
+        dev: u64,
+        ino: u64,
+        offset: u64,
+        nbytes: u64,
+    },
+    NamedBlock {
         name: String,
         offset: u64,
         nbytes: u64,
@@ -449,17 +500,19 @@ fn forged_handles_are_errors_not_crashes() {
 #[cfg_attr(miri, ignore = "memfd, mmap, sockets")]
 fn a_forged_length_on_a_real_named_segment_is_an_error() {
     crate::manager::serve_in_this_process();
-    let t = Tensor::zeros(&[16], DType::U8).unwrap();
+    // Its own block, so the counts are this test's alone.
+    let t = Tensor::zeros(&[crate::shm::allocate_small_max() + 1], DType::U8).unwrap();
     t.storage()
         .share_memory_with(SharingStrategy::FileSystem)
         .unwrap();
     let name = t.storage().shm_name().unwrap();
     let (seg, _) = t.storage().segment().unwrap();
+    let counts = (seg.uses(), seg.refcount());
     // Mapped here already: judged against the mapping.
     let e = forged(
-        ForgedStorage::Segment(ForgedHandle::Named {
+        ForgedStorage::Segment(ForgedHandle::NamedBlock {
             name: name.clone(),
-            offset: 0,
+            offset: 64,
             nbytes: 1 << 30,
         }),
         0,
@@ -467,11 +520,24 @@ fn a_forged_length_on_a_real_named_segment_is_an_error() {
         &[1],
         0,
     );
-    assert!(e.to_string().contains("claims 1073741824 bytes"), "{e}");
+    assert!(e.to_string().contains("claims 1073741888 bytes"), "{e}");
+    // A plain handle to a block is refused as such.
+    let e = forged(
+        ForgedStorage::Segment(ForgedHandle::Named {
+            name: name.clone(),
+            offset: 64,
+            nbytes: 16,
+        }),
+        0,
+        &[1],
+        &[1],
+        0,
+    );
+    assert!(e.to_string().contains("names a plain segment"), "{e}");
     assert_eq!(
-        seg.refcount(),
-        Some(1),
-        "a refused handle does not touch the count"
+        (seg.uses(), seg.refcount()),
+        counts,
+        "a refused handle does not touch the counts"
     );
     assert!(std::path::Path::new(&format!("/dev/shm/{name}")).exists());
 }

@@ -322,24 +322,27 @@ mod tests {
     #[test]
     #[cfg_attr(miri, ignore = "sockets and named segments")]
     fn a_nested_message_that_fails_to_send_keeps_its_references() {
-        let t = crate::tensor::Tensor::full(&[256], 3.0, crate::tensor::DType::F32).unwrap();
+        // A storage with a named block of its own, so the counts are this test's alone.
+        let floats = crate::shm::allocate_small_max() / 4 + 1;
+        let t = crate::tensor::Tensor::full(&[floats], 3.0, crate::tensor::DType::F32).unwrap();
         t.storage()
             .share_memory_with(crate::shm::strategy::SharingStrategy::FileSystem)
             .unwrap();
-        let name = t.storage().shm_name().unwrap();
+        let (seg, _) = t.storage().segment().unwrap();
         let inner = Opaque::encode(&t).unwrap();
-        drop(t); // the Opaque's in-flight reference is all that keeps the segment now
-        let path = format!("/dev/shm/{name}");
-        // The outer send fails (nobody receives): the reference must stay with the
-        // Opaque, which comes back to the sender, not be released.
+        drop(t); // the Opaque's in-flight use is all that keeps the block in use now
+        assert_eq!(seg.uses(), Some(1));
+        // The outer send fails (nobody receives): the use must stay with the Opaque,
+        // which comes back to the sender, not be released.
         let (a, b) = socket::seqpacket_pair().unwrap();
         drop(b);
         let mut outer = encode(&(1u8, &inner)).unwrap();
         assert!(outer.send(a.as_fd(), None).is_err());
         drop(outer);
-        assert!(
-            std::path::Path::new(&path).exists(),
-            "a failed send released the nested message's reference"
+        assert_eq!(
+            seg.uses(),
+            Some(1),
+            "a failed send released the nested message's use"
         );
         // Sent again, it arrives and decodes.
         let (c, d) = socket::seqpacket_pair().unwrap();
@@ -348,12 +351,9 @@ mod tests {
         drop((again, inner));
         let back: (u8, Opaque) = decode(recv_packet(d.as_fd(), None).unwrap().unwrap()).unwrap();
         let t: crate::tensor::Tensor = back.1.decode().unwrap();
-        assert_eq!(t.sum().unwrap(), 768.0);
+        assert_eq!(t.sum().unwrap(), 3.0 * floats as f64);
         drop(t);
-        assert!(
-            !std::path::Path::new(&path).exists(),
-            "the last user unlinked it"
-        );
+        assert_eq!(seg.uses(), Some(0), "the last user gave its use back");
     }
 
     #[test]

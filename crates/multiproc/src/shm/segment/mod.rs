@@ -1,7 +1,8 @@
-//! A mapped shared-memory segment, one backend per file: `anonymous` (a sealed memfd;
-//! a *block* when it starts with a use-counting header, see `recycler`) and `named` (a
-//! file in `/dev/shm` with a 64-byte header holding a cross-process refcount). This
-//! file holds what both share: the type, its accessors and its drop.
+//! A mapped shared-memory segment, one backend per file: `anonymous` (a sealed memfd)
+//! and `named` (a file in `/dev/shm` with a 64-byte header holding a cross-process
+//! refcount); `block` is what makes either a *block* that its creator recycles (a
+//! use-counting header at the start of the data, see `recycler`). This file holds what
+//! all share: the type, its accessors and its drop.
 //!
 //! # Safety
 //!
@@ -20,11 +21,12 @@ use super::strategy::SharingStrategy;
 use crate::sys::mmap::SharedMapping;
 
 mod anonymous;
+mod block;
 mod named;
 
 #[cfg(feature = "fuzzing")]
-pub(crate) use anonymous::BLOCK_MAGIC_BYTES;
-pub(crate) use anonymous::{ARENA_LEN, BLOCK_HEADER_LEN};
+pub(crate) use block::BLOCK_MAGIC_BYTES;
+pub(crate) use block::{ARENA_LEN, BLOCK_HEADER_LEN};
 #[cfg(test)]
 pub(crate) use named::HEADER_LEN;
 

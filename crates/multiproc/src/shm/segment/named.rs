@@ -9,6 +9,7 @@ use rustix::fs::{Mode, OFlags};
 use rustix::io::Errno;
 
 use super::super::name::{SegmentName, shm_path};
+use super::block::BLOCK_HEADER_LEN;
 use super::{Backing, Segment, pid};
 use crate::error::{Error, Result};
 use crate::sys::memfd;
@@ -20,21 +21,28 @@ pub(crate) const HEADER_LEN: usize = 64;
 const HEADER_MAGIC: u64 = u64::from_le_bytes(*b"MPSHMSEG");
 /// The header layout version; a segment of another version is refused.
 const HEADER_VERSION: u32 = 1;
+/// [`Header::kind`] of a plain named segment.
+const KIND_PLAIN: u32 = 0;
+/// [`Header::kind`] of a named block (see `block`).
+const KIND_BLOCK: u32 = 1;
 
 /// The header at the start of a named segment. All fields are atomics because every
 /// process that maps the segment may read or write them at any time.
 #[repr(C)]
-struct Header {
+pub(super) struct Header {
     magic: AtomicU64,
     version: AtomicU32,
     /// How many processes hold a reference (one per process that maps it, plus one per
     /// message in flight). Whoever takes it to zero unlinks the name.
-    refcount: AtomicU32,
+    pub(super) refcount: AtomicU32,
     /// Bytes of data after the header.
     data_len: AtomicU64,
     /// Pid of the creator (for diagnostics and `multiproc gc`).
     creator_pid: AtomicU32,
-    _reserved: [AtomicU32; 9],
+    /// [`KIND_PLAIN`] or [`KIND_BLOCK`]: what the creator made. A receiver refuses a
+    /// handle of the other kind (it never trusts this word to accept anything).
+    kind: AtomicU32,
+    _reserved: [AtomicU32; 8],
 }
 
 const _: () = assert!(std::mem::size_of::<Header>() == HEADER_LEN);
@@ -43,6 +51,12 @@ impl Segment {
     /// Creates the named segment `name` with `len` bytes of data, refcount 1 (ours).
     /// On failure nothing is left in `/dev/shm`.
     pub(crate) fn create_named(name: SegmentName, len: usize) -> Result<Segment> {
+        Segment::create_named_with(name, len, HEADER_LEN)
+    }
+
+    /// [`create_named`](Self::create_named); `headers` is how many bytes of it are
+    /// headers (this one's, and a block's), for the error that says what did not fit.
+    fn create_named_with(name: SegmentName, len: usize, headers: usize) -> Result<Segment> {
         let path = shm_path(&name);
         let total = HEADER_LEN
             .checked_add(len)
@@ -58,7 +72,7 @@ impl Segment {
             total as u64,
             &format!("the shared-memory segment {path}"),
             memfd::Place::DevShm {
-                header: HEADER_LEN as u64,
+                header: headers as u64,
             },
         )
         .and_then(|()| SharedMapping::map(fd.as_fd(), total));
@@ -79,7 +93,7 @@ impl Segment {
             },
             is_block: false,
         };
-        if let Some(h) = segment.header() {
+        if let Some(h) = segment.named_header() {
             h.data_len.store(len as u64, Ordering::Relaxed);
             h.version.store(HEADER_VERSION, Ordering::Relaxed);
             h.creator_pid.store(pid() as u32, Ordering::Relaxed);
@@ -89,10 +103,31 @@ impl Segment {
         Ok(segment)
     }
 
+    /// Creates the named block `name` of `len > BLOCK_HEADER_LEN` bytes of data (block
+    /// header included): a named segment whose one reference is its creator's pool's
+    /// (this value holds none; see `block`).
+    pub(crate) fn create_named_block(name: SegmentName, len: usize) -> Result<Segment> {
+        let mut segment = Segment::create_named_with(
+            name,
+            len.max(BLOCK_HEADER_LEN + 1),
+            HEADER_LEN + BLOCK_HEADER_LEN,
+        )?;
+        if let Backing::Named { owner_pid, .. } = &segment.backing {
+            owner_pid.store(0, Ordering::Release);
+        }
+        if let Some(h) = segment.named_header() {
+            h.kind.store(KIND_BLOCK, Ordering::Release);
+        }
+        segment.init_block();
+        Ok(segment)
+    }
+
     /// Maps the named segment `name` after checking it (a regular file of ours, mode
     /// 0600, with our header, holding at least `claimed` bytes of data). The
-    /// in-flight reference the sender took becomes this process's reference.
-    pub(crate) fn open_named(name: SegmentName, claimed: u64) -> Result<Segment> {
+    /// in-flight reference the sender took becomes this process's reference; for a
+    /// block (`as_block`, from the handle's kind) the message's use holds it instead
+    /// (see `block`), and this value holds none.
+    pub(crate) fn open_named(name: SegmentName, claimed: u64, as_block: bool) -> Result<Segment> {
         let path = shm_path(&name);
         let fd = match rustix::fs::open(
             &path,
@@ -158,7 +193,7 @@ impl Segment {
             is_block: false,
         };
         let h = segment
-            .header()
+            .named_header()
             .ok_or_else(|| Error::InvalidMessage(format!("{path} has no header")))?;
         let magic = h.magic.load(Ordering::Acquire);
         let version = h.version.load(Ordering::Relaxed);
@@ -181,12 +216,38 @@ impl Segment {
                  was probably sent twice or forged"
             )));
         }
+        let kind = h.kind.load(Ordering::Acquire);
+        if kind != if as_block { KIND_BLOCK } else { KIND_PLAIN } {
+            return Err(Error::InvalidMessage(format!(
+                "a received tensor's handle names a {} but {path} is a {}",
+                if as_block {
+                    "pooled block"
+                } else {
+                    "plain segment"
+                },
+                if kind == KIND_BLOCK {
+                    "pooled block"
+                } else {
+                    "plain segment"
+                },
+            )));
+        }
         segment.len = data_len as usize;
-        segment.adopt_reference();
+        if as_block {
+            segment.is_block = true;
+            if !segment.is_block() {
+                return Err(Error::InvalidMessage(format!(
+                    "a received tensor's handle names a pooled block, but {path} has no block \
+                     header"
+                )));
+            }
+        } else {
+            segment.adopt_reference();
+        }
         Ok(segment)
     }
 
-    fn header(&self) -> Option<&Header> {
+    pub(super) fn named_header(&self) -> Option<&Header> {
         match self.backing {
             Backing::Named { .. } if self.mapping.len() >= HEADER_LEN => {
                 let ptr = self.mapping.as_ptr().cast::<Header>();
@@ -202,7 +263,8 @@ impl Segment {
     /// The current cross-process refcount of a named segment (tests).
     #[cfg(test)]
     pub(crate) fn refcount(&self) -> Option<u32> {
-        self.header().map(|h| h.refcount.load(Ordering::Acquire))
+        self.named_header()
+            .map(|h| h.refcount.load(Ordering::Acquire))
     }
 
     /// Makes the in-flight reference a message carried this process's own reference.
@@ -234,7 +296,7 @@ impl Segment {
     /// Takes a reference on behalf of a message about to carry this named segment's
     /// name. Fails when no reference is left (the name is being removed).
     pub(crate) fn acquire_in_flight(&self) -> Result<()> {
-        let Some(h) = self.header() else {
+        let Some(h) = self.named_header() else {
             return Ok(());
         };
         take_reference(&h.refcount).map_err(|cur| {
@@ -248,7 +310,7 @@ impl Segment {
     /// Drops one reference of a named segment; the last one unlinks the name and tells
     /// the shm manager. Never goes below zero (a forged count is left alone).
     pub(crate) fn release_reference(&self) {
-        let (Some(h), Some(name)) = (self.header(), self.name()) else {
+        let (Some(h), Some(name)) = (self.named_header(), self.name()) else {
             return;
         };
         let Some(last) = drop_reference(&h.refcount) else {
@@ -256,12 +318,23 @@ impl Segment {
             return;
         };
         if last {
-            match rustix::fs::unlink(shm_path(name)) {
-                Ok(()) | Err(Errno::NOENT) => {}
-                Err(e) => tracing::warn!(segment = %name, "cannot unlink: {e}"),
-            }
-            super::super::registry::unregister(name);
+            self.unlink_name();
         }
+    }
+}
+
+impl Segment {
+    /// Removes a named segment's name from `/dev/shm` and tells the shm manager; for
+    /// whoever dropped its last reference.
+    pub(super) fn unlink_name(&self) {
+        let Some(name) = self.name() else {
+            return;
+        };
+        match rustix::fs::unlink(shm_path(name)) {
+            Ok(()) | Err(Errno::NOENT) => {}
+            Err(e) => tracing::warn!(segment = %name, "cannot unlink: {e}"),
+        }
+        super::super::registry::unregister(name);
     }
 }
 
@@ -299,9 +372,13 @@ impl Segment {
     /// Releases the reference this process holds, if any, so that a process about to
     /// end without running destructors (a worker leaving with `_exit`, whose memory
     /// still holds copies of its parent's handles after a `fork`) leaves no count
-    /// behind. The mapping stays valid until the process ends.
+    /// behind, and stops pooling a named block it created (its pool's reference goes;
+    /// see `block`). The mapping stays valid until the process ends.
     pub(crate) fn release_before_exit(&self) {
         if let Backing::Named { owner_pid, .. } = &self.backing {
+            if self.is_own_block() {
+                self.unpool();
+            }
             let me = pid();
             if owner_pid
                 .compare_exchange(me, 0, Ordering::AcqRel, Ordering::Acquire)
