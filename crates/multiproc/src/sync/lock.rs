@@ -44,7 +44,7 @@ fn my_pid() -> u32 {
 }
 
 fn my_tid() -> u32 {
-    rustix::thread::gettid().as_raw_nonzero().get() as u32
+    crate::sys::process::current_tid()
 }
 
 /// Whether process `pid` has ended (gone, or a zombie waiting to be reaped).

@@ -301,6 +301,17 @@ pub(crate) fn current_pid() -> i32 {
     rustix::process::getpid().as_raw_nonzero().get()
 }
 
+/// The real user id of this process (whose peers the shm manager accepts).
+pub(crate) fn current_uid() -> u32 {
+    rustix::process::getuid().as_raw()
+}
+
+/// The kernel's id of the calling thread (`gettid`), unique among live threads of
+/// every process (a lock records it as its holder).
+pub(crate) fn current_tid() -> u32 {
+    rustix::thread::gettid().as_raw_nonzero().get() as u32
+}
+
 /// This process's pid, without a system call after the first: the hot path asks for it
 /// several times per message (whose reference a value holds, which pool is whose).
 /// A `fork` child resets the cache (a `pthread_atfork` handler), so it never sees its
