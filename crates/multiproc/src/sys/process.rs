@@ -1,6 +1,7 @@
 //! Processes at the system level: re-executing ourselves, forking, pidfds, waiting,
-//! signals, the parent-death signal, and the few environment and name changes a new
-//! worker makes to itself.
+//! signals, the parent-death signal, the few environment and name changes a new
+//! worker makes to itself, and who we are (pid, uid, thread id) and whether another
+//! process still lives (`/proc`).
 //!
 //! # Safety
 //!
@@ -349,6 +350,22 @@ pub(crate) fn start_time(pid: u32) -> Option<u64> {
         return None;
     }
     fields.get(19)?.parse().ok()
+}
+
+/// Whether process `pid` has ended (gone, or a zombie waiting to be reaped), as its
+/// `/proc/<pid>/stat` says.
+pub(crate) fn process_is_dead(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => {
+            // The state follows the command name, which is in parentheses and may
+            // itself contain spaces or parentheses.
+            let state = stat
+                .rfind(')')
+                .and_then(|i| stat[i + 1..].trim_start().chars().next());
+            matches!(state, Some('Z') | Some('X') | Some('x'))
+        }
+        Err(e) => e.kind() == std::io::ErrorKind::NotFound,
+    }
 }
 
 /// Registers `f` to run when this process exits normally (`exit`, or returning from
