@@ -17,6 +17,8 @@ use crate::sys::fs::unlink_if_present;
 use crate::sys::process::current_uid;
 use crate::sys::socket::{Attempt, poll_readable, try_recv_packet, try_send_packet};
 
+/// How many connecting clients may wait for the manager to accept them.
+const LISTEN_BACKLOG: i32 = 128;
 /// How long a new manager waits for its first client before giving up.
 const STARTUP_WINDOW: Duration = Duration::from_secs(10);
 
@@ -163,7 +165,7 @@ pub(super) fn bind(addr: &str) -> Result<Option<OwnedFd>> {
     if !abstract_socket::bind(sock.as_fd(), &sockaddr).map_err(cannot_listen)? {
         return Ok(None);
     }
-    abstract_socket::listen(sock.as_fd()).map_err(cannot_listen)?;
+    abstract_socket::listen(sock.as_fd(), LISTEN_BACKLOG).map_err(cannot_listen)?;
     Ok(Some(sock))
 }
 

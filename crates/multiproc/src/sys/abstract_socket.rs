@@ -18,9 +18,6 @@ use std::os::fd::{BorrowedFd, OwnedFd};
 use rustix::io::Errno;
 use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
 
-/// How many connections may wait to be accepted.
-const LISTEN_BACKLOG: i32 = 128;
-
 /// An abstract unix socket address (`@name`).
 #[derive(Clone, Debug)]
 pub(crate) struct AbstractAddress(SocketAddrUnix);
@@ -65,9 +62,10 @@ pub(crate) fn bind(sock: BorrowedFd<'_>, addr: &AbstractAddress) -> Result<bool,
     }
 }
 
-/// Makes a bound `sock` accept connections.
-pub(crate) fn listen(sock: BorrowedFd<'_>) -> Result<(), Errno> {
-    rustix::net::listen(sock, LISTEN_BACKLOG)
+/// Makes a bound `sock` accept connections, with up to `backlog` of them waiting to be
+/// accepted.
+pub(crate) fn listen(sock: BorrowedFd<'_>, backlog: i32) -> Result<(), Errno> {
+    rustix::net::listen(sock, backlog)
 }
 
 /// Accepts one waiting connection on a non-blocking listener, as a close-on-exec,
@@ -128,7 +126,7 @@ mod tests {
             Ok(false),
             "nobody listens yet"
         );
-        listen(listener.as_fd()).unwrap();
+        listen(listener.as_fd(), 4).unwrap();
         assert!(
             matches!(accept(listener.as_fd()), Ok(None)),
             "nobody has connected"
