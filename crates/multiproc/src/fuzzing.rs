@@ -27,6 +27,7 @@ use crate::error::{Error, Result};
 use crate::queue::{Connection, Queue, SimpleQueue};
 use crate::shm::strategy::SharingStrategy;
 use crate::sync::{Event, Lock};
+use crate::sys::memfd;
 use crate::sys::socket::Packet;
 use crate::tensor::{DType, Tensor};
 use crate::wire::{self, Opaque};
@@ -165,32 +166,21 @@ pub fn fds_for_fuzzing(specs: &[u8], blob: &[u8]) -> Vec<OwnedFd> {
 }
 
 fn make_fd(kind: u8, arg: u64, blob: &[u8]) -> Result<OwnedFd> {
-    use rustix::fs::SealFlags;
-    let os = |what: &'static str| move |e| Error::os(what, e);
     Ok(match kind {
         0 => {
-            let fd = crate::sys::memfd::create("fuzz-segment", arg * 256)?;
+            let fd = memfd::create("fuzz-segment", arg * 256)?;
             if arg % 2 == 1 {
                 // A block: the magic, then zero uses (all that a receiver reads of it).
-                rustix::io::pwrite(&fd, &crate::shm::BLOCK_MAGIC_BYTES, 0)
-                    .map_err(os("writing a fuzz block header"))?;
+                memfd::write_all_at(fd.as_fd(), &crate::shm::BLOCK_MAGIC_BYTES)?;
             }
-            crate::sys::memfd::seal_size(fd.as_fd())?;
+            memfd::seal_size(fd.as_fd())?;
             fd
         }
-        1 => crate::sys::memfd::create("fuzz-unsealed", 4096)?,
+        1 => memfd::create("fuzz-unsealed", 4096)?,
         2 => {
-            let fd = crate::sys::memfd::create("fuzz-payload", 0)?;
-            let mut done = 0;
-            while done < blob.len() {
-                done += rustix::io::pwrite(&fd, &blob[done..], done as u64)
-                    .map_err(os("writing a fuzz payload"))?;
-            }
-            rustix::fs::fcntl_add_seals(
-                &fd,
-                SealFlags::SHRINK | SealFlags::GROW | SealFlags::WRITE | SealFlags::SEAL,
-            )
-            .map_err(os("sealing a fuzz payload"))?;
+            let fd = memfd::create("fuzz-payload", 0)?;
+            memfd::write_all_at(fd.as_fd(), blob)?;
+            memfd::seal_contents(fd.as_fd())?;
             fd
         }
         3 => crate::sys::socket::seqpacket_pair()?.0,
@@ -205,16 +195,11 @@ fn make_fd(kind: u8, arg: u64, blob: &[u8]) -> Result<OwnedFd> {
             }
             fds.swap_remove(2)
         }
-        _ => {
-            rustix::net::socketpair(
-                rustix::net::AddressFamily::UNIX,
-                rustix::net::SocketType::STREAM,
-                rustix::net::SocketFlags::CLOEXEC,
-                None,
-            )
-            .map_err(os("socketpair(SOCK_STREAM)"))?
-            .0
-        }
+        _ => OwnedFd::from(
+            std::os::unix::net::UnixStream::pair()
+                .map_err(|e| Error::os("socketpair(SOCK_STREAM)", e))?
+                .0,
+        ),
     })
 }
 
@@ -308,36 +293,27 @@ pub fn seed_inputs() -> Result<Vec<Vec<u8>>> {
 
 /// The spec byte that recreates an fd like `fd` (for [`seed_inputs`]).
 fn classify(fd: std::os::fd::BorrowedFd<'_>, blob: &mut Vec<u8>) -> Result<u8> {
-    use rustix::fs::SealFlags;
-    if let Ok(t) = rustix::net::sockopt::socket_type(fd) {
-        return Ok(if t == rustix::net::SocketType::SEQPACKET {
-            3
-        } else {
-            7
-        });
+    if let Ok(seqpacket) = crate::sys::socket::is_seqpacket(fd) {
+        return Ok(if seqpacket { 3 } else { 7 });
     }
-    let seals = rustix::fs::fcntl_get_seals(fd).map_err(|e| Error::os("F_GET_SEALS", e))?;
-    let size = crate::sys::memfd::file_size(fd)?;
-    if seals.contains(SealFlags::WRITE) {
+    let content_sealed = memfd::is_content_sealed(fd)
+        .map_err(|e| Error::os("F_GET_SEALS", std::io::Error::other(e)))?;
+    let size = memfd::file_size(fd)?;
+    if content_sealed {
         let mut bytes = vec![0u8; size as usize];
-        let mut done = 0;
-        while done < bytes.len() {
-            match rustix::io::pread(fd, &mut bytes[done..], done as u64) {
-                Ok(0) | Err(_) => break,
-                Ok(n) => done += n,
-            }
-        }
+        // A read that fails part way leaves the rest zero, as a short file would.
+        let _ = memfd::read_at_start(fd, &mut bytes);
         *blob = bytes;
         return Ok(2);
     }
     let mut kind = [0u8; 4];
-    let _ = rustix::io::pread(fd, &mut kind, 0);
+    let _ = memfd::read_at_start(fd, &mut kind);
     if u32::from_le_bytes(kind) == 0x5249_4e47 {
         return Ok(6); // a queue's ring
     }
     if size == 4096 {
         let mut kind = [0u8; 4];
-        let _ = rustix::io::pread(fd, &mut kind, 0);
+        let _ = memfd::read_at_start(fd, &mut kind);
         match u32::from_le_bytes(kind) {
             0x4556_4e54 => return Ok(4), // an Event's block
             0x4c4f_434b => return Ok(5), // a Lock's
@@ -347,7 +323,7 @@ fn classify(fd: std::os::fd::BorrowedFd<'_>, blob: &mut Vec<u8>) -> Result<u8> {
     // A tensor segment: the next multiple of 256 bytes, at most 31 * 256; an odd
     // multiple for a block (a segment with a block header), an even one otherwise.
     let mut magic = [0u8; 8];
-    let _ = rustix::io::pread(fd, &mut magic, 0);
+    let _ = memfd::read_at_start(fd, &mut magic);
     let arg = size.div_ceil(256).min(31) as u8;
     let arg = if magic == crate::shm::BLOCK_MAGIC_BYTES {
         arg | 1
@@ -475,12 +451,9 @@ pub fn fds_of<T: Serialize>(value: &T) -> Result<Vec<OwnedFd>> {
 #[cfg(feature = "safetensors")]
 pub fn run_safetensors_file(data: &[u8]) -> Result<String> {
     use std::os::fd::AsRawFd;
-    use std::os::unix::fs::FileExt;
-    let fd = crate::sys::memfd::create("multiproc-fuzz-safetensors", data.len() as u64)?;
-    let file = std::fs::File::from(fd);
-    file.write_all_at(data, 0)
-        .map_err(|e| Error::os("writing a fuzz input to a memfd", e))?;
-    let tensors = crate::safetensors::load(format!("/proc/self/fd/{}", file.as_raw_fd()))?;
+    let fd = memfd::create("multiproc-fuzz-safetensors", data.len() as u64)?;
+    memfd::write_all_at(fd.as_fd(), data)?;
+    let tensors = crate::safetensors::load(format!("/proc/self/fd/{}", fd.as_raw_fd()))?;
     let mut sum = 0.0;
     for t in tensors.values() {
         sum += t.sum()?;

@@ -3,21 +3,22 @@
 
 use std::collections::HashSet;
 use std::io::Write;
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::time::{Duration, Instant};
-
-use rustix::event::{PollFd, PollFlags, Timespec, poll};
-use rustix::io::Errno;
-use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
 
 use super::grace;
 use crate::error::{Error, Result};
 use crate::shm::name::remove_names_of;
 use crate::shm::registry::Request;
 use crate::shm::tree::{ADDRESS_ENV, Tree, is_valid_address};
-use crate::sys::daemon::{Forked, fork_single_threaded, redirect_stdio_to_null};
-use crate::sys::socket::{Attempt, try_recv_packet};
+use crate::sys::abstract_socket::{self, AbstractAddress};
+use crate::sys::daemon::{Forked, fork_single_threaded, redirect_stdio_to_null, start_new_session};
+use crate::sys::fs::unlink_if_present;
+use crate::sys::process::current_uid;
+use crate::sys::socket::{Attempt, poll_readable, try_recv_packet, try_send_packet};
 
+/// How many connecting clients may wait for the manager to accept them.
+const LISTEN_BACKLOG: i32 = 128;
 /// How long a new manager waits for its first client before giving up.
 const STARTUP_WINDOW: Duration = Duration::from_secs(10);
 
@@ -144,7 +145,7 @@ fn detach_and_serve() -> Result<(bool, String)> {
         Forked::Child => {
             // A new session: no controlling terminal, not in the starter's process group,
             // so signals aimed at the program's group do not reach the manager.
-            let _ = rustix::process::setsid();
+            let _ = start_new_session();
             let _ = std::env::set_current_dir("/");
             let _ = redirect_stdio_to_null();
             serve(listener, grace(), Tree::of_address(&addr));
@@ -156,24 +157,15 @@ fn detach_and_serve() -> Result<(bool, String)> {
 /// Binds and listens at abstract address `addr`; `None` when another process already
 /// listens there.
 pub(super) fn bind(addr: &str) -> Result<Option<OwnedFd>> {
-    let sock = rustix::net::socket_with(
-        AddressFamily::UNIX,
-        SocketType::SEQPACKET,
-        SocketFlags::CLOEXEC | SocketFlags::NONBLOCK,
-        None,
-    )
-    .map_err(|e| Error::os("socket for the shm manager", e))?;
-    let sockaddr = SocketAddrUnix::new_abstract_name(addr.as_bytes())
+    let sock = abstract_socket::seqpacket_socket(true)
+        .map_err(|e| Error::os("socket for the shm manager", e))?;
+    let sockaddr = AbstractAddress::new(addr)
         .map_err(|e| Error::Manager(format!("bad manager address @{addr}: {e}")))?;
-    match rustix::net::bind(&sock, &sockaddr) {
-        Ok(()) => {}
-        Err(Errno::ADDRINUSE) => return Ok(None),
-        Err(e) => {
-            return Err(Error::Manager(format!("cannot listen at @{addr}: {e}")));
-        }
+    let cannot_listen = |e| Error::Manager(format!("cannot listen at @{addr}: {e}"));
+    if !abstract_socket::bind(sock.as_fd(), &sockaddr).map_err(cannot_listen)? {
+        return Ok(None);
     }
-    rustix::net::listen(&sock, 128)
-        .map_err(|e| Error::Manager(format!("cannot listen at @{addr}: {e}")))?;
+    abstract_socket::listen(sock.as_fd(), LISTEN_BACKLOG).map_err(cannot_listen)?;
     Ok(Some(sock))
 }
 
@@ -182,7 +174,7 @@ pub(super) fn bind(addr: &str) -> Result<Option<OwnedFd>> {
 /// period — and, when its tree's root has exited, every name of the tree, registered
 /// or not (see `shm::tree`).
 pub(super) fn serve(listener: OwnedFd, grace: Duration, tree: Option<Tree>) {
-    let uid = rustix::process::getuid();
+    let uid = current_uid();
     let _span = tracing::info_span!("multiproc::shm_manager", pid = std::process::id()).entered();
     tracing::info!(?grace, "shm manager serving");
     let mut registry = Registry::new(Instant::now(), grace);
@@ -193,28 +185,17 @@ pub(super) fn serve(listener: OwnedFd, grace: Duration, tree: Option<Tree>) {
         if registry.expired(now) {
             break;
         }
-        let timeout = registry.deadline().map(|d| {
-            let left = d.saturating_duration_since(now);
-            Timespec {
-                tv_sec: left.as_secs() as i64,
-                tv_nsec: left.subsec_nanos() as _,
+        let fds: Vec<BorrowedFd<'_>> = std::iter::once(&listener)
+            .chain(clients.iter())
+            .map(AsFd::as_fd)
+            .collect();
+        let ready = match poll_readable(&fds, registry.deadline()) {
+            Ok(ready) => ready,
+            Err(e) => {
+                tracing::warn!("shm manager poll failed: {e}");
+                std::thread::sleep(Duration::from_millis(10));
+                continue;
             }
-        });
-        let ready: Vec<bool> = {
-            let mut fds: Vec<PollFd<'_>> = std::iter::once(&listener)
-                .chain(clients.iter())
-                .map(|fd| PollFd::new(fd, PollFlags::IN))
-                .collect();
-            match poll(&mut fds, timeout.as_ref()) {
-                Ok(_) => {}
-                Err(Errno::INTR) => continue,
-                Err(e) => {
-                    tracing::warn!("shm manager poll failed: {e}");
-                    std::thread::sleep(Duration::from_millis(10));
-                    continue;
-                }
-            }
-            fds.iter().map(|f| !f.revents().is_empty()).collect()
         };
         for i in (0..clients.len()).rev() {
             if ready[i + 1] && !drain(clients[i].as_fd(), &mut registry, &mut buf) {
@@ -236,9 +217,9 @@ pub(super) fn serve(listener: OwnedFd, grace: Duration, tree: Option<Tree>) {
         "shm manager: no client for the grace period; unlinking what is left and exiting"
     );
     for name in leftovers {
-        match rustix::fs::unlink(format!("/dev/shm/{name}")) {
-            Ok(()) => tracing::debug!(segment = name, "unlinked a leftover segment"),
-            Err(Errno::NOENT) => {}
+        match unlink_if_present(format!("/dev/shm/{name}")) {
+            Ok(true) => tracing::debug!(segment = name, "unlinked a leftover segment"),
+            Ok(false) => {}
             Err(e) => tracing::warn!(segment = name, "shm manager cannot unlink: {e}"),
         }
     }
@@ -247,45 +228,39 @@ pub(super) fn serve(listener: OwnedFd, grace: Duration, tree: Option<Tree>) {
     }
 }
 
-fn accept_all(
-    listener: &OwnedFd,
-    uid: rustix::process::Uid,
-    clients: &mut Vec<OwnedFd>,
-    registry: &mut Registry,
-) {
-    loop {
-        match rustix::net::accept_with(listener, SocketFlags::CLOEXEC | SocketFlags::NONBLOCK) {
-            Ok(sock) => match rustix::net::sockopt::socket_peercred(&sock) {
-                Ok(cred) if cred.uid == uid => {
-                    clients.push(sock);
-                    registry.connected();
-                    tracing::debug!(
-                        pid = cred.pid.as_raw_nonzero().get(),
-                        clients = clients.len(),
-                        "a client connected to the shm manager"
-                    );
-                }
-                Ok(cred) => tracing::warn!(
-                    "shm manager refused a client of uid {} (pid {})",
-                    cred.uid.as_raw(),
-                    cred.pid.as_raw_nonzero()
-                ),
-                Err(e) => tracing::warn!("shm manager cannot check a client's credentials: {e}"),
-            },
-            Err(Errno::INTR) | Err(Errno::CONNABORTED) => {}
-            Err(_) => return,
+fn accept_all(listener: &OwnedFd, uid: u32, clients: &mut Vec<OwnedFd>, registry: &mut Registry) {
+    // Until none waits (or accepting fails: the next poll tries again).
+    while let Ok(Some(sock)) = abstract_socket::accept(listener.as_fd()) {
+        match abstract_socket::peer_credentials(sock.as_fd()) {
+            Ok(cred) if cred.uid == uid => {
+                clients.push(sock);
+                registry.connected();
+                tracing::debug!(
+                    pid = cred.pid,
+                    clients = clients.len(),
+                    "a client connected to the shm manager"
+                );
+            }
+            Ok(cred) => tracing::warn!(
+                "shm manager refused a client of uid {} (pid {})",
+                cred.uid,
+                cred.pid
+            ),
+            Err(e) => tracing::warn!("shm manager cannot check a client's credentials: {e}"),
         }
     }
 }
 
 /// Applies every request waiting on `sock`; false once the client has gone.
-fn drain(sock: std::os::fd::BorrowedFd<'_>, registry: &mut Registry, buf: &mut [u8]) -> bool {
+fn drain(sock: BorrowedFd<'_>, registry: &mut Registry, buf: &mut [u8]) -> bool {
     loop {
         match try_recv_packet(sock, buf) {
             Ok(Attempt::Done(packet)) => match Request::decode(&packet.bytes) {
                 Some(Request::Query(name)) => {
                     let answer: &[u8] = if registry.holds(&name) { b"Y" } else { b"N" };
-                    let _ = rustix::net::send(sock, answer, rustix::net::SendFlags::DONTWAIT);
+                    // Best effort and never blocking: one loop serves every client,
+                    // and one that cannot take its answer must not stall the others.
+                    let _ = try_send_packet(sock, answer, &[], &[]);
                 }
                 Some(request) => registry.apply(request),
                 None => {}

@@ -119,7 +119,7 @@ pub fn active_children() -> Vec<ChildProcess> {
         .iter()
         .filter_map(Weak::upgrade)
         .filter(|c| !c.exited.load(Ordering::Acquire))
-        .filter(|c| !crate::sync::process_is_dead(c.pid as u32))
+        .filter(|c| !sys::process_is_dead(c.pid as u32))
         .map(|c| ChildProcess {
             rank: c.rank,
             pid: c.pid,

@@ -83,17 +83,7 @@ fn raise_nofile_limit() {
     if std::env::var_os(KEEP_NOFILE_VAR).is_some_and(|v| !v.is_empty() && v != "0") {
         return;
     }
-    use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
-    let limit = getrlimit(Resource::Nofile);
-    if limit.current != limit.maximum {
-        let _ = setrlimit(
-            Resource::Nofile,
-            Rlimit {
-                current: limit.maximum,
-                maximum: limit.maximum,
-            },
-        );
-    }
+    crate::sys::fd_limit::raise_soft_to_hard();
 }
 
 /// A spawned worker: take the socket named in the environment and run its job.

@@ -28,6 +28,7 @@ use std::sync::{Arc, Mutex, PoisonError, Weak};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use crate::error::{Error, Result};
+use crate::sys;
 use crate::sys::file_map::ReadOnlyMapping;
 use crate::wire;
 
@@ -70,20 +71,20 @@ impl FileSegment {
     }
 
     fn map(fd: BorrowedFd<'_>, claimed: u64, origin: &str) -> Result<Arc<FileSegment>> {
-        let st = rustix::fs::fstat(fd).map_err(|e| Error::os(format!("fstat of {origin}"), e))?;
-        if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::RegularFile {
+        let st = sys::fs::status(fd, origin)?;
+        if !st.is_regular_file {
             return Err(Error::InvalidMessage(format!(
                 "{origin} is not a regular file (mode {:o}); refusing to map it",
-                st.st_mode
+                st.mode
             )));
         }
-        let size = st.st_size.max(0) as u64;
+        let size = st.size;
         if size < claimed {
             return Err(Error::InvalidMessage(format!(
                 "a read-only tensor's handle claims {claimed} bytes but {origin} holds {size}"
             )));
         }
-        let key = (st.st_dev, st.st_ino);
+        let key = (st.dev, st.ino);
         let mut guard = FILES.lock().unwrap_or_else(PoisonError::into_inner);
         let files = guard.get_or_insert_with(HashMap::new);
         if let Some(live) = files.get(&key).and_then(Weak::upgrade) {

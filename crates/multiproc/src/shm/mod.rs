@@ -417,10 +417,10 @@ fn claimed_end(offset: u64, nbytes: u64) -> Result<u64> {
 /// already mapped as the other kind is refused; a new block has only the bytes the
 /// tensor covers (`offset..end`) faulted in, never the rest of a peer's file.
 fn receive_fd(fd: BorrowedFd<'_>, offset: u64, end: u64, as_block: bool) -> Result<Arc<Segment>> {
-    let st = rustix::fs::fstat(fd).map_err(|e| Error::os("fstat of a received segment", e))?;
+    let st = crate::sys::fs::status(fd, "a received segment")?;
     let key = CacheKey::Inode {
-        dev: st.st_dev,
-        ino: st.st_ino,
+        dev: st.dev,
+        ino: st.ino,
     };
     let segment = cache::get_or_try_insert(key, || {
         let fd = fd

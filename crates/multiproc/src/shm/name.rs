@@ -10,10 +10,9 @@
 
 use std::fmt;
 
-use rustix::io::Errno;
-
 use super::tree::{Tree, this_tree};
 use crate::error::{Error, Result};
+use crate::sys;
 
 /// The prefix of every segment we name (also what `multiproc gc` looks for).
 pub(crate) const PREFIX: &str = "multiproc_";
@@ -118,9 +117,9 @@ pub(crate) fn remove_names_of(tree: &Tree) -> usize {
         if !SegmentName::is_valid(name) || tree_of_name(name).as_ref() != Some(tree) {
             continue;
         }
-        match rustix::fs::unlink(format!("/dev/shm/{name}")) {
-            Ok(()) => removed += 1,
-            Err(Errno::NOENT) => {}
+        match sys::fs::unlink_if_present(format!("/dev/shm/{name}")) {
+            Ok(true) => removed += 1,
+            Ok(false) => {}
             Err(e) => tracing::warn!(
                 segment = name,
                 "cannot unlink a segment of a dead tree: {e}"

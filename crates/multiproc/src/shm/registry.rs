@@ -18,13 +18,12 @@ use std::os::fd::{AsFd, OwnedFd};
 use std::sync::{LazyLock, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use rustix::io::Errno;
-use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
-
 use super::name::{SegmentName, remove_names_of};
 use super::tree::{ADDRESS_ENV, Tree, address, address_if_used};
 use crate::error::{Error, Result};
 use crate::role::{ROLE_VAR, Role};
+use crate::sys::abstract_socket::{self, AbstractAddress};
+use crate::sys::process::current_uid;
 use crate::sys::socket::send_packet;
 use crate::sys::{Readiness, deadline_after, wait_fd};
 
@@ -161,43 +160,31 @@ impl Client {
 
 /// Connects to the manager at `addr`; `None` when nobody listens there.
 pub(crate) fn connect_to(addr: &str) -> Result<Option<OwnedFd>> {
-    let sock = rustix::net::socket_with(
-        AddressFamily::UNIX,
-        SocketType::SEQPACKET,
-        SocketFlags::CLOEXEC,
-        None,
-    )
-    .map_err(|e| Error::os("socket(AF_UNIX, SOCK_SEQPACKET) for the shm manager", e))?;
-    let sockaddr = SocketAddrUnix::new_abstract_name(addr.as_bytes())
+    let sock = abstract_socket::seqpacket_socket(false)
+        .map_err(|e| Error::os("socket(AF_UNIX, SOCK_SEQPACKET) for the shm manager", e))?;
+    let sockaddr = AbstractAddress::new(addr)
         .map_err(|e| Error::Manager(format!("bad manager address @{addr}: {e}")))?;
-    loop {
-        match rustix::net::connect(&sock, &sockaddr) {
-            Ok(()) => {
-                // The manager checks our uid; we check its, so that names are never
-                // handed to another user's process squatting on the address.
-                let me = rustix::process::getuid();
-                return match rustix::net::sockopt::socket_peercred(&sock) {
-                    Ok(cred) if cred.uid == me => Ok(Some(sock)),
-                    Ok(cred) => Err(Error::Manager(format!(
-                        "the process listening at @{addr} (pid {}) belongs to uid {}, not to us \
-                         (uid {}); unset {ADDRESS_ENV} or choose another address",
-                        cred.pid.as_raw_nonzero(),
-                        cred.uid.as_raw(),
-                        me.as_raw()
-                    ))),
-                    Err(e) => Err(Error::Manager(format!(
-                        "cannot check who listens at @{addr}: {e}"
-                    ))),
-                };
-            }
-            Err(Errno::INTR) => {}
-            Err(Errno::CONNREFUSED) | Err(Errno::NOENT) => return Ok(None),
-            Err(e) => {
-                return Err(Error::Manager(format!(
-                    "cannot connect to the shm manager at @{addr}: {e}"
-                )));
+    match abstract_socket::connect(sock.as_fd(), &sockaddr) {
+        Ok(true) => {
+            // The manager checks our uid; we check its, so that names are never
+            // handed to another user's process squatting on the address.
+            let me = current_uid();
+            match abstract_socket::peer_credentials(sock.as_fd()) {
+                Ok(cred) if cred.uid == me => Ok(Some(sock)),
+                Ok(cred) => Err(Error::Manager(format!(
+                    "the process listening at @{addr} (pid {}) belongs to uid {}, not to us \
+                     (uid {me}); unset {ADDRESS_ENV} or choose another address",
+                    cred.pid, cred.uid,
+                ))),
+                Err(e) => Err(Error::Manager(format!(
+                    "cannot check who listens at @{addr}: {e}"
+                ))),
             }
         }
+        Ok(false) => Ok(None),
+        Err(e) => Err(Error::Manager(format!(
+            "cannot connect to the shm manager at @{addr}: {e}"
+        ))),
     }
 }
 

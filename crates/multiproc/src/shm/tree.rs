@@ -75,7 +75,7 @@ pub(crate) fn new_address() -> String {
     };
     format!(
         "{ADDRESS_PREFIX}{}-{pid}-{start}-{random:016x}",
-        rustix::process::getuid().as_raw(),
+        crate::sys::process::current_uid(),
     )
 }
 

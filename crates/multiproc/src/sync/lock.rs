@@ -20,6 +20,7 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use crate::error::{Error, LockError, Result};
 use crate::shm::SharedWords;
 use crate::sys::futex;
+use crate::sys::process::process_is_dead;
 use crate::sys::{Deadline, deadline_after};
 
 /// How often a waiter checks that the holder still lives.
@@ -44,22 +45,7 @@ fn my_pid() -> u32 {
 }
 
 fn my_tid() -> u32 {
-    rustix::thread::gettid().as_raw_nonzero().get() as u32
-}
-
-/// Whether process `pid` has ended (gone, or a zombie waiting to be reaped).
-pub(crate) fn process_is_dead(pid: u32) -> bool {
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Ok(stat) => {
-            // The state follows the command name, which is in parentheses and may
-            // itself contain spaces or parentheses.
-            let state = stat
-                .rfind(')')
-                .and_then(|i| stat[i + 1..].trim_start().chars().next());
-            matches!(state, Some('Z') | Some('X') | Some('x'))
-        }
-        Err(e) => e.kind() == std::io::ErrorKind::NotFound,
-    }
+    crate::sys::process::current_tid()
 }
 
 /// The mechanism under every lock-like primitive: [`RAW_LOCK_WORDS`] words of a shared

@@ -39,7 +39,6 @@ pub use barrier::Barrier;
 pub use bounded_semaphore::BoundedSemaphore;
 pub use condition::{Condition, ConditionGuard};
 pub use event::Event;
-pub(crate) use lock::process_is_dead;
 pub use lock::{Lock, LockGuard, RLock, RLockGuard};
 pub use semaphore::{Semaphore, SemaphoreGuard};
 #[allow(deprecated)]

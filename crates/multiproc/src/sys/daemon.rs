@@ -1,5 +1,5 @@
-//! Becoming a daemon: `fork` (only while single-threaded) and pointing stdio at
-//! `/dev/null`.
+//! Becoming a daemon: `fork` (only while single-threaded), a session of its own, and
+//! pointing stdio at `/dev/null`.
 //!
 //! # Safety
 //!
@@ -43,6 +43,15 @@ pub(crate) fn fork_single_threaded() -> Result<Forked> {
         0 => Ok(Forked::Child),
         pid => Ok(Forked::Parent(pid)),
     }
+}
+
+/// Makes this process the leader of a new session (`setsid`): no controlling terminal,
+/// not in its starter's process group. Fails only in a process that already leads a
+/// process group (a fork child never does).
+pub(crate) fn start_new_session() -> Result<()> {
+    rustix::process::setsid()
+        .map(drop)
+        .map_err(|e| Error::os("setsid", e))
 }
 
 /// Points stdin, stdout and stderr at `/dev/null`, so a daemon holds no pipe or

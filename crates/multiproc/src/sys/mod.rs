@@ -12,9 +12,12 @@
 //! process is an [`OwnedFd`](std::os::fd::OwnedFd) from the moment it arrives; sockets
 //! are non-blocking and every wait goes through [`wait_fd`] with a deadline.
 
+pub(crate) mod abstract_socket;
 pub(crate) mod daemon;
+pub(crate) mod fd_limit;
 // Used by the `cuda` feature's memory (tested either way).
 pub(crate) mod file_map;
+pub(crate) mod fs;
 pub(crate) mod futex;
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) mod lease;

@@ -50,9 +50,8 @@ impl From<std::io::Error> for Error {
 
 /// This process's `RLIMIT_NOFILE` (soft, hard; `None` for unlimited) and its open fds.
 pub(super) fn fd_usage() -> (Option<u64>, Option<u64>, usize) {
-    let limit = rustix::process::getrlimit(rustix::process::Resource::Nofile);
-    let in_use = open_fd_count(limit.current);
-    (limit.current, limit.maximum, in_use)
+    let (soft, hard) = super::fd_limit::soft_and_hard();
+    (soft, hard, open_fd_count(soft))
 }
 
 /// How many fds this process has open. Lists `/proc/self/fd` (which takes an fd

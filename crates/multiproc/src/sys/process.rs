@@ -1,6 +1,7 @@
 //! Processes at the system level: re-executing ourselves, forking, pidfds, waiting,
-//! signals, the parent-death signal, and the few environment and name changes a new
-//! worker makes to itself.
+//! signals, the parent-death signal, the few environment and name changes a new
+//! worker makes to itself, and who we are (pid, uid, thread id) and whether another
+//! process still lives (`/proc`).
 //!
 //! # Safety
 //!
@@ -301,6 +302,17 @@ pub(crate) fn current_pid() -> i32 {
     rustix::process::getpid().as_raw_nonzero().get()
 }
 
+/// The real user id of this process (whose peers the shm manager accepts).
+pub(crate) fn current_uid() -> u32 {
+    rustix::process::getuid().as_raw()
+}
+
+/// The kernel's id of the calling thread (`gettid`), unique among live threads of
+/// every process (a lock records it as its holder).
+pub(crate) fn current_tid() -> u32 {
+    rustix::thread::gettid().as_raw_nonzero().get() as u32
+}
+
 /// This process's pid, without a system call after the first: the hot path asks for it
 /// several times per message (whose reference a value holds, which pool is whose).
 /// A `fork` child resets the cache (a `pthread_atfork` handler), so it never sees its
@@ -338,6 +350,22 @@ pub(crate) fn start_time(pid: u32) -> Option<u64> {
         return None;
     }
     fields.get(19)?.parse().ok()
+}
+
+/// Whether process `pid` has ended (gone, or a zombie waiting to be reaped), as its
+/// `/proc/<pid>/stat` says.
+pub(crate) fn process_is_dead(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => {
+            // The state follows the command name, which is in parentheses and may
+            // itself contain spaces or parentheses.
+            let state = stat
+                .rfind(')')
+                .and_then(|i| stat[i + 1..].trim_start().chars().next());
+            matches!(state, Some('Z') | Some('X') | Some('x'))
+        }
+        Err(e) => e.kind() == std::io::ErrorKind::NotFound,
+    }
 }
 
 /// Registers `f` to run when this process exits normally (`exit`, or returning from
