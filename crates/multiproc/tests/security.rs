@@ -32,9 +32,10 @@ fn is_root() -> bool {
 fn segment_names_carry_128_random_bits_and_files_are_private() {
     common::run(DEADLINE, || {
         multiproc::set_sharing_strategy(SharingStrategy::FileSystem);
+        // Larger than the storages carved from shared arenas (64 KiB): a name each.
         let tensors: Vec<Tensor> = (0..200)
             .map(|_| {
-                let t = Tensor::zeros(&[4], DType::U8).unwrap();
+                let t = Tensor::zeros(&[(64 << 10) + 1], DType::U8).unwrap();
                 t.share_memory_().unwrap();
                 t
             })

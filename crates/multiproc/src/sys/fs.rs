@@ -1,4 +1,5 @@
-//! Files by fd or by path: what `fstat` says about an fd, and unlinking a name.
+//! Files by fd or by path: what `fstat` says about an fd, opening and unlinking a
+//! shared-memory file's name.
 //!
 //! # Safety
 //!
@@ -8,10 +9,10 @@
 //! An fd that came from another process may be anything (a pipe, a socket, a device):
 //! callers decide what to map from [`FileStatus`], never from the fd's own claims.
 
-use std::os::fd::BorrowedFd;
+use std::os::fd::{BorrowedFd, OwnedFd};
 use std::path::Path;
 
-use rustix::fs::FileType;
+use rustix::fs::{FileType, Mode, OFlags};
 use rustix::io::Errno;
 
 use crate::error::{Error, Result};
@@ -29,6 +30,8 @@ pub(crate) struct FileStatus {
     pub dev: u64,
     /// Its inode number.
     pub ino: u64,
+    /// Its owner's user id.
+    pub uid: u32,
 }
 
 /// `fstat` of `fd`; `what` names the file in the error (`fstat of <what>`).
@@ -40,7 +43,29 @@ pub(crate) fn status(fd: BorrowedFd<'_>, what: &str) -> Result<FileStatus> {
         size: st.st_size.max(0) as u64,
         dev: st.st_dev,
         ino: st.st_ino,
+        uid: st.st_uid,
     })
+}
+
+/// Opens the `/dev/shm` file `path` read-write, close-on-exec, never through a symbolic
+/// link (`ELOOP` then): a new one (`create`: it must not exist, and is made 0600, only
+/// for this user) or an existing one.
+pub(crate) fn open_shm_file(path: &str, create: bool) -> std::result::Result<OwnedFd, Errno> {
+    let base = OFlags::RDWR | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+    if create {
+        rustix::fs::open(
+            path,
+            base | OFlags::CREATE | OFlags::EXCL,
+            Mode::RUSR | Mode::WUSR,
+        )
+    } else {
+        rustix::fs::open(path, base, Mode::empty())
+    }
+}
+
+/// The effective user id of this process (who owns the files it creates).
+pub(crate) fn effective_uid() -> u32 {
+    rustix::process::geteuid().as_raw()
 }
 
 /// Removes the name `path`: `Ok(true)` when it was removed, `Ok(false)` when nothing had

@@ -16,7 +16,7 @@ impl Segment {
     pub(crate) fn create_anonymous(len: usize) -> Result<Segment> {
         let fd = memfd::create("multiproc-tensor", len as u64)?;
         memfd::seal_size(fd.as_fd())?;
-        let st = rustix::fs::fstat(&fd).map_err(|e| Error::os("fstat of a new memfd", e))?;
+        let st = crate::sys::fs::status(fd.as_fd(), "a new memfd")?;
         let mapping = SharedMapping::map(fd.as_fd(), len)?;
         Ok(Segment {
             mapping,
@@ -24,8 +24,8 @@ impl Segment {
             len,
             backing: Backing::Anonymous {
                 fd: Arc::new(fd),
-                dev: st.st_dev,
-                ino: st.st_ino,
+                dev: st.dev,
+                ino: st.ino,
             },
             is_block: false,
         })
@@ -57,7 +57,7 @@ impl Segment {
     }
 
     fn open_received(fd: OwnedFd, claimed: u64, as_block: bool) -> Result<Segment> {
-        let st = rustix::fs::fstat(&fd).map_err(|e| Error::os("fstat of a received segment", e))?;
+        let st = crate::sys::fs::status(fd.as_fd(), "a received segment")?;
         if !memfd::is_shrink_sealed(fd.as_fd()) {
             return Err(Error::InvalidMessage(
                 "a received tensor's segment is not a memfd sealed against shrinking; \
@@ -65,7 +65,7 @@ impl Segment {
                     .into(),
             ));
         }
-        let size = st.st_size.max(0) as u64;
+        let size = st.size;
         if size < claimed || size == 0 {
             return Err(Error::InvalidMessage(format!(
                 "a received tensor's handle claims {claimed} bytes but its segment holds {size}"
@@ -95,8 +95,8 @@ impl Segment {
             len,
             backing: Backing::Anonymous {
                 fd: Arc::new(fd),
-                dev: st.st_dev,
-                ino: st.st_ino,
+                dev: st.dev,
+                ino: st.ino,
             },
             is_block: as_block,
         };

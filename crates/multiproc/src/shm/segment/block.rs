@@ -21,8 +21,6 @@
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
-use rustix::io::Errno;
-
 use super::named::{drop_reference, take_reference};
 use super::{Backing, Segment, pid};
 
@@ -185,10 +183,7 @@ impl Segment {
         if h.pooled.load(Ordering::Acquire) == 0 {
             return true;
         }
-        let creator = h.creator_pid.load(Ordering::Relaxed) as i32;
-        match rustix::process::Pid::from_raw(creator) {
-            Some(p) => rustix::process::test_kill_process(p) == Err(Errno::SRCH),
-            None => true,
-        }
+        let creator = h.creator_pid.load(Ordering::Relaxed);
+        creator == 0 || crate::sys::process::process_is_dead(creator)
     }
 }

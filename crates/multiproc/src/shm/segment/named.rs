@@ -5,15 +5,14 @@
 use std::os::fd::AsFd;
 use std::sync::atomic::{AtomicI32, AtomicU32, AtomicU64, Ordering};
 
-use rustix::fs::{Mode, OFlags};
 use rustix::io::Errno;
 
 use super::super::name::{SegmentName, shm_path};
 use super::block::BLOCK_HEADER_LEN;
 use super::{Backing, Segment, pid};
 use crate::error::{Error, Result};
-use crate::sys::memfd;
 use crate::sys::mmap::SharedMapping;
+use crate::sys::{fs, memfd};
 
 /// Bytes before the data of a named segment.
 pub(crate) const HEADER_LEN: usize = 64;
@@ -50,6 +49,7 @@ const _: () = assert!(std::mem::size_of::<Header>() == HEADER_LEN);
 impl Segment {
     /// Creates the named segment `name` with `len` bytes of data, refcount 1 (ours).
     /// On failure nothing is left in `/dev/shm`.
+    #[cfg(test)]
     pub(crate) fn create_named(name: SegmentName, len: usize) -> Result<Segment> {
         Segment::create_named_with(name, len, HEADER_LEN)
     }
@@ -61,12 +61,8 @@ impl Segment {
         let total = HEADER_LEN
             .checked_add(len)
             .ok_or_else(|| Error::InvalidArgument(format!("a {len}-byte segment is too large")))?;
-        let fd = rustix::fs::open(
-            &path,
-            OFlags::CREATE | OFlags::EXCL | OFlags::RDWR | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-            Mode::RUSR | Mode::WUSR,
-        )
-        .map_err(|e| Error::os(format!("creating shared-memory segment {path}"), e))?;
+        let fd = fs::open_shm_file(&path, true)
+            .map_err(|e| Error::os(format!("creating shared-memory segment {path}"), e))?;
         let made = memfd::reserve(
             fd.as_fd(),
             total as u64,
@@ -79,7 +75,7 @@ impl Segment {
         let mapping = match made {
             Ok(m) => m,
             Err(e) => {
-                let _ = rustix::fs::unlink(&path);
+                let _ = fs::unlink_if_present(&path);
                 return Err(e);
             }
         };
@@ -129,11 +125,7 @@ impl Segment {
     /// (see `block`), and this value holds none.
     pub(crate) fn open_named(name: SegmentName, claimed: u64, as_block: bool) -> Result<Segment> {
         let path = shm_path(&name);
-        let fd = match rustix::fs::open(
-            &path,
-            OFlags::RDWR | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-            Mode::empty(),
-        ) {
+        let fd = match fs::open_shm_file(&path, false) {
             Ok(fd) => fd,
             Err(Errno::NOENT) => {
                 return Err(Error::InvalidMessage(format!(
@@ -153,20 +145,16 @@ impl Segment {
                 ));
             }
         };
-        let st = rustix::fs::fstat(&fd).map_err(|e| Error::os(format!("fstat of {path}"), e))?;
-        let me = rustix::process::geteuid().as_raw();
-        if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::RegularFile
-            || st.st_uid != me
-            || st.st_mode & 0o077 != 0
-        {
+        let st = fs::status(fd.as_fd(), &path)?;
+        if !st.is_regular_file || st.uid != fs::effective_uid() || st.mode & 0o077 != 0 {
             return Err(Error::InvalidMessage(format!(
                 "{path} is not a private shared-memory segment of this user (uid {}, mode {:o}); \
                  refusing to map it",
-                st.st_uid,
-                st.st_mode & 0o7777
+                st.uid,
+                st.mode & 0o7777
             )));
         }
-        let size = st.st_size.max(0) as u64;
+        let size = st.size;
         let needed = claimed.checked_add(HEADER_LEN as u64);
         if needed.is_none_or(|n| size < n) {
             return Err(Error::InvalidMessage(format!(
@@ -330,9 +318,8 @@ impl Segment {
         let Some(name) = self.name() else {
             return;
         };
-        match rustix::fs::unlink(shm_path(name)) {
-            Ok(()) | Err(Errno::NOENT) => {}
-            Err(e) => tracing::warn!(segment = %name, "cannot unlink: {e}"),
+        if let Err(e) = fs::unlink_if_present(shm_path(name)) {
+            tracing::warn!(segment = %name, "cannot unlink: {e}");
         }
         super::super::registry::unregister(name);
     }
