@@ -18,6 +18,7 @@ pub(crate) mod file_map;
 pub(crate) mod futex;
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) mod lease;
+pub(crate) mod local_socket;
 pub(crate) mod memfd;
 pub(crate) mod memlimit;
 pub(crate) mod mmap;
