@@ -84,13 +84,8 @@
 //! exchange CPU tensors with everyone and CUDA tensors with workers of the same GPU.
 
 #[cfg(feature = "cuda")]
-#[allow(unsafe_code)]
-mod driver;
-#[cfg(feature = "cuda")]
-#[allow(unsafe_code)]
 mod memory;
 #[cfg(not(feature = "cuda"))]
-#[allow(unsafe_code)]
 mod stub;
 
 use std::fmt;
@@ -98,6 +93,8 @@ use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
+#[cfg(feature = "cuda")]
+use crate::sys::cuda_driver as driver;
 #[cfg(feature = "cuda")]
 pub(crate) use memory::{CudaUse, allocate, receive, send};
 #[cfg(not(feature = "cuda"))]

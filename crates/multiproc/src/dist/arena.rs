@@ -30,7 +30,7 @@
 //! The protocol is what the bulk kernels (`tensor::bulk`) rely on when they read and
 //! write the slots: the control words are only touched as atomics, and slot and result
 //! bytes are memory other processes write, reached only as checked
-//! [`SharedBytes`](crate::shm::SharedBytes) of the segment's [`SharedArea`] (this
+//! [`SharedBytes`](crate::sys::shared_bytes::SharedBytes) of the segment's [`SharedArea`] (this
 //! file has no unsafe code). A rank that breaks the protocol (a bug, or a hostile
 //! process holding the fd) can make the values wrong; it cannot make this process read
 //! outside the mapping, which every word and range is checked against.
@@ -40,11 +40,12 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
-use crate::shm::{SharedArea, SharedBytes};
+use crate::shm::SharedArea;
 use crate::sys::Deadline;
 use crate::sys::futex;
 use crate::sys::memfd;
 use crate::sys::process as sysproc;
+use crate::sys::shared_bytes::SharedBytes;
 
 /// Bytes per slot: the chunk a collective moves per round.
 pub(crate) const SLOT_BYTES: usize = 4 << 20;

@@ -16,9 +16,9 @@ use super::group::{Inner, ReduceOp, State};
 use super::zero_copy::{Kind, Outcome};
 use crate::cuda::Device;
 use crate::error::{Error, Result};
-use crate::shm::SharedBytes;
 use crate::sys::Deadline;
 use crate::sys::futex;
+use crate::sys::shared_bytes::SharedBytes;
 use crate::tensor::Tensor;
 use crate::tensor::bulk::{self, Combine, HostBytes};
 

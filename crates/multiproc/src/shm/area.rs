@@ -1,34 +1,26 @@
 //! [`SharedArea`]: a mapping of a shared file laid out by its owner (a process group's
 //! segment: control words, slots, mailboxes), with bounds-checked atomic words and
-//! byte ranges; and [`SharedBytes`], a checked range of memory that other processes may
-//! write, the form in which such memory reaches the copy and reduction kernels
-//! (`tensor::bulk`).
+//! byte ranges ([`SharedBytes`], the form in which memory other processes write reaches
+//! the copy and reduction kernels of `tensor::bulk`).
 //!
 //! # Safety
 //!
-//! The unsafe code turns an offset of the mapping into `&AtomicU32`, and copies bytes
-//! between two [`SharedBytes`]. Invariants:
+//! The unsafe code turns an offset of the mapping into `&AtomicU32`, and a range of it
+//! into a [`SharedBytes`]:
 //!
 //! - A word's offset is checked on every call to lie inside the mapping and be 4-byte
 //!   aligned (the mapping is page-aligned); the reference borrows the area, so the
 //!   mapping outlives it; atomics may be written concurrently by anyone, other
 //!   processes included.
-//! - A [`SharedBytes`] is made only by [`SharedArea::bytes`] (checked against the
-//!   mapping) or by [`SharedBytes::from_raw`], whose caller vouches that the range is
-//!   mapped for the borrow's lifetime (the tensor kernels, from a storage's read guard).
-//!   It is never turned into a reference: other processes may write it at any moment,
-//!   so it is only copied (a copy racing with a writer that breaks its protocol gives
-//!   wrong bytes, never an access outside the ranges), and its users read and write
-//!   elements through raw pointers.
-//! - A copy checks both lengths and the destination's writability once, and uses
-//!   `memmove` when the two ranges overlap (two views of one mapping).
+//! - A range is checked to lie inside the mapping and borrows the area; the bytes are
+//!   never a reference (see `sys::shared_bytes`).
 
-use std::marker::PhantomData;
 use std::os::fd::BorrowedFd;
 use std::sync::atomic::AtomicU32;
 
 use crate::error::{Error, Result};
 use crate::sys::mmap::SharedMapping;
+use crate::sys::shared_bytes::SharedBytes;
 
 /// A `MAP_SHARED` read-write mapping of the first bytes of a shared file, addressed by
 /// byte offsets that its owner's layout defines.
@@ -73,92 +65,10 @@ impl SharedArea {
         if offset.checked_add(len).is_none_or(|end| end > self.len()) {
             return Err(out_of_range(offset, len, self.len()));
         }
-        Ok(SharedBytes {
-            ptr: self.map.as_ptr().wrapping_add(offset),
-            len,
-            writable: true,
-            _mapped: PhantomData,
-        })
-    }
-}
-
-/// A range of mapped bytes that other processes may write at any moment, valid for
-/// `'a`: checked, never a reference (see the module's safety section).
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct SharedBytes<'a> {
-    ptr: *mut u8,
-    len: usize,
-    writable: bool,
-    _mapped: PhantomData<&'a ()>,
-}
-
-impl<'a> SharedBytes<'a> {
-    /// The range `ptr..ptr + len`.
-    ///
-    /// # Safety
-    /// The range must be mapped and readable for `'a` (and writable when `writable`),
-    /// and never be the target of a Rust reference while this lives.
-    pub(crate) unsafe fn from_raw(ptr: *mut u8, len: usize, writable: bool) -> Self {
-        SharedBytes {
-            ptr,
-            len,
-            writable,
-            _mapped: PhantomData,
-        }
-    }
-
-    /// Its length in bytes.
-    pub(crate) fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Whether it may be written.
-    pub(crate) fn is_writable(&self) -> bool {
-        self.writable
-    }
-
-    /// The first byte: valid for [`len`](Self::len) bytes during `'a`, to be read and
-    /// written only through raw pointers.
-    pub(crate) fn as_ptr(&self) -> *mut u8 {
-        self.ptr
-    }
-
-    /// Bytes `at..at + len` of this range.
-    pub(crate) fn range(&self, at: usize, len: usize) -> Result<SharedBytes<'a>> {
-        if at.checked_add(len).is_none_or(|end| end > self.len) {
-            return Err(out_of_range(at, len, self.len));
-        }
-        Ok(SharedBytes {
-            ptr: self.ptr.wrapping_add(at),
-            len,
-            ..*self
-        })
-    }
-
-    /// Copies all of `src` over this range, which must be as long and writable.
-    pub(crate) fn copy_from(&self, src: &SharedBytes<'_>) -> Result<()> {
-        if src.len != self.len || !self.writable {
-            return Err(Error::InvalidArgument(format!(
-                "internal error: a copy of {} bytes into a {}-byte {} range",
-                src.len,
-                self.len,
-                if self.writable { "shared" } else { "read-only" }
-            )));
-        }
-        let (s, d) = (src.ptr as usize, self.ptr as usize);
-        let overlap = s < d.wrapping_add(self.len) && d < s.wrapping_add(self.len);
-        // SAFETY: both ranges are mapped for their lifetimes (how every `SharedBytes` is
-        // made), `self.len` bytes long (checked above) and the destination writable
-        // (checked above); neither is a Rust reference. Overlapping ranges (two views
-        // of one mapping) take `copy`, which allows it.
-        unsafe {
-            if overlap {
-                std::ptr::copy(src.ptr, self.ptr, self.len);
-            } else {
-                std::ptr::copy_nonoverlapping(src.ptr, self.ptr, self.len);
-            }
-        }
-        Ok(())
+        // SAFETY: `offset..offset + len` lies inside the mapping (checked above), which
+        // is readable and writable and lives as long as `self`, which the result
+        // borrows; this module makes no reference into it.
+        Ok(unsafe { SharedBytes::from_raw(self.map.as_ptr().add(offset), len, true) })
     }
 }
 

@@ -12,6 +12,9 @@
 //! process is an [`OwnedFd`](std::os::fd::OwnedFd) from the moment it arrives; sockets
 //! are non-blocking and every wait goes through [`wait_fd`] with a deadline.
 
+// The CUDA driver's FFI (feature `cuda`), under `crate::cuda`.
+#[cfg(feature = "cuda")]
+pub(crate) mod cuda_driver;
 pub(crate) mod daemon;
 // Used by the `cuda` feature's memory (tested either way).
 pub(crate) mod file_map;
@@ -24,6 +27,8 @@ pub(crate) mod memlimit;
 pub(crate) mod mmap;
 mod os_errors;
 pub(crate) mod process;
+// Used by the collectives' kernels, and the `cuda` feature's host copies.
+pub(crate) mod shared_bytes;
 pub(crate) mod socket;
 
 pub(crate) use socket::{Deadline, Readiness, deadline_after, wait_fd};

@@ -28,7 +28,7 @@ use super::storage::StorageRead;
 use super::{Storage, Tensor};
 use crate::cuda::Device;
 use crate::error::{Error, Result};
-use crate::shm::SharedBytes;
+use crate::sys::shared_bytes::SharedBytes;
 
 /// The bytes of a contiguous host tensor, or of a range of a host storage, with the
 /// storage's read guard held so they stay mapped.
