@@ -83,6 +83,10 @@
 //! `CUDA_VISIBLE_DEVICES`, as in torch); workers that each see only their own GPU can
 //! exchange CPU tensors with everyone and CUDA tensors with workers of the same GPU.
 
+// `memory`: CUDA memory other processes can map (allocations, the pool, the wire
+// form), or `stub` without the feature. The driver calls (FFI) are
+// `sys::cuda_driver`'s; this module has no unsafe code: host memory reaches the
+// driver's copies as a checked `SharedBytes`.
 #[cfg(feature = "cuda")]
 mod memory;
 #[cfg(not(feature = "cuda"))]

@@ -20,7 +20,8 @@ pub(crate) use rustix::io::Errno;
 pub(crate) use rustix::net::SocketAddrUnix;
 
 /// A new `SOCK_SEQPACKET` Unix socket, close-on-exec, and non-blocking when
-/// `nonblocking`.
+/// `nonblocking`. A blocking one is for the rendezvous, which waits with
+/// [`wait_fd`](super::wait_fd) before each accept and receives with a deadline.
 pub(crate) fn seqpacket(nonblocking: bool) -> Result<OwnedFd, Errno> {
     let mut flags = SocketFlags::CLOEXEC;
     if nonblocking {

@@ -6,7 +6,10 @@
 //!
 //! Everything above this module sees owned file descriptors, byte buffers and our
 //! [`Error`](crate::Error); everything below is rustix (and, where rustix has no safe
-//! wrapper, a few `libc` calls, each with a `// SAFETY:` comment).
+//! wrapper, a few `libc` calls, each with a `// SAFETY:` comment), and, with the `cuda`
+//! feature, the CUDA driver through cudarc's FFI (`cuda_driver`). Memory that others
+//! may write — mappings, shared tensors — reaches the code that copies it as a
+//! checked `shared_bytes::SharedBytes`, never as a reference.
 //!
 //! Contract: every fd created here is close-on-exec; every fd received from another
 //! process is an [`OwnedFd`](std::os::fd::OwnedFd) from the moment it arrives; sockets
