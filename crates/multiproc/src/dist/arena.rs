@@ -30,7 +30,7 @@
 //! The protocol is what the bulk kernels (`tensor::bulk`) rely on when they read and
 //! write the slots: the control words are only touched as atomics, and slot and result
 //! bytes are memory other processes write, reached only as checked
-//! [`SharedBytes`](crate::sys::shared_bytes::SharedBytes) of the segment's [`SharedArea`] (this
+//! [`SharedBytes`] of the segment's [`SharedArea`] (this
 //! file has no unsafe code). A rank that breaks the protocol (a bug, or a hostile
 //! process holding the fd) can make the values wrong; it cannot make this process read
 //! outside the mapping, which every word and range is checked against.

@@ -9,11 +9,6 @@
 //!   launcher-started ranks find the segment, `zero_copy` the all-reduce of large
 //!   tensors straight between the ranks' shared tensors, `peer_tensors` the peers'
 //!   tensors that it keeps mapped.
-//!
-//! This module has no unsafe code: it owns the protocols (who writes which bytes in
-//! which phase), and reaches memory other processes write only through
-//! [`SharedArea`](crate::shm::SharedArea) (the segment's words and slots) and the
-//! bulk kernels of `tensor::bulk`; its kernel calls go through `sys`.
 //! - `MpiGroup` (`mpi`, feature `mpi`) — the whole job: shared memory in a node, MPI
 //!   between one leader per node.
 //!
@@ -21,6 +16,10 @@
 //! written for torchrun runs under `spawn` unchanged, and a worker that fails with
 //! `TORCHELASTIC_ERROR_FILE` set writes torchelastic's error file.
 
+// No unsafe code here: this module owns the protocols (who writes which bytes in which
+// phase) and reaches memory other processes write only through `shm::SharedArea` (the
+// segment's words and slots) and the kernels of `tensor::bulk`; its kernel calls go
+// through `sys`.
 mod arena;
 mod collectives;
 mod env;
