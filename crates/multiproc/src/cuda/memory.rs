@@ -36,10 +36,11 @@ use std::os::fd::{AsFd, OwnedFd};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 
 use super::CudaHandle;
-use super::driver::{self, Driver, Mapping};
 use crate::error::{Error, Result};
+use crate::sys::cuda_driver::{self as driver, Driver, Mapping};
 use crate::sys::lease;
 use crate::sys::memfd::human_bytes;
+use crate::sys::shared_bytes::SharedBytes;
 use crate::wire;
 
 /// Allocations kept by the pool (in use elsewhere or idle).
@@ -160,41 +161,22 @@ impl CudaMemory {
             ))
         })?;
         staging.resize(len, 0u8);
-        // SAFETY: `staging` is `len` writable private bytes, then readable ones.
-        unsafe {
-            d.copy_to_host(staging.as_mut_ptr(), &src.mapping, src_offset, len)?;
-            d.copy_from_host(&self.mapping, offset, staging.as_ptr(), len)
-        }
+        d.copy_to_host(
+            SharedBytes::of_mut_slice(&mut staging),
+            &src.mapping,
+            src_offset,
+        )?;
+        d.copy_from_host(&self.mapping, offset, SharedBytes::of_slice(&staging))
     }
 
-    /// Copies `len` host bytes at `src` to `offset`.
-    ///
-    /// # Safety
-    ///
-    /// `src..src + len` must be readable host memory for the duration of the call.
-    pub(crate) unsafe fn copy_from_host(
-        &self,
-        offset: usize,
-        src: *const u8,
-        len: usize,
-    ) -> Result<()> {
-        // SAFETY: the caller's contract.
-        unsafe { driver::driver()?.copy_from_host(&self.mapping, offset, src, len) }
+    /// Copies the host bytes `src` to `offset`, and waits for it.
+    pub(crate) fn copy_from_host(&self, offset: usize, src: SharedBytes<'_>) -> Result<()> {
+        driver::driver()?.copy_from_host(&self.mapping, offset, src)
     }
 
-    /// Copies `len` bytes at `offset` to host memory at `dst`.
-    ///
-    /// # Safety
-    ///
-    /// `dst..dst + len` must be writable host memory nothing else uses during the call.
-    pub(crate) unsafe fn copy_to_host(
-        &self,
-        dst: *mut u8,
-        offset: usize,
-        len: usize,
-    ) -> Result<()> {
-        // SAFETY: the caller's contract.
-        unsafe { driver::driver()?.copy_to_host(dst, &self.mapping, offset, len) }
+    /// Copies `dst.len()` bytes at `offset` into the host bytes `dst` (writable).
+    pub(crate) fn copy_to_host(&self, dst: SharedBytes<'_>, offset: usize) -> Result<()> {
+        driver::driver()?.copy_to_host(dst, &self.mapping, offset)
     }
 }
 

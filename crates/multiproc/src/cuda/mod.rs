@@ -83,14 +83,13 @@
 //! `CUDA_VISIBLE_DEVICES`, as in torch); workers that each see only their own GPU can
 //! exchange CPU tensors with everyone and CUDA tensors with workers of the same GPU.
 
+// `memory`: CUDA memory other processes can map (allocations, the pool, the wire
+// form), or `stub` without the feature. The driver calls (FFI) are
+// `sys::cuda_driver`'s; this module has no unsafe code: host memory reaches the
+// driver's copies as a checked `SharedBytes`.
 #[cfg(feature = "cuda")]
-#[allow(unsafe_code)]
-mod driver;
-#[cfg(feature = "cuda")]
-#[allow(unsafe_code)]
 mod memory;
 #[cfg(not(feature = "cuda"))]
-#[allow(unsafe_code)]
 mod stub;
 
 use std::fmt;
@@ -98,6 +97,8 @@ use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
+#[cfg(feature = "cuda")]
+use crate::sys::cuda_driver as driver;
 #[cfg(feature = "cuda")]
 pub(crate) use memory::{CudaUse, allocate, receive, send};
 #[cfg(not(feature = "cuda"))]

@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use super::CudaHandle;
 use crate::error::{Error, Result};
+use crate::sys::shared_bytes::SharedBytes;
 use crate::wire;
 
 fn unavailable() -> Error {
@@ -41,27 +42,11 @@ impl CudaUse {
         match *self {}
     }
 
-    /// # Safety
-    ///
-    /// Never callable: there is no `CudaUse`.
-    pub(crate) unsafe fn copy_from_host(
-        &self,
-        _offset: usize,
-        _src: *const u8,
-        _len: usize,
-    ) -> Result<()> {
+    pub(crate) fn copy_from_host(&self, _offset: usize, _src: SharedBytes<'_>) -> Result<()> {
         match *self {}
     }
 
-    /// # Safety
-    ///
-    /// Never callable: there is no `CudaUse`.
-    pub(crate) unsafe fn copy_to_host(
-        &self,
-        _dst: *mut u8,
-        _offset: usize,
-        _len: usize,
-    ) -> Result<()> {
+    pub(crate) fn copy_to_host(&self, _dst: SharedBytes<'_>, _offset: usize) -> Result<()> {
         match *self {}
     }
 }

@@ -27,25 +27,25 @@
 //! two sets, the copy-in of chunk `k + 2` (after chunk `k + 1`'s first barrier) cannot
 //! overlap anyone's copy-out of chunk `k` (before that same barrier).
 //!
-//! # Safety
-//!
-//! The control words are only touched as atomics. Slot and result bytes are plain
-//! memory that other processes write; the kernels view a range as a slice only during a
-//! phase in which, by the protocol above, no rank writes it (or, for the writer, no one
-//! else reads or writes it). A rank that breaks the protocol (a bug, or a hostile
+//! The protocol is what the bulk kernels (`tensor::bulk`) rely on when they read and
+//! write the slots: the control words are only touched as atomics, and slot and result
+//! bytes are memory other processes write, reached only as checked
+//! [`SharedBytes`] of the segment's [`SharedArea`] (this
+//! file has no unsafe code). A rank that breaks the protocol (a bug, or a hostile
 //! process holding the fd) can make the values wrong; it cannot make this process read
-//! outside the mapping, which is checked once at map time.
+//! outside the mapping, which every word and range is checked against.
 
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
+use crate::shm::SharedArea;
 use crate::sys::Deadline;
 use crate::sys::futex;
 use crate::sys::memfd;
-use crate::sys::mmap::SharedMapping;
 use crate::sys::process as sysproc;
+use crate::sys::shared_bytes::SharedBytes;
 
 /// Bytes per slot: the chunk a collective moves per round.
 pub(crate) const SLOT_BYTES: usize = 4 << 20;
@@ -110,7 +110,7 @@ pub(crate) const LIVENESS_TICK: Duration = Duration::from_millis(20);
 #[derive(Debug)]
 pub(crate) struct Arena {
     fd: OwnedFd,
-    map: SharedMapping,
+    area: SharedArea,
     world_size: usize,
 }
 
@@ -144,10 +144,10 @@ impl Arena {
         let len = Self::bytes_for(world_size);
         let fd = memfd::create("multiproc-group", len as u64)?;
         memfd::seal_size(fd.as_fd())?;
-        let map = SharedMapping::map(fd.as_fd(), len)?;
+        let area = SharedArea::map(fd.as_fd(), len)?;
         let arena = Arena {
             fd,
-            map,
+            area,
             world_size,
         };
         arena
@@ -167,15 +167,9 @@ impl Arena {
         if size < CONTROL_BYTES {
             return Err(bad(format!("{size} bytes is too small")));
         }
-        let control = SharedMapping::map(fd.as_fd(), CONTROL_BYTES)?;
-        // SAFETY: words 0 and 1 lie in the page just mapped, 4-aligned; read atomically.
-        let (magic, world) = unsafe {
-            let w = control.as_ptr().cast::<AtomicU32>();
-            (
-                (*w.add(W_MAGIC)).load(Ordering::Acquire),
-                (*w.add(W_WORLD)).load(Ordering::Relaxed) as usize,
-            )
-        };
+        let control = SharedArea::map(fd.as_fd(), CONTROL_BYTES)?;
+        let magic = control.atomic_u32(W_MAGIC * 4).load(Ordering::Acquire);
+        let world = control.atomic_u32(W_WORLD * 4).load(Ordering::Relaxed) as usize;
         drop(control);
         if magic != MAGIC || world == 0 || world > MAX_RANKS {
             return Err(bad(format!(
@@ -188,10 +182,10 @@ impl Arena {
                 "{size} bytes, fewer than the {len} of {world} ranks"
             )));
         }
-        let map = SharedMapping::map(fd.as_fd(), len)?;
+        let area = SharedArea::map(fd.as_fd(), len)?;
         Ok(Arena {
             fd,
-            map,
+            area,
             world_size: world,
         })
     }
@@ -209,9 +203,7 @@ impl Arena {
             index < CONTROL_BYTES / 4,
             "control word {index} out of range"
         );
-        // SAFETY: in bounds of the control page (checked above), 4-aligned (the mapping
-        // is page-aligned), only ever used atomically; the mapping outlives `&self`.
-        unsafe { &*self.map.as_ptr().cast::<AtomicU32>().add(index) }
+        self.area.atomic_u32(index * 4)
     }
 
     /// Claims `rank` for this process: its pid goes in the rank's word.
@@ -326,18 +318,14 @@ impl Arena {
         let p = self.world_size;
         assert!(src < p && dst < p, "mailbox {src}->{dst} out of range");
         let offset = Self::mailbox_offset(p) + ((src * p + dst) * 3 + field as usize) * 4;
-        // SAFETY: `offset` lies in the mailbox area, which `bytes_for` includes in the
-        // mapping; 4-aligned (the area is page-aligned); only used atomically.
-        unsafe { &*self.map.as_ptr().add(offset).cast::<AtomicU32>() }
+        self.area.atomic_u32(offset)
     }
 
     /// Word `field` of rank `rank`'s note (see [`Note`]).
     pub(crate) fn note(&self, rank: usize, field: Note) -> &AtomicU32 {
         assert!(rank < self.world_size, "note of rank {rank} out of range");
         let offset = Self::notes_offset(self.world_size) + (rank * NOTE_WORDS + field as usize) * 4;
-        // SAFETY: `offset` lies in the notes area, which `bytes_for` includes in the
-        // mapping; 4-aligned (the area is page-aligned); only used atomically.
-        unsafe { &*self.map.as_ptr().add(offset).cast::<AtomicU32>() }
+        self.area.atomic_u32(offset)
     }
 
     /// Sleeps while the mailbox word `field` of `src -> dst` holds `value` (see
@@ -388,111 +376,18 @@ impl Arena {
         }
     }
 
-    /// The start of slot `slot` (`0..P`, or `P` for the result) of buffer set `set`.
-    fn slot_ptr(&self, set: usize, slot: usize) -> *mut u8 {
-        debug_assert!(set < 2 && slot <= self.world_size);
-        let offset = CONTROL_BYTES + (set * (self.world_size + 1) + slot) * SLOT_BYTES;
-        self.map.as_ptr().wrapping_add(offset)
-    }
-
-    /// Copies `len` bytes from `src` into `slot` of `set` at byte `at`.
-    ///
-    /// # Safety
-    /// `src..src+len` is readable; `at + len <= SLOT_BYTES`; by the protocol, no other
-    /// rank accesses this range of the slot during the phase.
-    pub(crate) unsafe fn copy_in(
-        &self,
-        set: usize,
-        slot: usize,
-        at: usize,
-        src: *const u8,
-        len: usize,
-    ) {
-        assert!(at + len <= SLOT_BYTES, "slot range out of bounds");
-        // SAFETY: the destination lies inside the mapping (asserted); the caller vouches
-        // for the source and for exclusivity; the two cannot overlap (ours is shared
-        // memory of the group, the source a tensor's storage).
-        unsafe { std::ptr::copy_nonoverlapping(src, self.slot_ptr(set, slot).add(at), len) }
-    }
-
-    /// Copies `len` bytes at byte `at` of `slot` of `set` to `dst`.
-    ///
-    /// # Safety
-    /// `dst..dst+len` is writable and nothing else reads or writes it now;
-    /// `at + len <= SLOT_BYTES`; by the protocol, no rank writes the slot range now.
-    pub(crate) unsafe fn copy_out(
-        &self,
-        set: usize,
-        slot: usize,
-        at: usize,
-        dst: *mut u8,
-        len: usize,
-    ) {
-        assert!(at + len <= SLOT_BYTES, "slot range out of bounds");
-        // SAFETY: as for `copy_in`, the other way.
-        unsafe { std::ptr::copy_nonoverlapping(self.slot_ptr(set, slot).add(at), dst, len) }
-    }
-
-    /// Reduces elements `start..end` (of type `T`) of every rank's slot of `set` into
-    /// the same elements of the result slot, with `op`, then applies `finish` to them.
-    /// With `own = Some((rank, chunk))`, rank `rank`'s elements are read from `chunk`
-    /// (its tensor, element 0 of this chunk) instead of its slot, which it then need
-    /// not have filled for this range.
-    ///
-    /// # Safety
-    /// By the protocol, during this phase no rank writes the slots' range and only this
-    /// rank touches the result's range; `end * size_of::<T>() <= SLOT_BYTES`; `own`'s
-    /// pointer is valid for `end` elements that no one writes now.
-    pub(crate) unsafe fn reduce<T: Copy>(
-        &self,
-        set: usize,
-        start: usize,
-        end: usize,
-        own: Option<(usize, *const T)>,
-        op: impl Fn(T, T) -> T,
-        finish: Option<impl Fn(T) -> T>,
-    ) {
-        let size = std::mem::size_of::<T>();
-        assert!(
-            end * size <= SLOT_BYTES && start <= end,
-            "reduce range out of bounds"
-        );
-        let n = end - start;
-        // SAFETY: every range below is inside the mapping (asserted) or the caller's
-        // chunk (vouched for), and aligned (slots are page-aligned, `start` counts
-        // elements); the caller vouches that no one writes the source ranges and no one
-        // else touches the result range now.
-        unsafe {
-            let source = |slot: usize| -> &[T] {
-                let base = match own {
-                    Some((rank, chunk)) if rank == slot => chunk,
-                    _ => self.slot_ptr(set, slot).cast::<T>().cast_const(),
-                };
-                std::slice::from_raw_parts(base.add(start), n)
-            };
-            let result = std::slice::from_raw_parts_mut(
-                self.slot_ptr(set, self.world_size).cast::<T>().add(start),
-                n,
-            );
-            if self.world_size == 1 {
-                result.copy_from_slice(source(0));
-            } else {
-                // The first two in one pass: one write of the result, not two.
-                for ((r, a), b) in result.iter_mut().zip(source(0)).zip(source(1)) {
-                    *r = op(*a, *b);
-                }
-            }
-            for slot in 2..self.world_size {
-                for (r, s) in result.iter_mut().zip(source(slot)) {
-                    *r = op(*r, *s);
-                }
-            }
-            if let Some(finish) = finish {
-                for r in result.iter_mut() {
-                    *r = finish(*r);
-                }
-            }
+    /// Slot `slot` (`0..P`, or `P` for the result) of buffer set `set` (`0` or `1`):
+    /// [`SLOT_BYTES`] of the segment, which only the protocol above keeps from being
+    /// read and written at once.
+    pub(crate) fn slot(&self, set: usize, slot: usize) -> Result<SharedBytes<'_>> {
+        if set >= 2 || slot > self.world_size {
+            return Err(Error::InvalidArgument(format!(
+                "internal error: slot {slot} of set {set} in a group of {} ranks",
+                self.world_size
+            )));
         }
+        let offset = CONTROL_BYTES + (set * (self.world_size + 1) + slot) * SLOT_BYTES;
+        self.area.bytes(offset, SLOT_BYTES)
     }
 }
 

@@ -7,7 +7,8 @@
 //!   all-gather, reduce-scatter, send/recv) among the ranks of one node; `arena` is its
 //!   shared segment and barrier, `collectives` the data movement, `rendezvous` how
 //!   launcher-started ranks find the segment, `zero_copy` the all-reduce of large
-//!   tensors straight between the ranks' shared tensors.
+//!   tensors straight between the ranks' shared tensors, `peer_tensors` the peers'
+//!   tensors that it keeps mapped.
 //! - `MpiGroup` (`mpi`, feature `mpi`) — the whole job: shared memory in a node, MPI
 //!   between one leader per node.
 //!
@@ -15,9 +16,11 @@
 //! written for torchrun runs under `spawn` unchanged, and a worker that fails with
 //! `TORCHELASTIC_ERROR_FILE` set writes torchelastic's error file.
 
-#[allow(unsafe_code)]
+// No unsafe code here: this module owns the protocols (who writes which bytes in which
+// phase) and reaches memory other processes write only through `shm::SharedArea` (the
+// segment's words and slots) and the kernels of `tensor::bulk`; its kernel calls go
+// through `sys`.
 mod arena;
-#[allow(unsafe_code)]
 mod collectives;
 mod env;
 mod group;
@@ -25,7 +28,6 @@ mod group;
 mod mpi;
 mod peer_tensors;
 mod rendezvous;
-#[allow(unsafe_code)]
 mod zero_copy;
 
 pub use env::{Env, Launcher};

@@ -9,11 +9,9 @@
 use std::os::fd::{AsFd, OwnedFd};
 use std::time::{Duration, Instant};
 
-use rustix::io::Errno;
-use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
-
 use super::env::Env;
 use crate::error::{Error, Result};
+use crate::sys::local_socket::{self, Errno, SocketAddrUnix};
 use crate::sys::{Deadline, Readiness, deadline_after, wait_fd};
 use crate::wire;
 
@@ -25,10 +23,7 @@ pub(crate) fn socket_name(env: &Env) -> String {
     let run = match (&env.run_id, &env.master_addr, env.master_port) {
         (Some(id), _, _) => format!("{id}.{}", env.restart_count),
         (None, Some(addr), Some(port)) => format!("{addr}:{port}"),
-        _ => format!(
-            "ppid{}",
-            rustix::process::getppid().map_or(0, |p| p.as_raw_nonzero().get())
-        ),
+        _ => format!("ppid{}", local_socket::parent_pid()),
     };
     let mut name = format!("multiproc-pg/{run}/node{}", env.node_rank);
     name.truncate(100); // the abstract namespace takes at most 107 bytes
@@ -36,24 +31,19 @@ pub(crate) fn socket_name(env: &Env) -> String {
 }
 
 fn socket() -> Result<OwnedFd> {
-    rustix::net::socket_with(
-        AddressFamily::UNIX,
-        SocketType::SEQPACKET,
-        SocketFlags::CLOEXEC,
-        None,
-    )
-    .map_err(|e| Error::os("creating the process group's rendezvous socket", e))
+    local_socket::seqpacket(false)
+        .map_err(|e| Error::os("creating the process group's rendezvous socket", e))
 }
 
 pub(crate) fn address(name: &str) -> Result<SocketAddrUnix> {
-    SocketAddrUnix::new_abstract_name(name.as_bytes())
+    local_socket::abstract_address(name)
         .map_err(|e| Error::os(format!("the rendezvous socket name {name:?}"), e))
 }
 
 /// Local rank 0: hands `handle` (an encodable group) to the `peers` other local ranks.
 pub(crate) fn serve<T: serde::Serialize>(name: &str, handle: &T, peers: usize) -> Result<()> {
     let listener = socket()?;
-    rustix::net::bind(&listener, &address(name)?).map_err(|e| {
+    local_socket::bind(listener.as_fd(), &address(name)?).map_err(|e| {
         Error::os(
             format!(
                 "binding the rendezvous socket @{name} (another run with the same launcher \
@@ -62,7 +52,7 @@ pub(crate) fn serve<T: serde::Serialize>(name: &str, handle: &T, peers: usize) -
             e,
         )
     })?;
-    rustix::net::listen(&listener, peers as i32)
+    local_socket::listen(listener.as_fd(), peers)
         .map_err(|e| Error::os("listening on the rendezvous socket", e))?;
     let deadline = deadline_after(Some(RENDEZVOUS_TIMEOUT));
     for served in 0..peers {
@@ -75,7 +65,7 @@ pub(crate) fn serve<T: serde::Serialize>(name: &str, handle: &T, peers: usize) -
                 None,
             ));
         }
-        let peer = rustix::net::accept_with(&listener, SocketFlags::CLOEXEC)
+        let peer = local_socket::accept(listener.as_fd())
             .map_err(|e| Error::os("accepting a rank at the rendezvous socket", e))?;
         wire::encode(handle)?.send(peer.as_fd(), deadline)?;
     }
@@ -88,7 +78,7 @@ pub(crate) fn join<T: serde::de::DeserializeOwned>(name: &str) -> Result<T> {
     let addr = address(name)?;
     let sock = loop {
         let sock = socket()?;
-        match rustix::net::connect(&sock, &addr) {
+        match local_socket::connect(sock.as_fd(), &addr) {
             Ok(()) => break sock,
             // Rank 0 has not bound yet, or its backlog is full: try again shortly.
             Err(Errno::CONNREFUSED | Errno::NOENT | Errno::AGAIN) => {

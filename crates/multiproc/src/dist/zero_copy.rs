@@ -36,37 +36,34 @@
 //! being recycled (a received storage holds a use of it, see `shm`). A slot is found by
 //! the storage's identity, so views of one storage share it.
 //!
-//! # Safety
-//!
-//! A peer's tensor is memory other processes write. During phase 4, by the protocol,
-//! a piece of every tensor is read and written only by the rank that claimed it (the
-//! counter hands each piece out once), and the tensors' owners do not touch them (the
-//! call has not returned); the kernel views a piece as a slice only inside that phase,
-//! and never a piece it reads and one it writes at once. A rank that breaks the protocol can make values wrong, not make
-//! this process touch memory outside the mappings: every note is checked against the
-//! storage it names before any pointer is made.
+//! The protocol is what the bulk kernels (`tensor::bulk`) rely on in phase 4: a piece
+//! of every tensor is read and written only by the rank that claimed it (the counter
+//! hands each piece out once), and the tensors' owners do not touch them (the call has
+//! not returned). This file has no unsafe code: the tensors reach the kernels as
+//! checked views ([`HostBytes`]), made only after every note is checked against the
+//! storage it names, so a rank that breaks the protocol can make values wrong, not make
+//! this process touch memory outside the mappings.
 
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Instant;
-
-use rustix::net::SocketFlags;
 
 use super::arena::{Arena, LIVENESS_TICK, Note};
 use super::group::{Inner, ReduceOp, State};
 use super::peer_tensors::{Offer, SLOTS, send_offer};
 use crate::cuda::Device;
 use crate::error::{Error, Result};
+use crate::sys::local_socket::{self, Errno};
+use crate::sys::shared_bytes::SharedBytes;
 use crate::sys::{Readiness, wait_fd};
-use crate::tensor::{DType, Storage, StorageRead, Tensor};
+use crate::tensor::bulk::{self, HostBytes, PIECE_BYTES};
+use crate::tensor::{DType, Storage, Tensor};
 use crate::wire;
 
 /// Tensors smaller than this take the arena path (their copy costs less than a round
 /// of notes, and a small tensor is not moved into shared memory behind its owner's
 /// back).
 pub(crate) const MIN_BYTES: usize = 256 << 10;
-/// Bytes of a piece of phase 4: the sources' and the buffer's pieces stay in cache.
-const PIECE_BYTES: usize = 64 << 10;
 
 /// The collective a call runs.
 #[derive(Clone, Copy)]
@@ -251,42 +248,46 @@ impl Inner {
                     "{what}: a peer named a cache slot it never filled; the group is now failed"
                 ))
             })?;
-        let guards: Vec<StorageRead<'_>> = storages.iter().map(Storage::read).collect();
-        let mut bases = Vec::with_capacity(p);
-        for (r, g) in guards.iter().enumerate() {
+        let mut views = Vec::with_capacity(p);
+        for (r, storage) in storages.iter().enumerate() {
             let offset = usize::try_from(notes[r].offset).unwrap_or(usize::MAX);
-            let fits = offset % size == 0
-                && g.is_host()
-                && offset.checked_add(bytes).is_some_and(|end| end <= g.len());
-            if !fits {
+            let view = (offset % size == 0)
+                .then(|| HostBytes::of_storage(storage, offset, bytes, what).ok())
+                .flatten();
+            let Some(view) = view else {
                 arena.abort(me);
                 return Err(Error::InvalidMessage(format!(
                     "{what}: rank {r}'s tensor ({bytes} bytes at offset {offset}) does not \
                      lie in the {}-byte storage it shared; the group is now failed",
-                    g.len()
+                    storage.nbytes()
                 )));
-            }
-            bases.push(g.ptr().wrapping_add(offset));
+            };
+            views.push(view);
         }
+        let tensors: Vec<SharedBytes<'_>> = views.iter().map(HostBytes::bytes).collect();
         let n = t.numel();
-        // Every base points at `n` elements of a mapped, writable host storage (checked
-        // above; aligned: storages are 64-byte aligned and offsets multiples of the
-        // element size); by the protocol, between the barriers around this phase a piece
-        // claimed from the arena's counter is this rank's alone in every tensor.
-        match kind {
+        // Every view is `n` elements of a mapped, writable host storage (checked above;
+        // aligned: storages are 64-byte aligned and offsets multiples of the element
+        // size, which the kernels check again); by the protocol, between the barriers
+        // around this phase a piece claimed from the arena's counter is this rank's
+        // alone in every tensor.
+        let moved = match kind {
             Kind::AllReduce(op) => {
                 let piece = PIECE_BYTES / size;
                 let next = || claim(arena.pieces(), piece, n);
-                // SAFETY: as said above.
-                unsafe { reduce_dtype(t.dtype(), &bases, next, op, p) }
+                bulk::reduce_into_all(t.dtype(), op.combine(), &tensors, next)
             }
             Kind::Broadcast(src) => {
                 let next = || claim(arena.pieces(), PIECE_BYTES, bytes);
-                // SAFETY: as said above, in bytes.
-                unsafe { copy_into_all(&bases, src, next) }
+                bulk::copy_into_all(&tensors, src, next)
             }
+        };
+        if let Err(e) = moved {
+            arena.abort(me);
+            return Err(e);
         }
-        drop(guards);
+        drop(tensors);
+        drop(views);
         self.sync(st)?;
         Ok(Outcome::Done)
     }
@@ -380,9 +381,9 @@ impl Inner {
             )? {
                 continue;
             }
-            let conn = match rustix::net::accept_with(listener, SocketFlags::CLOEXEC) {
+            let conn = match local_socket::accept(listener.as_fd()) {
                 Ok(c) => c,
-                Err(rustix::io::Errno::AGAIN | rustix::io::Errno::INTR) => continue,
+                Err(Errno::AGAIN | Errno::INTR) => continue,
                 Err(e) => return Err(Error::os("accepting a peer's tensor", e)),
             };
             match take_offer(arena, &conn, epoch, notes, &waiting, deadline) {
@@ -415,9 +416,8 @@ fn take_offer(
     waiting: &[usize],
     deadline: crate::sys::Deadline,
 ) -> Result<Option<(usize, Storage)>> {
-    let cred = rustix::net::sockopt::socket_peercred(conn)
+    let pid = local_socket::peer_pid(conn.as_fd())
         .map_err(|e| Error::os("reading a zero-copy peer's credentials", e))?;
-    let pid = cred.pid.as_raw_nonzero().get() as u32;
     let Some(&r) = waiting.iter().find(|&&r| arena.pid(r) == pid) else {
         return Ok(None);
     };
@@ -452,115 +452,4 @@ fn claim(counter: &AtomicU32, piece: usize, len: usize) -> Option<(usize, usize)
     let i = counter.fetch_add(1, Ordering::Relaxed) as usize;
     let at = i.checked_mul(piece).filter(|&at| at < len)?;
     Some((at, piece.min(len - at)))
-}
-
-/// Copies each piece that `claim` hands out (in bytes) from tensor `src` of `bases`
-/// into the same bytes of the others.
-///
-/// # Safety
-/// Each base points at a writable tensor at least as long as the pieces reach; no one
-/// else reads or writes a claimed piece of any of them now.
-unsafe fn copy_into_all(
-    bases: &[*mut u8],
-    src: usize,
-    mut claim: impl FnMut() -> Option<(usize, usize)>,
-) {
-    while let Some((at, len)) = claim() {
-        for (r, &dst) in bases.iter().enumerate() {
-            if r != src {
-                // SAFETY: the claimed piece is this rank's alone in every tensor; the
-                // source and the destination are different tensors.
-                unsafe { std::ptr::copy_nonoverlapping(bases[src].add(at), dst.add(at), len) };
-            }
-        }
-    }
-}
-
-/// Reduces each piece that `claim` hands out (in elements) of every tensor of `bases`
-/// with `op` and writes the result into all of them.
-///
-/// # Safety
-/// Each base points at a writable, aligned tensor of `dtype` at least as long as the
-/// pieces reach; no one else reads or writes a claimed piece of any of them now.
-unsafe fn reduce_dtype(
-    dtype: DType,
-    bases: &[*mut u8],
-    claim: impl FnMut() -> Option<(usize, usize)>,
-    op: ReduceOp,
-    p: usize,
-) {
-    macro_rules! go {
-        ($t:ty, $div:expr) => {{
-            let tensors: Vec<*mut $t> = bases.iter().map(|b| b.cast::<$t>()).collect();
-            let none: Option<fn($t) -> $t> = None;
-            // One monomorphic loop per op, so each inlines and vectorises.
-            // SAFETY: forwarded from the caller.
-            unsafe {
-                match op {
-                    ReduceOp::Sum => reduce_into_all(&tensors, claim, |a, b| a + b, none),
-                    ReduceOp::Mean => reduce_into_all(
-                        &tensors,
-                        claim,
-                        |a, b| a + b,
-                        Some(move |x: $t| $div(x, p)),
-                    ),
-                    ReduceOp::Max => {
-                        reduce_into_all(&tensors, claim, |a, b| if b > a { b } else { a }, none)
-                    }
-                    ReduceOp::Min => {
-                        reduce_into_all(&tensors, claim, |a, b| if b < a { b } else { a }, none)
-                    }
-                }
-            }
-        }};
-    }
-    match dtype {
-        DType::F32 => go!(f32, |x: f32, p: usize| x / p as f32),
-        DType::F64 => go!(f64, |x: f64, p: usize| x / p as f64),
-        DType::I32 => go!(i32, |x: i32, p: usize| x.wrapping_div(p as i32)),
-        DType::I64 => go!(i64, |x: i64, p: usize| x.wrapping_div(p as i64)),
-        _ => {} // refused by the caller
-    }
-}
-
-/// # Safety
-/// As [`reduce_dtype`], for `tensors` of `T`.
-unsafe fn reduce_into_all<T: Copy + Default>(
-    tensors: &[*mut T],
-    mut claim: impl FnMut() -> Option<(usize, usize)>,
-    op: impl Fn(T, T) -> T,
-    finish: Option<impl Fn(T) -> T>,
-) {
-    let piece = (PIECE_BYTES / std::mem::size_of::<T>()).max(1);
-    let mut buf = vec![T::default(); piece];
-    while let Some((at, len)) = claim() {
-        let acc = &mut buf[..len.min(piece)];
-        let len = acc.len();
-        // SAFETY: the claimed piece `at..at + len` is this rank's alone in every tensor
-        // (the caller's contract); each slice lives only within its statement's loop, so
-        // no piece is viewed as read and written at once.
-        unsafe {
-            let src = |r: usize| std::slice::from_raw_parts(tensors[r].add(at).cast_const(), len);
-            if tensors.len() == 1 {
-                acc.copy_from_slice(src(0));
-            } else {
-                for ((a, x), y) in acc.iter_mut().zip(src(0)).zip(src(1)) {
-                    *a = op(*x, *y);
-                }
-            }
-            for r in 2..tensors.len() {
-                for (a, x) in acc.iter_mut().zip(src(r)) {
-                    *a = op(*a, *x);
-                }
-            }
-            if let Some(finish) = &finish {
-                for a in acc.iter_mut() {
-                    *a = finish(*a);
-                }
-            }
-            for &t in tensors {
-                std::slice::from_raw_parts_mut(t.add(at), len).copy_from_slice(acc);
-            }
-        }
-    }
 }

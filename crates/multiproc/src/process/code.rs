@@ -5,12 +5,18 @@
 //!
 //! # Safety
 //!
-//! Both name functions by their offset from the job module's anchor ([`CodeRef`]), so
-//! that another process running the same executable can call them. The invariants are
-//! those of `process::job`:
+//! This module is the only place that turns a code address back into a function
+//! pointer. Both types name functions by their offset from [`anchor`], a function of
+//! this crate ([`CodeRef`]), so that another process running the same executable can
+//! call them: a spawned worker (`/proc/self/exe`), a forked child, a pool worker or
+//! the fork server (itself a re-execution). The invariants:
 //!
-//! - Same executable: every reference carries a second, known offset, checked before
-//!   the reference is turned back into a function pointer.
+//! - Offsets, not addresses: the whole executable is loaded at one base (PIE or not),
+//!   so an offset taken in one process names the same code in any process running the
+//!   same executable.
+//! - Same executable: every reference carries a second, known offset (of
+//!   [`check_point`]), checked before the reference is turned back into a function
+//!   pointer, so a reference from a different build is refused, not called.
 //! - The exact type: this module alone turns an offset back into a function pointer,
 //!   always as the type it was taken from. A [`Code<F>`] is made from an `F` and read
 //!   back as that `F` (the type travels in the Rust type of the message field, which is
@@ -24,13 +30,46 @@
 //!
 //! [`FnPtr`] (sealed) is what makes "a function-pointer type" checkable: only `fn`
 //! pointers of up to two arguments implement it.
+//!
+//! Limitation (documented on `spawn`): the function must live in the executable itself,
+//! not in a dynamically loaded library, whose base differs between processes.
 
 use std::fmt;
 use std::marker::PhantomData;
 
 use serde::{Deserialize, Serialize};
 
-use super::job::{address_at, check_offset, offset_of};
+/// The fixed point code offsets are measured from.
+#[inline(never)]
+fn anchor() -> usize {
+    // Distinct body, so identical-code folding cannot merge it with another function
+    // (it would still be a valid anchor, but a distinct one is easier to reason about).
+    std::hint::black_box(0x6d70_616e_6368_6f72)
+}
+
+fn anchor_address() -> usize {
+    (anchor as fn() -> usize) as usize
+}
+
+fn offset_of(address: usize) -> u64 {
+    address.wrapping_sub(anchor_address()) as u64
+}
+
+fn address_at(offset: u64) -> usize {
+    anchor_address().wrapping_add(offset as usize)
+}
+
+/// A second fixed point: its offset from [`anchor`] is what a reference from another
+/// build is detected by.
+#[inline(never)]
+fn check_point() -> usize {
+    std::hint::black_box(0x6d70_6368_6563_6b70)
+}
+
+/// The offset of a function every process of this executable knows.
+fn check_offset() -> u64 {
+    offset_of(check_point as fn() -> usize as usize)
+}
 
 /// A function of this executable, as it travels to another process, untyped.
 #[derive(Debug, Clone, Copy, Serialize, Deserialize)]
@@ -59,8 +98,8 @@ impl CodeRef {
     unsafe fn resolve<F: Copy>(&self) -> Result<F, String> {
         if self.check != check_offset() {
             return Err(
-                "the task was sent by a different build of this program (code offsets differ); \
-                        parent and worker must run the same executable"
+                "the sender runs a different build of this program (code offsets differ); \
+                 parent and worker must run the same executable"
                     .into(),
             );
         }
@@ -204,6 +243,15 @@ fn shim<F: FnPtr, X, Z, Y>(
     // SAFETY: as above.
     let trampoline = unsafe { call.trampoline.resolve::<Trampoline<F, X, Z, Y>>() }?;
     Ok(trampoline(function, input, sink))
+}
+
+#[cfg(test)]
+impl<X, Z, Y> CodeCall<X, Z, Y> {
+    /// This call as a different build of the program would have sent it.
+    pub(crate) fn as_from_another_build(mut self) -> Self {
+        self.shim.check ^= 1;
+        self
+    }
 }
 
 impl<X, Z, Y> Clone for CodeCall<X, Z, Y> {

@@ -1,18 +1,14 @@
-//! # Safety
+//! A job: which worker function a new worker runs, for which rank, with which
+//! arguments. The function travels as a [`CodeCall`] (`process::code`, the one place
+//! that turns code offsets back into functions), through a trampoline monomorphized for
+//! the worker's argument and result types; this module has no unsafe code.
 //!
-//! A job names its worker function by code address, so that a freshly executed copy of
-//! the program can call it. This module is the only place that turns such an address
-//! back into a function pointer, under these invariants:
+//! Invariants:
 //!
-//! - Addresses travel as offsets from [`anchor`], a function in this crate. The whole
-//!   executable is loaded at one base (PIE or not), so an offset taken in the parent
-//!   names the same code in any process running the same executable: a spawned worker
-//!   (`/proc/self/exe`), a forked child, or the fork server (itself a re-execution).
-//! - Before trusting the offsets, the worker checks a second offset, of a function it
-//!   knows ([`check_offset`]), so a job from a different build is refused, not called.
-//! - The job carries the offset of a *trampoline* monomorphized for the worker's exact
-//!   argument and result types; the trampoline re-checks `type_name::<A>()` against the
-//!   name the parent sent before it turns the worker's offset into `fn(usize, A) -> R`.
+//! - The worker function and its trampoline are named by a [`CodeCall`], so a job from
+//!   another build of the program is refused, never called.
+//! - The trampoline re-checks `type_name::<A>()` against the name the parent sent
+//!   before it decodes the arguments.
 //! - Jobs come only from the process that created the worker, over a socket only the
 //!   two of them hold; the decoder never panics on malformed bytes.
 //!
@@ -25,41 +21,11 @@ use std::os::fd::BorrowedFd;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
+use super::code::{CodeCall, Sink};
 use super::worker_outcome::IntoWorkerOutcome;
 
+use crate::sys::socket::Packet;
 use crate::wire;
-
-/// The fixed point code offsets are measured from.
-#[inline(never)]
-fn anchor() -> usize {
-    // Distinct body, so identical-code folding cannot merge it with another function
-    // (it would still be a valid anchor, but a distinct one is easier to reason about).
-    std::hint::black_box(0x6d70_616e_6368_6f72)
-}
-
-fn anchor_address() -> usize {
-    (anchor as fn() -> usize) as usize
-}
-
-pub(super) fn offset_of(address: usize) -> u64 {
-    address.wrapping_sub(anchor_address()) as u64
-}
-
-pub(super) fn address_at(offset: u64) -> usize {
-    anchor_address().wrapping_add(offset as usize)
-}
-
-/// A second fixed point: its offset from [`anchor`] is what a job from another build
-/// is detected by.
-#[inline(never)]
-fn check_point() -> usize {
-    std::hint::black_box(0x6d70_6368_6563_6b70)
-}
-
-/// The offset of a function the worker knows, to detect a job from another build.
-pub(super) fn check_offset() -> u64 {
-    offset_of(check_point as fn() -> usize as usize)
-}
 
 /// What failed when a job ran.
 pub(crate) enum Failed {
@@ -69,7 +35,16 @@ pub(crate) enum Failed {
     Setup(String),
 }
 
-type Trampoline = fn(&JobHeader, BorrowedFd<'_>) -> Result<(), Failed>;
+/// What the trampoline gets: the rank, the argument type the parent named, and the
+/// arguments' packet, still encoded.
+struct JobInput {
+    rank: usize,
+    args_type: String,
+    packet: Packet,
+}
+
+/// The worker function with its trampoline.
+type JobCall = CodeCall<JobInput, (), Result<(), Failed>>;
 
 /// The first message on a worker's job socket: which function, with which types, for
 /// which rank. The arguments follow as a second message (an ordinary wire value whose
@@ -82,9 +57,7 @@ pub(crate) struct JobHeader {
     pub name: String,
     /// Where the worker sends its `tracing` events, when the parent wants them.
     pub log: Option<super::logs::LogSink>,
-    check: u64,
-    trampoline: u64,
-    function: u64,
+    call: JobCall,
     args_type: String,
 }
 
@@ -95,12 +68,9 @@ impl JobHeader {
         A: Serialize + DeserializeOwned,
         R: IntoWorkerOutcome,
     {
-        let trampoline: Trampoline = trampoline::<A, R>;
         JobHeader {
             rank,
-            check: check_offset(),
-            trampoline: offset_of(trampoline as usize),
-            function: offset_of(worker as usize),
+            call: CodeCall::new(worker, trampoline::<A, R>),
             args_type: type_name::<A>().to_string(),
             name: format!("Process-{rank}"),
             log: None,
@@ -110,25 +80,24 @@ impl JobHeader {
     /// Receives the arguments from `sock` and runs the worker function. Panics in the
     /// worker propagate to the caller, which catches them.
     pub(crate) fn run(&self, sock: BorrowedFd<'_>) -> Result<(), Failed> {
-        if self.check != check_offset() {
-            return Err(Failed::Setup(
-                "the job was sent by a different build of this program (code offsets differ); \
-                 parent and worker must run the same executable"
-                    .into(),
-            ));
-        }
-        // SAFETY: the offset was taken from a `Trampoline` in the parent, which runs this
-        // same executable (checked just above), so it names a function of exactly that
-        // type here (see the module's safety section).
-        let trampoline: Trampoline =
-            unsafe { std::mem::transmute::<usize, Trampoline>(address_at(self.trampoline)) };
-        trampoline(self, sock)
+        let packet = wire::recv_packet(sock, None)
+            .map_err(|e| Failed::Setup(format!("cannot receive its arguments: {e}")))?
+            .ok_or_else(|| Failed::Setup("no arguments arrived".into()))?;
+        let input = JobInput {
+            rank: self.rank,
+            args_type: self.args_type.clone(),
+            packet,
+        };
+        self.call
+            .call(input, &mut |()| true)
+            .map_err(Failed::Setup)?
     }
 }
 
-/// Receives `A`, checks the types and calls the worker. Monomorphized per worker type;
-/// the parent sends its offset.
-fn trampoline<A, R>(job: &JobHeader, sock: BorrowedFd<'_>) -> Result<(), Failed>
+/// Checks the argument type, decodes the arguments and calls the worker.
+/// Monomorphized per worker type; the job names it. (Panic reports cut backtraces at
+/// this function's name: `process::panic_hook`.)
+fn trampoline<A, R>(worker: fn(usize, A) -> R, job: JobInput, _: Sink<'_, ()>) -> Result<(), Failed>
 where
     A: Serialize + DeserializeOwned,
     R: IntoWorkerOutcome,
@@ -140,16 +109,8 @@ where
             type_name::<A>()
         )));
     }
-    let packet = wire::recv_packet(sock, None)
-        .map_err(|e| Failed::Setup(format!("cannot receive its arguments: {e}")))?
-        .ok_or_else(|| Failed::Setup("no arguments arrived".into()))?;
-    let args: A = wire::decode(packet)
+    let args: A = wire::decode(job.packet)
         .map_err(|e| Failed::Setup(format!("cannot decode its arguments: {e}")))?;
-    // SAFETY: the parent took this offset from a `fn(usize, A) -> R` for these very
-    // types (this trampoline is the one monomorphized for them, and the type name
-    // matches), in the same executable.
-    let worker =
-        unsafe { std::mem::transmute::<usize, fn(usize, A) -> R>(address_at(job.function)) };
     worker(job.rank, args)
         .into_outcome()
         .map_err(Failed::Returned)
@@ -158,6 +119,8 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    use std::os::fd::AsFd;
 
     fn double(rank: usize, x: u32) -> Result<(), String> {
         if x == 2 * rank as u32 {
@@ -172,11 +135,11 @@ mod tests {
         let (a, b) = crate::sys::socket::seqpacket_pair().unwrap();
         let header = JobHeader::new(double, 3);
         let mut args = wire::encode(&6u32).unwrap();
-        args.send(std::os::fd::AsFd::as_fd(&a), None).unwrap();
-        assert!(header.run(std::os::fd::AsFd::as_fd(&b)).is_ok());
+        args.send(a.as_fd(), None).unwrap();
+        assert!(header.run(b.as_fd()).is_ok());
         let mut args = wire::encode(&5u32).unwrap();
-        args.send(std::os::fd::AsFd::as_fd(&a), None).unwrap();
-        match header.run(std::os::fd::AsFd::as_fd(&b)) {
+        args.send(a.as_fd(), None).unwrap();
+        match header.run(b.as_fd()) {
             Err(Failed::Returned(m)) => assert_eq!(m, "5 is not twice 3"),
             _ => panic!("expected the worker's error"),
         }
@@ -184,19 +147,20 @@ mod tests {
 
     #[test]
     fn a_foreign_job_is_refused() {
-        let (_a, b) = crate::sys::socket::seqpacket_pair().unwrap();
+        let (a, b) = crate::sys::socket::seqpacket_pair().unwrap();
         let mut header = JobHeader::new(double, 0);
-        header.check ^= 1;
-        assert!(matches!(
-            header.run(std::os::fd::AsFd::as_fd(&b)),
-            Err(Failed::Setup(_))
-        ));
+        header.call = header.call.as_from_another_build();
+        wire::encode(&0u32).unwrap().send(a.as_fd(), None).unwrap();
+        match header.run(b.as_fd()) {
+            Err(Failed::Setup(m)) => assert!(m.contains("different build"), "{m}"),
+            _ => panic!("expected a refusal"),
+        }
         let mut header = JobHeader::new(double, 0);
         header.args_type = "String".into();
-        // The trampoline refuses before reading anything.
-        assert!(matches!(
-            header.run(std::os::fd::AsFd::as_fd(&b)),
-            Err(Failed::Setup(_))
-        ));
+        wire::encode(&0u32).unwrap().send(a.as_fd(), None).unwrap();
+        match header.run(b.as_fd()) {
+            Err(Failed::Setup(m)) => assert!(m.contains("takes `u32`"), "{m}"),
+            _ => panic!("expected a refusal"),
+        }
     }
 }

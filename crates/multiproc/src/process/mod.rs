@@ -9,11 +9,13 @@
 //! - `current` — [`current_process`], [`active_children`], [`cpu_count`].
 //! - `logs` — workers' `tracing` events, forwarded to the parent's subscriber.
 //! - `error_file` — torchelastic's error file, written by a failed worker.
-//! - `job` — how a job names its function across `exec` (code offsets from an anchor,
-//!   checked against the executable); unsafe allowed here.
-//! - `code` — [`Code`](code::Code) and [`CodeCall`](code::CodeCall), functions named by
-//!   code offset for other modules (the pool's tasks, the data loader's hooks), behind a
-//!   safe typed API; unsafe allowed here too.
+//! - `code` — [`Code`](code::Code) and [`CodeCall`](code::CodeCall), functions of
+//!   this executable named across `exec` by code offset (from an anchor, checked
+//!   against the executable), behind a safe typed API: for jobs, the pool's tasks, the
+//!   data loader's hooks; the only file here that turns an offset back into a
+//!   function, so unsafe is allowed here (and in `test_init`'s macro).
+//! - `job` — which worker function a new worker runs, as a [`CodeCall`](code::CodeCall)
+//!   through a trampoline for its argument and result types.
 //! - `panic_hook` — what a worker's panics said, for its report.
 //! - `worker` — the job loop every start method ends in, and the worker's report.
 //! - `launch` — the long-lived launcher thread that forks every direct child; it runs
@@ -54,7 +56,6 @@ mod exit_status;
 mod forkserver;
 mod handle;
 mod init;
-#[allow(unsafe_code)]
 mod job;
 mod launch;
 mod logs;

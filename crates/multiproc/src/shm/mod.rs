@@ -69,9 +69,12 @@
 //! this process holds, the request codec, starting the daemon); `segment` — one
 //! mapped segment and its header; `recycler` — the blocks this process recycles;
 //! `cache`, `custody`, `file`; `words` — pages of shared atomic words (the state of
-//! sync primitives and queues). The manager daemon (`crate::manager`) sits above shm
+//! sync primitives and queues); `area` — a mapping laid out by its owner (a process
+//! group's segment), with checked atomic words and byte ranges. The manager daemon (`crate::manager`) sits above shm
 //! and speaks `registry`'s codec; nothing here depends on it.
 
+#[allow(unsafe_code)]
+pub(crate) mod area;
 mod cache;
 pub(crate) mod custody;
 pub(crate) mod file;
@@ -90,6 +93,7 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
+pub(crate) use area::SharedArea;
 pub(crate) use cache::{CacheKey, flush_retained, lookup as cached, release_before_exit};
 pub(crate) use name::SegmentName;
 pub(crate) use recycler::allocate;

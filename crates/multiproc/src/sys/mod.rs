@@ -6,13 +6,19 @@
 //!
 //! Everything above this module sees owned file descriptors, byte buffers and our
 //! [`Error`](crate::Error); everything below is rustix (and, where rustix has no safe
-//! wrapper, a few `libc` calls, each with a `// SAFETY:` comment).
+//! wrapper, a few `libc` calls, each with a `// SAFETY:` comment), and, with the `cuda`
+//! feature, the CUDA driver through cudarc's FFI (`cuda_driver`). Memory that others
+//! may write — mappings, shared tensors — reaches the code that copies it as a
+//! checked `shared_bytes::SharedBytes`, never as a reference.
 //!
 //! Contract: every fd created here is close-on-exec; every fd received from another
 //! process is an [`OwnedFd`](std::os::fd::OwnedFd) from the moment it arrives; sockets
 //! are non-blocking and every wait goes through [`wait_fd`] with a deadline.
 
 pub(crate) mod abstract_socket;
+// The CUDA driver's FFI (feature `cuda`), under `crate::cuda`.
+#[cfg(feature = "cuda")]
+pub(crate) mod cuda_driver;
 pub(crate) mod daemon;
 pub(crate) mod fd_limit;
 // Used by the `cuda` feature's memory (tested either way).
@@ -21,11 +27,14 @@ pub(crate) mod fs;
 pub(crate) mod futex;
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) mod lease;
+pub(crate) mod local_socket;
 pub(crate) mod memfd;
 pub(crate) mod memlimit;
 pub(crate) mod mmap;
 mod os_errors;
 pub(crate) mod process;
+// Used by the collectives' kernels, and the `cuda` feature's host copies.
+pub(crate) mod shared_bytes;
 pub(crate) mod socket;
 
 pub(crate) use socket::{Deadline, Readiness, deadline_after, wait_fd};

@@ -31,11 +31,14 @@
 //! arithmetic itself is exact (wrapping), and bool `add_`/`mul_` are logical or/and.
 //!
 //! Files: `dtype` (element types), `layout` (shape/stride arithmetic), `storage` (the
-//! bytes), `raw` (the element kernels, the only code that touches them),
+//! bytes), `raw` (the element kernels, the only code that touches them, beside `bulk`,
+//! the copy and reduction kernels of the collectives over memory other processes write),
 //! `constructors`, `views`, `in_place`, `reductions` (the operations, by kind),
 //! `copy_in` (host data in), `device` (CPU or CUDA), `interop_*` (the features); this
 //! file: [`Tensor`] itself, its accessors, `Debug` and wire form.
 
+#[allow(unsafe_code)]
+pub(crate) mod bulk;
 mod constructors;
 pub(crate) mod copy_in;
 mod device;

@@ -3,17 +3,19 @@
 //!
 //! # Safety
 //!
-//! The copies reach host memory through a storage's read guard, whose pointer is valid
-//! for the storage's length while the guard lives; device memory only through the
-//! driver, with every range checked first.
+//! The copies reach host memory as a checked [`SharedBytes`] of a storage's read guard
+//! (`StorageRead::host_bytes`), whose pointer is valid for the storage's length while
+//! the guard lives; device memory only through the driver, with every range checked
+//! first.
 
 use std::sync::{Arc, Weak};
 
-use super::Storage;
 use super::backing::Backing;
 use super::received_cache::{StorageKey, with_storage_cache};
+use super::{Storage, StorageRead};
 use crate::cuda::{self, CudaUse};
 use crate::error::{Error, Result};
+use crate::sys::shared_bytes::SharedBytes;
 
 impl Storage {
     /// A storage of `nbytes` in CUDA memory on `device`: zeroed, or with unspecified
@@ -41,6 +43,29 @@ impl Storage {
             c.put(key, &storage);
             storage
         })
+    }
+}
+
+impl StorageRead<'_> {
+    /// Bytes `offset..offset + len` of the storage, which must be host memory; writable
+    /// unless the storage is read-only. They stay mapped while this guard lives.
+    pub(crate) fn host_bytes(&self, offset: usize, len: usize) -> Result<SharedBytes<'_>> {
+        if !self.host || offset.checked_add(len).is_none_or(|end| end > self.len) {
+            return Err(Error::Tensor(format!(
+                "{len} bytes at offset {offset} are not host memory of this {}-byte storage",
+                self.len
+            )));
+        }
+        let writable = match &*self._guard {
+            Backing::ReadOnlyFile { .. } => false,
+            #[cfg(feature = "dlpack")]
+            Backing::Foreign { read_only, .. } => !*read_only,
+            _ => true,
+        };
+        // SAFETY: the range lies inside the storage's host memory (checked above), which
+        // the read guard `self` keeps mapped while the result borrows it; writable unless
+        // the backing is read-only (checked above); no reference into it is made.
+        Ok(unsafe { SharedBytes::from_raw(self.ptr.add(offset), len, writable) })
     }
 }
 
@@ -93,18 +118,13 @@ pub(crate) fn copy_bytes(
             },
         ) => d.copy_from(o + dst_offset, s, so + src_offset, len),
         (Backing::Cuda { memory, offset }, _) => {
-            // SAFETY: `src_read` holds the source's backing locked and its pointer is
-            // host memory valid for `nbytes >= src_offset + len` bytes (checked above).
-            unsafe {
-                memory.copy_from_host(offset + dst_offset, src_read.ptr().add(src_offset), len)
-            }
+            memory.copy_from_host(offset + dst_offset, src_read.host_bytes(src_offset, len)?)
         }
+        // Private heap memory, which no other process can reach; this thread's kernels
+        // hold read locks like ours, and copies into private memory only come from
+        // fresh tensors.
         (Backing::Private(_), Backing::Cuda { memory, offset }) => {
-            // SAFETY: `dst_read` holds the destination's backing locked; it is private
-            // heap memory valid for `nbytes >= dst_offset + len` bytes (checked above),
-            // which no other process can reach; this thread's kernels hold read locks
-            // like ours, and copies into private memory only come from fresh tensors.
-            unsafe { memory.copy_to_host(dst_read.ptr().add(dst_offset), offset + src_offset, len) }
+            memory.copy_to_host(dst_read.host_bytes(dst_offset, len)?, offset + src_offset)
         }
         (_, Backing::Cuda { .. }) => Err(Error::Tensor(
             "a copy from CUDA memory goes into a private host tensor only (copy into a fresh \

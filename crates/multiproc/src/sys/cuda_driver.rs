@@ -1,5 +1,6 @@
-//! The CUDA driver calls multiproc makes, as safe functions: the only place that calls
-//! `cudarc::driver::sys`.
+//! The CUDA driver calls multiproc makes (feature `cuda`), as safe functions: the only
+//! place that calls `cudarc::driver::sys` (FFI into the `libcuda` that cudarc loads at
+//! run time). `crate::cuda` builds CUDA memory on these and has no unsafe code.
 //!
 //! # Safety
 //!
@@ -8,8 +9,11 @@
 //! (with `libloading`, through cudarc's own loader); every other function takes the
 //! `&Driver` that check returns. Every driver call is made with the device's primary
 //! context current on the calling thread ([`Driver::bind`]). Device pointers are plain
-//! integers to Rust: the only memory Rust code touches through a pointer is host
-//! memory, and the functions that do (the copies) are `unsafe fn` with their contract.
+//! integers to Rust, and every device range is checked against its [`Mapping`] before
+//! a call. The only host memory the driver touches is that of the copies, which take
+//! it as a [`SharedBytes`]: checked to be mapped for the borrow and as long as the
+//! copy (and writable, for a copy to the host); the driver reads or writes exactly
+//! those bytes before the call returns.
 
 use std::ffi::{CStr, c_void};
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
@@ -18,8 +22,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use cudarc::driver::sys;
 
+use super::memfd::human_bytes;
+use super::shared_bytes::SharedBytes;
 use crate::error::{Error, Result};
-use crate::sys::memfd::human_bytes;
 
 /// Every driver symbol called below (cudarc's loader panics on a missing one).
 const SYMBOLS: &[&str] = &[
@@ -487,47 +492,46 @@ impl Driver {
         self.synchronize(dst.0.device)
     }
 
-    /// Copies `len` host bytes at `src` to `offset` in `dst`.
-    ///
-    /// # Safety
-    ///
-    /// `src..src + len` must be readable host memory for the duration of the call.
-    pub(crate) unsafe fn copy_from_host(
+    /// Copies the host bytes `src` to `offset` in `dst`, and waits for it.
+    pub(crate) fn copy_from_host(
         &self,
         dst: &Mapping,
         offset: usize,
-        src: *const u8,
-        len: usize,
+        src: SharedBytes<'_>,
     ) -> Result<()> {
+        let len = src.len();
         let d = dst.range(offset, len, "a host-to-device copy")?;
         self.bind(dst.device)?;
-        // SAFETY: the device range is mapped (checked above); the host range is the
-        // caller's contract.
-        check(unsafe { sys::cuMemcpyHtoD_v2(d, src.cast(), len) }, || {
-            "cuMemcpyHtoD".into()
-        })?;
+        let host = src.as_ptr().cast_const().cast();
+        // SAFETY: the device range is mapped (checked above); the host range is `len`
+        // readable bytes for the duration of the call (what a `SharedBytes` is).
+        let r = unsafe { sys::cuMemcpyHtoD_v2(d, host, len) };
+        check(r, || "cuMemcpyHtoD".into())?;
         self.synchronize(dst.device)
     }
 
-    /// Copies `len` bytes at `offset` in `src` to host memory at `dst`.
-    ///
-    /// # Safety
-    ///
-    /// `dst..dst + len` must be writable host memory that nothing else reads or writes
-    /// during the call.
-    pub(crate) unsafe fn copy_to_host(
+    /// Copies `dst.len()` bytes at `offset` in `src` into the host bytes `dst`, which
+    /// must be writable.
+    pub(crate) fn copy_to_host(
         &self,
-        dst: *mut u8,
+        dst: SharedBytes<'_>,
         src: &Mapping,
         offset: usize,
-        len: usize,
     ) -> Result<()> {
+        let len = dst.len();
+        if !dst.is_writable() {
+            return Err(Error::Tensor(
+                "a device-to-host copy into read-only host memory".into(),
+            ));
+        }
         let s = src.range(offset, len, "a device-to-host copy")?;
         self.bind(src.device)?;
-        // SAFETY: the device range is mapped (checked above); the host range is the
-        // caller's contract. cuMemcpyDtoH returns once the bytes are in host memory.
-        check(unsafe { sys::cuMemcpyDtoH_v2(dst.cast(), s, len) }, || {
-            "cuMemcpyDtoH".into()
-        })
+        // SAFETY: the device range is mapped (checked above); the host range is `len`
+        // writable bytes for the duration of the call (a writable `SharedBytes`, checked
+        // above). cuMemcpyDtoH returns once the bytes are in host memory.
+        check(
+            unsafe { sys::cuMemcpyDtoH_v2(dst.as_ptr().cast(), s, len) },
+            || "cuMemcpyDtoH".into(),
+        )
     }
 }
