@@ -8,7 +8,7 @@
 //!
 //! Memfd segments and blocks a process receives from another process are also kept mapped
 //! for a while after their last tensor is dropped: the [`RECENT`] most recently
-//! received ones, at most as many bytes in all as the pool keeps idle (`recycler::idle_bytes_limit`). A consumer that handles one tensor
+//! received ones, at most as many bytes in all as the pool keeps idle (`idle_bytes_limit`). A consumer that handles one tensor
 //! at a time would otherwise map and unmap the same arena for every small tensor, and
 //! — since the producer recycles its blocks (see `recycler`) — map, fault in and unmap
 //! the same large block for every large one. A retained block that can never come
@@ -66,7 +66,7 @@ struct MapCache {
 pub(crate) const RECENT: usize = 8;
 /// How many bytes of received segments stay mapped after their last tensor is dropped.
 fn recent_bytes() -> usize {
-    super::recycler::idle_bytes_limit()
+    super::idle_bytes_limit()
 }
 
 static CACHE: Mutex<Option<MapCache>> = Mutex::new(None);

@@ -135,6 +135,27 @@ pub(crate) fn create(strategy: SharingStrategy, len: usize) -> Result<Arc<Segmen
     Ok(segment)
 }
 
+/// Most bytes of idle blocks kept for reuse (see [`idle_bytes_limit`]).
+const IDLE_LARGE_BYTES: usize = 2 << 30;
+
+/// How many bytes of idle blocks a process keeps for reuse (and of received blocks
+/// mapped after their last tensor, see `cache`): 2 GiB, or an eighth of
+/// what this process may still commit (the memory cgroup's limit, or the machine's
+/// available memory) when that is less, but at least 64 MiB. A producer of 256 MiB
+/// tensors through a queue of 4 cycles through about six blocks; keeping them all
+/// saves zeroing and mapping 256 MiB per tensor on both sides.
+pub(crate) fn idle_bytes_limit() -> usize {
+    static LIMIT: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *LIMIT.get_or_init(|| {
+        let room = crate::sys::memlimit::headroom()
+            .map_or(u64::MAX, |h| h.bytes / 8)
+            .min(IDLE_LARGE_BYTES as u64);
+        usize::try_from(room)
+            .unwrap_or(IDLE_LARGE_BYTES)
+            .max(64 << 20)
+    })
+}
+
 /// Stops pooling the named blocks that process `pid` of this tree made, now that it has
 /// ended without doing so itself (killed, or crashed): their names then go with their
 /// last tensors (at once for idle ones) instead of staying until the shm manager

@@ -23,7 +23,7 @@
 //!
 //! Bounds: at most [`MAX_RETIRED`] full arenas and [`MAX_LARGE`] large blocks are kept
 //! waiting for their uses to end, and idle large blocks (no uses) are kept only up to
-//! [`idle_bytes_limit`] in total; beyond that the oldest is released (its memory goes
+//! [`idle_bytes_limit`](super::idle_bytes_limit) in total; beyond that the oldest is released (its memory goes
 //! back to the system when the last process unmaps it). An arena lives while any
 //! storage carved from it lives, in any process, so one long-lived small tensor keeps
 //! its whole arena (1 MiB) alive.
@@ -57,38 +57,20 @@ const SLICE_ALIGN: usize = 64;
 const MAX_RETIRED: usize = 16;
 /// Large blocks kept (in use elsewhere or idle).
 const MAX_LARGE: usize = 32;
-/// Most bytes of idle large blocks kept for reuse (see [`idle_bytes_limit`]).
-const IDLE_LARGE_BYTES: usize = 2 << 30;
 
-/// How many bytes of idle blocks a process keeps for reuse (and of received blocks
-/// mapped after their last tensor, see `cache`): [`IDLE_LARGE_BYTES`], or an eighth of
-/// what this process may still commit (the memory cgroup's limit, or the machine's
-/// available memory) when that is less, but at least 64 MiB. A producer of 256 MiB
-/// tensors through a queue of 4 cycles through about six blocks; keeping them all
-/// saves zeroing and mapping 256 MiB per tensor on both sides.
-pub(crate) fn idle_bytes_limit() -> usize {
-    static LIMIT: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *LIMIT.get_or_init(|| {
-        let room = crate::sys::memlimit::headroom()
-            .map_or(u64::MAX, |h| h.bytes / 8)
-            .min(IDLE_LARGE_BYTES as u64);
-        usize::try_from(room)
-            .unwrap_or(IDLE_LARGE_BYTES)
-            .max(64 << 20)
-    })
-}
-
-/// [`idle_bytes_limit`] for `strategy`: named blocks also at most a quarter of
+/// [`idle_bytes_limit`](super::idle_bytes_limit) for `strategy`: named blocks also at most a quarter of
 /// `/dev/shm`, whose space they take.
 fn idle_limit(strategy: SharingStrategy) -> usize {
     static DEV_SHM_QUARTER: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     match strategy {
-        SharingStrategy::FileDescriptor => idle_bytes_limit(),
-        SharingStrategy::FileSystem => idle_bytes_limit().min(*DEV_SHM_QUARTER.get_or_init(|| {
-            crate::sys::memfd::dev_shm_size()
-                .and_then(|b| usize::try_from(b / 4).ok())
-                .unwrap_or(usize::MAX)
-        })),
+        SharingStrategy::FileDescriptor => super::idle_bytes_limit(),
+        SharingStrategy::FileSystem => {
+            super::idle_bytes_limit().min(*DEV_SHM_QUARTER.get_or_init(|| {
+                crate::sys::memfd::dev_shm_size()
+                    .and_then(|b| usize::try_from(b / 4).ok())
+                    .unwrap_or(usize::MAX)
+            }))
+        }
     }
 }
 

@@ -23,6 +23,8 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use super::named::{drop_reference, take_reference};
 use super::{Backing, Segment, pid};
+use crate::error::Result;
+use crate::shm::SegmentName;
 
 /// Bytes at the start of a block's data (its header).
 pub(crate) const BLOCK_HEADER_LEN: usize = 64;
@@ -52,6 +54,20 @@ struct BlockHeader {
 const _: () = assert!(std::mem::size_of::<BlockHeader>() == BLOCK_HEADER_LEN);
 
 impl Segment {
+    /// Creates the named block `name` of `len > BLOCK_HEADER_LEN` bytes of data (block
+    /// header included): a named segment whose one reference is its creator's pool's
+    /// (this value holds none).
+    pub(crate) fn create_named_block(name: SegmentName, len: usize) -> Result<Segment> {
+        let mut segment = Segment::create_named_with(
+            name,
+            len.max(BLOCK_HEADER_LEN + 1),
+            super::named::HEADER_LEN + BLOCK_HEADER_LEN,
+        )?;
+        segment.mark_named_block();
+        segment.init_block();
+        Ok(segment)
+    }
+
     /// Makes a segment this process just created (longer than [`BLOCK_HEADER_LEN`]) a
     /// block with no uses, pooled by this process, and maps all its pages (reserved
     /// already by `fallocate`) rather than fault them in one by one as the first tensor

@@ -8,7 +8,6 @@ use std::sync::atomic::{AtomicI32, AtomicU32, AtomicU64, Ordering};
 use rustix::io::Errno;
 
 use super::super::name::{SegmentName, shm_path};
-use super::block::BLOCK_HEADER_LEN;
 use super::{Backing, Segment, pid};
 use crate::error::{Error, Result};
 use crate::sys::mmap::SharedMapping;
@@ -56,7 +55,11 @@ impl Segment {
 
     /// [`create_named`](Self::create_named); `headers` is how many bytes of it are
     /// headers (this one's, and a block's), for the error that says what did not fit.
-    fn create_named_with(name: SegmentName, len: usize, headers: usize) -> Result<Segment> {
+    pub(super) fn create_named_with(
+        name: SegmentName,
+        len: usize,
+        headers: usize,
+    ) -> Result<Segment> {
         let path = shm_path(&name);
         let total = HEADER_LEN
             .checked_add(len)
@@ -99,23 +102,15 @@ impl Segment {
         Ok(segment)
     }
 
-    /// Creates the named block `name` of `len > BLOCK_HEADER_LEN` bytes of data (block
-    /// header included): a named segment whose one reference is its creator's pool's
-    /// (this value holds none; see `block`).
-    pub(crate) fn create_named_block(name: SegmentName, len: usize) -> Result<Segment> {
-        let mut segment = Segment::create_named_with(
-            name,
-            len.max(BLOCK_HEADER_LEN + 1),
-            HEADER_LEN + BLOCK_HEADER_LEN,
-        )?;
-        if let Backing::Named { owner_pid, .. } = &segment.backing {
+    /// Marks a named segment this process just created as a block (see `block`): its
+    /// header says so, and this value holds no reference (the pool's is the one).
+    pub(super) fn mark_named_block(&self) {
+        if let Backing::Named { owner_pid, .. } = &self.backing {
             owner_pid.store(0, Ordering::Release);
         }
-        if let Some(h) = segment.named_header() {
+        if let Some(h) = self.named_header() {
             h.kind.store(KIND_BLOCK, Ordering::Release);
         }
-        segment.init_block();
-        Ok(segment)
     }
 
     /// Maps the named segment `name` after checking it (a regular file of ours, mode
