@@ -13,7 +13,8 @@ use serde::{Deserialize, Serialize};
 use super::arena::Arena;
 use super::rendezvous;
 use crate::error::{Error, Result};
-use crate::sys::local_socket::{self, Errno};
+use crate::sys::abstract_socket::{self, Errno, IoMode};
+use crate::sys::fs;
 use crate::tensor::{Storage, Tensor, WeakStorage};
 use crate::wire;
 
@@ -93,18 +94,17 @@ impl PeerTensors {
 
 /// The abstract socket name of rank `rank` of the group whose segment is `arena`'s.
 pub(super) fn socket_name(arena: &Arena, rank: usize) -> Result<String> {
-    let (dev, ino) = local_socket::file_identity(arena.fd())
-        .map_err(|e| Error::os("fstat of the group segment", e))?;
+    let fs::FileStatus { dev, ino, .. } = fs::status(arena.fd(), "the group segment")?;
     Ok(format!("multiproc-pg/{dev:x}.{ino:x}/zc{rank}"))
 }
 
 fn bind(arena: &Arena, me: usize) -> Result<OwnedFd> {
     let name = socket_name(arena, me)?;
-    let fd =
-        local_socket::seqpacket(true).map_err(|e| Error::os("creating a zero-copy socket", e))?;
-    local_socket::bind(fd.as_fd(), &rendezvous::address(&name)?)
+    let fd = abstract_socket::seqpacket_socket(IoMode::NonBlocking)
+        .map_err(|e| Error::os("creating a zero-copy socket", e))?;
+    abstract_socket::bind(fd.as_fd(), &rendezvous::address(&name)?)
         .map_err(|e| Error::os(format!("binding the zero-copy socket @{name}"), e))?;
-    local_socket::listen(fd.as_fd(), arena.world_size())
+    abstract_socket::listen(fd.as_fd(), arena.world_size())
         .map_err(|e| Error::os("listening on the zero-copy socket", e))?;
     Ok(fd)
 }
@@ -130,16 +130,16 @@ pub(super) fn send_offer(
 ) -> Result<()> {
     let name = socket_name(arena, q)?;
     let addr = rendezvous::address(&name)?;
-    let sock =
-        local_socket::seqpacket(true).map_err(|e| Error::os("creating a zero-copy socket", e))?;
+    let sock = abstract_socket::seqpacket_socket(IoMode::NonBlocking)
+        .map_err(|e| Error::os("creating a zero-copy socket", e))?;
     // A full backlog (only a process flooding the socket can fill it: each exchange
     // makes at most one connection per peer) is waited out briefly, then given up:
     // every rank then takes the arena path, rather than this one blocking.
     let give_up = Instant::now() + CONNECT_PATIENCE;
     loop {
-        match local_socket::connect(sock.as_fd(), &addr) {
+        match abstract_socket::connect(sock.as_fd(), &addr) {
             Ok(()) => break,
-            Err(Errno::AGAIN | Errno::INTR) if Instant::now() < give_up => {
+            Err(Errno::AGAIN) if Instant::now() < give_up => {
                 std::thread::sleep(Duration::from_millis(1));
             }
             Err(e) => {

@@ -11,7 +11,8 @@ use std::time::{Duration, Instant};
 
 use super::env::Env;
 use crate::error::{Error, Result};
-use crate::sys::local_socket::{self, Errno, SocketAddrUnix};
+use crate::sys::abstract_socket::{self, AbstractAddress, Errno, IoMode};
+use crate::sys::process::parent_pid;
 use crate::sys::{Deadline, Readiness, deadline_after, wait_fd};
 use crate::wire;
 
@@ -23,7 +24,7 @@ pub(crate) fn socket_name(env: &Env) -> String {
     let run = match (&env.run_id, &env.master_addr, env.master_port) {
         (Some(id), _, _) => format!("{id}.{}", env.restart_count),
         (None, Some(addr), Some(port)) => format!("{addr}:{port}"),
-        _ => format!("ppid{}", local_socket::parent_pid()),
+        _ => format!("ppid{}", parent_pid()),
     };
     let mut name = format!("multiproc-pg/{run}/node{}", env.node_rank);
     name.truncate(100); // the abstract namespace takes at most 107 bytes
@@ -31,19 +32,19 @@ pub(crate) fn socket_name(env: &Env) -> String {
 }
 
 fn socket() -> Result<OwnedFd> {
-    local_socket::seqpacket(false)
+    abstract_socket::seqpacket_socket(IoMode::Blocking)
         .map_err(|e| Error::os("creating the process group's rendezvous socket", e))
 }
 
-pub(crate) fn address(name: &str) -> Result<SocketAddrUnix> {
-    local_socket::abstract_address(name)
+pub(crate) fn address(name: &str) -> Result<AbstractAddress> {
+    AbstractAddress::new(name)
         .map_err(|e| Error::os(format!("the rendezvous socket name {name:?}"), e))
 }
 
 /// Local rank 0: hands `handle` (an encodable group) to the `peers` other local ranks.
 pub(crate) fn serve<T: serde::Serialize>(name: &str, handle: &T, peers: usize) -> Result<()> {
     let listener = socket()?;
-    local_socket::bind(listener.as_fd(), &address(name)?).map_err(|e| {
+    abstract_socket::bind(listener.as_fd(), &address(name)?).map_err(|e| {
         Error::os(
             format!(
                 "binding the rendezvous socket @{name} (another run with the same launcher \
@@ -52,7 +53,7 @@ pub(crate) fn serve<T: serde::Serialize>(name: &str, handle: &T, peers: usize) -
             e,
         )
     })?;
-    local_socket::listen(listener.as_fd(), peers)
+    abstract_socket::listen(listener.as_fd(), peers)
         .map_err(|e| Error::os("listening on the rendezvous socket", e))?;
     let deadline = deadline_after(Some(RENDEZVOUS_TIMEOUT));
     for served in 0..peers {
@@ -65,7 +66,7 @@ pub(crate) fn serve<T: serde::Serialize>(name: &str, handle: &T, peers: usize) -
                 None,
             ));
         }
-        let peer = local_socket::accept(listener.as_fd())
+        let peer = abstract_socket::accept(listener.as_fd(), IoMode::Blocking)
             .map_err(|e| Error::os("accepting a rank at the rendezvous socket", e))?;
         wire::encode(handle)?.send(peer.as_fd(), deadline)?;
     }
@@ -78,10 +79,10 @@ pub(crate) fn join<T: serde::de::DeserializeOwned>(name: &str) -> Result<T> {
     let addr = address(name)?;
     let sock = loop {
         let sock = socket()?;
-        match local_socket::connect(sock.as_fd(), &addr) {
+        match abstract_socket::connect(sock.as_fd(), &addr) {
             Ok(()) => break sock,
             // Rank 0 has not bound yet, or its backlog is full: try again shortly.
-            Err(Errno::CONNREFUSED | Errno::NOENT | Errno::AGAIN) => {
+            Err(e) if abstract_socket::nobody_listens(e) || e == Errno::AGAIN => {
                 if deadline.is_some_and(|d| Instant::now() >= d) {
                     return Err(Error::timeout(
                         format!(

@@ -53,7 +53,7 @@ use super::group::{Inner, ReduceOp, State};
 use super::peer_tensors::{Offer, SLOTS, send_offer};
 use crate::cuda::Device;
 use crate::error::{Error, Result};
-use crate::sys::local_socket::{self, Errno};
+use crate::sys::abstract_socket::{self, Errno, IoMode};
 use crate::sys::shared_bytes::SharedBytes;
 use crate::sys::{Readiness, wait_fd};
 use crate::tensor::bulk::{self, HostBytes, PIECE_BYTES};
@@ -381,9 +381,9 @@ impl Inner {
             )? {
                 continue;
             }
-            let conn = match local_socket::accept(listener.as_fd()) {
+            let conn = match abstract_socket::accept(listener.as_fd(), IoMode::Blocking) {
                 Ok(c) => c,
-                Err(Errno::AGAIN | Errno::INTR) => continue,
+                Err(Errno::AGAIN) => continue, // it went before it was accepted: wait again
                 Err(e) => return Err(Error::os("accepting a peer's tensor", e)),
             };
             match take_offer(arena, &conn, epoch, notes, &waiting, deadline) {
@@ -416,8 +416,9 @@ fn take_offer(
     waiting: &[usize],
     deadline: crate::sys::Deadline,
 ) -> Result<Option<(usize, Storage)>> {
-    let pid = local_socket::peer_pid(conn.as_fd())
-        .map_err(|e| Error::os("reading a zero-copy peer's credentials", e))?;
+    let pid = abstract_socket::peer_credentials(conn.as_fd())
+        .map_err(|e| Error::os("reading a zero-copy peer's credentials", e))?
+        .pid;
     let Some(&r) = waiting.iter().find(|&&r| arena.pid(r) == pid) else {
         return Ok(None);
     };

@@ -11,14 +11,14 @@ use crate::error::{Error, Result};
 use crate::shm::name::remove_names_of;
 use crate::shm::registry::Request;
 use crate::shm::tree::{ADDRESS_ENV, Tree, is_valid_address};
-use crate::sys::abstract_socket::{self, AbstractAddress};
+use crate::sys::abstract_socket::{self, AbstractAddress, Errno, IoMode};
 use crate::sys::daemon::{Forked, fork_single_threaded, redirect_stdio_to_null, start_new_session};
 use crate::sys::fs::unlink_if_present;
 use crate::sys::process::current_uid;
 use crate::sys::socket::{Attempt, poll_readable, try_recv_packet, try_send_packet};
 
 /// How many connecting clients may wait for the manager to accept them.
-const LISTEN_BACKLOG: i32 = 128;
+const LISTEN_BACKLOG: usize = 128;
 /// How long a new manager waits for its first client before giving up.
 const STARTUP_WINDOW: Duration = Duration::from_secs(10);
 
@@ -157,13 +157,15 @@ fn detach_and_serve() -> Result<(bool, String)> {
 /// Binds and listens at abstract address `addr`; `None` when another process already
 /// listens there.
 pub(super) fn bind(addr: &str) -> Result<Option<OwnedFd>> {
-    let sock = abstract_socket::seqpacket_socket(true)
+    let sock = abstract_socket::seqpacket_socket(IoMode::NonBlocking)
         .map_err(|e| Error::os("socket for the shm manager", e))?;
     let sockaddr = AbstractAddress::new(addr)
         .map_err(|e| Error::Manager(format!("bad manager address @{addr}: {e}")))?;
     let cannot_listen = |e| Error::Manager(format!("cannot listen at @{addr}: {e}"));
-    if !abstract_socket::bind(sock.as_fd(), &sockaddr).map_err(cannot_listen)? {
-        return Ok(None);
+    match abstract_socket::bind(sock.as_fd(), &sockaddr) {
+        Ok(()) => {}
+        Err(Errno::ADDRINUSE) => return Ok(None),
+        Err(e) => return Err(cannot_listen(e)),
     }
     abstract_socket::listen(sock.as_fd(), LISTEN_BACKLOG).map_err(cannot_listen)?;
     Ok(Some(sock))
@@ -229,8 +231,9 @@ pub(super) fn serve(listener: OwnedFd, grace: Duration, tree: Option<Tree>) {
 }
 
 fn accept_all(listener: &OwnedFd, uid: u32, clients: &mut Vec<OwnedFd>, registry: &mut Registry) {
-    // Until none waits (or accepting fails: the next poll tries again).
-    while let Ok(Some(sock)) = abstract_socket::accept(listener.as_fd()) {
+    // Until none waits (`EAGAIN`), or accepting fails: the next poll tries again.
+    // Clients are read from the poll loop, so their sockets are non-blocking.
+    while let Ok(sock) = abstract_socket::accept(listener.as_fd(), IoMode::NonBlocking) {
         match abstract_socket::peer_credentials(sock.as_fd()) {
             Ok(cred) if cred.uid == uid => {
                 clients.push(sock);

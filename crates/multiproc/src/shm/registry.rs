@@ -22,7 +22,7 @@ use super::name::{SegmentName, remove_names_of};
 use super::tree::{ADDRESS_ENV, Tree, address, address_if_used};
 use crate::error::{Error, Result};
 use crate::role::{ROLE_VAR, Role};
-use crate::sys::abstract_socket::{self, AbstractAddress};
+use crate::sys::abstract_socket::{self, AbstractAddress, IoMode};
 use crate::sys::process::current_uid;
 use crate::sys::socket::send_packet;
 use crate::sys::{Readiness, deadline_after, wait_fd};
@@ -160,12 +160,12 @@ impl Client {
 
 /// Connects to the manager at `addr`; `None` when nobody listens there.
 pub(crate) fn connect_to(addr: &str) -> Result<Option<OwnedFd>> {
-    let sock = abstract_socket::seqpacket_socket(false)
+    let sock = abstract_socket::seqpacket_socket(IoMode::Blocking)
         .map_err(|e| Error::os("socket(AF_UNIX, SOCK_SEQPACKET) for the shm manager", e))?;
     let sockaddr = AbstractAddress::new(addr)
         .map_err(|e| Error::Manager(format!("bad manager address @{addr}: {e}")))?;
     match abstract_socket::connect(sock.as_fd(), &sockaddr) {
-        Ok(true) => {
+        Ok(()) => {
             // The manager checks our uid; we check its, so that names are never
             // handed to another user's process squatting on the address.
             let me = current_uid();
@@ -181,7 +181,7 @@ pub(crate) fn connect_to(addr: &str) -> Result<Option<OwnedFd>> {
                 ))),
             }
         }
-        Ok(false) => Ok(None),
+        Err(e) if abstract_socket::nobody_listens(e) => Ok(None),
         Err(e) => Err(Error::Manager(format!(
             "cannot connect to the shm manager at @{addr}: {e}"
         ))),

@@ -27,7 +27,6 @@ pub(crate) mod fs;
 pub(crate) mod futex;
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) mod lease;
-pub(crate) mod local_socket;
 pub(crate) mod memfd;
 pub(crate) mod memlimit;
 pub(crate) mod mmap;

@@ -1,6 +1,6 @@
 //! Processes at the system level: re-executing ourselves, forking, pidfds, waiting,
 //! signals, the parent-death signal, the few environment and name changes a new
-//! worker makes to itself, and who we are (pid, uid, thread id) and whether another
+//! worker makes to itself, and who we are (pid, parent's pid, uid, thread id) and whether another
 //! process still lives (`/proc`).
 //!
 //! # Safety
@@ -302,6 +302,12 @@ pub(crate) fn current_pid() -> i32 {
     rustix::process::getpid().as_raw_nonzero().get()
 }
 
+/// The pid of this process's parent (0 when it has none, or it is outside our pid
+/// namespace).
+pub(crate) fn parent_pid() -> i32 {
+    rustix::process::getppid().map_or(0, |p| p.as_raw_nonzero().get())
+}
+
 /// The real user id of this process (whose peers the shm manager accepts).
 pub(crate) fn current_uid() -> u32 {
     rustix::process::getuid().as_raw()
@@ -379,6 +385,18 @@ pub(crate) fn at_exit(f: extern "C" fn()) {
 mod tests {
     use super::*;
     use std::os::fd::AsFd;
+
+    #[test]
+    #[cfg_attr(miri, ignore = "getppid is a foreign function Miri cannot run")]
+    fn a_forked_child_knows_its_parent() {
+        assert!(parent_pid() > 0, "the test runner has a parent");
+        let me = current_pid();
+        let pid = fork_child(move || i32::from(parent_pid() == me)).unwrap();
+        let pidfd = pidfd_open(pid).unwrap();
+        assert!(wait_any_readable(&[pidfd.as_fd()], None).unwrap());
+        let exit = try_reap(pidfd.as_fd()).unwrap().unwrap();
+        assert_eq!(exit.code, Some(1), "the child's parent is this process");
+    }
 
     #[test]
     fn signal_names() {
