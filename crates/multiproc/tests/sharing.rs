@@ -29,6 +29,17 @@ fn put_and_exit(_rank: usize, (queue, value): (SimpleQueue<Tensor>, f64)) -> mul
     Ok(())
 }
 
+/// Puts `count` tensors of 1 MiB (a block each) and returns.
+fn put_large_tensors(
+    _rank: usize,
+    (queue, count): (Queue<Tensor>, usize),
+) -> multiproc::Result<()> {
+    for i in 0..count {
+        queue.put(Tensor::full(&[1 << 18], i as f64, DType::F32)?)?;
+    }
+    Ok(())
+}
+
 /// A tensor and the dtype and shape a worker saw.
 type Echo = (Tensor, DType, Vec<usize>);
 
@@ -294,6 +305,36 @@ fn a_consumer_under_a_256_fd_limit_keeps_2000_received_tensors() {
             }
             assert_eq!(done.get_timeout(secs(60)).unwrap(), 2000, "{strategy}");
             ctx.join(Some(secs(30))).expect("{strategy}");
+        });
+    });
+}
+
+#[test]
+fn the_blocks_of_a_joined_worker_are_let_go_when_it_is_joined() {
+    // A receiver keeps the blocks it received mapped for reuse, but the blocks of a
+    // worker that has ended can never come back: joining the worker lets them go, so
+    // their memory (and, for file_descriptor, their fds) is not held until some later
+    // receive happens to notice.
+    common::run(secs(60), || {
+        for_each_strategy(|strategy| {
+            let fds = common::open_fds();
+            let queue = Queue::new().unwrap();
+            let mut ctx =
+                start_processes(put_large_tensors, (queue.clone(), 3), 1, StartMethod::Spawn)
+                    .unwrap();
+            for i in 0..3 {
+                let t = queue.get_timeout(secs(10)).expect("a tensor");
+                assert!(all_equal(&t, i as f64), "{strategy}: tensor {i}");
+            }
+            drop(queue);
+            ctx.join(Some(secs(30))).expect("the producer");
+            drop(ctx);
+            assert_eq!(
+                common::open_fds(),
+                fds,
+                "{strategy}: fds after the join ({})",
+                common::fd_targets().join(", ")
+            );
         });
     });
 }

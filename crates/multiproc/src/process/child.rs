@@ -236,10 +236,10 @@ impl Child {
         if self.status.is_some() {
             self.registration.mark_exited();
             self.channel = None;
-            if was_running && self.report.is_none() {
-                // It ended before giving its shared memory back (a worker that reports
-                // has done so): let its idle named blocks go now.
-                crate::shm::unpool_blocks_of_ended(self.pid as u32);
+            if was_running {
+                // A worker that reports has given its shared memory back; one that
+                // ended without a report has not.
+                crate::shm::worker_ended(self.pid as u32, self.report.is_some());
             }
         }
         Ok(())

@@ -92,32 +92,47 @@ impl MapCache {
         }
     }
 
-    /// Keeps a received memfd segment or block mapped (see the module docs).
-    fn retain_recent(&mut self, segment: &Arc<Segment>) {
+    /// Keeps a received memfd segment or block mapped (see the module docs). Returns
+    /// the mappings it let go, for the caller to drop outside the cache lock: the last
+    /// reference to a large block unmaps it and frees its pages, which takes
+    /// milliseconds that no other receiving thread should wait for.
+    fn retain_recent(&mut self, segment: &Arc<Segment>) -> Vec<Arc<Segment>> {
+        let mut evicted = Vec::new();
         let small = segment.len() <= super::segment::ARENA_LEN;
         if (segment.fd().is_none() && !segment.is_block())
             || segment.len() > recent_bytes()
             || segment.is_own_block()
             || !(small || segment.is_block())
         {
-            return;
+            return evicted;
         }
         if let Some(i) = self.recent.iter().position(|s| Arc::ptr_eq(s, segment)) {
             if i + 1 == self.recent.len() {
-                return;
+                return evicted;
             }
-            self.recent.remove(i);
+            evicted.extend(self.recent.remove(i));
         } else {
-            self.recent.retain(|s| !s.is_dead_block());
+            evicted.extend(self.take_dead());
             let mut bytes: usize = self.recent.iter().map(|s| s.len()).sum();
             while self.recent.len() >= RECENT || bytes + segment.len() > recent_bytes() {
                 match self.recent.pop_front() {
-                    Some(old) => bytes -= old.len(),
+                    Some(old) => {
+                        bytes -= old.len();
+                        evicted.push(old);
+                    }
                     None => break,
                 }
             }
         }
         self.recent.push_back(Arc::clone(segment));
+        evicted
+    }
+
+    /// Takes the retained blocks that can never be used again out of the list.
+    fn take_dead(&mut self) -> Vec<Arc<Segment>> {
+        let (dead, kept): (Vec<_>, Vec<_>) = self.recent.drain(..).partition(|s| s.is_dead_block());
+        self.recent = kept.into();
+        dead
     }
 
     fn live(&self, key: &CacheKey) -> Option<Arc<Segment>> {
@@ -143,16 +158,32 @@ pub(crate) fn get_or_try_insert(
     key: CacheKey,
     open: impl FnOnce() -> Result<Segment>,
 ) -> Result<(Arc<Segment>, bool)> {
-    with_cache(|c| {
+    let (found, evicted) = with_cache(|c| {
         if let Some(live) = c.live(&key) {
-            c.retain_recent(&live);
-            return Ok((live, false));
+            let evicted = c.retain_recent(&live);
+            return (Ok((live, false)), evicted);
         }
-        let segment = Arc::new(open()?);
+        let segment = match open() {
+            Ok(s) => Arc::new(s),
+            Err(e) => return (Err(e), Vec::new()),
+        };
         c.put(key, &segment);
-        c.retain_recent(&segment);
-        Ok((segment, true))
-    })
+        let evicted = c.retain_recent(&segment);
+        (Ok((segment, true)), evicted)
+    });
+    // Unmapped (and, for the last mapping, freed) outside the cache lock.
+    drop(evicted);
+    found
+}
+
+/// Lets go of the retained blocks that can never be used again: no uses left, and
+/// their creator has stopped pooling them. Called when a worker ends, so that the
+/// memory of the blocks it made is freed then (by the parent that joins it) rather
+/// than in the middle of the next receive. Returns how many were let go.
+pub(crate) fn release_dead_retained() -> usize {
+    let dead = with_cache(|c| c.take_dead());
+    // Dropped outside the cache lock, as in `get_or_try_insert`.
+    dead.len()
 }
 
 /// Releases every named-segment reference this process holds (see

@@ -79,29 +79,6 @@ impl SharedMapping {
         };
     }
 
-    /// [`populate`](Self::populate) for `offset..offset + len` only (page-aligned
-    /// outward, clamped to the mapping).
-    pub(crate) fn populate_range(&self, offset: u64, len: u64) {
-        let page = page_size() as u64;
-        let start = (offset / page * page).min(self.len as u64);
-        let end = offset
-            .saturating_add(len)
-            .next_multiple_of(page)
-            .min(self.len as u64);
-        if end <= start {
-            return;
-        }
-        // SAFETY: `start..end` lies inside this mapping (clamped above) and `start` is
-        // page-aligned; populating changes no contents.
-        let _ = unsafe {
-            rustix::mm::madvise(
-                self.ptr.as_ptr().add(start as usize).cast(),
-                (end - start) as usize,
-                rustix::mm::Advice::LinuxPopulateWrite,
-            )
-        };
-    }
-
     /// The start of the mapping.
     pub(crate) fn as_ptr(&self) -> *mut u8 {
         self.ptr.as_ptr()

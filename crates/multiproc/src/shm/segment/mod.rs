@@ -116,12 +116,6 @@ impl Segment {
             Backing::Anonymous { .. } => None,
         }
     }
-
-    /// Maps the pages of `offset..offset + len` of the data now (clamped to the
-    /// mapping): for a received segment, only what the tensor covers.
-    pub(crate) fn populate_range(&self, offset: u64, len: u64) {
-        self.mapping.populate_range(offset, len);
-    }
 }
 
 impl Drop for Segment {
