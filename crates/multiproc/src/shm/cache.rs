@@ -57,6 +57,10 @@ impl CacheKey {
 struct MapCache {
     /// The segment and the pid of the process that cached it.
     entries: HashMap<CacheKey, (u32, Weak<Segment>)>,
+    /// The entry found or made last, checked before `entries`: a stream of tensors
+    /// from one arena names the same segment again and again, and comparing a key
+    /// costs less than hashing it.
+    last: Option<(CacheKey, u32, Weak<Segment>)>,
     sweep_at: usize,
     /// Received segments kept mapped, most recent last.
     recent: VecDeque<Arc<Segment>>,
@@ -75,6 +79,7 @@ fn with_cache<R>(f: impl FnOnce(&mut MapCache) -> R) -> R {
     let mut guard = CACHE.lock().unwrap_or_else(PoisonError::into_inner);
     let cache = guard.get_or_insert_with(|| MapCache {
         entries: HashMap::new(),
+        last: None,
         sweep_at: 64,
         recent: VecDeque::new(),
     });
@@ -84,6 +89,7 @@ fn with_cache<R>(f: impl FnOnce(&mut MapCache) -> R) -> R {
 impl MapCache {
     fn put(&mut self, key: CacheKey, segment: &Arc<Segment>) {
         let pid = crate::sys::process::cached_pid();
+        self.last = Some((key.clone(), pid, Arc::downgrade(segment)));
         self.entries.insert(key, (pid, Arc::downgrade(segment)));
         if self.entries.len() >= self.sweep_at {
             self.entries
@@ -106,10 +112,10 @@ impl MapCache {
         {
             return evicted;
         }
+        if self.recent.back().is_some_and(|s| Arc::ptr_eq(s, segment)) {
+            return evicted;
+        }
         if let Some(i) = self.recent.iter().position(|s| Arc::ptr_eq(s, segment)) {
-            if i + 1 == self.recent.len() {
-                return evicted;
-            }
             evicted.extend(self.recent.remove(i));
         } else {
             evicted.extend(self.take_dead());
@@ -135,13 +141,22 @@ impl MapCache {
         dead
     }
 
-    fn live(&self, key: &CacheKey) -> Option<Arc<Segment>> {
-        let (owner, weak) = self.entries.get(key)?;
-        if *owner == crate::sys::process::cached_pid() {
-            weak.upgrade()
-        } else {
-            None
+    fn live(&mut self, key: &CacheKey) -> Option<Arc<Segment>> {
+        let pid = crate::sys::process::cached_pid();
+        if let Some((last, owner, weak)) = &self.last {
+            if last == key && *owner == pid {
+                if let Some(live) = weak.upgrade() {
+                    return Some(live);
+                }
+            }
         }
+        let (owner, weak) = self.entries.get(key)?;
+        if *owner != pid {
+            return None;
+        }
+        let live = weak.upgrade()?;
+        self.last = Some((key.clone(), pid, Weak::clone(weak)));
+        Some(live)
     }
 }
 

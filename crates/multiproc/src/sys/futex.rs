@@ -63,7 +63,11 @@ pub(crate) fn wake_all(word: &AtomicU32) {
 /// catches most hand-overs without any system call — when the partner is running on
 /// another core. When it is not (more busy processes than cores), spinning only burns
 /// the time slice the partner needs, so the budget adapts: every spin that gives up
-/// halves it, every spin that succeeds grows it back by an eighth of the maximum.
+/// halves it, every spin that succeeds grows it back by an eighth of the maximum. It
+/// never falls below a sixteenth of the maximum (about 3 µs): a budget near zero
+/// would never succeed again — a partner needs a microsecond or two per item even
+/// when it runs — so one busy moment would leave every later hand-over paying a
+/// sleep and a wake-up.
 pub(crate) const SPIN: Duration = Duration::from_micros(50);
 
 /// The environment variable that overrides [`SPIN`].
@@ -97,7 +101,7 @@ pub(crate) fn spin_until(deadline: Deadline, mut ready: impl FnMut() -> bool) ->
         let next = if ok {
             budget.saturating_add(max / 8).min(max)
         } else {
-            budget / 2
+            (budget / 2).max(max / 16)
         };
         BUDGET_NS.store(next, Relaxed);
     };
