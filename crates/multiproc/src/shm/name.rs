@@ -59,17 +59,22 @@ impl SegmentName {
         let Some(rest) = name.strip_prefix(PREFIX) else {
             return false;
         };
-        let Some((pid, rest)) = rest.split_once('_') else {
+        // `<pid>_<random>`, or `<pid>_<random>_<root>_<start>_<tree random>` (see
+        // `tree_of_name`); checked without allocating, since every received segment
+        // name is.
+        let mut parts = rest.split('_');
+        let (Some(pid), Some(random)) = (parts.next(), parts.next()) else {
             return false;
         };
-        let random = match rest.split_once('_') {
-            Some(_) if tree_of_name(name).is_none() => {
-                return false;
+        let tree_ok = match (parts.next(), parts.next(), parts.next(), parts.next()) {
+            (None, ..) => true,
+            (Some(root), Some(start), Some(tree_random), None) => {
+                Tree::parts_are_valid(root, start, tree_random)
             }
-            Some((random, _)) => random,
-            None => rest,
+            _ => false,
         };
-        !pid.is_empty()
+        tree_ok
+            && !pid.is_empty()
             && pid.len() <= 10
             && pid.bytes().all(|b| b.is_ascii_digit())
             && random.len() == RANDOM_HEX

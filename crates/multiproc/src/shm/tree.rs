@@ -102,6 +102,21 @@ impl Tree {
     }
 
     pub(crate) fn from_parts(root: &str, start: &str, random: &str) -> Option<Tree> {
+        let (root, start) = Tree::parse_parts(root, start, random)?;
+        Some(Tree {
+            root,
+            start,
+            random: random.to_owned(),
+        })
+    }
+
+    /// Whether [`from_parts`](Self::from_parts) would accept these parts, without
+    /// building the tree (no allocation: every received segment name is checked).
+    pub(crate) fn parts_are_valid(root: &str, start: &str, random: &str) -> bool {
+        Tree::parse_parts(root, start, random).is_some()
+    }
+
+    fn parse_parts(root: &str, start: &str, random: &str) -> Option<(u32, u64)> {
         let digits =
             |s: &str| !s.is_empty() && s.len() <= 20 && s.bytes().all(|b| b.is_ascii_digit());
         if !digits(root)
@@ -113,11 +128,7 @@ impl Tree {
         {
             return None;
         }
-        Some(Tree {
-            root: root.parse().ok()?,
-            start: start.parse().ok()?,
-            random: random.to_owned(),
-        })
+        Some((root.parse().ok()?, start.parse().ok()?))
     }
 
     /// The suffix of the names this tree makes: `<root>_<start>_<random>`.
