@@ -21,7 +21,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-FRESH = [(4 << 10, 2000), (1 << 20, 500), (64 << 20, 40), (256 << 20, 10)]
+FRESH = [(4 << 10, 20000), (1 << 20, 500), (64 << 20, 40), (256 << 20, 40)]  # as `multiproc bench`
 
 
 def run_json(args):

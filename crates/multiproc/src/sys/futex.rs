@@ -63,12 +63,20 @@ pub(crate) fn wake_all(word: &AtomicU32) {
 /// catches most hand-overs without any system call — when the partner is running on
 /// another core. When it is not (more busy processes than cores), spinning only burns
 /// the time slice the partner needs, so the budget adapts: every spin that gives up
-/// halves it, every spin that succeeds grows it back by an eighth of the maximum. It
-/// never falls below a sixteenth of the maximum (about 3 µs): a budget near zero
-/// would never succeed again — a partner needs a microsecond or two per item even
-/// when it runs — so one busy moment would leave every later hand-over paying a
-/// sleep and a wake-up.
+/// halves it, every spin that succeeds grows it back by an eighth of the maximum. A
+/// budget near zero would never succeed again on its own (a partner needs a
+/// microsecond or two per item even when it runs), so one busy moment would leave
+/// every later hand-over paying a sleep and a wake-up: every [`PROBE_EVERY`]th wait
+/// spins with a quarter of the maximum instead, and its success grows the budget
+/// back. On a core shared with the partner that costs an average of a fraction of a
+/// microsecond per wait.
 pub(crate) const SPIN: Duration = Duration::from_micros(50);
+
+/// How often (in waits) a collapsed spin budget is tried at a quarter of its maximum.
+const PROBE_EVERY: u32 = 64;
+
+/// Waits since the last probe (see [`PROBE_EVERY`]).
+static SINCE_PROBE: AtomicU32 = AtomicU32::new(0);
 
 /// The environment variable that overrides [`SPIN`].
 pub(crate) const SPIN_ENV: &str = "MULTIPROC_SPIN_US";
@@ -96,12 +104,16 @@ pub(crate) fn spin_until(deadline: Deadline, mut ready: impl FnMut() -> bool) ->
     if max == 0 {
         return ready();
     }
-    let budget = BUDGET_NS.load(Relaxed).min(max);
+    let mut budget = BUDGET_NS.load(Relaxed).min(max);
+    if budget < max / 4 && SINCE_PROBE.fetch_add(1, Relaxed) + 1 >= PROBE_EVERY {
+        SINCE_PROBE.store(0, Relaxed);
+        budget = max / 4;
+    }
     let adapt = |ok: bool| {
         let next = if ok {
             budget.saturating_add(max / 8).min(max)
         } else {
-            (budget / 2).max(max / 16)
+            budget / 2
         };
         BUDGET_NS.store(next, Relaxed);
     };
