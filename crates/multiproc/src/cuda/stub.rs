@@ -7,7 +7,6 @@ use std::sync::Arc;
 use super::CudaHandle;
 use crate::error::{Error, Result};
 use crate::sys::shared_bytes::SharedBytes;
-use crate::wire;
 
 fn unavailable() -> Error {
     Error::CudaUnavailable {
@@ -68,7 +67,7 @@ pub(crate) fn send(
 pub(crate) fn receive(
     _h: &CudaHandle,
 ) -> std::result::Result<(Arc<CudaUse>, usize, usize), String> {
-    Err(wire::fail_with(unavailable()))
+    Err(unavailable().to_string())
 }
 
 pub(crate) fn initialised() -> bool {
