@@ -27,7 +27,7 @@ use crate::error::{Error, Result};
 use crate::sys::process as sysproc;
 use crate::sys::{Deadline, deadline_after};
 use crate::tensor::Tensor;
-use crate::wire::{self, Decoder, Encoder};
+use crate::wire::{Decoder, Encoder};
 
 /// How long a collective waits for slow (but living) peers by default.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(1800);

@@ -205,7 +205,8 @@ impl<'de> Deserialize<'de> for Channel {
         let dec = Decoder::current("a queue").map_err(D::Error::custom)?;
         let socket = |index| {
             let fd = dec.take_fd(index).map_err(D::Error::custom)?;
-            check_seqpacket(&fd).map_err(|e| D::Error::custom(dec.fail(Error::InvalidMessage(e))))?;
+            check_seqpacket(&fd)
+                .map_err(|e| D::Error::custom(dec.fail(Error::InvalidMessage(e))))?;
             Ok(fd)
         };
         let (tx, rx, ctx, crx) = (socket(tx)?, socket(rx)?, socket(ctx)?, socket(crx)?);

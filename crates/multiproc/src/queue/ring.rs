@@ -419,7 +419,10 @@ impl Ring {
     }
 
     /// The ring sent as fd `index` of the message `dec` decodes.
-    pub(crate) fn open_received(dec: &Decoder<'_>, index: u32) -> std::result::Result<Self, String> {
+    pub(crate) fn open_received(
+        dec: &Decoder<'_>,
+        index: u32,
+    ) -> std::result::Result<Self, String> {
         SharedWords::open_received(dec, index, KIND, RING_BYTES).map(Self::from_block)
     }
 }

@@ -98,10 +98,10 @@ pub(crate) use area::SharedArea;
 pub(crate) use cache::{CacheKey, flush_retained, lookup as cached, release_before_exit};
 pub(crate) use name::SegmentName;
 pub(crate) use recycler::allocate;
-pub(crate) use reference::{BlockUse, NamedRef};
 pub(crate) use recycler::release_idle as release_idle_blocks;
 #[cfg(test)]
 pub(crate) use recycler::small_max as allocate_small_max;
+pub(crate) use reference::{BlockUse, NamedRef};
 #[cfg(feature = "fuzzing")]
 pub(crate) use segment::BLOCK_MAGIC_BYTES;
 pub(crate) use segment::{BLOCK_HEADER_LEN, Segment};
@@ -298,7 +298,8 @@ impl Serialize for SegmentHandle {
             } else {
                 // The receiver adopts this reference (or drops it when it already maps
                 // the segment).
-                let reference = NamedRef::take(&self.segment).map_err(|e| S::Error::custom(enc.fail(e)))?;
+                let reference =
+                    NamedRef::take(&self.segment).map_err(|e| S::Error::custom(enc.fail(e)))?;
                 enc.carry(Box::new(reference));
                 HandleWire::Named {
                     name,
@@ -307,9 +308,9 @@ impl Serialize for SegmentHandle {
                 }
             }
         } else {
-            return Err(S::Error::custom(enc.fail(Error::Encode(
-                "a segment with neither fd nor name".into(),
-            ))));
+            return Err(S::Error::custom(
+                enc.fail(Error::Encode("a segment with neither fd nor name".into())),
+            ));
         };
         if block {
             // The receiver adopts this use (or gives it back when it already holds one).
@@ -351,9 +352,7 @@ impl<'de> Deserialize<'de> for SegmentHandle {
                     ))));
                 }
                 let segment = dec
-                    .with_fd(index, |fd| {
-                        receive_fd(fd, offset, end, as_block)
-                    })
+                    .with_fd(index, |fd| receive_fd(fd, offset, end, as_block))
                     .map_err(D::Error::custom)?
                     .map_err(fail)?;
                 Ok(handle(segment, offset, nbytes, as_block))

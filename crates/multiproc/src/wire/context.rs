@@ -149,7 +149,10 @@ pub(super) fn is_encoding() -> bool {
 
 /// Records `err` as why the current encode or decode fails (the first one counts) and
 /// returns its text, for `serde::ser::Error::custom` / `serde::de::Error::custom`.
-fn record(key: &'static std::thread::LocalKey<RefCell<Option<impl ErrorSlot>>>, err: Error) -> String {
+fn record(
+    key: &'static std::thread::LocalKey<RefCell<Option<impl ErrorSlot>>>,
+    err: Error,
+) -> String {
     let message = err.to_string();
     key.with(|t| {
         if let Some(table) = t.borrow_mut().as_mut() {

@@ -113,10 +113,7 @@ impl Serialize for Opaque {
         let enc = Encoder::current("a nested message").map_err(S::Error::custom)?;
         let mut indices = Vec::with_capacity(self.fds.len());
         for fd in &self.fds {
-            indices.push(
-                enc.attach_fd(fd.as_fd())
-                    .map_err(S::Error::custom)?,
-            );
+            indices.push(enc.attach_fd(fd.as_fd()).map_err(S::Error::custom)?);
         }
         // The outer message now carries the receiver's references; if it is never
         // sent they return to this `Opaque` (or, if it is gone, are released).
