@@ -442,15 +442,15 @@ pub(crate) fn receive(
         }
         // Mapped here already: the export is not needed; the message's lease becomes
         // this process's unless it has one (or owns the memory).
-        dec.with_fd(h.export, |_| ())?;
-        let lease = dec.take_fd(h.lease)?;
+        dec.about("a CUDA tensor").with_fd(h.export, |_| ())?;
+        let lease = dec.about("a CUDA tensor's lease").take_fd(h.lease)?;
         if memory.owner_lease.is_none() {
             retain(&memory);
         }
         return Ok((memory.use_with(Some(lease)), offset, nbytes));
     }
-    let export = dec.take_fd(h.export)?;
-    let lease = dec.take_fd(h.lease)?;
+    let export = dec.about("a CUDA tensor").take_fd(h.export)?;
+    let lease = dec.about("a CUDA tensor's lease").take_fd(h.lease)?;
     let (physical, on) = d
         .import(export.as_fd(), h.device)
         .map_err(|e| invalid(e.to_string()))?;

@@ -423,7 +423,8 @@ impl Ring {
         dec: &Decoder<'_>,
         index: u32,
     ) -> std::result::Result<Self, String> {
-        SharedWords::open_received(dec, index, KIND, RING_BYTES).map(Self::from_block)
+        SharedWords::open_received(&dec.about("queue ring"), index, KIND, RING_BYTES)
+            .map(Self::from_block)
     }
 }
 

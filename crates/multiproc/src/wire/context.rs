@@ -290,6 +290,15 @@ impl<'w> Decoder<'w> {
         self.what
     }
 
+    /// The same decode, for a part of the handle that is `what` ("queue ring"), so
+    /// that errors name the part.
+    pub(crate) fn about<'p>(&self, what: &'p str) -> Decoder<'p> {
+        Decoder {
+            what,
+            _this_thread: PhantomData,
+        }
+    }
+
     /// Takes (a duplicate of) fd number `index` of the message.
     pub(crate) fn take_fd(&self, index: u32) -> std::result::Result<OwnedFd, String> {
         let what = self.what;
