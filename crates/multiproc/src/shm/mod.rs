@@ -44,8 +44,9 @@
 //! 64-byte header counting their uses across processes, which their creator recycles
 //! once no process uses them any more. Small storages are carved out of shared 1 MiB
 //! arena blocks, so a handle names a segment *and* an offset in it; a large storage has
-//! a block of its own. A handle to a block (`HandleWire::Block`) carries one use, which
-//! the receiving storage adopts. (Changed for issue 5: segments used to be made fresh
+//! a block of its own. A handle to a block (`HandleWire::Block`) carries one use, as a
+//! [`BlockUse`] the message holds (see `reference`), which the receiving storage adopts
+//! and keeps as long as it lives. (Changed for issue 5: segments used to be made fresh
 //! for every large storage and arenas thrown away when full, so every large tensor paid
 //! for zeroing, faulting in and unmapping its pages on both sides; a recycled block that
 //! both sides keep mapped pays for none of that.)
