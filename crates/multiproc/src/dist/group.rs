@@ -156,7 +156,8 @@ impl ProcessGroup {
         let env = Env::detect()?;
         if env.world_size != env.local_world_size {
             return Err(Error::InvalidArgument(format!(
-                "the job spans {} nodes ({} ranks, {} on this node, from {}): the                  shared-memory process group covers one node; across nodes use MPI",
+                "the job spans {} nodes ({} ranks, {} on this node, from {}): the \
+                 shared-memory process group covers one node; across nodes use MPI",
                 env.nodes(),
                 env.world_size,
                 env.local_world_size,

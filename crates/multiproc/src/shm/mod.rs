@@ -451,13 +451,15 @@ fn receive_fd(fd: BorrowedFd<'_>, offset: u64, end: u64, as_block: bool) -> Resu
 fn receive_by_inode(dev: u64, ino: u64, offset: u64, end: u64) -> Result<Arc<Segment>> {
     let Some(custody) = custody::current() else {
         return Err(Error::InvalidMessage(
-            "a received tensor's handle names a block by inode, which only a queue that keeps              its blocks' fds can resolve, but it did not arrive through one"
+            "a received tensor's handle names a block by inode, which only a queue that keeps \
+             its blocks' fds can resolve, but it did not arrive through one"
                 .into(),
         ));
     };
     if offset < segment::BLOCK_HEADER_LEN as u64 {
         return Err(Error::InvalidMessage(format!(
-            "a received tensor's handle names a pooled block, but offset {offset} is inside              the block header"
+            "a received tensor's handle names a pooled block, but offset {offset} is inside \
+             the block header"
         )));
     }
     let (segment, _) = cache::get_or_try_insert(CacheKey::Inode { dev, ino }, || {
@@ -474,7 +476,8 @@ fn receive_by_inode(dev: u64, ino: u64, offset: u64, end: u64) -> Result<Arc<Seg
     })?;
     if !segment.is_block() {
         return Err(Error::InvalidMessage(
-            "a received tensor's handle names a pooled block, but the segment is mapped here as              a plain segment"
+            "a received tensor's handle names a pooled block, but the segment is mapped here as \
+             a plain segment"
                 .into(),
         ));
     }
