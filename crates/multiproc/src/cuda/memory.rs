@@ -41,7 +41,7 @@ use crate::sys::cuda_driver::{self as driver, Driver, Mapping};
 use crate::sys::lease;
 use crate::sys::memfd::human_bytes;
 use crate::sys::shared_bytes::SharedBytes;
-use crate::wire;
+use crate::wire::{Decoder, Encoder};
 
 /// Allocations kept by the pool (in use elsewhere or idle).
 const MAX_KEPT: usize = 32;
@@ -367,22 +367,24 @@ fn retain(memory: &Arc<CudaMemory>) {
 /// encoded. Waits for the device first: every write issued before the send, on any
 /// stream of this process, is complete before the receiver can see the handle.
 pub(crate) fn send(
+    enc: &Encoder<'_>,
     memory: &CudaUse,
     offset: usize,
     nbytes: usize,
 ) -> std::result::Result<CudaHandle, String> {
-    let d = driver::driver().map_err(wire::fail_with)?;
-    d.synchronize(memory.device).map_err(wire::fail_with)?;
+    let fail = |e: Error| enc.fail(e);
+    let d = driver::driver().map_err(fail)?;
+    d.synchronize(memory.device).map_err(fail)?;
     // A new lease is made from one this process holds (an importer's) or by the owner.
     let from = memory
         .lease
         .as_ref()
         .or(memory.owner_lease.as_ref())
-        .ok_or_else(|| wire::fail("a CUDA allocation without a lease".into()))?;
-    let lease = lease::take(from.as_fd()).map_err(wire::fail_with)?;
-    let export = wire::attach_shared_fd(&memory.export, "a CUDA tensor")?;
+        .ok_or_else(|| fail(Error::Encode("a CUDA allocation without a lease".into())))?;
+    let lease = lease::take(from.as_fd()).map_err(fail)?;
+    let export = enc.attach_shared_fd(&memory.export);
     // The message owns the lease: it is released with the message, sent or not.
-    let lease = wire::attach_shared_fd(&Arc::new(lease), "a CUDA tensor's lease")?;
+    let lease = enc.attach_shared_fd(&Arc::new(lease));
     Ok(CudaHandle {
         export,
         lease,
@@ -396,9 +398,12 @@ pub(crate) fn send(
 
 /// The memory a received handle names: this process's mapping of it, or a new one.
 /// Checks everything the sender claims; returns the memory, offset and length.
-pub(crate) fn receive(h: &CudaHandle) -> std::result::Result<(Arc<CudaUse>, usize, usize), String> {
-    let d = driver::driver().map_err(wire::fail_with)?;
-    let invalid = |why: String| wire::fail_with(Error::InvalidMessage(why));
+pub(crate) fn receive(
+    dec: &Decoder<'_>,
+    h: &CudaHandle,
+) -> std::result::Result<(Arc<CudaUse>, usize, usize), String> {
+    let d = driver::driver().map_err(|e| dec.fail(e))?;
+    let invalid = |why: String| dec.fail(Error::InvalidMessage(why));
     d.check_device(h.device, "a received CUDA tensor")
         .map_err(|e| invalid(e.to_string()))?;
     let (Ok(len), Ok(offset), Ok(nbytes)) = (
@@ -416,7 +421,7 @@ pub(crate) fn receive(h: &CudaHandle) -> std::result::Result<(Arc<CudaUse>, usiz
             "a CUDA storage of {nbytes} bytes at offset {offset} cannot live in an allocation of {len}"
         )));
     }
-    let granularity = d.granularity(h.device).map_err(wire::fail_with)?;
+    let granularity = d.granularity(h.device).map_err(|e| dec.fail(e))?;
     if len == 0 || len % granularity != 0 {
         return Err(invalid(format!(
             "a CUDA allocation of {len} bytes is not a multiple of cuda:{}'s granularity ({granularity})",
@@ -437,15 +442,15 @@ pub(crate) fn receive(h: &CudaHandle) -> std::result::Result<(Arc<CudaUse>, usiz
         }
         // Mapped here already: the export is not needed; the message's lease becomes
         // this process's unless it has one (or owns the memory).
-        wire::with_received_fd(h.export, "a CUDA tensor", |_| ())?;
-        let lease = wire::received_fd(h.lease, "a CUDA tensor's lease")?;
+        dec.about("a CUDA tensor").with_fd(h.export, |_| ())?;
+        let lease = dec.about("a CUDA tensor's lease").take_fd(h.lease)?;
         if memory.owner_lease.is_none() {
             retain(&memory);
         }
         return Ok((memory.use_with(Some(lease)), offset, nbytes));
     }
-    let export = wire::received_fd(h.export, "a CUDA tensor")?;
-    let lease = wire::received_fd(h.lease, "a CUDA tensor's lease")?;
+    let export = dec.about("a CUDA tensor").take_fd(h.export)?;
+    let lease = dec.about("a CUDA tensor's lease").take_fd(h.lease)?;
     let (physical, on) = d
         .import(export.as_fd(), h.device)
         .map_err(|e| invalid(e.to_string()))?;

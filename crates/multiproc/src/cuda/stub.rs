@@ -7,7 +7,7 @@ use std::sync::Arc;
 use super::CudaHandle;
 use crate::error::{Error, Result};
 use crate::sys::shared_bytes::SharedBytes;
-use crate::wire;
+use crate::wire::{Decoder, Encoder};
 
 fn unavailable() -> Error {
     Error::CudaUnavailable {
@@ -58,6 +58,7 @@ pub(crate) fn allocate(_device: u32, _nbytes: usize) -> Result<(Arc<CudaUse>, us
 pub(crate) fn empty_cache() {}
 
 pub(crate) fn send(
+    _enc: &Encoder<'_>,
     memory: &CudaUse,
     _offset: usize,
     _nbytes: usize,
@@ -66,9 +67,10 @@ pub(crate) fn send(
 }
 
 pub(crate) fn receive(
+    dec: &Decoder<'_>,
     _h: &CudaHandle,
 ) -> std::result::Result<(Arc<CudaUse>, usize, usize), String> {
-    Err(wire::fail_with(unavailable()))
+    Err(dec.fail(unavailable()))
 }
 
 pub(crate) fn initialised() -> bool {

@@ -27,7 +27,7 @@ use crate::error::{Error, Result};
 use crate::sys::process as sysproc;
 use crate::sys::{Deadline, deadline_after};
 use crate::tensor::Tensor;
-use crate::wire;
+use crate::wire::{Decoder, Encoder};
 
 /// How long a collective waits for slow (but living) peers by default.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(1800);
@@ -156,7 +156,8 @@ impl ProcessGroup {
         let env = Env::detect()?;
         if env.world_size != env.local_world_size {
             return Err(Error::InvalidArgument(format!(
-                "the job spans {} nodes ({} ranks, {} on this node, from {}): the                  shared-memory process group covers one node; across nodes use MPI",
+                "the job spans {} nodes ({} ranks, {} on this node, from {}): the \
+                 shared-memory process group covers one node; across nodes use MPI",
                 env.nodes(),
                 env.world_size,
                 env.local_world_size,
@@ -463,8 +464,9 @@ struct SegmentFd<'a>(&'a Arena);
 
 impl Serialize for SegmentFd<'_> {
     fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
-        let index =
-            wire::attach_fd(self.0.fd(), "process group").map_err(serde::ser::Error::custom)?;
+        let index = Encoder::current("process group")
+            .and_then(|enc| enc.attach_fd(self.0.fd()))
+            .map_err(serde::ser::Error::custom)?;
         index.serialize(s)
     }
 }
@@ -475,16 +477,18 @@ struct ReceivedSegment(Arena);
 impl<'de> Deserialize<'de> for ReceivedSegment {
     fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
         let index = u32::deserialize(d)?;
-        let fd = wire::received_fd(index, "process group").map_err(serde::de::Error::custom)?;
+        let dec = Decoder::current("process group").map_err(serde::de::Error::custom)?;
+        let fd = dec.take_fd(index).map_err(serde::de::Error::custom)?;
         Arena::open(fd)
             .map(ReceivedSegment)
-            .map_err(|e| serde::de::Error::custom(wire::fail_with(e)))
+            .map_err(|e| serde::de::Error::custom(dec.fail(e)))
     }
 }
 
 impl Serialize for ProcessGroup {
     fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
-        let index = wire::attach_fd(self.inner.arena.fd(), "process group")
+        let index = Encoder::current("process group")
+            .and_then(|enc| enc.attach_fd(self.inner.arena.fd()))
             .map_err(serde::ser::Error::custom)?;
         index.serialize(s)
     }
@@ -495,7 +499,8 @@ impl Serialize for ProcessGroup {
 impl<'de> Deserialize<'de> for ProcessGroup {
     fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
         let index = u32::deserialize(d)?;
-        let fd = wire::received_fd(index, "process group").map_err(serde::de::Error::custom)?;
+        let dec = Decoder::current("process group").map_err(serde::de::Error::custom)?;
+        let fd = dec.take_fd(index).map_err(serde::de::Error::custom)?;
         let join = || -> Result<ProcessGroup> {
             let arena = Arena::open(fd)?;
             let env = Env::detect()?;
@@ -512,6 +517,6 @@ impl<'de> Deserialize<'de> for ProcessGroup {
             arena.register(env.local_rank)?;
             Ok(Self::with_arena(arena, Some(env.local_rank)))
         };
-        join().map_err(|e| serde::de::Error::custom(wire::fail_with(e)))
+        join().map_err(|e| serde::de::Error::custom(dec.fail(e)))
     }
 }

@@ -37,7 +37,7 @@ use crate::role::Role;
 use crate::sys::deadline_after;
 use crate::sys::process as sys;
 use crate::sys::socket::seqpacket_pair;
-use crate::wire;
+use crate::wire::{self, Decoder, Encoder};
 
 /// The number of the inherited request socket of the fork server.
 const SERVER_FD_VAR: &str = "MULTIPROC_FORKSERVER_FD";
@@ -50,7 +50,8 @@ struct PassedFd(OwnedFd);
 
 impl Serialize for PassedFd {
     fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
-        wire::attach_fd(self.0.as_fd(), "a fork-server socket")
+        Encoder::current("a fork-server socket")
+            .and_then(|enc| enc.attach_fd(self.0.as_fd()))
             .map_err(serde::ser::Error::custom)?
             .serialize(s)
     }
@@ -59,7 +60,8 @@ impl Serialize for PassedFd {
 impl<'de> Deserialize<'de> for PassedFd {
     fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
         let index = u32::deserialize(d)?;
-        wire::received_fd(index, "a fork-server socket")
+        Decoder::current("a fork-server socket")
+            .and_then(|dec| dec.take_fd(index))
             .map(PassedFd)
             .map_err(serde::de::Error::custom)
     }

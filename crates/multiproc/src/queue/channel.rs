@@ -17,7 +17,7 @@ use crate::error::{Error, PutError, Result};
 use crate::shm::custody::{self, BlockCustody};
 use crate::sys::Deadline;
 use crate::sys::socket::{Packet, seqpacket_pair};
-use crate::wire;
+use crate::wire::{self, Decoder, Encoder};
 
 /// A ring and both ends of one `SOCK_SEQPACKET` pair. Every process holding the queue
 /// holds all three, so none of them ever sees end-of-stream: a getter waits (with its
@@ -185,14 +185,14 @@ impl Channel {
 impl Serialize for Channel {
     fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
         use serde::ser::Error as _;
-        let what = "a queue";
+        let enc = Encoder::current("a queue").map_err(S::Error::custom)?;
         let (ctx, crx) = self.custody.sockets();
         let indices = (
-            wire::attach_fd(self.tx.as_fd(), what).map_err(S::Error::custom)?,
-            wire::attach_fd(self.rx.as_fd(), what).map_err(S::Error::custom)?,
-            self.ring.attach(what).map_err(S::Error::custom)?,
-            wire::attach_fd(ctx, what).map_err(S::Error::custom)?,
-            wire::attach_fd(crx, what).map_err(S::Error::custom)?,
+            enc.attach_fd(self.tx.as_fd()).map_err(S::Error::custom)?,
+            enc.attach_fd(self.rx.as_fd()).map_err(S::Error::custom)?,
+            self.ring.attach(&enc).map_err(S::Error::custom)?,
+            enc.attach_fd(ctx).map_err(S::Error::custom)?,
+            enc.attach_fd(crx).map_err(S::Error::custom)?,
         );
         indices.serialize(s)
     }
@@ -202,13 +202,15 @@ impl<'de> Deserialize<'de> for Channel {
     fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
         use serde::de::Error as _;
         let (tx, rx, ring, ctx, crx) = <(u32, u32, u32, u32, u32)>::deserialize(d)?;
+        let dec = Decoder::current("a queue").map_err(D::Error::custom)?;
         let socket = |index| {
-            let fd = wire::received_fd(index, "a queue").map_err(D::Error::custom)?;
-            check_seqpacket(&fd).map_err(|e| D::Error::custom(wire::fail(e)))?;
+            let fd = dec.take_fd(index).map_err(D::Error::custom)?;
+            check_seqpacket(&fd)
+                .map_err(|e| D::Error::custom(dec.fail(Error::InvalidMessage(e))))?;
             Ok(fd)
         };
         let (tx, rx, ctx, crx) = (socket(tx)?, socket(rx)?, socket(ctx)?, socket(crx)?);
-        let ring = Ring::open_received(ring, "queue ring").map_err(D::Error::custom)?;
+        let ring = Ring::open_received(&dec, ring).map_err(D::Error::custom)?;
         Ok(Self {
             custody: Arc::new(Custody::from_parts(Arc::clone(ring.block()), ctx, crx)),
             ring,

@@ -12,7 +12,7 @@ use super::channel::check_seqpacket;
 use crate::error::{Error, PutError, Result};
 use crate::sys::socket::{poll_readable, seqpacket_pair};
 use crate::sys::{Deadline, Readiness, deadline_after, wait_fd};
-use crate::wire;
+use crate::wire::{self, Decoder, Encoder};
 
 /// Two connected ends, like `multiprocessing.Pipe()`: what one end sends, the other
 /// receives, in both directions.
@@ -197,7 +197,8 @@ impl<T> fmt::Debug for Connection<T> {
 
 impl<T> Serialize for Connection<T> {
     fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
-        wire::attach_fd(self.sock.as_fd(), "a Connection")
+        Encoder::current("a Connection")
+            .and_then(|enc| enc.attach_fd(self.sock.as_fd()))
             .map_err(serde::ser::Error::custom)?
             .serialize(s)
     }
@@ -206,8 +207,10 @@ impl<T> Serialize for Connection<T> {
 impl<'de, T> Deserialize<'de> for Connection<T> {
     fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
         let index = u32::deserialize(d)?;
-        let sock = wire::received_fd(index, "a Connection").map_err(serde::de::Error::custom)?;
-        check_seqpacket(&sock).map_err(|e| serde::de::Error::custom(wire::fail(e)))?;
+        let dec = Decoder::current("a Connection").map_err(serde::de::Error::custom)?;
+        let sock = dec.take_fd(index).map_err(serde::de::Error::custom)?;
+        check_seqpacket(&sock)
+            .map_err(|e| serde::de::Error::custom(dec.fail(Error::InvalidMessage(e))))?;
         Ok(Self::from_fd(sock))
     }
 }

@@ -53,7 +53,7 @@ use crate::sync::lock::{Acquired, RawLock};
 use crate::sys::futex;
 use crate::sys::socket::{Attempt, Packet};
 use crate::sys::{Deadline, Readiness, wait_fd};
-use crate::wire;
+use crate::wire::{self, Decoder, Encoder};
 
 const KIND: u32 = 0x5249_4e47; // "RING"
 /// Bytes of a ring's record area.
@@ -413,14 +413,18 @@ impl Ring {
         self.position(TAIL).load(Ordering::Acquire) != self.position(HEAD).load(Ordering::Acquire)
     }
 
-    /// Puts the ring's fd into the side table of the message being encoded; its index.
-    pub(crate) fn attach(&self, what: &str) -> std::result::Result<u32, String> {
-        self.block.attach(what)
+    /// Puts the ring's fd into the side table of the message `enc` encodes; its index.
+    pub(crate) fn attach(&self, enc: &Encoder<'_>) -> std::result::Result<u32, String> {
+        self.block.attach(enc)
     }
 
-    /// The ring sent as fd `index` of the message being decoded.
-    pub(crate) fn open_received(index: u32, what: &str) -> std::result::Result<Self, String> {
-        SharedWords::open_received(index, KIND, RING_BYTES, what).map(Self::from_block)
+    /// The ring sent as fd `index` of the message `dec` decodes.
+    pub(crate) fn open_received(
+        dec: &Decoder<'_>,
+        index: u32,
+    ) -> std::result::Result<Self, String> {
+        SharedWords::open_received(&dec.about("queue ring"), index, KIND, RING_BYTES)
+            .map(Self::from_block)
     }
 }
 

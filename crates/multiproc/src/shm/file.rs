@@ -30,7 +30,7 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use crate::error::{Error, Result};
 use crate::sys;
 use crate::sys::file_map::ReadOnlyMapping;
-use crate::wire;
+use crate::wire::{Decoder, Encoder};
 
 /// A regular file mapped read-only and shared, whole.
 pub(crate) struct FileSegment {
@@ -169,8 +169,9 @@ pub(crate) struct FileHandle {
 impl Serialize for FileHandle {
     fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
         use serde::ser::Error as _;
-        let index = wire::attach_shared_fd(&self.file.fd, "a read-only tensor")
-            .map_err(S::Error::custom)?;
+        let index = Encoder::current("a read-only tensor")
+            .map_err(S::Error::custom)?
+            .attach_shared_fd(&self.file.fd);
         FileHandleWire {
             index,
             offset: self.offset,
@@ -184,19 +185,19 @@ impl Serialize for FileHandle {
 impl<'de> Deserialize<'de> for FileHandle {
     fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
         use serde::de::Error as _;
-        let fail = |e: Error| D::Error::custom(wire::fail_with(e));
         let w = FileHandleWire::deserialize(d)?;
+        let dec = Decoder::current("a read-only tensor").map_err(D::Error::custom)?;
+        let fail = |e: Error| D::Error::custom(dec.fail(e));
         let end = w.offset.checked_add(w.nbytes).ok_or_else(|| {
             fail(Error::InvalidMessage(format!(
                 "read-only tensor {:?} claims {} bytes at offset {}, past any file",
                 w.name, w.nbytes, w.offset
             )))
         })?;
-        let file = wire::with_received_fd(w.index, "a read-only tensor", |fd| {
-            FileSegment::receive(fd, end)
-        })
-        .map_err(D::Error::custom)?
-        .map_err(fail)?;
+        let file = dec
+            .with_fd(w.index, |fd| FileSegment::receive(fd, end))
+            .map_err(D::Error::custom)?
+            .map_err(fail)?;
         Ok(FileHandle {
             file,
             offset: w.offset,

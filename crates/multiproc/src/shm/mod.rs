@@ -44,8 +44,9 @@
 //! 64-byte header counting their uses across processes, which their creator recycles
 //! once no process uses them any more. Small storages are carved out of shared 1 MiB
 //! arena blocks, so a handle names a segment *and* an offset in it; a large storage has
-//! a block of its own. A handle to a block (`HandleWire::Block`) carries one use, which
-//! the receiving storage adopts. (Changed for issue 5: segments used to be made fresh
+//! a block of its own. A handle to a block (`HandleWire::Block`) carries one use, as a
+//! [`BlockUse`] the message holds (see `reference`), which the receiving storage adopts
+//! and keeps as long as it lives. (Changed for issue 5: segments used to be made fresh
 //! for every large storage and arenas thrown away when full, so every large tensor paid
 //! for zeroing, faulting in and unmapping its pages on both sides; a recycled block that
 //! both sides keep mapped pays for none of that.)
@@ -80,6 +81,7 @@ pub(crate) mod custody;
 pub(crate) mod file;
 pub(crate) mod name;
 mod recycler;
+mod reference;
 pub(crate) mod registry;
 #[allow(unsafe_code)]
 mod segment;
@@ -100,6 +102,7 @@ pub(crate) use recycler::allocate;
 pub(crate) use recycler::release_idle as release_idle_blocks;
 #[cfg(test)]
 pub(crate) use recycler::small_max as allocate_small_max;
+pub(crate) use reference::{BlockUse, NamedRef};
 #[cfg(feature = "fuzzing")]
 pub(crate) use segment::BLOCK_MAGIC_BYTES;
 pub(crate) use segment::{BLOCK_HEADER_LEN, Segment};
@@ -107,7 +110,7 @@ pub(crate) use words::SharedWords;
 
 use self::strategy::SharingStrategy;
 use crate::error::{Error, Result};
-use crate::wire;
+use crate::wire::{Decoder, Encoder};
 
 /// Creates a plain segment (not a block) of `len > 0` bytes with `strategy`, already in
 /// this process's map cache. Storages live in blocks (see `recycler`); plain segments
@@ -245,8 +248,10 @@ enum HandleWire {
     },
 }
 
-/// A segment as a value inside a message: serializing attaches its fd, or takes an
-/// in-flight reference on its name; deserializing maps it (through the cache).
+/// A segment as a value inside a message: serializing attaches its fd (or names a block
+/// the channel keeps), and gives the message a reference for its receiver — a
+/// [`BlockUse`] of a block, a [`NamedRef`] of a plain named segment; deserializing
+/// maps it (through the cache) and, for a block, adopts the use the message brought.
 pub(crate) struct SegmentHandle {
     /// The segment.
     pub(crate) segment: Arc<Segment>,
@@ -254,87 +259,76 @@ pub(crate) struct SegmentHandle {
     pub(crate) offset: u64,
     /// How many bytes the storage uses.
     pub(crate) nbytes: u64,
-    /// Whether a received handle brought a use of its block (see `recycler`), which the
-    /// storage made from it must adopt or give back.
-    pub(crate) carries_use: bool,
+    /// The use of its block a received handle brought, which the storage made from it
+    /// adopts (or drops, giving it back, when this process holds one already). Always
+    /// `None` on the sending side.
+    pub(crate) brought: Option<BlockUse>,
 }
 
 impl Serialize for SegmentHandle {
     fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
         use serde::ser::Error as _;
+        let enc = Encoder::current("a shared tensor").map_err(S::Error::custom)?;
+        let (offset, nbytes) = (self.offset, self.nbytes);
+        let block = self.segment.is_block();
         let wire = if let Some(fd) = self.segment.shared_fd() {
-            if self.segment.is_block() {
-                // By inode when the channel keeps the fd (see `custody`), else with it.
-                let by_inode = self.segment.inode().filter(|_| {
-                    custody::current().is_some_and(|custody| custody.publish(&self.segment))
-                });
-                let handle = match by_inode {
-                    Some((dev, ino)) => HandleWire::BlockRef {
-                        dev,
-                        ino,
-                        offset: self.offset,
-                        nbytes: self.nbytes,
-                    },
-                    None => HandleWire::Block {
-                        index: wire::attach_shared_fd(fd, "a shared tensor")
-                            .map_err(S::Error::custom)?,
-                        offset: self.offset,
-                        nbytes: self.nbytes,
-                    },
-                };
-                // The receiver adopts this use (or gives it back when it already holds
-                // one); if the message is never sent, `on_unsent` gives it back.
-                self.segment.acquire_use();
-                let segment = Arc::clone(&self.segment);
-                wire::on_unsent(Box::new(move || segment.release_use()))
-                    .map_err(|e| S::Error::custom(wire::fail(e)))?;
-                handle
-            } else {
-                let index =
-                    wire::attach_shared_fd(fd, "a shared tensor").map_err(S::Error::custom)?;
-                HandleWire::Fd {
-                    index,
-                    offset: self.offset,
-                    nbytes: self.nbytes,
+            // A block by inode when the channel keeps its fd (see `custody`), else with it.
+            let by_inode = self.segment.inode().filter(|_| {
+                block && custody::current().is_some_and(|custody| custody.publish(&self.segment))
+            });
+            match by_inode {
+                Some((dev, ino)) => HandleWire::BlockRef {
+                    dev,
+                    ino,
+                    offset,
+                    nbytes,
+                },
+                None => {
+                    let index = enc.attach_shared_fd(fd);
+                    if block {
+                        HandleWire::Block {
+                            index,
+                            offset,
+                            nbytes,
+                        }
+                    } else {
+                        HandleWire::Fd {
+                            index,
+                            offset,
+                            nbytes,
+                        }
+                    }
                 }
             }
         } else if let Some(name) = self.segment.name() {
-            if !wire::is_encoding() {
-                return Err(S::Error::custom(wire::fail(wire::outside_channel(
-                    "a shared tensor",
-                ))));
-            }
-            if self.segment.is_block() {
-                // As for a memfd block: the receiver adopts the use.
-                self.segment.acquire_use();
-                let segment = Arc::clone(&self.segment);
-                wire::on_unsent(Box::new(move || segment.release_use()))
-                    .map_err(|e| S::Error::custom(wire::fail(e)))?;
-                return HandleWire::NamedBlock {
-                    name: name.as_str().to_owned(),
-                    offset: self.offset,
-                    nbytes: self.nbytes,
+            let name = name.as_str().to_owned();
+            if block {
+                HandleWire::NamedBlock {
+                    name,
+                    offset,
+                    nbytes,
                 }
-                .serialize(s);
-            }
-            // The receiver adopts this reference (or drops it when it already maps the
-            // segment); if the message is never sent, `on_unsent` gives it back.
-            self.segment
-                .acquire_in_flight()
-                .map_err(|e| S::Error::custom(wire::fail_with(e)))?;
-            let segment = Arc::clone(&self.segment);
-            wire::on_unsent(Box::new(move || segment.release_reference()))
-                .map_err(|e| S::Error::custom(wire::fail(e)))?;
-            HandleWire::Named {
-                name: name.as_str().to_owned(),
-                offset: self.offset,
-                nbytes: self.nbytes,
+            } else {
+                // The receiver adopts this reference (or drops it when it already maps
+                // the segment).
+                let reference =
+                    NamedRef::take(&self.segment).map_err(|e| S::Error::custom(enc.fail(e)))?;
+                enc.carry(Box::new(reference));
+                HandleWire::Named {
+                    name,
+                    offset,
+                    nbytes,
+                }
             }
         } else {
-            return Err(S::Error::custom(wire::fail(
-                "a segment with neither fd nor name".into(),
-            )));
+            return Err(S::Error::custom(
+                enc.fail(Error::Encode("a segment with neither fd nor name".into())),
+            ));
         };
+        if block {
+            // The receiver adopts this use (or gives it back when it already holds one).
+            enc.carry(Box::new(BlockUse::take(&self.segment)));
+        }
         wire.serialize(s)
     }
 }
@@ -342,49 +336,39 @@ impl Serialize for SegmentHandle {
 impl<'de> Deserialize<'de> for SegmentHandle {
     fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
         use serde::de::Error as _;
-        let fail = |e: Error| D::Error::custom(wire::fail_with(e));
-        match HandleWire::deserialize(d)? {
+        let wire = HandleWire::deserialize(d)?;
+        let dec = Decoder::current("a shared tensor").map_err(D::Error::custom)?;
+        let fail = |e: Error| D::Error::custom(dec.fail(e));
+        let handle = |segment: Arc<Segment>, offset, nbytes, block: bool| SegmentHandle {
+            brought: block.then(|| BlockUse::adopt(Arc::clone(&segment))),
+            segment,
+            offset,
+            nbytes,
+        };
+        match wire {
             HandleWire::Fd {
                 index,
                 offset,
                 nbytes,
-            } => {
-                let end = claimed_end(offset, nbytes).map_err(fail)?;
-                let segment = wire::with_received_fd(index, "a shared tensor", |fd| {
-                    receive_fd(fd, offset, end, false)
-                })
-                .map_err(D::Error::custom)?
-                .map_err(fail)?;
-                Ok(SegmentHandle {
-                    segment,
-                    offset,
-                    nbytes,
-                    carries_use: false,
-                })
             }
-            HandleWire::Block {
+            | HandleWire::Block {
                 index,
                 offset,
                 nbytes,
             } => {
+                let as_block = matches!(wire, HandleWire::Block { .. });
                 let end = claimed_end(offset, nbytes).map_err(fail)?;
-                let segment = wire::with_received_fd(index, "a shared tensor", |fd| {
-                    receive_fd(fd, offset, end, true)
-                })
-                .map_err(D::Error::custom)?
-                .map_err(fail)?;
-                if !segment.is_block() || offset < segment::BLOCK_HEADER_LEN as u64 {
+                if as_block && offset < segment::BLOCK_HEADER_LEN as u64 {
                     return Err(fail(Error::InvalidMessage(format!(
-                        "a received tensor's handle names a pooled block, but its segment has no \
-                         block header before offset {offset}"
+                        "a received tensor's handle names a pooled block, but offset {offset} is \
+                         inside the block header"
                     ))));
                 }
-                Ok(SegmentHandle {
-                    segment,
-                    offset,
-                    nbytes,
-                    carries_use: true,
-                })
+                let segment = dec
+                    .with_fd(index, |fd| receive_fd(fd, offset, end, as_block))
+                    .map_err(D::Error::custom)?
+                    .map_err(fail)?;
+                Ok(handle(segment, offset, nbytes, as_block))
             }
             HandleWire::BlockRef {
                 dev,
@@ -394,34 +378,28 @@ impl<'de> Deserialize<'de> for SegmentHandle {
             } => {
                 let end = claimed_end(offset, nbytes).map_err(fail)?;
                 let segment = receive_by_inode(dev, ino, offset, end).map_err(fail)?;
-                Ok(SegmentHandle {
-                    segment,
-                    offset,
-                    nbytes,
-                    carries_use: true,
-                })
+                Ok(handle(segment, offset, nbytes, true))
             }
             HandleWire::Named {
                 name,
                 offset,
                 nbytes,
-            } => named_handle(&name, offset, nbytes, false).map_err(fail),
+            } => named_handle(&name, offset, nbytes, false)
+                .map(|s| handle(s, offset, nbytes, false))
+                .map_err(fail),
             HandleWire::NamedBlock {
                 name,
                 offset,
                 nbytes,
-            } => named_handle(&name, offset, nbytes, true).map_err(fail),
+            } => named_handle(&name, offset, nbytes, true)
+                .map(|s| handle(s, offset, nbytes, true))
+                .map_err(fail),
         }
     }
 }
 
 /// The segment a `Named` or (`as_block`) `NamedBlock` handle names.
-fn named_handle(name: &str, offset: u64, nbytes: u64, as_block: bool) -> Result<SegmentHandle> {
-    if !wire::is_decoding() {
-        return Err(Error::InvalidMessage(
-            "a shared tensor can only be deserialized by a multiproc channel".into(),
-        ));
-    }
+fn named_handle(name: &str, offset: u64, nbytes: u64, as_block: bool) -> Result<Arc<Segment>> {
     let name = SegmentName::parse(name)?;
     let end = claimed_end(offset, nbytes)?;
     if as_block && offset < segment::BLOCK_HEADER_LEN as u64 {
@@ -430,13 +408,7 @@ fn named_handle(name: &str, offset: u64, nbytes: u64, as_block: bool) -> Result<
              the block header"
         )));
     }
-    let segment = receive_named(name, end, as_block)?;
-    Ok(SegmentHandle {
-        segment,
-        offset,
-        nbytes,
-        carries_use: as_block,
-    })
+    receive_named(name, end, as_block)
 }
 
 /// Where a handle's bytes end (`offset + nbytes`), refusing overflow.
@@ -491,13 +463,15 @@ fn receive_fd(fd: BorrowedFd<'_>, _offset: u64, end: u64, as_block: bool) -> Res
 fn receive_by_inode(dev: u64, ino: u64, offset: u64, end: u64) -> Result<Arc<Segment>> {
     let Some(custody) = custody::current() else {
         return Err(Error::InvalidMessage(
-            "a received tensor's handle names a block by inode, which only a queue that keeps              its blocks' fds can resolve, but it did not arrive through one"
+            "a received tensor's handle names a block by inode, which only a queue that keeps \
+             its blocks' fds can resolve, but it did not arrive through one"
                 .into(),
         ));
     };
     if offset < segment::BLOCK_HEADER_LEN as u64 {
         return Err(Error::InvalidMessage(format!(
-            "a received tensor's handle names a pooled block, but offset {offset} is inside              the block header"
+            "a received tensor's handle names a pooled block, but offset {offset} is inside \
+             the block header"
         )));
     }
     let (segment, _) = cache::get_or_try_insert(CacheKey::Inode { dev, ino }, || {
@@ -513,7 +487,8 @@ fn receive_by_inode(dev: u64, ino: u64, offset: u64, end: u64) -> Result<Arc<Seg
     })?;
     if !segment.is_block() {
         return Err(Error::InvalidMessage(
-            "a received tensor's handle names a pooled block, but the segment is mapped here as              a plain segment"
+            "a received tensor's handle names a pooled block, but the segment is mapped here as \
+             a plain segment"
                 .into(),
         ));
     }

@@ -45,6 +45,7 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use super::Segment;
+use super::reference::BlockUse;
 use super::segment::{ARENA_LEN, BLOCK_HEADER_LEN};
 use super::strategy::SharingStrategy;
 use crate::error::{Error, Result};
@@ -74,10 +75,10 @@ fn idle_limit(strategy: SharingStrategy) -> usize {
     }
 }
 
-/// Shared bytes for one storage: `len` bytes at `offset` in `segment`, a block of which
-/// one use has been taken on behalf of the storage.
+/// Shared bytes for one storage: `len` bytes at `offset` in a block, and the use of the
+/// block taken on behalf of the storage (which the storage keeps as long as it lives).
 pub(crate) struct Slice {
-    pub(crate) segment: Arc<Segment>,
+    pub(crate) block: BlockUse,
     pub(crate) offset: usize,
     /// Whether the bytes are known to be zero (fresh pages, not a recycled block).
     pub(crate) zeroed: bool,
@@ -257,9 +258,8 @@ impl Pool {
             if a.next + len <= a.segment.len() {
                 let offset = a.next;
                 a.next = (offset + len).next_multiple_of(SLICE_ALIGN);
-                a.segment.acquire_use();
                 return Ok(Slice {
-                    segment: Arc::clone(&a.segment),
+                    block: BlockUse::take(&a.segment),
                     offset,
                     zeroed: a.fresh,
                 });
@@ -286,9 +286,8 @@ impl Pool {
             next: (offset + len).next_multiple_of(SLICE_ALIGN),
             fresh,
         });
-        segment.acquire_use();
         Ok(Slice {
-            segment,
+            block: BlockUse::take(&segment),
             offset,
             zeroed: fresh,
         })
@@ -309,11 +308,11 @@ impl Pool {
             }
             None => (self.create_block(total)?, true),
         };
-        segment.acquire_use();
-        self.large.push_back(Arc::clone(&segment));
+        let block = BlockUse::take(&segment);
+        self.large.push_back(segment);
         self.trim_large();
         Ok(Slice {
-            segment,
+            block,
             offset: BLOCK_HEADER_LEN,
             zeroed,
         })

@@ -184,8 +184,8 @@ fn segments_alias_across_mappings() {
     let fresh =
         Segment::open_anonymous(seg.fd().unwrap().try_clone_to_owned().unwrap(), 8).unwrap();
     assert_ne!(fresh.data_ptr(), seg.data_ptr());
-    let a = crate::Storage::from_segment(seg, 0, 8, false).unwrap();
-    let b = crate::Storage::from_segment(Arc::new(fresh), 0, 8, false).unwrap();
+    let a = crate::Storage::from_segment(seg, 0, 8, None).unwrap();
+    let b = crate::Storage::from_segment(Arc::new(fresh), 0, 8, None).unwrap();
     let ta = crate::Tensor::from_storage(a, crate::DType::I64, &[1], &[1], 0).unwrap();
     let tb = crate::Tensor::from_storage(b, crate::DType::I64, &[1], &[1], 0).unwrap();
     ta.fill_(42.0).unwrap();

@@ -23,7 +23,7 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use crate::error::{Error, Result};
 use crate::sys::memfd;
 use crate::sys::mmap::SharedMapping;
-use crate::wire;
+use crate::wire::{Decoder, Encoder};
 
 /// Size of a block's page of words in bytes; it holds [`WORDS`] atomic words.
 const BLOCK_BYTES: usize = 4096;
@@ -169,25 +169,27 @@ impl SharedWords {
         what: &str,
         s: S,
     ) -> std::result::Result<S::Ok, S::Error> {
-        let index = wire::attach_fd(self.fd.as_fd(), what).map_err(serde::ser::Error::custom)?;
+        let index = Encoder::current(what)
+            .and_then(|enc| self.attach(&enc))
+            .map_err(serde::ser::Error::custom)?;
         index.serialize(s)
     }
 
-    /// Puts the block's fd into the side table of the message being encoded; its index.
-    pub(crate) fn attach(&self, what: &str) -> std::result::Result<u32, String> {
-        wire::attach_fd(self.fd.as_fd(), what)
+    /// Puts the block's fd into the side table of the message `enc` encodes; its index.
+    pub(crate) fn attach(&self, enc: &Encoder<'_>) -> std::result::Result<u32, String> {
+        enc.attach_fd(self.fd.as_fd())
     }
 
     /// Maps the block sent as fd `index` of the message being decoded (see
     /// [`attach`](Self::attach)), checked to be a sealed memfd of the right size and kind.
     pub(crate) fn open_received(
+        dec: &Decoder<'_>,
         index: u32,
         kind: u32,
         bytes: usize,
-        what: &str,
     ) -> std::result::Result<Self, String> {
-        let fd = wire::received_fd(index, what)?;
-        Self::open(fd, kind, bytes, what).map_err(wire::fail_with)
+        let fd = dec.take_fd(index)?;
+        Self::open(fd, kind, bytes, dec.what()).map_err(|e| dec.fail(e))
     }
 
     /// Deserializes a block sent with [`serialize_as`](Self::serialize_as).
@@ -197,6 +199,8 @@ impl SharedWords {
         d: D,
     ) -> std::result::Result<Self, D::Error> {
         let index = u32::deserialize(d)?;
-        Self::open_received(index, kind, 0, what).map_err(serde::de::Error::custom)
+        Decoder::current(what)
+            .and_then(|dec| Self::open_received(&dec, index, kind, 0))
+            .map_err(serde::de::Error::custom)
     }
 }

@@ -79,7 +79,7 @@ pub(crate) use storage::StorageRead;
 pub(crate) use storage::WeakStorage;
 
 use crate::error::{Error, Result};
-use crate::wire;
+use crate::wire::Decoder;
 
 /// An n-dimensional array: a [`DType`], a shape, strides and an offset (in elements)
 /// over a [`Storage`].
@@ -301,7 +301,15 @@ impl<'de> Deserialize<'de> for Tensor {
     fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
         use serde::de::Error as _;
         let w = TensorWireIn::deserialize(d)?;
-        let invalid = |why: String| D::Error::custom(wire::fail_with(Error::InvalidMessage(why)));
+        // Recorded for the caller of `decode`; outside one (a tensor on an empty
+        // storage needs no fds) the error is only returned.
+        let invalid = |why: String| {
+            let err = Error::InvalidMessage(why);
+            D::Error::custom(match Decoder::current("a tensor") {
+                Ok(dec) => dec.fail(err),
+                Err(_) => err.to_string(),
+            })
+        };
         let dtype = DType::from_code(w.dtype)
             .ok_or_else(|| invalid(format!("a tensor has unknown dtype code {}", w.dtype)))?;
         if w.shape.len() > MAX_DIMS || w.shape.len() != w.strides.len() {

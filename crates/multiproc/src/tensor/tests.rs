@@ -8,6 +8,7 @@ use serde::{Deserialize, Serialize, Serializer};
 use super::*;
 use crate::SharingStrategy;
 use crate::sys::socket;
+use crate::wire;
 
 fn f32s(t: &Tensor) -> Vec<f32> {
     t.to_vec::<f32>().unwrap()
@@ -362,7 +363,9 @@ struct ForgedFd(OwnedFd, u64, u64);
 
 impl Serialize for ForgedFd {
     fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
-        let index = wire::attach_fd(self.0.as_fd(), "forged").map_err(serde::ser::Error::custom)?;
+        use serde::ser::Error as _;
+        let enc = wire::Encoder::current("a forged tensor").map_err(S::Error::custom)?;
+        let index = enc.attach_fd(self.0.as_fd()).map_err(S::Error::custom)?;
         ForgedStorage::Segment(ForgedHandle::Fd {
             index,
             offset: self.2,

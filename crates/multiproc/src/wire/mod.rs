@@ -2,12 +2,14 @@
 //!
 //! A message is a serde value encoded with postcard. Values that stand for kernel
 //! objects — tensors' shared segments, queues, events, locks — do not serialize their
-//! fds as numbers: their `Serialize` impls hand the fd to the encoder's side table with
-//! [`attach_fd`] and write the table index instead; on the other side, their
-//! `Deserialize` impls take the fd back with [`received_fd`] (a duplicate) or borrow it
-//! with [`with_received_fd`]. Tensors' segments use the cheap forms on both sides —
-//! [`attach_shared_fd`] keeps the segment's `Arc`'d fd instead of a `dup`, and a
-//! received segment that is already mapped needs only an `fstat` of the lent fd — so
+//! fds as numbers: their `Serialize` impls get the message being encoded from
+//! [`Encoder::current`], hand it the fd ([`Encoder::attach_fd`]) and write the table
+//! index instead, and give it the references they take for the receiver
+//! ([`Encoder::carry`]); on the other side, their `Deserialize` impls take the fd back
+//! from [`Decoder::current`] ([`Decoder::take_fd`], a duplicate, or [`Decoder::with_fd`],
+//! lent). Tensors' segments use the cheap forms on both sides —
+//! [`Encoder::attach_shared_fd`] keeps the segment's `Arc`'d fd instead of a `dup`, and
+//! a received segment that is already mapped needs only an `fstat` of the lent fd — so
 //! a tensor costs no `dup`/`close` pair per message on either side. The table travels as
 //! `SCM_RIGHTS` in the same `sendmsg` as the bytes, so a message and its handles arrive
 //! together or not at all, and the sender may exit as soon as the send returns.
@@ -34,13 +36,14 @@
 //!
 //! Files: this one holds the codec's entry points ([`encode`], [`decode`]) and the
 //! packet constants; `packet` the framing ([`Encoded`], sending, receiving, the
-//! payload memfd); `fd_table` the side table that handles' impls talk to; `opaque`
-//! nested messages ([`Opaque`]).
+//! payload memfd); `context` the encoder and decoder that handles' impls talk to (the
+//! fd side table, the references a message carries, the error it failed with);
+//! `opaque` nested messages ([`Opaque`]).
 //!
 //! Invariant: decoding never panics and never trusts the sender. Every length, count
 //! and index is checked; anything malformed is [`Error::InvalidMessage`] saying what.
 
-mod fd_table;
+mod context;
 mod opaque;
 mod packet;
 
@@ -49,11 +52,8 @@ use std::os::fd::{AsFd, OwnedFd};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use fd_table::{AttachedFd, DECODER, DecodeTable, ENCODER, EncodeTable, TableGuard};
-pub(crate) use fd_table::{
-    attach_fd, attach_shared_fd, fail, fail_with, is_decoding, is_encoding, on_unsent,
-    outside_channel, received_fd, with_received_fd,
-};
+use context::{AttachedFd, DecodeTable, EncodeTable, decoding, encoding, is_encoding};
+pub(crate) use context::{Carried, Decoder, Encoder};
 pub(crate) use opaque::Opaque;
 use packet::read_sealed_payload;
 pub(crate) use packet::{Encoded, is_counted, recv_packet, try_recv_packet, uncount};
@@ -83,28 +83,20 @@ pub(crate) fn encode<T: Serialize + ?Sized>(value: &T) -> Result<Encoded> {
             "a value is being sent from inside the serialization of another message".into(),
         ));
     }
-    ENCODER.with(|e| *e.borrow_mut() = Some(EncodeTable::default()));
-    let guard = TableGuard(&ENCODER, std::marker::PhantomData);
-    let bytes = postcard::to_stdvec(value);
-    let table = ENCODER.with(|e| e.borrow_mut().take()).unwrap_or_default();
-    drop(guard);
+    let (bytes, table) = encoding(EncodeTable::default(), || postcard::to_stdvec(value));
     let EncodeTable {
         mut fds,
-        on_unsent,
+        carried,
         error,
-        typed,
         ..
     } = table;
     let mut encoded = Encoded {
         header: [0; HEADER_LEN],
         payload: Vec::new(),
         fds: Vec::new(),
-        on_unsent,
-        sent: false,
+        carried,
     };
-    let payload = bytes.map_err(|e| {
-        typed.unwrap_or_else(|| Error::Encode(error.unwrap_or_else(|| e.to_string())))
-    })?;
+    let payload = bytes.map_err(|e| error.unwrap_or_else(|| Error::Encode(e.to_string())))?;
     let nfds = fds.len();
     if nfds > MAX_FDS_PER_PACKET - 1 {
         return Err(Error::Encode(format!(
@@ -217,40 +209,25 @@ pub(crate) fn decode_from<T: DeserializeOwned>(bytes: &[u8], mut fds: Vec<OwnedF
         }
         other => return bad(format!("unknown packet kind {other}")),
     };
-    let used = vec![false; fds.len()];
-    DECODER.with(|d| {
-        *d.borrow_mut() = Some(DecodeTable {
-            error: None,
-            typed: None,
-            fds: fds.into_iter().map(Some).collect(),
-            used,
-        })
+    let (result, table) = decoding(DecodeTable::new(fds), || {
+        postcard::take_from_bytes::<T>(payload)
     });
-    let guard = TableGuard(&DECODER, std::marker::PhantomData);
-    let result = postcard::take_from_bytes::<T>(payload);
-    let table = DECODER.with(|d| d.borrow_mut().take());
-    drop(guard);
     let (value, rest) = match result {
         Ok(v) => v,
         Err(e) => {
-            let (typed, error) = table.map_or((None, None), |t| (t.typed, t.error));
-            return Err(typed.unwrap_or_else(|| {
-                Error::InvalidMessage(
-                    error.unwrap_or_else(|| format!("cannot decode the payload: {e}")),
-                )
+            return Err(table.error.unwrap_or_else(|| {
+                Error::InvalidMessage(format!("cannot decode the payload: {e}"))
             }));
         }
     };
     if !rest.is_empty() {
         return bad(format!("{} bytes follow the end of the value", rest.len()));
     }
-    if let Some(table) = table {
-        if let Some(i) = table.used.iter().position(|u| !u) {
-            return bad(format!(
-                "the message carried {} fds but fd #{i} is not referred to by its payload",
-                table.fds.len()
-            ));
-        }
+    if let Some(i) = table.used.iter().position(|u| !u) {
+        return bad(format!(
+            "the message carried {} fds but fd #{i} is not referred to by its payload",
+            table.fds.len()
+        ));
     }
     Ok(value)
 }

@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use super::fd_table::{AttachedFd, attach_fd, on_unsent, received_fd};
+use super::context::{AttachedFd, Carried, Decoder, Encoder};
 use super::{decode, encode};
 use crate::error::{Error, Result};
 use crate::sys::socket::Packet;
@@ -21,15 +21,37 @@ pub(crate) struct Opaque {
     bytes: Vec<u8>,
     fds: Vec<OwnedFd>,
     /// References taken for the eventual receiver. Serializing the `Opaque` into an
-    /// outer message lends them to that message: if it is sent, the receiver adopts
-    /// them; if it is not (a failed send hands the `Opaque` back to its caller, who may
-    /// send it again), they come back here. Dropping an `Opaque` that holds them
-    /// releases them.
-    on_unsent: Arc<Mutex<Vec<Undo>>>,
+    /// outer message lends them to that message ([`Lent`]): if it is sent, the receiver
+    /// adopts them; if it is not (a failed send hands the `Opaque` back to its caller,
+    /// who may send it again), they come back here. Dropping an `Opaque` that holds
+    /// them releases them.
+    carried: Arc<Mutex<Vec<Box<dyn Carried>>>>,
 }
 
-/// Work that gives back a reference taken for a receiver.
-type Undo = Box<dyn FnOnce() + Send>;
+/// An `Opaque`'s references, lent to the outer message it was serialized into.
+struct Lent {
+    references: Vec<Box<dyn Carried>>,
+    home: std::sync::Weak<Mutex<Vec<Box<dyn Carried>>>>,
+}
+
+impl Carried for Lent {
+    fn sent(mut self: Box<Self>) {
+        for reference in self.references.drain(..) {
+            reference.sent();
+        }
+    }
+}
+
+impl Drop for Lent {
+    fn drop(&mut self) {
+        // Not sent: back to the `Opaque`, or, if it is gone, given back (dropped).
+        if let Some(home) = self.home.upgrade() {
+            home.lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .append(&mut self.references);
+        }
+    }
+}
 
 impl Opaque {
     /// Encodes `value` now.
@@ -47,17 +69,17 @@ impl Opaque {
         Ok(Self {
             bytes,
             fds,
-            on_unsent: {
-                inner.sent = true; // ownership of the undo work moves to the Opaque
-                Arc::new(Mutex::new(std::mem::take(&mut inner.on_unsent)))
-            },
+            // The references move to the Opaque.
+            carried: Arc::new(Mutex::new(std::mem::take(&mut inner.carried))),
         })
     }
 
     /// Decodes the value.
     pub(crate) fn decode<T: DeserializeOwned>(mut self) -> Result<T> {
         // Decoding here adopts the references taken for the receiver.
-        self.undo_list().clear();
+        for reference in self.carried_list().drain(..) {
+            reference.sent();
+        }
         decode(Packet {
             bytes: std::mem::take(&mut self.bytes),
             fds: std::mem::take(&mut self.fds),
@@ -70,46 +92,37 @@ impl Opaque {
     /// no references taken for a receiver): then it is only bytes. `None` otherwise —
     /// a handle's references can be handed to one receiver only.
     pub(crate) fn try_clone_plain(&self) -> Option<Opaque> {
-        if !self.fds.is_empty() || !self.undo_list().is_empty() {
+        if !self.fds.is_empty() || !self.carried_list().is_empty() {
             return None;
         }
         Some(Opaque {
             bytes: self.bytes.clone(),
             fds: Vec::new(),
-            on_unsent: Arc::new(Mutex::new(Vec::new())),
+            carried: Arc::new(Mutex::new(Vec::new())),
         })
     }
 
-    fn undo_list(&self) -> MutexGuard<'_, Vec<Undo>> {
-        self.on_unsent.lock().unwrap_or_else(|p| p.into_inner())
-    }
-}
-
-impl Drop for Opaque {
-    fn drop(&mut self) {
-        for undo in self.undo_list().drain(..) {
-            undo();
-        }
+    fn carried_list(&self) -> MutexGuard<'_, Vec<Box<dyn Carried>>> {
+        self.carried.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
 
 impl Serialize for Opaque {
     fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
         use serde::ser::Error as _;
+        let enc = Encoder::current("a nested message").map_err(S::Error::custom)?;
         let mut indices = Vec::with_capacity(self.fds.len());
         for fd in &self.fds {
-            indices.push(attach_fd(fd.as_fd(), "a nested message").map_err(S::Error::custom)?);
+            indices.push(enc.attach_fd(fd.as_fd()).map_err(S::Error::custom)?);
         }
         // The outer message now carries the receiver's references; if it is never
         // sent they return to this `Opaque` (or, if it is gone, are released).
-        let undos: Vec<Undo> = self.undo_list().drain(..).collect();
-        if !undos.is_empty() {
-            let home = Arc::downgrade(&self.on_unsent);
-            on_unsent(Box::new(move || match home.upgrade() {
-                Some(list) => list.lock().unwrap_or_else(|p| p.into_inner()).extend(undos),
-                None => undos.into_iter().for_each(|undo| undo()),
-            }))
-            .map_err(S::Error::custom)?;
+        let references: Vec<Box<dyn Carried>> = self.carried_list().drain(..).collect();
+        if !references.is_empty() {
+            enc.carry(Box::new(Lent {
+                references,
+                home: Arc::downgrade(&self.carried),
+            }));
         }
         (&self.bytes, indices).serialize(s)
     }
@@ -119,15 +132,16 @@ impl<'de> serde::Deserialize<'de> for Opaque {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
         use serde::de::Error as _;
         let (bytes, indices) = <(Vec<u8>, Vec<u32>)>::deserialize(d)?;
+        let dec = Decoder::current("a nested message").map_err(D::Error::custom)?;
         let fds = indices
             .into_iter()
-            .map(|i| received_fd(i, "a nested message"))
+            .map(|i| dec.take_fd(i))
             .collect::<std::result::Result<Vec<_>, _>>()
             .map_err(D::Error::custom)?;
         Ok(Self {
             bytes,
             fds,
-            on_unsent: Arc::new(Mutex::new(Vec::new())),
+            carried: Arc::new(Mutex::new(Vec::new())),
         })
     }
 }

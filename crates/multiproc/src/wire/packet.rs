@@ -5,7 +5,7 @@
 use std::cell::RefCell;
 use std::os::fd::BorrowedFd;
 
-use super::fd_table::AttachedFd;
+use super::context::{AttachedFd, Carried};
 use super::{FLAG_COUNTED, HEADER_LEN, INLINE_MAX, MAGIC, MEMFD_PAYLOAD_MAX, VERSION};
 use crate::error::{Error, Result};
 use crate::sys::memfd;
@@ -18,20 +18,9 @@ pub(crate) struct Encoded {
     pub(super) payload: Vec<u8>,
     /// The handles, the payload memfd last when there is one.
     pub(super) fds: Vec<AttachedFd>,
-    /// Run if the message is dropped without being sent: releases references that
-    /// were taken on behalf of the receiver.
-    pub(super) on_unsent: Vec<Box<dyn FnOnce() + Send>>,
-    pub(super) sent: bool,
-}
-
-impl Drop for Encoded {
-    fn drop(&mut self) {
-        if !self.sent {
-            for undo in self.on_unsent.drain(..) {
-                undo();
-            }
-        }
-    }
+    /// The references taken for the receiver: handed over when the message is sent,
+    /// given back when it is dropped unsent.
+    pub(super) carried: Vec<Box<dyn Carried>>,
 }
 
 /// Clears a received packet's [`FLAG_COUNTED`]: its places were given back already,
@@ -62,7 +51,7 @@ impl Encoded {
     /// the fuzz target's seeds. The references taken for a receiver stay taken.
     #[cfg(any(test, feature = "fuzzing"))]
     pub(crate) fn into_packet(mut self) -> Packet {
-        self.sent = true;
+        self.hand_over();
         let mut bytes = self.header.to_vec();
         bytes.extend_from_slice(&self.payload);
         // A shared fd becomes a duplicate; one that cannot be duplicated (fd limit) is
@@ -85,7 +74,14 @@ impl Encoded {
     /// Records that the packet went out some other way than [`send`](Self::send) (a
     /// queue's ring): the references taken for its receiver are the receiver's now.
     pub(crate) fn mark_sent(&mut self) {
-        self.sent = true;
+        self.hand_over();
+    }
+
+    /// The message went out: its receiver adopts the references it carries.
+    fn hand_over(&mut self) {
+        for reference in self.carried.drain(..) {
+            reference.sent();
+        }
     }
 
     /// Sends the packet if the socket has room now.
@@ -93,7 +89,7 @@ impl Encoded {
         let fds: Vec<BorrowedFd<'_>> = self.fds.iter().map(AttachedFd::as_fd).collect();
         let sent = socket::try_send_packet(sock, &self.header, &self.payload, &fds)?;
         if matches!(sent, Attempt::Done(())) {
-            self.sent = true;
+            self.hand_over();
         }
         Ok(sent)
     }
@@ -102,7 +98,7 @@ impl Encoded {
     pub(crate) fn send(&mut self, sock: BorrowedFd<'_>, deadline: Deadline) -> Result<()> {
         let fds: Vec<BorrowedFd<'_>> = self.fds.iter().map(AttachedFd::as_fd).collect();
         socket::send_packet(sock, &self.header, &self.payload, &fds, deadline)?;
-        self.sent = true;
+        self.hand_over();
         Ok(())
     }
 }

@@ -1,16 +1,16 @@
 //! Where a storage's bytes are ([`Backing`]: nothing, the heap, a shared segment, CUDA
 //! memory, a read-only file, a foreign owner), and [`StorageInner`], the shared state
-//! every clone of a [`Storage`](super::Storage) handle points to.
+//! every clone of a [`Storage`](super::Storage) handle points to (the bytes' backing and
+//! the use of their block it keeps).
 
 #[cfg(feature = "dlpack")]
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, PoisonError, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 
 use super::private_buf::PrivateBuf;
 use crate::cuda::CudaUse;
-use crate::shm::Segment;
 use crate::shm::file::FileSegment;
+use crate::shm::{BlockUse, Segment};
 
 /// Where a storage's bytes are.
 pub(super) enum Backing {
@@ -56,22 +56,12 @@ unsafe impl Sync for Backing {}
 pub(super) struct StorageInner {
     pub(super) nbytes: usize,
     pub(super) backing: RwLock<Backing>,
-    /// The pid of the process whose use of the backing block (see `shm::recycler`) this
-    /// storage holds; 0 for none. A `fork` child inherits the value but not the use, so
-    /// it must not give it back.
-    pub(super) use_owner: AtomicU32,
-}
-
-impl Drop for StorageInner {
-    fn drop(&mut self) {
-        if self.use_owner.load(Ordering::Acquire) == crate::sys::process::cached_pid() {
-            if let Backing::Shared { segment, .. } = self
-                .backing
-                .get_mut()
-                .unwrap_or_else(PoisonError::into_inner)
-            {
-                segment.release_use();
-            }
-        }
-    }
+    /// The use of the backing block (see `shm::recycler`) this storage keeps, taken when
+    /// its bytes were allocated here or brought by the handle it was received from;
+    /// `None` for bytes that are not in a block. Dropping the storage drops it, which
+    /// gives the use back in the process that holds it (a `fork` child inherits the
+    /// value, not the use: see `shm::BlockUse`). Its own lock, never held while another
+    /// is taken, so the received-storage cache may replace it without locking the
+    /// backing.
+    pub(super) block_use: Mutex<Option<BlockUse>>,
 }

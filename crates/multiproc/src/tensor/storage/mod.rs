@@ -33,8 +33,7 @@ mod received_cache;
 
 use std::fmt;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard, Weak};
+use std::sync::{Arc, Mutex, PoisonError, RwLock, RwLockReadGuard, Weak};
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
@@ -48,8 +47,8 @@ use crate::cuda::{self, CudaHandle, Device};
 use crate::error::{Error, Result};
 use crate::sharing::{SharingStrategy, get_sharing_strategy};
 use crate::shm::file::FileHandle;
-use crate::shm::{self, Segment, SegmentHandle};
-use crate::wire;
+use crate::shm::{self, BlockUse, Segment, SegmentHandle};
+use crate::wire::{Decoder, Encoder};
 
 /// Alignment of private storage (a cache line; at least every element's alignment).
 pub(crate) const ALIGN: usize = 64;
@@ -154,8 +153,7 @@ impl Storage {
             return Ok(Storage::with_backing(0, Backing::Empty { shared: true }));
         }
         let slice = shm::allocate(strategy, nbytes)?;
-        let holds_use = slice.segment.is_block();
-        let dst = slice.segment.data_ptr().wrapping_add(slice.offset);
+        let dst = slice.block.block().data_ptr().wrapping_add(slice.offset);
         match init {
             Init::Zero if !slice.zeroed => {
                 // SAFETY: the slice holds `nbytes` bytes at `offset` (allocate's
@@ -176,30 +174,32 @@ impl Storage {
             }
             Init::Zero | Init::Uninit => {}
         }
-        let key = StorageKey::new(&slice.segment, slice.offset, nbytes);
-        let storage = Storage::with_backing(
+        let segment = Arc::clone(slice.block.block());
+        let key = StorageKey::new(&segment, slice.offset, nbytes);
+        let storage = Storage::with_use(
             nbytes,
             Backing::Shared {
-                segment: slice.segment,
+                segment,
                 offset: slice.offset,
             },
+            Some(slice.block),
         );
-        if holds_use {
-            storage
-                .inner
-                .use_owner
-                .store(crate::sys::process::cached_pid(), Ordering::Release);
-        }
         with_storage_cache(|c| c.put(key, &storage));
         Ok(storage)
     }
 
     fn with_backing(nbytes: usize, backing: Backing) -> Storage {
+        Storage::with_use(nbytes, backing, None)
+    }
+
+    /// A storage over `backing` that keeps `block_use`, the use of the block its bytes
+    /// are in.
+    fn with_use(nbytes: usize, backing: Backing, block_use: Option<BlockUse>) -> Storage {
         Storage {
             inner: Arc::new(StorageInner {
                 nbytes,
                 backing: RwLock::new(backing),
-                use_owner: AtomicU32::new(0),
+                block_use: Mutex::new(block_use),
             }),
         }
     }
@@ -208,14 +208,15 @@ impl Storage {
     /// process already has there (so the same storage received twice, or sent and
     /// received in one process, is one `Storage`, as in torch), or a new one.
     ///
-    /// `carries_use`: the handle brought a use of the segment's block (see `shm::recycler`);
-    /// a new storage adopts it, an existing one that already holds this process's use
-    /// gives it back.
+    /// `brought`: the use of the segment's block the handle brought (see `shm::recycler`);
+    /// a new storage keeps it, an existing one keeps it unless it holds a use of this
+    /// process already (then `brought` is dropped, which gives it back). On an error it
+    /// is dropped too: every use this process was handed is given back once.
     pub(crate) fn from_segment(
         segment: Arc<Segment>,
         offset: usize,
         nbytes: usize,
-        carries_use: bool,
+        brought: Option<BlockUse>,
     ) -> Result<Storage> {
         if offset
             .checked_add(nbytes)
@@ -226,32 +227,33 @@ impl Storage {
                 segment.len()
             )));
         }
-        let me = crate::sys::process::cached_pid();
         let key = StorageKey::new(&segment, offset, nbytes);
-        with_storage_cache(|c| {
+        // The use given back (or the inherited one let go) after the cache's lock is
+        // released: the last use of a named block unlinks its name.
+        let mut unneeded = None;
+        let storage = with_storage_cache(|c| {
             if let Some(inner) = c.entries.get(&key).and_then(Weak::upgrade) {
-                if carries_use {
-                    // Adopt the use unless this process already holds one (a storage
-                    // inherited through `fork` holds its parent's, not ours).
-                    let held = inner.use_owner.load(Ordering::Acquire);
-                    if held == me
-                        || inner
-                            .use_owner
-                            .compare_exchange(held, me, Ordering::AcqRel, Ordering::Acquire)
-                            .is_err()
-                    {
-                        segment.release_use();
-                    }
+                if let Some(brought) = brought {
+                    let mut held = inner
+                        .block_use
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner);
+                    // Keep the brought use unless this process holds one already (a
+                    // storage inherited through `fork` holds its parent's, not ours).
+                    unneeded = if held.as_ref().is_some_and(BlockUse::is_held_here) {
+                        Some(brought)
+                    } else {
+                        held.replace(brought)
+                    };
                 }
-                return Ok(Storage { inner });
+                return Storage { inner };
             }
-            let storage = Storage::with_backing(nbytes, Backing::Shared { segment, offset });
-            if carries_use {
-                storage.inner.use_owner.store(me, Ordering::Release);
-            }
+            let storage = Storage::with_use(nbytes, Backing::Shared { segment, offset }, brought);
             c.put(key, &storage);
-            Ok(storage)
-        })
+            storage
+        });
+        drop(unneeded);
+        Ok(storage)
     }
 
     /// Where the bytes live.
@@ -364,7 +366,8 @@ impl Storage {
             Backing::Foreign { ptr, .. } => ptr.as_ptr(),
         };
         let slice = shm::allocate(strategy, self.inner.nbytes)?;
-        let dst = slice.segment.data_ptr().wrapping_add(slice.offset);
+        let segment = Arc::clone(slice.block.block());
+        let dst = segment.data_ptr().wrapping_add(slice.offset);
         if slice.zeroed {
             // SAFETY: the slice holds `nbytes` bytes at `offset` (allocate's contract) and
             // the source `nbytes`; they cannot overlap (a fresh mapping vs the heap or a
@@ -377,19 +380,22 @@ impl Storage {
             // block are written atomically (see `write_shared`).
             unsafe { write_shared(dst, Some(src), self.inner.nbytes) };
         }
-        if slice.segment.is_block() {
-            self.inner
-                .use_owner
-                .store(crate::sys::process::cached_pid(), Ordering::Release);
-        }
-        let key = StorageKey::new(&slice.segment, slice.offset, self.inner.nbytes);
+        let key = StorageKey::new(&segment, slice.offset, self.inner.nbytes);
         *backing = Backing::Shared {
-            segment: slice.segment,
+            segment,
             offset: slice.offset,
         };
+        // A private storage keeps no use, so there is none to give back here.
+        let none = self
+            .inner
+            .block_use
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .replace(slice.block);
         // The write lock is released before the cache's lock is taken (the cache never
         // locks a backing, so the two locks are never nested).
         drop(backing);
+        drop(none);
         with_storage_cache(|c| c.put(key, self));
         Ok(())
     }
@@ -516,15 +522,16 @@ impl Serialize for Storage {
     /// is a reference to memory, not data).
     fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
         use serde::ser::Error as _;
-        if !wire::is_encoding() {
-            return Err(S::Error::custom(wire::outside_channel("a tensor")));
-        }
+        let enc = Encoder::current("a tensor").map_err(S::Error::custom)?;
         if let Backing::Cuda { memory, offset } = &*self.backing() {
-            let handle = cuda::send(memory, *offset, self.nbytes()).map_err(S::Error::custom)?;
+            let handle =
+                cuda::send(&enc, memory, *offset, self.nbytes()).map_err(S::Error::custom)?;
             return StorageWire::Cuda(handle).serialize(s);
         }
+        // Put, not yet shared: moved to shared memory now, like torch; the message then
+        // refers to the segment as any shared storage's does.
         self.share_memory_()
-            .map_err(|e| S::Error::custom(wire::fail_with(e)))?;
+            .map_err(|e| S::Error::custom(enc.fail(e)))?;
         let wire = if let Some((file, offset, name)) = self.file_with_name() {
             StorageWire::ReadOnlyFile(FileHandle {
                 file,
@@ -536,13 +543,15 @@ impl Serialize for Storage {
             StorageWire::Empty
         } else {
             let (segment, offset) = self.segment().ok_or_else(|| {
-                S::Error::custom(wire::fail("a shared storage without a segment".into()))
+                S::Error::custom(
+                    enc.fail(Error::Encode("a shared storage without a segment".into())),
+                )
             })?;
             StorageWire::Segment(SegmentHandle {
                 segment,
                 offset: offset as u64,
                 nbytes: self.nbytes() as u64,
-                carries_use: false,
+                brought: None,
             })
         };
         wire.serialize(s)
@@ -552,27 +561,31 @@ impl Serialize for Storage {
 impl<'de> Deserialize<'de> for Storage {
     fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
         use serde::de::Error as _;
-        match StorageWire::deserialize(d)? {
+        let wire = StorageWire::deserialize(d)?;
+        if let StorageWire::Empty = wire {
+            return Ok(Storage::empty_shared());
+        }
+        let dec = Decoder::current("a tensor").map_err(D::Error::custom)?;
+        let fail = |e: Error| D::Error::custom(dec.fail(e));
+        match wire {
             StorageWire::Empty => Ok(Storage::empty_shared()),
             StorageWire::Segment(SegmentHandle {
                 segment,
                 offset,
                 nbytes,
-                carries_use,
+                brought,
             }) => {
                 let (Ok(offset), Ok(nbytes)) = (usize::try_from(offset), usize::try_from(nbytes))
                 else {
-                    return Err(D::Error::custom(wire::fail_with(Error::InvalidMessage(
-                        format!(
-                            "a storage of {nbytes} bytes at offset {offset} does not fit this machine"
-                        ),
+                    return Err(fail(Error::InvalidMessage(format!(
+                        "a storage of {nbytes} bytes at offset {offset} does not fit this machine"
                     ))));
                 };
-                Storage::from_segment(segment, offset, nbytes, carries_use)
-                    .map_err(|e| D::Error::custom(wire::fail_with(e)))
+                Storage::from_segment(segment, offset, nbytes, brought).map_err(fail)
             }
             StorageWire::Cuda(handle) => {
-                let (memory, offset, nbytes) = cuda::receive(&handle).map_err(D::Error::custom)?;
+                let (memory, offset, nbytes) =
+                    cuda::receive(&dec, &handle).map_err(D::Error::custom)?;
                 Ok(Storage::from_cuda(memory, offset, nbytes))
             }
             StorageWire::ReadOnlyFile(FileHandle {
@@ -583,15 +596,12 @@ impl<'de> Deserialize<'de> for Storage {
             }) => {
                 let (Ok(offset), Ok(nbytes)) = (usize::try_from(offset), usize::try_from(nbytes))
                 else {
-                    return Err(D::Error::custom(wire::fail_with(Error::InvalidMessage(
-                        format!(
-                            "read-only tensor {name:?} of {nbytes} bytes at offset {offset} does \
-                             not fit this machine"
-                        ),
+                    return Err(fail(Error::InvalidMessage(format!(
+                        "read-only tensor {name:?} of {nbytes} bytes at offset {offset} does \
+                         not fit this machine"
                     ))));
                 };
-                Storage::from_file(file, offset, nbytes, &name)
-                    .map_err(|e| D::Error::custom(wire::fail_with(e)))
+                Storage::from_file(file, offset, nbytes, &name).map_err(fail)
             }
         }
     }

@@ -260,9 +260,9 @@ fn a_handle_finds_the_storage_this_process_has_there() {
     let t = Tensor::arange(0.0, 4.0, 1.0, DType::F32).unwrap();
     t.share_memory_().unwrap();
     let (seg, offset) = t.storage().segment().unwrap();
-    let same = Storage::from_segment(seg.clone(), offset, 16, false).unwrap();
+    let same = Storage::from_segment(seg.clone(), offset, 16, None).unwrap();
     assert!(Storage::ptr_eq(&same, t.storage()));
-    let shorter = Storage::from_segment(seg.clone(), offset, 8, false).unwrap();
+    let shorter = Storage::from_segment(seg.clone(), offset, 8, None).unwrap();
     assert!(
         !Storage::ptr_eq(&shorter, t.storage()),
         "another slice is another storage"
@@ -272,7 +272,7 @@ fn a_handle_finds_the_storage_this_process_has_there() {
     let shifted = Tensor::from_storage(shorter, DType::F32, &[1], &[1], 1).unwrap();
     t.narrow(0, 2, 1).unwrap().copy_(&shifted).unwrap();
     assert_eq!(f32s(&t), [0., 1., 1., 3.]);
-    assert!(Storage::from_segment(seg, offset, usize::MAX, false).is_err());
+    assert!(Storage::from_segment(seg, offset, usize::MAX, None).is_err());
 }
 
 #[test]
