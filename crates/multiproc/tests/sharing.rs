@@ -40,6 +40,53 @@ fn put_large_tensors(
     Ok(())
 }
 
+/// A tensor, and maybe a second one: what `retry_at_the_fd_limit` receives.
+type OneOrTwo = (Tensor, Option<Tensor>);
+
+/// Keeps the tensor of a first message; then, with no fd left, gets a message that
+/// names that tensor's block and a new one (whose fd must come out of the queue's
+/// custody): that get must fail with `FdLimit`, and the same message must come on the
+/// next get once an fd is free. Drops everything and says so.
+fn retry_at_the_fd_limit(
+    _rank: usize,
+    (inbox, done): (Queue<OneOrTwo>, Queue<bool>),
+) -> Result<(), String> {
+    use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
+    let (kept, _) = inbox.get_timeout(secs(30)).map_err(|e| e.to_string())?;
+    let limit = getrlimit(Resource::Nofile);
+    let set = |current: Option<u64>| {
+        setrlimit(
+            Resource::Nofile,
+            Rlimit {
+                current,
+                maximum: limit.maximum,
+            },
+        )
+        .map_err(|e| e.to_string())
+    };
+    // The limit is on fd numbers: set it to the lowest free one, so that no new fd
+    // can be made at all.
+    let lowest_free = {
+        use std::os::fd::AsRawFd;
+        let probe = std::fs::File::open("/dev/null").map_err(|e| e.to_string())?;
+        probe.as_raw_fd() as u64
+    };
+    set(Some(lowest_free))?;
+    let first = inbox.get_timeout(secs(30));
+    set(limit.current)?;
+    match first {
+        Err(multiproc::Error::FdLimit { .. }) => {}
+        other => return Err(format!("expected FdLimit at the limit, got {other:?}")),
+    }
+    let (again, new) = inbox.get_timeout(secs(30)).map_err(|e| e.to_string())?;
+    let new = new.ok_or("the second message lost its second tensor")?;
+    if !all_equal(&kept, 1.0) || !all_equal(&again, 1.0) || !all_equal(&new, 2.0) {
+        return Err("the retried message's tensors have the wrong values".into());
+    }
+    drop((kept, again, new));
+    done.put(true).map_err(|e| e.to_string())
+}
+
 /// A tensor and the dtype and shape a worker saw.
 type Echo = (Tensor, DType, Vec<usize>);
 
@@ -336,6 +383,45 @@ fn the_blocks_of_a_joined_worker_are_let_go_when_it_is_joined() {
                 common::fd_targets().join(", ")
             );
         });
+    });
+}
+
+#[test]
+fn a_message_retried_after_the_fd_limit_gives_each_block_back_once() {
+    // A message that names a block the getter maps already and one it must take out of
+    // the queue's custody fails at the fd limit after the first handle adopted its
+    // use; the message is kept and decoded again. Each use must be given back once:
+    // one too many would let the producer's recycler hand the first block out again
+    // while the producer still holds a tensor on it.
+    common::run(secs(60), || {
+        let (inbox, done) = (Queue::new().unwrap(), Queue::new().unwrap());
+        let mut ctx = start_processes(
+            retry_at_the_fd_limit,
+            (inbox.clone(), done.clone()),
+            1,
+            StartMethod::Spawn,
+        )
+        .unwrap();
+        // 256 KiB each: above the arena limit, so each is a block of its own.
+        let kept = Tensor::full(&[64 << 10], 1.0, DType::F32).unwrap();
+        let second = Tensor::full(&[64 << 10], 2.0, DType::F32).unwrap();
+        inbox.put((kept.clone(), None)).unwrap();
+        inbox.put((kept.clone(), Some(second))).unwrap();
+        ctx.join(Some(secs(30))).expect("the getter");
+        assert!(done.get_timeout(secs(5)).expect("the getter's report"));
+        // New tensors of the same size reuse idle blocks: never the one `kept` is on.
+        let fresh: Vec<Tensor> = (0..4)
+            .map(|_| {
+                let t = Tensor::empty_shared(&[64 << 10], DType::F32).unwrap();
+                t.fill_(9.0).unwrap();
+                t
+            })
+            .collect();
+        assert!(
+            all_equal(&kept, 1.0),
+            "a block still in use was handed out again"
+        );
+        drop(fresh);
     });
 }
 

@@ -33,6 +33,9 @@ pub(crate) struct Channel {
     /// blocks had to come out of custody): it is this process's next message, so that
     /// an fd limit loses nothing (see [`decode`](Self::decode)).
     pending: Mutex<Option<Packet>>,
+    /// The references the failed decode of the pending packet holds for its next try,
+    /// with the packet's bytes (address, length) to know it again by.
+    held_for_retry: Mutex<Option<((usize, usize), wire::HeldReferences)>>,
     closed: AtomicBool,
 }
 
@@ -46,6 +49,7 @@ impl Channel {
             tx,
             rx,
             pending: Mutex::new(None),
+            held_for_retry: Mutex::new(None),
             closed: AtomicBool::new(false),
         })
     }
@@ -102,16 +106,42 @@ impl Channel {
     /// A packet without fds that fails with [`Error::FdLimit`] (a block it names had to
     /// be taken out of custody, with no fd left to take it) is kept, uncounted, as this
     /// process's next message: like a socket packet whose fds do not fit, it waits for
-    /// fds to be closed instead of being lost.
+    /// fds to be closed instead of being lost. The references its handles adopted
+    /// before the failure are taken once more and kept with it (see
+    /// `wire::Decoder::adopted`), so that each is given back once however many tries
+    /// the packet takes.
     pub(crate) fn decode<T: DeserializeOwned>(&self, mut packet: Packet) -> Result<T> {
         if !packet.fds.is_empty() {
             return custody::scope(self.custody_handle(), || wire::decode(packet));
         }
-        let result = custody::scope(self.custody_handle(), || {
-            wire::decode_from(&packet.bytes, Vec::new())
+        let this = (packet.bytes.as_ptr() as usize, packet.bytes.len());
+        let earlier = {
+            let mut held = self
+                .held_for_retry
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            match held.take() {
+                Some((of, refs)) if of == this => Some(refs),
+                other => {
+                    *held = other;
+                    None
+                }
+            }
+        };
+        let (result, held) = custody::scope(self.custody_handle(), || {
+            wire::decode_keeping(&packet.bytes)
         });
+        // What an earlier try held for this packet, this one has adopted (or, failing,
+        // holds anew).
+        if let Some(earlier) = earlier {
+            earlier.forget();
+        }
         if let Err(Error::FdLimit { .. }) = &result {
             wire::uncount(&mut packet);
+            *self
+                .held_for_retry
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner) = Some((this, held));
             *self.pending.lock().unwrap_or_else(PoisonError::into_inner) = Some(packet);
         }
         result
@@ -217,6 +247,7 @@ impl<'de> Deserialize<'de> for Channel {
             tx,
             rx,
             pending: Mutex::new(None),
+            held_for_retry: Mutex::new(None),
             closed: AtomicBool::new(false),
         })
     }

@@ -110,7 +110,7 @@ pub(crate) use words::SharedWords;
 
 use self::strategy::SharingStrategy;
 use crate::error::{Error, Result};
-use crate::wire::{Decoder, Encoder};
+use crate::wire::{Decoder, Encoder, Readopt};
 
 /// Creates a plain segment (not a block) of `len > 0` bytes with `strategy`, already in
 /// this process's map cache. Storages live in blocks (see `recycler`); plain segments
@@ -339,11 +339,18 @@ impl<'de> Deserialize<'de> for SegmentHandle {
         let wire = HandleWire::deserialize(d)?;
         let dec = Decoder::current("a shared tensor").map_err(D::Error::custom)?;
         let fail = |e: Error| D::Error::custom(dec.fail(e));
-        let handle = |segment: Arc<Segment>, offset, nbytes, block: bool| SegmentHandle {
-            brought: block.then(|| BlockUse::adopt(Arc::clone(&segment))),
-            segment,
-            offset,
-            nbytes,
+        let handle = |segment: Arc<Segment>, offset, nbytes, block: bool| {
+            // A block's use or a named segment's reference came with the message (see
+            // `Decoder::adopted`: a packet kept for another try must bring it again).
+            if block || segment.name().is_some() {
+                dec.adopted(Arc::clone(&segment) as Arc<dyn Readopt>);
+            }
+            Ok(SegmentHandle {
+                brought: block.then(|| BlockUse::adopt(Arc::clone(&segment))),
+                segment,
+                offset,
+                nbytes,
+            })
         };
         match wire {
             HandleWire::Fd {
@@ -368,7 +375,7 @@ impl<'de> Deserialize<'de> for SegmentHandle {
                     .with_fd(index, |fd| receive_fd(fd, offset, end, as_block))
                     .map_err(D::Error::custom)?
                     .map_err(fail)?;
-                Ok(handle(segment, offset, nbytes, as_block))
+                handle(segment, offset, nbytes, as_block)
             }
             HandleWire::BlockRef {
                 dev,
@@ -378,22 +385,24 @@ impl<'de> Deserialize<'de> for SegmentHandle {
             } => {
                 let end = claimed_end(offset, nbytes).map_err(fail)?;
                 let segment = receive_by_inode(dev, ino, offset, end).map_err(fail)?;
-                Ok(handle(segment, offset, nbytes, true))
+                handle(segment, offset, nbytes, true)
             }
             HandleWire::Named {
                 name,
                 offset,
                 nbytes,
-            } => named_handle(&name, offset, nbytes, false)
-                .map(|s| handle(s, offset, nbytes, false))
-                .map_err(fail),
+            } => {
+                let segment = named_handle(&name, offset, nbytes, false).map_err(fail)?;
+                handle(segment, offset, nbytes, false)
+            }
             HandleWire::NamedBlock {
                 name,
                 offset,
                 nbytes,
-            } => named_handle(&name, offset, nbytes, true)
-                .map(|s| handle(s, offset, nbytes, true))
-                .map_err(fail),
+            } => {
+                let segment = named_handle(&name, offset, nbytes, true).map_err(fail)?;
+                handle(segment, offset, nbytes, true)
+            }
         }
     }
 }

@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use super::Segment;
 use crate::error::Result;
-use crate::wire::Carried;
+use crate::wire::{Carried, Readopt};
 
 /// The pid a reference belongs to, 0 once it has been handed to a receiver.
 fn this_process() -> u32 {
@@ -100,5 +100,17 @@ impl Drop for NamedRef {
 impl Carried for NamedRef {
     fn sent(mut self: Box<Self>) {
         self.owner = 0;
+    }
+}
+
+/// A block's use or a plain named segment's reference, taken once more for a received
+/// packet that is kept for another try (see `wire::Decoder::adopted`).
+impl Readopt for Segment {
+    fn take_again(self: Arc<Self>) -> std::result::Result<Box<dyn Carried>, crate::error::Error> {
+        if self.is_block() {
+            Ok(Box::new(BlockUse::take(&self)))
+        } else {
+            Ok(Box::new(NamedRef::take(&self)?))
+        }
     }
 }

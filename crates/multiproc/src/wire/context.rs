@@ -83,6 +83,25 @@ pub(super) struct DecodeTable {
     /// `None` only while [`Decoder::with_fd`] lends the fd out.
     pub(super) fds: Vec<Option<OwnedFd>>,
     pub(super) used: Vec<bool>,
+    /// `Some` while the packet is kept for another try if this decode fails with
+    /// [`Error::FdLimit`] (see [`Decoder::adopted`]): the references the decode holds
+    /// for that try.
+    pub(super) held: Option<Vec<Box<dyn Carried>>>,
+    /// What the handles decoded so far adopted (tracked only when `held` is `Some`).
+    adopted: Vec<Arc<dyn Readopt>>,
+}
+
+/// A reference a received message brought and a handle adopted, which the decode can
+/// take once more for a packet kept for another try (see [`Decoder::adopted`]).
+pub(crate) trait Readopt: Send + Sync {
+    /// Another reference of the same kind on the same memory.
+    fn take_again(self: Arc<Self>) -> Result<Box<dyn Carried>, Error>;
+}
+
+thread_local! {
+    /// The `adopted` list of the last decode, kept for its capacity: the ring path
+    /// decodes every packet as one that may be kept, and should not allocate for it.
+    static ADOPTED: RefCell<Vec<Arc<dyn Readopt>>> = const { RefCell::new(Vec::new()) };
 }
 
 impl DecodeTable {
@@ -91,7 +110,27 @@ impl DecodeTable {
             error: None,
             used: vec![false; fds.len()],
             fds: fds.into_iter().map(Some).collect(),
+            held: None,
+            adopted: Vec::new(),
         }
+    }
+
+    /// A table for a decode whose packet is kept for another try when it fails.
+    pub(super) fn keeping_packet(fds: Vec<OwnedFd>) -> DecodeTable {
+        DecodeTable {
+            held: Some(Vec::new()),
+            adopted: ADOPTED.with(|a| std::mem::take(&mut *a.borrow_mut())),
+            ..DecodeTable::new(fds)
+        }
+    }
+
+    /// The references held for the packet's next try; gives the `adopted` list's
+    /// capacity back for the next decode.
+    pub(super) fn into_held(mut self) -> Vec<Box<dyn Carried>> {
+        let mut adopted = std::mem::take(&mut self.adopted);
+        adopted.clear();
+        let _ = ADOPTED.try_with(|a| *a.borrow_mut() = adopted);
+        self.held.take().unwrap_or_default()
     }
 }
 
@@ -337,7 +376,48 @@ impl<'w> Decoder<'w> {
     /// Records `err` as why this decode fails (the caller of `decode` gets it, variant
     /// and all) and returns its text, for `serde::de::Error::custom`.
     pub(crate) fn fail(&self, err: Error) -> String {
+        if matches!(err, Error::FdLimit { .. }) {
+            self.hold_adopted();
+        }
         record(&DECODER, err)
+    }
+
+    /// Records that the handle being decoded adopted a reference its message brought.
+    ///
+    /// A packet without fds whose decode runs into the fd limit stays queued for another
+    /// try (see `queue::channel`). The partial value the failed decode drops gives the
+    /// references it adopted back, but the packet's next try must find them again: so
+    /// when such a decode fails with [`Error::FdLimit`] ([`fail`](Self::fail)), it
+    /// first takes each adopted reference once more, while the partial value still
+    /// holds it, and keeps those for the next try. A decode that succeeds pays only for
+    /// this list.
+    pub(crate) fn adopted(&self, reference: Arc<dyn Readopt>) {
+        self.with_table(|table| {
+            if table.held.is_some() {
+                table.adopted.push(reference);
+            }
+        });
+    }
+
+    /// Takes every adopted reference once more, for the packet's next try.
+    fn hold_adopted(&self) {
+        let adopted = self.with_table(|table| std::mem::take(&mut table.adopted));
+        let mut taken = Vec::with_capacity(adopted.len());
+        for reference in &adopted {
+            match Arc::clone(reference).take_again() {
+                Ok(r) => taken.push(r),
+                // Only a name being removed refuses: the next try then fails to map it,
+                // as it would have without the limit.
+                Err(e) => tracing::debug!("a reference kept for a retried message: {e}"),
+            }
+        }
+        self.with_table(|table| {
+            if let Some(held) = &mut table.held {
+                held.append(&mut taken);
+            }
+            table.adopted = adopted;
+            table.adopted.clear();
+        });
     }
 
     fn with_table<R>(&self, f: impl FnOnce(&mut DecodeTable) -> R) -> R {

@@ -53,7 +53,7 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use context::{AttachedFd, DecodeTable, EncodeTable, decoding, encoding, is_encoding};
-pub(crate) use context::{Carried, Decoder, Encoder};
+pub(crate) use context::{Carried, Decoder, Encoder, Readopt};
 pub(crate) use opaque::Opaque;
 use packet::read_sealed_payload;
 pub(crate) use packet::{Encoded, is_counted, recv_packet, try_recv_packet, uncount};
@@ -145,7 +145,57 @@ pub(crate) fn decode<T: DeserializeOwned>(packet: Packet) -> Result<T> {
 
 /// [`decode`] of a packet's bytes and fds, the bytes borrowed (a packet without fds
 /// stays the caller's, to keep when decoding fails for a reason that may pass).
-pub(crate) fn decode_from<T: DeserializeOwned>(bytes: &[u8], mut fds: Vec<OwnedFd>) -> Result<T> {
+pub(crate) fn decode_from<T: DeserializeOwned>(bytes: &[u8], fds: Vec<OwnedFd>) -> Result<T> {
+    decode_with(bytes, fds, false).0
+}
+
+/// The references a decode of a kept packet holds for the packet's next try (see
+/// [`decode_keeping`]). Dropped, they are given back; [`forget`](Self::forget) hands
+/// them to the next try's adoption instead.
+#[must_use]
+pub(crate) struct HeldReferences(Vec<Box<dyn Carried>>);
+
+impl HeldReferences {
+    /// The packet's next try has adopted what these stood for: let go of them without
+    /// giving anything back.
+    pub(crate) fn forget(self) {
+        for reference in self.0 {
+            reference.sent();
+        }
+    }
+}
+
+impl std::fmt::Debug for HeldReferences {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "HeldReferences({})", self.0.len())
+    }
+}
+
+/// [`decode_from`] of a packet without fds that its caller keeps for another try when
+/// the decode fails with [`Error::FdLimit`]: every reference a handle adopts is also
+/// held, and returned, so that the packet still brings them on its next try. The
+/// caller keeps them with the packet, or drops them (giving them back) when it does
+/// not keep it.
+pub(crate) fn decode_keeping<T: DeserializeOwned>(bytes: &[u8]) -> (Result<T>, HeldReferences) {
+    decode_with(bytes, Vec::new(), true)
+}
+
+fn decode_with<T: DeserializeOwned>(
+    bytes: &[u8],
+    fds: Vec<OwnedFd>,
+    keep: bool,
+) -> (Result<T>, HeldReferences) {
+    let mut held = HeldReferences(Vec::new());
+    let result = decode_checked(bytes, fds, keep, &mut held);
+    (result, held)
+}
+
+fn decode_checked<T: DeserializeOwned>(
+    bytes: &[u8],
+    mut fds: Vec<OwnedFd>,
+    keep: bool,
+    held: &mut HeldReferences,
+) -> Result<T> {
     tracing::trace!(
         bytes = bytes.len(),
         handles = fds.len(),
@@ -209,13 +259,19 @@ pub(crate) fn decode_from<T: DeserializeOwned>(bytes: &[u8], mut fds: Vec<OwnedF
         }
         other => return bad(format!("unknown packet kind {other}")),
     };
-    let (result, table) = decoding(DecodeTable::new(fds), || {
-        postcard::take_from_bytes::<T>(payload)
-    });
+    let table = if keep {
+        DecodeTable::keeping_packet(fds)
+    } else {
+        DecodeTable::new(fds)
+    };
+    let (result, mut table) = decoding(table, || postcard::take_from_bytes::<T>(payload));
+    let error = table.error.take();
+    let used = std::mem::take(&mut table.used);
+    held.0 = table.into_held();
     let (value, rest) = match result {
         Ok(v) => v,
         Err(e) => {
-            return Err(table.error.unwrap_or_else(|| {
+            return Err(error.unwrap_or_else(|| {
                 Error::InvalidMessage(format!("cannot decode the payload: {e}"))
             }));
         }
@@ -223,10 +279,10 @@ pub(crate) fn decode_from<T: DeserializeOwned>(bytes: &[u8], mut fds: Vec<OwnedF
     if !rest.is_empty() {
         return bad(format!("{} bytes follow the end of the value", rest.len()));
     }
-    if let Some(i) = table.used.iter().position(|u| !u) {
+    if let Some(i) = used.iter().position(|u| !u) {
         return bad(format!(
             "the message carried {} fds but fd #{i} is not referred to by its payload",
-            table.fds.len()
+            used.len()
         ));
     }
     Ok(value)
