@@ -179,6 +179,15 @@ impl Tensor {
             strides: strides.to_vec(),
             offset,
         };
+        Tensor::from_storage_and_layout(storage, dtype, layout)
+    }
+
+    /// [`from_storage`](Self::from_storage) with the layout taken over (checked).
+    pub(super) fn from_storage_and_layout(
+        storage: Storage,
+        dtype: DType,
+        layout: Layout,
+    ) -> Result<Tensor> {
         layout.check_bounds(dtype.size(), storage.nbytes())?;
         Ok(Tensor {
             storage,

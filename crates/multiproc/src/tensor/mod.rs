@@ -268,12 +268,14 @@ struct TensorWireOut<'a> {
     storage: &'a Storage,
 }
 
+/// Read with `usize` fields (postcard writes `usize` and `u64` alike), so the layout
+/// is taken over as it arrives; a value past `usize` is a decode error.
 #[derive(Deserialize)]
 struct TensorWireIn {
     dtype: u8,
-    shape: Vec<u64>,
-    strides: Vec<u64>,
-    offset: u64,
+    shape: Vec<usize>,
+    strides: Vec<usize>,
+    offset: usize,
     storage: Storage,
 }
 
@@ -319,18 +321,12 @@ impl<'de> Deserialize<'de> for Tensor {
                 w.strides.len()
             )));
         }
-        let to_usize = |v: &[u64]| -> std::result::Result<Vec<usize>, D::Error> {
-            v.iter()
-                .map(|&x| {
-                    usize::try_from(x).map_err(|_| invalid(format!("{x} does not fit usize")))
-                })
-                .collect()
+        let layout = Layout {
+            shape: w.shape,
+            strides: w.strides,
+            offset: w.offset,
         };
-        let shape = to_usize(&w.shape)?;
-        let strides = to_usize(&w.strides)?;
-        let offset = usize::try_from(w.offset)
-            .map_err(|_| invalid(format!("offset {} does not fit usize", w.offset)))?;
-        Tensor::from_storage(w.storage, dtype, &shape, &strides, offset).map_err(|e| {
+        Tensor::from_storage_and_layout(w.storage, dtype, layout).map_err(|e| {
             invalid(format!(
                 "a received tensor's layout is invalid: {}",
                 match e {

@@ -23,7 +23,6 @@
 //! [`decode`]: super::decode
 
 use std::cell::RefCell;
-use std::collections::HashMap;
 use std::marker::PhantomData;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::sync::Arc;
@@ -70,16 +69,18 @@ impl AttachedFd {
 #[derive(Default)]
 pub(super) struct EncodeTable {
     /// The first error a handle reported.
-    pub(super) error: Option<Error>,
+    pub(super) error: Option<Box<Error>>,
     pub(super) fds: Vec<AttachedFd>,
-    index_of: HashMap<RawFd, u32>,
+    /// Which index each attached fd got (a message carries a handful: a list is
+    /// cheaper than a hash map).
+    index_of: Vec<(RawFd, u32)>,
     pub(super) carried: Vec<Box<dyn Carried>>,
 }
 
 /// What a decode lends out.
 pub(super) struct DecodeTable {
     /// The first error a handle reported.
-    pub(super) error: Option<Error>,
+    pub(super) error: Option<Box<Error>>,
     /// `None` only while [`Decoder::with_fd`] lends the fd out.
     pub(super) fds: Vec<Option<OwnedFd>>,
     pub(super) used: Vec<bool>,
@@ -197,25 +198,27 @@ fn record(
         if let Some(table) = t.borrow_mut().as_mut() {
             let slot = table.slot();
             if slot.is_none() {
-                *slot = Some(err);
+                *slot = Some(Box::new(err));
             }
         }
     });
     message
 }
 
+/// Boxed, so that a table (moved in and out of its thread-local on every message)
+/// stays small.
 trait ErrorSlot: 'static {
-    fn slot(&mut self) -> &mut Option<Error>;
+    fn slot(&mut self) -> &mut Option<Box<Error>>;
 }
 
 impl ErrorSlot for EncodeTable {
-    fn slot(&mut self) -> &mut Option<Error> {
+    fn slot(&mut self) -> &mut Option<Box<Error>> {
         &mut self.error
     }
 }
 
 impl ErrorSlot for DecodeTable {
-    fn slot(&mut self) -> &mut Option<Error> {
+    fn slot(&mut self) -> &mut Option<Box<Error>> {
         &mut self.error
     }
 }
@@ -247,7 +250,7 @@ impl<'w> Encoder<'w> {
     pub(crate) fn attach_fd(&self, fd: BorrowedFd<'_>) -> std::result::Result<u32, String> {
         let what = self.what;
         let attached = self.with_table(|table| {
-            if let Some(&i) = table.index_of.get(&fd.as_raw_fd()) {
+            if let Some(i) = table.index(fd.as_raw_fd()) {
                 return Ok(i);
             }
             let dup = fd
@@ -264,8 +267,8 @@ impl<'w> Encoder<'w> {
     pub(crate) fn attach_shared_fd(&self, fd: &Arc<OwnedFd>) -> u32 {
         self.with_table(|table| {
             let raw = fd.as_raw_fd();
-            match table.index_of.get(&raw) {
-                Some(&i) => i,
+            match table.index(raw) {
+                Some(i) => i,
                 None => table.push(raw, AttachedFd::Shared(Arc::clone(fd))),
             }
         })
@@ -292,9 +295,16 @@ impl<'w> Encoder<'w> {
 }
 
 impl EncodeTable {
+    fn index(&self, raw: RawFd) -> Option<u32> {
+        self.index_of
+            .iter()
+            .find(|(r, _)| *r == raw)
+            .map(|&(_, i)| i)
+    }
+
     fn push(&mut self, raw: RawFd, fd: AttachedFd) -> u32 {
         let i = self.fds.len() as u32;
-        self.index_of.insert(raw, i);
+        self.index_of.push((raw, i));
         self.fds.push(fd);
         i
     }

@@ -76,6 +76,10 @@ pub(crate) const INLINE_MAX: usize = 60 * 1024;
 /// Largest payload accepted from a memfd (a sanity bound against hostile lengths).
 pub(super) const MEMFD_PAYLOAD_MAX: u64 = 1 << 40;
 
+/// The payload buffer an encode starts with (a message with a tensor or two takes
+/// under a hundred bytes).
+const ENCODE_CAPACITY: usize = 256;
+
 /// Encodes `value` into a packet, attaching the fds of every handle inside it.
 pub(crate) fn encode<T: Serialize + ?Sized>(value: &T) -> Result<Encoded> {
     if is_encoding() {
@@ -83,7 +87,11 @@ pub(crate) fn encode<T: Serialize + ?Sized>(value: &T) -> Result<Encoded> {
             "a value is being sent from inside the serialization of another message".into(),
         ));
     }
-    let (bytes, table) = encoding(EncodeTable::default(), || postcard::to_stdvec(value));
+    // Room for a few tensors' handles up front: growing from empty costs several
+    // reallocations per message.
+    let (bytes, table) = encoding(EncodeTable::default(), || {
+        postcard::to_extend(value, Vec::with_capacity(ENCODE_CAPACITY))
+    });
     let EncodeTable {
         mut fds,
         carried,
@@ -96,7 +104,7 @@ pub(crate) fn encode<T: Serialize + ?Sized>(value: &T) -> Result<Encoded> {
         fds: Vec::new(),
         carried,
     };
-    let payload = bytes.map_err(|e| error.unwrap_or_else(|| Error::Encode(e.to_string())))?;
+    let payload = bytes.map_err(|e| error.map_or_else(|| Error::Encode(e.to_string()), |e| *e))?;
     let nfds = fds.len();
     if nfds > MAX_FDS_PER_PACKET - 1 {
         return Err(Error::Encode(format!(
@@ -271,9 +279,10 @@ fn decode_checked<T: DeserializeOwned>(
     let (value, rest) = match result {
         Ok(v) => v,
         Err(e) => {
-            return Err(error.unwrap_or_else(|| {
-                Error::InvalidMessage(format!("cannot decode the payload: {e}"))
-            }));
+            return Err(error.map_or_else(
+                || Error::InvalidMessage(format!("cannot decode the payload: {e}")),
+                |e| *e,
+            ));
         }
     };
     if !rest.is_empty() {
