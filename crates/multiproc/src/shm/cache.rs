@@ -223,6 +223,26 @@ pub(crate) fn flush_retained() -> usize {
     flushed.len()
 }
 
+/// The named segment found or made last, if it is `name` and still mapped here (kept
+/// in the retention list as any hit is). The name was checked when the entry was made.
+pub(crate) fn last_named(name: &str) -> Option<Arc<Segment>> {
+    let (found, evicted) = with_cache(|c| {
+        let pid = crate::sys::process::cached_pid();
+        let live = match &c.last {
+            Some((CacheKey::Name(last), owner, weak)) if *owner == pid && last.as_str() == name => {
+                weak.upgrade()
+            }
+            _ => None,
+        }?;
+        let evicted = c.retain_recent(&live);
+        Some((live, evicted))
+    })
+    .map_or((None, Vec::new()), |(live, evicted)| (Some(live), evicted));
+    // Unmapped outside the cache lock, as in `get_or_try_insert`.
+    drop(evicted);
+    found
+}
+
 /// The live segment under `key`, if this process maps it.
 pub(crate) fn lookup(key: &CacheKey) -> Option<Arc<Segment>> {
     with_cache(|c| c.live(key))

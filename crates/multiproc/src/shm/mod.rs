@@ -90,6 +90,7 @@ pub(crate) mod tree;
 #[allow(unsafe_code)]
 mod words;
 
+use std::borrow::Cow;
 use std::os::fd::BorrowedFd;
 use std::sync::Arc;
 
@@ -209,9 +210,10 @@ fn create_block(strategy: SharingStrategy, len: usize) -> Result<Arc<Segment>> {
     Ok(segment)
 }
 
-/// The wire form of a segment.
+/// The wire form of a segment. Names are borrowed from the value on the way out and
+/// from the received bytes on the way in (no copy per message).
 #[derive(Serialize, Deserialize)]
-enum HandleWire {
+enum HandleWire<'a> {
     /// Index of the memfd in the message's fd table, and the bytes the storage uses.
     Fd {
         index: u32,
@@ -220,7 +222,8 @@ enum HandleWire {
     },
     /// A named segment and the bytes the storage uses.
     Named {
-        name: String,
+        #[serde(borrow)]
+        name: Cow<'a, str>,
         offset: u64,
         nbytes: u64,
     },
@@ -242,7 +245,8 @@ enum HandleWire {
     /// A named block and the bytes the storage uses; the message carries one use of
     /// the block (and with it a reference on its name), which the receiver adopts.
     NamedBlock {
-        name: String,
+        #[serde(borrow)]
+        name: Cow<'a, str>,
         offset: u64,
         nbytes: u64,
     },
@@ -301,7 +305,7 @@ impl Serialize for SegmentHandle {
                 }
             }
         } else if let Some(name) = self.segment.name() {
-            let name = name.as_str().to_owned();
+            let name = Cow::Borrowed(name.as_str());
             if block {
                 HandleWire::NamedBlock {
                     name,
@@ -409,7 +413,6 @@ impl<'de> Deserialize<'de> for SegmentHandle {
 
 /// The segment a `Named` or (`as_block`) `NamedBlock` handle names.
 fn named_handle(name: &str, offset: u64, nbytes: u64, as_block: bool) -> Result<Arc<Segment>> {
-    let name = SegmentName::parse(name)?;
     let end = claimed_end(offset, nbytes)?;
     if as_block && offset < segment::BLOCK_HEADER_LEN as u64 {
         return Err(Error::InvalidMessage(format!(
@@ -417,7 +420,12 @@ fn named_handle(name: &str, offset: u64, nbytes: u64, as_block: bool) -> Result<
              the block header"
         )));
     }
-    receive_named(name, end, as_block)
+    // The segment named last is found by comparing the name (checked when it first
+    // came): a stream of tensors from one arena costs no parse and no hash.
+    if let Some(segment) = cache::last_named(name) {
+        return received_again(segment, end, as_block);
+    }
+    receive_named(SegmentName::parse(name)?, end, as_block)
 }
 
 /// Where a handle's bytes end (`offset + nbytes`), refusing overflow.
@@ -513,6 +521,34 @@ fn receive_named(name: SegmentName, end: u64, as_block: bool) -> Result<Arc<Segm
     let key = CacheKey::Name(name.clone());
     let (segment, fresh) =
         cache::get_or_try_insert(key, || Segment::open_named(name, end, as_block))?;
+    if !fresh {
+        return received_again(segment, end, as_block);
+    }
+    check_kind(&segment, as_block)?;
+    if let Some(name) = segment.name() {
+        // This process now maps it: connect to the manager, so it does not clean up
+        // while we live, and so a restarted manager learns of the name again.
+        if let Err(e) = registry::register(name) {
+            tracing::warn!(segment = %name, "cannot register a received segment: {e}");
+        }
+    }
+    Ok(segment)
+}
+
+/// A named segment mapped here already, received again: the handle's kind and claim
+/// must fit it, and a plain segment absorbs the message's in-flight reference.
+fn received_again(segment: Arc<Segment>, end: u64, as_block: bool) -> Result<Arc<Segment>> {
+    check_kind(&segment, as_block)?;
+    // A claim that does not fit is refused before the reference count is touched.
+    check_claim(&segment, end)?;
+    if !as_block {
+        segment.absorb_in_flight();
+    }
+    Ok(segment)
+}
+
+/// Whether the segment is of the kind the handle says (a block, or a plain segment).
+fn check_kind(segment: &Segment, as_block: bool) -> Result<()> {
     if segment.is_block() != as_block {
         return Err(Error::InvalidMessage(format!(
             "a received tensor's handle names a {} but segment {} is mapped here as a {}",
@@ -521,20 +557,7 @@ fn receive_named(name: SegmentName, end: u64, as_block: bool) -> Result<Arc<Segm
             block_word(!as_block),
         )));
     }
-    if !fresh {
-        // A claim that does not fit is refused before the reference count is touched.
-        check_claim(&segment, end)?;
-        if !as_block {
-            segment.absorb_in_flight();
-        }
-    } else if let Some(name) = segment.name() {
-        // This process now maps it: connect to the manager, so it does not clean up
-        // while we live, and so a restarted manager learns of the name again.
-        if let Err(e) = registry::register(name) {
-            tracing::warn!(segment = %name, "cannot register a received segment: {e}");
-        }
-    }
-    Ok(segment)
+    Ok(())
 }
 
 fn block_word(block: bool) -> &'static str {
