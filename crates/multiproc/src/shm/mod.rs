@@ -28,8 +28,8 @@
 //! A receiver never commits memory because of bytes a peer wrote: whether a memfd is a
 //! block comes from the handle's kind (`HandleWire::Block`), never from magic bytes in
 //! the file; a plain segment and a large block are mapped only over the claimed range
-//! (an arena-sized block, at most 1 MiB, whole), and only the pages the tensor covers
-//! are faulted in ahead of use.
+//! (an arena-sized block, at most 1 MiB, whole), and pages are faulted in only as the
+//! tensor touches them.
 //!
 //! **Residual risk (named segments).** A memfd is sealed, so once checked it can never
 //! shrink. A named segment cannot be sealed: its size is checked when it is mapped, but
@@ -46,10 +46,11 @@
 //! arena blocks, so a handle names a segment *and* an offset in it; a large storage has
 //! a block of its own. A handle to a block (`HandleWire::Block`) carries one use, as a
 //! [`BlockUse`] the message holds (see `reference`), which the receiving storage adopts
-//! and keeps as long as it lives. (Changed for issue 5: segments used to be made fresh
-//! for every large storage and arenas thrown away when full, so every large tensor paid
-//! for zeroing, faulting in and unmapping its pages on both sides; a recycled block that
-//! both sides keep mapped pays for none of that.)
+//! and keeps as long as it lives. (Segments used to be made fresh for every large
+//! storage and arenas thrown away when full, so every large tensor paid for zeroing,
+//! faulting in and unmapping its pages on both sides; a recycled block that both sides
+//! keep mapped pays for none of that.) `file_system` storages live in named blocks,
+//! alike (see `segment::block`).
 //!
 //! Invariant of the map cache: a process maps each segment at most once while it is
 //! alive (keyed by device+inode for memfds, by name for named segments), so the same
