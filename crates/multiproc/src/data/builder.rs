@@ -206,7 +206,8 @@ where
         self.options.check()?;
         if !matches!(self.order, Order::Sequential) {
             return Err(Error::InvalidArgument(
-                "data loader: an iterable data set has no indices to sample or shuffle;                  shuffle inside the data set (seed it with worker_info().seed)"
+                "data loader: an iterable data set has no indices to sample or shuffle; \
+                 shuffle inside the data set (seed it with worker_info().seed)"
                     .into(),
             ));
         }

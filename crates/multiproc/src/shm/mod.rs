@@ -377,7 +377,7 @@ impl<'de> Deserialize<'de> for SegmentHandle {
                     ))));
                 }
                 let segment = dec
-                    .with_fd(index, |fd| receive_fd(fd, offset, end, as_block))
+                    .with_fd(index, |fd| receive_fd(fd, end, as_block))
                     .map_err(D::Error::custom)?
                     .map_err(fail)?;
                 handle(segment, offset, nbytes, as_block)
@@ -443,7 +443,7 @@ fn claimed_end(offset: u64, nbytes: u64) -> Result<u64> {
 /// Whether the segment is a block comes from the handle (`as_block`), and a segment
 /// already mapped as the other kind is refused. Nothing is faulted in here: pages are
 /// mapped as the tensor touches them, so a peer's file costs no more than is read.
-fn receive_fd(fd: BorrowedFd<'_>, _offset: u64, end: u64, as_block: bool) -> Result<Arc<Segment>> {
+fn receive_fd(fd: BorrowedFd<'_>, end: u64, as_block: bool) -> Result<Arc<Segment>> {
     let st = crate::sys::fs::status(fd, "a received segment")?;
     let key = CacheKey::Inode {
         dev: st.dev,
@@ -572,7 +572,7 @@ fn block_word(block: bool) -> &'static str {
 /// [`receive_fd`] for the micro-benchmarks (`crate::__bench`).
 #[cfg(feature = "bench-internals")]
 pub(crate) fn receive_fd_for_bench(fd: BorrowedFd<'_>, nbytes: u64) -> Result<Arc<Segment>> {
-    receive_fd(fd, 0, nbytes, false)
+    receive_fd(fd, nbytes, false)
 }
 
 fn check_claim(segment: &Segment, nbytes: u64) -> Result<()> {

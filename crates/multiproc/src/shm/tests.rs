@@ -34,11 +34,11 @@ fn anonymous_segments_are_sealed_reserved_and_cached() {
     let key = CacheKey::of(&seg).unwrap();
     assert!(Arc::ptr_eq(&cache::lookup(&key).unwrap(), &seg));
     // Receiving its fd again finds the same mapping.
-    let again = receive_fd(fd, 0, len as u64, false).unwrap();
+    let again = receive_fd(fd, len as u64, false).unwrap();
     assert!(Arc::ptr_eq(&again, &seg));
-    assert!(receive_fd(fd, 0, len as u64 + 1, false).is_err());
+    assert!(receive_fd(fd, len as u64 + 1, false).is_err());
     // The handle decides the kind: a plain segment is never taken for a block.
-    assert!(receive_fd(fd, 64, 128, true).is_err());
+    assert!(receive_fd(fd, 128, true).is_err());
     drop((seg, again));
     assert!(
         cache::lookup(&key).is_none(),
@@ -57,7 +57,7 @@ fn small_received_segments_stay_mapped_for_a_while() {
         .collect();
     let mut keys = Vec::new();
     for (_, fd) in &made {
-        let received = receive_fd(fd.as_fd(), 0, 4096, false).unwrap();
+        let received = receive_fd(fd.as_fd(), 4096, false).unwrap();
         keys.push(CacheKey::of(&received).unwrap());
         drop(received);
     }
