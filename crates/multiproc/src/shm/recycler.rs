@@ -268,8 +268,9 @@ impl Pool {
         if let Some(full) = self.arena.take() {
             self.retired.push_back(full.segment);
         }
-        let (segment, fresh) = match self.retired.iter().position(|s| is_free(s)) {
-            Some(i) => (self.retired.remove(i).expect("index from position"), false),
+        let free = self.retired.iter().position(|s| is_free(s));
+        let (segment, fresh) = match free.and_then(|i| self.retired.remove(i)) {
+            Some(segment) => (segment, false),
             None => {
                 let segment = self.create_block(ARENA_LEN)?;
                 if self.retired.len() > MAX_RETIRED {
@@ -301,11 +302,8 @@ impl Pool {
             .large
             .iter()
             .position(|s| s.len() == total && is_free(s));
-        let (segment, zeroed) = match reuse {
-            Some(i) => {
-                let segment = self.large.remove(i).expect("index from position");
-                (segment, false)
-            }
+        let (segment, zeroed) = match reuse.and_then(|i| self.large.remove(i)) {
+            Some(segment) => (segment, false),
             None => (self.create_block(total)?, true),
         };
         let block = BlockUse::take(&segment);
