@@ -121,6 +121,25 @@ fn run_child(role: &str) -> i32 {
             }
             0
         }
+        "manager_restart_on_reuse" => {
+            // A large block: dropped, it stays pooled (its name too) for the next share.
+            let first = shared_fs_tensor(1.0).expect("share");
+            say(&format!(
+                "name {}",
+                first.storage().shm_name().expect("a name")
+            ));
+            drop(first);
+            wait_for_stdin_line();
+            let again = shared_fs_tensor(2.0).expect("share after the kill");
+            say(&format!(
+                "name {}",
+                again.storage().shm_name().expect("a name")
+            ));
+            wait_for_stdin_line();
+            // Exit holding it: the restarted manager must clean it up.
+            std::mem::forget(again);
+            0
+        }
         "small_shm" => small_shm_child(),
         other => {
             say(&format!("error unknown role {other}"));
@@ -444,6 +463,32 @@ fn a_sigkilled_manager_is_restarted_and_relearns_live_names() {
     // The child exited holding both segments: the new manager unlinks both, the first
     // one included, because the child registered it again on reconnecting.
     assert_gone_within(&[first[0].clone(), second], Duration::from_secs(5));
+}
+
+#[test]
+fn a_sigkilled_manager_is_restarted_when_a_named_block_is_handed_out_again() {
+    // Recycled blocks make new names rare: handing a pooled named block out again must
+    // also find a killed manager and start another (which learns the live names).
+    let mut kid = spawn_child("manager_restart_on_reuse");
+    let first = kid.names(1);
+    let old = wait_for_manager(&kid.address);
+    sigkill(old);
+    let deadline = Instant::now() + WATCHDOG;
+    while manager_pids(&kid.address).contains(&old) {
+        assert!(Instant::now() < deadline);
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    kid.tell("go");
+    let again = kid.names(1);
+    assert_eq!(
+        again, first,
+        "the pooled block is handed out again, no new name made"
+    );
+    let new = wait_for_manager(&kid.address);
+    assert_ne!(new, old);
+    kid.tell("exit");
+    assert!(kid.wait().success());
+    assert_gone_within(&first, Duration::from_secs(5));
 }
 
 #[test]

@@ -32,7 +32,9 @@
 //! `segment::block`): it goes with the last tensor on it once its creator stops
 //! pooling it — when the pool lets it go (the bounds above, or a full `/dev/shm`), when
 //! a worker ends, and when this process exits through `exit` (an `atexit` handler).
-//! After a crash the shm manager removes what is left. Named blocks are bounded also by
+//! After a crash the shm manager removes what is left; a killed manager is restarted
+//! (and told every live name) when a new name is made or a named block is handed out
+//! again. Named blocks are bounded also by
 //! `/dev/shm`: idle ones are kept up to a quarter of its size, and a creation that finds
 //! it full lets every idle one go and tries again once.
 //!
@@ -230,6 +232,15 @@ impl Pool {
         super::create_block(self.strategy, len)
     }
 
+    /// A recycled block is handed out again: for named ones, the shm manager that
+    /// would clean up after a crash must still be there (see
+    /// `registry::reconnect_if_gone`), since no new name may come for a long time.
+    fn handing_out_again(&self) {
+        if self.strategy == SharingStrategy::FileSystem {
+            super::registry::reconnect_if_gone();
+        }
+    }
+
     /// Every block of the pool.
     fn blocks(&self) -> impl Iterator<Item = &Arc<Segment>> {
         self.arena
@@ -270,7 +281,10 @@ impl Pool {
         }
         let free = self.retired.iter().position(|s| is_free(s));
         let (segment, fresh) = match free.and_then(|i| self.retired.remove(i)) {
-            Some(segment) => (segment, false),
+            Some(segment) => {
+                self.handing_out_again();
+                (segment, false)
+            }
             None => {
                 let segment = self.create_block(ARENA_LEN)?;
                 if self.retired.len() > MAX_RETIRED {
@@ -303,7 +317,10 @@ impl Pool {
             .iter()
             .position(|s| s.len() == total && is_free(s));
         let (segment, zeroed) = match reuse.and_then(|i| self.large.remove(i)) {
-            Some(segment) => (segment, false),
+            Some(segment) => {
+                self.handing_out_again();
+                (segment, false)
+            }
             None => (self.create_block(total)?, true),
         };
         let block = BlockUse::take(&segment);

@@ -105,6 +105,25 @@ pub(crate) fn connect() {
     }
 }
 
+/// Reconnects when the manager this process is connected to has gone (SIGKILLed, say):
+/// a new one is started and told every name live here, so that it can clean up if the
+/// tree crashes later. One `poll` of the connection. For the moments a process hands a
+/// named block out again: with blocks recycled, a new name (which reconnects anyway)
+/// may not come for a long time.
+pub(crate) fn reconnect_if_gone() {
+    let mut c = lock();
+    let gone = c
+        .sock
+        .as_ref()
+        .is_some_and(|sock| crate::sys::socket::peer_hung_up(sock.as_fd()));
+    if gone {
+        c.sock = None;
+        if let Err(e) = c.ensure_connected() {
+            tracing::warn!("cannot reconnect to the shm manager: {e}");
+        }
+    }
+}
+
 /// Forgets `name` as live in this process (its mapping here is gone) without telling
 /// the manager.
 pub(crate) fn forget(name: &SegmentName) {

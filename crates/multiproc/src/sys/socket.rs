@@ -387,7 +387,7 @@ pub(crate) fn recv_packet(
 
 /// Whether the peer of a connected socket has gone (every holder of the other end
 /// closed it): `poll` reports a hang-up then.
-fn peer_hung_up(sock: BorrowedFd<'_>) -> bool {
+pub(crate) fn peer_hung_up(sock: BorrowedFd<'_>) -> bool {
     let mut fds = [PollFd::from_borrowed_fd(
         sock,
         PollFlags::IN | PollFlags::RDHUP,
