@@ -12,8 +12,12 @@
 //! at a time would otherwise map and unmap the same arena for every small tensor, and
 //! — since the producer recycles its blocks (see `recycler`) — map, fault in and unmap
 //! the same large block for every large one. A retained block that can never come
-//! back (no uses, and its creator no longer pools it or has exited) is let go as soon
-//! as the retention list next changes. Plain named segments are never retained (the
+//! back (no uses, and its creator no longer pools it or has exited) is let go when the
+//! worker that made it is joined (`release_dead_retained`), or else as soon as the
+//! retention list next changes. Mappings are let go outside the cache lock: freeing a
+//! large block's pages takes milliseconds, which no receiving thread should wait for.
+//! The entry found last is compared before the table is hashed, since a stream of
+//! tensors from one arena names one segment again and again. Plain named segments are never retained (the
 //! mapping holds a reference, and their name must go away with their last tensor); a
 //! named block's mapping holds none (see `segment::block`), so keeping it does not keep
 //! its name. Blocks this process created are kept by its recycler instead.
