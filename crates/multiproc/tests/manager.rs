@@ -359,6 +359,21 @@ fn wait_for_manager(address: &str) -> i32 {
     }
 }
 
+/// SIGKILLs the tree's manager at `address` and waits until it is gone; its pid.
+fn kill_manager(address: &str) -> i32 {
+    let old = wait_for_manager(address);
+    sigkill(old);
+    let deadline = Instant::now() + WATCHDOG;
+    while manager_pids(address).contains(&old) {
+        assert!(
+            Instant::now() < deadline,
+            "the killed manager {old} did not go"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    old
+}
+
 fn sigkill(pid: i32) {
     // SAFETY: sending a signal has no memory effects in this process.
     assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
@@ -388,13 +403,7 @@ fn names_only_in_flight_outlive_neither_a_killed_manager_nor_its_tree() {
         let orphan = kid.names(1).remove(0);
         assert!(shm_exists(&orphan), "the in-flight reference keeps it");
         let address = address_of_tree_in(&orphan);
-        let old = wait_for_manager(&address);
-        sigkill(old);
-        let deadline = Instant::now() + WATCHDOG;
-        while manager_pids(&address).contains(&old) {
-            assert!(Instant::now() < deadline);
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        let old = kill_manager(&address);
         let mut names = vec![orphan];
         if restart {
             kid.tell("alloc");
@@ -443,13 +452,7 @@ fn a_sigkilled_file_system_producer_leaves_nothing_in_dev_shm() {
 fn a_sigkilled_manager_is_restarted_and_relearns_live_names() {
     let mut kid = spawn_child("manager_restart");
     let first = kid.names(1);
-    let old = wait_for_manager(&kid.address);
-    sigkill(old);
-    let deadline = Instant::now() + WATCHDOG;
-    while manager_pids(&kid.address).contains(&old) {
-        assert!(Instant::now() < deadline);
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    let old = kill_manager(&kid.address);
     kid.tell("go");
     let line = kid.line();
     let second = line
@@ -471,13 +474,7 @@ fn a_sigkilled_manager_is_restarted_when_a_named_block_is_handed_out_again() {
     // also find a killed manager and start another (which learns the live names).
     let mut kid = spawn_child("manager_restart_on_reuse");
     let first = kid.names(1);
-    let old = wait_for_manager(&kid.address);
-    sigkill(old);
-    let deadline = Instant::now() + WATCHDOG;
-    while manager_pids(&kid.address).contains(&old) {
-        assert!(Instant::now() < deadline);
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    let old = kill_manager(&kid.address);
     kid.tell("go");
     let again = kid.names(1);
     assert_eq!(
