@@ -180,10 +180,11 @@ impl std::fmt::Debug for HeldReferences {
 }
 
 /// [`decode_from`] of a packet without fds that its caller keeps for another try when
-/// the decode fails with [`Error::FdLimit`]: every reference a handle adopts is also
-/// held, and returned, so that the packet still brings them on its next try. The
-/// caller keeps them with the packet, or drops them (giving them back) when it does
-/// not keep it.
+/// the decode fails with [`Error::FdLimit`]: then every reference the handles decoded
+/// so far adopted is taken once more (see `Decoder::adopted`) and returned, so that
+/// the packet still brings them on its next try. The caller keeps them with the packet,
+/// or drops them (giving them back) when it does not keep it; after any other outcome
+/// they are empty.
 pub(crate) fn decode_keeping<T: DeserializeOwned>(bytes: &[u8]) -> (Result<T>, HeldReferences) {
     decode_with(bytes, Vec::new(), true)
 }
