@@ -61,9 +61,9 @@ pub struct Memfd {
     len: usize,
 }
 
-/// Creates a segment of `len` bytes (memfd, reserve, seal, map) and keeps only its fd.
+/// Creates a block of `len` bytes (memfd, reserve, seal, map) and keeps only its fd.
 pub fn memfd(len: usize) -> Result<Memfd> {
-    let segment = shm::Segment::create_anonymous(len)?;
+    let segment = shm::Segment::create_anonymous_block(len)?;
     let fd = segment
         .fd()
         .ok_or_else(|| Error::InvalidArgument("no fd".into()))?
@@ -80,7 +80,7 @@ pub fn segment_create(len: usize) -> Result<()> {
 /// Opens the segment behind `memfd` afresh (checks, `mmap`) and drops it (`munmap`).
 pub fn segment_open(memfd: &Memfd) -> Result<()> {
     let fd = memfd.fd.try_clone().map_err(|e| Error::os("dup", e))?;
-    shm::Segment::open_anonymous(fd, memfd.len as u64).map(drop)
+    shm::Segment::open_block(fd, memfd.len as u64).map(drop)
 }
 
 /// Sends `memfd` over the pair (one packet, `SCM_RIGHTS`) and receives it back.

@@ -391,8 +391,9 @@
 //!
 //! - `Tensor::array_view` / `array_view_mut` (safe, take
 //!   `&mut self`) work on the only handle of a private tensor — nothing else can reach
-//!   it, and nothing can share it (which would move its bytes) while the view lives —
-//!   and `array_view` also on a read-only tensor (a safetensors weight).
+//!   it, and nothing can share it (which would move its bytes) while the view lives.
+//!   A read-only tensor (a safetensors weight) is refused: this process cannot write
+//!   the file it maps, but any process that can open the file can.
 //! - `Tensor::as_array_view` / `as_array_view_mut`
 //!   (`unsafe`, take `&self`) work on shared tensors; you promise that no other thread
 //!   or process writes (or, for the mutable view, touches) the elements while the view

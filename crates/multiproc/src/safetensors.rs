@@ -11,8 +11,10 @@
 //! The tensors are read-only: every in-place operation ([`Tensor::fill_`],
 //! [`Tensor::copy_`], [`Tensor::add_`], …) on one is an [`Error::Tensor`] naming the
 //! tensor, never a SIGSEGV; [`Tensor::deep_clone`] makes a writable copy. Reads
-//! ([`Tensor::to_vec`], `sum`, `to_ndarray`, `to_candle`, the safe `array_view`) work as
-//! on any tensor.
+//! ([`Tensor::to_vec`], `sum`, `to_ndarray`, `to_candle`) work as on any tensor. A
+//! zero-copy ndarray view of a weight is the `unsafe` `as_array_view`: another process
+//! that can open the file could write it under the borrow, so the safe `array_view`
+//! refuses it.
 //!
 //! ```
 //! # fn main() -> multiproc::Result<()> {

@@ -29,7 +29,7 @@ const WAIT: Duration = Duration::from_secs(20);
 // ----- the wire, from the outside -----
 
 const MAGIC: [u8; 4] = *b"MPW\x01";
-const VERSION: u8 = 1;
+const VERSION: u8 = 2;
 const INLINE: u8 = 0;
 const MEMFD: u8 = 1;
 const F32: u8 = 0; // DType::ALL[0]
@@ -56,16 +56,6 @@ fn payload<T: Serialize>(v: &T) -> Vec<u8> {
 /// Mirrors of the library's wire types (same field order, same variants).
 #[derive(Serialize)]
 enum HandleWire {
-    Fd {
-        index: u32,
-        offset: u64,
-        nbytes: u64,
-    },
-    Named {
-        name: String,
-        offset: u64,
-        nbytes: u64,
-    },
     Block {
         index: u32,
         offset: u64,
@@ -123,35 +113,25 @@ fn fd_tensor(dtype: u8, shape: &[u64], strides: &[u64], offset: u64, nbytes: u64
         shape: shape.to_vec(),
         strides: strides.to_vec(),
         offset,
-        storage: StorageWire::Segment(HandleWire::Fd {
+        storage: StorageWire::Segment(HandleWire::Block {
             index: 0,
-            offset: 0,
+            offset: BLOCK_HEADER,
             nbytes,
         }),
     })
 }
 
-/// A tensor of `numel` f32 at the start of named segment `name`: a named block's
-/// (`block`, the kind multiproc sends), or a plain segment's.
-fn named_tensor(name: &str, numel: u64, block: bool) -> Vec<u8> {
-    let (offset, nbytes, name) = (BLOCK_HEADER, numel * 4, name.to_owned());
+/// A tensor of `numel` f32 at the start of named block `name`'s data.
+fn named_tensor(name: &str, numel: u64) -> Vec<u8> {
     payload(&TensorWire {
         dtype: F32,
         shape: vec![numel],
         strides: vec![1],
         offset: 0,
-        storage: StorageWire::Segment(if block {
-            HandleWire::NamedBlock {
-                name,
-                offset,
-                nbytes,
-            }
-        } else {
-            HandleWire::Named {
-                name,
-                offset: 0,
-                nbytes,
-            }
+        storage: StorageWire::Segment(HandleWire::NamedBlock {
+            name: name.to_owned(),
+            offset: BLOCK_HEADER,
+            nbytes: numel * 4,
         }),
     })
 }
@@ -219,6 +199,16 @@ fn sealed(len: u64) -> OwnedFd {
     memfd(len, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)
 }
 
+/// A sealed memfd laid out as a block: the block magic, then `data` bytes after the
+/// header (what a `Block` handle names).
+fn block(data: u64) -> OwnedFd {
+    let fd = memfd(BLOCK_HEADER + data, SealFlags::empty());
+    rustix::io::pwrite(&fd, b"MPBLOCK1", 0).unwrap();
+    rustix::fs::fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)
+        .unwrap();
+    fd
+}
+
 fn seqpacket() -> (OwnedFd, OwnedFd) {
     rustix::net::socketpair(
         rustix::net::AddressFamily::UNIX,
@@ -279,15 +269,15 @@ fn wrong_magic_version_and_kind() {
                     p.extend(&body);
                     p
                 },
-                &["wire version 0", "version 1"],
+                &["wire version 0", "version 2"],
             ),
             (
                 {
-                    let mut p = header(2, INLINE, 0, body.len() as u32);
+                    let mut p = header(1, INLINE, 0, body.len() as u32);
                     p.extend(&body);
                     p
                 },
-                &["wire version 2"],
+                &["wire version 1"],
             ),
             (header(255, INLINE, 0, 0), &["wire version 255"]),
             (
@@ -365,8 +355,8 @@ fn truncated_messages() {
 fn more_or_fewer_fds_than_declared_and_indices_out_of_range() {
     common::run(DEADLINE, || {
         let (here, there) = pipe::<Tensor>().unwrap();
-        let seg = sealed(4096);
-        let other = sealed(4096);
+        let seg = block(4096);
+        let other = block(4096);
         let body = fd_tensor(F32, &[4], &[1], 0, 16);
         // Declares two, one arrives.
         send_raw(there.as_fd(), &packet(2, &body), &[seg.as_fd()]);
@@ -388,9 +378,9 @@ fn more_or_fewer_fds_than_declared_and_indices_out_of_range() {
                 shape: vec![4],
                 strides: vec![1],
                 offset: 0,
-                storage: StorageWire::Segment(HandleWire::Fd {
+                storage: StorageWire::Segment(HandleWire::Block {
                     index,
-                    offset: 0,
+                    offset: BLOCK_HEADER,
                     nbytes: 16,
                 }),
             });
@@ -411,8 +401,8 @@ fn memfd_segments_that_are_short_unsealed_or_not_memfds() {
         let body = fd_tensor(F32, &[1024], &[1], 0, 4096);
         let send = |fd: BorrowedFd<'_>| send_raw(there.as_fd(), &packet(1, &body), &[fd]);
         // Smaller than claimed.
-        send(sealed(4095).as_fd());
-        assert_says(&refused(&here), &["claims 4096 bytes", "holds 4095"]);
+        send(block(4095).as_fd());
+        assert_says(&refused(&here), &["claims 4160 bytes", "holds 4159"]);
         // Not sealed: it could shrink under us and SIGBUS the receiver.
         send(memfd(4096, SealFlags::empty()).as_fd());
         assert_says(&refused(&here), &["not a memfd sealed against shrinking"]);
@@ -432,9 +422,9 @@ fn memfd_segments_that_are_short_unsealed_or_not_memfds() {
                 shape: vec![1],
                 strides: vec![1],
                 offset: 0,
-                storage: StorageWire::Segment(HandleWire::Fd {
+                storage: StorageWire::Segment(HandleWire::Block {
                     index: 0,
-                    offset,
+                    offset: BLOCK_HEADER + offset,
                     nbytes,
                 }),
             })
@@ -442,13 +432,13 @@ fn memfd_segments_that_are_short_unsealed_or_not_memfds() {
         send_raw(
             there.as_fd(),
             &packet(1, &at(4000, 200)),
-            &[sealed(4096).as_fd()],
+            &[block(4096).as_fd()],
         );
-        assert_says(&refused(&here), &["claims 4200 bytes", "holds 4096"]);
+        assert_says(&refused(&here), &["claims 4264 bytes", "holds 4160"]);
         send_raw(
             there.as_fd(),
-            &packet(1, &at(u64::MAX, 4)),
-            &[sealed(4096).as_fd()],
+            &packet(1, &at(u64::MAX - BLOCK_HEADER, 4)),
+            &[block(4096).as_fd()],
         );
         assert_says(&refused(&here), &["past any segment"]);
         // An empty sealed memfd claimed as a segment.
@@ -561,7 +551,7 @@ fn tempfile_with(len: u64) -> std::fs::File {
 fn layouts_that_overflow_or_point_past_the_storage_and_unknown_dtypes() {
     common::run(DEADLINE, || {
         let (here, there) = pipe::<Tensor>().unwrap();
-        let seg = sealed(4096); // 1024 f32
+        let seg = block(4096); // 1024 f32
         let cases: [(Vec<u8>, &[&str]); 9] = [
             (
                 fd_tensor(F32, &[1025], &[1], 0, 4096),
@@ -820,7 +810,7 @@ fn named_segments_that_lie_or_shrank_after_they_were_sent() {
         // 1: claims more than the segment (small's 1 MiB arena) holds.
         send_raw(
             here.as_fd(),
-            &packet(0, &named_tensor(&small_name, 1 << 19, true)),
+            &packet(0, &named_tensor(&small_name, 1 << 19)),
             &[],
         );
         // 2: a valid name that names nothing.
@@ -829,15 +819,11 @@ fn named_segments_that_lie_or_shrank_after_they_were_sent() {
             std::process::id(),
             "0123456789abcdef".repeat(2)
         );
-        send_raw(
-            here.as_fd(),
-            &packet(0, &named_tensor(&ghost, 4, true)),
-            &[],
-        );
+        send_raw(here.as_fd(), &packet(0, &named_tensor(&ghost, 4)), &[]);
         // 3: not one of our names.
         send_raw(
             here.as_fd(),
-            &packet(0, &named_tensor("../../etc/passwd", 4, true)),
+            &packet(0, &named_tensor("../../etc/passwd", 4)),
             &[],
         );
         // 4: a symbolic link under one of our names.
@@ -848,17 +834,12 @@ fn named_segments_that_lie_or_shrank_after_they_were_sent() {
         );
         std::os::unix::fs::symlink(format!("/dev/shm/{small_name}"), format!("/dev/shm/{link}"))
             .unwrap();
-        send_raw(
-            here.as_fd(),
-            &packet(0, &named_tensor(&link, 250, true)),
-            &[],
-        );
-        // 4b: a plain segment's handle to a pooled block.
-        send_raw(
-            here.as_fd(),
-            &packet(0, &named_tensor(&small_name, 250, false)),
-            &[],
-        );
+        send_raw(here.as_fd(), &packet(0, &named_tensor(&link, 250)), &[]);
+        // 4b: a handle of the old wire (version 1, which also had plain segments).
+        let old = named_tensor(&small_name, 250);
+        let mut v1 = header(1, INLINE, 0, old.len() as u32);
+        v1.extend(old);
+        send_raw(here.as_fd(), &v1, &[]);
         // 5: a real send of a 4 MiB tensor, shrunk before the receiver maps it.
         let big = Tensor::full(&[1 << 20], 1.0, DType::F32).unwrap();
         big.share_memory_().unwrap();
@@ -888,7 +869,7 @@ fn named_segments_that_lie_or_shrank_after_they_were_sent() {
         assert_says(&err(1), &["no longer exists"]);
         assert_says(&err(2), &["not a multiproc segment name"]);
         assert_says(&err(3), &["symbolic link"]);
-        assert_says(&err(4), &["names a plain segment", "is a pooled block"]);
+        assert_says(&err(4), &["wire version 1 is not supported"]);
         assert_says(&err(5), &["claims 4194368 bytes", "holds 16"]);
         assert_eq!(got[6], Ok(250.0));
         assert_eq!(got[7], Ok(8.0));
@@ -954,15 +935,54 @@ fn send_random(_rank: usize, (conn, seed): (Connection<(u64, Tensor)>, u64)) -> 
 
 #[test]
 fn random_bytes_from_another_process() {
+    let seed = std::env::var("MULTIPROC_FAULT_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(1, |d| d.as_nanos() as u64)
+        });
+    random_packets_then_a_valid_message(seed);
+}
+
+/// Seeds that once lost the final valid message: an empty packet queued behind the
+/// sender's exit was read as the end of the stream, and a forged plain-segment handle
+/// to the sender's arena made the real block handle that followed look wrong.
+#[test]
+fn random_bytes_seeds_that_once_lost_the_last_message() {
+    for seed in [1796322591613810451, 1796322639706174250] {
+        random_packets_then_a_valid_message(seed);
+    }
+}
+
+/// Empty packets (which read as 0 bytes, like the end of the stream) queued before and
+/// after a real message, with the sender gone: each one before it is refused, the real
+/// message arrives, and only then is the channel closed (the empty packet behind the
+/// last message reads as that end: nothing is left to lose).
+#[test]
+fn empty_packets_behind_a_hung_up_sender_are_not_the_end() {
     common::run(DEADLINE, || {
-        let seed = std::env::var("MULTIPROC_FAULT_SEED")
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .unwrap_or_else(|| {
-                std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map_or(1, |d| d.as_nanos() as u64)
-            });
+        let (here, there) = pipe::<u32>().unwrap();
+        send_raw(there.as_fd(), &[], &[]);
+        send_raw(there.as_fd(), &[], &[]);
+        there.send(7).map_err(|e| e.error).unwrap();
+        send_raw(there.as_fd(), &[], &[]);
+        drop(there);
+        assert_says(&refused(&here), &["empty packet"]);
+        assert_says(&refused(&here), &["empty packet"]);
+        assert_eq!(here.recv_timeout(WAIT).unwrap(), 7);
+        for _ in 0..2 {
+            match here.recv_timeout(WAIT) {
+                Err(Error::Closed(_)) => {}
+                other => panic!("expected the end of the channel, got {other:?}"),
+            }
+        }
+    });
+}
+
+fn random_packets_then_a_valid_message(seed: u64) {
+    common::run(DEADLINE, move || {
         eprintln!("random packets seed: {seed} (MULTIPROC_FAULT_SEED={seed} replays it)");
         let (here, there) = pipe::<(u64, Tensor)>().unwrap();
         let mut ctx =
@@ -1101,26 +1121,6 @@ fn a_forged_block_handle_over_a_huge_sparse_memfd_commits_only_the_tensor() {
         eprintln!("forged block handle: {used} bytes committed, received in {took:?}");
         drop(t);
 
-        // The same file, now named by a plain handle, is refused: it is mapped here as
-        // a block (kept mapped for a while), and the handle decides the kind.
-        let body = fd_tensor(F32, &[1024], &[1], 0, 4096);
-        send_raw(there.as_fd(), &packet(1, &body), &[fd.as_fd()]);
-        assert_says(&refused(&here), &["names a plain segment", "pooled block"]);
-        // Another such file named by a plain handle is a plain segment whatever its
-        // magic says: only the claimed range is mapped, and nothing is faulted in.
-        let other = memfd(0, SealFlags::empty());
-        rustix::fs::ftruncate(&other, SPARSE).unwrap();
-        rustix::io::pwrite(&other, b"MPBLOCK1", 0).unwrap();
-        rustix::fs::fcntl_add_seals(
-            &other,
-            SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL,
-        )
-        .unwrap();
-        send_raw(there.as_fd(), &packet(1, &body), &[other.as_fd()]);
-        let t = here.recv_timeout(WAIT).expect("the tensor");
-        assert_eq!(t.numel(), 1024);
-        assert!(committed(other.as_fd()) <= 64 << 10);
-        drop(t);
         tensor_channel_works(&here, &there);
     });
 }

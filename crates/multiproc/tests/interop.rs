@@ -356,9 +356,18 @@ mod safetensors_interop {
                 // SAFETY: refused before any borrow is made.
                 let err = unsafe { w.as_array_view_mut::<f32>() }.unwrap_err();
                 assert!(err.to_string().contains("layer.weight"), "{err}");
-                // Reading is safe: nothing writes a read-only file's pages.
+                // A borrow over a file that another process may write is refused in safe
+                // code (it would be undefined behaviour); a copy, or the unsafe view under
+                // its contract, reads it.
                 let mut r = w.clone();
-                assert_eq!(r.array_view::<f32>().unwrap().sum(), 138.0);
+                let err = r.array_view::<f32>().unwrap_err().to_string();
+                assert!(
+                    err.contains("read-only file") && err.contains("to_ndarray"),
+                    "{err}"
+                );
+                assert_eq!(r.to_ndarray::<f32>().unwrap().sum(), 138.0);
+                // SAFETY: nothing writes the test's weights file while the view lives.
+                assert_eq!(unsafe { r.as_array_view::<f32>() }.unwrap().sum(), 138.0);
             }
             // The bytes are unchanged after all that.
             assert_eq!(w.to_vec::<f32>().unwrap()[..3], [0.0, 3.0, 6.0]);

@@ -104,8 +104,8 @@ pub(crate) use recycler::allocate;
 pub(crate) use recycler::release_idle as release_idle_blocks;
 #[cfg(test)]
 pub(crate) use recycler::small_max as allocate_small_max;
-pub(crate) use reference::{BlockUse, NamedRef};
-#[cfg(feature = "fuzzing")]
+pub(crate) use reference::BlockUse;
+#[cfg(any(test, feature = "fuzzing"))]
 pub(crate) use segment::BLOCK_MAGIC_BYTES;
 pub(crate) use segment::{BLOCK_HEADER_LEN, Segment};
 pub(crate) use words::SharedWords;
@@ -211,23 +211,13 @@ fn create_block(strategy: SharingStrategy, len: usize) -> Result<Arc<Segment>> {
     Ok(segment)
 }
 
-/// The wire form of a segment. Names are borrowed from the value on the way out and
-/// from the received bytes on the way in (no copy per message).
+/// The wire form of a segment: always a block, which the handle's kind says (never
+/// bytes in the file). Plain segments do not travel: a peer cannot make a receiver map
+/// a block as something else, nor hold one name or inode under two kinds. Names are
+/// borrowed from the value on the way out and from the received bytes on the way in
+/// (no copy per message).
 #[derive(Serialize, Deserialize)]
 enum HandleWire<'a> {
-    /// Index of the memfd in the message's fd table, and the bytes the storage uses.
-    Fd {
-        index: u32,
-        offset: u64,
-        nbytes: u64,
-    },
-    /// A named segment and the bytes the storage uses.
-    Named {
-        #[serde(borrow)]
-        name: Cow<'a, str>,
-        offset: u64,
-        nbytes: u64,
-    },
     /// Index of a block's memfd in the message's fd table, and the bytes the storage
     /// uses; the message carries one use of the block, which the receiver adopts.
     Block {
@@ -275,11 +265,15 @@ impl Serialize for SegmentHandle {
         use serde::ser::Error as _;
         let enc = Encoder::current("a shared tensor").map_err(S::Error::custom)?;
         let (offset, nbytes) = (self.offset, self.nbytes);
-        let block = self.segment.is_block();
+        if !self.segment.is_block() {
+            return Err(S::Error::custom(enc.fail(Error::Encode(
+                "only pooled blocks travel between processes, and this segment is not one".into(),
+            ))));
+        }
         let wire = if let Some(fd) = self.segment.shared_fd() {
             // A block by inode when the channel keeps its fd (see `custody`), else with it.
             let by_inode = self.segment.inode().filter(|_| {
-                block && custody::current().is_some_and(|custody| custody.publish(&self.segment))
+                custody::current().is_some_and(|custody| custody.publish(&self.segment))
             });
             match by_inode {
                 Some((dev, ino)) => HandleWire::BlockRef {
@@ -288,52 +282,25 @@ impl Serialize for SegmentHandle {
                     offset,
                     nbytes,
                 },
-                None => {
-                    let index = enc.attach_shared_fd(fd);
-                    if block {
-                        HandleWire::Block {
-                            index,
-                            offset,
-                            nbytes,
-                        }
-                    } else {
-                        HandleWire::Fd {
-                            index,
-                            offset,
-                            nbytes,
-                        }
-                    }
-                }
+                None => HandleWire::Block {
+                    index: enc.attach_shared_fd(fd),
+                    offset,
+                    nbytes,
+                },
             }
         } else if let Some(name) = self.segment.name() {
-            let name = Cow::Borrowed(name.as_str());
-            if block {
-                HandleWire::NamedBlock {
-                    name,
-                    offset,
-                    nbytes,
-                }
-            } else {
-                // The receiver adopts this reference (or drops it when it already maps
-                // the segment).
-                let reference =
-                    NamedRef::take(&self.segment).map_err(|e| S::Error::custom(enc.fail(e)))?;
-                enc.carry(Box::new(reference));
-                HandleWire::Named {
-                    name,
-                    offset,
-                    nbytes,
-                }
+            HandleWire::NamedBlock {
+                name: Cow::Borrowed(name.as_str()),
+                offset,
+                nbytes,
             }
         } else {
             return Err(S::Error::custom(
                 enc.fail(Error::Encode("a segment with neither fd nor name".into())),
             ));
         };
-        if block {
-            // The receiver adopts this use (or gives it back when it already holds one).
-            enc.carry(Box::new(BlockUse::take(&self.segment)));
-        }
+        // The receiver adopts this use (or gives it back when it already holds one).
+        enc.carry(Box::new(BlockUse::take(&self.segment)));
         wire.serialize(s)
     }
 }
@@ -344,89 +311,48 @@ impl<'de> Deserialize<'de> for SegmentHandle {
         let wire = HandleWire::deserialize(d)?;
         let dec = Decoder::current("a shared tensor").map_err(D::Error::custom)?;
         let fail = |e: Error| D::Error::custom(dec.fail(e));
-        let handle = |segment: Arc<Segment>, offset, nbytes, block: bool| {
-            // A block's use or a named segment's reference came with the message (see
-            // `Decoder::adopted`: a packet kept for another try must bring it again).
-            if block || segment.name().is_some() {
-                dec.adopted(Arc::clone(&segment) as Arc<dyn Readopt>);
-            }
-            Ok(SegmentHandle {
-                brought: block.then(|| BlockUse::adopt(Arc::clone(&segment))),
-                segment,
-                offset,
-                nbytes,
-            })
+        let (offset, nbytes) = match wire {
+            HandleWire::Block { offset, nbytes, .. }
+            | HandleWire::BlockRef { offset, nbytes, .. }
+            | HandleWire::NamedBlock { offset, nbytes, .. } => (offset, nbytes),
         };
-        match wire {
-            HandleWire::Fd {
-                index,
-                offset,
-                nbytes,
-            }
-            | HandleWire::Block {
-                index,
-                offset,
-                nbytes,
-            } => {
-                let as_block = matches!(wire, HandleWire::Block { .. });
-                let end = claimed_end(offset, nbytes).map_err(fail)?;
-                if as_block && offset < segment::BLOCK_HEADER_LEN as u64 {
-                    return Err(fail(Error::InvalidMessage(format!(
-                        "a received tensor's handle names a pooled block, but offset {offset} is \
-                         inside the block header"
-                    ))));
-                }
-                let segment = dec
-                    .with_fd(index, |fd| receive_fd(fd, end, as_block))
-                    .map_err(D::Error::custom)?
-                    .map_err(fail)?;
-                handle(segment, offset, nbytes, as_block)
-            }
-            HandleWire::BlockRef {
-                dev,
-                ino,
-                offset,
-                nbytes,
-            } => {
-                let end = claimed_end(offset, nbytes).map_err(fail)?;
-                let segment = receive_by_inode(dev, ino, offset, end).map_err(fail)?;
-                handle(segment, offset, nbytes, true)
-            }
-            HandleWire::Named {
-                name,
-                offset,
-                nbytes,
-            } => {
-                let segment = named_handle(&name, offset, nbytes, false).map_err(fail)?;
-                handle(segment, offset, nbytes, false)
-            }
-            HandleWire::NamedBlock {
-                name,
-                offset,
-                nbytes,
-            } => {
-                let segment = named_handle(&name, offset, nbytes, true).map_err(fail)?;
-                handle(segment, offset, nbytes, true)
-            }
+        let end = claimed_end(offset, nbytes).map_err(fail)?;
+        if offset < segment::BLOCK_HEADER_LEN as u64 {
+            return Err(fail(Error::InvalidMessage(format!(
+                "a received tensor's handle names a pooled block, but offset {offset} is inside \
+                 the block header"
+            ))));
         }
+        let segment = match wire {
+            HandleWire::Block { index, .. } => dec
+                .with_fd(index, |fd| receive_fd(fd, end))
+                .map_err(D::Error::custom)?
+                .map_err(fail)?,
+            HandleWire::BlockRef { dev, ino, .. } => {
+                receive_by_inode(dev, ino, end).map_err(fail)?
+            }
+            HandleWire::NamedBlock { name, .. } => named_handle(&name, end).map_err(fail)?,
+        };
+        // The block's use came with the message (see `Decoder::adopted`: a packet kept
+        // for another try must bring it again).
+        dec.adopted(Arc::clone(&segment) as Arc<dyn Readopt>);
+        Ok(SegmentHandle {
+            brought: Some(BlockUse::adopt(Arc::clone(&segment))),
+            segment,
+            offset,
+            nbytes,
+        })
     }
 }
 
-/// The segment a `Named` or (`as_block`) `NamedBlock` handle names.
-fn named_handle(name: &str, offset: u64, nbytes: u64, as_block: bool) -> Result<Arc<Segment>> {
-    let end = claimed_end(offset, nbytes)?;
-    if as_block && offset < segment::BLOCK_HEADER_LEN as u64 {
-        return Err(Error::InvalidMessage(format!(
-            "a received tensor's handle names a pooled block, but offset {offset} is inside \
-             the block header"
-        )));
-    }
+/// The named block a `NamedBlock` handle names, whose data must reach `end`.
+fn named_handle(name: &str, end: u64) -> Result<Arc<Segment>> {
     // The segment named last is found by comparing the name (checked when it first
     // came): a stream of tensors from one arena costs no parse and no hash.
     if let Some(segment) = cache::last_named(name) {
-        return received_again(segment, end, as_block);
+        return received_again(segment, end);
     }
-    receive_named(SegmentName::parse(name)?, end, as_block)
+    receive_named(SegmentName::parse(name)?, end)
 }
 
 /// Where a handle's bytes end (`offset + nbytes`), refusing overflow.
@@ -438,47 +364,34 @@ fn claimed_end(offset: u64, nbytes: u64) -> Result<u64> {
     })
 }
 
-/// Maps a received memfd that must hold at least `end` bytes, or finds it already mapped
-/// here. Only a new mapping keeps (a duplicate of) the fd; a hit costs one `fstat`.
-/// Whether the segment is a block comes from the handle (`as_block`), and a segment
-/// already mapped as the other kind is refused. Nothing is faulted in here: pages are
-/// mapped as the tensor touches them, so a peer's file costs no more than is read.
-fn receive_fd(fd: BorrowedFd<'_>, end: u64, as_block: bool) -> Result<Arc<Segment>> {
+/// Maps a received block's memfd that must hold at least `end` bytes, or finds it
+/// already mapped here. Only a new mapping keeps (a duplicate of) the fd; a hit costs
+/// one `fstat`. Nothing is faulted in here: pages are mapped as the tensor touches
+/// them, so a peer's file costs no more than is read.
+fn receive_fd(fd: BorrowedFd<'_>, end: u64) -> Result<Arc<Segment>> {
     let st = crate::sys::fs::status(fd, "a received segment")?;
     let key = CacheKey::Inode {
         dev: st.dev,
         ino: st.ino,
     };
-    let segment = cache::get_or_try_insert(key, || {
+    let (segment, _) = cache::get_or_try_insert(key, || {
         let fd = fd
             .try_clone_to_owned()
             .map_err(|e| Error::os("duplicating a received segment's fd", e))?;
-        if as_block {
-            // Not populated: the creator has faulted every page in already, and the
-            // first touch here (fault-around maps 16 pages per read fault) costs a
-            // third of what `MADV_POPULATE_WRITE` does for pages that exist (measured:
-            // 256 MiB in 17 ms against 56 ms).
-            Segment::open_block(fd, end)
-        } else {
-            Segment::open_anonymous(fd, end)
-        }
-    })?
-    .0;
-    if segment.is_block() != as_block {
-        return Err(Error::InvalidMessage(format!(
-            "a received tensor's handle names a {} but the segment is mapped here as a {}",
-            block_word(as_block),
-            block_word(!as_block),
-        )));
-    }
-    check_claim(&segment, end)?;
+        // Not populated: the creator has faulted every page in already, and the first
+        // touch here (fault-around maps 16 pages per read fault) costs a third of what
+        // `MADV_POPULATE_WRITE` does for pages that exist (measured: 256 MiB in 17 ms
+        // against 56 ms).
+        Segment::open_block(fd, end)
+    })?;
+    check_block(&segment, end)?;
     Ok(segment)
 }
 
 /// Finds the block a `BlockRef` handle names: mapped here already (no system call), or
 /// mapped from the duplicate of its fd that the channel's custody holds. Like a `Block`
-/// handle's, it must be a block (the handle says so) and cover the claimed range.
-fn receive_by_inode(dev: u64, ino: u64, offset: u64, end: u64) -> Result<Arc<Segment>> {
+/// handle's, it must cover the claimed range.
+fn receive_by_inode(dev: u64, ino: u64, end: u64) -> Result<Arc<Segment>> {
     let Some(custody) = custody::current() else {
         return Err(Error::InvalidMessage(
             "a received tensor's handle names a block by inode, which only a queue that keeps \
@@ -486,12 +399,6 @@ fn receive_by_inode(dev: u64, ino: u64, offset: u64, end: u64) -> Result<Arc<Seg
                 .into(),
         ));
     };
-    if offset < segment::BLOCK_HEADER_LEN as u64 {
-        return Err(Error::InvalidMessage(format!(
-            "a received tensor's handle names a pooled block, but offset {offset} is inside \
-             the block header"
-        )));
-    }
     let (segment, _) = cache::get_or_try_insert(CacheKey::Inode { dev, ino }, || {
         let fd = custody.find(dev, ino)?.ok_or_else(|| {
             Error::InvalidMessage(format!(
@@ -503,29 +410,20 @@ fn receive_by_inode(dev: u64, ino: u64, offset: u64, end: u64) -> Result<Arc<Seg
         // Not populated, as in `receive_fd`.
         Segment::open_block(fd, end)
     })?;
-    if !segment.is_block() {
-        return Err(Error::InvalidMessage(
-            "a received tensor's handle names a pooled block, but the segment is mapped here as \
-             a plain segment"
-                .into(),
-        ));
-    }
-    check_claim(&segment, end)?;
+    check_block(&segment, end)?;
     Ok(segment)
 }
 
-/// Maps a received named segment (whose data must be at least `end` bytes long) or,
-/// when `as_block` (the handle's kind says so), named block. A plain segment adopts the
-/// message's in-flight reference, or drops it when the segment is mapped here already;
-/// a block's reference comes with the message's use, which the storage adopts.
-fn receive_named(name: SegmentName, end: u64, as_block: bool) -> Result<Arc<Segment>> {
+/// Maps a received named block (whose data must be at least `end` bytes long), or
+/// finds it mapped here already. Its reference comes with the message's use, which the
+/// storage adopts.
+fn receive_named(name: SegmentName, end: u64) -> Result<Arc<Segment>> {
     let key = CacheKey::Name(name.clone());
-    let (segment, fresh) =
-        cache::get_or_try_insert(key, || Segment::open_named(name, end, as_block))?;
+    let (segment, fresh) = cache::get_or_try_insert(key, || Segment::open_named(name, end, true))?;
     if !fresh {
-        return received_again(segment, end, as_block);
+        return received_again(segment, end);
     }
-    check_kind(&segment, as_block)?;
+    check_block(&segment, end)?;
     if let Some(name) = segment.name() {
         // This process now maps it: connect to the manager, so it does not clean up
         // while we live, and so a restarted manager learns of the name again.
@@ -536,43 +434,30 @@ fn receive_named(name: SegmentName, end: u64, as_block: bool) -> Result<Arc<Segm
     Ok(segment)
 }
 
-/// A named segment mapped here already, received again: the handle's kind and claim
-/// must fit it, and a plain segment absorbs the message's in-flight reference.
-fn received_again(segment: Arc<Segment>, end: u64, as_block: bool) -> Result<Arc<Segment>> {
-    check_kind(&segment, as_block)?;
-    // A claim that does not fit is refused before the reference count is touched.
-    check_claim(&segment, end)?;
-    if !as_block {
-        segment.absorb_in_flight();
-    }
+/// A named block mapped here already, received again: the claim must fit it.
+fn received_again(segment: Arc<Segment>, end: u64) -> Result<Arc<Segment>> {
+    check_block(&segment, end)?;
     Ok(segment)
 }
 
-/// Whether the segment is of the kind the handle says (a block, or a plain segment).
-fn check_kind(segment: &Segment, as_block: bool) -> Result<()> {
-    if segment.is_block() != as_block {
+/// A received handle names a block (only blocks travel): what it names must be one
+/// (something this process made itself and mapped as a plain segment is not), and
+/// must hold the claimed range.
+fn check_block(segment: &Segment, end: u64) -> Result<()> {
+    if !segment.is_block() {
         return Err(Error::InvalidMessage(format!(
-            "a received tensor's handle names a {} but segment {} is mapped here as a {}",
-            block_word(as_block),
+            "a received tensor's handle names a pooled block but segment {} is mapped here \
+             as a plain segment",
             segment.name().map_or("?", |n| n.as_str()),
-            block_word(!as_block),
         )));
     }
-    Ok(())
-}
-
-fn block_word(block: bool) -> &'static str {
-    if block {
-        "pooled block"
-    } else {
-        "plain segment"
-    }
+    check_claim(segment, end)
 }
 
 /// [`receive_fd`] for the micro-benchmarks (`crate::__bench`).
 #[cfg(feature = "bench-internals")]
 pub(crate) fn receive_fd_for_bench(fd: BorrowedFd<'_>, nbytes: u64) -> Result<Arc<Segment>> {
-    receive_fd(fd, nbytes, false)
+    receive_fd(fd, nbytes)
 }
 
 fn check_claim(segment: &Segment, nbytes: u64) -> Result<()> {

@@ -1,6 +1,5 @@
 //! References to shared memory as values: a [`BlockUse`] is one use of a block (see
-//! `segment::block`), a [`NamedRef`] one reference on a plain named segment's name.
-//! Whoever holds one — a storage, a message in flight — gives it back by dropping it;
+//! `segment::block`; a named block's use holds its name too). Whoever holds one — a storage, a message in flight — gives it back by dropping it;
 //! a message that is sent hands it to its receiver instead ([`Carried::sent`]), who
 //! adopts it as a value of its own ([`BlockUse::adopt`]).
 //!
@@ -11,7 +10,6 @@
 use std::sync::Arc;
 
 use super::Segment;
-use crate::error::Result;
 use crate::wire::{Carried, Readopt};
 
 /// The pid a reference belongs to, 0 once it has been handed to a receiver.
@@ -69,48 +67,10 @@ impl Carried for BlockUse {
     }
 }
 
-/// An in-flight reference on a plain named segment's name, which the receiver adopts
-/// as its own process's reference (or drops, when it maps the segment already).
-#[derive(Debug)]
-pub(crate) struct NamedRef {
-    segment: Arc<Segment>,
-    owner: u32,
-}
-
-impl NamedRef {
-    /// Takes a reference on `segment`'s name; fails when none is left (the name is
-    /// being removed).
-    pub(crate) fn take(segment: &Arc<Segment>) -> Result<NamedRef> {
-        segment.acquire_in_flight()?;
-        Ok(NamedRef {
-            segment: Arc::clone(segment),
-            owner: this_process(),
-        })
-    }
-}
-
-impl Drop for NamedRef {
-    fn drop(&mut self) {
-        if self.owner == this_process() {
-            self.segment.release_reference();
-        }
-    }
-}
-
-impl Carried for NamedRef {
-    fn sent(mut self: Box<Self>) {
-        self.owner = 0;
-    }
-}
-
-/// A block's use or a plain named segment's reference, taken once more for a received
-/// packet that is kept for another try (see `wire::Decoder::adopted`).
+/// A block's use, taken once more for a received packet that is kept for another try
+/// (see `wire::Decoder::adopted`).
 impl Readopt for Segment {
     fn take_again(self: Arc<Self>) -> std::result::Result<Box<dyn Carried>, crate::error::Error> {
-        if self.is_block() {
-            Ok(Box::new(BlockUse::take(&self)))
-        } else {
-            Ok(Box::new(NamedRef::take(&self)?))
-        }
+        Ok(Box::new(BlockUse::take(&self)))
     }
 }

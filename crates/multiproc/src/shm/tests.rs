@@ -33,31 +33,44 @@ fn anonymous_segments_are_sealed_reserved_and_cached() {
     assert!(st.st_blocks as usize * 512 >= len, "pages are reserved");
     let key = CacheKey::of(&seg).unwrap();
     assert!(Arc::ptr_eq(&cache::lookup(&key).unwrap(), &seg));
-    // Receiving its fd again finds the same mapping.
-    let again = receive_fd(fd, len as u64, false).unwrap();
-    assert!(Arc::ptr_eq(&again, &seg));
-    assert!(receive_fd(fd, len as u64 + 1, false).is_err());
-    // The handle decides the kind: a plain segment is never taken for a block.
-    assert!(receive_fd(fd, 128, true).is_err());
-    drop((seg, again));
+    // Only blocks travel: a plain segment's fd received as a block handle is refused.
+    let err = receive_fd(fd, 128).err().unwrap();
+    assert!(
+        err.to_string().contains("mapped here as a plain segment"),
+        "{err}"
+    );
+    drop(seg);
     assert!(
         cache::lookup(&key).is_none(),
         "the cache does not keep large segments alive"
     );
 }
 
+/// A sealed memfd laid out as a block that another live process (this one's parent)
+/// made and pools: what a receiver keeps mapped.
+fn foreign_block(len: u64) -> std::os::fd::OwnedFd {
+    let fd = crate::sys::memfd::create("t", len).unwrap();
+    let mut header = [0u8; segment::BLOCK_HEADER_LEN];
+    header[..8].copy_from_slice(&segment::BLOCK_MAGIC_BYTES);
+    header[12..16].copy_from_slice(&1u32.to_le_bytes()); // pooled
+    header[16..20].copy_from_slice(
+        &rustix::process::getppid()
+            .map_or(1, |p| p.as_raw_nonzero().get() as u32)
+            .to_le_bytes(),
+    );
+    crate::sys::memfd::write_all_at(fd.as_fd(), &header).unwrap();
+    crate::sys::memfd::seal_size(fd.as_fd()).unwrap();
+    fd
+}
+
 #[test]
 fn small_received_segments_stay_mapped_for_a_while() {
-    let made: Vec<(Segment, std::os::fd::OwnedFd)> = (0..cache::RECENT + 1)
-        .map(|_| {
-            let seg = Segment::create_anonymous(4096).unwrap();
-            let fd = seg.fd().unwrap().try_clone_to_owned().unwrap();
-            (seg, fd)
-        })
+    let made: Vec<std::os::fd::OwnedFd> = (0..cache::RECENT + 1)
+        .map(|_| foreign_block(4096))
         .collect();
     let mut keys = Vec::new();
-    for (_, fd) in &made {
-        let received = receive_fd(fd.as_fd(), 4096, false).unwrap();
+    for fd in &made {
+        let received = receive_fd(fd.as_fd(), 4096).unwrap();
         keys.push(CacheKey::of(&received).unwrap());
         drop(received);
     }
@@ -81,6 +94,16 @@ fn received_memfds_are_checked_before_mapping() {
 }
 
 #[test]
+fn received_blocks_are_found_again_in_the_cache() {
+    let block = create_block(SharingStrategy::FileDescriptor, segment::ARENA_LEN).unwrap();
+    let fd = block.fd().unwrap();
+    let len = block.len() as u64;
+    let again = receive_fd(fd, len).unwrap();
+    assert!(Arc::ptr_eq(&again, &block), "the same mapping");
+    assert!(receive_fd(fd, len + 1).is_err(), "a claim past its end");
+}
+
+#[test]
 fn named_segments_count_references_and_the_last_user_unlinks() {
     crate::manager::serve_in_this_process();
     let seg = create(SharingStrategy::FileSystem, 1000).unwrap();
@@ -97,12 +120,7 @@ fn named_segments_count_references_and_the_last_user_unlinks() {
     drop(other);
     assert_eq!(seg.refcount(), Some(1));
     assert!(exists(&name));
-    // Another message, received where the segment is already mapped: absorbed.
-    seg.acquire_in_flight().unwrap();
-    let same = receive_named(name.clone(), 1000, false).unwrap();
-    assert!(Arc::ptr_eq(&same, &seg));
-    assert_eq!(seg.refcount(), Some(1));
-    drop((seg, same));
+    drop(seg);
     assert!(!exists(&name), "the last user unlinked the name");
 }
 
@@ -130,11 +148,10 @@ fn a_named_blocks_name_lives_while_it_is_pooled_or_used() {
         Some(3),
         "dropping a mapping takes nothing"
     );
-    // A plain handle to it is refused where it is mapped as a block.
-    block.acquire_in_flight().unwrap();
-    let err = receive_named(name.clone(), 100, false).err().unwrap();
-    assert!(err.to_string().contains("names a plain segment"), "{err}");
-    block.release_reference();
+    // Received again where it is mapped: the same mapping.
+    let same = receive_named(name.clone(), 100).unwrap();
+    assert!(Arc::ptr_eq(&same, &block));
+    drop(same);
     block.release_use();
     // The creator stops pooling it (twice: the second does nothing).
     block.unpool();

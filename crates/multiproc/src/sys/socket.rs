@@ -253,10 +253,11 @@ fn receive(sock: BorrowedFd<'_>, buf: &mut [u8], extra: RecvFlags) -> Result<Att
         }
     }
     if msg.bytes == 0 && fds.is_empty() {
-        // End of stream and an empty packet both read as 0 bytes; only a hung-up peer
-        // with nothing more queued is the end. (A forged empty packet must not make
-        // the receiver give up.)
-        if !peer_hung_up(sock) || more_queued(sock) {
+        // End of stream and an empty packet both read as 0 bytes with no fds. Before
+        // the peer hangs up it can only have been a packet; after, the queue only
+        // shrinks, so a packet still queued proves this was one too (a forged empty
+        // packet must not make the receiver give up with messages still queued).
+        if !peer_hung_up(sock) || packet_queued(sock) {
             return Err(Error::InvalidMessage(
                 "an empty packet arrived (not a multiproc message)".into(),
             ));
@@ -405,17 +406,31 @@ pub(crate) fn peer_hung_up(sock: BorrowedFd<'_>) -> bool {
     }
 }
 
-/// Whether a packet with at least one byte waits on `sock` (peeked, not taken).
-fn more_queued(sock: BorrowedFd<'_>) -> bool {
+/// Whether a packet of any kind (empty, bytes only, fds only) waits on `sock`, peeked
+/// and not taken. A 0-byte peek cannot tell an empty packet from the end of stream, but
+/// with `SO_PASSCRED` on, the kernel attaches credentials to every packet it hands out,
+/// and to nothing at the end. The option is set here, on the rare path that needs it,
+/// so the hot path pays nothing for credentials; it stays set on the shared socket.
+fn packet_queued(sock: BorrowedFd<'_>) -> bool {
+    if rustix::net::sockopt::set_socket_passcred(sock, true).is_err() {
+        // Cannot tell: the end of stream, as a hung-up peer suggests.
+        return false;
+    }
+    // Room for the credentials only: fds a peek would duplicate are left out (CTRUNC).
+    let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmCredentials(1))];
+    let mut control = RecvAncillaryBuffer::new(&mut space);
     let mut byte = [0u8; 1];
-    matches!(
-        rustix::net::recv(
-            sock,
-            &mut byte[..],
-            RecvFlags::PEEK | RecvFlags::DONTWAIT | RecvFlags::TRUNC
-        ),
-        Ok((_, n)) if n > 0
-    )
+    let mut iov = [IoSliceMut::new(&mut byte)];
+    let flags = RecvFlags::PEEK | RecvFlags::DONTWAIT | RecvFlags::TRUNC;
+    match recvmsg(sock, &mut iov, &mut control, flags) {
+        Ok(msg) => {
+            msg.bytes > 0
+                || control
+                    .drain()
+                    .any(|m| matches!(m, RecvAncillaryMessage::ScmCredentials(_)))
+        }
+        Err(_) => false,
+    }
 }
 
 /// Whether `fd` is a `SOCK_SEQPACKET` socket; an error (the kernel's reason) when it is

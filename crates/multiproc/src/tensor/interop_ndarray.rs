@@ -126,8 +126,14 @@ impl Tensor {
 
     /// A zero-copy `ndarray` view of the elements, when that is sound without a contract:
     /// the tensor is private to this process and this is the only handle on its storage
-    /// (`&mut self` then keeps every other thread out and the bytes in place), or it is
-    /// read-only (a `safetensors` weight: nothing writes its pages).
+    /// (`&mut self` then keeps every other thread out and the bytes in place).
+    ///
+    /// A read-only tensor is refused too: it maps a file (a `safetensors` weight, or
+    /// read-only storage received from a peer) that this process cannot write, but any
+    /// process that can open the file can, and a borrow over memory that changes under
+    /// it is undefined behaviour. Read it with [`to_ndarray`](Self::to_ndarray) (a
+    /// copy), or through the `unsafe` [`as_array_view`](Self::as_array_view) when
+    /// nothing writes the file while the view lives.
     ///
     /// ```
     /// # fn main() -> multiproc::Result<()> {
@@ -139,19 +145,17 @@ impl Tensor {
     ///
     /// # Errors
     ///
-    /// [`Error::Tensor`] when `T` is not the dtype, or when the tensor is shared or has
-    /// other handles (use [`to_ndarray`](Self::to_ndarray), or the `unsafe`
-    /// [`as_array_view`](Self::as_array_view)).
+    /// [`Error::Tensor`] when `T` is not the dtype, or when the tensor is shared,
+    /// read-only or has other handles (use [`to_ndarray`](Self::to_ndarray), or the
+    /// `unsafe` [`as_array_view`](Self::as_array_view)).
     pub fn array_view<T: Element>(&mut self) -> Result<ArrayViewD<'_, T>> {
-        let base = match self.storage.unique_private_ptr() {
-            Some(ptr) => ptr,
-            None if self.storage.is_read_only() => self.stable_base("array_view")?,
-            None => return Err(self.not_exclusive("array_view")),
+        let Some(base) = self.storage.unique_private_ptr() else {
+            return Err(self.not_exclusive("array_view"));
         };
         let (shape, ptr) = self.view_parts::<T>(base, false)?;
         // SAFETY: `view_parts` checked bounds, alignment and strides; the bytes cannot
         // move or be written by anyone while `&mut self` is borrowed (the only handle on
-        // a private storage) or ever (a read-only file).
+        // a private storage).
         Ok(unsafe { ArrayViewD::from_shape_ptr(shape, ptr.as_ptr()) })
     }
 
@@ -249,7 +253,10 @@ impl Tensor {
     }
 
     fn not_exclusive(&self, op: &str) -> Error {
-        let why = if self.storage.is_shared() {
+        let why = if self.storage.is_read_only() {
+            "the tensor maps a read-only file, which any process that can open the file may \
+             write"
+        } else if self.storage.is_shared() {
             "the tensor is shared, so another process may write it"
         } else {
             "other handles (clones) of its storage exist, so another thread may write it"

@@ -322,17 +322,6 @@ fn an_unsent_file_system_message_gives_its_reference_back() {
 // A forged tensor message: the same wire layout with handles we choose.
 #[derive(Serialize)]
 enum ForgedHandle {
-    Fd {
-        index: u32,
-        offset: u64,
-        nbytes: u64,
-    },
-    Named {
-        name: String,
-        offset: u64,
-        nbytes: u64,
-    },
-    #[allow(dead_code)]
     Block {
         index: u32,
         offset: u64,
@@ -359,6 +348,8 @@ enum ForgedStorage {
     Segment(ForgedHandle),
 }
 
+/// A block handle: its memfd, the bytes it claims, and where they start after the block
+/// header.
 struct ForgedFd(OwnedFd, u64, u64);
 
 impl Serialize for ForgedFd {
@@ -366,9 +357,9 @@ impl Serialize for ForgedFd {
         use serde::ser::Error as _;
         let enc = wire::Encoder::current("a forged tensor").map_err(S::Error::custom)?;
         let index = enc.attach_fd(self.0.as_fd()).map_err(S::Error::custom)?;
-        ForgedStorage::Segment(ForgedHandle::Fd {
+        ForgedStorage::Segment(ForgedHandle::Block {
             index,
-            offset: self.2,
+            offset: self.2.saturating_add(crate::shm::BLOCK_HEADER_LEN as u64),
             nbytes: self.1,
         })
         .serialize(s)
@@ -384,8 +375,11 @@ struct ForgedTensor<S> {
     storage: S,
 }
 
+/// A sealed memfd laid out as a block (the magic, then `len` bytes after the header).
 fn sealed_memfd(len: u64) -> OwnedFd {
-    let fd = crate::sys::memfd::create("forged", len).unwrap();
+    let header = crate::shm::BLOCK_HEADER_LEN as u64;
+    let fd = crate::sys::memfd::create("forged", header + len).unwrap();
+    crate::sys::memfd::write_all_at(fd.as_fd(), &crate::shm::BLOCK_MAGIC_BYTES).unwrap();
     crate::sys::memfd::seal_size(fd.as_fd()).unwrap();
     fd
 }
@@ -428,7 +422,7 @@ fn forged_handles_are_errors_not_crashes() {
     // A length bigger than the segment.
     check(
         forged(ForgedFd(sealed_memfd(4096), 1 << 20, 0), 0, &[16], &[1], 0),
-        "claims 1048576 bytes but its segment holds 4096",
+        "claims 1048640 bytes but its segment holds 4160",
     );
     // A memfd that can shrink under us.
     let unsealed = crate::sys::memfd::create("forged", 4096).unwrap();
@@ -459,11 +453,11 @@ fn forged_handles_are_errors_not_crashes() {
     // A slice past the end of its segment, and one whose end overflows.
     check(
         forged(ForgedFd(sealed_memfd(4096), 64, 4090), 0, &[1], &[1], 0),
-        "claims 4154 bytes",
+        "claims 4218 bytes",
     );
     check(
         forged(
-            ForgedFd(sealed_memfd(4096), 64, u64::MAX - 8),
+            ForgedFd(sealed_memfd(4096), 64, u64::MAX - 70),
             0,
             &[1],
             &[1],
@@ -477,9 +471,9 @@ fn forged_handles_are_errors_not_crashes() {
     );
     // Named segments: a name that is not ours, one that does not exist.
     let named = |name: &str| {
-        ForgedStorage::Segment(ForgedHandle::Named {
+        ForgedStorage::Segment(ForgedHandle::NamedBlock {
             name: name.to_string(),
-            offset: 0,
+            offset: 64,
             nbytes: 64,
         })
     };
@@ -524,19 +518,6 @@ fn a_forged_length_on_a_real_named_segment_is_an_error() {
         0,
     );
     assert!(e.to_string().contains("claims 1073741888 bytes"), "{e}");
-    // A plain handle to a block is refused as such.
-    let e = forged(
-        ForgedStorage::Segment(ForgedHandle::Named {
-            name: name.clone(),
-            offset: 64,
-            nbytes: 16,
-        }),
-        0,
-        &[1],
-        &[1],
-        0,
-    );
-    assert!(e.to_string().contains("names a plain segment"), "{e}");
     assert_eq!(
         (seg.uses(), seg.refcount()),
         counts,

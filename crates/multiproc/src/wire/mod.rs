@@ -64,8 +64,9 @@ use crate::sys::socket::{MAX_FDS_PER_PACKET, Packet};
 
 /// The packet magic.
 pub(super) const MAGIC: [u8; 4] = *b"MPW\x01";
-/// The wire format version; a packet of another version is refused.
-pub(crate) const VERSION: u8 = 1;
+/// The wire format version; a packet of another version is refused. Version 2: only
+/// blocks travel (the plain `Fd` and `Named` segment handles are gone).
+pub(crate) const VERSION: u8 = 2;
 pub(super) const HEADER_LEN: usize = 16;
 pub(super) const KIND_INLINE: u8 = 0;
 pub(super) const KIND_MEMFD: u8 = 1;

@@ -44,6 +44,7 @@ impl Segment {
     /// page): a peer that sends a huge sparse file and claims a little of it costs
     /// this process no more than the claim. The segment is plain, never a block,
     /// whatever its first bytes say.
+    #[cfg(test)]
     pub(crate) fn open_anonymous(fd: OwnedFd, claimed: u64) -> Result<Segment> {
         Segment::open_received(fd, claimed, false)
     }

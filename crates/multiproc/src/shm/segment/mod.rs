@@ -24,7 +24,7 @@ mod anonymous;
 mod block;
 mod named;
 
-#[cfg(feature = "fuzzing")]
+#[cfg(any(test, feature = "fuzzing"))]
 pub(crate) use block::BLOCK_MAGIC_BYTES;
 pub(crate) use block::{ARENA_LEN, BLOCK_HEADER_LEN};
 #[cfg(test)]

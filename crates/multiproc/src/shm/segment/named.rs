@@ -257,27 +257,9 @@ impl Segment {
         }
     }
 
-    /// Called when a received named handle finds the segment already mapped here:
-    /// the message's in-flight reference is not needed, unless this value holds no
-    /// reference for this process, in which case it adopts it. (The map cache does not
-    /// hand a `fork` child its parent's segments, so that case is defensive.)
-    pub(crate) fn absorb_in_flight(&self) {
-        if let Backing::Named { owner_pid, .. } = &self.backing {
-            let me = pid();
-            let held = owner_pid.load(Ordering::Acquire);
-            if held != me
-                && owner_pid
-                    .compare_exchange(held, me, Ordering::AcqRel, Ordering::Acquire)
-                    .is_ok()
-            {
-                return;
-            }
-            self.release_reference();
-        }
-    }
-
     /// Takes a reference on behalf of a message about to carry this named segment's
     /// name. Fails when no reference is left (the name is being removed).
+    #[cfg(test)]
     pub(crate) fn acquire_in_flight(&self) -> Result<()> {
         let Some(h) = self.named_header() else {
             return Ok(());
