@@ -9,6 +9,7 @@
 //! | `small` | as `fresh`, with 64 f32 (256 bytes) per tensor: the per-message cost | 256 B (20,000) | tensors/s |
 //! | `ping` | the parent `put`s one shared tensor, the worker sends it straight back, the parent `get`s it: a round trip of the same storage | 4 KiB and 64 MiB (2,000 each) | µs per round trip |
 //! | `spawn` | `multiproc::spawn` of 4 no-op workers and their join, after one warm-up | 4 workers (median of 10) | seconds |
+//! | `disconnect` | a worker holds the parent's queue; the parent waits in `get` on it, empty; the worker drops the queue, says so through a pipe, and exits; the time from that word to the parent's `Error::Disconnected` | median of 20 | seconds |
 //!
 //! Every scenario but `spawn` starts its worker first and waits for it to say it is
 //! ready, so process start-up is timed only by `spawn`; and the parent shares one
@@ -118,6 +119,16 @@ fn ponger(
 }
 
 fn noop(_rank: usize, _: ()) {}
+
+/// Of `disconnect`: lets go of the queue, then says so.
+fn let_go(
+    _rank: usize,
+    (q, said): (Queue<Msg>, multiproc::Connection<u8>),
+) -> multiproc::Result<()> {
+    drop(q);
+    said.send(1)?;
+    Ok(())
+}
 
 fn expect_ready(q: &Queue<Msg>) -> multiproc::Result<()> {
     match q.get_timeout(Duration::from_secs(60))? {
@@ -230,6 +241,50 @@ fn spawn4(runs: u64) -> multiproc::Result<Figure> {
     })
 }
 
+/// The median time from the last other holder letting go of a queue to a waiting
+/// `get`'s `Error::Disconnected`, over `runs`.
+fn disconnect(runs: u64) -> multiproc::Result<Figure> {
+    let mut times = Vec::new();
+    for _ in 0..runs {
+        let q = Queue::<Msg>::new()?;
+        let (said, told) = multiproc::pipe::<u8>()?;
+        let worker_q = q.clone();
+        let waiter = std::thread::spawn(move || {
+            let got = q.get();
+            (
+                Instant::now(),
+                got.err().is_some_and(|e| e.is_disconnected()),
+            )
+        });
+        let mut ctx = multiproc::start_processes(let_go, (worker_q, told), 1, StartMethod::Spawn)?;
+        said.recv()?;
+        let let_go_at = Instant::now();
+        let (ended_at, disconnected) = waiter
+            .join()
+            .map_err(|_| multiproc::Error::InvalidArgument("the waiting thread panicked".into()))?;
+        ctx.join(Some(Duration::from_secs(30)))?;
+        if !disconnected {
+            return Err(multiproc::Error::InvalidArgument(
+                "a get on a queue whose last other holder left did not end with Disconnected"
+                    .into(),
+            ));
+        }
+        times.push(ended_at.saturating_duration_since(let_go_at).as_secs_f64());
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(Figure {
+        scenario: "disconnect",
+        strategy: None,
+        bytes: None,
+        count: runs,
+        per_s: None,
+        gb_s: None,
+        us_per_roundtrip: None,
+        seconds: times[times.len() / 2],
+        implementation: "multiproc",
+    })
+}
+
 /// Which scenarios to run, and how big.
 pub struct Plan {
     /// Scale every count by this (for a quick run).
@@ -293,6 +348,9 @@ pub fn run(plan: &Plan, mut report: impl FnMut(&Figure)) -> multiproc::Result<Ve
     multiproc::set_sharing_strategy(SharingStrategy::FileDescriptor);
     if wanted("spawn") {
         record(spawn4(scaled(10))?, &mut figures);
+    }
+    if wanted("disconnect") {
+        record(disconnect(scaled(20))?, &mut figures);
     }
     Ok(figures)
 }
@@ -365,6 +423,8 @@ pub fn row(f: &Figure) -> String {
         format!("{us:>12.2} us/roundtrip")
     } else if f.scenario == "spawn" {
         format!("{:>12.1} ms for 4", f.seconds * 1e3)
+    } else if f.scenario == "disconnect" {
+        format!("{:>12.1} ms after the last holder left", f.seconds * 1e3)
     } else {
         format!(
             "{:>12.0} /s  {:>7.2} GB/s",

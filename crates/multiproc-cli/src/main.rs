@@ -26,7 +26,7 @@ enum Command {
         #[arg(long)]
         dry_run: bool,
     },
-    /// Run the benchmark scenarios (fresh, small, ping, spawn) with both strategies.
+    /// Run the benchmark scenarios (fresh, small, ping, spawn, disconnect) with both strategies.
     Bench {
         /// One JSON object per line instead of a table.
         #[arg(long)]
@@ -34,7 +34,7 @@ enum Command {
         /// Scale every count by this factor (0.1 for a quick look).
         #[arg(long, default_value_t = 1.0)]
         scale: f64,
-        /// Run only these scenarios (fresh, small, ping, spawn); repeatable.
+        /// Run only these scenarios (fresh, small, ping, spawn, disconnect); repeatable.
         #[arg(long = "scenario")]
         only: Vec<String>,
         /// Only this sharing strategy (file_descriptor or file_system).

@@ -217,7 +217,8 @@
 //!     let (i, batch) = got?;
 //!     assert!(batch.is_shared() && batch.to_vec::<f32>()?.iter().all(|&x| x == i as f32));
 //! }
-//! assert!(batches.get_timeout(Duration::from_millis(1)).unwrap_err().is_timeout());
+//! // Empty, and no other handle of it is left anywhere: nothing can ever arrive.
+//! assert!(batches.get_timeout(Duration::from_secs(60)).unwrap_err().is_disconnected());
 //! # Ok::<(), multiproc::Error>(())
 //! ```
 //!

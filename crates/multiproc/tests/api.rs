@@ -274,6 +274,7 @@ fn try_put_on_a_full_queue_hands_the_item_back_and_iter_drains() {
         let got: Vec<u32> = q.try_iter().collect::<multiproc::Result<_>>().unwrap();
         assert_eq!(got, [1, 2]);
         assert!(q.is_empty());
+        let _producer = q.clone();
         assert_eq!(q.try_get().unwrap(), None, "empty is not a timeout");
     });
 }

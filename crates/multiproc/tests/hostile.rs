@@ -657,38 +657,39 @@ fn queue_event_and_lock_handles_whose_fd_is_of_the_wrong_kind() {
         let (_real, raw) = capture(Queue::<u32>::new().unwrap());
         assert_eq!(
             raw.len(),
-            5,
-            "a queue travels as two sockets, its ring and the two sockets of its custody"
+            6,
+            "a queue travels as two sockets, its ring, the two sockets of its custody and \
+             its holder lease"
         );
-        let body = payload(&(0u32, 1u32, 2u32, 3u32, 4u32));
+        let body = payload(&(0u32, 1u32, 2u32, 3u32, 4u32, 5u32));
         let m = sealed(4096);
         send_raw(
             there.as_fd(),
-            &packet(5, &body),
-            &with([&m, &m, &raw[2], &raw[3], &raw[4]]),
+            &packet(6, &body),
+            &with([&m, &m, &raw[2], &raw[3], &raw[4], &raw[5]]),
         );
         assert_says(&refused(&here), &["queue end is not a socket"]);
         let (s1, _s2) = std::os::unix::net::UnixStream::pair().unwrap();
         let s1 = OwnedFd::from(s1);
         send_raw(
             there.as_fd(),
-            &packet(5, &body),
-            &with([&s1, &s1, &raw[2], &raw[3], &raw[4]]),
+            &packet(6, &body),
+            &with([&s1, &s1, &raw[2], &raw[3], &raw[4], &raw[5]]),
         );
         assert_says(&refused(&here), &["not SEQPACKET"]);
         // A custody socket of the wrong kind.
         send_raw(
             there.as_fd(),
-            &packet(5, &body),
-            &with([&raw[0], &raw[1], &raw[2], &s1, &raw[4]]),
+            &packet(6, &body),
+            &with([&raw[0], &raw[1], &raw[2], &s1, &raw[4], &raw[5]]),
         );
         assert_says(&refused(&here), &["not SEQPACKET"]);
         // Sockets, a short memfd, or a block of another kind where the ring should be.
         let (a, b) = seqpacket();
         send_raw(
             there.as_fd(),
-            &packet(5, &body),
-            &with([&a, &b, &a, &raw[3], &raw[4]]),
+            &packet(6, &body),
+            &with([&a, &b, &a, &raw[3], &raw[4], &raw[5]]),
         );
         assert_says(
             &refused(&here),
@@ -696,23 +697,30 @@ fn queue_event_and_lock_handles_whose_fd_is_of_the_wrong_kind() {
         );
         send_raw(
             there.as_fd(),
-            &packet(5, &body),
-            &with([&raw[0], &raw[1], &m, &raw[3], &raw[4]]),
+            &packet(6, &body),
+            &with([&raw[0], &raw[1], &m, &raw[3], &raw[4], &raw[5]]),
         );
         assert_says(&refused(&here), &["queue ring segment holds 4096 bytes"]);
         // Big enough, but not a ring (its kind word says so).
         let not_a_ring = sealed(4096 + 64 * 1024);
         send_raw(
             there.as_fd(),
-            &packet(5, &body),
-            &with([&raw[0], &raw[1], &not_a_ring, &raw[3], &raw[4]]),
+            &packet(6, &body),
+            &with([&raw[0], &raw[1], &not_a_ring, &raw[3], &raw[4], &raw[5]]),
         );
         assert_says(&refused(&here), &["another kind"]);
+        // A holder lease that is a socket.
+        send_raw(
+            there.as_fd(),
+            &packet(6, &body),
+            &with([&raw[0], &raw[1], &raw[2], &raw[3], &raw[4], &s1]),
+        );
+        assert_says(&refused(&here), &["holder lease", "not a regular file"]);
         // And the real thing works.
         send_raw(
             there.as_fd(),
-            &packet(5, &body),
-            &with([&raw[0], &raw[1], &raw[2], &raw[3], &raw[4]]),
+            &packet(6, &body),
+            &with([&raw[0], &raw[1], &raw[2], &raw[3], &raw[4], &raw[5]]),
         );
         let q = here.recv_timeout(WAIT).unwrap();
         q.put(5).map_err(|e| e.error).unwrap();
@@ -974,7 +982,7 @@ fn empty_packets_behind_a_hung_up_sender_are_not_the_end() {
         assert_eq!(here.recv_timeout(WAIT).unwrap(), 7);
         for _ in 0..2 {
             match here.recv_timeout(WAIT) {
-                Err(Error::Closed(_)) => {}
+                Err(Error::Disconnected(_)) => {}
                 other => panic!("expected the end of the channel, got {other:?}"),
             }
         }

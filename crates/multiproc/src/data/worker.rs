@@ -95,7 +95,7 @@ impl<D, C, B> WorkerArgs<D, C, B> {
     fn next_task(&self) -> std::result::Result<Option<Task>, String> {
         match self.tasks.recv() {
             Ok(task) => Ok(Some(task)),
-            Err(crate::error::Error::Closed(_)) => Ok(None),
+            Err(crate::error::Error::Closed(_) | crate::error::Error::Disconnected(_)) => Ok(None),
             Err(e) => Err(format!("cannot read its next task: {e}")),
         }
     }

@@ -409,7 +409,8 @@ fn recv_within<B: Serialize + DeserializeOwned>(
 ) -> Result<Option<Reply<B>>> {
     match results.get_timeout(wait) {
         Ok(reply) => Ok(Some(reply)),
-        Err(e) if e.is_timeout() => Ok(None),
+        // Every worker gone: the loader then names which one died, and why.
+        Err(e) if e.is_timeout() || e.is_disconnected() => Ok(None),
         Err(e) => Err(e),
     }
 }

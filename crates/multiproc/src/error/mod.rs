@@ -46,13 +46,19 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 ///   answer `Ok(None)` when nothing is waiting, `try_lock`/`try_permit` answer `Ok(None)`
 ///   when the lock or permit is taken, and `try_put` fails with [`Error::Full`] (the
 ///   item handed back) when there is no room.
+/// - A get or recv on an empty queue or pipe that no other handle can ever feed (none
+///   left in any process, thread or message in flight) is [`Error::Disconnected`], from
+///   the blocking and the non-blocking forms alike, instead of a wait that never ends.
 ///
 /// ```
 /// use std::time::Duration;
 /// let q = multiproc::Queue::<u32>::new()?;
+/// let producer = q.clone(); // another handle: something may still arrive
 /// assert_eq!(q.try_get()?, None); // empty: not a timeout
 /// let err = q.get_timeout(Duration::from_millis(1)).unwrap_err();
 /// assert!(err.is_timeout(), "{err}");
+/// drop(producer); // the last other handle: nothing can arrive any more
+/// assert!(q.get().unwrap_err().is_disconnected());
 /// # Ok::<(), multiproc::Error>(())
 /// ```
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, thiserror::Error)]
@@ -107,6 +113,13 @@ pub enum Error {
     /// The channel (queue, pipe, event, process) is closed, or its other end is gone.
     #[error("{0}")]
     Closed(String),
+    /// A get or recv found its queue or pipe empty, with no other handle of it left
+    /// anywhere — none in another process, none in another thread of this process (a
+    /// clone), none inside a message in flight or in a worker's arguments — so nothing
+    /// can ever arrive (crossbeam's `RecvError`, Python's `EOFError`). Messages already
+    /// queued are received first; [`Error::is_disconnected`] says so.
+    #[error("{0}")]
+    Disconnected(String),
     /// A wait ran past its deadline (see [the timeout convention](Error#one-timeout-convention)).
     #[error("{what} timed out{}", after_suffix(*.after))]
     Timeout {
@@ -288,6 +301,12 @@ impl Error {
     /// gave, and trying again may succeed.
     pub fn is_timeout(&self) -> bool {
         matches!(self, Error::Timeout { .. })
+    }
+
+    /// Whether this is an [`Error::Disconnected`]: the queue or pipe is empty and no
+    /// other handle of it exists, so waiting longer can never help.
+    pub fn is_disconnected(&self) -> bool {
+        matches!(self, Error::Disconnected(_))
     }
 
     /// The raw `errno` of an [`Error::Os`].

@@ -272,7 +272,7 @@ impl Dispatcher {
                 }
                 Ok(Some(_)) => {}
                 Ok(None) => return,
-                Err(Error::Closed(_)) => {
+                Err(Error::Disconnected(_)) => {
                     let cause = self.workers[i].death_cause();
                     self.replace(i, Some(cause));
                     return;

@@ -66,7 +66,7 @@ pub(super) fn pool_worker(_rank: usize, args: WorkerArgs) -> std::result::Result
         let msg = match args.conn.recv() {
             Ok(m) => m,
             // The pool is gone: nothing more to do.
-            Err(Error::Closed(_)) => return Ok(()),
+            Err(Error::Closed(_) | Error::Disconnected(_)) => return Ok(()),
             Err(e) => return Err(format!("pool worker cannot read its next task: {e}")),
         };
         let PoolMsg::Chunk {

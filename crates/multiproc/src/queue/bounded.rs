@@ -119,10 +119,14 @@ impl<T: Serialize + DeserializeOwned> Queue<T> {
     ///
     /// # Errors
     /// [`Error::InvalidMessage`] for a malformed message (the queue stays usable),
-    /// [`Error::Closed`] after [`close`](Self::close).
+    /// [`Error::Closed`] after [`close`](Self::close), [`Error::Disconnected`] when the
+    /// queue is empty and no other handle of it is left anywhere — in another process,
+    /// in another thread of this one, or inside a message in flight — so nothing can
+    /// arrive (within 100 ms of the last other handle's end; items already queued come
+    /// first).
     pub fn get(&self) -> Result<T> {
         self.shared
-            .get(None)?
+            .get(None, &|| self.others_here())?
             .ok_or_else(|| Error::timeout("a get on a queue without deadline", None))
     }
 
@@ -132,7 +136,7 @@ impl<T: Serialize + DeserializeOwned> Queue<T> {
     /// [`Error::Timeout`] when no item came in time; otherwise as [`get`](Self::get).
     pub fn get_timeout(&self, timeout: Duration) -> Result<T> {
         self.shared
-            .get(deadline_after(Some(timeout)))?
+            .get(deadline_after(Some(timeout)), &|| self.others_here())?
             .ok_or_else(|| Error::timeout("a get on an empty queue", Some(timeout)))
     }
 
@@ -142,7 +146,13 @@ impl<T: Serialize + DeserializeOwned> Queue<T> {
     /// # Errors
     /// As [`get`](Self::get).
     pub fn try_get(&self) -> Result<Option<T>> {
-        self.shared.try_get()
+        self.shared.try_get(&|| self.others_here())
+    }
+
+    /// Whether another handle of this queue (or of the joinable queue around it) exists
+    /// in this process.
+    fn others_here(&self) -> bool {
+        Arc::strong_count(&self.shared) > 1
     }
 
     /// Python's name for [`try_get`](Self::try_get).
@@ -154,8 +164,9 @@ impl<T: Serialize + DeserializeOwned> Queue<T> {
     }
 
     /// A blocking iterator over the items: each `next` waits for one, as
-    /// [`get`](Self::get) does. It ends when this handle is [closed](Self::close); any
-    /// other error is yielded (the queue stays usable after a malformed message).
+    /// [`get`](Self::get) does. It ends when this handle is [closed](Self::close) or the
+    /// queue is disconnected (empty, with no other handle left); any other error is
+    /// yielded (the queue stays usable after a malformed message).
     ///
     /// # Examples
     ///
@@ -232,7 +243,7 @@ impl<T: Serialize + DeserializeOwned> Iterator for QueueIter<'_, T> {
 
     fn next(&mut self) -> Option<Result<T>> {
         match self.queue.get() {
-            Err(Error::Closed(_)) => None,
+            Err(Error::Closed(_) | Error::Disconnected(_)) => None,
             other => Some(other),
         }
     }
@@ -249,7 +260,7 @@ impl<T: Serialize + DeserializeOwned> Iterator for QueueTryIter<'_, T> {
 
     fn next(&mut self) -> Option<Result<T>> {
         match self.queue.try_get() {
-            Ok(None) | Err(Error::Closed(_)) => None,
+            Ok(None) | Err(Error::Closed(_) | Error::Disconnected(_)) => None,
             Ok(Some(item)) => Some(Ok(item)),
             Err(e) => Some(Err(e)),
         }

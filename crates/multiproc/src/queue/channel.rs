@@ -2,9 +2,24 @@
 //! goes in comes out once, whole, to exactly one reader, whichever process it is in,
 //! first in first out; a message without fds goes through the ring with no system
 //! call, one with fds through the socket in its place behind a marker (see `ring`).
+//!
+//! **Who still holds the queue.** Every channel value holds a peer lease (see
+//! `sys::lease`): the creator's, or the one a received message brought, which the
+//! sender made for it. So the kernel counts the channel's holders in other processes
+//! and in messages in flight (a lease inside an unreceived message, a worker's
+//! arguments), and forgets a holder the moment its last fd closes, a SIGKILL included.
+//! Handles in this process share one channel value; the queue types say whether
+//! another exists (`others_here`). A get that finds the queue empty with neither is
+//! [`Error::Disconnected`]: nothing can ever arrive. The holders are asked before the
+//! ring and the socket are looked at (a holder that put and left is gone before its
+//! messages are looked for, so they are found): by every `try_get`, and by a waiting
+//! get on its first look and once per sleep, trusting a sighting of other holders for
+//! [`HOLDERS_RECHECK`] (the answer costs a system call, and a get that finds the queue
+//! empty is on the hot path).
 
 use std::os::fd::{AsFd, OwnedFd};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
@@ -16,12 +31,21 @@ use super::ring::Ring;
 use crate::error::{Error, PutError, Result};
 use crate::shm::custody::{self, BlockCustody};
 use crate::sys::Deadline;
+use crate::sys::lease;
 use crate::sys::socket::{Packet, seqpacket_pair};
 use crate::wire::{self, Decoder, Encoder};
 
+/// How long a get trusts an answer that other holders exist before it asks again.
+const HOLDERS_RECHECK: Duration = Duration::from_millis(10);
+
+/// Whether another handle of the channel exists in this process (a clone, in this
+/// thread or another): asked by a get that finds the channel empty.
+pub(crate) type OthersHere<'a> = &'a dyn Fn() -> bool;
+
 /// A ring and both ends of one `SOCK_SEQPACKET` pair. Every process holding the queue
 /// holds all three, so none of them ever sees end-of-stream: a getter waits (with its
-/// deadline) until some holder puts.
+/// deadline) until some holder puts, or until no holder but itself is left (see the
+/// module docs).
 #[derive(Debug)]
 pub(crate) struct Channel {
     ring: Ring,
@@ -37,6 +61,16 @@ pub(crate) struct Channel {
     /// with the packet's bytes (address, length) to know it again by.
     held_for_retry: Mutex<Option<((usize, usize), wire::HeldReferences)>>,
     closed: AtomicBool,
+    /// This value's peer lease on the channel's holder file.
+    holder: OwnedFd,
+    /// When other holders were last seen, in nanoseconds after [`epoch`] (0: never).
+    others_seen_at: AtomicU64,
+}
+
+/// The instant `Channel::others_seen_at` counts from.
+fn epoch() -> Instant {
+    static EPOCH: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    *EPOCH.get_or_init(Instant::now)
 }
 
 impl Channel {
@@ -51,7 +85,30 @@ impl Channel {
             pending: Mutex::new(None),
             held_for_retry: Mutex::new(None),
             closed: AtomicBool::new(false),
+            holder: lease::create_peer("multiproc-queue-holders")?,
+            others_seen_at: AtomicU64::new(0),
         })
+    }
+
+    /// Whether nothing can ever arrive: no other handle here (`others_here`), none in
+    /// another process and none in a message in flight (no other peer lease). Trusts a
+    /// sighting of other holders for [`HOLDERS_RECHECK`] unless `fresh`.
+    fn disconnected(&self, others_here: OthersHere<'_>, fresh: bool) -> bool {
+        if others_here() {
+            return false;
+        }
+        let now = u64::try_from(epoch().elapsed().as_nanos())
+            .unwrap_or(u64::MAX)
+            .max(1);
+        let seen = self.others_seen_at.load(Ordering::Relaxed);
+        if !fresh && seen != 0 && now.saturating_sub(seen) < HOLDERS_RECHECK.as_nanos() as u64 {
+            return false;
+        }
+        if lease::others_hold(self.holder.as_fd()) {
+            self.others_seen_at.store(now, Ordering::Relaxed);
+            return false;
+        }
+        true
     }
 
     fn check_open(&self, what: &str) -> Result<()> {
@@ -85,14 +142,25 @@ impl Channel {
 
     /// Receives and decodes one message; `Ok(None)` at the deadline. A malformed message
     /// is consumed and reported; the queue stays usable.
-    pub(crate) fn get<T: DeserializeOwned>(&self, deadline: Deadline) -> Result<Option<T>> {
+    pub(crate) fn get<T: DeserializeOwned>(
+        &self,
+        deadline: Deadline,
+        others_here: OthersHere<'_>,
+    ) -> Result<Option<T>> {
         let _span = tracing::trace_span!("multiproc::get", queue = "SimpleQueue").entered();
-        self.recv(deadline)?.map(|p| self.decode(p)).transpose()
+        self.recv(deadline, others_here)?
+            .map(|p| self.decode(p))
+            .transpose()
     }
 
     /// Receives one message if one is waiting.
-    pub(crate) fn try_get<T: DeserializeOwned>(&self) -> Result<Option<T>> {
-        self.try_recv()?.map(|p| self.decode(p)).transpose()
+    pub(crate) fn try_get<T: DeserializeOwned>(
+        &self,
+        others_here: OthersHere<'_>,
+    ) -> Result<Option<T>> {
+        self.try_recv(others_here)?
+            .map(|p| self.decode(p))
+            .transpose()
     }
 
     /// The block the channel's ring lives in (a queue keeps its counters there too).
@@ -172,22 +240,31 @@ impl Channel {
 
     /// Receives one packet without decoding it; `Ok(None)` at the deadline. An
     /// `InvalidMessage` error here means a packet was consumed anyway; an `FdLimit` one
-    /// that it stays queued (no room for its fds).
-    pub(crate) fn recv(&self, deadline: Deadline) -> Result<Option<Packet>> {
+    /// that it stays queued (no room for its fds); a `Disconnected` one that the channel
+    /// is empty and nothing can ever arrive.
+    pub(crate) fn recv(
+        &self,
+        deadline: Deadline,
+        others_here: OthersHere<'_>,
+    ) -> Result<Option<Packet>> {
         self.check_open("get")?;
         if let Some(packet) = self.take_pending() {
             return Ok(Some(packet));
         }
-        self.ring.recv(self.rx.as_fd(), deadline)
+        self.ring.recv(self.rx.as_fd(), deadline, &|| {
+            self.disconnected(others_here, false)
+        })
     }
 
     /// Receives one packet if one is waiting, without decoding it.
-    pub(crate) fn try_recv(&self) -> Result<Option<Packet>> {
+    pub(crate) fn try_recv(&self, others_here: OthersHere<'_>) -> Result<Option<Packet>> {
         self.check_open("get")?;
         if let Some(packet) = self.take_pending() {
             return Ok(Some(packet));
         }
-        self.ring.try_recv(self.rx.as_fd())
+        // Asked afresh: a caller that polls wants the answer of now.
+        self.ring
+            .try_recv(self.rx.as_fd(), &|| self.disconnected(others_here, true))
     }
 
     /// Whether a message is waiting right now.
@@ -217,12 +294,20 @@ impl Serialize for Channel {
         use serde::ser::Error as _;
         let enc = Encoder::current("a queue").map_err(S::Error::custom)?;
         let (ctx, crx) = self.custody.sockets();
+        // The receiver's lease, held from now on by the message (its description lives
+        // in the message's fd table, then in the socket, then in the receiver). The
+        // table keeps this very fd open until the message is gone, so its number cannot
+        // be reused (and mistaken for it) by another handle of the same message.
+        let holder = Arc::new(
+            lease::another_peer(self.holder.as_fd()).map_err(|e| S::Error::custom(enc.fail(e)))?,
+        );
         let indices = (
             enc.attach_fd(self.tx.as_fd()).map_err(S::Error::custom)?,
             enc.attach_fd(self.rx.as_fd()).map_err(S::Error::custom)?,
             self.ring.attach(&enc).map_err(S::Error::custom)?,
             enc.attach_fd(ctx).map_err(S::Error::custom)?,
             enc.attach_fd(crx).map_err(S::Error::custom)?,
+            enc.attach_shared_fd(&holder),
         );
         indices.serialize(s)
     }
@@ -231,7 +316,7 @@ impl Serialize for Channel {
 impl<'de> Deserialize<'de> for Channel {
     fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
         use serde::de::Error as _;
-        let (tx, rx, ring, ctx, crx) = <(u32, u32, u32, u32, u32)>::deserialize(d)?;
+        let (tx, rx, ring, ctx, crx, holder) = <(u32, u32, u32, u32, u32, u32)>::deserialize(d)?;
         let dec = Decoder::current("a queue").map_err(D::Error::custom)?;
         let socket = |index| {
             let fd = dec.take_fd(index).map_err(D::Error::custom)?;
@@ -241,6 +326,13 @@ impl<'de> Deserialize<'de> for Channel {
         };
         let (tx, rx, ctx, crx) = (socket(tx)?, socket(rx)?, socket(ctx)?, socket(crx)?);
         let ring = Ring::open_received(&dec, ring).map_err(D::Error::custom)?;
+        let holder = dec.take_fd(holder).map_err(D::Error::custom)?;
+        // Whatever the sender did, this value's lease is held from here on.
+        lease::hold_peer(holder.as_fd()).map_err(|e| {
+            D::Error::custom(dec.fail(Error::InvalidMessage(format!(
+                "a received queue's holder lease cannot be held: {e}"
+            ))))
+        })?;
         Ok(Self {
             custody: Arc::new(Custody::from_parts(Arc::clone(ring.block()), ctx, crx)),
             ring,
@@ -249,6 +341,8 @@ impl<'de> Deserialize<'de> for Channel {
             pending: Mutex::new(None),
             held_for_retry: Mutex::new(None),
             closed: AtomicBool::new(false),
+            holder,
+            others_seen_at: AtomicU64::new(0),
         })
     }
 }

@@ -37,7 +37,7 @@ use std::time::Duration;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use super::channel::Channel;
+use super::channel::{Channel, OthersHere};
 use crate::error::{Error, PutError, Result};
 use crate::shm::SharedWords;
 use crate::sync::counter::FutexCount;
@@ -211,16 +211,23 @@ impl Shared {
         value.map(Some)
     }
 
-    pub(super) fn get<T: DeserializeOwned>(&self, deadline: Deadline) -> Result<Option<T>> {
+    pub(super) fn get<T: DeserializeOwned>(
+        &self,
+        deadline: Deadline,
+        others_here: OthersHere<'_>,
+    ) -> Result<Option<T>> {
         let _span = tracing::trace_span!("multiproc::get", queue = "Queue").entered();
         // (The channel spins briefly for an item before it sleeps.)
-        let packet = self.channel.recv(deadline);
+        let packet = self.channel.recv(deadline, others_here);
         let taken = self.taken(&packet);
         self.finish_get(packet, taken)
     }
 
-    pub(super) fn try_get<T: DeserializeOwned>(&self) -> Result<Option<T>> {
-        let packet = self.channel.try_recv();
+    pub(super) fn try_get<T: DeserializeOwned>(
+        &self,
+        others_here: OthersHere<'_>,
+    ) -> Result<Option<T>> {
+        let packet = self.channel.try_recv(others_here);
         let taken = self.taken(&packet);
         self.finish_get(packet, taken)
     }

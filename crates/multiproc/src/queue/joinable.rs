@@ -253,6 +253,7 @@ mod tests {
     #[test]
     fn forwarded_operations_see_the_same_queue() {
         let q = JoinableQueue::with_capacity(2).unwrap();
+        let _producer = q.clone();
         assert!(q.empty() && q.is_empty());
         assert_eq!(q.capacity(), Some(2));
         q.put(1u32).unwrap();

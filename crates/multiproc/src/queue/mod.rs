@@ -1,9 +1,9 @@
 //! Channels between processes: [`SimpleQueue`], [`Queue`], [`JoinableQueue`] and
 //! [`pipe`]/[`Connection`].
 //!
-//! A queue's transport (`channel`) is three things that every process holding the
+//! A queue's transport (`channel`) is four things that every process holding the
 //! queue holds, which makes queues multi-producer multi-consumer across processes with
-//! no feeder thread:
+//! no feeder thread, and tells a getter when nobody is left to put:
 //!
 //! - a **ring** (`ring`): a shared-memory buffer of [`wire`](crate::wire) packets under
 //!   a process-shared lock. A message without fds goes from `put` to `get` through it
@@ -15,7 +15,13 @@
 //! - a **custody** (`custody`): a second socket pair whose queued packets hold the fds
 //!   of the tensor blocks sent through the queue, so that a message names a block by
 //!   inode alone and a receiver that already maps it (the common case: blocks are
-//!   recycled and stay mapped) needs no fd and no system call.
+//!   recycled and stay mapped) needs no fd and no system call;
+//! - a **holder lease** (`sys::lease`'s peers): an open-file-description lock that each
+//!   channel value — the creator's, each received one, each one inside a message in
+//!   flight — holds on the queue's lease file, which the kernel drops with the value's
+//!   last fd (a SIGKILL included). A get that finds the queue empty, with no other
+//!   lease and no other handle in this process, is [`Error::Disconnected`](crate::Error::Disconnected)
+//!   instead of a wait that never ends.
 //!
 //! The counters a `Queue` needs (capacity, size, unfinished tasks) live in the ring's
 //! block of atomics. A [`pipe`] is a plain socket pair (one reader per end, and hang-up
@@ -60,6 +66,9 @@ mod tests {
     #[test]
     fn put_then_get_in_one_process() {
         let q = Queue::with_capacity(4).unwrap();
+        // Another handle, as a producer thread would hold: the queue is not
+        // disconnected while it lives.
+        let producer = q.clone();
         for i in 0..4u32 {
             q.put(i).unwrap();
         }
@@ -85,6 +94,19 @@ mod tests {
             err.to_string(),
             "a get on an empty queue timed out after 10ms"
         );
+        // The last other handle goes: an empty queue that nothing can feed is
+        // disconnected, for every form of get, at once.
+        producer.put(5).unwrap();
+        drop(producer);
+        assert_eq!(q.get().unwrap(), 5, "what was queued comes first");
+        assert!(q.get().unwrap_err().is_disconnected());
+        assert!(q.try_get().unwrap_err().is_disconnected());
+        assert!(
+            q.get_timeout(Duration::from_secs(60))
+                .unwrap_err()
+                .is_disconnected()
+        );
+        assert_eq!(q.iter().count(), 0, "the blocking iterator ends");
     }
 
     #[test]
@@ -155,7 +177,7 @@ mod tests {
         b.send(vec![1]).unwrap();
         assert_eq!(a.recv().unwrap(), vec![1]);
         drop(b);
-        assert!(matches!(a.recv(), Err(Error::Closed(_))));
+        assert!(matches!(a.recv(), Err(Error::Disconnected(_))));
         let back = a.send(vec![2]).unwrap_err();
         assert!(matches!(back.error, Error::Closed(_)));
         assert_eq!(back.item, vec![2]);

@@ -70,7 +70,9 @@ pub fn wait<C: AsFd>(objects: &[C], timeout: Option<Duration>) -> Result<Vec<usi
 }
 
 /// One end of a [`pipe`]. Send it to another process as a worker argument or through a
-/// queue; when every holder of the other end has gone, `recv` reports [`Error::Closed`].
+/// queue; when every holder of the other end has gone (dropped it, exited or were
+/// killed, with no copy of it left in a message in flight), `recv` reports
+/// [`Error::Disconnected`] once everything sent before has been received.
 pub struct Connection<T> {
     sock: OwnedFd,
     _items: PhantomData<fn(T) -> T>,
@@ -125,7 +127,7 @@ impl<T: Serialize + DeserializeOwned> Connection<T> {
     /// Receives the next item, waiting as long as it takes.
     ///
     /// # Errors
-    /// [`Error::Closed`] when the other end is gone and nothing is left to read;
+    /// [`Error::Disconnected`] when the other end is gone and nothing is left to read;
     /// [`Error::InvalidMessage`] for a malformed message (the connection stays usable).
     pub fn recv(&self) -> Result<T> {
         self.recv_until(None)?
@@ -147,7 +149,7 @@ impl<T: Serialize + DeserializeOwned> Connection<T> {
     /// # Errors
     /// As [`recv`](Self::recv).
     pub fn try_recv(&self) -> Result<Option<T>> {
-        match wire::try_recv_packet(self.sock.as_fd())? {
+        match wire::try_recv_packet(self.sock.as_fd()).map_err(disconnected_at_end)? {
             Some(packet) => wire::decode(packet).map(Some),
             None => Ok(None),
         }
@@ -155,7 +157,7 @@ impl<T: Serialize + DeserializeOwned> Connection<T> {
 
     fn recv_until(&self, deadline: Deadline) -> Result<Option<T>> {
         let _span = tracing::trace_span!("multiproc::get", queue = "Connection").entered();
-        match wire::recv_packet(self.sock.as_fd(), deadline)? {
+        match wire::recv_packet(self.sock.as_fd(), deadline).map_err(disconnected_at_end)? {
             Some(packet) => wire::decode(packet).map(Some),
             None => Ok(None),
         }
@@ -175,6 +177,19 @@ impl<T: Serialize + DeserializeOwned> Connection<T> {
         } else {
             Err(Error::timeout("a poll on a pipe", timeout))
         }
+    }
+}
+
+/// The socket's end of stream (every holder of the other end gone, nothing left to read)
+/// is what a pipe end calls disconnected.
+fn disconnected_at_end(e: Error) -> Error {
+    match e {
+        Error::Closed(_) => Error::Disconnected(
+            "the other end of the pipe is gone (every holder dropped it or exited) and \
+             nothing is left to receive"
+                .into(),
+        ),
+        other => other,
     }
 }
 

@@ -365,19 +365,33 @@ impl Ring {
     }
 
     /// Receives the oldest message, waiting until the deadline; `Ok(None)` when none
-    /// came.
-    pub(crate) fn recv(&self, rx: BorrowedFd<'_>, deadline: Deadline) -> Result<Option<Packet>> {
+    /// came. `disconnected()` says whether no other holder of the channel is left; it is
+    /// asked on the first look and after each sleep, *before* the ring and the socket
+    /// are looked at, and when both are empty the answer is [`Error::Disconnected`].
+    pub(crate) fn recv(
+        &self,
+        rx: BorrowedFd<'_>,
+        deadline: Deadline,
+        disconnected: &dyn Fn() -> bool,
+    ) -> Result<Option<Packet>> {
         // The socket is looked at only after a sleep that ended without a publication
         // (see `take`): a packet that did not come through a `put` waits at most one
         // SOCKET_RECHECK.
         let mut look_at_socket = false;
+        let mut ask = true;
         loop {
+            // Asked first: a holder that put and then left is gone before its messages
+            // are looked for, so they are found.
+            let alone = ask && disconnected();
             let seen = {
                 let Some(_held) = self.hold(deadline)? else {
                     return Ok(None);
                 };
-                if let Some(packet) = self.take(rx, look_at_socket)? {
+                if let Some(packet) = self.take(rx, look_at_socket || alone)? {
                     return Ok(Some(packet));
+                }
+                if alone {
+                    return Err(disconnected_error());
                 }
                 self.word(SEQ).load(Ordering::SeqCst)
             };
@@ -386,6 +400,7 @@ impl Ring {
                 return Ok(None);
             }
             look_at_socket = false;
+            ask = false;
             let seq = self.word(SEQ);
             if futex::spin_until(deadline, || seq.load(Ordering::Acquire) != seen) {
                 continue;
@@ -397,15 +412,25 @@ impl Ring {
             self.word(GET_WAITERS).fetch_sub(1, Ordering::SeqCst);
             slept?;
             look_at_socket = seq.load(Ordering::Acquire) == seen;
+            ask = look_at_socket;
         }
     }
 
-    /// Receives the oldest message if one is there now.
-    pub(crate) fn try_recv(&self, rx: BorrowedFd<'_>) -> Result<Option<Packet>> {
+    /// Receives the oldest message if one is there now; [`Error::Disconnected`] when
+    /// there is none and no other holder is left (as in [`recv`](Self::recv)).
+    pub(crate) fn try_recv(
+        &self,
+        rx: BorrowedFd<'_>,
+        disconnected: &dyn Fn() -> bool,
+    ) -> Result<Option<Packet>> {
+        let alone = disconnected();
         let Some(_held) = self.hold(Some(Instant::now() + TRY_LOCK))? else {
             return Ok(None);
         };
-        self.take(rx, true)
+        match self.take(rx, true)? {
+            None if alone => Err(disconnected_error()),
+            other => Ok(other),
+        }
     }
 
     /// Whether the ring holds a message right now (the socket is the caller's to ask).
@@ -426,6 +451,15 @@ impl Ring {
         SharedWords::open_received(&dec.about("queue ring"), index, KIND, RING_BYTES)
             .map(Self::from_block)
     }
+}
+
+/// What a get on an empty channel with no other holder left gets.
+fn disconnected_error() -> Error {
+    Error::Disconnected(
+        "the queue is empty and no other handle of it is left (in another process, another \
+         thread of this one, or a message in flight), so nothing can arrive any more"
+            .into(),
+    )
 }
 
 /// Waits until the socket takes more bytes; [`Error::Timeout`] at the deadline.
@@ -483,13 +517,13 @@ mod tests {
             "the test meant to overflow the ring"
         );
         for i in 0..n {
-            let packet = ring.recv(rx.as_fd(), None).unwrap().unwrap();
+            let packet = ring.recv(rx.as_fd(), None, &|| false).unwrap().unwrap();
             match wire::decode::<Item>(packet).unwrap() {
                 Item::Plain(j) => assert_eq!((j, i % 100 != 0), (i, true)),
                 Item::WithFd(j, _) => assert_eq!((j, i % 100), (i, 0)),
             }
         }
-        assert!(ring.try_recv(rx.as_fd()).unwrap().is_none());
+        assert!(ring.try_recv(rx.as_fd(), &|| false).unwrap().is_none());
         assert_eq!(ring.word(OVERFLOW).load(Ordering::Acquire), 0);
         // After an overflow the ring is used again.
         let mut msg = wire::encode(&Item::Plain(7)).unwrap();
@@ -518,7 +552,7 @@ mod tests {
         ];
         for bad in bad_records {
             bad(&ring, ring.position(HEAD).load(Ordering::Acquire));
-            let Err(err) = ring.recv(rx.as_fd(), None) else {
+            let Err(err) = ring.recv(rx.as_fd(), None, &|| false) else {
                 panic!("a corrupt ring gave a packet");
             };
             assert!(
@@ -527,7 +561,8 @@ mod tests {
             );
             let mut msg = wire::encode(&5u8).unwrap();
             ring.send(&mut msg, tx.as_fd(), None).unwrap();
-            let got: u8 = wire::decode(ring.recv(rx.as_fd(), None).unwrap().unwrap()).unwrap();
+            let got: u8 =
+                wire::decode(ring.recv(rx.as_fd(), None, &|| false).unwrap().unwrap()).unwrap();
             assert_eq!(got, 5);
         }
     }
@@ -541,7 +576,11 @@ mod tests {
             let ring = Arc::clone(&ring);
             std::thread::spawn(move || {
                 let packet = ring
-                    .recv(rx.as_fd(), Some(Instant::now() + Duration::from_secs(20)))
+                    .recv(
+                        rx.as_fd(),
+                        Some(Instant::now() + Duration::from_secs(20)),
+                        &|| false,
+                    )
                     .unwrap()
                     .expect("woken before the deadline");
                 wire::decode::<String>(packet).unwrap()

@@ -62,10 +62,11 @@ impl<T: Serialize + DeserializeOwned> SimpleQueue<T> {
     ///
     /// # Errors
     /// [`Error::InvalidMessage`] for a malformed message (the queue stays usable),
-    /// [`Error::Closed`] after [`close`](Self::close).
+    /// [`Error::Closed`] after [`close`](Self::close), [`Error::Disconnected`] when the
+    /// queue is empty and no other handle of it is left anywhere (nothing can arrive).
     pub fn get(&self) -> Result<T> {
         self.channel
-            .get(None)?
+            .get(None, &|| self.others_here())?
             .ok_or_else(|| Error::timeout("a get on a SimpleQueue without deadline", None))
     }
 
@@ -75,7 +76,7 @@ impl<T: Serialize + DeserializeOwned> SimpleQueue<T> {
     /// [`Error::Timeout`] when no item came in time; otherwise as [`get`](Self::get).
     pub fn get_timeout(&self, timeout: Duration) -> Result<T> {
         self.channel
-            .get(deadline_after(Some(timeout)))?
+            .get(deadline_after(Some(timeout)), &|| self.others_here())?
             .ok_or_else(|| Error::timeout("a get on an empty SimpleQueue", Some(timeout)))
     }
 
@@ -85,7 +86,12 @@ impl<T: Serialize + DeserializeOwned> SimpleQueue<T> {
     /// # Errors
     /// As [`get`](Self::get).
     pub fn try_get(&self) -> Result<Option<T>> {
-        self.channel.try_get()
+        self.channel.try_get(&|| self.others_here())
+    }
+
+    /// Whether another handle of this queue exists in this process.
+    fn others_here(&self) -> bool {
+        Arc::strong_count(&self.channel) > 1
     }
 
     /// Whether no item is waiting right now (another process may put or get at once).

@@ -3,20 +3,30 @@
 //!
 //! # Safety
 //!
-//! No unsafe code.
+//! One `fcntl(F_OFD_GETLK/F_OFD_SETLK)` through libc, on an fd that is valid for the
+//! call, with a pointer to a live, fully initialised `struct flock`.
 //!
-//! A lease file is an empty memfd. Every holder (a process that maps the resource, a
-//! message in flight naming it) has an open file description of its own on that file,
-//! made by re-opening it through `/proc/self/fd`, with a shared `flock` on it. The
-//! resource's owner keeps the original description, which holds no lock: an exclusive,
-//! non-blocking `flock` on it succeeds exactly when no holder is left. The kernel drops
-//! a description's lock when its last fd closes — a holder dropping the resource, a
-//! message that is never received being closed with its socket, a holder being
-//! SIGKILLed — so a dead holder can never pin the resource.
+//! Two shapes, both on an empty memfd (the lease file) and both released by the kernel
+//! when the last fd of a description closes — a holder dropping the resource, a message
+//! that is never received being closed with its socket, a holder being SIGKILLed — so
+//! a dead holder can never pin anything:
 //!
-//! Invariant: a new lease is only made from an fd of a description that is already a
-//! lease, or by the owner; so once the owner sees no holder, none can appear until the
-//! owner hands the resource out again.
+//! - **Owner and holders** ([`create`], [`take`], [`is_unheld`]). Every holder (a
+//!   process that maps the resource, a message in flight naming it) has an open file
+//!   description of its own on that file, made by re-opening it through
+//!   `/proc/self/fd`, with a shared `flock` on it. The resource's owner keeps the
+//!   original description, which holds no lock: an exclusive, non-blocking `flock` on it
+//!   succeeds exactly when no holder is left. Invariant: a new lease is only made from
+//!   an fd of a description that is already a lease, or by the owner; so once the owner
+//!   sees no holder, none can appear until the owner hands the resource out again.
+//! - **Peers** ([`create_peer`], [`another_peer`], [`others_hold`]), for a resource
+//!   with no owner (a queue: every holder is alike). Each peer's description holds an
+//!   open-file-description read lock (`F_OFD_SETLK`) on byte 0. A peer asks whether any
+//!   *other* description holds one with `F_OFD_GETLK` for a write lock from its own
+//!   description: its own read lock never conflicts with that, every other peer's does.
+//!   The question takes nothing and changes nothing, so two peers asking at once cannot
+//!   mislead each other (a `flock` upgrade would drop the asker's lock first). The
+//!   same invariant holds: a new peer is only made from a peer's description.
 
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 
@@ -54,6 +64,78 @@ pub(crate) fn is_unheld(owner: BorrowedFd<'_>) -> bool {
     }
 }
 
+/// A new lease file for a resource with no owner, with the creator's peer lease on it
+/// (the returned description).
+pub(crate) fn create_peer(name: &str) -> Result<OwnedFd> {
+    let fd = super::memfd::create(name, 0)?;
+    hold_peer(fd.as_fd())?;
+    Ok(fd)
+}
+
+/// A new peer lease on the file `peer` refers to (for a message that carries the
+/// resource, whose receiver adopts it): a description of its own, read-locked.
+pub(crate) fn another_peer(peer: BorrowedFd<'_>) -> Result<OwnedFd> {
+    let path = format!("/proc/self/fd/{}", peer.as_raw_fd());
+    let fd = rustix::fs::open(&path, OFlags::RDONLY | OFlags::CLOEXEC, Mode::empty())
+        .map_err(|e| Error::os(format!("re-opening a lease file ({path})"), e))?;
+    hold_peer(fd.as_fd())?;
+    Ok(fd)
+}
+
+/// Makes the description `fd` refers to a peer lease (a received one already is: this
+/// makes sure, whatever the sender did). Taking it again changes nothing. The file
+/// must be a regular file (a lease file is an empty memfd), never a socket or a pipe.
+pub(crate) fn hold_peer(fd: BorrowedFd<'_>) -> Result<()> {
+    let st = rustix::fs::fstat(fd).map_err(|e| Error::os("fstat of a lease file", e))?;
+    if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::RegularFile {
+        return Err(Error::InvalidMessage(
+            "a lease handle is not a regular file (a lease file is an empty memfd)".into(),
+        ));
+    }
+    ofd_lock(fd, libc::F_OFD_SETLK, libc::F_RDLCK as libc::c_short)
+        .map(drop)
+        .map_err(|e| Error::os("taking an open-file-description lock on a lease file", e))
+}
+
+/// Whether a description other than `mine` (a peer lease) holds a peer lease on the
+/// same file: another process's, or one inside a message in flight. `true` when the
+/// kernel cannot tell (the resource is then assumed to be held).
+pub(crate) fn others_hold(mine: BorrowedFd<'_>) -> bool {
+    ofd_lock(mine, libc::F_OFD_GETLK, libc::F_WRLCK as libc::c_short)
+        != Ok(libc::F_UNLCK as libc::c_short)
+}
+
+/// `fcntl(fd, cmd, {type, SEEK_SET, 0, 1})` for an open-file-description lock on byte
+/// 0; returns the `l_type` the kernel leaves (for `F_OFD_GETLK`, `F_UNLCK` when the
+/// lock could be placed).
+fn ofd_lock(
+    fd: BorrowedFd<'_>,
+    cmd: libc::c_int,
+    kind: libc::c_short,
+) -> std::result::Result<libc::c_short, rustix::io::Errno> {
+    // SAFETY: `flock` is plain data; all-zero is a valid value (l_pid must be 0 for
+    // the F_OFD_* commands).
+    let mut lock: libc::flock = unsafe { std::mem::zeroed() };
+    lock.l_type = kind;
+    lock.l_whence = libc::SEEK_SET as libc::c_short;
+    lock.l_start = 0;
+    lock.l_len = 1;
+    loop {
+        // SAFETY: `fd` is valid for the call; `lock` is a live, initialised `flock`
+        // that the kernel reads and (for GETLK) writes.
+        let r = unsafe { libc::fcntl(fd.as_raw_fd(), cmd, &mut lock as *mut libc::flock) };
+        if r != -1 {
+            return Ok(lock.l_type);
+        }
+        let errno = rustix::io::Errno::from_raw_os_error(
+            std::io::Error::last_os_error().raw_os_error().unwrap_or(0),
+        );
+        if errno != rustix::io::Errno::INTR {
+            return Err(errno);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -78,5 +160,27 @@ mod tests {
         let c = take(owner.as_fd()).unwrap();
         drop(c);
         assert!(is_unheld(owner.as_fd()));
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore = "memfds and fcntl")]
+    fn a_peer_sees_other_peers_until_their_descriptions_close() {
+        let a = create_peer("peer-test").unwrap();
+        assert!(!others_hold(a.as_fd()), "alone");
+        let b = another_peer(a.as_fd()).unwrap();
+        assert!(others_hold(a.as_fd()) && others_hold(b.as_fd()));
+        // A duplicate of a description is the same peer: it does not count twice, nor
+        // against itself.
+        let b_dup = b.try_clone().unwrap();
+        drop(b);
+        assert!(others_hold(a.as_fd()), "the duplicate keeps b's lease");
+        assert!(!others_hold(b_dup.as_fd()) || others_hold(a.as_fd()));
+        drop(b_dup);
+        assert!(!others_hold(a.as_fd()), "b's last fd closed");
+        // Asking took nothing: a new peer still sees a as held, and a sees it.
+        let c = another_peer(a.as_fd()).unwrap();
+        assert!(others_hold(c.as_fd()) && others_hold(a.as_fd()));
+        drop(a);
+        assert!(!others_hold(c.as_fd()));
     }
 }
