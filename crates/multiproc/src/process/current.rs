@@ -8,7 +8,7 @@
 //! exited once it is reaped, so a recycled pid is never reported as ours.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Weak};
 
 use crate::sys::process as sys;
 
@@ -37,11 +37,12 @@ pub struct ChildProcess {
     pub name: String,
 }
 
-static IDENTITY: Mutex<Option<(usize, String)>> = Mutex::new(None);
+static IDENTITY: crate::sys::fork_local::ForkLocal<Option<(usize, String)>> =
+    crate::sys::fork_local::ForkLocal::new();
 
 /// Records the rank and name of this worker process.
 pub(crate) fn set_identity(rank: usize, name: String) {
-    *IDENTITY.lock().unwrap_or_else(|p| p.into_inner()) = Some((rank, name));
+    *IDENTITY.lock() = Some((rank, name));
 }
 
 /// The running process: its rank (in a worker), pid and name, like Python's
@@ -55,7 +56,7 @@ pub(crate) fn set_identity(rank: usize, name: String) {
 /// assert_eq!(me.pid, std::process::id() as i32);
 /// ```
 pub fn current_process() -> CurrentProcess {
-    let identity = IDENTITY.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    let identity = IDENTITY.lock().clone();
     let (rank, name) = match identity {
         Some((rank, name)) => (Some(rank), name),
         None => (None, "MainProcess".to_string()),
@@ -91,7 +92,8 @@ impl Registration {
     }
 }
 
-static CHILDREN: Mutex<Vec<Weak<Registration>>> = Mutex::new(Vec::new());
+static CHILDREN: crate::sys::fork_local::ForkLocal<Vec<Weak<Registration>>> =
+    crate::sys::fork_local::ForkLocal::new();
 
 /// Registers a started child; it stays listed while the returned record lives and is
 /// not marked exited.
@@ -102,7 +104,7 @@ pub(crate) fn register(rank: usize, pid: i32, name: String) -> Arc<Registration>
         name,
         exited: AtomicBool::new(false),
     });
-    let mut children = CHILDREN.lock().unwrap_or_else(|p| p.into_inner());
+    let mut children = CHILDREN.lock();
     children.retain(|w| w.strong_count() > 0);
     children.push(Arc::downgrade(&entry));
     entry
@@ -113,7 +115,7 @@ pub(crate) fn register(rank: usize, pid: i32, name: String) -> Arc<Registration>
 /// does not join finished ones: joining stays with their [`Process`](crate::Process) or
 /// [`ProcessContext`](crate::ProcessContext).
 pub fn active_children() -> Vec<ChildProcess> {
-    let mut children = CHILDREN.lock().unwrap_or_else(|p| p.into_inner());
+    let mut children = CHILDREN.lock();
     children.retain(|w| w.strong_count() > 0);
     children
         .iter()

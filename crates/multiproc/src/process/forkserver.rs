@@ -24,7 +24,7 @@
 
 use std::collections::HashMap;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
@@ -109,7 +109,8 @@ impl Client {
 
 /// Held only to look up or replace the client, never across a request: a `Fork`
 /// child made while another thread holds it would find it locked forever.
-static CLIENT: Mutex<Option<Client>> = Mutex::new(None);
+static CLIENT: crate::sys::fork_local::ForkLocal<Option<Client>> =
+    crate::sys::fork_local::ForkLocal::new();
 
 /// How long a request may wait for the server's reply (it forks, so it is quick unless
 /// the machine is in trouble).
@@ -126,9 +127,7 @@ pub fn ensure_forkserver_running() -> Result<()> {
 }
 
 fn lock_client() -> Result<std::sync::MutexGuard<'static, Option<Client>>> {
-    CLIENT
-        .lock()
-        .map_err(|_| Error::InvalidArgument("the fork-server client lock is poisoned".into()))
+    Ok(CLIENT.lock())
 }
 
 /// The request socket of a live server and the server's pid, (re)starting the server

@@ -11,7 +11,6 @@
 //! before the child can have been reaped, so the pidfd names exactly that child.
 
 use std::os::fd::{AsFd, OwnedFd};
-use std::sync::Mutex;
 use std::sync::mpsc::{Receiver, Sender, channel};
 
 use crate::error::{Error, Result};
@@ -49,13 +48,12 @@ struct Request {
 
 /// The launcher of this process. Keyed by pid: a forked child inherits the memory of
 /// the sender but not the thread behind it, so it must start its own.
-static LAUNCHER: Mutex<Option<(i32, Sender<Request>)>> = Mutex::new(None);
+static LAUNCHER: crate::sys::fork_local::ForkLocal<Option<(i32, Sender<Request>)>> =
+    crate::sys::fork_local::ForkLocal::new();
 
 fn launcher() -> Result<Sender<Request>> {
     let me = sys::current_pid();
-    let mut slot = LAUNCHER
-        .lock()
-        .map_err(|_| Error::InvalidArgument("the multiproc launcher lock is poisoned".into()))?;
+    let mut slot = LAUNCHER.lock();
     if let Some((pid, tx)) = slot.as_ref() {
         if *pid == me {
             return Ok(tx.clone());

@@ -28,7 +28,7 @@
 //! what it receives afresh, with references of its own.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::sync::{Arc, Weak};
 
 use super::{Segment, SegmentName};
 use crate::error::Result;
@@ -77,10 +77,11 @@ fn recent_bytes() -> usize {
     super::idle_bytes_limit()
 }
 
-static CACHE: Mutex<Option<MapCache>> = Mutex::new(None);
+static CACHE: crate::sys::fork_local::ForkLocal<Option<MapCache>> =
+    crate::sys::fork_local::ForkLocal::new();
 
 fn with_cache<R>(f: impl FnOnce(&mut MapCache) -> R) -> R {
-    let mut guard = CACHE.lock().unwrap_or_else(PoisonError::into_inner);
+    let mut guard = CACHE.lock();
     let cache = guard.get_or_insert_with(|| MapCache {
         entries: HashMap::new(),
         last: None,

@@ -23,7 +23,7 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::os::fd::{BorrowedFd, OwnedFd};
-use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::sync::{Arc, Weak};
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
@@ -53,7 +53,8 @@ impl fmt::Debug for FileSegment {
 type FileTable = HashMap<(u64, u64), Weak<FileSegment>>;
 
 /// This process's mapped files.
-static FILES: Mutex<Option<FileTable>> = Mutex::new(None);
+static FILES: crate::sys::fork_local::ForkLocal<Option<FileTable>> =
+    crate::sys::fork_local::ForkLocal::new();
 
 impl FileSegment {
     /// Maps an opened file read-only (once per process: the same file mapped twice is
@@ -85,7 +86,7 @@ impl FileSegment {
             )));
         }
         let key = (st.dev, st.ino);
-        let mut guard = FILES.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut guard = FILES.lock();
         let files = guard.get_or_insert_with(HashMap::new);
         if let Some(live) = files.get(&key).and_then(Weak::upgrade) {
             if claimed > live.len() as u64 {

@@ -44,7 +44,7 @@
 //! refers to those bytes.
 
 use std::collections::VecDeque;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 
 use super::Segment;
 use super::reference::BlockUse;
@@ -110,7 +110,8 @@ struct Pools {
     named: Pool,
 }
 
-static POOLS: Mutex<Option<Pools>> = Mutex::new(None);
+static POOLS: crate::sys::fork_local::ForkLocal<Option<Pools>> =
+    crate::sys::fork_local::ForkLocal::new();
 
 /// The largest storage carved from an arena (for tests elsewhere in the crate).
 #[cfg(test)]
@@ -132,7 +133,7 @@ fn release(block: Arc<Segment>) {
 /// Runs `f` on this process's pool for `strategy`.
 fn with_pool<R>(strategy: SharingStrategy, f: impl FnOnce(&mut Pool) -> R) -> R {
     let pid = crate::sys::process::cached_pid();
-    let mut guard = POOLS.lock().unwrap_or_else(PoisonError::into_inner);
+    let mut guard = POOLS.lock();
     let pools = match guard.as_mut() {
         Some(p) if p.pid == pid => p,
         _ => {
@@ -192,7 +193,7 @@ fn release_idle_of(strategy: SharingStrategy) -> usize {
 /// handler). Never waits for the pool's lock: a process that ends while another thread
 /// holds it leaves the names to the shm manager.
 pub(crate) fn unpool_named_before_exit() {
-    let Ok(guard) = POOLS.try_lock() else {
+    let Some(guard) = POOLS.try_lock() else {
         return;
     };
     if let Some(pools) = guard.as_ref() {

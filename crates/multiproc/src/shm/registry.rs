@@ -15,7 +15,6 @@
 use std::collections::HashSet;
 use std::io::Read;
 use std::os::fd::{AsFd, OwnedFd};
-use std::sync::{LazyLock, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use super::name::{SegmentName, remove_names_of};
@@ -34,20 +33,18 @@ const SEND_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long a starting manager has to report that it listens.
 const START_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// This process's connection to its tree's manager and the names it holds (a `fork`
+/// child starts with neither: see `sys::fork_local`).
+#[derive(Default)]
 struct Client {
     sock: Option<OwnedFd>,
     live: HashSet<SegmentName>,
 }
 
-static CLIENT: LazyLock<Mutex<Client>> = LazyLock::new(|| {
-    Mutex::new(Client {
-        sock: None,
-        live: HashSet::new(),
-    })
-});
+static CLIENT: crate::sys::fork_local::ForkLocal<Client> = crate::sys::fork_local::ForkLocal::new();
 
 fn lock() -> std::sync::MutexGuard<'static, Client> {
-    CLIENT.lock().unwrap_or_else(PoisonError::into_inner)
+    CLIENT.lock()
 }
 
 /// Tells the manager (starting it if needed) about `name` before the segment exists,

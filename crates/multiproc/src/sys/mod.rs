@@ -21,6 +21,7 @@ pub(crate) mod abstract_socket;
 pub(crate) mod cuda_driver;
 pub(crate) mod daemon;
 pub(crate) mod fd_limit;
+pub(crate) mod fork_local;
 // Used by the `cuda` feature's memory (tested either way).
 pub(crate) mod file_map;
 pub(crate) mod fs;

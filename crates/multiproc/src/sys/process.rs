@@ -325,25 +325,42 @@ pub(crate) fn current_tid() -> u32 {
 /// parent's pid. A child made by a raw `clone` system call, bypassing libc, would; none
 /// is made here.
 pub(crate) fn cached_pid() -> u32 {
-    static REGISTER: std::sync::Once = std::sync::Once::new();
     let cached = CACHED_PID.load(std::sync::atomic::Ordering::Relaxed);
     if cached != 0 {
         return cached;
     }
-    REGISTER.call_once(|| {
-        // SAFETY: registers a handler that only stores to an atomic, which is
-        // async-signal-safe as the child side of fork requires.
-        let _ = unsafe { libc::pthread_atfork(None, None, Some(forget_cached_pid)) };
-    });
+    watch_forks();
     let pid = std::process::id();
     CACHED_PID.store(pid, std::sync::atomic::Ordering::Relaxed);
     pid
 }
 
-static CACHED_PID: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+/// How many `fork`s separate this process from the first process of its line that
+/// asked (0 there; a `fork` child sees one more than its parent did). Process-local
+/// state keyed by it is rebuilt in a child (see `fork_local`), which would otherwise
+/// inherit mutexes that other threads of its parent held at the fork, and hang.
+pub(crate) fn fork_generation() -> u64 {
+    watch_forks();
+    FORK_GENERATION.load(std::sync::atomic::Ordering::Acquire)
+}
 
-extern "C" fn forget_cached_pid() {
+/// Registers (once) the `fork` child handler that forgets the cached pid and counts the
+/// fork.
+fn watch_forks() {
+    static REGISTER: std::sync::Once = std::sync::Once::new();
+    REGISTER.call_once(|| {
+        // SAFETY: registers a handler that only stores to atomics, which is
+        // async-signal-safe as the child side of fork requires.
+        let _ = unsafe { libc::pthread_atfork(None, None, Some(after_fork_in_child)) };
+    });
+}
+
+static CACHED_PID: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+static FORK_GENERATION: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+extern "C" fn after_fork_in_child() {
     CACHED_PID.store(0, std::sync::atomic::Ordering::Relaxed);
+    FORK_GENERATION.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
 }
 
 /// The start time of process `pid` (clock ticks since boot, `/proc/<pid>/stat` field

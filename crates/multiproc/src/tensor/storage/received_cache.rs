@@ -3,7 +3,7 @@
 //! survives a round trip).
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::sync::{Arc, Weak};
 
 use super::Storage;
 use super::backing::StorageInner;
@@ -37,10 +37,11 @@ impl StorageCache {
     }
 }
 
-static STORAGES: Mutex<Option<StorageCache>> = Mutex::new(None);
+static STORAGES: crate::sys::fork_local::ForkLocal<Option<StorageCache>> =
+    crate::sys::fork_local::ForkLocal::new();
 
 pub(super) fn with_storage_cache<R>(f: impl FnOnce(&mut StorageCache) -> R) -> R {
-    let mut guard = STORAGES.lock().unwrap_or_else(PoisonError::into_inner);
+    let mut guard = STORAGES.lock();
     f(guard.get_or_insert_with(|| StorageCache {
         entries: HashMap::new(),
         sweep_at: 64,

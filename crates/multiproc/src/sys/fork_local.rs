@@ -1,0 +1,135 @@
+//! Process-local state that a `fork` child rebuilds instead of inheriting.
+//!
+//! # Safety
+//!
+//! Dereferences a pointer that came from `Box::into_raw` and is never freed (a slot
+//! lives for the rest of the process), so it is valid for `'static`.
+//!
+//! A child forked from a multithreaded parent holds copies of the parent's mutexes in
+//! whatever state the parent's *other* threads left them: one that another thread held
+//! at the fork stays locked in the child forever, and the child's first put or get
+//! hangs on it. And what those mutexes guard (the map cache, the pools of blocks this
+//! process recycles, its connection to the shm manager, its launcher thread) belongs
+//! to the parent anyway. A [`ForkLocal`] therefore keys its state by the fork
+//! generation (`process::fork_generation`, counted by an atfork handler): the first use
+//! in a new generation puts a fresh, default value in a new slot, and the parent's
+//! slot is left untouched (it may be locked, and its contents are the parent's) and
+//! never freed: one small leak per fork generation that uses it, never a hang.
+
+use std::ptr;
+use std::sync::atomic::{AtomicPtr, Ordering};
+use std::sync::{Mutex, MutexGuard, PoisonError, TryLockError};
+
+use super::process::fork_generation;
+
+/// A `Mutex<T>` whose value a `fork` child starts afresh (`T::default()`).
+pub(crate) struct ForkLocal<T> {
+    slot: AtomicPtr<Slot<T>>,
+}
+
+struct Slot<T> {
+    generation: u64,
+    value: Mutex<T>,
+}
+
+impl<T: Default> ForkLocal<T> {
+    /// An empty state; the value is made on first use.
+    pub(crate) const fn new() -> Self {
+        Self {
+            slot: AtomicPtr::new(ptr::null_mut()),
+        }
+    }
+
+    /// Locks this process's value (a poisoned lock is taken over: the value is plain
+    /// bookkeeping that every user keeps consistent between calls).
+    pub(crate) fn lock(&'static self) -> MutexGuard<'static, T> {
+        self.current()
+            .value
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Locks this process's value if no other thread holds it.
+    pub(crate) fn try_lock(&'static self) -> Option<MutexGuard<'static, T>> {
+        match self.current().value.try_lock() {
+            Ok(guard) => Some(guard),
+            Err(TryLockError::Poisoned(p)) => Some(p.into_inner()),
+            Err(TryLockError::WouldBlock) => None,
+        }
+    }
+
+    fn current(&'static self) -> &'static Slot<T> {
+        let generation = fork_generation();
+        let mut seen = self.slot.load(Ordering::Acquire);
+        loop {
+            // SAFETY: a non-null slot came from `Box::into_raw` below and is never
+            // freed (see the module docs), so it is valid for 'static.
+            if let Some(slot) = unsafe { seen.as_ref() } {
+                if slot.generation == generation {
+                    return slot;
+                }
+            }
+            let fresh = Box::into_raw(Box::new(Slot {
+                generation,
+                value: Mutex::new(T::default()),
+            }));
+            match self
+                .slot
+                .compare_exchange(seen, fresh, Ordering::AcqRel, Ordering::Acquire)
+            {
+                // The old slot (the parent's) is left as it is: it may be locked.
+                // SAFETY: `fresh` came from `Box::into_raw` just above and is never
+                // freed.
+                Ok(_) => return unsafe { &*fresh },
+                Err(now) => {
+                    // Another thread of this process installed one first.
+                    // SAFETY: `fresh` was never shared: take it back and drop it.
+                    drop(unsafe { Box::from_raw(fresh) });
+                    seen = now;
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    static STATE: ForkLocal<Vec<u32>> = ForkLocal::new();
+
+    #[test]
+    #[cfg_attr(miri, ignore = "fork")]
+    fn a_fork_child_starts_afresh_even_when_another_thread_holds_the_lock() {
+        STATE.lock().push(1);
+        // Another thread holds the lock across the fork.
+        let (held_tx, held_rx) = std::sync::mpsc::channel();
+        let (release_tx, release_rx) = std::sync::mpsc::channel::<()>();
+        let holder = std::thread::spawn(move || {
+            let guard = STATE.lock();
+            held_tx.send(()).unwrap();
+            release_rx.recv().unwrap();
+            drop(guard);
+        });
+        held_rx.recv().unwrap();
+        // SAFETY: the child only touches `STATE` (a fresh slot: an allocation, which
+        // glibc makes fork-safe) and calls `_exit`.
+        let pid = unsafe { libc::fork() };
+        if pid == 0 {
+            let fresh = STATE.try_lock().is_some_and(|v| v.is_empty());
+            // SAFETY: `_exit` is async-signal-safe and ends the child at once.
+            unsafe { libc::_exit(if fresh { 0 } else { 1 }) };
+        }
+        assert!(pid > 0, "fork failed");
+        let mut status = 0;
+        // SAFETY: waits for the child just forked, with a valid pointer for its status.
+        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+        release_tx.send(()).unwrap();
+        holder.join().unwrap();
+        assert!(
+            libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+            "the child found the parent's locked or filled state ({status})"
+        );
+        assert_eq!(*STATE.lock(), [1], "the parent keeps its own");
+    }
+}
