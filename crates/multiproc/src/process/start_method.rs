@@ -13,14 +13,18 @@ use crate::error::Error;
 /// | method | how | use it when |
 /// |---|---|---|
 /// | `Spawn` (default) | re-executes this program (`/proc/self/exe`) | always safe; ~1 ms per worker |
-/// | `Fork` | `fork()` of this process | the parent is single-threaded, or its threads hold no locks the worker needs |
+/// | `Fork` | `fork()` of this process | the worker needs no lock of the parent's own code or of other crates that another thread may hold |
 /// | `Forkserver` | `fork()` of a single-threaded server started on first use | many short workers from a multithreaded parent |
 ///
 /// With `Fork`, the child is a copy of a possibly multithreaded parent that contains only
-/// the forking thread: a lock another thread held at that moment (stdout, a logger, a
-/// user `Mutex`) stays locked forever in the child. The child also inherits every open
-/// fd of the parent. `Spawn` and `Forkserver` have neither problem; the worker function
-/// and its arguments are the same for all three.
+/// the forking thread: a lock another thread held at that moment stays locked forever
+/// in the child. multiproc's own process-wide state (its map cache, block pools,
+/// manager connection, launcher) is rebuilt in a fork child, so its queues, tensors
+/// and workers work there whatever the parent's threads were doing
+/// (`tests/fork_safety.rs`); a lock of yours or of another crate (stdout, a logger, a
+/// user `Mutex`) is not. The child also inherits every open fd of the parent. `Spawn`
+/// and `Forkserver` have neither problem; the worker function and its arguments are the
+/// same for all three.
 ///
 /// The fork server is started on first use (or by [`ensure_forkserver_running`](crate::ensure_forkserver_running)) and
 /// lives as long as this process; `ps` shows it as `multiproc-fsrv`.
