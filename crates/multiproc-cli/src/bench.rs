@@ -9,6 +9,7 @@
 //! | `small` | as `fresh`, with 64 f32 (256 bytes) per tensor: the per-message cost | 256 B (20,000) | tensors/s |
 //! | `ping` | the parent `put`s one shared tensor, the worker sends it straight back, the parent `get`s it: a round trip of the same storage | 4 KiB and 64 MiB (2,000 each) | µs per round trip |
 //! | `spawn` | `multiproc::spawn` of 4 no-op workers and their join, after one warm-up | 4 workers (median of 10) | seconds |
+//! | `memory` | 8 workers each `put` 50 fresh 64 MiB tensors (scaled) on one queue and exit; the parent `get`s and drops each, then holds the queue, idle | 8 × 50 × 64 MiB | the machine's committed shared memory (`Shmem`) before, at the end of the burst, and every 100 ms for 2 s after (one row each) |
 //! | `disconnect` | a worker holds the parent's queue; the parent waits in `get` on it, empty; the worker drops the queue, says so through a pipe, and exits; the time from that word to the parent's `Error::Disconnected` | median of 20 | seconds |
 //!
 //! Every scenario but `spawn` starts its worker first and waits for it to say it is
@@ -241,6 +242,70 @@ fn spawn4(runs: u64) -> multiproc::Result<Figure> {
     })
 }
 
+/// Of `memory`: `count` fresh 64 MiB tensors, then exit.
+fn burst_producer(_rank: usize, (q, count): (Queue<Msg>, u64)) -> multiproc::Result<()> {
+    for _ in 0..count {
+        let t = Tensor::empty_shared(&[16 << 20], DType::F32)?;
+        t.fill_(1.0)?;
+        q.put(Msg::Tensor(t))?;
+    }
+    Ok(())
+}
+
+/// The machine's committed shared memory (`Shmem` of `/proc/meminfo`), in bytes.
+fn shmem_bytes() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|text| {
+            text.lines()
+                .find_map(|l| l.strip_prefix("Shmem:"))
+                .and_then(|v| v.trim().strip_suffix("kB"))
+                .and_then(|v| v.trim().parse::<u64>().ok())
+        })
+        .map_or(0, |kb| kb << 10)
+}
+
+/// The burst-then-idle curve: committed shared memory before the burst (`seconds`
+/// -1), at its end (0), and every 100 ms for 2 s after, with the queue still held.
+fn memory(strategy: SharingStrategy, per_worker: u64) -> multiproc::Result<Vec<Figure>> {
+    const WORKERS: usize = 8;
+    let sample = |seconds: f64, count: u64| Figure {
+        scenario: "memory",
+        strategy: Some(strategy.to_string()),
+        bytes: Some(shmem_bytes()),
+        count,
+        per_s: None,
+        gb_s: None,
+        us_per_roundtrip: None,
+        seconds,
+        implementation: "multiproc",
+    };
+    let mut curve = vec![sample(-1.0, 0)];
+    let q = Queue::<Msg>::with_capacity(4)?;
+    let mut ctx = multiproc::start_processes(
+        burst_producer,
+        (q.clone(), per_worker),
+        WORKERS,
+        StartMethod::Spawn,
+    )?;
+    let total = per_worker * WORKERS as u64;
+    for _ in 0..total {
+        if let Msg::Tensor(t) = q.get()? {
+            drop(t);
+        }
+    }
+    ctx.join(Some(Duration::from_secs(60)))?;
+    let end = Instant::now();
+    curve.push(sample(0.0, total));
+    for i in 1..=20u32 {
+        let at = end + Duration::from_millis(100) * i;
+        std::thread::sleep(at.saturating_duration_since(Instant::now()));
+        curve.push(sample(end.elapsed().as_secs_f64(), total));
+    }
+    drop(q);
+    Ok(curve)
+}
+
 /// The median time from the last other holder letting go of a queue to a waiting
 /// `get`'s `Error::Disconnected`, over `runs`.
 fn disconnect(runs: u64) -> multiproc::Result<Figure> {
@@ -352,6 +417,16 @@ pub fn run(plan: &Plan, mut report: impl FnMut(&Figure)) -> multiproc::Result<Ve
     if wanted("disconnect") {
         record(disconnect(scaled(20))?, &mut figures);
     }
+    // Only when asked for: it moves 25 GiB through the queue at `--scale 1`.
+    if plan.only.iter().any(|o| o == "memory") {
+        for &strategy in &strategies {
+            multiproc::set_sharing_strategy(strategy);
+            for f in memory(strategy, scaled(50))? {
+                record(f, &mut figures);
+            }
+        }
+        multiproc::set_sharing_strategy(SharingStrategy::FileDescriptor);
+    }
     Ok(figures)
 }
 
@@ -418,11 +493,22 @@ pub fn header() -> String {
 
 /// One table row for a figure.
 pub fn row(f: &Figure) -> String {
-    let size = f.bytes.map_or("-".to_string(), human);
+    let size = if f.scenario == "memory" {
+        "64 MiB".to_string()
+    } else {
+        f.bytes.map_or("-".to_string(), human)
+    };
     let value = if let Some(us) = f.us_per_roundtrip {
         format!("{us:>12.2} us/roundtrip")
     } else if f.scenario == "spawn" {
         format!("{:>12.1} ms for 4", f.seconds * 1e3)
+    } else if f.scenario == "memory" {
+        let when = if f.seconds < 0.0 {
+            "before the burst".to_string()
+        } else {
+            format!("+{:.1} s", f.seconds)
+        };
+        format!("{:>9} MiB committed  {when}", f.bytes.unwrap_or(0) >> 20)
     } else if f.scenario == "disconnect" {
         format!("{:>12.1} ms after the last holder left", f.seconds * 1e3)
     } else {

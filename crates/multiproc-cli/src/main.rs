@@ -34,7 +34,8 @@ enum Command {
         /// Scale every count by this factor (0.1 for a quick look).
         #[arg(long, default_value_t = 1.0)]
         scale: f64,
-        /// Run only these scenarios (fresh, small, ping, spawn, disconnect); repeatable.
+        /// Run only these scenarios (fresh, small, ping, spawn, disconnect; memory, the
+        /// burst-then-idle curve, runs only when named); repeatable.
         #[arg(long = "scenario")]
         only: Vec<String>,
         /// Only this sharing strategy (file_descriptor or file_system).

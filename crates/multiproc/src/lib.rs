@@ -479,6 +479,8 @@ pub mod dist;
 #[cfg(target_os = "linux")]
 mod error;
 #[cfg(target_os = "linux")]
+mod idle;
+
 mod manager;
 #[cfg(target_os = "linux")]
 mod pool;

@@ -179,6 +179,8 @@ impl Channel {
     /// `wire::Decoder::adopted`), so that each is given back once however many tries
     /// the packet takes.
     pub(crate) fn decode<T: DeserializeOwned>(&self, mut packet: Packet) -> Result<T> {
+        // Once this holder goes quiet, the custody is swept of dead blocks.
+        self.custody.wake_idle_job();
         if !packet.fds.is_empty() {
             return custody::scope(self.custody_handle(), || wire::decode(packet));
         }
@@ -229,7 +231,9 @@ impl Channel {
     /// Encodes `item` for [`send`](Self::send), without sending it.
     pub(crate) fn encode<T: Serialize>(&self, item: &T) -> Result<wire::Encoded> {
         self.check_open("put")?;
-        custody::scope(self.custody_handle(), || wire::encode(item))
+        let encoded = custody::scope(self.custody_handle(), || wire::encode(item));
+        self.custody.wake_idle_job();
+        encoded
     }
 
     /// Sends a message made by [`encode`](Self::encode), waiting for room until the

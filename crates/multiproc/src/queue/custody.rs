@@ -23,6 +23,14 @@
 //! block can never be named again (only storages on it can be sent, and only its
 //! creator hands out storages, when it still pools it), so no message can need it.
 //!
+//! **Idle sweeps.** A queue that goes quiet would keep its entries — and their blocks'
+//! memory — until the next publication passes a threshold, which may never come (the
+//! producers have exited). So a holder that publishes or takes from the custody wakes
+//! an idle job (see `crate::idle`): once the custody has been quiet for
+//! [`QUIET_TICKS`] ticks it sweeps, and again each tick (at most
+//! [`IDLE_SWEEPS`] times) while entries are left, since the blocks' creators let them go
+//! on their own idle ticks.
+//!
 //! Each process remembers which blocks it has put into this custody (a `Weak` per
 //! block, so a block freed and an inode number reused are told apart) and puts a block
 //! in once.
@@ -50,6 +58,10 @@ const SWEEP_BYTES: u64 = 512 << 20;
 const LOCK_WAIT: Duration = Duration::from_secs(10);
 /// The bytes of one entry: device and inode.
 const ENTRY_LEN: usize = 16;
+/// Ticks of the idle thread without a publication or a lookup before a sweep.
+const QUIET_TICKS: u32 = 2;
+/// Most sweeps of one quiet period.
+const IDLE_SWEEPS: u32 = 10;
 
 /// The custody of one channel (see the module docs).
 pub(crate) struct Custody {
@@ -61,6 +73,10 @@ pub(crate) struct Custody {
     published: Mutex<Published>,
     /// When to sweep next: entries, bytes.
     sweep_at: Mutex<(u32, u64)>,
+    /// Publications and lookups so far (the idle job tells a quiet custody by it).
+    activity: AtomicU64,
+    /// Whether this value's idle job is registered.
+    idle_job: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for Custody {
@@ -112,6 +128,8 @@ impl Custody {
             rx,
             published: Mutex::new(Published::default()),
             sweep_at: Mutex::new((SWEEP_ENTRIES, SWEEP_BYTES)),
+            activity: AtomicU64::new(0),
+            idle_job: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -223,6 +241,45 @@ impl Custody {
         Ok(None)
     }
 
+    /// Makes sure the idle job sweeps this custody once it goes quiet (see the module
+    /// docs), when it holds entries. Cheap when the job runs already.
+    pub(crate) fn wake_idle_job(self: &Arc<Self>) {
+        if self.entries().load(Ordering::Relaxed) == 0
+            || self.idle_job.load(Ordering::Relaxed)
+            || self.idle_job.swap(true, Ordering::AcqRel)
+        {
+            return;
+        }
+        let custody = Arc::downgrade(self);
+        crate::idle::wake(Arc::as_ptr(self) as usize, move || {
+            let (mut seen, mut quiet, mut sweeps) = (u64::MAX, 0u32, 0u32);
+            Box::new(move || {
+                let Some(custody) = custody.upgrade() else {
+                    return false;
+                };
+                let activity = custody.activity.load(Ordering::Relaxed);
+                if activity != seen {
+                    (seen, quiet) = (activity, 0);
+                    return true;
+                }
+                quiet += 1;
+                if quiet >= QUIET_TICKS {
+                    if let Ok(_held) = custody.hold() {
+                        if let Err(e) = custody.sweep() {
+                            tracing::debug!("an idle sweep of a queue's block custody failed: {e}");
+                        }
+                    }
+                    sweeps += 1;
+                }
+                let more = custody.entries().load(Ordering::Acquire) > 0 && sweeps < IDLE_SWEEPS;
+                if !more {
+                    custody.idle_job.store(false, Ordering::Release);
+                }
+                more
+            })
+        });
+    }
+
     /// Drops duplicates and dead blocks (see the module docs). Lock held.
     fn sweep(&self) -> Result<()> {
         let mut seen = HashSet::new();
@@ -252,6 +309,7 @@ impl Custody {
 
 impl BlockCustody for Custody {
     fn publish(&self, block: &Arc<Segment>) -> bool {
+        self.activity.fetch_add(1, Ordering::Relaxed);
         let (Some((dev, ino)), Some(fd)) = (block.inode(), block.shared_fd()) else {
             return false;
         };
@@ -297,6 +355,7 @@ impl BlockCustody for Custody {
     }
 
     fn find(&self, dev: u64, ino: u64) -> Result<Option<OwnedFd>> {
+        self.activity.fetch_add(1, Ordering::Relaxed);
         let _held = self.hold()?;
         self.rotate(|d, i, _| (d, i) == (dev, ino), |_, _, _| true)
     }

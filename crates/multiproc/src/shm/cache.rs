@@ -68,6 +68,41 @@ struct MapCache {
     sweep_at: usize,
     /// Received segments kept mapped, most recent last.
     recent: VecDeque<Arc<Segment>>,
+    /// Segments kept so far (the idle job tells a quiet receiver by it).
+    retained: u64,
+}
+
+/// Ticks of the idle thread without a received segment after which the kept ones are
+/// let go.
+const QUIET_TICKS: u32 = 2;
+
+/// The idle job of the retention list: lets every kept segment go once no segment has
+/// been received for [`QUIET_TICKS`] ticks; runs as long as the list holds any.
+fn decay_job() -> Box<dyn FnMut() -> bool + Send> {
+    let (mut seen, mut quiet) = (u64::MAX, 0u32);
+    Box::new(move || {
+        let flushed: Vec<Arc<Segment>> = {
+            let mut guard = CACHE.lock();
+            let Some(cache) = guard.as_mut() else {
+                return false;
+            };
+            if cache.recent.is_empty() {
+                return false;
+            }
+            if cache.retained != seen {
+                (seen, quiet) = (cache.retained, 0);
+                return true;
+            }
+            quiet += 1;
+            if quiet < QUIET_TICKS {
+                return true;
+            }
+            cache.recent.drain(..).collect()
+        };
+        // Dropped outside the cache lock: the last reference unmaps and closes.
+        drop(flushed);
+        false
+    })
 }
 
 /// How many received segments stay mapped after their last tensor is dropped.
@@ -87,6 +122,7 @@ fn with_cache<R>(f: impl FnOnce(&mut MapCache) -> R) -> R {
         last: None,
         sweep_at: 64,
         recent: VecDeque::new(),
+        retained: 0,
     });
     f(cache)
 }
@@ -117,8 +153,13 @@ impl MapCache {
         {
             return evicted;
         }
+        self.retained += 1;
         if self.recent.back().is_some_and(|s| Arc::ptr_eq(s, segment)) {
             return evicted;
+        }
+        if self.recent.is_empty() {
+            // The list holds a segment from now on: its idle job must run.
+            crate::idle::wake(std::ptr::addr_of!(CACHE) as usize, decay_job);
         }
         if let Some(i) = self.recent.iter().position(|s| Arc::ptr_eq(s, segment)) {
             evicted.extend(self.recent.remove(i));

@@ -38,6 +38,13 @@
 //! `/dev/shm`: idle ones are kept up to a quarter of its size, and a creation that finds
 //! it full lets every idle one go and tries again once.
 //!
+//! **Decay.** A process that stops allocating lets its idle blocks go: when the pools
+//! have seen no allocation for [`QUIET_TICKS`] ticks of the idle thread (see
+//! `crate::idle`), every block nobody uses is released, so an idle process keeps no
+//! shared memory it does not use (a `DataLoader` worker between epochs, a producer
+//! whose consumer has gone quiet). Busy processes never see it: the blocks they cycle
+//! through are handed out again long before.
+//!
 //! Invariant: blocks are only handed out by the process that created them (a `fork`
 //! child starts its own recycler), so two processes never hand out the same bytes; and a
 //! block is handed out again only when its uses are 0, so no storage anywhere still
@@ -108,7 +115,12 @@ struct Pools {
     pid: u32,
     fd: Pool,
     named: Pool,
+    /// Allocations so far (the idle job tells a quiet pool by it).
+    allocations: u64,
 }
+
+/// Ticks of the idle thread without an allocation after which idle blocks are let go.
+const QUIET_TICKS: u32 = 2;
 
 static POOLS: crate::sys::fork_local::ForkLocal<Option<Pools>> =
     crate::sys::fork_local::ForkLocal::new();
@@ -143,9 +155,11 @@ fn with_pool<R>(strategy: SharingStrategy, f: impl FnOnce(&mut Pool) -> R) -> R 
                 pid,
                 fd: Pool::new(SharingStrategy::FileDescriptor),
                 named: Pool::new(SharingStrategy::FileSystem),
+                allocations: 0,
             })
         }
     };
+    pools.allocations += 1;
     f(match strategy {
         SharingStrategy::FileDescriptor => &mut pools.fd,
         SharingStrategy::FileSystem => &mut pools.named,
@@ -171,6 +185,35 @@ pub(crate) fn allocate(strategy: SharingStrategy, len: usize) -> Result<Slice> {
         }
         other => other,
     }
+}
+
+/// The idle job of the pools (see the module docs): lets the idle blocks go once the
+/// pools have been quiet for [`QUIET_TICKS`] ticks; runs as long as they hold blocks.
+fn decay_job() -> Box<dyn FnMut() -> bool + Send> {
+    let (mut seen, mut quiet) = (u64::MAX, 0u32);
+    Box::new(move || {
+        let (idle, left) = {
+            let mut guard = POOLS.lock();
+            let Some(pools) = guard.as_mut() else {
+                return false;
+            };
+            if pools.allocations != seen {
+                (seen, quiet) = (pools.allocations, 0);
+                return true;
+            }
+            quiet += 1;
+            if quiet < QUIET_TICKS {
+                return true;
+            }
+            let mut idle = pools.fd.take_idle();
+            idle.extend(pools.named.take_idle());
+            let left = pools.fd.blocks().next().is_some() || pools.named.blocks().next().is_some();
+            (idle, left)
+        };
+        // Released outside the pool lock: the last reference unmaps and closes.
+        idle.into_iter().for_each(release);
+        left
+    })
 }
 
 /// Lets go of this process's idle blocks: arenas and large blocks nobody uses; for
@@ -230,6 +273,8 @@ impl Pool {
         if self.strategy == SharingStrategy::FileSystem {
             unpool_named_at_exit_once();
         }
+        // The pools hold a block from now on: their idle job must run.
+        crate::idle::wake(std::ptr::addr_of!(POOLS) as usize, decay_job);
         super::create_block(self.strategy, len)
     }
 
