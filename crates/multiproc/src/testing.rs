@@ -19,3 +19,13 @@ pub fn release_idle_blocks() -> usize {
     }
     crate::shm::release_idle_blocks()
 }
+
+/// Runs `f` while this process holds the lock of `queue`'s block custody: a test makes
+/// a holder that stops (SIGSTOP) inside it. Built with the `fuzzing` feature only.
+#[cfg(feature = "fuzzing")]
+pub fn while_custody_locked<T: serde::Serialize + serde::de::DeserializeOwned, R>(
+    queue: &crate::Queue<T>,
+    f: impl FnOnce() -> R,
+) -> crate::Result<R> {
+    queue.while_custody_locked(f)
+}

@@ -149,6 +149,13 @@ impl<T: Serialize + DeserializeOwned> Queue<T> {
         self.shared.try_get(&|| self.others_here())
     }
 
+    /// Runs `f` while this process holds the lock of the queue's block custody (the
+    /// tests' stopped-holder cases).
+    #[cfg(feature = "fuzzing")]
+    pub(crate) fn while_custody_locked<R>(&self, f: impl FnOnce() -> R) -> Result<R> {
+        self.shared.channel.while_custody_locked(f)
+    }
+
     /// Whether another handle of this queue (or of the joinable queue around it) exists
     /// in this process.
     fn others_here(&self) -> bool {

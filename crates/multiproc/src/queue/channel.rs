@@ -67,6 +67,13 @@ pub(crate) struct Channel {
     others_seen_at: AtomicU64,
 }
 
+/// Whether a decode failed only because the channel's custody stayed busy (its packet
+/// is kept as this process's next message) and the caller's deadline leaves time to try
+/// again. A decode waits for nothing else.
+pub(crate) fn busy_custody_with_time_left(e: &Error, deadline: Deadline) -> bool {
+    e.is_timeout() && deadline.is_none_or(|d| Instant::now() < d)
+}
+
 /// The instant `Channel::others_seen_at` counts from.
 fn epoch() -> Instant {
     static EPOCH: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
@@ -148,9 +155,15 @@ impl Channel {
         others_here: OthersHere<'_>,
     ) -> Result<Option<T>> {
         let _span = tracing::trace_span!("multiproc::get", queue = "SimpleQueue").entered();
-        self.recv(deadline, others_here)?
-            .map(|p| self.decode(p))
-            .transpose()
+        loop {
+            let Some(packet) = self.recv(deadline, others_here)? else {
+                return Ok(None);
+            };
+            match self.decode(packet) {
+                Err(e) if busy_custody_with_time_left(&e, deadline) => continue,
+                other => return other.map(Some),
+            }
+        }
     }
 
     /// Receives one message if one is waiting.
@@ -158,9 +171,11 @@ impl Channel {
         &self,
         others_here: OthersHere<'_>,
     ) -> Result<Option<T>> {
-        self.try_recv(others_here)?
-            .map(|p| self.decode(p))
-            .transpose()
+        match self.try_recv(others_here)?.map(|p| self.decode(p)) {
+            // Kept for the next get: nothing is ready now.
+            Some(Err(Error::Timeout { .. })) => Ok(None),
+            other => other.transpose(),
+        }
     }
 
     /// The block the channel's ring lives in (a queue keeps its counters there too).
@@ -172,12 +187,13 @@ impl Channel {
     /// in the channel's custody).
     ///
     /// A packet without fds that fails with [`Error::FdLimit`] (a block it names had to
-    /// be taken out of custody, with no fd left to take it) is kept, uncounted, as this
-    /// process's next message: like a socket packet whose fds do not fit, it waits for
-    /// fds to be closed instead of being lost. The references its handles adopted
-    /// before the failure are taken once more and kept with it (see
+    /// be taken out of custody, with no fd left to take it) or with [`Error::Timeout`]
+    /// (the custody's lock stayed taken: its holder is stopped — a debugger, Ctrl-Z — or
+    /// slow) is kept, uncounted, as this process's next message: like a socket packet
+    /// whose fds do not fit, it waits instead of being lost. The references its handles
+    /// adopted before the failure are taken once more and kept with it (see
     /// `wire::Decoder::adopted`), so that each is given back once however many tries
-    /// the packet takes.
+    /// the packet takes. [`get`](Self::get) tries again until its deadline.
     pub(crate) fn decode<T: DeserializeOwned>(&self, mut packet: Packet) -> Result<T> {
         // Once this holder goes quiet, the custody is swept of dead blocks.
         self.custody.wake_idle_job();
@@ -206,7 +222,7 @@ impl Channel {
         if let Some(earlier) = earlier {
             earlier.forget();
         }
-        if let Err(Error::FdLimit { .. }) = &result {
+        if let Err(Error::FdLimit { .. } | Error::Timeout { .. }) = &result {
             wire::uncount(&mut packet);
             *self
                 .held_for_retry
@@ -284,6 +300,12 @@ impl Channel {
                 Some(std::time::Instant::now()),
             )
             .unwrap_or(false)
+    }
+
+    /// Runs `f` while this process holds the custody's lock (tests).
+    #[cfg(feature = "fuzzing")]
+    pub(crate) fn while_custody_locked<R>(&self, f: impl FnOnce() -> R) -> Result<R> {
+        self.custody.while_locked(f)
     }
 
     /// The sending socket, for tests that inject raw packets.

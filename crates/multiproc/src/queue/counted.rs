@@ -37,7 +37,7 @@ use std::time::Duration;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use super::channel::{Channel, OthersHere};
+use super::channel::{Channel, OthersHere, busy_custody_with_time_left};
 use crate::error::{Error, PutError, Result};
 use crate::shm::SharedWords;
 use crate::sync::counter::FutexCount;
@@ -217,10 +217,16 @@ impl Shared {
         others_here: OthersHere<'_>,
     ) -> Result<Option<T>> {
         let _span = tracing::trace_span!("multiproc::get", queue = "Queue").entered();
-        // (The channel spins briefly for an item before it sleeps.)
-        let packet = self.channel.recv(deadline, others_here);
-        let taken = self.taken(&packet);
-        self.finish_get(packet, taken)
+        loop {
+            // (The channel spins briefly for an item before it sleeps.)
+            let packet = self.channel.recv(deadline, others_here);
+            let taken = self.taken(&packet);
+            match self.finish_get(packet, taken) {
+                // Kept as this process's next message (uncounted): try again.
+                Err(e) if busy_custody_with_time_left(&e, deadline) => continue,
+                other => return other,
+            }
+        }
     }
 
     pub(super) fn try_get<T: DeserializeOwned>(
@@ -229,7 +235,11 @@ impl Shared {
     ) -> Result<Option<T>> {
         let packet = self.channel.try_recv(others_here);
         let taken = self.taken(&packet);
-        self.finish_get(packet, taken)
+        match self.finish_get(packet, taken) {
+            // Kept for the next get: nothing is ready now.
+            Err(Error::Timeout { .. }) => Ok(None),
+            other => other,
+        }
     }
 
     pub(super) fn task_done_unchecked(&self) {

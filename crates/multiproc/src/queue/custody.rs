@@ -54,8 +54,10 @@ const BYTES: usize = 22;
 /// Sweep thresholds before any sweep has run (see the module docs).
 const SWEEP_ENTRIES: u32 = 64;
 const SWEEP_BYTES: u64 = 512 << 20;
-/// How long a rotation waits for another process's rotation to end.
-const LOCK_WAIT: Duration = Duration::from_secs(10);
+/// How long a rotation waits for another process's rotation to end (its holder may be
+/// stopped: a lookup that gives up keeps its message for another try, see
+/// `Channel::decode`).
+const LOCK_WAIT: Duration = Duration::from_millis(500);
 /// The bytes of one entry: device and inode.
 const ENTRY_LEN: usize = 16;
 /// Ticks of the idle thread without a publication or a lookup before a sweep.
@@ -144,6 +146,14 @@ impl Custody {
 
     fn bytes(&self) -> &AtomicU64 {
         self.block.word64(BYTES)
+    }
+
+    /// Runs `f` with the custody's lock held (tests: a holder that stops while it holds
+    /// the lock).
+    #[cfg(any(test, feature = "fuzzing"))]
+    pub(crate) fn while_locked<R>(&self, f: impl FnOnce() -> R) -> Result<R> {
+        let _held = self.hold()?;
+        Ok(f())
     }
 
     fn hold(&self) -> Result<Held<'_>> {
