@@ -125,7 +125,7 @@ def value(f):
     """The figure that scenario is judged by, and whether higher is better."""
     if f["scenario"] == "ping":
         return f["us_per_roundtrip"], False
-    if f["scenario"] == "spawn":
+    if f["scenario"] in ("spawn", "disconnect"):
         return f["seconds"] * 1e3, False
     return f["per_s"], True
 
@@ -153,7 +153,7 @@ def main():
         "futex", "mp/futex"))
     for f in mine:
         v, higher = value(f)
-        unit = "us/rt" if f["scenario"] == "ping" else "ms" if f["scenario"] == "spawn" else "/s"
+        unit = "us/rt" if f["scenario"] == "ping" else "ms" if f["scenario"] in ("spawn", "disconnect") else "/s"
         t = torch.get((f["scenario"], "file_descriptor" if f.get("strategy") else None, f.get("bytes")))
         tv = value(t)[0] if t else None
         fx = None
