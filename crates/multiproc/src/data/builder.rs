@@ -31,6 +31,8 @@ pub struct DataLoaderBuilder<D, C = DefaultCollate> {
     collate: C,
     order: Order,
     options: Options,
+    /// The rank set by [`rank`](Self::rank), over the sampler's.
+    rank: Option<usize>,
 }
 
 impl<D> DataLoaderBuilder<D, DefaultCollate> {
@@ -41,6 +43,7 @@ impl<D> DataLoaderBuilder<D, DefaultCollate> {
             dataset,
             collate: DefaultCollate,
             order: Order::Sequential,
+            rank: None,
             options: Options {
                 batch_size: 1,
                 drop_last: false,
@@ -52,6 +55,7 @@ impl<D> DataLoaderBuilder<D, DefaultCollate> {
                 restart_workers: false,
                 start_method: StartMethod::Spawn,
                 seed: 0x6d75_6c74_6970_726f,
+                rank: 0,
                 worker_init: None,
                 #[cfg(feature = "progress")]
                 progress: false,
@@ -112,10 +116,18 @@ impl<D, C> DataLoaderBuilder<D, C> {
         self
     }
 
-    /// The base of the workers' seeds ([`WorkerInfo::seed`](super::WorkerInfo) is this
-    /// plus the worker id).
+    /// The base of the workers' seeds: [`WorkerInfo::seed`](super::WorkerInfo) is
+    /// [`worker_seed`](super::worker_seed)`(seed, epoch, rank, worker id)`.
     pub fn seed(mut self, seed: u64) -> Self {
         self.options.seed = seed;
+        self
+    }
+
+    /// This loader's rank among data-parallel ranks, for the workers' seeds
+    /// ([`WorkerInfo::rank`](super::WorkerInfo)); default: the sampler's rank when it
+    /// shards ([`DistributedSampler`](super::DistributedSampler)), else 0.
+    pub fn rank(mut self, rank: usize) -> Self {
+        self.rank = Some(rank);
         self
     }
 
@@ -160,6 +172,7 @@ impl<D, C> DataLoaderBuilder<D, C> {
             collate,
             order: self.order,
             options: self.options,
+            rank: self.rank,
         }
     }
 }
@@ -174,7 +187,7 @@ where
     /// # Errors
     /// [`Error::InvalidArgument`] for a batch size or prefetch factor of 0, or a
     /// sampler that would visit an index outside the data set.
-    pub fn build(self) -> Result<DataLoader<D, C>> {
+    pub fn build(mut self) -> Result<DataLoader<D, C>> {
         self.options.check()?;
         let len = self.dataset.len();
         let sampler: Box<dyn Sampler> = match self.order {
@@ -182,6 +195,10 @@ where
             Order::Shuffle(seed) => Box::new(RandomSampler::new(len, seed)),
             Order::Custom(s) => s,
         };
+        self.options.rank = self
+            .rank
+            .or_else(|| sampler.shard().map(|(rank, _)| rank))
+            .unwrap_or(0);
         Ok(DataLoader::new(
             self.dataset,
             self.collate,
@@ -202,8 +219,9 @@ where
     /// [`Error::InvalidArgument`] for a batch size or prefetch factor of 0, or when a
     /// sampler or shuffle was set (a stream has no indices: shuffle inside the data
     /// set, seeded by [`WorkerInfo::seed`](super::WorkerInfo)).
-    pub fn build_iterable(self) -> Result<IterableDataLoader<D, C>> {
+    pub fn build_iterable(mut self) -> Result<IterableDataLoader<D, C>> {
         self.options.check()?;
+        self.options.rank = self.rank.unwrap_or(0);
         if !matches!(self.order, Order::Sequential) {
             return Err(Error::InvalidArgument(
                 "data loader: an iterable data set has no indices to sample or shuffle; \

@@ -23,6 +23,7 @@ use super::batch_plan::{batch_plan, check_in_range, show_indices};
 use super::collate::Collate;
 use super::dataset::Dataset;
 use super::loader::DataLoader;
+use super::state::{Done, LoaderState, MapProgress};
 use super::worker::{Task, load_batch, run_worker};
 use super::worker_set::{Arrival, Sent, WorkerSet};
 use crate::error::{Error, Result};
@@ -36,10 +37,16 @@ where
 {
     loader: &'a mut DataLoader<D, C>,
     epoch: u64,
+    /// This `iter()`'s number: tasks and replies of other runs are not this one's.
+    run: u64,
+    /// The epoch's batches, numbered by their place here.
     plan: Vec<Vec<usize>>,
-    /// The next batch to send to a worker.
+    /// The numbers of the batches this run loads (all of them, but for those a
+    /// resumed state says were yielded), in order.
+    todo: Vec<usize>,
+    /// The next batch (its place in `todo`) to send to a worker.
     next_send: usize,
-    /// With `in_order`, the next batch to yield.
+    /// With `in_order`, the next batch (its place in `todo`) to yield.
     next_yield: usize,
     yielded: usize,
     /// Batches that arrived ahead of `next_yield`.
@@ -61,13 +68,17 @@ where
     pub(super) fn new(
         loader: &'a mut DataLoader<D, C>,
         epoch: u64,
+        run: u64,
         plan: Vec<Vec<usize>>,
+        todo: Vec<usize>,
         #[cfg(feature = "progress")] bar: Option<super::progress::Bar>,
     ) -> Self {
         Epoch {
             loader,
             epoch,
+            run,
             plan,
+            todo,
             next_send: 0,
             next_yield: 0,
             yielded: 0,
@@ -89,6 +100,13 @@ where
         self.loader.worker_pids_inner()
     }
 
+    /// Where the loader stands, counting the batches this epoch has yielded so far:
+    /// the same as [`DataLoader::state_dict`], callable while the epoch borrows the
+    /// loader.
+    pub fn state_dict(&self) -> LoaderState {
+        self.loader.state_dict()
+    }
+
     /// Ends the epoch with `error`: its workers are stopped.
     fn fail(&mut self, error: Error) -> Option<Result<C::Batch>> {
         self.finished = true;
@@ -98,17 +116,19 @@ where
 
     fn yield_batch(&mut self, batch: usize, data: C::Batch) -> Option<Result<C::Batch>> {
         self.yielded += 1;
+        if let Some(p) = self.loader.progress.as_mut() {
+            p.done.mark(batch);
+        }
         #[cfg(feature = "progress")]
         if let Some(bar) = &self.bar {
             bar.batch_done(self.plan[batch].len());
         }
-        let _ = batch;
         Some(Ok(data))
     }
 
     /// The next batch loaded in this process (`num_workers(0)`).
     fn next_in_process(&mut self) -> Option<Result<C::Batch>> {
-        let batch = self.next_yield;
+        let batch = self.todo[self.next_yield];
         self.next_yield += 1;
         let indices = &self.plan[batch];
         if let Err(e) = check_in_range(indices, self.loader.dataset.len()) {
@@ -138,6 +158,7 @@ where
         let o = &self.loader.options;
         let window = o.num_workers * o.prefetch_factor;
         let per_worker = o.prefetch_factor;
+        let epoch = self.epoch;
         if self.loader.workers.is_none() {
             let (dataset, collate) = (&self.loader.dataset, &self.loader.collate);
             let set = WorkerSet::start(o.num_workers, &|id, generation, tasks, results| {
@@ -148,6 +169,7 @@ where
                     o,
                     id,
                     generation,
+                    epoch,
                     tasks,
                     results,
                 )
@@ -171,6 +193,7 @@ where
                 options,
                 id,
                 generation,
+                epoch,
                 tasks,
                 results,
             )
@@ -178,7 +201,7 @@ where
         let Some(set) = workers.as_mut() else {
             return Ok(());
         };
-        while self.next_send < self.plan.len() && self.failed.is_none() {
+        while self.next_send < self.todo.len() && self.failed.is_none() {
             if set.in_flight() + self.ready.len() >= window {
                 break;
             }
@@ -186,12 +209,14 @@ where
                 break;
             };
             set.ensure_alive(id, options.restart_workers, &launch)?;
-            let batch = self.next_send;
+            let batch = self.todo[self.next_send];
             check_in_range(&self.plan[batch], len)?;
             let task = Task {
+                run: self.run,
                 epoch: self.epoch,
                 batch,
                 indices: self.plan[batch].clone(),
+                from: None,
             };
             let retried = false;
             set.send(id, Sent { task, retried })?;
@@ -234,6 +259,7 @@ where
             ..
         } = &mut *self.loader;
         let (dataset, collate, options) = (&*dataset, &*collate, &*options);
+        let epoch = self.epoch;
         let set = workers.as_mut()?;
         let launch = |id, generation, tasks, results| {
             super::worker::launch(
@@ -243,6 +269,7 @@ where
                 options,
                 id,
                 generation,
+                epoch,
                 tasks,
                 results,
             )
@@ -274,10 +301,13 @@ where
         let timeout = self.loader.options.timeout.unwrap_or_default();
         let set = self.loader.workers.as_ref();
         let held = if self.loader.options.in_order {
-            set.and_then(|s| s.holder(self.epoch, self.next_yield))
-                .map(|(w, p)| (w, p, self.next_yield))
+            let next = self.todo.get(self.next_yield).copied();
+            next.and_then(|next| {
+                set.and_then(|s| s.holder(self.run, next))
+                    .map(|(w, p)| (w, p, next))
+            })
         } else {
-            set.and_then(|s| s.oldest(self.epoch))
+            set.and_then(|s| s.oldest(self.run))
                 .map(|(w, p, sent)| (w, p, sent.task.batch))
         };
         match held {
@@ -302,7 +332,7 @@ where
     type Item = Result<C::Batch>;
 
     fn next(&mut self) -> Option<Result<C::Batch>> {
-        if self.finished || self.yielded == self.plan.len() {
+        if self.finished || self.yielded == self.todo.len() {
             self.finished = true;
             return None;
         }
@@ -314,12 +344,11 @@ where
                 return self.fail(e);
             }
             if self.loader.options.in_order {
-                if let Some(data) = self.ready.remove(&self.next_yield) {
-                    let batch = self.next_yield;
+                let next = self.todo[self.next_yield];
+                if let Some(data) = self.ready.remove(&next) {
                     self.next_yield += 1;
-                    return self.yield_batch(batch, data);
+                    return self.yield_batch(next, data);
                 }
-                let next = self.next_yield;
                 if let Some((_, e)) = self.failed.take_if(|(b, _)| *b == next) {
                     return self.fail(e);
                 }
@@ -330,7 +359,7 @@ where
                     "data loader: the workers are gone (this is a multiproc bug)".into(),
                 ));
             };
-            match set.wait(self.epoch, deadline) {
+            match set.wait(self.run, deadline) {
                 Err(e) => return self.fail(e),
                 Ok(None) => {
                     let e = self.timeout_error();
@@ -341,7 +370,7 @@ where
                         "data loader: a map-style worker reported an exhausted iterator".into(),
                     ));
                 }
-                Ok(Some(Arrival::Loaded { batch, data })) => {
+                Ok(Some(Arrival::Loaded { batch, data, .. })) => {
                     if self.loader.options.in_order {
                         self.ready.insert(batch, data);
                     } else {
@@ -373,7 +402,7 @@ where
         let left = if self.finished {
             0
         } else {
-            self.plan.len() - self.yielded
+            self.todo.len() - self.yielded
         };
         (0, Some(left))
     }
@@ -387,7 +416,7 @@ where
     fn drop(&mut self) {
         #[cfg(feature = "progress")]
         if let Some(bar) = self.bar.take() {
-            bar.finish(self.yielded == self.plan.len());
+            bar.finish(self.yielded == self.todo.len());
         }
         if !self.loader.options.persistent_workers {
             self.loader.stop_workers();
@@ -402,23 +431,42 @@ where
 {
     /// One epoch: the batches in sampler order (or as they finish, without
     /// `in_order`). Workers start on the first `next`, unless persistent ones run.
+    ///
+    /// After a [`load_state_dict`](Self::load_state_dict), the epoch is the state's,
+    /// less the batches it says were yielded.
     pub fn iter(&mut self) -> Epoch<'_, D, C> {
-        let epoch = self.next_epoch;
-        self.next_epoch += 1;
+        let run = self.next_run;
+        self.next_run += 1;
+        let (epoch, start, done) = match self.resume.take() {
+            Some(p) => (p.epoch, p.start, p.done),
+            None => (self.next_epoch, 0, Done::default()),
+        };
+        self.next_epoch = epoch + 1;
+        self.dataset.set_epoch(epoch);
         let plan = batch_plan(
-            self.sampler.indices(epoch),
+            self.sampler.indices_from(epoch, start),
             self.options.batch_size,
             self.options.drop_last,
         );
+        let todo: Vec<usize> = (0..plan.len()).filter(|&b| !done.contains(b)).collect();
+        self.progress = Some(MapProgress {
+            epoch,
+            start,
+            batches: plan.len(),
+            samples: plan.iter().map(Vec::len).sum(),
+            done,
+        });
         #[cfg(feature = "progress")]
         let bar = self
             .options
             .progress
-            .then(|| super::progress::Bar::new(plan.len(), epoch));
+            .then(|| super::progress::Bar::new(todo.len(), epoch));
         Epoch::new(
             self,
             epoch,
+            run,
             plan,
+            todo,
             #[cfg(feature = "progress")]
             bar,
         )

@@ -8,6 +8,13 @@
 //! requests this epoch; the epoch ends when every worker is exhausted. A failure ends
 //! the epoch: a fresh worker could not resume its predecessor's stream, so
 //! `restart_workers` does not apply here. There is no sampler, so no `len`.
+//!
+//! Resuming: each reply carries where its worker's stream stands after the batch
+//! (the data set's [`StreamState`]); the loader keeps, per worker, the cursor of the
+//! last batch it *yielded*, and, in order, the worker whose turn comes next. A resumed
+//! run starts each worker's stream from its cursor (`iter_from`), skips those that
+//! ended, and takes up the round-robin at that worker: the batches that follow are
+//! those of the uninterrupted run.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -19,7 +26,8 @@ use serde::de::DeserializeOwned;
 use super::collate::Collate;
 use super::dataset::IterableDataset;
 use super::options::Options;
-use super::worker::{Outcome, Task, next_batch, run_iterable_worker};
+use super::state::{Cursor, EpochState, LoaderState, StreamEpochState, StreamState};
+use super::worker::{Outcome, Task, next_batch, run_iterable_worker, stream_cursor};
 use super::worker_set::{Arrival, STOP_GRACE, Sent, WorkerSet};
 use crate::error::{Error, Result};
 
@@ -31,6 +39,39 @@ pub struct IterableDataLoader<D: IterableDataset, C: Collate<D::Item>> {
     options: Options,
     workers: Option<WorkerSet<C::Batch>>,
     next_epoch: u64,
+    next_run: u64,
+    /// The epoch running or last run: what `state_dict` reports.
+    progress: Option<StreamProgress>,
+    /// Where the next `iter()` resumes, from `load_state_dict`.
+    resume: Option<StreamProgress>,
+}
+
+/// An iterable epoch's standing: per worker, the cursor after its last yielded batch.
+#[derive(Clone, Debug)]
+struct StreamProgress {
+    epoch: u64,
+    cursors: Vec<Cursor>,
+    next_worker: usize,
+    ended: bool,
+}
+
+impl StreamProgress {
+    fn fresh(epoch: u64, streams: usize) -> Self {
+        StreamProgress {
+            epoch,
+            cursors: vec![Cursor::Start; streams],
+            next_worker: 0,
+            ended: false,
+        }
+    }
+
+    /// Worker `worker`'s batch (or its end) was handed over.
+    fn passed(&mut self, worker: usize, cursor: Cursor) {
+        if let Some(c) = self.cursors.get_mut(worker) {
+            *c = cursor;
+        }
+        self.next_worker = (worker + 1) % self.cursors.len().max(1);
+    }
 }
 
 impl<D, C> IterableDataLoader<D, C>
@@ -45,6 +86,9 @@ where
             options,
             workers: None,
             next_epoch: 0,
+            next_run: 0,
+            progress: None,
+            resume: None,
         }
     }
 
@@ -56,27 +100,153 @@ where
             .unwrap_or_default()
     }
 
-    /// Sets the number of the next epoch (passed to [`IterableDataset::iter`]).
+    /// Sets the number of the next epoch (passed to [`IterableDataset::iter`], in
+    /// persistent workers too); it replaces a state loaded and not yet run.
     pub fn set_epoch(&mut self, epoch: u64) {
         self.next_epoch = epoch;
+        self.progress = None;
+        self.resume = None;
     }
 
-    /// One epoch.
+    /// The number of streams: one per worker, or one in this process.
+    fn streams(&self) -> usize {
+        self.options.num_workers.max(1)
+    }
+
+    /// Where the loader stands: the epoch in progress and, per worker, the
+    /// [`StreamState`] its data set reported after its last batch that was yielded
+    /// (batches loading or waiting are not counted), or the next epoch between epochs.
+    /// While an epoch runs, [`IterableEpoch::state_dict`] gives the same.
+    pub fn state_dict(&self) -> LoaderState {
+        let p = match (&self.resume, &self.progress) {
+            (Some(p), _) => p,
+            (None, Some(p)) if !p.ended => p,
+            _ => return LoaderState::at_epoch(self.next_epoch),
+        };
+        LoaderState::within(
+            p.epoch,
+            EpochState::Stream(StreamEpochState {
+                cursors: p.cursors.clone(),
+                next_worker: p.next_worker,
+                batch_size: self.options.batch_size,
+                drop_last: self.options.drop_last,
+            }),
+        )
+    }
+
+    /// Resumes from `state` (taken by [`state_dict`](Self::state_dict) of a loader
+    /// built the same way): the next [`iter`](Self::iter) continues each worker's
+    /// stream from the state the data set reported
+    /// ([`IterableDataset::iter_from`]), and the epochs after it follow.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`], and the loader unchanged, when the state is of
+    /// another format version, of a map-style loader, of another number of workers
+    /// (each worker's stream is its own), batch size or `drop_last`, or mid-stream
+    /// where the data set reported no state ([`IterableDataset::state`]).
+    pub fn load_state_dict(&mut self, state: &LoaderState) -> Result<()> {
+        let Some(progress) = state.checked()? else {
+            self.progress = None;
+            self.resume = None;
+            self.next_epoch = state.epoch();
+            return Ok(());
+        };
+        let EpochState::Stream(st) = progress else {
+            return Err(Error::InvalidArgument(
+                "data loader state: this state is of a map-style data set's loader; load it \
+                 with DataLoader::load_state_dict"
+                    .into(),
+            ));
+        };
+        let o = &self.options;
+        if st.cursors.len() != self.streams() {
+            return Err(Error::InvalidArgument(format!(
+                "data loader state: it was taken with {} streams (workers), this loader has \
+                 {} (num_workers {}): an iterable data set splits its stream by worker, so \
+                 resume with the same num_workers",
+                st.cursors.len(),
+                self.streams(),
+                o.num_workers
+            )));
+        }
+        if (st.batch_size, st.drop_last) != (o.batch_size, o.drop_last) {
+            return Err(Error::InvalidArgument(format!(
+                "data loader state: it was taken with batch size {} and drop_last {}, this \
+                 loader has {} and {}: resume with the same settings",
+                st.batch_size, st.drop_last, o.batch_size, o.drop_last
+            )));
+        }
+        if let Some(w) = st.cursors.iter().position(|c| *c == Cursor::Unknown) {
+            return Err(Error::InvalidArgument(format!(
+                "data loader state: worker {w}'s stream was mid-epoch, but the data set {} \
+                 reports no state to resume it from: implement IterableDataset::state and \
+                 iter_from",
+                std::any::type_name::<D>()
+            )));
+        }
+        self.next_epoch = state.epoch();
+        self.progress = None;
+        self.resume = Some(StreamProgress {
+            epoch: state.epoch(),
+            cursors: st.cursors.clone(),
+            next_worker: st.next_worker % self.streams(),
+            ended: false,
+        });
+        Ok(())
+    }
+
+    /// One epoch (after a [`load_state_dict`](Self::load_state_dict): the rest of the
+    /// state's epoch).
     pub fn iter(&mut self) -> IterableEpoch<'_, D, C> {
-        let epoch = self.next_epoch;
-        self.next_epoch += 1;
-        let in_process = (self.options.num_workers == 0).then(|| self.dataset.iter(epoch));
+        let run = self.next_run;
+        self.next_run += 1;
+        let progress = match self.resume.take() {
+            Some(p) => p,
+            None => StreamProgress::fresh(self.next_epoch, self.streams()),
+        };
+        let epoch = progress.epoch;
+        self.next_epoch = epoch + 1;
+        let mut open_error = None;
+        let in_process = if self.options.num_workers == 0 {
+            match &progress.cursors[0] {
+                Cursor::At(s) => match self.dataset.iter_from(epoch, s) {
+                    Ok(it) => Some(it),
+                    Err(e) => {
+                        open_error = Some(e);
+                        None
+                    }
+                },
+                Cursor::Done => None,
+                Cursor::Start | Cursor::Unknown => Some(self.dataset.iter(epoch)),
+            }
+        } else {
+            None
+        };
+        let exhausted: Vec<bool> = progress.cursors.iter().map(|c| *c == Cursor::Done).collect();
+        let round_robin = progress.next_worker;
+        let resume_from = progress
+            .cursors
+            .iter()
+            .map(|c| match c {
+                Cursor::At(s) if self.options.num_workers > 0 => Some(s.clone()),
+                _ => None,
+            })
+            .collect();
+        self.progress = Some(progress);
         IterableEpoch {
             loader: self,
             epoch,
+            run,
             next_send: 0,
             next_yield: 0,
-            round_robin: 0,
-            exhausted: Vec::new(),
+            round_robin,
+            exhausted,
             ready: BTreeMap::new(),
             failed: None,
             finished: false,
             in_process,
+            open_error,
+            resume_from,
         }
     }
 }
@@ -124,16 +294,22 @@ where
 {
     loader: &'a mut IterableDataLoader<D, C>,
     epoch: u64,
+    run: u64,
     next_send: usize,
     next_yield: usize,
     round_robin: usize,
     /// By worker id: whether its stream has ended this epoch.
     exhausted: Vec<bool>,
-    /// With `in_order`: answered requests ahead of `next_yield` (`None`: exhausted).
-    ready: BTreeMap<usize, Option<C::Batch>>,
+    /// With `in_order`: answered requests ahead of `next_yield`, with the worker and
+    /// its cursor after the answer (the batch `None`: exhausted).
+    ready: BTreeMap<usize, (usize, Option<C::Batch>, Cursor)>,
     failed: Option<(usize, Error)>,
     finished: bool,
     in_process: Option<D::Iter>,
+    /// Resuming the in-process stream failed: yielded first.
+    open_error: Option<Error>,
+    /// By worker id: where its stream resumes, until its first task is sent.
+    resume_from: Vec<Option<StreamState>>,
 }
 
 impl<D, C> IterableEpoch<'_, D, C>
@@ -146,6 +322,28 @@ where
         self.loader.worker_pids()
     }
 
+    /// Where the loader stands, counting the batches this epoch has yielded so far
+    /// (as [`IterableDataLoader::state_dict`]).
+    pub fn state_dict(&self) -> LoaderState {
+        self.loader.state_dict()
+    }
+
+    /// Worker `worker`'s answer was handed over (or skipped, for an end of stream).
+    fn passed(&mut self, worker: usize, cursor: Cursor) {
+        if let Some(p) = self.loader.progress.as_mut() {
+            p.passed(worker, cursor);
+        }
+    }
+
+    /// The epoch ended with every stream.
+    fn ended(&mut self) -> Option<Result<C::Batch>> {
+        self.finished = true;
+        if let Some(p) = self.loader.progress.as_mut() {
+            p.ended = true;
+        }
+        None
+    }
+
     fn fail(&mut self, error: Error) -> Option<Result<C::Batch>> {
         self.finished = true;
         self.loader.stop_workers();
@@ -153,6 +351,9 @@ where
     }
 
     fn next_in_process(&mut self) -> Option<Result<C::Batch>> {
+        if let Some(e) = self.open_error.take() {
+            return self.fail(e);
+        }
         let o = &self.loader.options;
         let batch = self.next_yield;
         match next_batch(
@@ -163,12 +364,11 @@ where
         ) {
             Outcome::Batch(b) => {
                 self.next_yield += 1;
+                let cursor = stream_cursor(&self.loader.dataset, &self.in_process);
+                self.passed(0, cursor);
                 Some(Ok(b))
             }
-            Outcome::Exhausted => {
-                self.finished = true;
-                None
-            }
+            Outcome::Exhausted => self.ended(),
             Outcome::Failed(what) => {
                 let pid = std::process::id() as i32;
                 self.fail(Error::LoaderFailed {
@@ -188,6 +388,7 @@ where
     /// the in-flight bound.
     fn fill(&mut self) -> Result<()> {
         let o = &self.loader.options;
+        let epoch = self.epoch;
         if self.loader.workers.is_none() {
             let (dataset, collate) = (&self.loader.dataset, &self.loader.collate);
             let set = WorkerSet::start(o.num_workers, &|id, generation, tasks, results| {
@@ -198,6 +399,7 @@ where
                     o,
                     id,
                     generation,
+                    epoch,
                     tasks,
                     results,
                 )
@@ -210,6 +412,7 @@ where
         if self.exhausted.len() != set.len() {
             self.exhausted = vec![false; set.len()];
         }
+
         let window = o.num_workers * o.prefetch_factor;
         while self.failed.is_none() && set.in_flight() + self.ready.len() < window {
             let n = set.len();
@@ -219,10 +422,14 @@ where
             else {
                 break;
             };
+            // Where this worker's stream resumes: sent with its first task of the run.
+            let from = self.resume_from.get_mut(id).and_then(Option::take);
             let task = Task {
+                run: self.run,
                 epoch: self.epoch,
                 batch: self.next_send,
                 indices: Vec::new(),
+                from,
             };
             set.send(
                 id,
@@ -243,7 +450,7 @@ where
             .loader
             .workers
             .as_ref()
-            .map_or(0, |s| s.in_flight_of(self.epoch));
+            .map_or(0, |s| s.in_flight_of(self.run));
         streams_ended && in_flight == 0 && self.ready.is_empty()
     }
 }
@@ -268,8 +475,9 @@ where
                 return self.fail(e);
             }
             if in_order {
-                while let Some(answer) = self.ready.remove(&self.next_yield) {
+                while let Some((worker, answer, cursor)) = self.ready.remove(&self.next_yield) {
                     self.next_yield += 1;
+                    self.passed(worker, cursor);
                     if let Some(batch) = answer {
                         return Some(Ok(batch));
                     }
@@ -280,11 +488,10 @@ where
                 }
             }
             if self.all_done() {
-                self.finished = true;
-                return None;
+                return self.ended();
             }
             let deadline = self.loader.options.timeout.map(|t| Instant::now() + t);
-            let epoch = self.epoch;
+            let epoch = self.run;
             let Some(set) = self.loader.workers.as_mut() else {
                 return self.fail(Error::Closed("data loader: the workers are gone".into()));
             };
@@ -303,18 +510,27 @@ where
                         Some(timeout),
                     ));
                 }
-                Ok(Some(Arrival::Loaded { batch, data })) => {
+                Ok(Some(Arrival::Loaded {
+                    worker,
+                    batch,
+                    data,
+                    cursor,
+                })) => {
+                    let cursor = cursor.unwrap_or(Cursor::Unknown);
                     if !in_order {
+                        self.passed(worker, cursor);
                         return Some(Ok(data));
                     }
-                    self.ready.insert(batch, Some(data));
+                    self.ready.insert(batch, (worker, Some(data), cursor));
                 }
                 Ok(Some(Arrival::Exhausted { worker, batch })) => {
                     if let Some(e) = self.exhausted.get_mut(worker) {
                         *e = true;
                     }
                     if in_order {
-                        self.ready.insert(batch, None);
+                        self.ready.insert(batch, (worker, None, Cursor::Done));
+                    } else {
+                        self.passed(worker, Cursor::Done);
                     }
                 }
                 Ok(Some(Arrival::Failed {

@@ -64,6 +64,7 @@ mod options;
 #[cfg(feature = "progress")]
 mod progress;
 mod sampler;
+mod state;
 mod worker;
 mod worker_set;
 
@@ -79,3 +80,4 @@ pub use loader::DataLoader;
 pub use sampler::{
     DistributedSampler, RandomSampler, Sampler, SequentialSampler, WeightedRandomSampler,
 };
+pub use state::{LoaderState, StreamState, worker_seed};

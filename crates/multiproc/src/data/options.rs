@@ -20,6 +20,8 @@ pub(crate) struct Options {
     pub restart_workers: bool,
     pub start_method: StartMethod,
     pub seed: u64,
+    /// The rank in worker seeds (the sampler's, the builder's, or 0).
+    pub rank: usize,
     pub worker_init: Option<fn(usize)>,
     #[cfg(feature = "progress")]
     pub progress: bool,

@@ -7,7 +7,13 @@
 //! reply carries the error); it ends when its task pipe closes. A worker that panics
 //! or is killed sends nothing more: the loader sees its process exit and blames the
 //! first task it held. Replies carry the worker's generation, so a reply from a worker
-//! that was replaced is recognised and dropped.
+//! that was replaced is recognised and dropped, and the task's run (one per
+//! `iter()`), so a reply to an abandoned run — even one of the same epoch number,
+//! after a `load_state_dict` — is never taken for the current run's.
+//!
+//! The epoch travels with every task: a worker tells its data set
+//! ([`Dataset::set_epoch`]) and its [`WorkerInfo`] when it changes, so persistent
+//! workers follow `set_epoch` like fresh ones.
 
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -15,15 +21,21 @@ use serde::{Deserialize, Serialize};
 use super::collate::Collate;
 use super::dataset::{Dataset, IterableDataset, WorkerInfo, set_worker_info};
 use super::options::Options;
+use super::state::{Cursor, StreamState, worker_seed};
 use crate::error::Result;
 use crate::queue::{Connection, SimpleQueue};
 
 /// One batch to load.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub(crate) struct Task {
+    /// The loader's `iter()` this task belongs to (unique per loader).
+    pub run: u64,
     pub epoch: u64,
     pub batch: usize,
     pub indices: Vec<usize>,
+    /// Iterable data sets: where this worker's stream resumes in this run (`None`:
+    /// from its start). Read on the run's first task.
+    pub from: Option<StreamState>,
 }
 
 /// What a worker says about one task.
@@ -31,9 +43,11 @@ pub(crate) struct Task {
 pub(crate) struct Reply<B> {
     pub worker: usize,
     pub generation: u64,
-    pub epoch: u64,
+    pub run: u64,
     pub batch: usize,
     pub outcome: Outcome<B>,
+    /// Iterable data sets: where the worker's stream stands after this batch.
+    pub cursor: Option<Cursor>,
 }
 
 /// How a task ended.
@@ -69,6 +83,9 @@ pub(crate) struct WorkerArgs<D, C, B> {
     pub generation: u64,
     pub num_workers: usize,
     pub seed: u64,
+    pub rank: usize,
+    /// The epoch the worker is started for (what `worker_init` sees).
+    pub epoch: u64,
     /// Samples per batch (used by iterable data sets; a map-style task lists them).
     pub batch_size: usize,
     pub drop_last: bool,
@@ -80,15 +97,22 @@ impl<D, C, B> WorkerArgs<D, C, B> {
     /// What every worker does first: publish its [`WorkerInfo`] and run the user's
     /// `worker_init`.
     fn begin(&self, id: usize) -> std::result::Result<(), String> {
-        set_worker_info(WorkerInfo {
-            id,
-            num_workers: self.num_workers,
-            seed: self.seed.wrapping_add(id as u64),
-        });
+        self.publish(id, self.epoch);
         match &self.init {
             Some(init) => init.call(id),
             None => Ok(()),
         }
+    }
+
+    /// Publishes this worker's [`WorkerInfo`] for `epoch`.
+    fn publish(&self, id: usize, epoch: u64) {
+        set_worker_info(WorkerInfo {
+            id,
+            num_workers: self.num_workers,
+            epoch,
+            rank: self.rank,
+            seed: worker_seed(self.seed, epoch, self.rank, id),
+        });
     }
 
     /// The next task from the loader; `None` once the loader has closed the pipe.
@@ -116,6 +140,7 @@ pub(crate) fn launch<D, C, B>(
     options: &Options,
     id: usize,
     generation: u64,
+    epoch: u64,
     tasks: Connection<Task>,
     results: SimpleQueue<Reply<B>>,
 ) -> Result<crate::process::Process>
@@ -132,6 +157,8 @@ where
         generation,
         num_workers: options.num_workers,
         seed: options.seed,
+        rank: options.rank,
+        epoch,
         batch_size: options.batch_size,
         drop_last: options.drop_last,
         init: options.init_fn(),
@@ -161,25 +188,32 @@ where
 /// The body of every loader worker process (worker id = rank).
 pub(crate) fn run_worker<D, C>(
     id: usize,
-    args: WorkerArgs<D, C, C::Batch>,
+    mut args: WorkerArgs<D, C, C::Batch>,
 ) -> std::result::Result<(), String>
 where
     D: Dataset + Serialize + DeserializeOwned,
     C: Collate<D::Item>,
 {
     args.begin(id)?;
+    let mut epoch = None;
     loop {
         // `None`: the loader closed our pipe (end of epoch, or dropped): done.
         let Some(task) = args.next_task()? else {
             return Ok(());
         };
+        if epoch != Some(task.epoch) {
+            epoch = Some(task.epoch);
+            args.publish(id, task.epoch);
+            args.dataset.set_epoch(task.epoch);
+        }
         let outcome = load_batch(&args.dataset, &args.collate, &task.indices).into();
         let reply = Reply {
             worker: id,
             generation: args.generation,
-            epoch: task.epoch,
+            run: task.run,
             batch: task.batch,
             outcome,
+            cursor: None,
         };
         if let Err(e) = args.results.put(reply) {
             return Err(format!(
@@ -223,6 +257,14 @@ where
     collate.collate(items).into()
 }
 
+/// Where an iterable data set's stream stands: ended, or as the data set reports it.
+pub(crate) fn stream_cursor<D: IterableDataset>(dataset: &D, iter: &Option<D::Iter>) -> Cursor {
+    match iter {
+        None => Cursor::Done,
+        Some(it) => dataset.state(it).map_or(Cursor::Unknown, Cursor::At),
+    }
+}
+
 /// The body of every worker of an iterable data set: each task asks for the next batch
 /// of this worker's iterator for the task's epoch.
 pub(crate) fn run_iterable_worker<D, C>(
@@ -234,25 +276,44 @@ where
     C: Collate<D::Item>,
 {
     args.begin(id)?;
+    // The run the iterator belongs to, and the iterator (`None` once exhausted).
     let mut current: Option<(u64, Option<D::Iter>)> = None;
     loop {
         // `None`: the loader closed our pipe (end of epoch, or dropped): done.
         let Some(task) = args.next_task()? else {
             return Ok(());
         };
-        if current.as_ref().map(|(e, _)| *e) != Some(task.epoch) {
-            current = Some((task.epoch, Some(args.dataset.iter(task.epoch))));
+        let mut opened = Ok(());
+        if current.as_ref().map(|(r, _)| *r) != Some(task.run) {
+            args.publish(id, task.epoch);
+            let iter = match &task.from {
+                None => Some(args.dataset.iter(task.epoch)),
+                Some(state) => match args.dataset.iter_from(task.epoch, state) {
+                    Ok(it) => Some(it),
+                    Err(e) => {
+                        opened = Err(e);
+                        None
+                    }
+                },
+            };
+            current = Some((task.run, iter));
         }
-        let outcome = match current.as_mut() {
-            Some((_, iter)) => next_batch(iter, &args.collate, args.batch_size, args.drop_last),
-            None => Outcome::Exhausted,
+        let (outcome, cursor) = match (opened, current.as_mut()) {
+            (Err(e), _) => (Outcome::Failed(format!("resuming its stream: {e}")), None),
+            (Ok(()), Some((_, iter))) => {
+                let outcome = next_batch(iter, &args.collate, args.batch_size, args.drop_last);
+                let cursor = stream_cursor(&args.dataset, iter);
+                (outcome, Some(cursor))
+            }
+            (Ok(()), None) => (Outcome::Exhausted, Some(Cursor::Done)),
         };
         let reply = Reply {
             worker: id,
             generation: args.generation,
-            epoch: task.epoch,
+            run: task.run,
             batch: task.batch,
             outcome,
+            cursor,
         };
         if let Err(e) = args.results.put(reply) {
             return Err(format!(

@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
+use super::state::Cursor;
 use super::worker::{Outcome, Reply, Task};
 use crate::error::{Error, Result};
 use crate::process::Process;
@@ -44,11 +45,17 @@ pub(crate) struct Sent {
 
 /// What a wait produced.
 pub(crate) enum Arrival<B> {
-    /// A batch of the current epoch.
-    Loaded { batch: usize, data: B },
-    /// Task `batch` found the worker's iterable data set exhausted for this epoch.
+    /// A batch of the current run, from `worker`, with where its stream stands after
+    /// it (iterable data sets).
+    Loaded {
+        worker: usize,
+        batch: usize,
+        data: B,
+        cursor: Option<Cursor>,
+    },
+    /// Task `batch` found the worker's iterable data set exhausted for this run.
     Exhausted { worker: usize, batch: usize },
-    /// A task of the current epoch failed: the worker returned `Err`, panicked or died.
+    /// A task of the current run failed: the worker returned `Err`, panicked or died.
     Failed {
         worker: usize,
         pid: i32,
@@ -107,17 +114,17 @@ impl<B: Serialize + DeserializeOwned> WorkerSet<B> {
         self.slots.iter().map(|s| s.pid).collect()
     }
 
-    /// Tasks sent and not answered, over all workers (stale epochs included).
+    /// Tasks sent and not answered, over all workers (abandoned runs included).
     pub(crate) fn in_flight(&self) -> usize {
         self.slots.iter().map(|s| s.outstanding.len()).sum()
     }
 
-    /// Tasks of `epoch` sent and not answered.
-    pub(crate) fn in_flight_of(&self, epoch: u64) -> usize {
+    /// Tasks of run `run` sent and not answered.
+    pub(crate) fn in_flight_of(&self, run: u64) -> usize {
         self.slots
             .iter()
             .flat_map(|s| &s.outstanding)
-            .filter(|o| o.task.epoch == epoch)
+            .filter(|o| o.task.run == run)
             .count()
     }
 
@@ -141,25 +148,25 @@ impl<B: Serialize + DeserializeOwned> WorkerSet<B> {
         (slot.outstanding.len() < limit).then_some(id)
     }
 
-    /// The worker that holds task `batch` of `epoch`, with its pid.
-    pub(crate) fn holder(&self, epoch: u64, batch: usize) -> Option<(usize, i32)> {
+    /// The worker that holds task `batch` of run `run`, with its pid.
+    pub(crate) fn holder(&self, run: u64, batch: usize) -> Option<(usize, i32)> {
         self.slots.iter().enumerate().find_map(|(id, s)| {
             s.outstanding
                 .iter()
-                .any(|o| o.task.epoch == epoch && o.task.batch == batch)
+                .any(|o| o.task.run == run && o.task.batch == batch)
                 .then_some((id, s.pid))
         })
     }
 
-    /// The oldest outstanding task of `epoch` on any worker, with the worker and pid.
-    pub(crate) fn oldest(&self, epoch: u64) -> Option<(usize, i32, &Sent)> {
+    /// The oldest outstanding task of run `run` on any worker, with the worker and pid.
+    pub(crate) fn oldest(&self, run: u64) -> Option<(usize, i32, &Sent)> {
         self.slots
             .iter()
             .enumerate()
             .filter_map(|(id, s)| {
                 s.outstanding
                     .iter()
-                    .find(|o| o.task.epoch == epoch)
+                    .find(|o| o.task.run == run)
                     .map(|o| (id, s.pid, o))
             })
             .min_by_key(|(_, _, o)| o.task.batch)
@@ -178,10 +185,10 @@ impl<B: Serialize + DeserializeOwned> WorkerSet<B> {
         Ok(())
     }
 
-    /// Waits until something about `epoch` happens or `deadline` passes (`Ok(None)`).
+    /// Waits until something about run `run` happens or `deadline` passes (`Ok(None)`).
     pub(crate) fn wait(
         &mut self,
-        epoch: u64,
+        run: u64,
         deadline: Option<Instant>,
     ) -> Result<Option<Arrival<B>>> {
         loop {
@@ -195,20 +202,20 @@ impl<B: Serialize + DeserializeOwned> WorkerSet<B> {
                 None => DEATH_CHECK_INTERVAL,
             };
             if let Some(reply) = recv_within(&self.results, slice)? {
-                self.accept(reply, epoch);
+                self.accept(reply, run);
                 // A steady stream of replies from the others must not hide a death.
                 if self.last_death_check.elapsed() < DEATH_CHECK_INTERVAL {
                     continue;
                 }
             }
             self.last_death_check = Instant::now();
-            self.check_deaths(epoch)?;
+            self.check_deaths(run)?;
         }
     }
 
-    /// Takes in one reply: an arrival if it answers a task of `epoch`, nothing if it is
-    /// stale (an older epoch, or a replaced worker).
-    fn accept(&mut self, reply: Reply<B>, epoch: u64) {
+    /// Takes in one reply: an arrival if it answers a task of run `run`, nothing if it is
+    /// stale (an abandoned run, or a replaced worker).
+    fn accept(&mut self, reply: Reply<B>, run: u64) {
         let Some(slot) = self.slots.get_mut(reply.worker) else {
             return;
         };
@@ -218,20 +225,22 @@ impl<B: Serialize + DeserializeOwned> WorkerSet<B> {
         let Some(pos) = slot
             .outstanding
             .iter()
-            .position(|o| o.task.epoch == reply.epoch && o.task.batch == reply.batch)
+            .position(|o| o.task.run == reply.run && o.task.batch == reply.batch)
         else {
             return;
         };
         let Some(sent) = slot.outstanding.remove(pos) else {
             return;
         };
-        if sent.task.epoch != epoch {
+        if sent.task.run != run {
             return;
         }
         self.arrived.push_back(match reply.outcome {
             Outcome::Batch(data) => Arrival::Loaded {
+                worker: reply.worker,
                 batch: reply.batch,
                 data,
+                cursor: reply.cursor,
             },
             Outcome::Exhausted => Arrival::Exhausted {
                 worker: reply.worker,
@@ -248,7 +257,7 @@ impl<B: Serialize + DeserializeOwned> WorkerSet<B> {
 
     /// Notices workers that exited while holding tasks; each becomes a failure of the
     /// task it was working on (after the replies it sent before dying are taken in).
-    fn check_deaths(&mut self, epoch: u64) -> Result<()> {
+    fn check_deaths(&mut self, run: u64) -> Result<()> {
         for id in 0..self.slots.len() {
             let slot = &mut self.slots[id];
             if slot.outstanding.is_empty() {
@@ -259,7 +268,7 @@ impl<B: Serialize + DeserializeOwned> WorkerSet<B> {
             };
             // Take in whatever it (and the others) put before it died.
             while let Some(reply) = recv_within(&self.results, Duration::ZERO)? {
-                self.accept(reply, epoch);
+                self.accept(reply, run);
             }
             let slot = &mut self.slots[id];
             let Some(sent) = slot.outstanding.pop_front() else {
@@ -270,7 +279,7 @@ impl<B: Serialize + DeserializeOwned> WorkerSet<B> {
                 None => format!("it exited ({status}) while loading"),
             };
             // Its other tasks stay outstanding until the caller restarts or stops it.
-            if sent.task.epoch == epoch {
+            if sent.task.run == run {
                 self.arrived.push_back(Arrival::Failed {
                     worker: id,
                     pid: slot.pid,
@@ -278,9 +287,9 @@ impl<B: Serialize + DeserializeOwned> WorkerSet<B> {
                     what,
                 });
             } else {
-                // It died on a task of an abandoned epoch: those are moot. Fail its
-                // first task of this epoch, if it holds one.
-                slot.outstanding.retain(|o| o.task.epoch == epoch);
+                // It died on a task of an abandoned run: those are moot. Fail its
+                // first task of this run, if it holds one.
+                slot.outstanding.retain(|o| o.task.run == run);
                 if let Some(sent) = slot.outstanding.pop_front() {
                     self.arrived.push_back(Arrival::Failed {
                         worker: id,
