@@ -322,6 +322,11 @@ where
         self.loader.worker_pids()
     }
 
+    /// This epoch's number (what the data set's `iter` was given).
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
     /// Where the loader stands, counting the batches this epoch has yielded so far
     /// (as [`IterableDataLoader::state_dict`]).
     pub fn state_dict(&self) -> LoaderState {
