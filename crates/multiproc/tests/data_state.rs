@@ -482,3 +482,37 @@ fn a_state_that_does_not_fit_is_a_clear_error() {
         assert_eq!(between.epoch(), 2);
     });
 }
+
+#[test]
+fn persistent_workers_resume_on_the_same_loader_without_stale_batches() {
+    common::run(secs(120), || {
+        for in_order in [true, false] {
+            let s = Setup {
+                workers: 2,
+                in_order,
+                shuffle: true,
+            };
+            let want = sorted(uninterrupted(s).swap_remove(0));
+            let mut loader = DataLoader::builder(Ramp { n: 45, epoch: 0 })
+                .batch_size(2)
+                .shuffle(5)
+                .num_workers(2)
+                .prefetch_factor(4)
+                .persistent_workers(true)
+                .in_order(in_order)
+                .build()
+                .unwrap();
+            let mut got = Vec::new();
+            let mut epoch = loader.iter();
+            for _ in 0..3 {
+                got.push(values(epoch.next().unwrap()));
+            }
+            let state = epoch.state_dict();
+            drop(epoch);
+            // The same epoch again, on workers that still hold its abandoned batches.
+            loader.load_state_dict(&state).unwrap();
+            got.extend(loader.iter().map(values));
+            assert_eq!(sorted(got), want, "in_order {in_order}: each batch once");
+        }
+    });
+}
