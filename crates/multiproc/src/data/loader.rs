@@ -163,7 +163,7 @@ where
     /// the batches it says were yielded, and the epochs after it follow.
     ///
     /// Elastic resume: when the state was taken with another sampler shard (another
-    /// rank or world size of a [`DistributedSampler`]), batch size or `drop_last`, the
+    /// rank or world size of a [`DistributedSampler`](super::DistributedSampler)), batch size or `drop_last`, the
     /// epoch continues from the state's global [`position`](LoaderState::position) —
     /// the samples every rank took together — sharded anew: over all ranks, no sample
     /// of the epoch is repeated or skipped. Ranks must have taken the same number of
