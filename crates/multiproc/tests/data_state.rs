@@ -194,7 +194,9 @@ impl IterableDataset for Stream {
     }
 }
 
-fn stream_loader(s: Setup) -> multiproc::data::IterableDataLoader<Stream, multiproc::data::DefaultCollate> {
+fn stream_loader(
+    s: Setup,
+) -> multiproc::data::IterableDataLoader<Stream, multiproc::data::DefaultCollate> {
     DataLoaderBuilder::new(Stream { n: 41 })
         .batch_size(2)
         .num_workers(s.workers)
@@ -283,9 +285,7 @@ impl Dataset for Told {
     }
 }
 
-fn told_epoch(
-    loader: &mut DataLoader<Told>,
-) -> (Vec<i64>, Vec<i64>) {
+fn told_epoch(loader: &mut DataLoader<Told>) -> (Vec<i64>, Vec<i64>) {
     let mut indices = Vec::new();
     let mut epochs = Vec::new();
     for b in loader.iter() {
@@ -314,7 +314,10 @@ fn epochs_reach_the_data_set_in_persistent_workers() {
         let mut pids = None;
         for e in 0..3 {
             let (order, told) = told_epoch(&mut persistent);
-            assert!(told.iter().all(|&t| t == e), "epoch {e}: the workers were told {told:?}");
+            assert!(
+                told.iter().all(|&t| t == e),
+                "epoch {e}: the workers were told {told:?}"
+            );
             let now = persistent.worker_pids();
             assert_eq!(*pids.get_or_insert(now.clone()), now, "the workers persist");
             let mut fresh = told_loader(false);
@@ -364,7 +367,10 @@ fn every_worker_has_its_own_seed_from_base_epoch_rank_and_id() {
             let mut ids = BTreeSet::new();
             for b in loader.iter() {
                 let (_, seed, id) = b.expect("batch");
-                let (seed, id) = (seed.to_vec::<i64>().unwrap()[0], id.to_vec::<i64>().unwrap()[0]);
+                let (seed, id) = (
+                    seed.to_vec::<i64>().unwrap()[0],
+                    id.to_vec::<i64>().unwrap()[0],
+                );
                 assert_eq!(seed as u64, worker_seed(base, epoch, rank, id as usize));
                 ids.insert(id);
                 seen.insert((seed, epoch, id));
@@ -372,7 +378,11 @@ fn every_worker_has_its_own_seed_from_base_epoch_rank_and_id() {
             assert_eq!(ids.len(), workers, "every worker loaded a batch");
         }
         let seeds: BTreeSet<i64> = seen.iter().map(|s| s.0).collect();
-        assert_eq!(seeds.len(), 2 * workers, "no two workers or epochs share a seed: {seen:?}");
+        assert_eq!(
+            seeds.len(),
+            2 * workers,
+            "no two workers or epochs share a seed: {seen:?}"
+        );
         // The rank comes from a distributed sampler too.
         let mut ranked = DataLoader::builder(Seeds(8))
             .sampler(DistributedSampler::new(8, 1, 2).unwrap())
@@ -381,7 +391,10 @@ fn every_worker_has_its_own_seed_from_base_epoch_rank_and_id() {
             .build()
             .unwrap();
         let (_, seed, _) = ranked.iter().next().unwrap().unwrap();
-        assert_eq!(seed.to_vec::<i64>().unwrap()[0] as u64, worker_seed(base, 0, 1, 0));
+        assert_eq!(
+            seed.to_vec::<i64>().unwrap()[0] as u64,
+            worker_seed(base, 0, 1, 0)
+        );
     });
 }
 
@@ -426,7 +439,11 @@ fn half_an_epoch_on_2_ranks_resumed_on_3_covers_the_epoch_exactly_once() {
         }
         let mut union: Vec<i64> = seen.iter().chain(&rest).copied().collect();
         union.sort_unstable();
-        assert_eq!(union, (0..n as i64).collect::<Vec<_>>(), "one epoch, no repeat, no gap");
+        assert_eq!(
+            union,
+            (0..n as i64).collect::<Vec<_>>(),
+            "one epoch, no repeat, no gap"
+        );
         // One process (no ranks, the same seed) resumes the same rest.
         let mut single = DataLoader::builder(Ramp { n, epoch: 0 })
             .batch_size(4)
@@ -469,7 +486,10 @@ fn a_state_that_does_not_fit_is_a_clear_error() {
         it.next();
         let stream_state = it.state_dict();
         drop(it);
-        let e = loader.load_state_dict(&stream_state).unwrap_err().to_string();
+        let e = loader
+            .load_state_dict(&stream_state)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("iterable"), "{e}");
         // Another number of streams.
         let mut four = stream_loader(Setup { workers: 4, ..s });

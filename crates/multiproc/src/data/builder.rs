@@ -11,6 +11,7 @@ use super::iterable_loader::IterableDataLoader;
 use super::loader::DataLoader;
 use super::options::Options;
 use super::sampler::{RandomSampler, Sampler, SequentialSampler};
+use super::worker_kind::WorkerKind;
 use crate::error::{Error, Result};
 use crate::process::StartMethod;
 
@@ -54,6 +55,7 @@ impl<D> DataLoaderBuilder<D, DefaultCollate> {
                 in_order: true,
                 restart_workers: false,
                 start_method: StartMethod::Spawn,
+                kind: WorkerKind::Process,
                 seed: 0x6d75_6c74_6970_726f,
                 rank: 0,
                 worker_init: None,
@@ -152,7 +154,14 @@ impl<D, C> DataLoaderBuilder<D, C> {
         self
     }
 
-    /// How workers are started (default [`StartMethod::Spawn`]).
+    /// Worker processes (the default) or threads: see [`WorkerKind`] for what
+    /// isolation each gives. The API, the batches and the failure report are the same.
+    pub fn workers(mut self, kind: WorkerKind) -> Self {
+        self.options.kind = kind;
+        self
+    }
+
+    /// How worker processes are started (default [`StartMethod::Spawn`]).
     pub fn start_method(mut self, method: StartMethod) -> Self {
         self.options.start_method = method;
         self

@@ -222,7 +222,11 @@ where
         } else {
             None
         };
-        let exhausted: Vec<bool> = progress.cursors.iter().map(|c| *c == Cursor::Done).collect();
+        let exhausted: Vec<bool> = progress
+            .cursors
+            .iter()
+            .map(|c| *c == Cursor::Done)
+            .collect();
         let round_robin = progress.next_worker;
         let resume_from = progress
             .cursors

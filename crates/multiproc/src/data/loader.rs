@@ -13,8 +13,8 @@ use super::dataset::Dataset;
 use super::options::Options;
 use super::sampler::Sampler;
 use super::state::{Done, EpochState, LoaderState, MapProgress, MapState};
-use crate::error::{Error, Result};
 use super::worker_set::{STOP_GRACE, WorkerSet};
+use crate::error::{Error, Result};
 
 /// torch's `DataLoader`: batches of a [`Dataset`], loaded by worker processes and
 /// handed over as shared-memory tensors, with no copy between worker and caller.

@@ -11,6 +11,7 @@
 //! - `loader` — [`DataLoader`] and its per-epoch iterator [`Epoch`].
 //! - `iterable_loader` — [`IterableDataLoader`] and [`IterableEpoch`], for streams.
 //! - `worker` — the worker process: its messages and its body.
+//! - `worker_kind` — [`WorkerKind`]: processes or threads, behind one handle.
 //! - `worker_set` — the loader's side of its workers: dispatch, replies, deaths,
 //!   restarts, stopping.
 //! - `state` — [`LoaderState`] and [`StreamState`] (resuming mid-epoch), and
@@ -115,6 +116,7 @@ mod progress;
 mod sampler;
 mod state;
 mod worker;
+mod worker_kind;
 mod worker_set;
 
 pub use builder::DataLoaderBuilder;
@@ -130,3 +132,4 @@ pub use sampler::{
     DistributedSampler, RandomSampler, Sampler, SequentialSampler, WeightedRandomSampler,
 };
 pub use state::{LoaderState, StreamState, worker_seed};
+pub use worker_kind::WorkerKind;

@@ -495,6 +495,11 @@ mod tests {
         got.sort_unstable();
         got.dedup();
         assert!(want.iter().all(|i| got.contains(i)), "{tails:?}");
-        assert_eq!(DistributedSampler::new(11, 0, 3).unwrap().position_after(9, 5), 11);
+        assert_eq!(
+            DistributedSampler::new(11, 0, 3)
+                .unwrap()
+                .position_after(9, 5),
+            11
+        );
     }
 }

@@ -22,6 +22,7 @@ use super::collate::Collate;
 use super::dataset::{Dataset, IterableDataset, WorkerInfo, set_worker_info};
 use super::options::Options;
 use super::state::{Cursor, StreamState, worker_seed};
+use super::worker_kind::{ThreadWorker, Worker, WorkerKind};
 use crate::error::Result;
 use crate::queue::{Connection, SimpleQueue};
 
@@ -131,7 +132,7 @@ pub(crate) type WorkerBody<D, C, B> =
 
 /// Starts loader worker `id` of generation `generation`: `body` ([`run_worker`] or
 /// [`run_iterable_worker`]) on a copy of the data set and the collate, as a daemon
-/// process of the loader's start method.
+/// process of the loader's start method, or a thread.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn launch<D, C, B>(
     body: WorkerBody<D, C, B>,
@@ -143,11 +144,11 @@ pub(crate) fn launch<D, C, B>(
     epoch: u64,
     tasks: Connection<Task>,
     results: SimpleQueue<Reply<B>>,
-) -> Result<crate::process::Process>
+) -> Result<Worker>
 where
-    D: Serialize + DeserializeOwned + Clone,
-    C: Serialize + DeserializeOwned + Clone,
-    B: Serialize + DeserializeOwned,
+    D: Serialize + DeserializeOwned + Clone + 'static,
+    C: Serialize + DeserializeOwned + Clone + 'static,
+    B: Serialize + DeserializeOwned + 'static,
 {
     let args = WorkerArgs {
         dataset: dataset.clone(),
@@ -163,12 +164,15 @@ where
         drop_last: options.drop_last,
         init: options.init_fn(),
     };
+    if options.kind == WorkerKind::Thread {
+        return Ok(Worker::Thread(ThreadWorker::start(body, id, args)?));
+    }
     let mut process = crate::process::Process::new(body, id, args)
         .start_method(options.start_method)
         .world_size(options.num_workers)
         .daemon(true);
     process.start()?;
-    Ok(process)
+    Ok(Worker::Process(process))
 }
 
 /// Loads the samples `indices` and collates them: the work of one batch, in a worker

@@ -20,8 +20,8 @@ use serde::de::DeserializeOwned;
 
 use super::state::Cursor;
 use super::worker::{Outcome, Reply, Task};
+use super::worker_kind::Worker;
 use crate::error::{Error, Result};
-use crate::process::Process;
 use crate::queue::{Connection, SimpleQueue, pipe};
 
 /// How long stopped workers get to exit on their own before they are killed.
@@ -33,7 +33,7 @@ const DEATH_CHECK_INTERVAL: Duration = Duration::from_millis(10);
 /// Starts worker `id` (generation `generation`) reading tasks from the given pipe end
 /// and putting replies on the given queue.
 pub(crate) type Launch<'a, B> =
-    &'a dyn Fn(usize, u64, Connection<Task>, SimpleQueue<Reply<B>>) -> Result<Process>;
+    &'a dyn Fn(usize, u64, Connection<Task>, SimpleQueue<Reply<B>>) -> Result<Worker>;
 
 /// A task sent and not yet answered.
 #[derive(Clone, Debug)]
@@ -65,7 +65,7 @@ pub(crate) enum Arrival<B> {
 }
 
 struct Slot {
-    process: Process,
+    process: Worker,
     pid: i32,
     tasks: Connection<Task>,
     generation: u64,
@@ -99,7 +99,7 @@ impl<B: Serialize + DeserializeOwned> WorkerSet<B> {
     fn start_slot(&self, id: usize, generation: u64, launch: Launch<'_, B>) -> Result<Slot> {
         let (ours, theirs) = pipe::<Task>()?;
         let process = launch(id, generation, theirs, self.results.clone())?;
-        let pid = process.pid().unwrap_or(-1);
+        let pid = process.id();
         Ok(Slot {
             process,
             pid,
@@ -263,7 +263,7 @@ impl<B: Serialize + DeserializeOwned> WorkerSet<B> {
             if slot.outstanding.is_empty() {
                 continue;
             }
-            let Some(status) = slot.process.exit_status() else {
+            let Some(status) = slot.process.exited() else {
                 continue;
             };
             // Take in whatever it (and the others) put before it died.
@@ -275,7 +275,7 @@ impl<B: Serialize + DeserializeOwned> WorkerSet<B> {
                 continue;
             };
             let what = match slot.process.error() {
-                Some(e) => e.to_string(),
+                Some(e) => e,
                 None => format!("it exited ({status}) while loading"),
             };
             // Its other tasks stay outstanding until the caller restarts or stops it.
@@ -316,11 +316,11 @@ impl<B: Serialize + DeserializeOwned> WorkerSet<B> {
         if !slot.outstanding.is_empty() {
             return Ok(());
         }
-        let Some(status) = slot.process.exit_status() else {
+        let Some(status) = slot.process.exited() else {
             return Ok(());
         };
         let what = match slot.process.error() {
-            Some(e) => e.to_string(),
+            Some(e) => e,
             None => format!("it exited ({status})"),
         };
         if !restart {
@@ -381,7 +381,7 @@ impl<B: Serialize + DeserializeOwned> WorkerSet<B> {
 /// the rest.
 fn stop_slots(slots: Vec<Slot>, grace: Duration) {
     let until = Instant::now() + grace;
-    let mut processes: Vec<Process> = slots
+    let mut processes: Vec<Worker> = slots
         .into_iter()
         .map(|s| {
             drop(s.tasks); // the worker's recv sees the pipe closed and returns
@@ -391,21 +391,14 @@ fn stop_slots(slots: Vec<Slot>, grace: Duration) {
     for p in &mut processes {
         let left = until.saturating_duration_since(Instant::now());
         if !left.is_zero() {
-            if let Err(e) = p
-                .join(Some(left))
-                .map(drop)
-                .or_else(|e| if e.is_timeout() { Ok(()) } else { Err(e) })
-            {
-                tracing::warn!("multiproc: waiting for a data loader worker: {e}");
-            }
+            p.wait(left);
         }
         if p.is_alive() {
-            if let Err(e) = p.kill() {
-                tracing::warn!("multiproc: killing a data loader worker: {e}");
-            }
+            p.kill();
         }
     }
-    // Dropping a daemon `Process` kills (if need be) and reaps it.
+    // Dropping a daemon `Process` kills (if need be) and reaps it; a thread that ended
+    // is joined.
     drop(processes);
 }
 

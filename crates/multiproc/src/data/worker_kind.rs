@@ -1,0 +1,247 @@
+//! [`WorkerKind`]: a loader's workers as processes or as threads, behind one handle
+//! ([`Worker`]) that the worker set starts, watches and stops the same way.
+//!
+//! A thread worker gets its arguments as a process does — encoded, through a pipe,
+//! decoded on its side — so it holds its own copy of the data set (a [`FromFn`]
+//! builds its own) and the data set need not be `Send`; it talks to the loader over
+//! the same task pipe and reply queue, and its batches are the same shared-memory
+//! tensors. Its failures come as a process's do: an `Err` or a panic (caught, with
+//! its message) ends the thread, which the loader notices as a death.
+//!
+//! [`FromFn`]: super::FromFn
+
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use crate::error::{Error, Result};
+use crate::process::Process;
+use crate::queue::pipe;
+
+/// What a loader's workers are (set by
+/// [`DataLoaderBuilder::workers`](super::DataLoaderBuilder::workers)); the API, the
+/// batches and the failure report ([`Error::LoaderFailed`]) are the same for both.
+///
+/// | | `Process` (default) | `Thread` |
+/// |---|---|---|
+/// | start | a process (spawn, fork or fork server): milliseconds | a thread: microseconds, plus decoding its arguments |
+/// | an `Err` or a panic in the data set | reported, the worker restartable | the same (the panic is caught) |
+/// | a crash (segfault, abort), the OOM killer | kills the worker alone: reported with its signal, restartable | kills the whole program |
+/// | a worker that hangs | killed when the loader stops it (timeout, drop) | cannot be killed: left running, detached, when the loader stops it |
+/// | memory | its own address space, returned to the system when it exits | the caller's: its allocations stay in this process's heap |
+/// | statics, environment, working directory | its own | shared with the caller |
+/// | `worker_pids` | process ids | thread ids (Linux tids) |
+///
+/// Rust has no global interpreter lock, so threads load in parallel; choose them when
+/// the data set's code is trusted not to crash or hang and start-up time matters (many
+/// short epochs without persistent workers, tests).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum WorkerKind {
+    /// Worker processes, started by the loader's
+    /// [`start_method`](super::DataLoaderBuilder::start_method).
+    #[default]
+    Process,
+    /// Worker threads in the loader's own process.
+    Thread,
+}
+
+/// One running worker, of either kind.
+pub(crate) enum Worker {
+    Process(Process),
+    Thread(ThreadWorker),
+}
+
+impl Worker {
+    /// Its pid (a process) or tid (a thread).
+    pub(crate) fn id(&self) -> i32 {
+        match self {
+            Worker::Process(p) => p.pid().unwrap_or(-1),
+            Worker::Thread(t) => t.tid,
+        }
+    }
+
+    /// How it ended, once it has (`None` while it runs).
+    pub(crate) fn exited(&mut self) -> Option<String> {
+        match self {
+            Worker::Process(p) => p.exit_status().map(|s| s.to_string()),
+            Worker::Thread(t) => t.finished().then(|| "its thread ended".to_string()),
+        }
+    }
+
+    /// Why it failed, once it has ended failing: the error it returned, its panic, or
+    /// (a process) the signal or exit code.
+    pub(crate) fn error(&self) -> Option<String> {
+        match self {
+            Worker::Process(p) => p.error().map(|e| e.to_string()),
+            Worker::Thread(t) => t.outcome().and_then(|o| o.err()),
+        }
+    }
+
+    pub(crate) fn is_alive(&self) -> bool {
+        match self {
+            Worker::Process(p) => p.is_alive(),
+            Worker::Thread(t) => !t.finished(),
+        }
+    }
+
+    /// Waits up to `grace` for it to end on its own (its task pipe closed).
+    pub(crate) fn wait(&mut self, grace: Duration) {
+        match self {
+            Worker::Process(p) => {
+                if let Err(e) = p.join(Some(grace)) {
+                    if !e.is_timeout() {
+                        tracing::warn!("multiproc: waiting for a data loader worker: {e}");
+                    }
+                }
+            }
+            Worker::Thread(t) => t.wait(grace),
+        }
+    }
+
+    /// Ends it now: a process is killed; a thread cannot be, and is left to end on its
+    /// own (detached) with a warning.
+    pub(crate) fn kill(&mut self) {
+        match self {
+            Worker::Process(p) => {
+                if let Err(e) = p.kill() {
+                    tracing::warn!("multiproc: killing a data loader worker: {e}");
+                }
+            }
+            Worker::Thread(t) => {
+                if !t.finished() {
+                    tracing::warn!(
+                        "multiproc: data loader worker thread {} is still busy after its \
+                         loader stopped it; a thread cannot be killed, so it is left to finish \
+                         (use WorkerKind::Process for data sets that may hang)",
+                        t.tid
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// How a thread worker ended, and a way to wait for it.
+#[derive(Default)]
+struct Ending {
+    outcome: Mutex<Option<std::result::Result<(), String>>>,
+    ended: Condvar,
+}
+
+/// A worker thread.
+pub(crate) struct ThreadWorker {
+    tid: i32,
+    ending: Arc<Ending>,
+    handle: Option<JoinHandle<()>>,
+}
+
+impl ThreadWorker {
+    /// Starts `body(id, args)` on a thread, `args` sent to it encoded as a process
+    /// would get them.
+    pub(crate) fn start<A>(
+        body: fn(usize, A) -> std::result::Result<(), String>,
+        id: usize,
+        args: A,
+    ) -> Result<Self>
+    where
+        A: Serialize + DeserializeOwned + 'static,
+    {
+        let (ours, theirs) = pipe::<A>()?;
+        let ending = Arc::new(Ending::default());
+        let theirs_ending = Arc::clone(&ending);
+        let (tid_tx, tid_rx) = std::sync::mpsc::channel();
+        let handle = std::thread::Builder::new()
+            .name(format!("multiproc-loader-{id}"))
+            .spawn(move || {
+                let _ = tid_tx.send(crate::sys::process::current_tid() as i32);
+                let outcome = match theirs.recv() {
+                    Ok(args) => match catch_unwind(AssertUnwindSafe(|| body(id, args))) {
+                        Ok(r) => r,
+                        Err(panic) => Err(format!("it panicked: {}", panic_text(&*panic))),
+                    },
+                    Err(e) => Err(format!("cannot receive its data set and collate: {e}")),
+                };
+                let mut slot = theirs_ending
+                    .outcome
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner());
+                *slot = Some(outcome);
+                theirs_ending.ended.notify_all();
+            })
+            .map_err(|e| Error::os(format!("starting data loader worker thread {id}"), e))?;
+        let tid = tid_rx.recv().unwrap_or(-1);
+        let worker = ThreadWorker {
+            tid,
+            ending,
+            handle: Some(handle),
+        };
+        ours.send(args).map_err(|e| {
+            Error::Closed(format!(
+                "cannot hand data loader worker thread {id} its data set: {}",
+                e.error
+            ))
+        })?;
+        Ok(worker)
+    }
+
+    fn outcome(&self) -> Option<std::result::Result<(), String>> {
+        self.ending
+            .outcome
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    fn finished(&self) -> bool {
+        self.outcome().is_some()
+    }
+
+    fn wait(&mut self, grace: Duration) {
+        let until = Instant::now() + grace;
+        let mut slot = self
+            .ending
+            .outcome
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        while slot.is_none() {
+            let left = until.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return;
+            }
+            slot = match self.ending.ended.wait_timeout(slot, left) {
+                Ok((s, _)) => s,
+                Err(p) => p.into_inner().0,
+            };
+        }
+        drop(slot);
+        if let Some(h) = self.handle.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+impl Drop for ThreadWorker {
+    /// Joins a thread that has ended; one still running is detached.
+    fn drop(&mut self) {
+        if self.finished() {
+            if let Some(h) = self.handle.take() {
+                let _ = h.join();
+            }
+        }
+    }
+}
+
+/// A panic's message.
+fn panic_text(panic: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = panic.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = panic.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "a panic without a message".to_string()
+    }
+}

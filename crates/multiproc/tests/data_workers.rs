@@ -1,0 +1,189 @@
+//! `multiproc::data` worker kinds: thread workers under the same API as processes —
+//! the same batches, the same failure report, restart and resume.
+
+multiproc::test_init!();
+
+mod common;
+
+use common::secs;
+use multiproc::data::{DataLoader, Dataset, WorkerKind, worker_info};
+use multiproc::{Error, Event};
+use serde::{Deserialize, Serialize};
+
+#[derive(Clone, Copy, Debug, Serialize, Deserialize)]
+enum Fault {
+    Err,
+    Panic,
+}
+
+/// Sample `i` is `(i, the id of the worker that loaded it)`; sample `fail_at` fails
+/// (once, when `once` is given: the first attempt sets it).
+#[derive(Clone, Serialize, Deserialize)]
+struct Faulty {
+    n: usize,
+    fault: Option<(usize, Fault)>,
+    once: Option<Event>,
+}
+
+impl Dataset for Faulty {
+    type Item = (i64, i64);
+
+    fn len(&self) -> usize {
+        self.n
+    }
+
+    fn get(&self, i: usize) -> multiproc::Result<(i64, i64)> {
+        if let Some((at, how)) = self.fault {
+            let armed = self.once.as_ref().is_none_or(|e| !e.is_set());
+            if i == at && armed {
+                if let Some(e) = &self.once {
+                    e.set();
+                }
+                match how {
+                    Fault::Err => {
+                        return Err(Error::InvalidArgument(format!("sample {i} is corrupt")));
+                    }
+                    Fault::Panic => panic!("decoder crashed on sample {i}"),
+                }
+            }
+        }
+        let id = worker_info().map_or(-1, |w| w.id as i64);
+        Ok((i as i64, id))
+    }
+}
+
+fn loader(data: Faulty, kind: WorkerKind, restart: bool) -> DataLoader<Faulty> {
+    DataLoader::builder(data)
+        .batch_size(3)
+        .shuffle(8)
+        .num_workers(2)
+        .workers(kind)
+        .restart_workers(restart)
+        .build()
+        .unwrap()
+}
+
+/// The epoch's batches (sample indices), or the first error; and the workers that
+/// loaded them.
+fn epoch(l: &mut DataLoader<Faulty>) -> (Result<Vec<Vec<i64>>, Error>, Vec<i64>) {
+    let mut batches = Vec::new();
+    let mut ids = Vec::new();
+    for b in l.iter() {
+        match b {
+            Ok((i, w)) => {
+                batches.push(i.to_vec::<i64>().unwrap());
+                ids.extend(w.to_vec::<i64>().unwrap());
+            }
+            Err(e) => return (Err(e), ids),
+        }
+    }
+    (Ok(batches), ids)
+}
+
+fn clean(n: usize) -> Faulty {
+    Faulty {
+        n,
+        fault: None,
+        once: None,
+    }
+}
+
+#[test]
+fn thread_workers_load_what_process_workers_load() {
+    common::run(secs(60), || {
+        let (by_process, _) = epoch(&mut loader(clean(20), WorkerKind::Process, false));
+        let mut threads = loader(clean(20), WorkerKind::Thread, false);
+        let (by_thread, ids) = epoch(&mut threads);
+        assert_eq!(by_thread.unwrap(), by_process.unwrap());
+        assert!(
+            ids.contains(&0) && ids.contains(&1),
+            "both workers loaded: {ids:?}"
+        );
+        // Their ids are threads of this process.
+        let mut first = threads.iter();
+        let _ = first.next();
+        for tid in first.worker_pids() {
+            assert!(
+                std::path::Path::new(&format!("/proc/self/task/{tid}")).exists(),
+                "worker tid {tid} is a thread of this process"
+            );
+        }
+    });
+}
+
+#[test]
+fn both_kinds_report_an_error_and_a_panic_alike() {
+    common::run(secs(60), || {
+        for how in [Fault::Err, Fault::Panic] {
+            let mut reports = Vec::new();
+            for kind in [WorkerKind::Process, WorkerKind::Thread] {
+                let data = Faulty {
+                    fault: Some((7, how)),
+                    ..clean(20)
+                };
+                let (got, _) = epoch(&mut loader(data, kind, false));
+                let e = got.unwrap_err();
+                let Error::LoaderFailed {
+                    worker,
+                    batch,
+                    indices,
+                    message,
+                    ..
+                } = &e
+                else {
+                    panic!("{kind:?}: not a LoaderFailed: {e}");
+                };
+                assert!(worker.is_some(), "{message}");
+                assert!(
+                    indices.contains(&7),
+                    "{kind:?}: the batch of sample 7: {message}"
+                );
+                let why = match how {
+                    Fault::Err => "sample 7 is corrupt",
+                    Fault::Panic => "decoder crashed on sample 7",
+                };
+                assert!(message.contains(why), "{kind:?}: {message}");
+                reports.push((*batch, indices.clone()));
+            }
+            assert_eq!(reports[0], reports[1], "{how:?}: the same batch named");
+        }
+    });
+}
+
+#[test]
+fn a_panicking_thread_worker_is_restarted_and_the_batch_retried() {
+    common::run(secs(60), || {
+        let (want, _) = epoch(&mut loader(clean(20), WorkerKind::Thread, false));
+        let data = Faulty {
+            fault: Some((7, Fault::Panic)),
+            once: Some(Event::new().unwrap()),
+            ..clean(20)
+        };
+        let mut l = loader(data, WorkerKind::Thread, true);
+        let (got, _) = epoch(&mut l);
+        assert_eq!(got.unwrap(), want.unwrap());
+    });
+}
+
+#[test]
+fn thread_workers_resume_mid_epoch_exactly() {
+    common::run(secs(60), || {
+        let (want, _) = epoch(&mut loader(clean(20), WorkerKind::Thread, false));
+        let want = want.unwrap();
+        let mut first = loader(clean(20), WorkerKind::Thread, false);
+        let mut e = first.iter();
+        let mut got: Vec<Vec<i64>> = (0..3)
+            .map(|_| e.next().unwrap().unwrap().0.to_vec::<i64>().unwrap())
+            .collect();
+        let state = serde_json::to_string(&e.state_dict()).unwrap();
+        drop(e);
+        drop(first);
+        let mut second = loader(clean(20), WorkerKind::Thread, false);
+        second
+            .load_state_dict(&serde_json::from_str(&state).unwrap())
+            .unwrap();
+        let (rest, _) = epoch(&mut second);
+        got.extend(rest.unwrap());
+        assert_eq!(got, want);
+    });
+}
