@@ -172,7 +172,7 @@ where
         .world_size(options.num_workers)
         .daemon(true);
     process.start()?;
-    Ok(Worker::Process(process))
+    Ok(Worker::Process(Box::new(process)))
 }
 
 /// Loads the samples `indices` and collates them: the work of one batch, in a worker

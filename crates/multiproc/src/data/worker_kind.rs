@@ -51,7 +51,7 @@ pub enum WorkerKind {
 
 /// One running worker, of either kind.
 pub(crate) enum Worker {
-    Process(Process),
+    Process(Box<Process>),
     Thread(ThreadWorker),
 }
 
