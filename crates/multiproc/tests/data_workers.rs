@@ -187,3 +187,62 @@ fn thread_workers_resume_mid_epoch_exactly() {
         assert_eq!(got, want);
     });
 }
+
+/// Each sample takes at least 2 ms to load.
+#[derive(Clone, Serialize, Deserialize)]
+struct Slow(usize);
+
+impl Dataset for Slow {
+    type Item = i64;
+
+    fn len(&self) -> usize {
+        self.0
+    }
+
+    fn get(&self, i: usize) -> multiproc::Result<i64> {
+        // The work of loading a sample (not a synchronisation).
+        std::thread::sleep(std::time::Duration::from_millis(2));
+        Ok(i as i64)
+    }
+}
+
+#[test]
+fn stats_say_where_the_epoch_time_went() {
+    common::run(secs(60), || {
+        let floor = std::time::Duration::from_millis(2 * 20);
+        for (workers, kind) in [
+            (0, WorkerKind::Process),
+            (2, WorkerKind::Process),
+            (2, WorkerKind::Thread),
+        ] {
+            let mut l = DataLoader::builder(Slow(20))
+                .batch_size(4)
+                .num_workers(workers)
+                .workers(kind)
+                .build()
+                .unwrap();
+            l.set_epoch(3);
+            let mut e = l.iter();
+            e.next().unwrap().unwrap();
+            drop(e);
+            assert_eq!(l.stats().batches, 1);
+            for b in l.iter() {
+                b.unwrap();
+            }
+            let s = l.stats();
+            let what = format!("{workers} {kind:?} workers: {s:?}");
+            assert_eq!((s.epoch, s.batches), (4, 5), "{what}");
+            assert!(s.loading >= floor, "every sample's load counted: {what}");
+            assert!(s.collating > std::time::Duration::ZERO, "{what}");
+            assert!(s.waiting > std::time::Duration::ZERO, "{what}");
+            if workers == 0 {
+                assert!(
+                    s.waiting >= s.loading,
+                    "in this process, waiting is loading: {what}"
+                );
+            } else {
+                assert!(s.hand_over > std::time::Duration::ZERO, "{what}");
+            }
+        }
+    });
+}

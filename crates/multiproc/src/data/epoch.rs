@@ -24,7 +24,8 @@ use super::collate::Collate;
 use super::dataset::Dataset;
 use super::loader::DataLoader;
 use super::state::{Done, LoaderState, MapProgress};
-use super::worker::{Task, load_batch, run_worker};
+use super::stats::LoaderStats;
+use super::worker::{Task, Timing, load_batch, run_worker};
 use super::worker_set::{Arrival, Sent, WorkerSet};
 use crate::error::{Error, Result};
 
@@ -116,12 +117,13 @@ where
 
     fn yield_batch(&mut self, batch: usize, data: C::Batch) -> Option<Result<C::Batch>> {
         self.yielded += 1;
+        self.loader.stats.batches += 1;
         if let Some(p) = self.loader.progress.as_mut() {
             p.done.mark(batch);
         }
         #[cfg(feature = "progress")]
         if let Some(bar) = &self.bar {
-            bar.batch_done(self.plan[batch].len());
+            bar.batch_done(self.plan[batch].len(), &self.loader.stats);
         }
         Some(Ok(data))
     }
@@ -134,7 +136,15 @@ where
         if let Err(e) = check_in_range(indices, self.loader.dataset.len()) {
             return self.fail(e);
         }
-        match load_batch(&self.loader.dataset, &self.loader.collate, indices) {
+        let mut timing = Timing::default();
+        let loaded = load_batch(
+            &self.loader.dataset,
+            &self.loader.collate,
+            indices,
+            &mut timing,
+        );
+        self.loader.stats.add(&timing);
+        match loaded {
             Ok(data) => self.yield_batch(batch, data),
             Err(e) => {
                 let error = Error::LoaderFailed {
@@ -332,6 +342,29 @@ where
     type Item = Result<C::Batch>;
 
     fn next(&mut self) -> Option<Result<C::Batch>> {
+        let start = Instant::now();
+        let next = self.next_inner();
+        self.loader.stats.waiting += start.elapsed();
+        next
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        let left = if self.finished {
+            0
+        } else {
+            self.todo.len() - self.yielded
+        };
+        (0, Some(left))
+    }
+}
+
+impl<D, C> Epoch<'_, D, C>
+where
+    D: Dataset + Serialize + DeserializeOwned + Clone + 'static,
+    C: Collate<D::Item> + 'static,
+{
+    /// The next batch (the iterator's `next`, less its accounting).
+    fn next_inner(&mut self) -> Option<Result<C::Batch>> {
         if self.finished || self.yielded == self.todo.len() {
             self.finished = true;
             return None;
@@ -370,7 +403,13 @@ where
                         "data loader: a map-style worker reported an exhausted iterator".into(),
                     ));
                 }
-                Ok(Some(Arrival::Loaded { batch, data, .. })) => {
+                Ok(Some(Arrival::Loaded {
+                    batch,
+                    data,
+                    timing,
+                    ..
+                })) => {
+                    self.loader.stats.add(&timing);
                     if self.loader.options.in_order {
                         self.ready.insert(batch, data);
                     } else {
@@ -396,15 +435,6 @@ where
                 }
             }
         }
-    }
-
-    fn size_hint(&self) -> (usize, Option<usize>) {
-        let left = if self.finished {
-            0
-        } else {
-            self.todo.len() - self.yielded
-        };
-        (0, Some(left))
     }
 }
 
@@ -449,6 +479,7 @@ where
             self.options.drop_last,
         );
         let todo: Vec<usize> = (0..plan.len()).filter(|&b| !done.contains(b)).collect();
+        self.stats = LoaderStats::new(epoch);
         self.progress = Some(MapProgress {
             epoch,
             start,

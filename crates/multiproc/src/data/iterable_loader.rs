@@ -27,7 +27,8 @@ use super::collate::Collate;
 use super::dataset::IterableDataset;
 use super::options::Options;
 use super::state::{Cursor, EpochState, LoaderState, StreamEpochState, StreamState};
-use super::worker::{Outcome, Task, next_batch, run_iterable_worker, stream_cursor};
+use super::stats::LoaderStats;
+use super::worker::{Outcome, Task, Timing, next_batch, run_iterable_worker, stream_cursor};
 use super::worker_set::{Arrival, STOP_GRACE, Sent, WorkerSet};
 use crate::error::{Error, Result};
 
@@ -44,6 +45,8 @@ pub struct IterableDataLoader<D: IterableDataset, C: Collate<D::Item>> {
     progress: Option<StreamProgress>,
     /// Where the next `iter()` resumes, from `load_state_dict`.
     resume: Option<StreamProgress>,
+    /// Where the epoch's time went.
+    stats: LoaderStats,
 }
 
 /// An iterable epoch's standing: per worker, the cursor after its last yielded batch.
@@ -89,6 +92,7 @@ where
             next_run: 0,
             progress: None,
             resume: None,
+            stats: LoaderStats::default(),
         }
     }
 
@@ -111,6 +115,12 @@ where
     /// The number of streams: one per worker, or one in this process.
     fn streams(&self) -> usize {
         self.options.num_workers.max(1)
+    }
+
+    /// Where the time of the epoch running (or the last one run) went
+    /// ([`LoaderStats`]).
+    pub fn stats(&self) -> LoaderStats {
+        self.stats
     }
 
     /// Where the loader stands: the epoch in progress and, per worker, the
@@ -228,6 +238,7 @@ where
             .map(|c| *c == Cursor::Done)
             .collect();
         let round_robin = progress.next_worker;
+        self.stats = LoaderStats::new(epoch);
         let resume_from = progress
             .cursors
             .iter()
@@ -365,14 +376,19 @@ where
         }
         let o = &self.loader.options;
         let batch = self.next_yield;
-        match next_batch(
+        let mut timing = Timing::default();
+        let outcome = next_batch(
             &mut self.in_process,
             &self.loader.collate,
             o.batch_size,
             o.drop_last,
-        ) {
+            &mut timing,
+        );
+        self.loader.stats.add(&timing);
+        match outcome {
             Outcome::Batch(b) => {
                 self.next_yield += 1;
+                self.loader.stats.batches += 1;
                 let cursor = stream_cursor(&self.loader.dataset, &self.in_process);
                 self.passed(0, cursor);
                 Some(Ok(b))
@@ -472,6 +488,20 @@ where
     type Item = Result<C::Batch>;
 
     fn next(&mut self) -> Option<Result<C::Batch>> {
+        let start = Instant::now();
+        let next = self.next_inner();
+        self.loader.stats.waiting += start.elapsed();
+        next
+    }
+}
+
+impl<D, C> IterableEpoch<'_, D, C>
+where
+    D: IterableDataset + Serialize + DeserializeOwned + Clone + 'static,
+    C: Collate<D::Item> + 'static,
+{
+    /// The next batch (the iterator's `next`, less its accounting).
+    fn next_inner(&mut self) -> Option<Result<C::Batch>> {
         if self.finished {
             return None;
         }
@@ -488,6 +518,7 @@ where
                     self.next_yield += 1;
                     self.passed(worker, cursor);
                     if let Some(batch) = answer {
+                        self.loader.stats.batches += 1;
                         return Some(Ok(batch));
                     }
                 }
@@ -524,10 +555,13 @@ where
                     batch,
                     data,
                     cursor,
+                    timing,
                 })) => {
+                    self.loader.stats.add(&timing);
                     let cursor = cursor.unwrap_or(Cursor::Unknown);
                     if !in_order {
                         self.passed(worker, cursor);
+                        self.loader.stats.batches += 1;
                         return Some(Ok(data));
                     }
                     self.ready.insert(batch, (worker, Some(data), cursor));

@@ -13,6 +13,7 @@ use super::dataset::Dataset;
 use super::options::Options;
 use super::sampler::Sampler;
 use super::state::{Done, EpochState, LoaderState, MapProgress, MapState};
+use super::stats::LoaderStats;
 use super::worker_set::{STOP_GRACE, WorkerSet};
 use crate::error::{Error, Result};
 
@@ -65,6 +66,8 @@ pub struct DataLoader<D: Dataset, C: Collate<D::Item> = DefaultCollate> {
     pub(super) progress: Option<MapProgress>,
     /// Where the next `iter()` resumes, from `load_state_dict`.
     pub(super) resume: Option<MapProgress>,
+    /// Where the epoch's time went.
+    pub(super) stats: LoaderStats,
 }
 
 impl<D, C> DataLoader<D, C>
@@ -83,6 +86,7 @@ where
             next_run: 0,
             progress: None,
             resume: None,
+            stats: LoaderStats::default(),
         }
     }
 
@@ -127,6 +131,12 @@ where
         self.next_epoch = epoch;
         self.progress = None;
         self.resume = None;
+    }
+
+    /// Where the time of the epoch running (or the last one run) went: the caller's
+    /// waiting, the workers' loading and collating, the hand-over.
+    pub fn stats(&self) -> LoaderStats {
+        self.stats
     }
 
     /// Where the loader stands: the epoch in progress and the batches of it yielded so

@@ -16,6 +16,7 @@
 //!   restarts, stopping.
 //! - `state` — [`LoaderState`] and [`StreamState`] (resuming mid-epoch), and
 //!   [`worker_seed`].
+//! - `stats` — [`LoaderStats`]: where an epoch's time went.
 //! - `progress` — the optional progress bar (feature `progress`).
 //! - `image_folder` — `ImageFolder`, PNG files decoded in the workers (feature
 //!   `image`).
@@ -115,6 +116,7 @@ mod options;
 mod progress;
 mod sampler;
 mod state;
+mod stats;
 mod worker;
 mod worker_kind;
 mod worker_set;
@@ -132,4 +134,5 @@ pub use sampler::{
     DistributedSampler, RandomSampler, Sampler, SequentialSampler, WeightedRandomSampler,
 };
 pub use state::{LoaderState, StreamState, worker_seed};
+pub use stats::LoaderStats;
 pub use worker_kind::WorkerKind;

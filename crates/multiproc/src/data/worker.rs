@@ -15,6 +15,8 @@
 //! ([`Dataset::set_epoch`]) and its [`WorkerInfo`] when it changes, so persistent
 //! workers follow `set_epoch` like fresh ones.
 
+use std::time::Instant;
+
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
@@ -49,6 +51,24 @@ pub(crate) struct Reply<B> {
     pub outcome: Outcome<B>,
     /// Iterable data sets: where the worker's stream stands after this batch.
     pub cursor: Option<Cursor>,
+    /// Where the worker's time went.
+    pub timing: Timing,
+}
+
+/// Where a worker's time went on one batch, in nanoseconds.
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize)]
+pub(crate) struct Timing {
+    /// Loading the samples (`Dataset::get`, or the stream's `next`).
+    pub load_ns: u64,
+    /// Collating them.
+    pub collate_ns: u64,
+    /// Putting this worker's *previous* reply on the queue (encoding and sending it):
+    /// a reply cannot carry its own.
+    pub previous_put_ns: u64,
+}
+
+fn nanos(d: std::time::Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
 }
 
 /// How a task ended.
@@ -177,16 +197,26 @@ where
 
 /// Loads the samples `indices` and collates them: the work of one batch, in a worker
 /// or in the loader's own process.
-pub(crate) fn load_batch<D, C>(dataset: &D, collate: &C, indices: &[usize]) -> Result<C::Batch>
+pub(crate) fn load_batch<D, C>(
+    dataset: &D,
+    collate: &C,
+    indices: &[usize],
+    timing: &mut Timing,
+) -> Result<C::Batch>
 where
     D: Dataset,
     C: Collate<D::Item>,
 {
+    let start = Instant::now();
     let items = indices
         .iter()
         .map(|&i| dataset.get(i))
-        .collect::<Result<Vec<_>>>()?;
-    collate.collate(items)
+        .collect::<Result<Vec<_>>>();
+    let loaded = Instant::now();
+    timing.load_ns = nanos(loaded - start);
+    let batch = collate.collate(items?);
+    timing.collate_ns = nanos(loaded.elapsed());
+    batch
 }
 
 /// The body of every loader worker process (worker id = rank).
@@ -200,6 +230,7 @@ where
 {
     args.begin(id)?;
     let mut epoch = None;
+    let mut previous_put_ns = 0;
     loop {
         // `None`: the loader closed our pipe (end of epoch, or dropped): done.
         let Some(task) = args.next_task()? else {
@@ -210,7 +241,11 @@ where
             args.publish(id, task.epoch);
             args.dataset.set_epoch(task.epoch);
         }
-        let outcome = load_batch(&args.dataset, &args.collate, &task.indices).into();
+        let mut timing = Timing {
+            previous_put_ns,
+            ..Timing::default()
+        };
+        let outcome = load_batch(&args.dataset, &args.collate, &task.indices, &mut timing).into();
         let reply = Reply {
             worker: id,
             generation: args.generation,
@@ -218,13 +253,16 @@ where
             batch: task.batch,
             outcome,
             cursor: None,
+            timing,
         };
+        let put = Instant::now();
         if let Err(e) = args.results.put(reply) {
             return Err(format!(
                 "cannot hand batch {} to the loader: {}",
                 task.batch, e.error
             ));
         }
+        previous_put_ns = nanos(put.elapsed());
     }
 }
 
@@ -235,6 +273,7 @@ pub(crate) fn next_batch<I, T, C>(
     collate: &C,
     batch_size: usize,
     drop_last: bool,
+    timing: &mut Timing,
 ) -> Outcome<C::Batch>
 where
     I: Iterator<Item = Result<T>>,
@@ -243,6 +282,7 @@ where
     let Some(it) = iter else {
         return Outcome::Exhausted;
     };
+    let start = Instant::now();
     let mut items = Vec::with_capacity(batch_size);
     while items.len() < batch_size {
         match it.next() {
@@ -254,11 +294,15 @@ where
             }
         }
     }
+    let loaded = Instant::now();
+    timing.load_ns = nanos(loaded - start);
     if items.is_empty() || (drop_last && items.len() < batch_size) {
         *iter = None;
         return Outcome::Exhausted;
     }
-    collate.collate(items).into()
+    let batch = collate.collate(items).into();
+    timing.collate_ns = nanos(loaded.elapsed());
+    batch
 }
 
 /// Where an iterable data set's stream stands: ended, or as the data set reports it.
@@ -282,6 +326,7 @@ where
     args.begin(id)?;
     // The run the iterator belongs to, and the iterator (`None` once exhausted).
     let mut current: Option<(u64, Option<D::Iter>)> = None;
+    let mut previous_put_ns = 0;
     loop {
         // `None`: the loader closed our pipe (end of epoch, or dropped): done.
         let Some(task) = args.next_task()? else {
@@ -302,10 +347,20 @@ where
             };
             current = Some((task.run, iter));
         }
+        let mut timing = Timing {
+            previous_put_ns,
+            ..Timing::default()
+        };
         let (outcome, cursor) = match (opened, current.as_mut()) {
             (Err(e), _) => (Outcome::Failed(format!("resuming its stream: {e}")), None),
             (Ok(()), Some((_, iter))) => {
-                let outcome = next_batch(iter, &args.collate, args.batch_size, args.drop_last);
+                let outcome = next_batch(
+                    iter,
+                    &args.collate,
+                    args.batch_size,
+                    args.drop_last,
+                    &mut timing,
+                );
                 let cursor = stream_cursor(&args.dataset, iter);
                 (outcome, Some(cursor))
             }
@@ -318,12 +373,15 @@ where
             batch: task.batch,
             outcome,
             cursor,
+            timing,
         };
+        let put = Instant::now();
         if let Err(e) = args.results.put(reply) {
             return Err(format!(
                 "cannot hand batch {} to the loader: {}",
                 task.batch, e.error
             ));
         }
+        previous_put_ns = nanos(put.elapsed());
     }
 }

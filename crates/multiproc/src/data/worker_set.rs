@@ -19,7 +19,7 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use super::state::Cursor;
-use super::worker::{Outcome, Reply, Task};
+use super::worker::{Outcome, Reply, Task, Timing};
 use super::worker_kind::Worker;
 use crate::error::{Error, Result};
 use crate::queue::{Connection, SimpleQueue, pipe};
@@ -52,6 +52,7 @@ pub(crate) enum Arrival<B> {
         batch: usize,
         data: B,
         cursor: Option<Cursor>,
+        timing: Timing,
     },
     /// Task `batch` found the worker's iterable data set exhausted for this run.
     Exhausted { worker: usize, batch: usize },
@@ -241,6 +242,7 @@ impl<B: Serialize + DeserializeOwned> WorkerSet<B> {
                 batch: reply.batch,
                 data,
                 cursor: reply.cursor,
+                timing: reply.timing,
             },
             Outcome::Exhausted => Arrival::Exhausted {
                 worker: reply.worker,
