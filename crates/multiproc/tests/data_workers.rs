@@ -14,6 +14,7 @@ use serde::{Deserialize, Serialize};
 enum Fault {
     Err,
     Panic,
+    Kill,
 }
 
 /// Sample `i` is `(i, the id of the worker that loaded it)`; sample `fail_at` fails
@@ -44,6 +45,10 @@ impl Dataset for Faulty {
                         return Err(Error::InvalidArgument(format!("sample {i} is corrupt")));
                     }
                     Fault::Panic => panic!("decoder crashed on sample {i}"),
+                    Fault::Kill => {
+                        // SAFETY: kill(2) on our own pid; no memory is involved.
+                        unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+                    }
                 }
             }
         }
@@ -140,7 +145,7 @@ fn both_kinds_report_an_error_and_a_panic_alike() {
                 );
                 let why = match how {
                     Fault::Err => "sample 7 is corrupt",
-                    Fault::Panic => "decoder crashed on sample 7",
+                    Fault::Panic | Fault::Kill => "decoder crashed on sample 7",
                 };
                 assert!(message.contains(why), "{kind:?}: {message}");
                 reports.push((*batch, indices.clone()));
@@ -244,5 +249,30 @@ fn stats_say_where_the_epoch_time_went() {
                 assert!(s.hand_over > std::time::Duration::ZERO, "{what}");
             }
         }
+    });
+}
+
+#[test]
+fn a_killed_worker_is_reported_with_the_sample_it_was_loading_and_its_memory() {
+    common::run(secs(60), || {
+        let data = Faulty {
+            fault: Some((7, Fault::Kill)),
+            ..clean(20)
+        };
+        let (got, _) = epoch(&mut loader(data, WorkerKind::Process, false));
+        let e = got.unwrap_err();
+        let Error::LoaderFailed {
+            indices, message, ..
+        } = &e
+        else {
+            panic!("not a LoaderFailed: {e}");
+        };
+        assert!(indices.contains(&7), "{message}");
+        assert!(message.contains("SIGKILL"), "{message}");
+        assert!(message.contains("it was loading sample 7"), "{message}");
+        assert!(message.contains("resident memory was"), "{message}");
+        // A SIGKILL sent by hand is not blamed on the OOM killer, where the memory
+        // cgroup's count can be read.
+        assert!(!message.contains("the OOM killer killed it"), "{message}");
     });
 }

@@ -141,6 +141,7 @@ where
             &self.loader.dataset,
             &self.loader.collate,
             indices,
+            None,
             &mut timing,
         );
         self.loader.stats.add(&timing);

@@ -24,9 +24,10 @@ use super::collate::Collate;
 use super::dataset::{Dataset, IterableDataset, WorkerInfo, set_worker_info};
 use super::options::Options;
 use super::state::{Cursor, StreamState, worker_seed};
-use super::worker_kind::{ThreadWorker, Worker, WorkerKind};
+use super::worker_kind::{NOT_LOADING, ThreadWorker, Worker, WorkerKind};
 use crate::error::Result;
 use crate::queue::{Connection, SimpleQueue};
+use crate::sync::Value;
 
 /// One batch to load.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -112,6 +113,9 @@ pub(crate) struct WorkerArgs<D, C, B> {
     pub drop_last: bool,
     /// The user's `worker_init`, already resolved by the caller of this worker.
     pub init: Option<super::from_fn::InitFn>,
+    /// Where the worker writes the index of the sample it is loading, so that the
+    /// loader can name it if the worker dies.
+    pub loading: Option<Value<u64>>,
 }
 
 impl<D, C, B> WorkerArgs<D, C, B> {
@@ -170,7 +174,9 @@ where
     C: Serialize + DeserializeOwned + Clone + 'static,
     B: Serialize + DeserializeOwned + 'static,
 {
+    let loading = Value::new(NOT_LOADING)?;
     let args = WorkerArgs {
+        loading: Some(loading.clone()),
         dataset: dataset.clone(),
         collate: collate.clone(),
         tasks,
@@ -185,14 +191,17 @@ where
         init: options.init_fn(),
     };
     if options.kind == WorkerKind::Thread {
-        return Ok(Worker::Thread(ThreadWorker::start(body, id, args)?));
+        return Ok(Worker::thread(
+            ThreadWorker::start(body, id, args)?,
+            Some(loading),
+        ));
     }
     let mut process = crate::process::Process::new(body, id, args)
         .start_method(options.start_method)
         .world_size(options.num_workers)
         .daemon(true);
     process.start()?;
-    Ok(Worker::Process(Box::new(process)))
+    Ok(Worker::process(process, Some(loading)))
 }
 
 /// Loads the samples `indices` and collates them: the work of one batch, in a worker
@@ -201,6 +210,7 @@ pub(crate) fn load_batch<D, C>(
     dataset: &D,
     collate: &C,
     indices: &[usize],
+    loading: Option<&Value<u64>>,
     timing: &mut Timing,
 ) -> Result<C::Batch>
 where
@@ -210,8 +220,16 @@ where
     let start = Instant::now();
     let items = indices
         .iter()
-        .map(|&i| dataset.get(i))
+        .map(|&i| {
+            if let Some(v) = loading {
+                v.set(i as u64);
+            }
+            dataset.get(i)
+        })
         .collect::<Result<Vec<_>>>();
+    if let Some(v) = loading {
+        v.set(NOT_LOADING);
+    }
     let loaded = Instant::now();
     timing.load_ns = nanos(loaded - start);
     let batch = collate.collate(items?);
@@ -245,7 +263,14 @@ where
             previous_put_ns,
             ..Timing::default()
         };
-        let outcome = load_batch(&args.dataset, &args.collate, &task.indices, &mut timing).into();
+        let outcome = load_batch(
+            &args.dataset,
+            &args.collate,
+            &task.indices,
+            args.loading.as_ref(),
+            &mut timing,
+        )
+        .into();
         let reply = Reply {
             worker: id,
             generation: args.generation,

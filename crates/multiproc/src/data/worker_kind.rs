@@ -21,6 +21,7 @@ use serde::de::DeserializeOwned;
 use crate::error::{Error, Result};
 use crate::process::Process;
 use crate::queue::pipe;
+use crate::sync::Value;
 
 /// What a loader's workers are (set by
 /// [`DataLoaderBuilder::workers`](super::DataLoaderBuilder::workers)); the API, the
@@ -49,69 +50,153 @@ pub enum WorkerKind {
     Thread,
 }
 
-/// One running worker, of either kind.
-pub(crate) enum Worker {
+/// One running worker, of either kind, with what the loader knows of it.
+pub(crate) struct Worker {
+    handle: Handle,
+    /// The sample it is loading (`NOT_LOADING` between samples), which it writes.
+    loading: Option<Value<u64>>,
+    /// The memory cgroup's OOM-kill count when it started.
+    oom_kills_at_start: Option<u64>,
+    /// Its resident memory when last read, and when.
+    rss: Option<(u64, Instant)>,
+}
+
+/// What a worker's "loading" word holds between samples.
+pub(crate) const NOT_LOADING: u64 = u64::MAX;
+
+/// How often a worker's resident memory is read (while the loader waits).
+const RSS_INTERVAL: Duration = Duration::from_millis(100);
+
+enum Handle {
     Process(Box<Process>),
     Thread(ThreadWorker),
 }
 
 impl Worker {
+    /// A started worker process, writing the sample it loads into `loading`.
+    pub(crate) fn process(process: Process, loading: Option<Value<u64>>) -> Self {
+        Worker::new(Handle::Process(Box::new(process)), loading)
+    }
+
+    /// A started worker thread.
+    pub(crate) fn thread(thread: ThreadWorker, loading: Option<Value<u64>>) -> Self {
+        Worker::new(Handle::Thread(thread), loading)
+    }
+
+    fn new(handle: Handle, loading: Option<Value<u64>>) -> Self {
+        let mut w = Worker {
+            handle,
+            loading,
+            oom_kills_at_start: oom_kills(),
+            rss: None,
+        };
+        w.observe();
+        w
+    }
+
     /// Its pid (a process) or tid (a thread).
     pub(crate) fn id(&self) -> i32 {
-        match self {
-            Worker::Process(p) => p.pid().unwrap_or(-1),
-            Worker::Thread(t) => t.tid,
+        match &self.handle {
+            Handle::Process(p) => p.pid().unwrap_or(-1),
+            Handle::Thread(t) => t.tid,
         }
+    }
+
+    /// Reads a worker process's resident memory, at most every [`RSS_INTERVAL`].
+    pub(crate) fn observe(&mut self) {
+        let Handle::Process(p) = &self.handle else {
+            return;
+        };
+        if self.rss.is_some_and(|(_, at)| at.elapsed() < RSS_INTERVAL) {
+            return;
+        }
+        if let Some(bytes) = p.pid().and_then(resident_bytes) {
+            self.rss = Some((bytes, Instant::now()));
+        }
+    }
+
+    /// What the loader knows of a dead worker's end, to add to its report: the sample
+    /// it was loading, and for a process killed by a signal, whether the OOM killer
+    /// did it and its memory when last seen.
+    pub(crate) fn death_note(&self) -> String {
+        let mut note = String::new();
+        if let Some(i) = self.loading.as_ref().map(Value::get) {
+            if i != NOT_LOADING {
+                note.push_str(&format!("; it was loading sample {i}"));
+            }
+        }
+        if let Handle::Process(_) = &self.handle {
+            match (self.oom_kills_at_start, oom_kills()) {
+                (Some(before), Some(now)) if now > before => note.push_str(&format!(
+                    "; the OOM killer killed it, most likely (its memory cgroup's oom_kill \
+                     count rose from {before} to {now} while it ran): give the job more memory, \
+                     or use fewer workers or a smaller prefetch_factor"
+                )),
+                (Some(before), Some(_)) => note.push_str(&format!(
+                    "; its memory cgroup counted no OOM kill while it ran (oom_kill stayed at \
+                     {before}): not the OOM killer"
+                )),
+                _ => {}
+            }
+            if let Some((bytes, at)) = self.rss {
+                note.push_str(&format!(
+                    "; its resident memory was {:.1} MiB when last seen, {} ms before",
+                    bytes as f64 / (1u64 << 20) as f64,
+                    at.elapsed().as_millis()
+                ));
+            }
+        }
+        note
     }
 
     /// How it ended, once it has (`None` while it runs).
     pub(crate) fn exited(&mut self) -> Option<String> {
-        match self {
-            Worker::Process(p) => p.exit_status().map(|s| s.to_string()),
-            Worker::Thread(t) => t.finished().then(|| "its thread ended".to_string()),
+        match &mut self.handle {
+            Handle::Process(p) => p.exit_status().map(|s| s.to_string()),
+            Handle::Thread(t) => t.finished().then(|| "its thread ended".to_string()),
         }
     }
 
     /// Why it failed, once it has ended failing: the error it returned, its panic, or
     /// (a process) the signal or exit code.
     pub(crate) fn error(&self) -> Option<String> {
-        match self {
-            Worker::Process(p) => p.error().map(|e| e.to_string()),
-            Worker::Thread(t) => t.outcome().and_then(|o| o.err()),
+        match &self.handle {
+            Handle::Process(p) => p.error().map(|e| e.to_string()),
+            Handle::Thread(t) => t.outcome().and_then(|o| o.err()),
         }
     }
 
     pub(crate) fn is_alive(&self) -> bool {
-        match self {
-            Worker::Process(p) => p.is_alive(),
-            Worker::Thread(t) => !t.finished(),
+        match &self.handle {
+            Handle::Process(p) => p.is_alive(),
+            Handle::Thread(t) => !t.finished(),
         }
     }
 
     /// Waits up to `grace` for it to end on its own (its task pipe closed).
     pub(crate) fn wait(&mut self, grace: Duration) {
-        match self {
-            Worker::Process(p) => {
+        match &mut self.handle {
+            Handle::Process(p) => {
                 if let Err(e) = p.join(Some(grace)) {
                     if !e.is_timeout() {
                         tracing::warn!("multiproc: waiting for a data loader worker: {e}");
                     }
                 }
             }
-            Worker::Thread(t) => t.wait(grace),
+            Handle::Thread(t) => t.wait(grace),
         }
     }
 
     /// Ends it now: a process is killed; a thread cannot be, and is left to end on its
     /// own (detached) with a warning.
     pub(crate) fn kill(&mut self) {
-        match self {
-            Worker::Process(p) => {
+        match &mut self.handle {
+            Handle::Process(p) => {
                 if let Err(e) = p.kill() {
                     tracing::warn!("multiproc: killing a data loader worker: {e}");
                 }
             }
-            Worker::Thread(t) => {
+            Handle::Thread(t) => {
                 if !t.finished() {
                     tracing::warn!(
                         "multiproc: data loader worker thread {} is still busy after its \
@@ -235,6 +320,48 @@ impl Drop for ThreadWorker {
     }
 }
 
+/// The OOM-kill count of this process's memory cgroup (v2 `memory.events`, or v1
+/// `memory.oom_control`), readable without root; `None` where there is none. Workers
+/// share their loader's cgroup unless moved.
+fn oom_kills() -> Option<u64> {
+    let cgroups = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    for line in cgroups.lines() {
+        let mut parts = line.splitn(3, ':');
+        let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
+        let file = if controllers.is_empty() {
+            format!("/sys/fs/cgroup{path}/memory.events")
+        } else if controllers.split(',').any(|c| c == "memory") {
+            format!("/sys/fs/cgroup/memory{path}/memory.oom_control")
+        } else {
+            continue;
+        };
+        if let Some(n) = std::fs::read_to_string(file)
+            .ok()
+            .and_then(|text| oom_kill_count(&text))
+        {
+            return Some(n);
+        }
+    }
+    None
+}
+
+/// The `oom_kill N` line of a cgroup's memory.events or memory.oom_control.
+pub(crate) fn oom_kill_count(text: &str) -> Option<u64> {
+    text.lines().find_map(|l| {
+        let mut words = l.split_whitespace();
+        (words.next() == Some("oom_kill"))
+            .then(|| words.next()?.parse().ok())
+            .flatten()
+    })
+}
+
+/// A process's resident memory (`/proc/<pid>/statm`), in bytes.
+fn resident_bytes(pid: i32) -> Option<u64> {
+    let statm = std::fs::read_to_string(format!("/proc/{pid}/statm")).ok()?;
+    let pages: u64 = statm.split_whitespace().nth(1)?.parse().ok()?;
+    Some(pages * crate::sys::mmap::page_size() as u64)
+}
+
 /// A panic's message.
 fn panic_text(panic: &(dyn std::any::Any + Send)) -> String {
     if let Some(s) = panic.downcast_ref::<&str>() {
@@ -243,5 +370,25 @@ fn panic_text(panic: &(dyn std::any::Any + Send)) -> String {
         s.clone()
     } else {
         "a panic without a message".to_string()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_oom_kill_count_is_read_from_either_cgroup_version() {
+        let v2 = "low 0\nhigh 0\nmax 12\noom 3\noom_kill 2\noom_group_kill 0\n";
+        assert_eq!(oom_kill_count(v2), Some(2));
+        let v1 = "oom_kill_disable 0\nunder_oom 0\noom_kill 7\n";
+        assert_eq!(oom_kill_count(v1), Some(7));
+        assert_eq!(oom_kill_count("oom 3\n"), None);
+    }
+
+    #[test]
+    fn this_process_has_a_resident_size() {
+        let me = std::process::id() as i32;
+        assert!(resident_bytes(me).is_some_and(|b| b > 0));
     }
 }

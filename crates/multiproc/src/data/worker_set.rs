@@ -265,6 +265,7 @@ impl<B: Serialize + DeserializeOwned> WorkerSet<B> {
             if slot.outstanding.is_empty() {
                 continue;
             }
+            slot.process.observe();
             let Some(status) = slot.process.exited() else {
                 continue;
             };
@@ -279,7 +280,7 @@ impl<B: Serialize + DeserializeOwned> WorkerSet<B> {
             let what = match slot.process.error() {
                 Some(e) => e,
                 None => format!("it exited ({status}) while loading"),
-            };
+            } + &slot.process.death_note();
             // Its other tasks stay outstanding until the caller restarts or stops it.
             if sent.task.run == run {
                 self.arrived.push_back(Arrival::Failed {
