@@ -276,3 +276,49 @@ fn a_killed_worker_is_reported_with_the_sample_it_was_loading_and_its_memory() {
         assert!(!message.contains("the OOM killer killed it"), "{message}");
     });
 }
+
+/// Sample `i` is the sum of row `i` of a shared table.
+#[derive(Clone, Serialize, Deserialize)]
+struct Indexed {
+    index: multiproc::data::SharedRows<u64>,
+}
+
+impl Dataset for Indexed {
+    type Item = i64;
+
+    fn len(&self) -> usize {
+        self.index.len()
+    }
+
+    fn get(&self, i: usize) -> multiproc::Result<i64> {
+        Ok(self.index.row(i)?.iter().sum::<u64>() as i64)
+    }
+}
+
+#[test]
+fn a_shared_table_reaches_every_worker_of_either_kind() {
+    common::run(secs(60), || {
+        // 4,096 rows of 3: row i is (i, 2i, 3i).
+        let flat: Vec<u64> = (0..4096u64).flat_map(|i| [i, 2 * i, 3 * i]).collect();
+        let index = multiproc::data::SharedRows::new(&flat, 3).unwrap();
+        for kind in [WorkerKind::Process, WorkerKind::Thread] {
+            let mut l = DataLoader::builder(Indexed {
+                index: index.clone(),
+            })
+            .batch_size(256)
+            .num_workers(4)
+            .workers(kind)
+            .build()
+            .unwrap();
+            let sums: Vec<i64> = l
+                .iter()
+                .flat_map(|b| b.unwrap().to_vec::<i64>().unwrap())
+                .collect();
+            assert_eq!(
+                sums,
+                (0..4096).map(|i| 6 * i).collect::<Vec<i64>>(),
+                "{kind:?}"
+            );
+        }
+    });
+}

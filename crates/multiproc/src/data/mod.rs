@@ -17,6 +17,8 @@
 //! - `state` — [`LoaderState`] and [`StreamState`] (resuming mid-epoch), and
 //!   [`worker_seed`].
 //! - `stats` — [`LoaderStats`]: where an epoch's time went.
+//! - `shared_rows` — [`SharedRows`]: a data set's big read-only table, in shared
+//!   memory once, reaching the workers by handle.
 //! - `progress` — the optional progress bar (feature `progress`).
 //! - `image_folder` — `ImageFolder`, PNG files decoded in the workers (feature
 //!   `image`).
@@ -115,6 +117,7 @@ mod options;
 #[cfg(feature = "progress")]
 mod progress;
 mod sampler;
+mod shared_rows;
 mod state;
 mod stats;
 mod worker;
@@ -133,6 +136,7 @@ pub use loader::DataLoader;
 pub use sampler::{
     DistributedSampler, RandomSampler, Sampler, SequentialSampler, WeightedRandomSampler,
 };
+pub use shared_rows::SharedRows;
 pub use state::{LoaderState, StreamState, worker_seed};
 pub use stats::LoaderStats;
 pub use worker_kind::WorkerKind;
