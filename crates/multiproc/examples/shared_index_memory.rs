@@ -40,16 +40,16 @@ struct Shared {
 }
 
 impl Dataset for Shared {
-    type Item = u64;
+    type Item = i64;
     fn len(&self) -> usize {
         self.samples
     }
-    fn get(&self, _i: usize) -> multiproc::Result<u64> {
+    fn get(&self, _i: usize) -> multiproc::Result<i64> {
         let mut sum = 0u64;
         for r in 0..self.index.len() {
             sum = sum.wrapping_add(self.index.get(r, 0)?);
         }
-        Ok(sum)
+        Ok(sum as i64)
     }
 }
 
@@ -61,15 +61,15 @@ struct Copied {
 }
 
 impl Dataset for Copied {
-    type Item = u64;
+    type Item = i64;
     fn len(&self) -> usize {
         self.samples
     }
-    fn get(&self, _i: usize) -> multiproc::Result<u64> {
+    fn get(&self, _i: usize) -> multiproc::Result<i64> {
         Ok(self
             .index
             .chunks(WIDTH)
-            .fold(0u64, |s, row| s.wrapping_add(row[0])))
+            .fold(0u64, |s, row| s.wrapping_add(row[0])) as i64)
     }
 }
 
@@ -93,7 +93,7 @@ fn memory(pid: i32) -> (f64, f64, f64) {
 
 fn run<D>(dataset: D, workers: usize) -> multiproc::Result<Vec<(f64, f64, f64)>>
 where
-    D: Dataset<Item = u64> + serde::Serialize + serde::de::DeserializeOwned + Clone + 'static,
+    D: Dataset<Item = i64> + serde::Serialize + serde::de::DeserializeOwned + Clone + 'static,
 {
     let mut loader = DataLoader::builder(dataset)
         .num_workers(workers)
@@ -102,7 +102,7 @@ where
         .build()?;
     let mut sums = Vec::new();
     for b in &mut loader {
-        sums.extend(b?.to_vec::<u64>()?);
+        sums.extend(b?.to_vec::<i64>()?);
     }
     assert!(
         sums.windows(2).all(|w| w[0] == w[1]),
