@@ -164,28 +164,18 @@ where
         }
     }
 
-    /// Sends batches to workers while the in-flight bound allows.
+    /// Sends batches to workers while the in-flight bound allows, starting the
+    /// workers not started yet one at a time in between: worker 0 gets its first batch
+    /// before worker 1 is started, and so on, so that the first batch waits for one
+    /// start, not `num_workers`. (While workers start, each gets one batch: batches go
+    /// to workers round-robin as if all had started at once.)
     fn fill(&mut self) -> Result<()> {
         let o = &self.loader.options;
         let window = o.num_workers * o.prefetch_factor;
         let per_worker = o.prefetch_factor;
         let epoch = self.epoch;
         if self.loader.workers.is_none() {
-            let (dataset, collate) = (&self.loader.dataset, &self.loader.collate);
-            let set = WorkerSet::start(o.num_workers, &|id, generation, tasks, results| {
-                super::worker::launch(
-                    run_worker::<D, C>,
-                    dataset,
-                    collate,
-                    o,
-                    id,
-                    generation,
-                    epoch,
-                    tasks,
-                    results,
-                )
-            })?;
-            self.loader.workers = Some(set);
+            self.loader.workers = Some(WorkerSet::empty()?);
         }
         let len = self.loader.dataset.len();
         let DataLoader {
@@ -212,26 +202,34 @@ where
         let Some(set) = workers.as_mut() else {
             return Ok(());
         };
-        while self.next_send < self.todo.len() && self.failed.is_none() {
-            if set.in_flight() + self.ready.len() >= window {
+        loop {
+            let starting = set.len() < options.num_workers;
+            let limit = if starting { 1 } else { per_worker };
+            while self.next_send < self.todo.len() && self.failed.is_none() {
+                if set.in_flight() + self.ready.len() >= window {
+                    break;
+                }
+                let Some(id) = set.least_busy(limit) else {
+                    break;
+                };
+                set.ensure_alive(id, options.restart_workers, &launch)?;
+                let batch = self.todo[self.next_send];
+                check_in_range(&self.plan[batch], len)?;
+                let task = Task {
+                    run: self.run,
+                    epoch: self.epoch,
+                    batch,
+                    indices: self.plan[batch].clone(),
+                    from: None,
+                };
+                let retried = false;
+                set.send(id, Sent { task, retried })?;
+                self.next_send += 1;
+            }
+            if !starting {
                 break;
             }
-            let Some(id) = set.least_busy(per_worker) else {
-                break;
-            };
-            set.ensure_alive(id, options.restart_workers, &launch)?;
-            let batch = self.todo[self.next_send];
-            check_in_range(&self.plan[batch], len)?;
-            let task = Task {
-                run: self.run,
-                epoch: self.epoch,
-                batch,
-                indices: self.plan[batch].clone(),
-                from: None,
-            };
-            let retried = false;
-            set.send(id, Sent { task, retried })?;
-            self.next_send += 1;
+            set.grow(&launch)?;
         }
         Ok(())
     }

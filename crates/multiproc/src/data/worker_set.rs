@@ -84,17 +84,29 @@ pub(crate) struct WorkerSet<B> {
 impl<B: Serialize + DeserializeOwned> WorkerSet<B> {
     /// Starts `n` workers.
     pub(crate) fn start(n: usize, launch: Launch<'_, B>) -> Result<Self> {
-        let mut set = WorkerSet {
-            slots: Vec::with_capacity(n),
+        let mut set = WorkerSet::empty()?;
+        for _ in 0..n {
+            set.grow(launch)?;
+        }
+        Ok(set)
+    }
+
+    /// A set with no worker yet: [`grow`](Self::grow) adds them one at a time, so
+    /// that the first can be sent its batches while the others start.
+    pub(crate) fn empty() -> Result<Self> {
+        Ok(WorkerSet {
+            slots: Vec::new(),
             results: SimpleQueue::new()?,
             arrived: VecDeque::new(),
             last_death_check: Instant::now(),
-        };
-        for id in 0..n {
-            let slot = set.start_slot(id, 0, launch)?;
-            set.slots.push(slot);
-        }
-        Ok(set)
+        })
+    }
+
+    /// Starts one more worker, with the next id.
+    pub(crate) fn grow(&mut self, launch: Launch<'_, B>) -> Result<()> {
+        let slot = self.start_slot(self.slots.len(), 0, launch)?;
+        self.slots.push(slot);
+        Ok(())
     }
 
     fn start_slot(&self, id: usize, generation: u64, launch: Launch<'_, B>) -> Result<Slot> {
@@ -174,14 +186,29 @@ impl<B: Serialize + DeserializeOwned> WorkerSet<B> {
     }
 
     /// Sends a task to worker `id`.
+    ///
+    /// A worker closes its end of the task pipe only by ending, so a send that finds it
+    /// closed means the worker is dying: the task is kept outstanding, and the death
+    /// (found by [`wait`](Self::wait) once the process can be reaped) is reported
+    /// against the task it was loading, with restarts resending the rest.
     pub(crate) fn send(&mut self, id: usize, sent: Sent) -> Result<()> {
         let slot = &mut self.slots[id];
-        slot.tasks.send(sent.task.clone()).map_err(|e| {
-            Error::Closed(format!(
-                "cannot send batch {} to data loader worker {id} (pid {}): {}",
-                sent.task.batch, slot.pid, e.error
-            ))
-        })?;
+        match slot.tasks.send(sent.task.clone()) {
+            Ok(()) => {}
+            Err(e) if matches!(e.error, Error::Closed(_)) && !slot.outstanding.is_empty() => {
+                tracing::debug!(
+                    "multiproc: data loader worker {id} (pid {}) closed its task pipe; \
+                     its death will be reported",
+                    slot.pid
+                );
+            }
+            Err(e) => {
+                return Err(Error::Closed(format!(
+                    "cannot send batch {} to data loader worker {id} (pid {}): {}",
+                    sent.task.batch, slot.pid, e.error
+                )));
+            }
+        }
         slot.outstanding.push_back(sent);
         Ok(())
     }
