@@ -164,11 +164,12 @@ where
         }
     }
 
-    /// Sends batches to workers while the in-flight bound allows, starting the
-    /// workers not started yet one at a time in between: worker 0 gets its first batch
-    /// before worker 1 is started, and so on, so that the first batch waits for one
-    /// start, not `num_workers`. (While workers start, each gets one batch: batches go
-    /// to workers round-robin as if all had started at once.)
+    /// Sends batches to workers while the in-flight bound allows, and starts at most
+    /// one more worker if some are not started yet: worker 0 gets its first batch
+    /// before worker 1 is started, and the caller takes in what has arrived between two
+    /// starts, so the first batch waits for one start, not `num_workers`. (While
+    /// workers start, each gets one batch: batches go to workers round-robin as if all
+    /// had started at once.)
     fn fill(&mut self) -> Result<()> {
         let o = &self.loader.options;
         let window = o.num_workers * o.prefetch_factor;
@@ -202,6 +203,7 @@ where
         let Some(set) = workers.as_mut() else {
             return Ok(());
         };
+        let mut grown = false;
         loop {
             let starting = set.len() < options.num_workers;
             let limit = if starting { 1 } else { per_worker };
@@ -226,10 +228,11 @@ where
                 set.send(id, Sent { task, retried })?;
                 self.next_send += 1;
             }
-            if !starting {
+            if !starting || grown {
                 break;
             }
             set.grow(&launch)?;
+            grown = true;
         }
         Ok(())
     }
@@ -385,14 +388,22 @@ where
                     return self.fail(e);
                 }
             }
-            let deadline = self.loader.options.timeout.map(|t| Instant::now() + t);
             let Some(set) = self.loader.workers.as_mut() else {
                 return self.fail(Error::Closed(
                     "data loader: the workers are gone (this is a multiproc bug)".into(),
                 ));
             };
+            // While workers are still to start, only look at what has arrived, and go
+            // on starting them.
+            let starting = set.len() < self.loader.options.num_workers;
+            let deadline = if starting {
+                Some(Instant::now())
+            } else {
+                self.loader.options.timeout.map(|t| Instant::now() + t)
+            };
             match set.wait(self.run, deadline) {
                 Err(e) => return self.fail(e),
+                Ok(None) if starting => {}
                 Ok(None) => {
                     let e = self.timeout_error();
                     return self.fail(e);

@@ -224,9 +224,11 @@ impl<B: Serialize + DeserializeOwned> WorkerSet<B> {
                 return Ok(Some(a));
             }
             let now = Instant::now();
+            // Past the deadline, what is already queued is still taken in (a deadline
+            // of now is a poll).
+            let expired = deadline.is_some_and(|d| d <= now);
             let slice = match deadline {
-                Some(d) if d <= now => return Ok(None),
-                Some(d) => (d - now).min(DEATH_CHECK_INTERVAL),
+                Some(d) => d.saturating_duration_since(now).min(DEATH_CHECK_INTERVAL),
                 None => DEATH_CHECK_INTERVAL,
             };
             if let Some(reply) = recv_within(&self.results, slice)? {
@@ -238,6 +240,9 @@ impl<B: Serialize + DeserializeOwned> WorkerSet<B> {
             }
             self.last_death_check = Instant::now();
             self.check_deaths(run)?;
+            if expired && self.arrived.is_empty() {
+                return Ok(None);
+            }
         }
     }
 
