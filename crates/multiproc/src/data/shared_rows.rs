@@ -29,13 +29,13 @@ use crate::tensor::{Element, Tensor};
 /// }
 ///
 /// impl Dataset for Records {
-///     type Item = (u64, u64);
+///     type Item = (i64, i64);
 ///     fn len(&self) -> usize {
 ///         self.index.len()
 ///     }
-///     fn get(&self, i: usize) -> multiproc::Result<(u64, u64)> {
+///     fn get(&self, i: usize) -> multiproc::Result<(i64, i64)> {
 ///         let row = self.index.row(i)?;
-///         Ok((row[0], row[1]))
+///         Ok((row[0] as i64, row[1] as i64))
 ///     }
 /// }
 ///
