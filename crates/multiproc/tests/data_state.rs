@@ -1,6 +1,7 @@
 //! `multiproc::data`, v2: exact mid-epoch resume (`state_dict` / `load_state_dict`) for
 //! map-style and iterable data sets, epochs that reach persistent workers, elastic
-//! resume at another world size, and per-worker seeds — across real worker processes.
+//! resume at another world size, and per-worker seeds — across real worker processes
+//! (and threads).
 
 multiproc::test_init!();
 
@@ -11,7 +12,7 @@ use std::collections::BTreeSet;
 use common::secs;
 use multiproc::data::{
     DataLoader, DataLoaderBuilder, Dataset, DistributedSampler, IterableDataset, LoaderState,
-    StreamState, worker_info, worker_seed,
+    StreamState, WorkerKind, worker_info, worker_seed,
 };
 use multiproc::{Error, Tensor};
 use serde::{Deserialize, Serialize};
@@ -52,12 +53,14 @@ struct Setup {
     workers: usize,
     in_order: bool,
     shuffle: bool,
+    kind: WorkerKind,
 }
 
 fn ramp_loader(s: Setup) -> DataLoader<Ramp> {
     let b = DataLoader::builder(Ramp { n: 45, epoch: 0 })
         .batch_size(2)
         .num_workers(s.workers)
+        .workers(s.kind)
         .in_order(s.in_order);
     let b = if s.shuffle { b.shuffle(5) } else { b };
     b.build().unwrap()
@@ -114,13 +117,20 @@ fn sorted(mut batches: Vec<Vec<i64>>) -> Vec<Vec<i64>> {
 #[test]
 fn a_map_style_loader_resumed_every_7th_batch_yields_the_uninterrupted_batches() {
     common::run(secs(240), || {
-        for workers in [0, 1, 4] {
+        let kinds = [
+            (0, WorkerKind::Process),
+            (1, WorkerKind::Process),
+            (4, WorkerKind::Process),
+            (4, WorkerKind::Thread),
+        ];
+        for (workers, kind) in kinds {
             for shuffle in [false, true] {
                 for in_order in [true, false] {
                     let s = Setup {
                         workers,
                         in_order,
                         shuffle,
+                        kind,
                     };
                     let want = uninterrupted(s);
                     let got = interrupted(s, 7);
@@ -200,6 +210,7 @@ fn stream_loader(
     DataLoaderBuilder::new(Stream { n: 41 })
         .batch_size(2)
         .num_workers(s.workers)
+        .workers(s.kind)
         .in_order(s.in_order)
         .build_iterable()
         .unwrap()
@@ -237,12 +248,19 @@ fn stream_run(s: Setup, every: Option<usize>) -> Vec<Vec<Vec<i64>>> {
 #[test]
 fn an_iterable_loader_resumes_through_the_state_its_data_set_reports() {
     common::run(secs(240), || {
-        for workers in [0, 1, 4] {
+        let kinds = [
+            (0, WorkerKind::Process),
+            (1, WorkerKind::Process),
+            (4, WorkerKind::Process),
+            (4, WorkerKind::Thread),
+        ];
+        for (workers, kind) in kinds {
             for in_order in [true, false] {
                 let s = Setup {
                     workers,
                     in_order,
                     shuffle: false,
+                    kind,
                 };
                 let want = stream_run(s, None);
                 let got = stream_run(s, Some(7));
@@ -465,6 +483,7 @@ fn a_state_that_does_not_fit_is_a_clear_error() {
             workers: 0,
             in_order: true,
             shuffle: false,
+            kind: WorkerKind::Process,
         };
         let mut loader = ramp_loader(s);
         let mut epoch = loader.iter();
@@ -511,6 +530,7 @@ fn persistent_workers_resume_on_the_same_loader_without_stale_batches() {
                 workers: 2,
                 in_order,
                 shuffle: true,
+                kind: WorkerKind::Process,
             };
             let want = sorted(uninterrupted(s).swap_remove(0));
             let mut loader = DataLoader::builder(Ramp { n: 45, epoch: 0 })

@@ -34,6 +34,40 @@ const VERSION: u32 = 1;
 /// have yielded from that point: the rest of the interrupted epoch, then the following
 /// epochs. A state taken with `in_order(false)` lists the batches that came early;
 /// they are not loaded again.
+///
+/// ```no_run
+/// use multiproc::data::{DataLoader, Dataset, LoaderState};
+///
+/// #[derive(Clone, serde::Serialize, serde::Deserialize)]
+/// struct Ramp(usize);
+///
+/// impl Dataset for Ramp {
+///     type Item = i64;
+///     fn len(&self) -> usize { self.0 }
+///     fn get(&self, i: usize) -> multiproc::Result<i64> { Ok(i as i64) }
+/// }
+///
+/// fn main() -> multiproc::Result<()> {
+///     multiproc::init();
+///     let build = || DataLoader::builder(Ramp(1000)).batch_size(10).shuffle(7).num_workers(2).build();
+///     let mut loader = build()?;
+///     let mut epoch = loader.iter();
+///     for _ in 0..30 {
+///         let _batch = epoch.next().transpose()?; // train on it
+///     }
+///     // Checkpoint: save the loader's state beside the model's.
+///     let saved = serde_json::to_string(&epoch.state_dict()).unwrap();
+///     drop(epoch);
+///     drop(loader);
+///
+///     // Later, in another run: the same loader, the rest of the epoch.
+///     let mut loader = build()?;
+///     let state: LoaderState = serde_json::from_str(&saved).unwrap();
+///     loader.load_state_dict(&state)?;
+///     assert_eq!(loader.iter().count(), 70); // batches 30..100 of the same epoch
+///     Ok(())
+/// }
+/// ```
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LoaderState {
     version: u32,
