@@ -322,3 +322,23 @@ fn a_shared_table_reaches_every_worker_of_either_kind() {
         }
     });
 }
+
+#[test]
+fn dropping_a_loader_of_busy_thread_workers_leaves_nothing_behind() {
+    common::run(secs(60), || {
+        for persistent in [false, true] {
+            let mut l = DataLoader::builder(Slow(400))
+                .batch_size(4)
+                .num_workers(4)
+                .workers(WorkerKind::Thread)
+                .persistent_workers(persistent)
+                .build()
+                .unwrap();
+            let mut e = l.iter();
+            e.next().unwrap().unwrap();
+            // The others are still loading their batches when the loader goes.
+            drop(e);
+            drop(l);
+        }
+    });
+}
