@@ -148,6 +148,11 @@ fn both_kinds_report_an_error_and_a_panic_alike() {
                     Fault::Panic | Fault::Kill => "decoder crashed on sample 7",
                 };
                 assert!(message.contains(why), "{kind:?}: {message}");
+                let named = match kind {
+                    WorkerKind::Process => "(pid ",
+                    _ => "(thread ",
+                };
+                assert!(message.contains(named), "{kind:?}: {message}");
                 reports.push((*batch, indices.clone()));
             }
             assert_eq!(reports[0], reports[1], "{how:?}: the same batch named");

@@ -247,7 +247,8 @@ where
             ""
         };
         let message = format!(
-            "data loader worker {worker} (pid {pid}) failed{again} on batch {batch} (samples {}): {what}",
+            "data loader worker {worker} ({} {pid}) failed{again} on batch {batch} (samples {}): {what}",
+            self.loader.options.kind.label(),
             show_indices(&indices)
         );
         let error = Error::LoaderFailed {
@@ -325,9 +326,10 @@ where
         match held {
             Some((worker, pid, batch)) => Error::timeout(
                 format!(
-                    "data loader: batch {batch} (samples {}), which worker {worker} (pid {pid}) \
+                    "data loader: batch {batch} (samples {}), which worker {worker} ({} {pid}) \
                      still holds (raise the timeout or look at what that worker is doing),",
-                    show_indices(&self.plan[batch])
+                    show_indices(&self.plan[batch]),
+                    self.loader.options.kind.label()
                 ),
                 Some(timeout),
             ),

@@ -542,7 +542,11 @@ where
                     let who = set
                         .oldest(epoch)
                         .map(|(w, p, s)| {
-                            format!(": worker {w} (pid {p}) still holds batch {}", s.task.batch)
+                            format!(
+                                ": worker {w} ({} {p}) still holds batch {}",
+                                self.loader.options.kind.label(),
+                                s.task.batch
+                            )
                         })
                         .unwrap_or_default();
                     return self.fail(Error::timeout(
@@ -589,8 +593,9 @@ where
                         batch,
                         indices: Vec::new(),
                         message: format!(
-                            "data loader worker {worker} (pid {pid}) failed on batch {batch} \
-                             of its iterable data set: {what}"
+                            "data loader worker {worker} ({} {pid}) failed on batch {batch} \
+                             of its iterable data set: {what}",
+                            self.loader.options.kind.label()
                         ),
                     };
                     if !in_order {

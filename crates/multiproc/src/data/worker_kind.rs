@@ -50,6 +50,16 @@ pub enum WorkerKind {
     Thread,
 }
 
+impl WorkerKind {
+    /// What a worker's id is, in messages: `pid` or `thread` (its tid).
+    pub(crate) fn label(self) -> &'static str {
+        match self {
+            WorkerKind::Process => "pid",
+            WorkerKind::Thread => "thread",
+        }
+    }
+}
+
 /// One running worker, of either kind, with what the loader knows of it.
 pub(crate) struct Worker {
     handle: Handle,
@@ -92,6 +102,14 @@ impl Worker {
         };
         w.observe();
         w
+    }
+
+    /// What [`id`](Self::id) is, in messages: `pid` or `thread`.
+    pub(crate) fn label(&self) -> &'static str {
+        match &self.handle {
+            Handle::Process(_) => WorkerKind::Process.label(),
+            Handle::Thread(_) => WorkerKind::Thread.label(),
+        }
     }
 
     /// Its pid (a process) or tid (a thread).

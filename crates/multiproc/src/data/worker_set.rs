@@ -197,15 +197,19 @@ impl<B: Serialize + DeserializeOwned> WorkerSet<B> {
             Ok(()) => {}
             Err(e) if matches!(e.error, Error::Closed(_)) && !slot.outstanding.is_empty() => {
                 tracing::debug!(
-                    "multiproc: data loader worker {id} (pid {}) closed its task pipe; \
+                    "multiproc: data loader worker {id} ({} {}) closed its task pipe; \
                      its death will be reported",
+                    slot.process.label(),
                     slot.pid
                 );
             }
             Err(e) => {
                 return Err(Error::Closed(format!(
-                    "cannot send batch {} to data loader worker {id} (pid {}): {}",
-                    sent.task.batch, slot.pid, e.error
+                    "cannot send batch {} to data loader worker {id} ({} {}): {}",
+                    sent.task.batch,
+                    slot.process.label(),
+                    slot.pid,
+                    e.error
                 )));
             }
         }
@@ -360,13 +364,15 @@ impl<B: Serialize + DeserializeOwned> WorkerSet<B> {
         };
         if !restart {
             return Err(Error::Closed(format!(
-                "data loader worker {id} (pid {}) died while idle: {what}; \
+                "data loader worker {id} ({} {}) died while idle: {what}; \
                  restart_workers(true) replaces such a worker",
+                slot.process.label(),
                 slot.pid
             )));
         }
         tracing::warn!(
-            "multiproc: data loader worker {id} (pid {}) died while idle ({what}); restarting it",
+            "multiproc: data loader worker {id} ({} {}) died while idle ({what}); restarting it",
+            slot.process.label(),
             slot.pid
         );
         let generation = slot.generation + 1;
