@@ -411,42 +411,57 @@ where
 
     /// Requests batches from the workers that have samples left, round-robin, within
     /// the in-flight bound.
+    ///
+    /// Workers not started yet start one per call, in id order (the round-robin's
+    /// order): a request waits for its worker's start, not for all of them.
     fn fill(&mut self) -> Result<()> {
-        let o = &self.loader.options;
         let epoch = self.epoch;
         if self.loader.workers.is_none() {
-            let (dataset, collate) = (&self.loader.dataset, &self.loader.collate);
-            let set = WorkerSet::start(o.num_workers, &|id, generation, tasks, results| {
-                super::worker::launch(
-                    run_iterable_worker::<D, C>,
-                    dataset,
-                    collate,
-                    o,
-                    id,
-                    generation,
-                    epoch,
-                    tasks,
-                    results,
-                )
-            })?;
-            self.loader.workers = Some(set);
+            self.loader.workers = Some(WorkerSet::empty()?);
         }
-        let Some(set) = self.loader.workers.as_mut() else {
+        let IterableDataLoader {
+            dataset,
+            collate,
+            options: o,
+            workers,
+            ..
+        } = &mut *self.loader;
+        let (dataset, collate, o) = (&*dataset, &*collate, &*o);
+        let launch = |id, generation, tasks, results| {
+            super::worker::launch(
+                run_iterable_worker::<D, C>,
+                dataset,
+                collate,
+                o,
+                id,
+                generation,
+                epoch,
+                tasks,
+                results,
+            )
+        };
+        let Some(set) = workers.as_mut() else {
             return Ok(());
         };
-        if self.exhausted.len() != set.len() {
-            self.exhausted = vec![false; set.len()];
+        let n = o.num_workers;
+        if self.exhausted.len() != n {
+            self.exhausted = vec![false; n];
         }
-
-        let window = o.num_workers * o.prefetch_factor;
+        if set.len() < n {
+            set.grow(&launch)?;
+        }
+        let window = n * o.prefetch_factor;
         while self.failed.is_none() && set.in_flight() + self.ready.len() < window {
-            let n = set.len();
             let Some(id) = (0..n)
                 .map(|k| (self.round_robin + k) % n)
                 .find(|&w| !self.exhausted[w] && set.outstanding_of(w) < o.prefetch_factor)
             else {
                 break;
             };
+            if id >= set.len() {
+                // Its turn, but it has not started yet: the next call starts it.
+                break;
+            }
             // Where this worker's stream resumes: sent with its first task of the run.
             let from = self.resume_from.get_mut(id).and_then(Option::take);
             let task = Task {
@@ -530,13 +545,21 @@ where
             if self.all_done() {
                 return self.ended();
             }
-            let deadline = self.loader.options.timeout.map(|t| Instant::now() + t);
             let epoch = self.run;
             let Some(set) = self.loader.workers.as_mut() else {
                 return self.fail(Error::Closed("data loader: the workers are gone".into()));
             };
+            // While workers are still to start, only look at what has arrived, and go
+            // on starting them.
+            let starting = set.len() < self.loader.options.num_workers;
+            let deadline = if starting {
+                Some(Instant::now())
+            } else {
+                self.loader.options.timeout.map(|t| Instant::now() + t)
+            };
             match set.wait(epoch, deadline) {
                 Err(e) => return self.fail(e),
+                Ok(None) if starting => {}
                 Ok(None) => {
                     let timeout = self.loader.options.timeout.unwrap_or_default();
                     let who = set

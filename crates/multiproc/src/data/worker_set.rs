@@ -82,15 +82,6 @@ pub(crate) struct WorkerSet<B> {
 }
 
 impl<B: Serialize + DeserializeOwned> WorkerSet<B> {
-    /// Starts `n` workers.
-    pub(crate) fn start(n: usize, launch: Launch<'_, B>) -> Result<Self> {
-        let mut set = WorkerSet::empty()?;
-        for _ in 0..n {
-            set.grow(launch)?;
-        }
-        Ok(set)
-    }
-
     /// A set with no worker yet: [`grow`](Self::grow) adds them one at a time, so
     /// that the first can be sent its batches while the others start.
     pub(crate) fn empty() -> Result<Self> {
