@@ -68,6 +68,26 @@
 //! shard (another rank or world size), batch size or `drop_last`, the epoch continues
 //! from that position, sharded anew: over all ranks, no sample is repeated or skipped.
 //!
+//! # Workers
+//!
+//! Workers are processes or threads ([`WorkerKind`]: the API, the batches and the
+//! failure report are the same; its docs say what isolation each gives). They start one
+//! at a time between dispatches: worker 0 is sent its first batch before worker 1 is
+//! started, and what has arrived is taken in between two starts, so a fresh loader's
+//! first batch waits for one worker's start, not for all of them.
+//!
+//! A worker that dies is reported with the batch it held, the sample it was loading
+//! (each worker writes the index it loads into a shared word), whether its memory
+//! cgroup counted an OOM kill while it ran (`memory.events` or `memory.oom_control`,
+//! readable without root), and its resident memory when last seen.
+//!
+//! A data set's big read-only state (an index, offsets, labels) belongs in a
+//! [`SharedRows`] table: built once, in shared memory, it reaches every worker by
+//! handle, so workers add no private memory for it.
+//!
+//! [`DataLoader::stats`] says where an epoch's time went: the caller waiting, the
+//! workers loading and collating, the hand-over.
+//!
 //! # Seeds
 //!
 //! A worker's seed ([`WorkerInfo::seed`]) is [`worker_seed`]`(base, epoch, rank,
