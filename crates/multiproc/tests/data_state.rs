@@ -556,3 +556,35 @@ fn persistent_workers_resume_on_the_same_loader_without_stale_batches() {
         }
     });
 }
+
+#[test]
+fn set_epoch_keeps_a_loaded_state_of_its_epoch_and_drops_another() {
+    common::run(secs(60), || {
+        let s = Setup {
+            workers: 1,
+            in_order: true,
+            shuffle: true,
+            kind: WorkerKind::Process,
+        };
+        let want = uninterrupted(s);
+        let mut first = ramp_loader(s);
+        first.set_epoch(1);
+        let mut e = first.iter();
+        let head: Vec<Vec<i64>> = (0..5).map(|_| values(e.next().unwrap())).collect();
+        let state = e.state_dict();
+        drop(e);
+        assert_eq!(head, want[1][..5]);
+        // A training loop that calls set_epoch(e) before each epoch resumes mid-epoch.
+        let mut again = ramp_loader(s);
+        again.load_state_dict(&state).unwrap();
+        again.set_epoch(1);
+        let rest: Vec<Vec<i64>> = again.iter().map(values).collect();
+        assert_eq!(rest, want[1][5..]);
+        // Another epoch drops it: epoch 0 whole.
+        let mut other = ramp_loader(s);
+        other.load_state_dict(&state).unwrap();
+        other.set_epoch(0);
+        let whole: Vec<Vec<i64>> = other.iter().map(values).collect();
+        assert_eq!(whole, want[0]);
+    });
+}

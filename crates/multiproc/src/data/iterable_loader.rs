@@ -105,11 +105,16 @@ where
     }
 
     /// Sets the number of the next epoch (passed to [`IterableDataset::iter`], in
-    /// persistent workers too); it replaces a state loaded and not yet run.
+    /// persistent workers too). A state loaded and not yet run is kept when it is of
+    /// this epoch, and dropped for another.
     pub fn set_epoch(&mut self, epoch: u64) {
         self.next_epoch = epoch;
-        self.progress = None;
-        self.resume = None;
+        if self.resume.as_ref().is_some_and(|r| r.epoch != epoch) {
+            self.resume = None;
+        }
+        if self.progress.as_ref().is_some_and(|p| p.epoch != epoch) {
+            self.progress = None;
+        }
     }
 
     /// The number of streams: one per worker, or one in this process.

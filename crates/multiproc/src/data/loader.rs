@@ -126,11 +126,19 @@ where
     /// Sets the number of the next epoch (torch's `sampler.set_epoch`); epochs count
     /// from 0 and each [`iter`](Self::iter) takes the next. The epoch reaches the
     /// sampler and, through [`Dataset::set_epoch`], every copy of the data set —
-    /// persistent workers' included. It replaces a state loaded and not yet run.
+    /// persistent workers' included.
+    ///
+    /// A state loaded and not yet run is kept when it is of this epoch (a training loop
+    /// that calls `set_epoch(e)` before each epoch resumes mid-epoch as it should), and
+    /// dropped for another epoch.
     pub fn set_epoch(&mut self, epoch: u64) {
         self.next_epoch = epoch;
-        self.progress = None;
-        self.resume = None;
+        if self.resume.as_ref().is_some_and(|r| r.epoch != epoch) {
+            self.resume = None;
+        }
+        if self.progress.as_ref().is_some_and(|p| p.epoch != epoch) {
+            self.progress = None;
+        }
     }
 
     /// Where the time of the epoch running (or the last one run) went: the caller's
