@@ -347,3 +347,118 @@ fn dropping_a_loader_of_busy_thread_workers_leaves_nothing_behind() {
         }
     });
 }
+
+/// The memory cgroup (v1) of this process, as `/sys/fs/cgroup/memory/<path>`.
+fn memory_cgroup_v1() -> Option<std::path::PathBuf> {
+    let text = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    let path = text.lines().find_map(|l| {
+        let mut parts = l.splitn(3, ':');
+        let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
+        controllers
+            .split(',')
+            .any(|c| c == "memory")
+            .then(|| path.to_string())
+    })?;
+    Some(format!("/sys/fs/cgroup/memory{path}").into())
+}
+
+/// The 64 MiB memory cgroup a worker of test process `pid` moves into.
+fn small_cgroup_of(pid: u32) -> Option<std::path::PathBuf> {
+    Some(memory_cgroup_v1()?.join(format!("multiproc_oom_test_{pid}")))
+}
+
+/// A memory cgroup of 64 MiB (no swap) under this process's, made when the machine
+/// lets us (root, the cgroup v1 memory controller); removed on drop.
+struct SmallCgroup(std::path::PathBuf);
+
+impl SmallCgroup {
+    fn make() -> Option<Self> {
+        let dir = small_cgroup_of(std::process::id())?;
+        std::fs::create_dir(&dir).ok()?;
+        let cgroup = SmallCgroup(dir);
+        let limit = (64u64 << 20).to_string();
+        std::fs::write(cgroup.0.join("memory.limit_in_bytes"), &limit).ok()?;
+        // With swap accounting, swap must not rescue it either.
+        let memsw = cgroup.0.join("memory.memsw.limit_in_bytes");
+        if memsw.exists() {
+            std::fs::write(memsw, &limit).ok()?;
+        }
+        Some(cgroup)
+    }
+}
+
+impl Drop for SmallCgroup {
+    fn drop(&mut self) {
+        // Empty once its one (killed) worker is reaped; the kernel may take a moment.
+        let until = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while std::fs::remove_dir(&self.0).is_err() && std::time::Instant::now() < until {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    }
+}
+
+/// `worker_init`: move this worker into its test process's small cgroup.
+fn move_into_small_cgroup(_id: usize) {
+    let parent = std::os::unix::process::parent_id();
+    if let Some(dir) = small_cgroup_of(parent) {
+        std::fs::write(dir.join("cgroup.procs"), std::process::id().to_string())
+            .expect("moving the worker into the small cgroup");
+    }
+}
+
+/// Sample 0 is small; sample 1 touches 512 MiB.
+#[derive(Clone, Serialize, Deserialize)]
+struct Hungry;
+
+impl Dataset for Hungry {
+    type Item = i64;
+
+    fn len(&self) -> usize {
+        2
+    }
+
+    fn get(&self, i: usize) -> multiproc::Result<i64> {
+        if i == 1 {
+            let mut big = vec![0u8; 512 << 20];
+            for page in big.iter_mut().step_by(4096) {
+                *page = 1;
+            }
+            return Ok(std::hint::black_box(big).iter().step_by(4096).count() as i64);
+        }
+        Ok(0)
+    }
+}
+
+#[test]
+fn a_worker_killed_by_the_oom_killer_is_reported_as_such() {
+    common::run(secs(60), || {
+        let Some(cgroup) = SmallCgroup::make() else {
+            eprintln!(
+                "SKIPPED: cannot make a memory cgroup here (needs root and the cgroup v1 memory \
+                 controller); the OOM report is not checked"
+            );
+            return;
+        };
+        let mut l = DataLoader::builder(Hungry)
+            .num_workers(1)
+            .prefetch_factor(1)
+            .worker_init(move_into_small_cgroup)
+            .build()
+            .unwrap();
+        let mut e = l.iter();
+        e.next().unwrap().unwrap();
+        let err = e.next().unwrap().unwrap_err();
+        drop(e);
+        drop(l);
+        drop(cgroup);
+        let Error::LoaderFailed {
+            indices, message, ..
+        } = &err
+        else {
+            panic!("not a LoaderFailed: {err}");
+        };
+        assert_eq!(indices, &[1]);
+        assert!(message.contains("the OOM killer killed it"), "{message}");
+        assert!(message.contains("it was loading sample 1"), "{message}");
+    });
+}

@@ -24,7 +24,7 @@ use super::collate::Collate;
 use super::dataset::{Dataset, IterableDataset, WorkerInfo, set_worker_info};
 use super::options::Options;
 use super::state::{Cursor, StreamState, worker_seed};
-use super::worker_kind::{NOT_LOADING, ThreadWorker, Worker, WorkerKind};
+use super::worker_kind::{NOT_LOADING, ThreadWorker, Worker, WorkerKind, memory_cgroup_of_self};
 use crate::error::Result;
 use crate::queue::{Connection, SimpleQueue};
 use crate::sync::Value;
@@ -54,6 +54,10 @@ pub(crate) struct Reply<B> {
     pub cursor: Option<Cursor>,
     /// Where the worker's time went.
     pub timing: Timing,
+    /// With its first reply: the worker's memory cgroup's OOM-kill file and count, read
+    /// after its `worker_init` (which may have moved it), for the loader to compare
+    /// when it dies.
+    pub memory_cgroup: Option<(String, u64)>,
 }
 
 /// Where a worker's time went on one batch, in nanoseconds.
@@ -247,6 +251,7 @@ where
     C: Collate<D::Item>,
 {
     args.begin(id)?;
+    let mut memory_cgroup = memory_cgroup_of_self();
     let mut epoch = None;
     let mut previous_put_ns = 0;
     loop {
@@ -279,6 +284,7 @@ where
             outcome,
             cursor: None,
             timing,
+            memory_cgroup: memory_cgroup.take(),
         };
         let put = Instant::now();
         if let Err(e) = args.results.put(reply) {
@@ -351,6 +357,7 @@ where
     args.begin(id)?;
     // The run the iterator belongs to, and the iterator (`None` once exhausted).
     let mut current: Option<(u64, Option<D::Iter>)> = None;
+    let mut memory_cgroup = memory_cgroup_of_self();
     let mut previous_put_ns = 0;
     loop {
         // `None`: the loader closed our pipe (end of epoch, or dropped): done.
@@ -399,6 +406,7 @@ where
             outcome,
             cursor,
             timing,
+            memory_cgroup: memory_cgroup.take(),
         };
         let put = Instant::now();
         if let Err(e) = args.results.put(reply) {

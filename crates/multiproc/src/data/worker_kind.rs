@@ -11,6 +11,7 @@
 //! [`FromFn`]: super::FromFn
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -65,8 +66,8 @@ pub(crate) struct Worker {
     handle: Handle,
     /// The sample it is loading (`NOT_LOADING` between samples), which it writes.
     loading: Option<Value<u64>>,
-    /// The memory cgroup's OOM-kill count when it started.
-    oom_kills_at_start: Option<u64>,
+    /// Its memory cgroup's OOM-kill file, and the count there when first seen in it.
+    oom_watch: Option<(PathBuf, u64)>,
     /// Its resident memory when last read, and when.
     rss: Option<(u64, Instant)>,
 }
@@ -97,7 +98,7 @@ impl Worker {
         let mut w = Worker {
             handle,
             loading,
-            oom_kills_at_start: oom_kills(),
+            oom_watch: None,
             rss: None,
         };
         w.observe();
@@ -128,9 +129,26 @@ impl Worker {
         if self.rss.is_some_and(|(_, at)| at.elapsed() < RSS_INTERVAL) {
             return;
         }
-        if let Some(bytes) = p.pid().and_then(resident_bytes) {
+        let Some(pid) = p.pid() else {
+            return;
+        };
+        // A dying process reads as 0: keep what it had.
+        if let Some(bytes) = resident_bytes(pid).filter(|&b| b > 0) {
             self.rss = Some((bytes, Instant::now()));
         }
+        if self.oom_watch.is_none() {
+            // Until the worker says where it is (after its `worker_init`, which may move
+            // it), the cgroup it was started in.
+            self.oom_watch = oom_file(&format!("/proc/{pid}/cgroup"))
+                .and_then(|f| Some((read_oom_kills(&f)?, f)))
+                .map(|(count, f)| (f, count));
+        }
+    }
+
+    /// The worker's own report of its memory cgroup's OOM-kill file and count (see
+    /// [`memory_cgroup_of_self`]): the one its death is checked against.
+    pub(crate) fn watch_memory_cgroup(&mut self, file: String, count: u64) {
+        self.oom_watch = Some((PathBuf::from(file), count));
     }
 
     /// What the loader knows of a dead worker's end, to add to its report: the sample
@@ -144,15 +162,19 @@ impl Worker {
             }
         }
         if let Handle::Process(_) = &self.handle {
-            match (self.oom_kills_at_start, oom_kills()) {
-                (Some(before), Some(now)) if now > before => note.push_str(&format!(
+            let counts = self
+                .oom_watch
+                .as_ref()
+                .and_then(|(file, before)| Some((*before, read_oom_kills(file)?)));
+            match counts {
+                Some((before, now)) if now > before => note.push_str(&format!(
                     "; the OOM killer killed it, most likely (its memory cgroup's oom_kill \
                      count rose from {before} to {now} while it ran): give the job more memory, \
                      or use fewer workers or a smaller prefetch_factor"
                 )),
-                (Some(before), Some(_)) => note.push_str(&format!(
+                Some((before, _)) => note.push_str(&format!(
                     "; its memory cgroup counted no OOM kill while it ran (oom_kill stayed at \
-                     {before}): not the OOM killer"
+                     {before}): most likely not the OOM killer"
                 )),
                 _ => {}
             }
@@ -338,29 +360,49 @@ impl Drop for ThreadWorker {
     }
 }
 
-/// The OOM-kill count of this process's memory cgroup (v2 `memory.events`, or v1
-/// `memory.oom_control`), readable without root; `None` where there is none. Workers
-/// share their loader's cgroup unless moved.
-fn oom_kills() -> Option<u64> {
-    let cgroups = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+/// The file that counts OOM kills in the memory cgroup named by a `/proc/<pid>/cgroup`
+/// file: v1 `memory.oom_control`, or v2 `memory.events` (which counts kills by any
+/// OOM killer, the system's included), readable without root; `None` where neither can
+/// be read.
+fn oom_file(proc_cgroup: &str) -> Option<PathBuf> {
+    let cgroups = std::fs::read_to_string(proc_cgroup).ok()?;
+    let mut v2 = None;
     for line in cgroups.lines() {
         let mut parts = line.splitn(3, ':');
         let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
         let file = if controllers.is_empty() {
-            format!("/sys/fs/cgroup{path}/memory.events")
+            // Hybrid hierarchies mount v2 at `unified`; v1's memory controller wins.
+            v2 = [
+                format!("/sys/fs/cgroup{path}/memory.events"),
+                format!("/sys/fs/cgroup/unified{path}/memory.events"),
+            ]
+            .into_iter()
+            .map(PathBuf::from)
+            .find(|f| read_oom_kills(f).is_some());
+            continue;
         } else if controllers.split(',').any(|c| c == "memory") {
-            format!("/sys/fs/cgroup/memory{path}/memory.oom_control")
+            PathBuf::from(format!("/sys/fs/cgroup/memory{path}/memory.oom_control"))
         } else {
             continue;
         };
-        if let Some(n) = std::fs::read_to_string(file)
-            .ok()
-            .and_then(|text| oom_kill_count(&text))
-        {
-            return Some(n);
+        if read_oom_kills(&file).is_some() {
+            return Some(file);
         }
     }
-    None
+    v2
+}
+
+/// This process's memory cgroup's OOM-kill file and its count now: what a worker
+/// reports with its first reply, after its `worker_init` (which may have moved it).
+pub(crate) fn memory_cgroup_of_self() -> Option<(String, u64)> {
+    let file = oom_file("/proc/self/cgroup")?;
+    let count = read_oom_kills(&file)?;
+    Some((file.to_string_lossy().into_owned(), count))
+}
+
+/// The OOM-kill count in `file` (see [`oom_file`]).
+fn read_oom_kills(file: &Path) -> Option<u64> {
+    oom_kill_count(&std::fs::read_to_string(file).ok()?)
 }
 
 /// The `oom_kill N` line of a cgroup's memory.events or memory.oom_control.
@@ -402,6 +444,15 @@ mod tests {
         let v1 = "oom_kill_disable 0\nunder_oom 0\noom_kill 7\n";
         assert_eq!(oom_kill_count(v1), Some(7));
         assert_eq!(oom_kill_count("oom 3\n"), None);
+    }
+
+    #[test]
+    fn this_process_has_an_oom_count_where_cgroups_say() {
+        // Where the machine exposes a memory cgroup, it is found and read.
+        if let Some(file) = oom_file("/proc/self/cgroup") {
+            assert!(read_oom_kills(&file).is_some(), "{}", file.display());
+        }
+        assert_eq!(oom_file("/proc/self/no-such-file"), None);
     }
 
     #[test]

@@ -243,12 +243,15 @@ impl<B: Serialize + DeserializeOwned> WorkerSet<B> {
 
     /// Takes in one reply: an arrival if it answers a task of run `run`, nothing if it is
     /// stale (an abandoned run, or a replaced worker).
-    fn accept(&mut self, reply: Reply<B>, run: u64) {
+    fn accept(&mut self, mut reply: Reply<B>, run: u64) {
         let Some(slot) = self.slots.get_mut(reply.worker) else {
             return;
         };
         if reply.generation != slot.generation {
             return;
+        }
+        if let Some((file, count)) = reply.memory_cgroup.take() {
+            slot.process.watch_memory_cgroup(file, count);
         }
         let Some(pos) = slot
             .outstanding
