@@ -96,7 +96,7 @@ where
         }
     }
 
-    /// The pids of the running workers, by worker id.
+    /// The pids of the running workers, by worker id (thread workers: their thread ids).
     pub fn worker_pids(&self) -> Vec<i32> {
         self.workers
             .as_ref()

@@ -115,7 +115,8 @@ where
         self.options.num_workers
     }
 
-    /// The pids of the running workers, by worker id (empty when none run).
+    /// The pids of the running workers, by worker id (empty when none run; thread
+    /// workers give their thread ids).
     pub fn worker_pids(&self) -> Vec<i32> {
         self.workers
             .as_ref()
