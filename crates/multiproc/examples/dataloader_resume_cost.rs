@@ -5,7 +5,7 @@
 //! it and writing it as JSON after every batch (a checkpoint of the loader at each
 //! step, the worst case). It prints the time per batch of each, the difference, and the
 //! time of one `state_dict()` (+ JSON) taken mid-epoch in a tight loop, in and out of
-//! order — against the 1% of an iteration that issue 24 allows.
+//! order — against a target of 1% of a batch's time.
 //!
 //! ```sh
 //! cargo run --release --example dataloader_resume_cost
