@@ -255,11 +255,14 @@ impl Done {
 #[derive(Clone, Debug)]
 pub(crate) struct MapProgress {
     pub epoch: u64,
+    /// The global position the plan starts from.
     pub start: usize,
-    /// Batches in the epoch's plan, and their sizes' running total at each prefix
-    /// length is `min(prefix × batch_size, samples)`.
+    /// Batches in the epoch's plan.
     pub batches: usize,
+    /// Samples in the plan: the first `k` batches hold `min(k × batch_size, samples)`
+    /// (only the last batch can be short).
     pub samples: usize,
+    /// The batches yielded.
     pub done: Done,
 }
 
