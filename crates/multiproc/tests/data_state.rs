@@ -497,6 +497,21 @@ fn a_state_that_does_not_fit_is_a_clear_error() {
             .unwrap();
         let e = other.load_state_dict(&state).unwrap_err().to_string();
         assert!(e.contains("45 samples") && e.contains("44"), "{e}");
+        // Another shuffle seed orders the epoch otherwise.
+        let mut reseeded = DataLoader::builder(Ramp { n: 45, epoch: 0 })
+            .batch_size(2)
+            .shuffle(6)
+            .build()
+            .unwrap();
+        let mut e = reseeded.iter();
+        e.next();
+        let seeded_state = e.state_dict();
+        drop(e);
+        let e = loader
+            .load_state_dict(&seeded_state)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("otherwise"), "{e}");
         // A map-style state in an iterable loader, and the other way round.
         let mut stream = stream_loader(s);
         let e = stream.load_state_dict(&state).unwrap_err().to_string();

@@ -23,7 +23,7 @@ use super::batch_plan::{batch_plan, check_in_range, show_indices};
 use super::collate::Collate;
 use super::dataset::Dataset;
 use super::loader::DataLoader;
-use super::state::{Done, LoaderState, MapProgress};
+use super::state::{Done, LoaderState, MapProgress, fingerprint};
 use super::stats::LoaderStats;
 use super::worker::{Task, Timing, load_batch, run_worker};
 use super::worker_set::{Arrival, Sent, WorkerSet};
@@ -498,6 +498,7 @@ where
             batches: plan.len(),
             samples: plan.iter().map(Vec::len).sum(),
             done,
+            fingerprint: fingerprint(&plan),
         });
         #[cfg(feature = "progress")]
         let bar = self

@@ -12,7 +12,7 @@ use super::collate::{Collate, DefaultCollate};
 use super::dataset::Dataset;
 use super::options::Options;
 use super::sampler::Sampler;
-use super::state::{Done, EpochState, LoaderState, MapProgress, MapState};
+use super::state::{Done, EpochState, LoaderState, MapProgress, MapState, fingerprint};
 use super::stats::LoaderStats;
 use super::worker_set::{STOP_GRACE, WorkerSet};
 use crate::error::{Error, Result};
@@ -173,6 +173,7 @@ where
                 batch_size: self.options.batch_size,
                 drop_last: self.options.drop_last,
                 dataset_len: self.dataset.len(),
+                fingerprint: p.fingerprint,
             }),
         )
     }
@@ -195,7 +196,8 @@ where
     /// # Errors
     /// [`Error::InvalidArgument`], and the loader unchanged, when the state is of
     /// another format version, of an iterable loader, of a data set of another length,
-    /// past this epoch's batches, or taken out of order with batches yielded early at
+    /// of a sampler that orders the epoch otherwise (another seed), past this epoch's
+    /// batches, or taken out of order with batches yielded early at
     /// another shard or batch size (those cannot be carried over: take states in order
     /// for elastic resumes).
     pub fn load_state_dict(&mut self, state: &LoaderState) -> Result<()> {
@@ -248,6 +250,15 @@ where
             batch_size,
             drop_last,
         );
+        let print = fingerprint(&plan);
+        if exact && print != m.fingerprint {
+            return Err(Error::InvalidArgument(format!(
+                "data loader state: this loader's sampler orders epoch {} otherwise than the \
+                 one the state was taken with (another seed, sampler or data set?): resume \
+                 with the same ones",
+                state.epoch()
+            )));
+        }
         if let Some(&b) = done.beyond.iter().next_back() {
             if b >= plan.len() {
                 return Err(Error::InvalidArgument(format!(
@@ -275,6 +286,7 @@ where
             batches: plan.len(),
             samples: plan.iter().map(Vec::len).sum(),
             done,
+            fingerprint: print,
         });
         Ok(())
     }

@@ -100,6 +100,9 @@ pub(crate) struct MapState {
     pub batch_size: usize,
     pub drop_last: bool,
     pub dataset_len: usize,
+    /// A hash of the epoch's plan (its sample indices in order), to refuse resuming
+    /// with a sampler that orders the epoch otherwise.
+    pub fingerprint: u64,
 }
 
 /// An iterable epoch in progress.
@@ -264,6 +267,21 @@ pub(crate) struct MapProgress {
     pub samples: usize,
     /// The batches yielded.
     pub done: Done,
+    /// [`fingerprint`] of the plan.
+    pub fingerprint: u64,
+}
+
+/// A hash of an epoch's plan: its sample indices in order, and where batches end.
+pub(crate) fn fingerprint(plan: &[Vec<usize>]) -> u64 {
+    // FNV-1a over the indices, with a marker between batches.
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for batch in plan {
+        for &i in batch.iter().chain(std::iter::once(&usize::MAX)) {
+            h ^= i as u64;
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+    h
 }
 
 /// A seed for worker `worker` of rank `rank` in epoch `epoch`, from the loader's base
