@@ -603,3 +603,33 @@ fn set_epoch_keeps_a_loaded_state_of_its_epoch_and_drops_another() {
         assert_eq!(whole, want[0]);
     });
 }
+
+#[test]
+fn an_iterable_loader_resumes_on_its_own_persistent_workers() {
+    common::run(secs(60), || {
+        let s = Setup {
+            workers: 2,
+            in_order: true,
+            shuffle: false,
+            kind: WorkerKind::Process,
+        };
+        let want = stream_run(s, None).swap_remove(0);
+        let mut loader = DataLoaderBuilder::new(Stream { n: 41 })
+            .batch_size(2)
+            .num_workers(2)
+            .prefetch_factor(3)
+            .persistent_workers(true)
+            .build_iterable()
+            .unwrap();
+        let mut e = loader.iter();
+        let mut got: Vec<Vec<i64>> = (0..3).map(|_| values(e.next().unwrap())).collect();
+        let state = e.state_dict();
+        drop(e);
+        let pids = loader.worker_pids();
+        // The same workers, which were ahead in their streams, go back to the state.
+        loader.load_state_dict(&state).unwrap();
+        got.extend(loader.iter().map(values));
+        assert_eq!(loader.worker_pids(), pids);
+        assert_eq!(got, want);
+    });
+}

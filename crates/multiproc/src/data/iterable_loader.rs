@@ -4,7 +4,11 @@
 //!
 //! Batches are numbered in the order they are requested, round-robin over the workers
 //! that still have samples; with `in_order` they are yielded in that order (torch's
-//! order), otherwise as they finish. A worker that answers "exhausted" gets no more
+//! order), otherwise as they finish. In order, the round-robin is strict — the worker
+//! whose turn it is gets the next request, and none is sent until it has room — so the
+//! order does not depend on timing (which a resume relies on); out of order, a busy
+//! worker is passed over. Only the current run's tasks count against a worker's room
+//! (a persistent worker may still hold an abandoned run's). A worker that answers "exhausted" gets no more
 //! requests this epoch; the epoch ends when every worker is exhausted. A failure ends
 //! the epoch: a fresh worker could not resume its predecessor's stream, so
 //! `restart_workers` does not apply here. There is no sampler, so no `len`.
@@ -455,12 +459,27 @@ where
         if set.len() < n {
             set.grow(&launch)?;
         }
+        // Only this run's tasks count: a persistent worker may still hold an abandoned
+        // run's, which it answers first and which are dropped.
         let window = n * o.prefetch_factor;
-        while self.failed.is_none() && set.in_flight() + self.ready.len() < window {
-            let Some(id) = (0..n)
+        let run = self.run;
+        let busy = |set: &WorkerSet<C::Batch>, w: usize| {
+            set.outstanding_in_run(w, run) >= o.prefetch_factor
+        };
+        while self.failed.is_none() && set.in_flight_of(run) + self.ready.len() < window {
+            // In order, requests go strictly round-robin over the streams still running
+            // (torch's order, whatever the timing): the worker whose turn it is gets the
+            // next request, or none is sent until it has room. Out of order, a busy
+            // worker is passed over.
+            let candidates = (0..n)
                 .map(|k| (self.round_robin + k) % n)
-                .find(|&w| !self.exhausted[w] && set.outstanding_of(w) < o.prefetch_factor)
-            else {
+                .filter(|&w| !self.exhausted[w]);
+            let next = if o.in_order {
+                candidates.take(1).find(|&w| !busy(set, w))
+            } else {
+                candidates.take(n).find(|&w| !busy(set, w))
+            };
+            let Some(id) = next else {
                 break;
             };
             if id >= set.len() {

@@ -132,9 +132,11 @@ impl<B: Serialize + DeserializeOwned> WorkerSet<B> {
             .count()
     }
 
-    /// Worker `id`'s outstanding tasks.
-    pub(crate) fn outstanding_of(&self, id: usize) -> usize {
-        self.slots.get(id).map_or(0, |s| s.outstanding.len())
+    /// Worker `id`'s outstanding tasks of run `run`.
+    pub(crate) fn outstanding_in_run(&self, id: usize, run: u64) -> usize {
+        self.slots.get(id).map_or(0, |s| {
+            s.outstanding.iter().filter(|o| o.task.run == run).count()
+        })
     }
 
     /// The number of workers.
