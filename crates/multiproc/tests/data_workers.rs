@@ -153,6 +153,10 @@ fn both_kinds_report_an_error_and_a_panic_alike() {
                     _ => "(thread ",
                 };
                 assert!(message.contains(named), "{kind:?}: {message}");
+                if let Fault::Panic = how {
+                    // Both name the place of the panic.
+                    assert!(message.contains("data_workers.rs:"), "{kind:?}: {message}");
+                }
                 reports.push((*batch, indices.clone()));
             }
             assert_eq!(reports[0], reports[1], "{how:?}: the same batch named");

@@ -275,18 +275,25 @@ impl ThreadWorker {
     where
         A: Serialize + DeserializeOwned + 'static,
     {
+        install_location_hook();
         let (ours, theirs) = pipe::<A>()?;
         let ending = Arc::new(Ending::default());
         let theirs_ending = Arc::clone(&ending);
         let (tid_tx, tid_rx) = std::sync::mpsc::channel();
         let handle = std::thread::Builder::new()
-            .name(format!("multiproc-loader-{id}"))
+            .name(format!("{THREAD_NAME_PREFIX}{id}"))
             .spawn(move || {
                 let _ = tid_tx.send(crate::sys::process::current_tid() as i32);
                 let outcome = match theirs.recv() {
                     Ok(args) => match catch_unwind(AssertUnwindSafe(|| body(id, args))) {
                         Ok(r) => r,
-                        Err(panic) => Err(format!("it panicked: {}", panic_text(&*panic))),
+                        Err(panic) => {
+                            let at = PANIC_AT
+                                .with(|p| p.borrow_mut().take())
+                                .map(|l| format!(" at {l}"))
+                                .unwrap_or_default();
+                            Err(format!("it panicked{at}: {}", panic_text(&*panic)))
+                        }
                     },
                     Err(e) => Err(format!("cannot receive its data set and collate: {e}")),
                 };
@@ -420,6 +427,34 @@ fn resident_bytes(pid: i32) -> Option<u64> {
     let statm = std::fs::read_to_string(format!("/proc/{pid}/statm")).ok()?;
     let pages: u64 = statm.split_whitespace().nth(1)?.parse().ok()?;
     Some(pages * crate::sys::mmap::page_size() as u64)
+}
+
+/// What worker threads are named: this, then the worker id.
+const THREAD_NAME_PREFIX: &str = "multiproc-loader-";
+
+thread_local! {
+    /// Where the last panic on this worker thread happened (`file:line:column`).
+    static PANIC_AT: std::cell::RefCell<Option<String>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Installs, once per process, a panic hook that notes where a worker thread panicked
+/// (a caught panic's payload does not say), so a thread's report names the place as a
+/// process's does; every panic then goes on to the hook that was there before.
+fn install_location_hook() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            let ours = std::thread::current()
+                .name()
+                .is_some_and(|n| n.starts_with(THREAD_NAME_PREFIX));
+            if let (true, Some(l)) = (ours, info.location()) {
+                let at = format!("{}:{}:{}", l.file(), l.line(), l.column());
+                PANIC_AT.with(|p| *p.borrow_mut() = Some(at));
+            }
+            previous(info);
+        }));
+    });
 }
 
 /// A panic's message.
