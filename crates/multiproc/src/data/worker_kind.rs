@@ -38,6 +38,10 @@ use crate::sync::Value;
 /// | statics, environment, working directory | its own | shared with the caller |
 /// | `worker_pids` | process ids | thread ids (Linux tids) |
 ///
+/// To report where a worker thread panicked, the first thread worker installs a panic
+/// hook that notes the place for threads named `multiproc-loader-<id>` and then calls
+/// the hook that was installed before (so panics print as they did).
+///
 /// Rust has no global interpreter lock, so threads load in parallel; choose them when
 /// the data set's code is trusted not to crash or hang and start-up time matters (many
 /// short epochs without persistent workers, tests).
