@@ -26,7 +26,7 @@ use super::loader::DataLoader;
 use super::state::{Done, LoaderState, MapProgress, fingerprint};
 use super::stats::LoaderStats;
 use super::worker::{Task, Timing, load_batch, run_worker};
-use super::worker_set::{Arrival, Sent, WorkerSet};
+use super::worker_set::{Arrival, Sent, WorkerSet, eager_starts};
 use crate::error::{Error, Result};
 
 /// One epoch of a [`DataLoader`]: yields `Result<Batch>`; made by
@@ -56,6 +56,8 @@ where
     /// at its turn, and no batch is sent meanwhile.
     failed: Option<(usize, Error)>,
     finished: bool,
+    /// Whether a worker has answered yet this run (past that, every worker may start).
+    answered: bool,
     #[cfg(feature = "progress")]
     bar: Option<super::progress::Bar>,
 }
@@ -86,6 +88,7 @@ where
             ready: BTreeMap::new(),
             failed: None,
             finished: false,
+            answered: false,
             #[cfg(feature = "progress")]
             bar,
         }
@@ -204,6 +207,7 @@ where
             return Ok(());
         };
         let mut grown = false;
+        let answered = self.answered;
         loop {
             let starting = set.len() < options.num_workers;
             let limit = if starting { 1 } else { per_worker };
@@ -228,7 +232,7 @@ where
                 set.send(id, Sent { task, retried })?;
                 self.next_send += 1;
             }
-            if !starting || grown {
+            if !starting || grown || !may_start(set.len(), answered, set.in_flight_of(self.run)) {
                 break;
             }
             set.grow(&launch)?;
@@ -397,13 +401,16 @@ where
             };
             // While workers are still to start, only look at what has arrived, and go
             // on starting them.
-            let starting = set.len() < self.loader.options.num_workers;
+            let starting = set.len() < self.loader.options.num_workers
+                && may_start(set.len(), self.answered, set.in_flight_of(self.run));
             let deadline = if starting {
                 Some(Instant::now())
             } else {
                 self.loader.options.timeout.map(|t| Instant::now() + t)
             };
-            match set.wait(self.run, deadline) {
+            let arrival = set.wait(self.run, deadline);
+            self.answered |= matches!(arrival, Ok(Some(_)));
+            match arrival {
                 Err(e) => return self.fail(e),
                 Ok(None) if starting => {}
                 Ok(None) => {
@@ -448,6 +455,13 @@ where
             }
         }
     }
+}
+
+/// Whether one more worker may start now, `started` being started: freely up to the
+/// machine's cores, the rest once a worker has answered this run — or when none has a
+/// task of it, so none could answer (an iterable run resumed at a worker not started).
+pub(super) fn may_start(started: usize, answered: bool, in_flight: usize) -> bool {
+    answered || started < eager_starts() || in_flight == 0
 }
 
 impl<D, C> Drop for Epoch<'_, D, C>

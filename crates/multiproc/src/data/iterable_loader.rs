@@ -29,6 +29,7 @@ use serde::de::DeserializeOwned;
 
 use super::collate::Collate;
 use super::dataset::IterableDataset;
+use super::epoch::may_start;
 use super::options::Options;
 use super::state::{Cursor, EpochState, LoaderState, StreamEpochState, StreamState};
 use super::stats::LoaderStats;
@@ -268,6 +269,7 @@ where
             ready: BTreeMap::new(),
             failed: None,
             finished: false,
+            answered: false,
             in_process,
             open_error,
             resume_from,
@@ -329,6 +331,8 @@ where
     ready: BTreeMap<usize, (usize, Option<C::Batch>, Cursor)>,
     failed: Option<(usize, Error)>,
     finished: bool,
+    /// Whether a worker has answered yet this run (past that, every worker may start).
+    answered: bool,
     in_process: Option<D::Iter>,
     /// Resuming the in-process stream failed: yielded first.
     open_error: Option<Error>,
@@ -456,7 +460,7 @@ where
         if self.exhausted.len() != n {
             self.exhausted = vec![false; n];
         }
-        if set.len() < n {
+        if set.len() < n && may_start(set.len(), self.answered, set.in_flight_of(self.run)) {
             set.grow(&launch)?;
         }
         // Only this run's tasks count: a persistent worker may still hold an abandoned
@@ -575,13 +579,16 @@ where
             };
             // While workers are still to start, only look at what has arrived, and go
             // on starting them.
-            let starting = set.len() < self.loader.options.num_workers;
+            let starting = set.len() < self.loader.options.num_workers
+                && may_start(set.len(), self.answered, set.in_flight_of(epoch));
             let deadline = if starting {
                 Some(Instant::now())
             } else {
                 self.loader.options.timeout.map(|t| Instant::now() + t)
             };
-            match set.wait(epoch, deadline) {
+            let arrival = set.wait(epoch, deadline);
+            self.answered |= matches!(arrival, Ok(Some(_)));
+            match arrival {
                 Err(e) => return self.fail(e),
                 Ok(None) if starting => {}
                 Ok(None) => {

@@ -24,6 +24,16 @@ use super::worker_kind::Worker;
 use crate::error::{Error, Result};
 use crate::queue::{Connection, SimpleQueue, pipe};
 
+/// How many workers may be starting at once before the first batch of an epoch has
+/// come: the machine's cores. On a machine with fewer cores than workers, starting
+/// all of them at once would make the first one — whose batch the caller waits for —
+/// share the cores with the starts of all the others; the rest start once a batch has
+/// come.
+pub(crate) fn eager_starts() -> usize {
+    static CORES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+}
+
 /// How long stopped workers get to exit on their own before they are killed.
 pub(crate) const STOP_GRACE: Duration = Duration::from_millis(50);
 
