@@ -4,8 +4,10 @@
 //! decoding see `dataloader_bench`'s `first_batch_ms`). The median of 7.
 //!
 //! Workers start in parallel: the loader hands each worker process its job through a
-//! socket and goes on to the next without waiting for it to be up, so 8 workers' first
-//! batch should come within 2× of one worker's when the machine has the cores.
+//! socket and goes on to the next without waiting for it to be up, sends worker 0 its
+//! batch before starting worker 1, and until a worker has answered starts no more
+//! workers than the machine has cores: 8 workers' first batch should come within 2× of
+//! one worker's.
 //!
 //! ```sh
 //! cargo run --release --example dataloader_first_batch

@@ -74,7 +74,9 @@
 //! failure report are the same; its docs say what isolation each gives). They start one
 //! at a time between dispatches: worker 0 is sent its first batch before worker 1 is
 //! started, and what has arrived is taken in between two starts, so a fresh loader's
-//! first batch waits for one worker's start, not for all of them.
+//! first batch waits for one worker's start, not for all of them. Until a worker has
+//! answered, at most as many workers start as the machine has cores (so the first
+//! one's start does not share the cores with all the others'); the rest start then.
 //!
 //! A worker that dies is reported with the batch it held, the sample it was loading
 //! (each worker writes the index it loads into a shared word), whether its memory
