@@ -96,8 +96,11 @@ fn first_batch_ms(
             .workers(kind)
             .build()?;
         let start = Instant::now();
-        let first = loader.iter().next();
+        // The epoch stays alive past the measurement: ending it stops the workers.
+        let mut epoch = loader.iter();
+        let first = epoch.next();
         times.push(start.elapsed().as_secs_f64() * 1e3);
+        drop(epoch);
         if let Some(b) = first {
             b?;
         }

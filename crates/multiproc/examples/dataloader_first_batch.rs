@@ -39,8 +39,11 @@ fn first_batch_ms(workers: usize, kind: WorkerKind) -> multiproc::Result<f64> {
             .workers(kind)
             .build()?;
         let start = Instant::now();
-        let first = loader.iter().next();
+        // The epoch stays alive past the measurement: ending it stops the workers.
+        let mut epoch = loader.iter();
+        let first = epoch.next();
         times.push(start.elapsed().as_secs_f64() * 1e3);
+        drop(epoch);
         first.transpose()?;
     }
     times.sort_by(f64::total_cmp);

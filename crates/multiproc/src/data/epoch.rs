@@ -56,8 +56,9 @@ where
     /// at its turn, and no batch is sent meanwhile.
     failed: Option<(usize, Error)>,
     finished: bool,
-    /// Whether a worker has answered yet this run (past that, every worker may start).
-    answered: bool,
+    /// Whether this run has handed the caller a batch yet (past that, every worker may
+    /// start).
+    delivered: bool,
     #[cfg(feature = "progress")]
     bar: Option<super::progress::Bar>,
 }
@@ -88,7 +89,7 @@ where
             ready: BTreeMap::new(),
             failed: None,
             finished: false,
-            answered: false,
+            delivered: false,
             #[cfg(feature = "progress")]
             bar,
         }
@@ -120,6 +121,7 @@ where
 
     fn yield_batch(&mut self, batch: usize, data: C::Batch) -> Option<Result<C::Batch>> {
         self.yielded += 1;
+        self.delivered = true;
         self.loader.stats.batches += 1;
         if let Some(p) = self.loader.progress.as_mut() {
             p.done.mark(batch);
@@ -207,7 +209,7 @@ where
             return Ok(());
         };
         let mut grown = false;
-        let answered = self.answered;
+        let delivered = self.delivered;
         loop {
             let starting = set.len() < options.num_workers;
             let limit = if starting { 1 } else { per_worker };
@@ -232,7 +234,7 @@ where
                 set.send(id, Sent { task, retried })?;
                 self.next_send += 1;
             }
-            if !starting || grown || !may_start(set.len(), answered, set.in_flight_of(self.run)) {
+            if !starting || grown || !may_start(set.len(), delivered, set.in_flight_of(self.run)) {
                 break;
             }
             set.grow(&launch)?;
@@ -402,14 +404,13 @@ where
             // While workers are still to start, only look at what has arrived, and go
             // on starting them.
             let starting = set.len() < self.loader.options.num_workers
-                && may_start(set.len(), self.answered, set.in_flight_of(self.run));
+                && may_start(set.len(), self.delivered, set.in_flight_of(self.run));
             let deadline = if starting {
                 Some(Instant::now())
             } else {
                 self.loader.options.timeout.map(|t| Instant::now() + t)
             };
             let arrival = set.wait(self.run, deadline);
-            self.answered |= matches!(arrival, Ok(Some(_)));
             match arrival {
                 Err(e) => return self.fail(e),
                 Ok(None) if starting => {}
@@ -458,10 +459,11 @@ where
 }
 
 /// Whether one more worker may start now, `started` being started: freely up to the
-/// machine's cores, the rest once a worker has answered this run — or when none has a
-/// task of it, so none could answer (an iterable run resumed at a worker not started).
-pub(super) fn may_start(started: usize, answered: bool, in_flight: usize) -> bool {
-    answered || started < eager_starts() || in_flight == 0
+/// machine's cores, the rest once the run has handed the caller a batch — or when no
+/// worker has a task of the run, so none could answer (an iterable run resumed at a
+/// worker not started).
+pub(super) fn may_start(started: usize, delivered: bool, in_flight: usize) -> bool {
+    delivered || started < eager_starts() || in_flight == 0
 }
 
 impl<D, C> Drop for Epoch<'_, D, C>

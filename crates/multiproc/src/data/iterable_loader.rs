@@ -269,7 +269,7 @@ where
             ready: BTreeMap::new(),
             failed: None,
             finished: false,
-            answered: false,
+            delivered: false,
             in_process,
             open_error,
             resume_from,
@@ -331,8 +331,9 @@ where
     ready: BTreeMap<usize, (usize, Option<C::Batch>, Cursor)>,
     failed: Option<(usize, Error)>,
     finished: bool,
-    /// Whether a worker has answered yet this run (past that, every worker may start).
-    answered: bool,
+    /// Whether this run has handed the caller a batch yet (past that, every worker may
+    /// start).
+    delivered: bool,
     in_process: Option<D::Iter>,
     /// Resuming the in-process stream failed: yielded first.
     open_error: Option<Error>,
@@ -460,7 +461,7 @@ where
         if self.exhausted.len() != n {
             self.exhausted = vec![false; n];
         }
-        if set.len() < n && may_start(set.len(), self.answered, set.in_flight_of(self.run)) {
+        if set.len() < n && may_start(set.len(), self.delivered, set.in_flight_of(self.run)) {
             set.grow(&launch)?;
         }
         // Only this run's tasks count: a persistent worker may still hold an abandoned
@@ -562,6 +563,7 @@ where
                     self.passed(worker, cursor);
                     if let Some(batch) = answer {
                         self.loader.stats.batches += 1;
+                        self.delivered = true;
                         return Some(Ok(batch));
                     }
                 }
@@ -580,14 +582,13 @@ where
             // While workers are still to start, only look at what has arrived, and go
             // on starting them.
             let starting = set.len() < self.loader.options.num_workers
-                && may_start(set.len(), self.answered, set.in_flight_of(epoch));
+                && may_start(set.len(), self.delivered, set.in_flight_of(epoch));
             let deadline = if starting {
                 Some(Instant::now())
             } else {
                 self.loader.options.timeout.map(|t| Instant::now() + t)
             };
             let arrival = set.wait(epoch, deadline);
-            self.answered |= matches!(arrival, Ok(Some(_)));
             match arrival {
                 Err(e) => return self.fail(e),
                 Ok(None) if starting => {}
@@ -620,6 +621,7 @@ where
                     if !in_order {
                         self.passed(worker, cursor);
                         self.loader.stats.batches += 1;
+                        self.delivered = true;
                         return Some(Ok(data));
                     }
                     self.ready.insert(batch, (worker, Some(data), cursor));
