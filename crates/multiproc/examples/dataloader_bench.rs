@@ -1,5 +1,7 @@
 //! Benchmark: batches/s of 64 × 3 × 224 × 224 `u8` images decoded from PNG files, with
-//! 0, 1 and 2 worker processes (feature `image`).
+//! 0, 1 and 2 worker processes or threads (feature `image`), and the first batch's
+//! latency of a freshly built loader (workers started for it: `first_batch_ms`, the
+//! median of 3), which shows whether N workers start in parallel.
 //!
 //! It writes its own PNG files (smooth gradients with noise, so they compress and
 //! decode like photographs rather than like static) into a temporary directory and
@@ -13,13 +15,14 @@
 //! ```sh
 //! cargo run --release --features image --example dataloader_bench
 //! cargo run --release --features image --example dataloader_bench -- --workers 0,2 --json
+//! cargo run --release --features image --example dataloader_bench -- --workers 1,8 --kind process,thread
 //! ```
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use clap::Parser;
-use multiproc::data::{DataLoader, Dataset, ImageFolder};
+use multiproc::data::{DataLoader, Dataset, ImageFolder, WorkerKind};
 
 #[derive(Parser, Debug)]
 struct Args {
@@ -35,6 +38,9 @@ struct Args {
     /// The worker counts to measure, comma-separated.
     #[arg(long, default_value = "0,1,2", value_delimiter = ',')]
     workers: Vec<usize>,
+    /// Worker kinds to measure, comma-separated: process, thread.
+    #[arg(long, default_value = "process", value_delimiter = ',')]
+    kind: Vec<String>,
     /// Timed epochs per setting (after the warm-up epoch).
     #[arg(long, default_value_t = 3)]
     epochs: usize,
@@ -74,10 +80,40 @@ fn has_png(dir: &Path) -> bool {
     })
 }
 
+/// The median, over 3 fresh loaders, of the time from `iter()` to the first batch
+/// (the workers start for it), in milliseconds.
+fn first_batch_ms(
+    dir: &Path,
+    workers: usize,
+    kind: WorkerKind,
+    batch_size: usize,
+) -> multiproc::Result<f64> {
+    let mut times = Vec::new();
+    for _ in 0..3 {
+        let mut loader = DataLoader::builder(ImageFolder::new(dir)?)
+            .batch_size(batch_size)
+            .num_workers(workers)
+            .workers(kind)
+            .build()?;
+        let start = Instant::now();
+        // The epoch stays alive past the measurement: ending it stops the workers.
+        let mut epoch = loader.iter();
+        let first = epoch.next();
+        times.push(start.elapsed().as_secs_f64() * 1e3);
+        drop(epoch);
+        if let Some(b) = first {
+            b?;
+        }
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(times[1])
+}
+
 /// Runs a warm-up epoch and `epochs` timed ones; returns (batches, seconds, checksum).
 fn measure(
     dir: &Path,
     workers: usize,
+    kind: WorkerKind,
     batch_size: usize,
     epochs: usize,
 ) -> multiproc::Result<(usize, f64, f64)> {
@@ -85,6 +121,7 @@ fn measure(
         .batch_size(batch_size)
         .drop_last(true)
         .num_workers(workers)
+        .workers(kind)
         .persistent_workers(true)
         .build()?;
     for batch in &mut loader {
@@ -159,24 +196,33 @@ fn main() -> Result<(), String> {
                 dir.display()
             );
             println!(
-                "{:>8} {:>10} {:>12} {:>9}",
-                "workers", "batches/s", "images/s", "seconds"
+                "{:>8} {:>8} {:>10} {:>12} {:>9} {:>15}",
+                "kind", "workers", "batches/s", "images/s", "seconds", "first_batch_ms"
             );
         }
-        for &workers in &args.workers {
-            let (batches, secs, _) =
-                measure(&dir, workers, args.batch_size, args.epochs).map_err(|e| e.to_string())?;
-            let per_s = batches as f64 / secs;
-            if args.json {
-                println!(
-                    "{{\"impl\":\"multiproc\",\"workers\":{workers},\"batch_size\":{},\"batches\":{batches},\"seconds\":{secs:.4},\"batches_per_s\":{per_s:.3}}}",
-                    args.batch_size
-                );
-            } else {
-                println!(
-                    "{workers:>8} {per_s:>10.2} {:>12.0} {secs:>9.2}",
-                    per_s * args.batch_size as f64
-                );
+        for kind_name in &args.kind {
+            let kind = match kind_name.as_str() {
+                "process" => WorkerKind::Process,
+                "thread" => WorkerKind::Thread,
+                other => return Err(format!("--kind {other}: expected process or thread")),
+            };
+            for &workers in &args.workers {
+                let (batches, secs, _) = measure(&dir, workers, kind, args.batch_size, args.epochs)
+                    .map_err(|e| e.to_string())?;
+                let first = first_batch_ms(&dir, workers, kind, args.batch_size)
+                    .map_err(|e| e.to_string())?;
+                let per_s = batches as f64 / secs;
+                if args.json {
+                    println!(
+                        "{{\"impl\":\"multiproc\",\"kind\":\"{kind_name}\",\"workers\":{workers},\"batch_size\":{},\"batches\":{batches},\"seconds\":{secs:.4},\"batches_per_s\":{per_s:.3},\"first_batch_ms\":{first:.2}}}",
+                        args.batch_size
+                    );
+                } else {
+                    println!(
+                        "{kind_name:>8} {workers:>8} {per_s:>10.2} {:>12.0} {secs:>9.2} {first:>15.1}",
+                        per_s * args.batch_size as f64
+                    );
+                }
             }
         }
         Ok(())

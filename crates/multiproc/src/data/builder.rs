@@ -11,6 +11,7 @@ use super::iterable_loader::IterableDataLoader;
 use super::loader::DataLoader;
 use super::options::Options;
 use super::sampler::{RandomSampler, Sampler, SequentialSampler};
+use super::worker_kind::WorkerKind;
 use crate::error::{Error, Result};
 use crate::process::StartMethod;
 
@@ -31,6 +32,8 @@ pub struct DataLoaderBuilder<D, C = DefaultCollate> {
     collate: C,
     order: Order,
     options: Options,
+    /// The rank set by [`rank`](Self::rank), over the sampler's.
+    rank: Option<usize>,
 }
 
 impl<D> DataLoaderBuilder<D, DefaultCollate> {
@@ -41,6 +44,7 @@ impl<D> DataLoaderBuilder<D, DefaultCollate> {
             dataset,
             collate: DefaultCollate,
             order: Order::Sequential,
+            rank: None,
             options: Options {
                 batch_size: 1,
                 drop_last: false,
@@ -51,7 +55,9 @@ impl<D> DataLoaderBuilder<D, DefaultCollate> {
                 in_order: true,
                 restart_workers: false,
                 start_method: StartMethod::Spawn,
+                kind: WorkerKind::Process,
                 seed: 0x6d75_6c74_6970_726f,
+                rank: 0,
                 worker_init: None,
                 #[cfg(feature = "progress")]
                 progress: false,
@@ -112,10 +118,18 @@ impl<D, C> DataLoaderBuilder<D, C> {
         self
     }
 
-    /// The base of the workers' seeds ([`WorkerInfo::seed`](super::WorkerInfo) is this
-    /// plus the worker id).
+    /// The base of the workers' seeds: [`WorkerInfo::seed`](super::WorkerInfo) is
+    /// [`worker_seed`](super::worker_seed)`(seed, epoch, rank, worker id)`.
     pub fn seed(mut self, seed: u64) -> Self {
         self.options.seed = seed;
+        self
+    }
+
+    /// This loader's rank among data-parallel ranks, for the workers' seeds
+    /// ([`WorkerInfo::rank`](super::WorkerInfo)); default: the sampler's rank when it
+    /// shards ([`DistributedSampler`](super::DistributedSampler)), else 0.
+    pub fn rank(mut self, rank: usize) -> Self {
+        self.rank = Some(rank);
         self
     }
 
@@ -140,7 +154,14 @@ impl<D, C> DataLoaderBuilder<D, C> {
         self
     }
 
-    /// How workers are started (default [`StartMethod::Spawn`]).
+    /// Worker processes (the default) or threads: see [`WorkerKind`] for what
+    /// isolation each gives. The API, the batches and the failure report are the same.
+    pub fn workers(mut self, kind: WorkerKind) -> Self {
+        self.options.kind = kind;
+        self
+    }
+
+    /// How worker processes are started (default [`StartMethod::Spawn`]).
     pub fn start_method(mut self, method: StartMethod) -> Self {
         self.options.start_method = method;
         self
@@ -160,6 +181,7 @@ impl<D, C> DataLoaderBuilder<D, C> {
             collate,
             order: self.order,
             options: self.options,
+            rank: self.rank,
         }
     }
 }
@@ -174,7 +196,7 @@ where
     /// # Errors
     /// [`Error::InvalidArgument`] for a batch size or prefetch factor of 0, or a
     /// sampler that would visit an index outside the data set.
-    pub fn build(self) -> Result<DataLoader<D, C>> {
+    pub fn build(mut self) -> Result<DataLoader<D, C>> {
         self.options.check()?;
         let len = self.dataset.len();
         let sampler: Box<dyn Sampler> = match self.order {
@@ -182,6 +204,10 @@ where
             Order::Shuffle(seed) => Box::new(RandomSampler::new(len, seed)),
             Order::Custom(s) => s,
         };
+        self.options.rank = self
+            .rank
+            .or_else(|| sampler.shard().map(|(rank, _)| rank))
+            .unwrap_or(0);
         Ok(DataLoader::new(
             self.dataset,
             self.collate,
@@ -202,8 +228,9 @@ where
     /// [`Error::InvalidArgument`] for a batch size or prefetch factor of 0, or when a
     /// sampler or shuffle was set (a stream has no indices: shuffle inside the data
     /// set, seeded by [`WorkerInfo::seed`](super::WorkerInfo)).
-    pub fn build_iterable(self) -> Result<IterableDataLoader<D, C>> {
+    pub fn build_iterable(mut self) -> Result<IterableDataLoader<D, C>> {
         self.options.check()?;
+        self.options.rank = self.rank.unwrap_or(0);
         if !matches!(self.order, Order::Sequential) {
             return Err(Error::InvalidArgument(
                 "data loader: an iterable data set has no indices to sample or shuffle; \

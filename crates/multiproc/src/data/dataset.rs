@@ -10,6 +10,7 @@
 
 use std::cell::Cell;
 
+use super::state::StreamState;
 use crate::error::Result;
 
 /// A map-style data set: `len` samples, sample `i` by [`get`](Self::get).
@@ -52,6 +53,15 @@ pub trait Dataset {
     /// Whatever loading the sample can fail with; the loader reports it with the
     /// worker, its pid, the batch and the sample indices.
     fn get(&self, index: usize) -> Result<Self::Item>;
+
+    /// Told the epoch before the epoch's first sample is loaded from this copy of the
+    /// data set: in every worker (persistent ones included: the epoch travels with
+    /// each batch, so a worker kept between epochs learns it too) and, with
+    /// `num_workers(0)`, in the loader's own process. The default does nothing; a data
+    /// set whose augmentations change with the epoch keeps it.
+    fn set_epoch(&mut self, epoch: u64) {
+        let _ = epoch;
+    }
 }
 
 /// A stream of samples (torch's `IterableDataset`): each worker iterates its own
@@ -84,17 +94,49 @@ pub trait IterableDataset {
     /// This worker's samples for epoch `epoch` (an `Err` item is reported with the
     /// worker and ends the epoch).
     fn iter(&self, epoch: u64) -> Self::Iter;
+
+    /// Where `iter` stands (after the samples it has given), for a loader's
+    /// [`state_dict`](super::IterableDataLoader::state_dict); `None` (the default): this
+    /// data set cannot be resumed mid-epoch. The loader asks after every batch, so keep
+    /// it cheap: a position, not data.
+    fn state(&self, iter: &Self::Iter) -> Option<StreamState> {
+        let _ = iter;
+        None
+    }
+
+    /// This worker's samples for epoch `epoch`, continuing from `state` (what
+    /// [`state`](Self::state) reported in the same worker of an earlier run).
+    ///
+    /// # Errors
+    /// When the state cannot be resumed from; the default: always (the data set does
+    /// not report states).
+    fn iter_from(&self, epoch: u64, state: &StreamState) -> Result<Self::Iter> {
+        let _ = (epoch, state);
+        Err(crate::error::Error::InvalidArgument(format!(
+            "the iterable data set {} cannot resume mid-epoch: implement \
+             IterableDataset::state and iter_from",
+            std::any::type_name::<Self>()
+        )))
+    }
 }
 
 /// Where the current code runs, inside a loader worker: torch's `get_worker_info()`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct WorkerInfo {
     /// This worker's id, `0..num_workers`.
     pub id: usize,
     /// How many workers the loader has.
     pub num_workers: usize,
-    /// This worker's seed: the loader's base seed plus the id (seed your augmentations
-    /// with it, so workers differ and runs repeat).
+    /// The epoch of the batch being loaded (in `worker_init`: the epoch the worker
+    /// was started for).
+    pub epoch: u64,
+    /// The loader's rank: its sampler's ([`DistributedSampler`](super::DistributedSampler))
+    /// or the builder's [`rank`](super::DataLoaderBuilder::rank), else 0.
+    pub rank: usize,
+    /// This worker's seed for this epoch:
+    /// [`worker_seed`](super::worker_seed)`(base seed, epoch, rank, id)`. Seed the
+    /// worker's augmentations with it: workers, ranks and epochs differ, runs repeat.
     pub seed: u64,
 }
 

@@ -23,8 +23,10 @@ use super::batch_plan::{batch_plan, check_in_range, show_indices};
 use super::collate::Collate;
 use super::dataset::Dataset;
 use super::loader::DataLoader;
-use super::worker::{Task, load_batch, run_worker};
-use super::worker_set::{Arrival, Sent, WorkerSet};
+use super::state::{Done, LoaderState, MapProgress, fingerprint};
+use super::stats::LoaderStats;
+use super::worker::{Task, Timing, load_batch, run_worker};
+use super::worker_set::{Arrival, Sent, WorkerSet, eager_starts};
 use crate::error::{Error, Result};
 
 /// One epoch of a [`DataLoader`]: yields `Result<Batch>`; made by
@@ -36,10 +38,16 @@ where
 {
     loader: &'a mut DataLoader<D, C>,
     epoch: u64,
+    /// This `iter()`'s number: tasks and replies of other runs are not this one's.
+    run: u64,
+    /// The epoch's batches, numbered by their place here.
     plan: Vec<Vec<usize>>,
-    /// The next batch to send to a worker.
+    /// The numbers of the batches this run loads (all of them, but for those a
+    /// resumed state says were yielded), in order.
+    todo: Vec<usize>,
+    /// The next batch (its place in `todo`) to send to a worker.
     next_send: usize,
-    /// With `in_order`, the next batch to yield.
+    /// With `in_order`, the next batch (its place in `todo`) to yield.
     next_yield: usize,
     yielded: usize,
     /// Batches that arrived ahead of `next_yield`.
@@ -48,6 +56,9 @@ where
     /// at its turn, and no batch is sent meanwhile.
     failed: Option<(usize, Error)>,
     finished: bool,
+    /// Whether this run has handed the caller a batch yet (past that, every worker may
+    /// start).
+    delivered: bool,
     #[cfg(feature = "progress")]
     bar: Option<super::progress::Bar>,
 }
@@ -61,19 +72,24 @@ where
     pub(super) fn new(
         loader: &'a mut DataLoader<D, C>,
         epoch: u64,
+        run: u64,
         plan: Vec<Vec<usize>>,
+        todo: Vec<usize>,
         #[cfg(feature = "progress")] bar: Option<super::progress::Bar>,
     ) -> Self {
         Epoch {
             loader,
             epoch,
+            run,
             plan,
+            todo,
             next_send: 0,
             next_yield: 0,
             yielded: 0,
             ready: BTreeMap::new(),
             failed: None,
             finished: false,
+            delivered: false,
             #[cfg(feature = "progress")]
             bar,
         }
@@ -89,6 +105,13 @@ where
         self.loader.worker_pids_inner()
     }
 
+    /// Where the loader stands, counting the batches this epoch has yielded so far:
+    /// the same as [`DataLoader::state_dict`], callable while the epoch borrows the
+    /// loader.
+    pub fn state_dict(&self) -> LoaderState {
+        self.loader.state_dict()
+    }
+
     /// Ends the epoch with `error`: its workers are stopped.
     fn fail(&mut self, error: Error) -> Option<Result<C::Batch>> {
         self.finished = true;
@@ -98,23 +121,36 @@ where
 
     fn yield_batch(&mut self, batch: usize, data: C::Batch) -> Option<Result<C::Batch>> {
         self.yielded += 1;
+        self.delivered = true;
+        self.loader.stats.batches += 1;
+        if let Some(p) = self.loader.progress.as_mut() {
+            p.done.mark(batch);
+        }
         #[cfg(feature = "progress")]
         if let Some(bar) = &self.bar {
-            bar.batch_done(self.plan[batch].len());
+            bar.batch_done(self.plan[batch].len(), &self.loader.stats);
         }
-        let _ = batch;
         Some(Ok(data))
     }
 
     /// The next batch loaded in this process (`num_workers(0)`).
     fn next_in_process(&mut self) -> Option<Result<C::Batch>> {
-        let batch = self.next_yield;
+        let batch = self.todo[self.next_yield];
         self.next_yield += 1;
         let indices = &self.plan[batch];
         if let Err(e) = check_in_range(indices, self.loader.dataset.len()) {
             return self.fail(e);
         }
-        match load_batch(&self.loader.dataset, &self.loader.collate, indices) {
+        let mut timing = Timing::default();
+        let loaded = load_batch(
+            &self.loader.dataset,
+            &self.loader.collate,
+            indices,
+            None,
+            &mut timing,
+        );
+        self.loader.stats.add(&timing);
+        match loaded {
             Ok(data) => self.yield_batch(batch, data),
             Err(e) => {
                 let error = Error::LoaderFailed {
@@ -133,26 +169,19 @@ where
         }
     }
 
-    /// Sends batches to workers while the in-flight bound allows.
+    /// Sends batches to workers while the in-flight bound allows, and starts at most
+    /// one more worker if some are not started yet: worker 0 gets its first batch
+    /// before worker 1 is started, and the caller takes in what has arrived between two
+    /// starts, so the first batch waits for one start, not `num_workers`. (While
+    /// workers start, each gets one batch: batches go to workers round-robin as if all
+    /// had started at once.)
     fn fill(&mut self) -> Result<()> {
         let o = &self.loader.options;
         let window = o.num_workers * o.prefetch_factor;
         let per_worker = o.prefetch_factor;
+        let epoch = self.epoch;
         if self.loader.workers.is_none() {
-            let (dataset, collate) = (&self.loader.dataset, &self.loader.collate);
-            let set = WorkerSet::start(o.num_workers, &|id, generation, tasks, results| {
-                super::worker::launch(
-                    run_worker::<D, C>,
-                    dataset,
-                    collate,
-                    o,
-                    id,
-                    generation,
-                    tasks,
-                    results,
-                )
-            })?;
-            self.loader.workers = Some(set);
+            self.loader.workers = Some(WorkerSet::empty()?);
         }
         let len = self.loader.dataset.len();
         let DataLoader {
@@ -171,6 +200,7 @@ where
                 options,
                 id,
                 generation,
+                epoch,
                 tasks,
                 results,
             )
@@ -178,24 +208,37 @@ where
         let Some(set) = workers.as_mut() else {
             return Ok(());
         };
-        while self.next_send < self.plan.len() && self.failed.is_none() {
-            if set.in_flight() + self.ready.len() >= window {
+        let mut grown = false;
+        let delivered = self.delivered;
+        loop {
+            let starting = set.len() < options.num_workers;
+            let limit = if starting { 1 } else { per_worker };
+            while self.next_send < self.todo.len() && self.failed.is_none() {
+                if set.in_flight() + self.ready.len() >= window {
+                    break;
+                }
+                let Some(id) = set.least_busy(limit) else {
+                    break;
+                };
+                set.ensure_alive(id, options.restart_workers, &launch)?;
+                let batch = self.todo[self.next_send];
+                check_in_range(&self.plan[batch], len)?;
+                let task = Task {
+                    run: self.run,
+                    epoch: self.epoch,
+                    batch,
+                    indices: self.plan[batch].clone(),
+                    from: None,
+                };
+                let retried = false;
+                set.send(id, Sent { task, retried })?;
+                self.next_send += 1;
+            }
+            if !starting || grown || !may_start(set.len(), delivered, set.in_flight_of(self.run)) {
                 break;
             }
-            let Some(id) = set.least_busy(per_worker) else {
-                break;
-            };
-            set.ensure_alive(id, options.restart_workers, &launch)?;
-            let batch = self.next_send;
-            check_in_range(&self.plan[batch], len)?;
-            let task = Task {
-                epoch: self.epoch,
-                batch,
-                indices: self.plan[batch].clone(),
-            };
-            let retried = false;
-            set.send(id, Sent { task, retried })?;
-            self.next_send += 1;
+            set.grow(&launch)?;
+            grown = true;
         }
         Ok(())
     }
@@ -210,7 +253,8 @@ where
             ""
         };
         let message = format!(
-            "data loader worker {worker} (pid {pid}) failed{again} on batch {batch} (samples {}): {what}",
+            "data loader worker {worker} ({} {pid}) failed{again} on batch {batch} (samples {}): {what}",
+            self.loader.options.kind.label(),
             show_indices(&indices)
         );
         let error = Error::LoaderFailed {
@@ -234,6 +278,7 @@ where
             ..
         } = &mut *self.loader;
         let (dataset, collate, options) = (&*dataset, &*collate, &*options);
+        let epoch = self.epoch;
         let set = workers.as_mut()?;
         let launch = |id, generation, tasks, results| {
             super::worker::launch(
@@ -243,6 +288,7 @@ where
                 options,
                 id,
                 generation,
+                epoch,
                 tasks,
                 results,
             )
@@ -274,18 +320,22 @@ where
         let timeout = self.loader.options.timeout.unwrap_or_default();
         let set = self.loader.workers.as_ref();
         let held = if self.loader.options.in_order {
-            set.and_then(|s| s.holder(self.epoch, self.next_yield))
-                .map(|(w, p)| (w, p, self.next_yield))
+            let next = self.todo.get(self.next_yield).copied();
+            next.and_then(|next| {
+                set.and_then(|s| s.holder(self.run, next))
+                    .map(|(w, p)| (w, p, next))
+            })
         } else {
-            set.and_then(|s| s.oldest(self.epoch))
+            set.and_then(|s| s.oldest(self.run))
                 .map(|(w, p, sent)| (w, p, sent.task.batch))
         };
         match held {
             Some((worker, pid, batch)) => Error::timeout(
                 format!(
-                    "data loader: batch {batch} (samples {}), which worker {worker} (pid {pid}) \
+                    "data loader: batch {batch} (samples {}), which worker {worker} ({} {pid}) \
                      still holds (raise the timeout or look at what that worker is doing),",
-                    show_indices(&self.plan[batch])
+                    show_indices(&self.plan[batch]),
+                    self.loader.options.kind.label()
                 ),
                 Some(timeout),
             ),
@@ -302,7 +352,30 @@ where
     type Item = Result<C::Batch>;
 
     fn next(&mut self) -> Option<Result<C::Batch>> {
-        if self.finished || self.yielded == self.plan.len() {
+        let start = Instant::now();
+        let next = self.next_inner();
+        self.loader.stats.waiting += start.elapsed();
+        next
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        let left = if self.finished {
+            0
+        } else {
+            self.todo.len() - self.yielded
+        };
+        (0, Some(left))
+    }
+}
+
+impl<D, C> Epoch<'_, D, C>
+where
+    D: Dataset + Serialize + DeserializeOwned + Clone + 'static,
+    C: Collate<D::Item> + 'static,
+{
+    /// The next batch (the iterator's `next`, less its accounting).
+    fn next_inner(&mut self) -> Option<Result<C::Batch>> {
+        if self.finished || self.yielded == self.todo.len() {
             self.finished = true;
             return None;
         }
@@ -314,24 +387,33 @@ where
                 return self.fail(e);
             }
             if self.loader.options.in_order {
-                if let Some(data) = self.ready.remove(&self.next_yield) {
-                    let batch = self.next_yield;
+                let next = self.todo[self.next_yield];
+                if let Some(data) = self.ready.remove(&next) {
                     self.next_yield += 1;
-                    return self.yield_batch(batch, data);
+                    return self.yield_batch(next, data);
                 }
-                let next = self.next_yield;
                 if let Some((_, e)) = self.failed.take_if(|(b, _)| *b == next) {
                     return self.fail(e);
                 }
             }
-            let deadline = self.loader.options.timeout.map(|t| Instant::now() + t);
             let Some(set) = self.loader.workers.as_mut() else {
                 return self.fail(Error::Closed(
                     "data loader: the workers are gone (this is a multiproc bug)".into(),
                 ));
             };
-            match set.wait(self.epoch, deadline) {
+            // While workers are still to start, only look at what has arrived, and go
+            // on starting them.
+            let starting = set.len() < self.loader.options.num_workers
+                && may_start(set.len(), self.delivered, set.in_flight_of(self.run));
+            let deadline = if starting {
+                Some(Instant::now())
+            } else {
+                self.loader.options.timeout.map(|t| Instant::now() + t)
+            };
+            let arrival = set.wait(self.run, deadline);
+            match arrival {
                 Err(e) => return self.fail(e),
+                Ok(None) if starting => {}
                 Ok(None) => {
                     let e = self.timeout_error();
                     return self.fail(e);
@@ -341,7 +423,13 @@ where
                         "data loader: a map-style worker reported an exhausted iterator".into(),
                     ));
                 }
-                Ok(Some(Arrival::Loaded { batch, data })) => {
+                Ok(Some(Arrival::Loaded {
+                    batch,
+                    data,
+                    timing,
+                    ..
+                })) => {
+                    self.loader.stats.add(&timing);
                     if self.loader.options.in_order {
                         self.ready.insert(batch, data);
                     } else {
@@ -368,15 +456,14 @@ where
             }
         }
     }
+}
 
-    fn size_hint(&self) -> (usize, Option<usize>) {
-        let left = if self.finished {
-            0
-        } else {
-            self.plan.len() - self.yielded
-        };
-        (0, Some(left))
-    }
+/// Whether one more worker may start now, `started` being started: freely up to the
+/// machine's cores, the rest once the run has handed the caller a batch — or when no
+/// worker has a task of the run, so none could answer (an iterable run resumed at a
+/// worker not started).
+pub(super) fn may_start(started: usize, delivered: bool, in_flight: usize) -> bool {
+    delivered || started < eager_starts() || in_flight == 0
 }
 
 impl<D, C> Drop for Epoch<'_, D, C>
@@ -387,7 +474,7 @@ where
     fn drop(&mut self) {
         #[cfg(feature = "progress")]
         if let Some(bar) = self.bar.take() {
-            bar.finish(self.yielded == self.plan.len());
+            bar.finish(self.yielded == self.todo.len());
         }
         if !self.loader.options.persistent_workers {
             self.loader.stop_workers();
@@ -402,23 +489,44 @@ where
 {
     /// One epoch: the batches in sampler order (or as they finish, without
     /// `in_order`). Workers start on the first `next`, unless persistent ones run.
+    ///
+    /// After a [`load_state_dict`](Self::load_state_dict), the epoch is the state's,
+    /// less the batches it says were yielded.
     pub fn iter(&mut self) -> Epoch<'_, D, C> {
-        let epoch = self.next_epoch;
-        self.next_epoch += 1;
+        let run = self.next_run;
+        self.next_run += 1;
+        let (epoch, start, done) = match self.resume.take() {
+            Some(p) => (p.epoch, p.start, p.done),
+            None => (self.next_epoch, 0, Done::default()),
+        };
+        self.next_epoch = epoch + 1;
+        self.dataset.set_epoch(epoch);
         let plan = batch_plan(
-            self.sampler.indices(epoch),
+            self.sampler.indices_from(epoch, start),
             self.options.batch_size,
             self.options.drop_last,
         );
+        let todo: Vec<usize> = (0..plan.len()).filter(|&b| !done.contains(b)).collect();
+        self.stats = LoaderStats::new(epoch);
+        self.progress = Some(MapProgress {
+            epoch,
+            start,
+            batches: plan.len(),
+            samples: plan.iter().map(Vec::len).sum(),
+            done,
+            fingerprint: fingerprint(&plan),
+        });
         #[cfg(feature = "progress")]
         let bar = self
             .options
             .progress
-            .then(|| super::progress::Bar::new(plan.len(), epoch));
+            .then(|| super::progress::Bar::new(todo.len(), epoch));
         Epoch::new(
             self,
             epoch,
+            run,
             plan,
+            todo,
             #[cfg(feature = "progress")]
             bar,
         )

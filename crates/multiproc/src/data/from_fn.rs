@@ -86,6 +86,14 @@ impl<D: Dataset> Dataset for FromFn<D> {
     fn get(&self, index: usize) -> Result<D::Item> {
         self.dataset.get(index)
     }
+
+    /// Tells the data set, when this handle is its only one (as in a worker, which
+    /// builds its own); a data set shared with other clones is not told.
+    fn set_epoch(&mut self, epoch: u64) {
+        if let Some(d) = Arc::get_mut(&mut self.dataset) {
+            d.set_epoch(epoch);
+        }
+    }
 }
 
 impl<D> Clone for FromFn<D> {

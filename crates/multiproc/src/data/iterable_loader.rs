@@ -4,10 +4,21 @@
 //!
 //! Batches are numbered in the order they are requested, round-robin over the workers
 //! that still have samples; with `in_order` they are yielded in that order (torch's
-//! order), otherwise as they finish. A worker that answers "exhausted" gets no more
+//! order), otherwise as they finish. In order, the round-robin is strict — the worker
+//! whose turn it is gets the next request, and none is sent until it has room — so the
+//! order does not depend on timing (which a resume relies on); out of order, a busy
+//! worker is passed over. Only the current run's tasks count against a worker's room
+//! (a persistent worker may still hold an abandoned run's). A worker that answers "exhausted" gets no more
 //! requests this epoch; the epoch ends when every worker is exhausted. A failure ends
 //! the epoch: a fresh worker could not resume its predecessor's stream, so
 //! `restart_workers` does not apply here. There is no sampler, so no `len`.
+//!
+//! Resuming: each reply carries where its worker's stream stands after the batch
+//! (the data set's [`StreamState`]); the loader keeps, per worker, the cursor of the
+//! last batch it *yielded*, and, in order, the worker whose turn comes next. A resumed
+//! run starts each worker's stream from its cursor (`iter_from`), skips those that
+//! ended, and takes up the round-robin at that worker: the batches that follow are
+//! those of the uninterrupted run.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -18,8 +29,11 @@ use serde::de::DeserializeOwned;
 
 use super::collate::Collate;
 use super::dataset::IterableDataset;
+use super::epoch::may_start;
 use super::options::Options;
-use super::worker::{Outcome, Task, next_batch, run_iterable_worker};
+use super::state::{Cursor, EpochState, LoaderState, StreamEpochState, StreamState};
+use super::stats::LoaderStats;
+use super::worker::{Outcome, Task, Timing, next_batch, run_iterable_worker, stream_cursor};
 use super::worker_set::{Arrival, STOP_GRACE, Sent, WorkerSet};
 use crate::error::{Error, Result};
 
@@ -31,6 +45,41 @@ pub struct IterableDataLoader<D: IterableDataset, C: Collate<D::Item>> {
     options: Options,
     workers: Option<WorkerSet<C::Batch>>,
     next_epoch: u64,
+    next_run: u64,
+    /// The epoch running or last run: what `state_dict` reports.
+    progress: Option<StreamProgress>,
+    /// Where the next `iter()` resumes, from `load_state_dict`.
+    resume: Option<StreamProgress>,
+    /// Where the epoch's time went.
+    stats: LoaderStats,
+}
+
+/// An iterable epoch's standing: per worker, the cursor after its last yielded batch.
+#[derive(Clone, Debug)]
+struct StreamProgress {
+    epoch: u64,
+    cursors: Vec<Cursor>,
+    next_worker: usize,
+    ended: bool,
+}
+
+impl StreamProgress {
+    fn fresh(epoch: u64, streams: usize) -> Self {
+        StreamProgress {
+            epoch,
+            cursors: vec![Cursor::Start; streams],
+            next_worker: 0,
+            ended: false,
+        }
+    }
+
+    /// Worker `worker`'s batch (or its end) was handed over.
+    fn passed(&mut self, worker: usize, cursor: Cursor) {
+        if let Some(c) = self.cursors.get_mut(worker) {
+            *c = cursor;
+        }
+        self.next_worker = (worker + 1) % self.cursors.len().max(1);
+    }
 }
 
 impl<D, C> IterableDataLoader<D, C>
@@ -45,10 +94,14 @@ where
             options,
             workers: None,
             next_epoch: 0,
+            next_run: 0,
+            progress: None,
+            resume: None,
+            stats: LoaderStats::default(),
         }
     }
 
-    /// The pids of the running workers, by worker id.
+    /// The pids of the running workers, by worker id (thread workers: their thread ids).
     pub fn worker_pids(&self) -> Vec<i32> {
         self.workers
             .as_ref()
@@ -56,27 +109,170 @@ where
             .unwrap_or_default()
     }
 
-    /// Sets the number of the next epoch (passed to [`IterableDataset::iter`]).
+    /// Sets the number of the next epoch (passed to [`IterableDataset::iter`], in
+    /// persistent workers too). A state loaded and not yet run is kept when it is of
+    /// this epoch, and dropped for another.
     pub fn set_epoch(&mut self, epoch: u64) {
         self.next_epoch = epoch;
+        if self.resume.as_ref().is_some_and(|r| r.epoch != epoch) {
+            self.resume = None;
+        }
+        if self.progress.as_ref().is_some_and(|p| p.epoch != epoch) {
+            self.progress = None;
+        }
     }
 
-    /// One epoch.
+    /// The number of streams: one per worker, or one in this process.
+    fn streams(&self) -> usize {
+        self.options.num_workers.max(1)
+    }
+
+    /// Where the time of the epoch running (or the last one run) went
+    /// ([`LoaderStats`]).
+    pub fn stats(&self) -> LoaderStats {
+        self.stats
+    }
+
+    /// Where the loader stands: the epoch in progress and, per worker, the
+    /// [`StreamState`] its data set reported after its last batch that was yielded
+    /// (batches loading or waiting are not counted), or the next epoch between epochs.
+    /// While an epoch runs, [`IterableEpoch::state_dict`] gives the same.
+    pub fn state_dict(&self) -> LoaderState {
+        let p = match (&self.resume, &self.progress) {
+            (Some(p), _) => p,
+            (None, Some(p)) if !p.ended => p,
+            _ => return LoaderState::at_epoch(self.next_epoch),
+        };
+        LoaderState::within(
+            p.epoch,
+            EpochState::Stream(StreamEpochState {
+                cursors: p.cursors.clone(),
+                next_worker: p.next_worker,
+                batch_size: self.options.batch_size,
+                drop_last: self.options.drop_last,
+            }),
+        )
+    }
+
+    /// Resumes from `state` (taken by [`state_dict`](Self::state_dict) of a loader
+    /// built the same way): the next [`iter`](Self::iter) continues each worker's
+    /// stream from the state the data set reported
+    /// ([`IterableDataset::iter_from`]), and the epochs after it follow.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`], and the loader unchanged, when the state is of
+    /// another format version, of a map-style loader, of another number of workers
+    /// (each worker's stream is its own), batch size or `drop_last`, or mid-stream
+    /// where the data set reported no state ([`IterableDataset::state`]).
+    pub fn load_state_dict(&mut self, state: &LoaderState) -> Result<()> {
+        let Some(progress) = state.checked()? else {
+            self.progress = None;
+            self.resume = None;
+            self.next_epoch = state.epoch();
+            return Ok(());
+        };
+        let EpochState::Stream(st) = progress else {
+            return Err(Error::InvalidArgument(
+                "data loader state: this state is of a map-style data set's loader; load it \
+                 with DataLoader::load_state_dict"
+                    .into(),
+            ));
+        };
+        let o = &self.options;
+        if st.cursors.len() != self.streams() {
+            return Err(Error::InvalidArgument(format!(
+                "data loader state: it was taken with {} streams (workers), this loader has \
+                 {} (num_workers {}): an iterable data set splits its stream by worker, so \
+                 resume with the same num_workers",
+                st.cursors.len(),
+                self.streams(),
+                o.num_workers
+            )));
+        }
+        if (st.batch_size, st.drop_last) != (o.batch_size, o.drop_last) {
+            return Err(Error::InvalidArgument(format!(
+                "data loader state: it was taken with batch size {} and drop_last {}, this \
+                 loader has {} and {}: resume with the same settings",
+                st.batch_size, st.drop_last, o.batch_size, o.drop_last
+            )));
+        }
+        if let Some(w) = st.cursors.iter().position(|c| *c == Cursor::Unknown) {
+            return Err(Error::InvalidArgument(format!(
+                "data loader state: worker {w}'s stream was mid-epoch, but the data set {} \
+                 reports no state to resume it from: implement IterableDataset::state and \
+                 iter_from",
+                std::any::type_name::<D>()
+            )));
+        }
+        self.next_epoch = state.epoch();
+        self.progress = None;
+        self.resume = Some(StreamProgress {
+            epoch: state.epoch(),
+            cursors: st.cursors.clone(),
+            next_worker: st.next_worker % self.streams(),
+            ended: false,
+        });
+        Ok(())
+    }
+
+    /// One epoch (after a [`load_state_dict`](Self::load_state_dict): the rest of the
+    /// state's epoch).
     pub fn iter(&mut self) -> IterableEpoch<'_, D, C> {
-        let epoch = self.next_epoch;
-        self.next_epoch += 1;
-        let in_process = (self.options.num_workers == 0).then(|| self.dataset.iter(epoch));
+        let run = self.next_run;
+        self.next_run += 1;
+        let progress = match self.resume.take() {
+            Some(p) => p,
+            None => StreamProgress::fresh(self.next_epoch, self.streams()),
+        };
+        let epoch = progress.epoch;
+        self.next_epoch = epoch + 1;
+        let mut open_error = None;
+        let in_process = if self.options.num_workers == 0 {
+            match &progress.cursors[0] {
+                Cursor::At(s) => match self.dataset.iter_from(epoch, s) {
+                    Ok(it) => Some(it),
+                    Err(e) => {
+                        open_error = Some(e);
+                        None
+                    }
+                },
+                Cursor::Done => None,
+                Cursor::Start | Cursor::Unknown => Some(self.dataset.iter(epoch)),
+            }
+        } else {
+            None
+        };
+        let exhausted: Vec<bool> = progress
+            .cursors
+            .iter()
+            .map(|c| *c == Cursor::Done)
+            .collect();
+        let round_robin = progress.next_worker;
+        self.stats = LoaderStats::new(epoch);
+        let resume_from = progress
+            .cursors
+            .iter()
+            .map(|c| match c {
+                Cursor::At(s) if self.options.num_workers > 0 => Some(s.clone()),
+                _ => None,
+            })
+            .collect();
+        self.progress = Some(progress);
         IterableEpoch {
             loader: self,
             epoch,
+            run,
             next_send: 0,
             next_yield: 0,
-            round_robin: 0,
-            exhausted: Vec::new(),
+            round_robin,
+            exhausted,
             ready: BTreeMap::new(),
             failed: None,
             finished: false,
+            delivered: false,
             in_process,
+            open_error,
+            resume_from,
         }
     }
 }
@@ -124,16 +320,25 @@ where
 {
     loader: &'a mut IterableDataLoader<D, C>,
     epoch: u64,
+    run: u64,
     next_send: usize,
     next_yield: usize,
     round_robin: usize,
     /// By worker id: whether its stream has ended this epoch.
     exhausted: Vec<bool>,
-    /// With `in_order`: answered requests ahead of `next_yield` (`None`: exhausted).
-    ready: BTreeMap<usize, Option<C::Batch>>,
+    /// With `in_order`: answered requests ahead of `next_yield`, with the worker and
+    /// its cursor after the answer (the batch `None`: exhausted).
+    ready: BTreeMap<usize, (usize, Option<C::Batch>, Cursor)>,
     failed: Option<(usize, Error)>,
     finished: bool,
+    /// Whether this run has handed the caller a batch yet (past that, every worker may
+    /// start).
+    delivered: bool,
     in_process: Option<D::Iter>,
+    /// Resuming the in-process stream failed: yielded first.
+    open_error: Option<Error>,
+    /// By worker id: where its stream resumes, until its first task is sent.
+    resume_from: Vec<Option<StreamState>>,
 }
 
 impl<D, C> IterableEpoch<'_, D, C>
@@ -146,6 +351,33 @@ where
         self.loader.worker_pids()
     }
 
+    /// This epoch's number (what the data set's `iter` was given).
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// Where the loader stands, counting the batches this epoch has yielded so far
+    /// (as [`IterableDataLoader::state_dict`]).
+    pub fn state_dict(&self) -> LoaderState {
+        self.loader.state_dict()
+    }
+
+    /// Worker `worker`'s answer was handed over (or skipped, for an end of stream).
+    fn passed(&mut self, worker: usize, cursor: Cursor) {
+        if let Some(p) = self.loader.progress.as_mut() {
+            p.passed(worker, cursor);
+        }
+    }
+
+    /// The epoch ended with every stream.
+    fn ended(&mut self) -> Option<Result<C::Batch>> {
+        self.finished = true;
+        if let Some(p) = self.loader.progress.as_mut() {
+            p.ended = true;
+        }
+        None
+    }
+
     fn fail(&mut self, error: Error) -> Option<Result<C::Batch>> {
         self.finished = true;
         self.loader.stop_workers();
@@ -153,22 +385,29 @@ where
     }
 
     fn next_in_process(&mut self) -> Option<Result<C::Batch>> {
+        if let Some(e) = self.open_error.take() {
+            return self.fail(e);
+        }
         let o = &self.loader.options;
         let batch = self.next_yield;
-        match next_batch(
+        let mut timing = Timing::default();
+        let outcome = next_batch(
             &mut self.in_process,
             &self.loader.collate,
             o.batch_size,
             o.drop_last,
-        ) {
+            &mut timing,
+        );
+        self.loader.stats.add(&timing);
+        match outcome {
             Outcome::Batch(b) => {
                 self.next_yield += 1;
+                self.loader.stats.batches += 1;
+                let cursor = stream_cursor(&self.loader.dataset, &self.in_process);
+                self.passed(0, cursor);
                 Some(Ok(b))
             }
-            Outcome::Exhausted => {
-                self.finished = true;
-                None
-            }
+            Outcome::Exhausted => self.ended(),
             Outcome::Failed(what) => {
                 let pid = std::process::id() as i32;
                 self.fail(Error::LoaderFailed {
@@ -186,43 +425,80 @@ where
 
     /// Requests batches from the workers that have samples left, round-robin, within
     /// the in-flight bound.
+    ///
+    /// Workers not started yet start one per call, in id order (the round-robin's
+    /// order): a request waits for its worker's start, not for all of them.
     fn fill(&mut self) -> Result<()> {
-        let o = &self.loader.options;
+        let epoch = self.epoch;
         if self.loader.workers.is_none() {
-            let (dataset, collate) = (&self.loader.dataset, &self.loader.collate);
-            let set = WorkerSet::start(o.num_workers, &|id, generation, tasks, results| {
-                super::worker::launch(
-                    run_iterable_worker::<D, C>,
-                    dataset,
-                    collate,
-                    o,
-                    id,
-                    generation,
-                    tasks,
-                    results,
-                )
-            })?;
-            self.loader.workers = Some(set);
+            self.loader.workers = Some(WorkerSet::empty()?);
         }
-        let Some(set) = self.loader.workers.as_mut() else {
+        let IterableDataLoader {
+            dataset,
+            collate,
+            options: o,
+            workers,
+            ..
+        } = &mut *self.loader;
+        let (dataset, collate, o) = (&*dataset, &*collate, &*o);
+        let launch = |id, generation, tasks, results| {
+            super::worker::launch(
+                run_iterable_worker::<D, C>,
+                dataset,
+                collate,
+                o,
+                id,
+                generation,
+                epoch,
+                tasks,
+                results,
+            )
+        };
+        let Some(set) = workers.as_mut() else {
             return Ok(());
         };
-        if self.exhausted.len() != set.len() {
-            self.exhausted = vec![false; set.len()];
+        let n = o.num_workers;
+        if self.exhausted.len() != n {
+            self.exhausted = vec![false; n];
         }
-        let window = o.num_workers * o.prefetch_factor;
-        while self.failed.is_none() && set.in_flight() + self.ready.len() < window {
-            let n = set.len();
-            let Some(id) = (0..n)
+        if set.len() < n && may_start(set.len(), self.delivered, set.in_flight_of(self.run)) {
+            set.grow(&launch)?;
+        }
+        // Only this run's tasks count: a persistent worker may still hold an abandoned
+        // run's, which it answers first and which are dropped.
+        let window = n * o.prefetch_factor;
+        let run = self.run;
+        let busy = |set: &WorkerSet<C::Batch>, w: usize| {
+            set.outstanding_in_run(w, run) >= o.prefetch_factor
+        };
+        while self.failed.is_none() && set.in_flight_of(run) + self.ready.len() < window {
+            // In order, requests go strictly round-robin over the streams still running
+            // (torch's order, whatever the timing): the worker whose turn it is gets the
+            // next request, or none is sent until it has room. Out of order, a busy
+            // worker is passed over.
+            let candidates = (0..n)
                 .map(|k| (self.round_robin + k) % n)
-                .find(|&w| !self.exhausted[w] && set.outstanding_of(w) < o.prefetch_factor)
-            else {
+                .filter(|&w| !self.exhausted[w]);
+            let next = if o.in_order {
+                candidates.take(1).find(|&w| !busy(set, w))
+            } else {
+                candidates.take(n).find(|&w| !busy(set, w))
+            };
+            let Some(id) = next else {
                 break;
             };
+            if id >= set.len() {
+                // Its turn, but it has not started yet: the next call starts it.
+                break;
+            }
+            // Where this worker's stream resumes: sent with its first task of the run.
+            let from = self.resume_from.get_mut(id).and_then(Option::take);
             let task = Task {
+                run: self.run,
                 epoch: self.epoch,
                 batch: self.next_send,
                 indices: Vec::new(),
+                from,
             };
             set.send(
                 id,
@@ -243,7 +519,7 @@ where
             .loader
             .workers
             .as_ref()
-            .map_or(0, |s| s.in_flight_of(self.epoch));
+            .map_or(0, |s| s.in_flight_of(self.run));
         streams_ended && in_flight == 0 && self.ready.is_empty()
     }
 }
@@ -256,6 +532,20 @@ where
     type Item = Result<C::Batch>;
 
     fn next(&mut self) -> Option<Result<C::Batch>> {
+        let start = Instant::now();
+        let next = self.next_inner();
+        self.loader.stats.waiting += start.elapsed();
+        next
+    }
+}
+
+impl<D, C> IterableEpoch<'_, D, C>
+where
+    D: IterableDataset + Serialize + DeserializeOwned + Clone + 'static,
+    C: Collate<D::Item> + 'static,
+{
+    /// The next batch (the iterator's `next`, less its accounting).
+    fn next_inner(&mut self) -> Option<Result<C::Batch>> {
         if self.finished {
             return None;
         }
@@ -268,9 +558,12 @@ where
                 return self.fail(e);
             }
             if in_order {
-                while let Some(answer) = self.ready.remove(&self.next_yield) {
+                while let Some((worker, answer, cursor)) = self.ready.remove(&self.next_yield) {
                     self.next_yield += 1;
+                    self.passed(worker, cursor);
                     if let Some(batch) = answer {
+                        self.loader.stats.batches += 1;
+                        self.delivered = true;
                         return Some(Ok(batch));
                     }
                 }
@@ -280,22 +573,35 @@ where
                 }
             }
             if self.all_done() {
-                self.finished = true;
-                return None;
+                return self.ended();
             }
-            let deadline = self.loader.options.timeout.map(|t| Instant::now() + t);
-            let epoch = self.epoch;
+            let epoch = self.run;
             let Some(set) = self.loader.workers.as_mut() else {
                 return self.fail(Error::Closed("data loader: the workers are gone".into()));
             };
-            match set.wait(epoch, deadline) {
+            // While workers are still to start, only look at what has arrived, and go
+            // on starting them.
+            let starting = set.len() < self.loader.options.num_workers
+                && may_start(set.len(), self.delivered, set.in_flight_of(epoch));
+            let deadline = if starting {
+                Some(Instant::now())
+            } else {
+                self.loader.options.timeout.map(|t| Instant::now() + t)
+            };
+            let arrival = set.wait(epoch, deadline);
+            match arrival {
                 Err(e) => return self.fail(e),
+                Ok(None) if starting => {}
                 Ok(None) => {
                     let timeout = self.loader.options.timeout.unwrap_or_default();
                     let who = set
                         .oldest(epoch)
                         .map(|(w, p, s)| {
-                            format!(": worker {w} (pid {p}) still holds batch {}", s.task.batch)
+                            format!(
+                                ": worker {w} ({} {p}) still holds batch {}",
+                                self.loader.options.kind.label(),
+                                s.task.batch
+                            )
                         })
                         .unwrap_or_default();
                     return self.fail(Error::timeout(
@@ -303,18 +609,31 @@ where
                         Some(timeout),
                     ));
                 }
-                Ok(Some(Arrival::Loaded { batch, data })) => {
+                Ok(Some(Arrival::Loaded {
+                    worker,
+                    batch,
+                    data,
+                    cursor,
+                    timing,
+                })) => {
+                    self.loader.stats.add(&timing);
+                    let cursor = cursor.unwrap_or(Cursor::Unknown);
                     if !in_order {
+                        self.passed(worker, cursor);
+                        self.loader.stats.batches += 1;
+                        self.delivered = true;
                         return Some(Ok(data));
                     }
-                    self.ready.insert(batch, Some(data));
+                    self.ready.insert(batch, (worker, Some(data), cursor));
                 }
                 Ok(Some(Arrival::Exhausted { worker, batch })) => {
                     if let Some(e) = self.exhausted.get_mut(worker) {
                         *e = true;
                     }
                     if in_order {
-                        self.ready.insert(batch, None);
+                        self.ready.insert(batch, (worker, None, Cursor::Done));
+                    } else {
+                        self.passed(worker, Cursor::Done);
                     }
                 }
                 Ok(Some(Arrival::Failed {
@@ -330,8 +649,9 @@ where
                         batch,
                         indices: Vec::new(),
                         message: format!(
-                            "data loader worker {worker} (pid {pid}) failed on batch {batch} \
-                             of its iterable data set: {what}"
+                            "data loader worker {worker} ({} {pid}) failed on batch {batch} \
+                             of its iterable data set: {what}",
+                            self.loader.options.kind.label()
                         ),
                     };
                     if !in_order {

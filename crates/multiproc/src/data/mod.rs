@@ -11,8 +11,14 @@
 //! - `loader` — [`DataLoader`] and its per-epoch iterator [`Epoch`].
 //! - `iterable_loader` — [`IterableDataLoader`] and [`IterableEpoch`], for streams.
 //! - `worker` — the worker process: its messages and its body.
+//! - `worker_kind` — [`WorkerKind`]: processes or threads, behind one handle.
 //! - `worker_set` — the loader's side of its workers: dispatch, replies, deaths,
 //!   restarts, stopping.
+//! - `state` — [`LoaderState`] and [`StreamState`] (resuming mid-epoch), and
+//!   [`worker_seed`].
+//! - `stats` — [`LoaderStats`]: where an epoch's time went.
+//! - `shared_rows` — [`SharedRows`]: a data set's big read-only table, in shared
+//!   memory once, reaching the workers by handle.
 //! - `progress` — the optional progress bar (feature `progress`).
 //! - `image_folder` — `ImageFolder`, PNG files decoded in the workers (feature
 //!   `image`).
@@ -22,6 +28,75 @@
 //! [`Error::LoaderFailed`](crate::Error::LoaderFailed) with its id, pid, the batch and
 //! its sample indices; with [`restart_workers`](DataLoaderBuilder::restart_workers) the
 //! worker is replaced and the batch retried once.
+//!
+//! # Epochs, runs and the global order
+//!
+//! An epoch is a number (0, 1, … or [`set_epoch`](DataLoader::set_epoch)). For a
+//! map-style data set, the epoch's *global order* is the sampler's function of its seed
+//! and the epoch alone — never of the world size or the number of workers: a
+//! [`DistributedSampler`] takes every `world_size`-th position of it from its rank,
+//! [`RandomSampler`] of the same seed is all of it, and the workers only load the
+//! batches they are sent. Positions in that order are what resuming counts.
+//!
+//! Each [`iter`](DataLoader::iter) is a *run* of one epoch, numbered apart from the
+//! epoch: every task and reply carries its run, so what workers still hold of an
+//! abandoned run (an epoch dropped mid-way, then resumed on the same persistent
+//! workers) is recognised and dropped, never yielded twice.
+//!
+//! The epoch reaches the data set everywhere it is loaded: each task carries it, and a
+//! worker whose epoch changes calls [`Dataset::set_epoch`] on its copy and updates its
+//! [`WorkerInfo`] — so persistent workers follow epochs like fresh ones.
+//!
+//! # Resuming mid-epoch
+//!
+//! [`DataLoader::state_dict`] (and [`Epoch::state_dict`] while an epoch runs) returns
+//! a [`LoaderState`]: the epoch and which of its batches were *yielded* (a prefix, and
+//! out of order the few past it). [`load_state_dict`](DataLoader::load_state_dict)
+//! on a loader built the same way makes the next `iter` yield exactly the batches the
+//! uninterrupted run would have: the rest of that epoch, then the next epochs.
+//! Batches loading or waiting when the state was taken are not in it; they are
+//! loaded again. Keeping the state current costs a counter per batch; taking it, a copy
+//! of a few numbers.
+//!
+//! An [`IterableDataset`] resumes through the state it reports of its iterator
+//! ([`IterableDataset::state`], [`IterableDataset::iter_from`]): each worker's reply
+//! carries its stream's state after the batch, and the loader keeps, per worker, the
+//! state after its last yielded batch and whose turn is next.
+//!
+//! **Elastic resume.** A map-style state also holds its global position: the samples
+//! all ranks took together (ranks advance in lockstep). Loaded by a loader of another
+//! shard (another rank or world size), batch size or `drop_last`, the epoch continues
+//! from that position, sharded anew: over all ranks, no sample is repeated or skipped.
+//!
+//! # Workers
+//!
+//! Workers are processes or threads ([`WorkerKind`]: the API, the batches and the
+//! failure report are the same; its docs say what isolation each gives). They start one
+//! at a time between dispatches: worker 0 is sent its first batch before worker 1 is
+//! started, and what has arrived is taken in between two starts, so a fresh loader's
+//! first batch waits for one worker's start, not for all of them. Until a worker has
+//! answered, at most as many workers start as the machine has cores (so the first
+//! one's start does not share the cores with all the others'); the rest start then.
+//!
+//! A worker that dies is reported with the batch it held, the sample it was loading
+//! (each worker writes the index it loads into a shared word), whether its memory
+//! cgroup counted an OOM kill while it ran (`memory.events` or `memory.oom_control`,
+//! readable without root), and its resident memory when last seen.
+//!
+//! A data set's big read-only state (an index, offsets, labels) belongs in a
+//! [`SharedRows`] table: built once, in shared memory, it reaches every worker by
+//! handle, so workers add no private memory for it.
+//!
+//! [`DataLoader::stats`] says where an epoch's time went: the caller waiting, the
+//! workers loading and collating, the hand-over.
+//!
+//! # Seeds
+//!
+//! A worker's seed ([`WorkerInfo::seed`]) is [`worker_seed`]`(base, epoch, rank,
+//! worker id)`, from the builder's [`seed`](DataLoaderBuilder::seed), the epoch of the
+//! batch, the loader's rank (its sampler's, or [`rank`](DataLoaderBuilder::rank)) and
+//! the worker id, each mixed in by splitmix64: no two workers, ranks or epochs share a
+//! stream, and a run repeats.
 //!
 //! ```no_run
 //! use multiproc::data::{DataLoader, Dataset};
@@ -64,7 +139,11 @@ mod options;
 #[cfg(feature = "progress")]
 mod progress;
 mod sampler;
+mod shared_rows;
+mod state;
+mod stats;
 mod worker;
+mod worker_kind;
 mod worker_set;
 
 pub use builder::DataLoaderBuilder;
@@ -79,3 +158,7 @@ pub use loader::DataLoader;
 pub use sampler::{
     DistributedSampler, RandomSampler, Sampler, SequentialSampler, WeightedRandomSampler,
 };
+pub use shared_rows::SharedRows;
+pub use state::{LoaderState, StreamState, worker_seed};
+pub use stats::LoaderStats;
+pub use worker_kind::WorkerKind;

@@ -4,6 +4,7 @@
 use std::time::Duration;
 
 use super::from_fn::InitFn;
+use super::worker_kind::WorkerKind;
 use crate::error::{Error, Result};
 use crate::process::StartMethod;
 
@@ -19,7 +20,10 @@ pub(crate) struct Options {
     pub in_order: bool,
     pub restart_workers: bool,
     pub start_method: StartMethod,
+    pub kind: WorkerKind,
     pub seed: u64,
+    /// The rank in worker seeds (the sampler's, the builder's, or 0).
+    pub rank: usize,
     pub worker_init: Option<fn(usize)>,
     #[cfg(feature = "progress")]
     pub progress: bool,

@@ -5,6 +5,8 @@ use std::time::Instant;
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
+use super::stats::LoaderStats;
+
 /// One epoch's bar on stderr.
 pub(crate) struct Bar {
     bar: ProgressBar,
@@ -29,16 +31,18 @@ impl Bar {
         }
     }
 
-    /// One more batch of `samples` samples was handed over.
-    pub(crate) fn batch_done(&self, samples: usize) {
+    /// One more batch of `samples` samples was handed over; `stats` is the epoch's so
+    /// far (the share of the time spent waiting for batches is shown).
+    pub(crate) fn batch_done(&self, samples: usize, stats: &LoaderStats) {
         self.batches.set(self.batches.get() + 1);
         self.samples.set(self.samples.get() + samples as u64);
         let secs = self.start.elapsed().as_secs_f64();
         if secs > 0.0 {
             self.bar.set_message(format!(
-                "{}, {}",
+                "{}, {}, waited {:.0}%",
                 per_second(self.batches.get() as f64 / secs, "batches"),
-                per_second(self.samples.get() as f64 / secs, "samples")
+                per_second(self.samples.get() as f64 / secs, "samples"),
+                (stats.waiting.as_secs_f64() / secs * 100.0).min(100.0)
             ));
         }
         self.bar.inc(1);

@@ -23,6 +23,35 @@ pub trait Sampler: Send {
 
     /// The indices of epoch `epoch` (0, 1, …), in the order they are loaded.
     fn indices(&self, epoch: u64) -> Vec<usize>;
+
+    /// This process's indices of epoch `epoch` once the first `start` positions of the
+    /// epoch's *global* order are consumed (by every rank together): what an epoch
+    /// resumed from a [`LoaderState`](super::LoaderState) taken at another world size
+    /// visits.
+    ///
+    /// The default suits a sampler that is the only one of its epoch (no ranks): its
+    /// order is the global order, and the remainder is `indices(epoch)` without its
+    /// first `start`. A sharding sampler ([`DistributedSampler`]) shards the remainder.
+    fn indices_from(&self, epoch: u64, start: usize) -> Vec<usize> {
+        let mut all = self.indices(epoch);
+        all.drain(..start.min(all.len()));
+        all
+    }
+
+    /// The global position reached when this process has taken the first `taken`
+    /// indices of `indices_from(epoch, start)` and every other rank as many of its own
+    /// (ranks advance in lockstep, as data-parallel training does). Default:
+    /// `start + taken`; a sharding sampler: `start + taken × world_size`, at most the
+    /// data set's length.
+    fn position_after(&self, start: usize, taken: usize) -> usize {
+        start + taken
+    }
+
+    /// `(rank, world_size)` of a sampler that takes one rank's share of a global order;
+    /// `None` (the default) for one that is the whole order.
+    fn shard(&self) -> Option<(usize, usize)> {
+        None
+    }
 }
 
 /// `0, 1, …, len - 1`, every epoch (torch's `SequentialSampler`).
@@ -251,25 +280,52 @@ impl Sampler for DistributedSampler {
     }
 
     fn indices(&self, epoch: u64) -> Vec<usize> {
-        let mut all = match self.shuffle {
+        self.indices_from(epoch, 0)
+    }
+
+    /// The global order (the data set's indices, permuted by seed and epoch when
+    /// shuffling: the same whatever the world size) from position `start` on, padded
+    /// to a multiple of the world size by repeating the order from its beginning (or cut
+    /// to one, with `drop_last`), then every `world_size`-th from `rank`. From `start`
+    /// 0 this is torch's `DistributedSampler`.
+    fn indices_from(&self, epoch: u64, start: usize) -> Vec<usize> {
+        let global = match self.shuffle {
             Some(seed) => permutation(self.len, seed, epoch),
             None => (0..self.len).collect(),
         };
-        let total = self.len() * self.world_size;
-        if all.len() >= total {
-            all.truncate(total);
-        } else if !all.is_empty() {
-            // Pad by repeating from the start (torch repeats the list as often as needed).
+        let start = start.min(global.len());
+        let left = global.len() - start;
+        let total = if self.drop_last {
+            left / self.world_size * self.world_size
+        } else {
+            left.div_ceil(self.world_size) * self.world_size
+        };
+        let mut rest: Vec<usize> = global[start..].to_vec();
+        if rest.len() >= total {
+            rest.truncate(total);
+        } else if !global.is_empty() {
+            // Pad by repeating the order from its start (torch repeats the list as
+            // often as needed).
             let mut k = 0;
-            while all.len() < total {
-                all.push(all[k]);
+            while rest.len() < total {
+                rest.push(global[k % global.len()]);
                 k += 1;
             }
         }
-        all.into_iter()
+        rest.into_iter()
             .skip(self.rank)
             .step_by(self.world_size)
             .collect()
+    }
+
+    fn position_after(&self, start: usize, taken: usize) -> usize {
+        start
+            .saturating_add(taken.saturating_mul(self.world_size))
+            .min(self.len.max(start))
+    }
+
+    fn shard(&self) -> Option<(usize, usize)> {
+        Some((self.rank, self.world_size))
     }
 }
 
@@ -390,5 +446,60 @@ mod tests {
             .collect();
         assert_eq!(dropped, [vec![0, 4], vec![1, 5], vec![2, 6], vec![3, 7]]);
         assert!(DistributedSampler::new(10, 4, 4).is_err());
+    }
+
+    #[test]
+    fn the_global_order_is_the_same_at_every_world_size() {
+        let global = permutation(24, 9, 3);
+        for world in 1..=4 {
+            let shards: Vec<Vec<usize>> = (0..world)
+                .map(|r| {
+                    DistributedSampler::new(24, r, world)
+                        .unwrap()
+                        .shuffle(9)
+                        .indices(3)
+                })
+                .collect();
+            // Interleaving the shards back gives the one global order.
+            let woven: Vec<usize> = (0..24).map(|p| shards[p % world][p / world]).collect();
+            assert_eq!(woven, global, "world size {world}");
+        }
+        assert_eq!(RandomSampler::new(24, 9).indices(3), global);
+    }
+
+    #[test]
+    fn a_shard_resumed_at_its_own_position_continues_where_it_was() {
+        // Two ranks took 3 samples each: position 6. Each rank's remainder from there is
+        // the tail of its shard, padding included.
+        for rank in 0..2 {
+            let s = DistributedSampler::new(11, rank, 2).unwrap().shuffle(4);
+            let whole = s.indices(1);
+            let pos = s.position_after(0, 3);
+            assert_eq!(pos, 6);
+            assert_eq!(s.indices_from(1, pos), whole[3..], "rank {rank}");
+        }
+        // Three ranks from position 6 share the 5 samples left (one padded).
+        let tails: Vec<Vec<usize>> = (0..3)
+            .map(|r| {
+                DistributedSampler::new(11, r, 3)
+                    .unwrap()
+                    .shuffle(4)
+                    .indices_from(1, 6)
+            })
+            .collect();
+        assert_eq!(tails.concat().len(), 6, "5 left, padded to 6: {tails:?}");
+        let global = permutation(11, 4, 1);
+        let mut want = global[6..].to_vec();
+        want.sort_unstable();
+        let mut got: Vec<usize> = tails.iter().flat_map(|t| t.iter().copied()).collect();
+        got.sort_unstable();
+        got.dedup();
+        assert!(want.iter().all(|i| got.contains(i)), "{tails:?}");
+        assert_eq!(
+            DistributedSampler::new(11, 0, 3)
+                .unwrap()
+                .position_after(9, 5),
+            11
+        );
     }
 }

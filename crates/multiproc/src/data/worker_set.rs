@@ -18,10 +18,21 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use super::worker::{Outcome, Reply, Task};
+use super::state::Cursor;
+use super::worker::{Outcome, Reply, Task, Timing};
+use super::worker_kind::Worker;
 use crate::error::{Error, Result};
-use crate::process::Process;
 use crate::queue::{Connection, SimpleQueue, pipe};
+
+/// How many workers may be starting at once before the first batch of an epoch has
+/// come: the machine's cores. On a machine with fewer cores than workers, starting
+/// all of them at once would make the first one — whose batch the caller waits for —
+/// share the cores with the starts of all the others; the rest start once a batch has
+/// come.
+pub(crate) fn eager_starts() -> usize {
+    static CORES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+}
 
 /// How long stopped workers get to exit on their own before they are killed.
 pub(crate) const STOP_GRACE: Duration = Duration::from_millis(50);
@@ -32,7 +43,7 @@ const DEATH_CHECK_INTERVAL: Duration = Duration::from_millis(10);
 /// Starts worker `id` (generation `generation`) reading tasks from the given pipe end
 /// and putting replies on the given queue.
 pub(crate) type Launch<'a, B> =
-    &'a dyn Fn(usize, u64, Connection<Task>, SimpleQueue<Reply<B>>) -> Result<Process>;
+    &'a dyn Fn(usize, u64, Connection<Task>, SimpleQueue<Reply<B>>) -> Result<Worker>;
 
 /// A task sent and not yet answered.
 #[derive(Clone, Debug)]
@@ -44,11 +55,18 @@ pub(crate) struct Sent {
 
 /// What a wait produced.
 pub(crate) enum Arrival<B> {
-    /// A batch of the current epoch.
-    Loaded { batch: usize, data: B },
-    /// Task `batch` found the worker's iterable data set exhausted for this epoch.
+    /// A batch of the current run, from `worker`, with where its stream stands after
+    /// it (iterable data sets).
+    Loaded {
+        worker: usize,
+        batch: usize,
+        data: B,
+        cursor: Option<Cursor>,
+        timing: Timing,
+    },
+    /// Task `batch` found the worker's iterable data set exhausted for this run.
     Exhausted { worker: usize, batch: usize },
-    /// A task of the current epoch failed: the worker returned `Err`, panicked or died.
+    /// A task of the current run failed: the worker returned `Err`, panicked or died.
     Failed {
         worker: usize,
         pid: i32,
@@ -58,7 +76,7 @@ pub(crate) enum Arrival<B> {
 }
 
 struct Slot {
-    process: Process,
+    process: Worker,
     pid: i32,
     tasks: Connection<Task>,
     generation: u64,
@@ -74,25 +92,28 @@ pub(crate) struct WorkerSet<B> {
 }
 
 impl<B: Serialize + DeserializeOwned> WorkerSet<B> {
-    /// Starts `n` workers.
-    pub(crate) fn start(n: usize, launch: Launch<'_, B>) -> Result<Self> {
-        let mut set = WorkerSet {
-            slots: Vec::with_capacity(n),
+    /// A set with no worker yet: [`grow`](Self::grow) adds them one at a time, so
+    /// that the first can be sent its batches while the others start.
+    pub(crate) fn empty() -> Result<Self> {
+        Ok(WorkerSet {
+            slots: Vec::new(),
             results: SimpleQueue::new()?,
             arrived: VecDeque::new(),
             last_death_check: Instant::now(),
-        };
-        for id in 0..n {
-            let slot = set.start_slot(id, 0, launch)?;
-            set.slots.push(slot);
-        }
-        Ok(set)
+        })
+    }
+
+    /// Starts one more worker, with the next id.
+    pub(crate) fn grow(&mut self, launch: Launch<'_, B>) -> Result<()> {
+        let slot = self.start_slot(self.slots.len(), 0, launch)?;
+        self.slots.push(slot);
+        Ok(())
     }
 
     fn start_slot(&self, id: usize, generation: u64, launch: Launch<'_, B>) -> Result<Slot> {
         let (ours, theirs) = pipe::<Task>()?;
         let process = launch(id, generation, theirs, self.results.clone())?;
-        let pid = process.pid().unwrap_or(-1);
+        let pid = process.id();
         Ok(Slot {
             process,
             pid,
@@ -107,23 +128,25 @@ impl<B: Serialize + DeserializeOwned> WorkerSet<B> {
         self.slots.iter().map(|s| s.pid).collect()
     }
 
-    /// Tasks sent and not answered, over all workers (stale epochs included).
+    /// Tasks sent and not answered, over all workers (abandoned runs included).
     pub(crate) fn in_flight(&self) -> usize {
         self.slots.iter().map(|s| s.outstanding.len()).sum()
     }
 
-    /// Tasks of `epoch` sent and not answered.
-    pub(crate) fn in_flight_of(&self, epoch: u64) -> usize {
+    /// Tasks of run `run` sent and not answered.
+    pub(crate) fn in_flight_of(&self, run: u64) -> usize {
         self.slots
             .iter()
             .flat_map(|s| &s.outstanding)
-            .filter(|o| o.task.epoch == epoch)
+            .filter(|o| o.task.run == run)
             .count()
     }
 
-    /// Worker `id`'s outstanding tasks.
-    pub(crate) fn outstanding_of(&self, id: usize) -> usize {
-        self.slots.get(id).map_or(0, |s| s.outstanding.len())
+    /// Worker `id`'s outstanding tasks of run `run`.
+    pub(crate) fn outstanding_in_run(&self, id: usize, run: u64) -> usize {
+        self.slots.get(id).map_or(0, |s| {
+            s.outstanding.iter().filter(|o| o.task.run == run).count()
+        })
     }
 
     /// The number of workers.
@@ -141,47 +164,66 @@ impl<B: Serialize + DeserializeOwned> WorkerSet<B> {
         (slot.outstanding.len() < limit).then_some(id)
     }
 
-    /// The worker that holds task `batch` of `epoch`, with its pid.
-    pub(crate) fn holder(&self, epoch: u64, batch: usize) -> Option<(usize, i32)> {
+    /// The worker that holds task `batch` of run `run`, with its pid.
+    pub(crate) fn holder(&self, run: u64, batch: usize) -> Option<(usize, i32)> {
         self.slots.iter().enumerate().find_map(|(id, s)| {
             s.outstanding
                 .iter()
-                .any(|o| o.task.epoch == epoch && o.task.batch == batch)
+                .any(|o| o.task.run == run && o.task.batch == batch)
                 .then_some((id, s.pid))
         })
     }
 
-    /// The oldest outstanding task of `epoch` on any worker, with the worker and pid.
-    pub(crate) fn oldest(&self, epoch: u64) -> Option<(usize, i32, &Sent)> {
+    /// The oldest outstanding task of run `run` on any worker, with the worker and pid.
+    pub(crate) fn oldest(&self, run: u64) -> Option<(usize, i32, &Sent)> {
         self.slots
             .iter()
             .enumerate()
             .filter_map(|(id, s)| {
                 s.outstanding
                     .iter()
-                    .find(|o| o.task.epoch == epoch)
+                    .find(|o| o.task.run == run)
                     .map(|o| (id, s.pid, o))
             })
             .min_by_key(|(_, _, o)| o.task.batch)
     }
 
     /// Sends a task to worker `id`.
+    ///
+    /// A worker closes its end of the task pipe only by ending, so a send that finds it
+    /// closed means the worker is dying: the task is kept outstanding, and the death
+    /// (found by [`wait`](Self::wait) once the process can be reaped) is reported
+    /// against the task it was loading, with restarts resending the rest.
     pub(crate) fn send(&mut self, id: usize, sent: Sent) -> Result<()> {
         let slot = &mut self.slots[id];
-        slot.tasks.send(sent.task.clone()).map_err(|e| {
-            Error::Closed(format!(
-                "cannot send batch {} to data loader worker {id} (pid {}): {}",
-                sent.task.batch, slot.pid, e.error
-            ))
-        })?;
+        match slot.tasks.send(sent.task.clone()) {
+            Ok(()) => {}
+            Err(e) if matches!(e.error, Error::Closed(_)) && !slot.outstanding.is_empty() => {
+                tracing::debug!(
+                    "multiproc: data loader worker {id} ({} {}) closed its task pipe; \
+                     its death will be reported",
+                    slot.process.label(),
+                    slot.pid
+                );
+            }
+            Err(e) => {
+                return Err(Error::Closed(format!(
+                    "cannot send batch {} to data loader worker {id} ({} {}): {}",
+                    sent.task.batch,
+                    slot.process.label(),
+                    slot.pid,
+                    e.error
+                )));
+            }
+        }
         slot.outstanding.push_back(sent);
         Ok(())
     }
 
-    /// Waits until something about `epoch` happens or `deadline` passes (`Ok(None)`).
+    /// Waits until something about run `run` happens or `deadline` passes (`Ok(None)`).
     pub(crate) fn wait(
         &mut self,
-        epoch: u64,
+        run: u64,
         deadline: Option<Instant>,
     ) -> Result<Option<Arrival<B>>> {
         loop {
@@ -189,49 +231,60 @@ impl<B: Serialize + DeserializeOwned> WorkerSet<B> {
                 return Ok(Some(a));
             }
             let now = Instant::now();
+            // Past the deadline, what is already queued is still taken in (a deadline
+            // of now is a poll).
+            let expired = deadline.is_some_and(|d| d <= now);
             let slice = match deadline {
-                Some(d) if d <= now => return Ok(None),
-                Some(d) => (d - now).min(DEATH_CHECK_INTERVAL),
+                Some(d) => d.saturating_duration_since(now).min(DEATH_CHECK_INTERVAL),
                 None => DEATH_CHECK_INTERVAL,
             };
             if let Some(reply) = recv_within(&self.results, slice)? {
-                self.accept(reply, epoch);
+                self.accept(reply, run);
                 // A steady stream of replies from the others must not hide a death.
                 if self.last_death_check.elapsed() < DEATH_CHECK_INTERVAL {
                     continue;
                 }
             }
             self.last_death_check = Instant::now();
-            self.check_deaths(epoch)?;
+            self.check_deaths(run)?;
+            if expired && self.arrived.is_empty() {
+                return Ok(None);
+            }
         }
     }
 
-    /// Takes in one reply: an arrival if it answers a task of `epoch`, nothing if it is
-    /// stale (an older epoch, or a replaced worker).
-    fn accept(&mut self, reply: Reply<B>, epoch: u64) {
+    /// Takes in one reply: an arrival if it answers a task of run `run`, nothing if it is
+    /// stale (an abandoned run, or a replaced worker).
+    fn accept(&mut self, mut reply: Reply<B>, run: u64) {
         let Some(slot) = self.slots.get_mut(reply.worker) else {
             return;
         };
         if reply.generation != slot.generation {
             return;
         }
+        if let Some((file, count)) = reply.memory_cgroup.take() {
+            slot.process.watch_memory_cgroup(file, count);
+        }
         let Some(pos) = slot
             .outstanding
             .iter()
-            .position(|o| o.task.epoch == reply.epoch && o.task.batch == reply.batch)
+            .position(|o| o.task.run == reply.run && o.task.batch == reply.batch)
         else {
             return;
         };
         let Some(sent) = slot.outstanding.remove(pos) else {
             return;
         };
-        if sent.task.epoch != epoch {
+        if sent.task.run != run {
             return;
         }
         self.arrived.push_back(match reply.outcome {
             Outcome::Batch(data) => Arrival::Loaded {
+                worker: reply.worker,
                 batch: reply.batch,
                 data,
+                cursor: reply.cursor,
+                timing: reply.timing,
             },
             Outcome::Exhausted => Arrival::Exhausted {
                 worker: reply.worker,
@@ -248,29 +301,30 @@ impl<B: Serialize + DeserializeOwned> WorkerSet<B> {
 
     /// Notices workers that exited while holding tasks; each becomes a failure of the
     /// task it was working on (after the replies it sent before dying are taken in).
-    fn check_deaths(&mut self, epoch: u64) -> Result<()> {
+    fn check_deaths(&mut self, run: u64) -> Result<()> {
         for id in 0..self.slots.len() {
             let slot = &mut self.slots[id];
             if slot.outstanding.is_empty() {
                 continue;
             }
-            let Some(status) = slot.process.exit_status() else {
+            slot.process.observe();
+            let Some(status) = slot.process.exited() else {
                 continue;
             };
             // Take in whatever it (and the others) put before it died.
             while let Some(reply) = recv_within(&self.results, Duration::ZERO)? {
-                self.accept(reply, epoch);
+                self.accept(reply, run);
             }
             let slot = &mut self.slots[id];
             let Some(sent) = slot.outstanding.pop_front() else {
                 continue;
             };
             let what = match slot.process.error() {
-                Some(e) => e.to_string(),
+                Some(e) => e,
                 None => format!("it exited ({status}) while loading"),
-            };
+            } + &slot.process.death_note();
             // Its other tasks stay outstanding until the caller restarts or stops it.
-            if sent.task.epoch == epoch {
+            if sent.task.run == run {
                 self.arrived.push_back(Arrival::Failed {
                     worker: id,
                     pid: slot.pid,
@@ -278,9 +332,9 @@ impl<B: Serialize + DeserializeOwned> WorkerSet<B> {
                     what,
                 });
             } else {
-                // It died on a task of an abandoned epoch: those are moot. Fail its
-                // first task of this epoch, if it holds one.
-                slot.outstanding.retain(|o| o.task.epoch == epoch);
+                // It died on a task of an abandoned run: those are moot. Fail its
+                // first task of this run, if it holds one.
+                slot.outstanding.retain(|o| o.task.run == run);
                 if let Some(sent) = slot.outstanding.pop_front() {
                     self.arrived.push_back(Arrival::Failed {
                         worker: id,
@@ -307,22 +361,24 @@ impl<B: Serialize + DeserializeOwned> WorkerSet<B> {
         if !slot.outstanding.is_empty() {
             return Ok(());
         }
-        let Some(status) = slot.process.exit_status() else {
+        let Some(status) = slot.process.exited() else {
             return Ok(());
         };
         let what = match slot.process.error() {
-            Some(e) => e.to_string(),
+            Some(e) => e,
             None => format!("it exited ({status})"),
         };
         if !restart {
             return Err(Error::Closed(format!(
-                "data loader worker {id} (pid {}) died while idle: {what}; \
+                "data loader worker {id} ({} {}) died while idle: {what}; \
                  restart_workers(true) replaces such a worker",
+                slot.process.label(),
                 slot.pid
             )));
         }
         tracing::warn!(
-            "multiproc: data loader worker {id} (pid {}) died while idle ({what}); restarting it",
+            "multiproc: data loader worker {id} ({} {}) died while idle ({what}); restarting it",
+            slot.process.label(),
             slot.pid
         );
         let generation = slot.generation + 1;
@@ -372,7 +428,7 @@ impl<B: Serialize + DeserializeOwned> WorkerSet<B> {
 /// the rest.
 fn stop_slots(slots: Vec<Slot>, grace: Duration) {
     let until = Instant::now() + grace;
-    let mut processes: Vec<Process> = slots
+    let mut processes: Vec<Worker> = slots
         .into_iter()
         .map(|s| {
             drop(s.tasks); // the worker's recv sees the pipe closed and returns
@@ -382,21 +438,14 @@ fn stop_slots(slots: Vec<Slot>, grace: Duration) {
     for p in &mut processes {
         let left = until.saturating_duration_since(Instant::now());
         if !left.is_zero() {
-            if let Err(e) = p
-                .join(Some(left))
-                .map(drop)
-                .or_else(|e| if e.is_timeout() { Ok(()) } else { Err(e) })
-            {
-                tracing::warn!("multiproc: waiting for a data loader worker: {e}");
-            }
+            p.wait(left);
         }
         if p.is_alive() {
-            if let Err(e) = p.kill() {
-                tracing::warn!("multiproc: killing a data loader worker: {e}");
-            }
+            p.kill();
         }
     }
-    // Dropping a daemon `Process` kills (if need be) and reaps it.
+    // Dropping a daemon `Process` kills (if need be) and reaps it; a thread that ended
+    // is joined.
     drop(processes);
 }
 
