@@ -475,9 +475,13 @@ pub mod data;
 #[cfg(target_os = "linux")]
 pub mod dist;
 #[cfg(target_os = "linux")]
+mod dynamic;
+#[cfg(target_os = "linux")]
 mod error;
 #[cfg(target_os = "linux")]
 mod manager;
+#[cfg(target_os = "linux")]
+pub mod parcel;
 #[cfg(target_os = "linux")]
 mod pool;
 #[cfg(target_os = "linux")]
@@ -505,6 +509,8 @@ mod wire;
 
 #[cfg(target_os = "linux")]
 pub use cuda::Device;
+#[cfg(target_os = "linux")]
+pub use dynamic::Dynamic;
 #[cfg(target_os = "linux")]
 pub use error::{Error, Failure, LockError, OsError, PutError, Result, UserError};
 #[cfg(target_os = "linux")]
