@@ -1,6 +1,7 @@
 //! [`Dynamic`]: a message whose shape is decided at run time, what Python processes put
 //! on multiproc queues, so that a Rust process can read and write the same queue.
 
+use std::cell::Cell;
 use std::fmt;
 
 use serde::de::{self, SeqAccess, Visitor};
@@ -54,15 +55,47 @@ pub enum Dynamic {
     /// `bytes` (or a `bytearray`, received as `bytes`).
     Bytes(#[serde(with = "as_bytes")] Vec<u8>),
     /// A `list`.
-    List(Vec<Dynamic>),
+    List(#[serde(deserialize_with = "nested")] Vec<Dynamic>),
     /// A `tuple`.
-    Tuple(Vec<Dynamic>),
+    Tuple(#[serde(deserialize_with = "nested")] Vec<Dynamic>),
     /// A `dict`: its items, in insertion order.
-    Dict(Vec<(Dynamic, Dynamic)>),
+    Dict(#[serde(deserialize_with = "nested")] Vec<(Dynamic, Dynamic)>),
     /// A tensor, by handle.
     Tensor(Tensor),
     /// Any other Python object, pickled (protocol 5 or lower).
     Pickled(#[serde(with = "as_bytes")] Vec<u8>),
+}
+
+/// How deep a received value may nest: deeper is an invalid message, not a stack
+/// overflow (a forged packet of a few kilobytes could otherwise nest thousands deep).
+pub const MAX_NESTING: u32 = 128;
+
+thread_local! {
+    static NESTING: Cell<u32> = const { Cell::new(0) };
+}
+
+/// Leaves one level of nesting when dropped.
+struct Level;
+
+impl Drop for Level {
+    fn drop(&mut self) {
+        NESTING.with(|n| n.set(n.get().saturating_sub(1)));
+    }
+}
+
+/// Deserializes a container one level deeper, refusing to go past [`MAX_NESTING`].
+fn nested<'de, D: Deserializer<'de>, T: Deserialize<'de>>(d: D) -> Result<T, D::Error> {
+    let depth = NESTING.with(|n| {
+        n.set(n.get() + 1);
+        n.get()
+    });
+    let _level = Level;
+    if depth > MAX_NESTING {
+        return Err(de::Error::custom(format!(
+            "a Dynamic value nests deeper than {MAX_NESTING} levels"
+        )));
+    }
+    T::deserialize(d)
 }
 
 impl Dynamic {
@@ -215,6 +248,20 @@ mod tests {
         assert_eq!(enc, [5, 3, 1, 2, 3]);
         let back: Dynamic = postcard::from_bytes(&enc).unwrap();
         assert!(matches!(back, Dynamic::Bytes(b) if b == [1, 2, 3]));
+    }
+
+    #[test]
+    fn nesting_past_the_limit_is_an_error_not_a_stack_overflow() {
+        let deep = |levels: usize| {
+            let mut bytes = [6u8, 1].repeat(levels);
+            bytes.push(0);
+            postcard::from_bytes::<Dynamic>(&bytes)
+        };
+        assert!(deep(MAX_NESTING as usize).is_ok());
+        assert!(deep(MAX_NESTING as usize + 1).is_err());
+        assert!(deep(100_000).is_err());
+        // The count is back at zero after an error: the next value decodes.
+        assert!(deep(3).is_ok());
     }
 
     #[test]
