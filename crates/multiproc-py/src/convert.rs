@@ -23,6 +23,7 @@ use crate::errors::to_py;
 struct Hooks {
     encode_other: PyObject,
     decode_tensor: PyObject,
+    view_tensor: PyObject,
     loads: PyObject,
 }
 
@@ -30,13 +31,19 @@ static HOOKS: GILOnceCell<Hooks> = GILOnceCell::new();
 
 /// Installs the Python layer's hooks (once, when `multiproc` is imported).
 #[pyfunction]
-pub fn _set_hooks(py: Python<'_>, encode_other: PyObject, decode_tensor: PyObject) -> PyResult<()> {
+pub fn _set_hooks(
+    py: Python<'_>,
+    encode_other: PyObject,
+    decode_tensor: PyObject,
+    view_tensor: PyObject,
+) -> PyResult<()> {
     let loads = py.import("pickle")?.getattr("loads")?.unbind();
     let _ = HOOKS.set(
         py,
         Hooks {
             encode_other,
             decode_tensor,
+            view_tensor,
             loads,
         },
     );
@@ -198,44 +205,84 @@ impl ToDynamic {
     }
 }
 
+/// One received message's conversion to Python objects. A tensor arrives as a view
+/// (shape, strides, storage offset) of a torch tensor (or numpy array) over its whole
+/// storage, made once per storage and dtype: views of one storage share one torch
+/// storage, and keep their offsets (DLPack alone would make each view a storage of
+/// its own, starting at its first element).
+#[derive(Default)]
+pub struct FromDynamic {
+    bases: HashMap<(usize, multiproc::DType), PyObject>,
+}
+
+impl FromDynamic {
+    /// Converts `value`.
+    pub fn convert(&mut self, py: Python<'_>, value: Dynamic) -> PyResult<PyObject> {
+        Ok(match value {
+            Dynamic::None => py.None(),
+            Dynamic::Bool(b) => PyBool::new(py, b).to_owned().into_any().unbind(),
+            Dynamic::Int(i) => i.into_pyobject(py)?.into_any().unbind(),
+            Dynamic::Float(f) => PyFloat::new(py, f).into_any().unbind(),
+            Dynamic::Str(s) => PyString::new(py, &s).into_any().unbind(),
+            Dynamic::Bytes(b) => PyBytes::new(py, &b).into_any().unbind(),
+            Dynamic::List(items) => {
+                let list = PyList::empty(py);
+                for item in items {
+                    list.append(self.convert(py, item)?)?;
+                }
+                list.into_any().unbind()
+            }
+            Dynamic::Tuple(items) => {
+                let items = items
+                    .into_iter()
+                    .map(|i| self.convert(py, i))
+                    .collect::<PyResult<Vec<_>>>()?;
+                PyTuple::new(py, items)?.into_any().unbind()
+            }
+            Dynamic::Dict(items) => {
+                let dict = PyDict::new(py);
+                for (k, v) in items {
+                    dict.set_item(self.convert(py, k)?, self.convert(py, v)?)?;
+                }
+                dict.into_any().unbind()
+            }
+            Dynamic::Tensor(t) => self.tensor(py, t)?,
+            Dynamic::Pickled(b) => hooks(py)?
+                .loads
+                .bind(py)
+                .call1((PyBytes::new(py, &b),))?
+                .unbind(),
+        })
+    }
+
+    fn tensor(&mut self, py: Python<'_>, t: Tensor) -> PyResult<PyObject> {
+        let hooks = hooks(py)?;
+        let t = NativeTensor::new(t)?.tensor;
+        let key = (t.storage().data_ptr() as usize, t.dtype());
+        let base = match self.bases.get(&key) {
+            Some(base) => base.clone_ref(py),
+            None => {
+                let elements = t.storage().nbytes() / t.dtype().size();
+                let whole =
+                    Tensor::from_storage(t.storage().clone(), t.dtype(), &[elements], &[1], 0)
+                        .map_err(to_py)?;
+                let native = Bound::new(py, NativeTensor::new(whole)?)?;
+                let base = hooks.decode_tensor.bind(py).call1((native,))?.unbind();
+                self.bases.insert(key, base.clone_ref(py));
+                base
+            }
+        };
+        let shape = PyTuple::new(py, t.shape())?;
+        let strides = PyTuple::new(py, t.strides())?;
+        Ok(hooks
+            .view_tensor
+            .bind(py)
+            .call1((base, shape, strides, t.storage_offset()))?
+            .unbind())
+    }
+}
+
 /// Converts a received value to Python objects.
 pub fn from_dynamic(py: Python<'_>, value: Dynamic) -> PyResult<PyObject> {
-    Ok(match value {
-        Dynamic::None => py.None(),
-        Dynamic::Bool(b) => PyBool::new(py, b).to_owned().into_any().unbind(),
-        Dynamic::Int(i) => i.into_pyobject(py)?.into_any().unbind(),
-        Dynamic::Float(f) => PyFloat::new(py, f).into_any().unbind(),
-        Dynamic::Str(s) => PyString::new(py, &s).into_any().unbind(),
-        Dynamic::Bytes(b) => PyBytes::new(py, &b).into_any().unbind(),
-        Dynamic::List(items) => {
-            let list = PyList::empty(py);
-            for item in items {
-                list.append(from_dynamic(py, item)?)?;
-            }
-            list.into_any().unbind()
-        }
-        Dynamic::Tuple(items) => {
-            let items = items
-                .into_iter()
-                .map(|i| from_dynamic(py, i))
-                .collect::<PyResult<Vec<_>>>()?;
-            PyTuple::new(py, items)?.into_any().unbind()
-        }
-        Dynamic::Dict(items) => {
-            let dict = PyDict::new(py);
-            for (k, v) in items {
-                dict.set_item(from_dynamic(py, k)?, from_dynamic(py, v)?)?;
-            }
-            dict.into_any().unbind()
-        }
-        Dynamic::Tensor(t) => {
-            let native = Bound::new(py, NativeTensor::new(t)?)?;
-            hooks(py)?.decode_tensor.bind(py).call1((native,))?.unbind()
-        }
-        Dynamic::Pickled(b) => hooks(py)?
-            .loads
-            .bind(py)
-            .call1((PyBytes::new(py, &b),))?
-            .unbind(),
-    })
+    FromDynamic::default().convert(py, value)
 }

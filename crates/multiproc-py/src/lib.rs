@@ -45,10 +45,24 @@ fn as_native(obj: &Bound<'_, PyAny>) -> PyResult<NativeTensor> {
     }
 }
 
+/// A `NativeTensor` as a torch tensor (or numpy array), its storage offset kept.
+#[pyfunction]
+fn to_python(py: Python<'_>, native: &Bound<'_, NativeTensor>) -> PyResult<PyObject> {
+    convert::from_dynamic(py, multiproc::Dynamic::Tensor(native.get().tensor.clone()))
+}
+
 /// Whether `addr..addr+nbytes` lies in a block this process handed to torch or numpy.
 #[pyfunction]
 fn is_shared_block(addr: usize, nbytes: usize) -> bool {
     dlpack::find_exported(addr, nbytes).is_some()
+}
+
+/// For leak checks (the test suite): lets go of the received blocks this process keeps
+/// mapped for a while and of its idle pooled blocks, so that open fds can be counted
+/// exactly. Returns how many were let go.
+#[pyfunction]
+fn _release_cached_blocks() -> usize {
+    multiproc::__testing::flush_retained_segments() + multiproc::__testing::release_idle_blocks()
 }
 
 #[pyfunction]
@@ -72,11 +86,15 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(new_tensor, m)?)?;
     m.add_function(wrap_pyfunction!(is_shared_block, m)?)?;
     m.add_function(wrap_pyfunction!(as_native, m)?)?;
+    m.add_function(wrap_pyfunction!(to_python, m)?)?;
+    m.add_function(wrap_pyfunction!(_release_cached_blocks, m)?)?;
     m.add_function(wrap_pyfunction!(get_sharing_strategy, m)?)?;
     m.add_function(wrap_pyfunction!(set_sharing_strategy, m)?)?;
     m.add_function(wrap_pyfunction!(queues::native_pipe, m)?)?;
     m.add_function(wrap_pyfunction!(parcel::seal, m)?)?;
     m.add_function(wrap_pyfunction!(parcel::open_parcel, m)?)?;
+    m.add_function(wrap_pyfunction!(parcel::seal_bare, m)?)?;
+    m.add_function(wrap_pyfunction!(parcel::open_bare, m)?)?;
     m.add_class::<NativeTensor>()?;
     m.add_class::<queues::NativeQueue>()?;
     m.add_class::<queues::NativeConnection>()?;

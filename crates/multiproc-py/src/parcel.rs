@@ -170,3 +170,113 @@ pub fn open_parcel(py: Python<'_>, fd: RawFd) -> PyResult<PyObject> {
     };
     Ok(obj.unbind())
 }
+
+/// Seals the handle alone (no type tag), for a program that knows what it receives: a
+/// Rust program opens a queue with `multiproc::parcel::open::<Queue<Dynamic>>`.
+#[pyfunction]
+pub fn seal_bare(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<Parcel> {
+    let handle = handle_of(obj)?;
+    let fd = py
+        .allow_threads(|| match &handle {
+            HandleOut::Queue(h) => multiproc::parcel::seal(h),
+            HandleOut::Joinable(h) => multiproc::parcel::seal(h),
+            HandleOut::Simple(h) => multiproc::parcel::seal(h),
+            HandleOut::Connection(h) => multiproc::parcel::seal(h),
+            HandleOut::Event(h) => multiproc::parcel::seal(h),
+            HandleOut::Lock(h) => multiproc::parcel::seal(h),
+            HandleOut::RLock(h) => multiproc::parcel::seal(h),
+            HandleOut::Semaphore(h) => multiproc::parcel::seal(h),
+            HandleOut::Condition(h) => multiproc::parcel::seal(h),
+            HandleOut::Barrier(h) => multiproc::parcel::seal(h),
+            HandleOut::Tensor(h) => multiproc::parcel::seal(h),
+        })
+        .map_err(to_py)?;
+    Ok(Parcel {
+        fd: Mutex::new(Some(fd)),
+    })
+}
+
+/// Opens a parcel that [`seal_bare`] (or a Rust program's `multiproc::parcel::seal`)
+/// made, as a value of the named kind.
+#[pyfunction]
+pub fn open_bare(py: Python<'_>, fd: RawFd, kind: &str) -> PyResult<PyObject> {
+    if fd < 0 {
+        return Err(PyValueError::new_err(format!(
+            "{fd} is not a file descriptor"
+        )));
+    }
+    // SAFETY: as in `open_parcel`: the caller hands over an fd it owns.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    fn open<T: serde::de::DeserializeOwned + Send>(py: Python<'_>, fd: OwnedFd) -> PyResult<T> {
+        py.allow_threads(|| multiproc::parcel::open(fd))
+            .map_err(to_py)
+    }
+    let obj = match kind {
+        "queue" => Bound::new(
+            py,
+            NativeQueue {
+                flavor: Flavor::Queue(open(py, fd)?),
+            },
+        )?
+        .into_any(),
+        "joinable" => Bound::new(
+            py,
+            NativeQueue {
+                flavor: Flavor::Joinable(open(py, fd)?),
+            },
+        )?
+        .into_any(),
+        "simple" => Bound::new(
+            py,
+            NativeQueue {
+                flavor: Flavor::Simple(open(py, fd)?),
+            },
+        )?
+        .into_any(),
+        "connection" => Bound::new(py, NativeConnection::wrap(open(py, fd)?))?.into_any(),
+        "event" => Bound::new(
+            py,
+            PyEvent {
+                inner: open(py, fd)?,
+            },
+        )?
+        .into_any(),
+        "lock" => Bound::new(
+            py,
+            PyLock {
+                inner: open(py, fd)?,
+            },
+        )?
+        .into_any(),
+        "rlock" => Bound::new(
+            py,
+            PyRLock {
+                inner: open(py, fd)?,
+            },
+        )?
+        .into_any(),
+        "semaphore" => Bound::new(
+            py,
+            PySemaphore {
+                inner: open(py, fd)?,
+            },
+        )?
+        .into_any(),
+        "condition" => Bound::new(
+            py,
+            PyCondition {
+                inner: open(py, fd)?,
+            },
+        )?
+        .into_any(),
+        "barrier" => Bound::new(
+            py,
+            PyBarrier {
+                inner: open(py, fd)?,
+            },
+        )?
+        .into_any(),
+        other => return Err(PyValueError::new_err(format!("no handle kind {other:?}"))),
+    };
+    Ok(obj.unbind())
+}

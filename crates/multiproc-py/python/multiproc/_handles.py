@@ -304,9 +304,7 @@ def _reduce_handle(obj):
 
 
 def _rebuild_tensor(dupfd, requires_grad):
-    from ._tensors import _decode_tensor
-
-    t = _decode_tensor(_native.open_parcel(dupfd.detach()))
+    t = _native.to_python(_native.open_parcel(dupfd.detach()))
     if requires_grad:
         t.requires_grad_(True)
     return t
@@ -337,17 +335,32 @@ register_torch_reducers()
 
 # --- processes this package did not start -------------------------------------------
 
+_KINDS = {}  # class -> the kind name open_bare takes
+
+
 def parcel_for_child(obj):
     """Seals a queue, pipe end, lock or event into an fd for a program you start
     yourself (``subprocess.Popen(..., pass_fds=[fd])``); the child opens it with
-    ``multiproc.open_parcel(fd)`` (Python) or ``multiproc::parcel::open`` (Rust,
-    ``Queue<multiproc::Dynamic>``). Returns ``(fd, parcel)``: keep ``parcel`` until the
-    child has started, then ``parcel.close()``."""
-    parcel = _native.seal(obj._h)
+    ``multiproc.open_parcel(fd, multiproc.Queue)`` (Python) or
+    ``multiproc::parcel::open::<Queue<Dynamic>>`` (Rust). Returns ``(fd, parcel)``: keep
+    ``parcel`` until the child has started, then ``parcel.close()``. A parcel opens
+    once."""
+    parcel = _native.seal_bare(obj._h)
     return parcel.fileno(), parcel
 
 
 def open_parcel(fd, cls):
-    """Opens an fd that ``parcel_for_child`` made, as an object of ``cls``
-    (``multiproc.Queue``, ``multiproc.Event``…). Takes ownership of ``fd``."""
-    return _wrap(cls, _native.open_parcel(fd))
+    """Opens an fd that ``parcel_for_child`` (or a Rust program's
+    ``multiproc::parcel::seal``) made, as an object of ``cls`` (``multiproc.Queue``,
+    ``multiproc.Event``…). Takes ownership of ``fd``."""
+    kind = _KINDS.get(cls)
+    if kind is None:
+        raise TypeError(f"open_parcel cannot make a {cls!r}")
+    return _wrap(cls, _native.open_bare(fd, kind))
+
+
+_KINDS.update({
+    Queue: "queue", JoinableQueue: "joinable", SimpleQueue: "simple",
+    Connection: "connection", Event: "event", Lock: "lock", RLock: "rlock",
+    Semaphore: "semaphore", Condition: "condition", Barrier: "barrier",
+})

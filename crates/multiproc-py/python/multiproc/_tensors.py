@@ -21,14 +21,25 @@ def _torch_module():
 
 
 def _decode_tensor(native):
-    """A received tensor: a torch.Tensor over the shared block (no copy), or a numpy
-    array when torch is not installed."""
+    """A received storage (a 1-D ``NativeTensor`` over all of it): a torch.Tensor over
+    the shared block (no copy), or a numpy array when torch is not installed."""
     torch = _torch_module()
     if torch is not None:
         return torch.from_dlpack(native)
     import numpy
 
     return numpy.from_dlpack(native)
+
+
+def _view_tensor(base, shape, strides, offset):
+    """A received tensor: a view of its storage's ``base`` (strides in elements)."""
+    torch = _torch_module()
+    if torch is not None:
+        return base.as_strided(shape, strides, offset)
+    from numpy.lib.stride_tricks import as_strided
+
+    itemsize = base.itemsize
+    return as_strided(base[offset:], shape, tuple(s * itemsize for s in strides))
 
 
 _CUDA_ERROR = (
@@ -102,19 +113,19 @@ def empty(*shape, dtype=None):
     """A tensor in a new shared block, uninitialised: it travels by handle."""
     if len(shape) == 1 and not isinstance(shape[0], int):
         shape = shape[0]
-    return _decode_tensor(_native.new_tensor(_shape(shape), _dtype_name(dtype), None))
+    return _native.to_python(_native.new_tensor(_shape(shape), _dtype_name(dtype), None))
 
 
 def zeros(*shape, dtype=None):
     """A tensor of zeros in a new shared block: it travels by handle."""
     if len(shape) == 1 and not isinstance(shape[0], int):
         shape = shape[0]
-    return _decode_tensor(_native.new_tensor(_shape(shape), _dtype_name(dtype), 0.0))
+    return _native.to_python(_native.new_tensor(_shape(shape), _dtype_name(dtype), 0.0))
 
 
 def full(shape, fill_value, dtype=None):
     """A tensor filled with ``fill_value`` in a new shared block: it travels by handle."""
-    return _decode_tensor(
+    return _native.to_python(
         _native.new_tensor(_shape(shape), _dtype_name(dtype), float(fill_value)))
 
 
@@ -125,8 +136,7 @@ def share_memory_(tensor):
     torch = _torch_module()
     if torch is None or not isinstance(tensor, torch.Tensor):
         raise TypeError("share_memory_ takes a torch.Tensor")
-    native = _native.as_native(tensor)
-    shared = torch.from_dlpack(native)
+    shared = _native.to_python(_native.as_native(tensor))
     with torch.no_grad():
         tensor.set_(shared.untyped_storage(), shared.storage_offset(), shared.shape,
                     shared.stride())

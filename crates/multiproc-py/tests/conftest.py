@@ -1,0 +1,93 @@
+"""Every test runs under a deadline (a hang dumps every thread's stack and fails the
+run) and a leak check: no new open fd, no new multiproc segment in /dev/shm and no
+child process left when it ends."""
+
+import faulthandler
+import gc
+import multiprocessing
+import multiprocessing.forkserver
+import multiprocessing.resource_tracker
+import os
+import sys
+import time
+
+import pytest
+
+import multiproc
+from multiproc import _native
+
+DEADLINE_S = 120
+
+
+def open_fds():
+    fds = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            fds[int(name)] = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            pass  # the listing's own fd, gone already
+    return fds
+
+
+def shm_segments():
+    return {n for n in os.listdir("/dev/shm") if n.startswith("multiproc_")}
+
+
+def children(ignore):
+    me = str(os.getpid())
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[1] == me and int(pid) not in ignore and fields[0] != "Z":
+            found.append(int(pid))
+    return found
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _helpers_started():
+    # multiprocessing's own helpers live as long as the test session: start them
+    # first, so that they do not count as leaks of the first test that needs them.
+    multiprocessing.resource_tracker.ensure_running()
+    multiprocessing.forkserver.ensure_running()
+    yield
+
+
+def _settle(before_fds):
+    """Drops what the test left for the garbage collector and the library's caches,
+    then waits (bounded) for exiting children to be reaped."""
+    for _ in range(3):
+        gc.collect()
+    _native._release_cached_blocks()
+
+
+@pytest.fixture(autouse=True)
+def leak_check(request):
+    helpers = set()
+    tracker = multiprocessing.resource_tracker._resource_tracker._pid
+    if tracker:
+        helpers.add(tracker)
+    fs = multiprocessing.forkserver._forkserver._forkserver_pid
+    if fs:
+        helpers.add(fs)
+    _settle(None)
+    fds = open_fds()
+    shm = shm_segments()
+    faulthandler.dump_traceback_later(DEADLINE_S, exit=True)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+    for p in multiprocessing.active_children():
+        p.join(5)
+    _settle(fds)
+    new_fds = {fd: target for fd, target in open_fds().items() if fd not in fds}
+    assert not new_fds, f"the test leaked fds: {new_fds}"
+    assert shm_segments() - shm == set(), "the test left segments in /dev/shm"
+    left = children(helpers)
+    assert not left, f"the test left child processes: {left}"
