@@ -6,6 +6,7 @@ import faulthandler
 import gc
 import multiprocessing
 import multiprocessing.forkserver
+import multiprocessing.resource_sharer
 import multiprocessing.resource_tracker
 import os
 import sys
@@ -55,14 +56,18 @@ def _helpers_started():
     # first, so that they do not count as leaks of the first test that needs them.
     multiprocessing.resource_tracker.ensure_running()
     multiprocessing.forkserver.ensure_running()
+    # The resource sharer's listener (which passes fds pickled outside a process
+    # start) stays open once started.
+    fd = os.open("/dev/null", os.O_RDONLY)
+    os.close(multiprocessing.resource_sharer.DupFd(fd).detach())
+    os.close(fd)
     yield
 
 
 def _settle(before_fds):
     """Drops what the test left for the garbage collector and the library's caches,
     then waits (bounded) for exiting children to be reaped."""
-    for _ in range(3):
-        gc.collect()
+    gc.collect()
     _native._release_cached_blocks()
 
 

@@ -4,7 +4,7 @@ forkserver start methods)."""
 import os
 import signal
 
-import torch
+
 
 import multiproc
 
