@@ -19,6 +19,10 @@
 //! let there: Event = parcel::open(fd)?;
 //! there.set();
 //! assert!(ready.is_set());
+//! # let again = parcel::seal(&ready)?;
+//! # let copy = again.try_clone().unwrap();
+//! # parcel::open::<Event>(again)?;
+//! # assert!(matches!(parcel::open::<Event>(copy), Err(multiproc::Error::InvalidArgument(_))));
 //! # Ok::<(), multiproc::Error>(())
 //! ```
 
@@ -67,10 +71,12 @@ pub fn open<T: DeserializeOwned>(fd: OwnedFd) -> Result<T> {
             )));
         }
     }
-    match wire::try_recv_packet(fd.as_fd())? {
-        Some(packet) => wire::decode(packet),
-        None => Err(Error::InvalidArgument(
-            "the parcel holds no message: it was opened already".into(),
-        )),
+    let opened_already =
+        || Error::InvalidArgument("the parcel holds no message: it was opened already".into());
+    // Its sending end is closed, so an empty parcel reads as a closed channel.
+    match wire::try_recv_packet(fd.as_fd()) {
+        Ok(Some(packet)) => wire::decode(packet),
+        Ok(None) | Err(Error::Closed(_)) => Err(opened_already()),
+        Err(e) => Err(e),
     }
 }
