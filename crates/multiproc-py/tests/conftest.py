@@ -50,6 +50,14 @@ def children(ignore):
     return found
 
 
+def cmdline(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return "?"
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _helpers_started():
     # multiprocessing's own helpers live as long as the test session: start them
@@ -95,4 +103,4 @@ def leak_check(request):
     assert not new_fds, f"the test leaked fds: {new_fds}"
     assert shm_segments() - shm == set(), "the test left segments in /dev/shm"
     left = children(helpers)
-    assert not left, f"the test left child processes: {left}"
+    assert not left, f"the test left child processes: {[(p, cmdline(p)) for p in left]}"
