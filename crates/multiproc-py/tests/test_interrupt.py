@@ -5,20 +5,12 @@ import contextlib
 import os
 import signal
 import subprocess
+import select
 import sys
-import time
 
 import pytest
 
 HERE = os.path.dirname(__file__)
-
-
-def gone(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
 
 
 @contextlib.contextmanager
@@ -52,15 +44,19 @@ def test_ctrl_c_in_spawn_leaves_no_worker(whole_group):
         lines = [p.stdout.readline() for _ in range(2)]
         assert all(line.strip().isdigit() for line in lines), lines
         pids = [int(line) for line in lines]
+        # pidfds, taken while the workers surely live: readable once a worker exited.
+        pidfds = [os.pidfd_open(pid) for pid in pids]
         if whole_group:
             os.killpg(p.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches every process
         else:
             os.kill(p.pid, signal.SIGINT)
         _, err = p.communicate(timeout=60)
         assert p.returncode != 0 and "KeyboardInterrupt" in err
-        # The workers were stopped before the parent left (reaped by then, or on their
-        # way out: a bounded wait for the kernel to finish their exit).
-        end = time.monotonic() + 10
-        while not all(gone(pid) for pid in pids) and time.monotonic() < end:
-            time.sleep(0.01)
-        assert all(gone(pid) for pid in pids), f"workers {pids} outlived the interrupted parent"
+        # The workers were stopped before the parent left.
+        try:
+            for pid, fd in zip(pids, pidfds):
+                ready, _, _ = select.select([fd], [], [], 10)
+                assert ready, f"worker {pid} outlived the interrupted parent"
+        finally:
+            for fd in pidfds:
+                os.close(fd)
