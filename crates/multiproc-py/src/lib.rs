@@ -25,8 +25,13 @@ fn new_tensor(shape: Vec<usize>, dtype: &str, fill: Option<f64>) -> PyResult<Nat
     let dtype = parse_dtype(dtype)?;
     let t = match fill {
         None => Tensor::empty_shared(&shape, dtype),
-        Some(v) if v == 0.0 => Tensor::zeros_shared(&shape, dtype),
-        Some(v) => Tensor::empty_shared(&shape, dtype).and_then(|t| t.fill_(v).map(|()| t)),
+        Some(v) => {
+            if v == 0.0 {
+                Tensor::zeros_shared(&shape, dtype)
+            } else {
+                Tensor::empty_shared(&shape, dtype).and_then(|t| t.fill_(v).map(|()| t))
+            }
+        }
     }
     .map_err(to_py)?;
     NativeTensor::new(t)

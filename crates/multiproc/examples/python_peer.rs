@@ -37,7 +37,9 @@ fn queue_from_arg(arg: Option<String>) -> multiproc::Result<Queue<Dynamic>> {
     let fd: RawFd = arg
         .and_then(|a| a.parse().ok())
         .filter(|&fd| fd >= 0)
-        .ok_or_else(|| multiproc::Error::InvalidArgument("usage: python_peer IN_FD OUT_FD".into()))?;
+        .ok_or_else(|| {
+            multiproc::Error::InvalidArgument("usage: python_peer IN_FD OUT_FD".into())
+        })?;
     // SAFETY: the fd was inherited for this process to take over (Python's `pass_fds`);
     // nothing else in this program uses or closes it.
     let fd = unsafe { OwnedFd::from_raw_fd(fd) };
