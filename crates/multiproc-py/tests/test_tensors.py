@@ -121,3 +121,35 @@ def test_share_memory_moves_a_tensor_into_a_block():
     assert got.data_ptr() == x.data_ptr()
     got[0] = 9
     assert x[0] == 9
+
+
+NUMPY_ONLY = r"""
+import sys
+sys.modules["torch"] = None  # as if torch were not installed
+import numpy as np
+import multiproc as mp
+
+q = mp.Queue()
+a = np.arange(12, dtype=np.float32).reshape(3, 4)
+q.put((a, a[:, 1::2]))
+whole, view = q.get()
+assert type(whole) is np.ndarray and type(view) is np.ndarray
+assert np.array_equal(whole, a) and np.array_equal(view, a[:, 1::2])
+whole[0, 1] = 100  # one storage: the view sees it
+assert view[0, 0] == 100
+z = mp.zeros((2, 3), dtype="int64")
+assert type(z) is np.ndarray and z.dtype == np.int64 and z.shape == (2, 3)
+q.put(z[1:])
+back = q.get()
+assert back.__array_interface__["data"][0] == z[1:].__array_interface__["data"][0]
+print("ok")
+"""
+
+
+def test_numpy_arrays_come_back_when_torch_is_absent():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", NUMPY_ONLY], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

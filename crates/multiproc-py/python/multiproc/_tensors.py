@@ -67,9 +67,19 @@ def _numpy_memory(a):
     if any(s < 0 or s % itemsize for s in a.strides):
         a = numpy.ascontiguousarray(a)
     strides = tuple(s // itemsize for s in a.strides)
+    addr = a.__array_interface__["data"][0]
+    # The array that owns the memory plays torch's storage: views of one array then
+    # travel as views of one copy (or of one block), and arrive sharing memory.
+    root = a
+    while isinstance(root.base, numpy.ndarray):
+        root = root.base
+    if root is not a and (root.flags.c_contiguous or root.flags.f_contiguous):
+        start = root.__array_interface__["data"][0]
+        if (addr - start) % itemsize == 0 and start <= addr:
+            return (start, root.nbytes, a.dtype.name, tuple(a.shape), strides,
+                    (addr - start) // itemsize, a)
     extent = 0 if a.size == 0 else (
         sum((n - 1) * s for n, s in zip(a.shape, strides)) + 1) * itemsize
-    addr = a.__array_interface__["data"][0]
     return (addr, extent, a.dtype.name, tuple(a.shape), strides, 0, a)
 
 
