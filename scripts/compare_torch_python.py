@@ -46,6 +46,8 @@ def producer(impl, q, floats, count, made_in_block, done):
 
 
 def ponger(inbox, outbox, count, done):
+    import torch  # noqa: F401  (imported before the clock starts, as on torch's side)
+
     outbox.put("ready")
     for _ in range(count):
         outbox.put(inbox.get())
@@ -57,20 +59,23 @@ def noop(rank):
 
 
 def lib(impl):
+    """What makes the queues and events (torch: the spawn context's own), the context
+    that starts processes, and the module whose ``spawn`` is timed."""
     if impl == "torch":
         import torch.multiprocessing as mp
 
         mp.set_sharing_strategy("file_descriptor")
-        return mp, mp.get_context("spawn")
+        ctx = mp.get_context("spawn")
+        return ctx, ctx, mp
     import multiprocessing
 
     import multiproc as mp
 
-    return mp, multiprocessing.get_context("spawn")
+    return mp, multiprocessing.get_context("spawn"), mp
 
 
 def fresh(impl, scenario, nbytes, count):
-    mp, ctx = lib(impl)
+    mp, ctx, _ = lib(impl)
     q, done = mp.Queue(4), mp.Event()
     p = ctx.Process(target=producer,
                     args=(impl, q, nbytes // 4, count, scenario != "fresh-copy", done))
@@ -90,7 +95,7 @@ def fresh(impl, scenario, nbytes, count):
 def ping(impl, nbytes, count):
     import torch
 
-    mp, ctx = lib(impl)
+    mp, ctx, _ = lib(impl)
     there, back, done = mp.Queue(4), mp.Queue(4), mp.Event()
     p = ctx.Process(target=ponger, args=(there, back, count, done))
     p.start()
@@ -99,7 +104,9 @@ def ping(impl, nbytes, count):
         t = torch.zeros(nbytes // 4)
         t.share_memory_()
     else:
-        t = mp.zeros(nbytes // 4)
+        import multiproc
+
+        t = multiproc.zeros(nbytes // 4)
     start = time.perf_counter()
     for _ in range(count):
         there.put(t)
@@ -111,7 +118,7 @@ def ping(impl, nbytes, count):
 
 
 def spawn4(impl, runs):
-    mp, _ = lib(impl)
+    _, _, mp = lib(impl)
     times = []
     for _ in range(runs):
         start = time.perf_counter()
@@ -122,6 +129,8 @@ def spawn4(impl, runs):
 
 
 def run_one(impl, scale):
+    import torch  # noqa: F401  (the receiver's first tensor must not pay for the import)
+
     n = lambda c: max(2, round(c * scale))  # noqa: E731
     for scenario, nbytes, count in FRESH:
         print(json.dumps(dict(fresh(impl, scenario, nbytes, n(count)), impl=impl)), flush=True)
