@@ -7,6 +7,7 @@
 //! `torch.Tensor` (or a numpy array) over the shared block without a copy.
 
 use std::collections::HashMap;
+use std::sync::Mutex;
 
 use multiproc::{Dynamic, Storage, Tensor};
 use pyo3::exceptions::{PyRecursionError, PyTypeError, PyValueError};
@@ -14,9 +15,10 @@ use pyo3::prelude::*;
 use pyo3::sync::GILOnceCell;
 use pyo3::types::{
     PyBool, PyByteArray, PyBytes, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple,
+    PyWeakrefMethods, PyWeakrefReference,
 };
 
-use crate::dlpack::{NativeTensor, find_exported, parse_dtype};
+use crate::dlpack::{NativeTensor, dtype_name, find_exported, parse_dtype};
 use crate::errors::to_py;
 
 /// The Python layer's two hooks (see the module docs).
@@ -24,6 +26,7 @@ struct Hooks {
     encode_other: PyObject,
     decode_tensor: PyObject,
     view_tensor: PyObject,
+    view_of_storage: PyObject,
     loads: PyObject,
 }
 
@@ -36,6 +39,7 @@ pub fn _set_hooks(
     encode_other: PyObject,
     decode_tensor: PyObject,
     view_tensor: PyObject,
+    view_of_storage: PyObject,
 ) -> PyResult<()> {
     let loads = py.import("pickle")?.getattr("loads")?.unbind();
     let _ = HOOKS.set(
@@ -44,6 +48,7 @@ pub fn _set_hooks(
             encode_other,
             decode_tensor,
             view_tensor,
+            view_of_storage,
             loads,
         },
     );
@@ -258,7 +263,24 @@ impl FromDynamic {
     fn tensor(&mut self, py: Python<'_>, t: Tensor) -> PyResult<PyObject> {
         let hooks = hooks(py)?;
         let t = NativeTensor::new(t)?.tensor;
-        let key = (t.storage().data_ptr() as usize, t.dtype());
+        let shape = PyTuple::new(py, t.shape())?;
+        let strides = PyTuple::new(py, t.strides())?;
+        let block = (t.storage().data_ptr() as usize, t.storage().nbytes());
+        // A storage torch still holds: a view of it, no DLPack export.
+        if let Some(storage) = torch_storage(py, block) {
+            return Ok(hooks
+                .view_of_storage
+                .bind(py)
+                .call1((
+                    storage,
+                    dtype_name(t.dtype()),
+                    shape,
+                    strides,
+                    t.storage_offset(),
+                ))?
+                .unbind());
+        }
+        let key = (block.0, t.dtype());
         let base = match self.bases.get(&key) {
             Some(base) => base.clone_ref(py),
             None => {
@@ -267,19 +289,49 @@ impl FromDynamic {
                     Tensor::from_storage(t.storage().clone(), t.dtype(), &[elements], &[1], 0)
                         .map_err(to_py)?;
                 let native = Bound::new(py, NativeTensor::new(whole)?)?;
-                let base = hooks.decode_tensor.bind(py).call1((native,))?.unbind();
-                self.bases.insert(key, base.clone_ref(py));
-                base
+                let (base, storage): (Bound<'_, PyAny>, Bound<'_, PyAny>) =
+                    hooks.decode_tensor.bind(py).call1((native,))?.extract()?;
+                if !storage.is_none() {
+                    remember_torch_storage(block, &storage)?;
+                }
+                self.bases.insert(key, base.clone().unbind());
+                base.unbind()
             }
         };
-        let shape = PyTuple::new(py, t.shape())?;
-        let strides = PyTuple::new(py, t.strides())?;
         Ok(hooks
             .view_tensor
             .bind(py)
             .call1((base, shape, strides, t.storage_offset()))?
             .unbind())
     }
+}
+
+/// The torch storages made from received blocks, by the block's address and size, as
+/// weak references. While torch keeps such a storage (any tensor on it lives), the
+/// block stays mapped at that address, so a block received again there is the same
+/// one, and a new view of the storage is all it takes (torch keeps one Python object
+/// per storage for as long as the storage lives).
+static TORCH_STORAGES: Mutex<Option<HashMap<(usize, usize), Py<PyWeakrefReference>>>> =
+    Mutex::new(None);
+
+/// How many entries the table may hold before the dead ones are swept.
+const SWEEP_AT: usize = 1024;
+
+fn torch_storage<'py>(py: Python<'py>, block: (usize, usize)) -> Option<Bound<'py, PyAny>> {
+    let table = TORCH_STORAGES.lock().unwrap_or_else(|p| p.into_inner());
+    table.as_ref()?.get(&block)?.bind(py).upgrade()
+}
+
+fn remember_torch_storage(block: (usize, usize), storage: &Bound<'_, PyAny>) -> PyResult<()> {
+    let weak = PyWeakrefReference::new(storage)?.unbind();
+    let mut table = TORCH_STORAGES.lock().unwrap_or_else(|p| p.into_inner());
+    let table = table.get_or_insert_with(HashMap::new);
+    if table.len() >= SWEEP_AT {
+        let py = storage.py();
+        table.retain(|_, w| w.bind(py).upgrade().is_some());
+    }
+    table.insert(block, weak);
+    Ok(())
 }
 
 /// Converts a received value to Python objects.

@@ -30,8 +30,37 @@ def open_fds():
     return fds
 
 
-def shm_segments():
-    return {n for n in os.listdir("/dev/shm") if n.startswith("multiproc_")}
+def shm_segments(pids):
+    """multiproc's segments in /dev/shm made by one of ``pids`` or by a process tree
+    rooted at one of them. A segment's name says both
+    (``multiproc_<creator pid>_<random>_<root pid>_…``); other programs on the machine
+    make and remove segments of their own meanwhile."""
+    found = set()
+    for n in os.listdir("/dev/shm"):
+        parts = n.split("_")
+        if parts[0] == "multiproc" and len(parts) >= 4:
+            if parts[1] in pids or parts[3] in pids:
+                found.add(n)
+    return found
+
+
+def descendants():
+    """The pids of this process and of every process below it, now."""
+    found, todo = {str(os.getpid())}, [str(os.getpid())]
+    by_parent = {}
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    by_parent.setdefault(f.read().rsplit(")", 1)[1].split()[1], []).append(pid)
+            except OSError:
+                pass
+    while todo:
+        for child in by_parent.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
 
 
 def children(ignore):
@@ -90,17 +119,20 @@ def leak_check(request):
         helpers.add(fs)
     _settle(None)
     fds = open_fds()
-    shm = shm_segments()
+    tree = descendants()
+    shm = shm_segments(tree)
     faulthandler.dump_traceback_later(DEADLINE_S, exit=True)
     try:
         yield
     finally:
         faulthandler.cancel_dump_traceback_later()
+    # Processes that ran during the test, as far as they can still be seen.
+    tree |= descendants() | {str(p.pid) for p in multiprocessing.active_children()}
     for p in multiprocessing.active_children():
         p.join(5)
     _settle(fds)
     new_fds = {fd: target for fd, target in open_fds().items() if fd not in fds}
     assert not new_fds, f"the test leaked fds: {new_fds}"
-    assert shm_segments() - shm == set(), "the test left segments in /dev/shm"
+    assert shm_segments(tree) - shm == set(), "the test left segments in /dev/shm"
     left = children(helpers)
     assert not left, f"the test left child processes: {[(p, cmdline(p)) for p in left]}"

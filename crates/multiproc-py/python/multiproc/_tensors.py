@@ -22,13 +22,26 @@ def _torch_module():
 
 def _decode_tensor(native):
     """A received storage (a 1-D ``NativeTensor`` over all of it): a torch.Tensor over
-    the shared block (no copy), or a numpy array when torch is not installed."""
+    the shared block (no copy) and its storage, or a numpy array (and None) when torch
+    is not installed."""
     torch = _torch_module()
     if torch is not None:
-        return torch.from_dlpack(native)
+        base = torch.from_dlpack(native)
+        return base, base.untyped_storage()
     import numpy
 
-    return numpy.from_dlpack(native)
+    return numpy.from_dlpack(native), None
+
+
+_TORCH_DTYPES = {}
+
+
+def _view_of_storage(storage, dtype, shape, strides, offset):
+    """A received tensor over a storage torch already has (from an earlier message)."""
+    d = _TORCH_DTYPES.get(dtype)
+    if d is None:
+        d = _TORCH_DTYPES[dtype] = getattr(_torch, dtype)
+    return _torch.empty(0, dtype=d).set_(storage, offset, shape, strides)
 
 
 def _view_tensor(base, shape, strides, offset):
