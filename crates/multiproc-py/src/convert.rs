@@ -311,8 +311,10 @@ impl FromDynamic {
 /// block stays mapped at that address, so a block received again there is the same
 /// one, and a new view of the storage is all it takes (torch keeps one Python object
 /// per storage for as long as the storage lives).
-static TORCH_STORAGES: Mutex<Option<HashMap<(usize, usize), Py<PyWeakrefReference>>>> =
-    Mutex::new(None);
+static TORCH_STORAGES: Mutex<Option<StorageTable>> = Mutex::new(None);
+
+/// Weak references to torch storages by (block address, block size).
+type StorageTable = HashMap<(usize, usize), Py<PyWeakrefReference>>;
 
 /// How many entries the table may hold before the dead ones are swept.
 const SWEEP_AT: usize = 1024;
