@@ -45,7 +45,10 @@ def write_images(folder, count, side=224):
         Image.fromarray(img).save(os.path.join(folder, f"class{label}", f"{i:05}.png"))
 
 
-def model_and_step(classes):
+def model_and_step(classes, train=True):
+    if not train:
+        # Loader throughput alone: touch the batch as a trainer would, no model.
+        return lambda images, labels: float(images[0].float().mean()) + float(labels.sum())
     torch.manual_seed(0)
     net = torch.nn.Sequential(
         torch.nn.Conv2d(3, 8, kernel_size=8, stride=8), torch.nn.ReLU(),
@@ -63,22 +66,23 @@ def model_and_step(classes):
     return step
 
 
-def train_rust(feeder, folder, workers, batch_size, epochs, classes):
-    step = model_and_step(classes)
+def train_rust(feeder, folder, workers, batch_size, epochs, classes, train):
+    step = model_and_step(classes, train)
     batches = mp.Queue(maxsize=2 * max(1, workers))
     fd, parcel = mp.parcel_for_child(batches)
     proc = subprocess.Popen(
         [feeder, "--dir", folder, "--queue", str(fd), "--workers", str(workers),
          "--batch-size", str(batch_size), "--epochs", str(epochs)], pass_fds=[fd])
     parcel.close()
-    n, loss, start = 0, None, None
+    n, received, loss, start = 0, 0, None, None
     try:
         while True:
             msg = batches.get(timeout=300)
             if msg[0] == "done":
-                assert msg[1] == n, (msg, n)
+                assert msg[1] == received, (msg, received)
                 break
             _, images, labels = msg
+            received += 1
             if start is None:
                 start = time.perf_counter()
             else:
@@ -112,8 +116,8 @@ class PngFolder(torch.utils.data.Dataset):
         return img, label
 
 
-def train_torch(folder, workers, batch_size, epochs, classes):
-    step = model_and_step(classes)
+def train_torch(folder, workers, batch_size, epochs, classes, train):
+    step = model_and_step(classes, train)
     loader = torch.utils.data.DataLoader(
         PngFolder(folder), batch_size=batch_size, drop_last=True, num_workers=workers,
         persistent_workers=workers > 0)
@@ -141,6 +145,8 @@ def main():
     ap.add_argument("--feeder", default=os.path.join(ROOT, "target", "release", "examples",
                                                      "png_feeder"))
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--no-train", dest="train", action="store_false",
+                    help="no model: the loaders' throughput alone")
     args = ap.parse_args()
     folder, temporary = args.dir, False
     if folder is None:
@@ -154,16 +160,16 @@ def main():
                 sys.exit(f"no feeder at {args.feeder}: cargo build --release -p multiproc "
                          "--features image --example png_feeder")
             rows.append(train_rust(args.feeder, folder, args.workers, args.batch_size,
-                                   args.epochs, max(classes, 1)))
+                                   args.epochs, max(classes, 1), args.train))
         if args.mode in ("torch", "both"):
             rows.append(train_torch(folder, args.workers, args.batch_size, args.epochs,
-                                    max(classes, 1)))
+                                    max(classes, 1), args.train))
         for r in rows:
             if args.json:
                 print(json.dumps(r))
             else:
                 print(f"{r['loader']:>24}: {r['workers']} workers, {r['batches']} batches, "
-                      f"{r['batches_per_s']:.2f} batches/s, final loss {r['final_loss']:.3f}")
+                      f"{r['batches_per_s']:.2f} batches/s, last step {r['final_loss']:.3f}")
         if len(rows) == 2 and not args.json:
             print(f"{'ratio':>24}: {rows[0]['batches_per_s'] / rows[1]['batches_per_s']:.2f}x")
     finally:
