@@ -69,3 +69,27 @@ def print_pid_and_wait(rank, ev):
     # One write: two workers' lines never interleave.
     os.write(1, b"%d\n" % os.getpid())
     ev.wait()
+
+
+def barrier_then_put(rank, barrier, q):
+    q.put((rank, barrier.wait(60)))
+
+
+def consume_joinable(rank, q):
+    while True:
+        item = q.get()
+        q.task_done()
+        if item is None:
+            return
+
+
+def wait_on_condition(rank, cond, flag, ready):
+    with cond:
+        ready.put(rank)
+        assert cond.wait_for(lambda: flag.is_set(), timeout=60)
+
+
+def count_with_lock(rank, lock, counter, n):
+    for _ in range(n):
+        with lock:
+            counter += 1
