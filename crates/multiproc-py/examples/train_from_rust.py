@@ -9,6 +9,10 @@ the same files, the same number of workers), and the batches/s of both are print
     pip install ./crates/multiproc-py torch pillow numpy
     python3 crates/multiproc-py/examples/train_from_rust.py --mode both
 
+Or the Rust side starts this trainer: ``png_feeder --dir DIR --trainer python3
+crates/multiproc-py/examples/train_from_rust.py`` runs it with ``--queue-fd FD --classes N``
+(the queue sealed into an fd it inherits), and it trains on what arrives.
+
 Without ``--dir`` it writes 512 PNG images (224 x 224, two classes) into a temporary
 directory first. Throughput is counted from the first batch to the last, over
 ``--epochs`` passes (the workers' start-up is not counted, for either loader).
@@ -66,14 +70,19 @@ def model_and_step(classes, train=True):
     return step
 
 
-def train_rust(feeder, folder, workers, batch_size, epochs, classes, train):
+def train_rust(feeder, folder, workers, batch_size, epochs, classes, train, queue_fd=None):
+    """Trains on the batches the Rust feeder puts on a queue: a feeder started here, or
+    (``queue_fd``) the one that started this process."""
     step = model_and_step(classes, train)
-    batches = mp.Queue(maxsize=2 * max(1, workers))
-    fd, parcel = mp.parcel_for_child(batches)
-    proc = subprocess.Popen(
-        [feeder, "--dir", folder, "--queue", str(fd), "--workers", str(workers),
-         "--batch-size", str(batch_size), "--epochs", str(epochs)], pass_fds=[fd])
-    parcel.close()
+    if queue_fd is None:
+        batches = mp.Queue(maxsize=2 * max(1, workers))
+        fd, parcel = mp.parcel_for_child(batches)
+        proc = subprocess.Popen(
+            [feeder, "--dir", folder, "--queue", str(fd), "--workers", str(workers),
+             "--batch-size", str(batch_size), "--epochs", str(epochs)], pass_fds=[fd])
+        parcel.close()
+    else:
+        batches, proc = mp.open_parcel(queue_fd, mp.Queue), None
     n, received, loss, start = 0, 0, None, None
     try:
         while True:
@@ -89,9 +98,9 @@ def train_rust(feeder, folder, workers, batch_size, epochs, classes, train):
                 n += 1  # the first batch starts the clock
             loss = step(images, labels)
         seconds = time.perf_counter() - start
-        assert proc.wait(timeout=60) == 0
+        assert proc is None or proc.wait(timeout=60) == 0
     finally:
-        if proc.poll() is None:
+        if proc is not None and proc.poll() is None:
             proc.kill()
             proc.wait()
     return dict(loader="multiproc (Rust)", workers=workers, batches=n,
@@ -145,9 +154,17 @@ def main():
     ap.add_argument("--feeder", default=os.path.join(ROOT, "target", "release", "examples",
                                                      "png_feeder"))
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--queue-fd", type=int,
+                    help="train on the queue in this inherited fd (png_feeder --trainer)")
+    ap.add_argument("--classes", type=int, default=2, help="with --queue-fd: the classes")
     ap.add_argument("--no-train", dest="train", action="store_false",
                     help="no model: the loaders' throughput alone")
     args = ap.parse_args()
+    if args.queue_fd is not None:
+        r = train_rust(None, None, 0, 0, 0, args.classes, args.train, queue_fd=args.queue_fd)
+        print(f"trainer started by Rust: {r['batches']} batches, "
+              f"{r['batches_per_s']:.2f} batches/s, last step {r['final_loss']:.3f}")
+        return
     folder, temporary = args.dir, False
     if folder is None:
         folder, temporary = tempfile.mkdtemp(prefix="multiproc-png-"), True
