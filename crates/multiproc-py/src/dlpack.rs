@@ -310,9 +310,14 @@ impl NativeTensor {
             let raw = Box::into_raw(managed);
             // SAFETY: `raw` is a live allocation owned from here on by the capsule (its
             // destructor or the consumer's call of the deleter frees it).
-            unsafe {
+            let capsule = unsafe {
                 pyo3::ffi::PyCapsule_New(raw.cast(), VERSIONED.as_ptr(), Some(capsule_destructor))
+            };
+            if capsule.is_null() {
+                // SAFETY: no capsule took `raw`: it is still ours, freed once here.
+                unsafe { delete_versioned(raw) };
             }
+            capsule
         } else {
             if read_only {
                 return Err(PyBufferError::new_err(
@@ -328,9 +333,14 @@ impl NativeTensor {
             register(&storage);
             let raw = Box::into_raw(managed);
             // SAFETY: as above.
-            unsafe {
+            let capsule = unsafe {
                 pyo3::ffi::PyCapsule_New(raw.cast(), LEGACY.as_ptr(), Some(capsule_destructor))
+            };
+            if capsule.is_null() {
+                // SAFETY: as above.
+                unsafe { delete_legacy(raw) };
             }
+            capsule
         };
         // SAFETY: `PyCapsule_New` returns a new reference or null with an exception set.
         unsafe { Bound::from_owned_ptr_or_err(py, capsule) }
