@@ -19,6 +19,7 @@
 //! 9. [Logs from workers](#logs-from-workers)
 //! 10. [Other frameworks](#other-frameworks): ndarray, candle, safetensors, DLPack
 //! 11. [Tests](#tests) that start workers
+//! 12. [Python](#python): the same queues from Python processes
 //!
 //! ## Start here
 //!
@@ -428,6 +429,26 @@
 //! send the multiproc [`Tensor`] itself to other processes. A private tensor is moved
 //! into shared memory before export (once), so the capsule's pointer stays valid.
 //!
+//! ## Python
+//!
+//! The Python package (`pip install ./crates/multiproc-py` from a checkout) has
+//! torch.multiprocessing's API over these queues, locks and tensors. A Python message
+//! is a [`Dynamic`] on the wire: a Rust process that talks to Python uses
+//! `Queue<Dynamic>` and matches on its variants (the table is on [`Dynamic`]'s page).
+//! A process multiproc did not start — a Rust program that a Python script runs, or
+//! the reverse — gets its queues as [`parcel`]s: a value sealed into one fd, passed
+//! by fd inheritance, opened once.
+//!
+//! ```
+//! use multiproc::{Dynamic, Queue, parcel};
+//! let q: Queue<Dynamic> = Queue::new()?;
+//! let fd = parcel::seal(&q)?; // Python: multiproc.parcel_for_child(q)
+//! let there: Queue<Dynamic> = parcel::open(fd)?; // in the other program
+//! there.put(Dynamic::Tuple(vec!["step".into(), 1i64.into()]))?;
+//! assert_eq!(q.get()?.as_slice().and_then(|v| v[1].as_int()), Some(1));
+//! # Ok::<(), multiproc::Error>(())
+//! ```
+//!
 //! ## Tests
 //!
 //! In `cargo test` integration tests, where libtest owns `main`, put
@@ -477,11 +498,15 @@ pub mod data;
 #[cfg(target_os = "linux")]
 pub mod dist;
 #[cfg(target_os = "linux")]
+mod dynamic;
+#[cfg(target_os = "linux")]
 mod error;
 #[cfg(target_os = "linux")]
 mod idle;
 
 mod manager;
+#[cfg(target_os = "linux")]
+pub mod parcel;
 #[cfg(target_os = "linux")]
 mod pool;
 #[cfg(target_os = "linux")]
@@ -509,6 +534,8 @@ mod wire;
 
 #[cfg(target_os = "linux")]
 pub use cuda::Device;
+#[cfg(target_os = "linux")]
+pub use dynamic::Dynamic;
 #[cfg(target_os = "linux")]
 pub use error::{Error, Failure, LockError, OsError, PutError, Result, UserError};
 #[cfg(target_os = "linux")]

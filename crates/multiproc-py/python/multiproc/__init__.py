@@ -1,0 +1,92 @@
+"""multiproc: torch.multiprocessing's API over shared-memory queues that carry tensors
+by handle, between Python processes and Rust processes alike.
+
+Porting is renaming an import::
+
+    import multiproc as mp          # was: import torch.multiprocessing as mp
+
+    q = mp.Queue()
+    q.put({"step": 1, "batch": mp.zeros((64, 3, 224, 224))})   # by handle, no copy
+    msg = q.get()                   # a torch.Tensor over the same shared block
+
+A message is one packet on a socket or a shared-memory ring, so a producer may exit as
+soon as ``put`` returns. Messages nest tuples, lists and dicts of tensors and plain
+values (str, int, float, bool, None, bytes); any other object goes by pickle. A Rust
+process reads the same queue as ``Queue<multiproc::Dynamic>``.
+"""
+
+import os
+import pickle
+import sys
+
+from . import _native
+from ._native import (
+    ClosedError,
+    FdLimitError,
+    InvalidMessageError,
+    MultiprocError,
+    OutOfSharedMemoryError,
+    OwnerDiedError,
+)
+from ._tensors import empty, full, share_memory_, zeros
+from ._tensors import _decode_tensor, _encode_other, _view_of_storage, _view_tensor
+from ._handles import (
+    Barrier,
+    Condition,
+    Connection,
+    Event,
+    JoinableQueue,
+    Lock,
+    Pipe,
+    Queue,
+    RLock,
+    Semaphore,
+    SimpleQueue,
+    parcel_for_child,
+    open_parcel,
+)
+from .spawn import (
+    ProcessContext,
+    ProcessException,
+    ProcessExitedException,
+    ProcessRaisedException,
+    spawn,
+    start_processes,
+)
+
+_native._set_hooks(_encode_other, _decode_tensor, _view_tensor, _view_of_storage)
+
+__all__ = [
+    "Barrier", "ClosedError", "Condition", "Connection", "Event", "FdLimitError",
+    "InvalidMessageError", "JoinableQueue", "Lock", "MultiprocError",
+    "OutOfSharedMemoryError", "OwnerDiedError", "Pipe", "ProcessContext",
+    "ProcessException", "ProcessExitedException", "ProcessRaisedException", "Queue",
+    "RLock", "Semaphore", "SimpleQueue", "empty", "full", "get_all_sharing_strategies",
+    "get_sharing_strategy", "open_parcel", "parcel_for_child", "set_sharing_strategy",
+    "share_memory_", "spawn", "start_processes", "zeros",
+]
+
+
+def get_all_sharing_strategies():
+    """The sharing strategies this process can use (torch's names)."""
+    return {"file_descriptor"}
+
+
+def get_sharing_strategy():
+    """The strategy new shared blocks are made with."""
+    return _native.get_sharing_strategy()
+
+
+def set_sharing_strategy(new_strategy):
+    """Sets the strategy new shared blocks are made with.
+
+    Only ``"file_descriptor"`` is available from Python: ``"file_system"`` needs the
+    shm manager, which the library starts by running this program again, and a Python
+    interpreter run again does not serve as one.
+    """
+    if new_strategy not in get_all_sharing_strategies():
+        raise ValueError(
+            f"sharing strategy {new_strategy!r} is not available from Python; "
+            f"the available ones are {sorted(get_all_sharing_strategies())}"
+        )
+    _native.set_sharing_strategy(new_strategy)

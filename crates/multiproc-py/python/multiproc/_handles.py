@@ -1,0 +1,366 @@
+"""Queues, pipes and synchronisation primitives, and how they (and tensors) are pickled
+for processes that Python's own ``multiprocessing`` starts.
+
+Every blocking call releases the GIL and waits in short slices, so Ctrl-C raises
+``KeyboardInterrupt`` within about 50 ms (``Barrier.wait`` excepted: it sees Ctrl-C
+when it returns).
+
+Pickling: ``multiprocessing``'s ``ForkingPickler`` (used for a ``Process``'s arguments
+with the spawn and forkserver start methods, and by its queues) gets reducers for
+these types and for CPU ``torch.Tensor``s, the way torch registers its own: the object
+is sealed into one fd (a socket holding it as a message) that travels with
+``multiprocessing.reduction.DupFd``, and the receiver opens it. A plain ``pickle.dumps``
+refuses them: a handle is a kernel object, not bytes.
+"""
+
+import multiprocessing.context
+import multiprocessing.reduction
+import multiprocessing.resource_sharer
+import os
+import sys
+
+from . import _native
+
+
+class _Handle:
+    """A Python object over a native handle ``_h``."""
+
+    __slots__ = ("_h",)
+
+    def __reduce__(self):
+        raise RuntimeError(
+            f"a multiproc {type(self).__name__} travels to another process as an argument "
+            "of a multiprocessing.Process (spawn or forkserver), through a multiproc "
+            "queue or pipe, or with multiproc.parcel_for_child; plain pickle cannot carry it"
+        )
+
+
+class Queue(_Handle):
+    """torch.multiprocessing's ``Queue(maxsize=0)``: ``maxsize`` <= 0 is unbounded."""
+
+    __slots__ = ()
+    _kind = "queue"
+
+    def __init__(self, maxsize=0):
+        self._h = _native.NativeQueue(self._kind, maxsize)
+
+    def put(self, obj, block=True, timeout=None):
+        """Puts ``obj``; raises ``queue.Full`` when no place came free in time."""
+        self._h.put(obj, block, timeout)
+
+    def get(self, block=True, timeout=None):
+        """Takes the oldest item; raises ``queue.Empty`` when none came in time."""
+        return self._h.get(block, timeout)
+
+    def put_nowait(self, obj):
+        self._h.put(obj, False, None)
+
+    def get_nowait(self):
+        return self._h.get(False, None)
+
+    def qsize(self):
+        return self._h.qsize()
+
+    def empty(self):
+        return self._h.empty()
+
+    def full(self):
+        return self._h.full()
+
+    def close(self):
+        self._h.close()
+
+    def join_thread(self):
+        """Nothing to wait for: a put is in the queue when it returns."""
+
+    def cancel_join_thread(self):
+        """Nothing to cancel: a put is in the queue when it returns."""
+
+
+class JoinableQueue(Queue):
+    """A ``Queue`` whose ``join`` waits until every item put was ``task_done``."""
+
+    __slots__ = ()
+    _kind = "joinable"
+
+    def task_done(self):
+        self._h.task_done()
+
+    def join(self, timeout=None):
+        """Waits until every item was processed; False if ``timeout`` passed first."""
+        return self._h.join(timeout)
+
+
+class SimpleQueue(_Handle):
+    """An unbounded queue with ``put``, ``get``, ``empty`` and ``close``."""
+
+    __slots__ = ()
+
+    def __init__(self):
+        self._h = _native.NativeQueue("simple", 0)
+
+    def put(self, obj):
+        self._h.put(obj, True, None)
+
+    def get(self):
+        return self._h.get(True, None)
+
+    def empty(self):
+        return self._h.empty()
+
+    def close(self):
+        self._h.close()
+
+
+class Connection(_Handle):
+    """One end of a ``Pipe``: ``send``, ``recv``, ``poll``, ``fileno``, ``close``."""
+
+    __slots__ = ()
+
+    def send(self, obj):
+        self._h.send(obj)
+
+    def recv(self):
+        """The next object; ``EOFError`` when the other end is closed and nothing is left."""
+        return self._h.recv()
+
+    def poll(self, timeout=0.0):
+        """Whether something can be received within ``timeout`` seconds (None: wait)."""
+        return self._h.poll(timeout)
+
+    def fileno(self):
+        return self._h.fileno()
+
+    def close(self):
+        self._h.close()
+
+    @property
+    def closed(self):
+        return self._h.closed
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def Pipe(duplex=True):
+    """Two connected ``Connection`` ends (always duplex underneath)."""
+    a, b = _native.native_pipe()
+    ends = []
+    for h in (a, b):
+        c = Connection.__new__(Connection)
+        c._h = h
+        ends.append(c)
+    return ends[0], ends[1]
+
+
+class _Lockish(_Handle):
+    __slots__ = ()
+
+    def acquire(self, block=True, timeout=None):
+        return self._h.acquire(block, timeout)
+
+    def release(self):
+        self._h.release()
+
+    def __enter__(self):
+        return self._h.acquire(True, None)
+
+    def __exit__(self, *exc):
+        self._h.release()
+
+
+class Lock(_Lockish):
+    """A process-shared lock; a holder that dies is reported to the next acquirer."""
+
+    __slots__ = ()
+
+    def __init__(self):
+        self._h = _native.Lock()
+
+
+class RLock(_Lockish):
+    """A process-shared re-entrant lock."""
+
+    __slots__ = ()
+
+    def __init__(self):
+        self._h = _native.RLock()
+
+
+class Semaphore(_Lockish):
+    """A process-shared counting semaphore."""
+
+    __slots__ = ()
+
+    def __init__(self, value=1):
+        self._h = _native.Semaphore(value)
+
+    def get_value(self):
+        return self._h.get_value()
+
+
+class Condition(_Lockish):
+    """A process-shared condition variable with its own lock."""
+
+    __slots__ = ()
+
+    def __init__(self, lock=None):
+        if lock is not None:
+            raise ValueError("a multiproc Condition has its own lock; pass none")
+        self._h = _native.Condition()
+
+    def wait(self, timeout=None):
+        return self._h.wait(timeout)
+
+    def wait_for(self, predicate, timeout=None):
+        import time
+
+        end = None if timeout is None else time.monotonic() + timeout
+        result = predicate()
+        while not result:
+            left = None if end is None else end - time.monotonic()
+            if left is not None and left <= 0:
+                break
+            self._h.wait(left)
+            result = predicate()
+        return result
+
+    def notify(self, n=1):
+        self._h.notify(n)
+
+    def notify_all(self):
+        self._h.notify_all()
+
+
+class Event(_Handle):
+    """A process-shared event: ``set``, ``clear``, ``is_set``, ``wait(timeout)``."""
+
+    __slots__ = ()
+
+    def __init__(self):
+        self._h = _native.Event()
+
+    def set(self):
+        self._h.set()
+
+    def clear(self):
+        self._h.clear()
+
+    def is_set(self):
+        return self._h.is_set()
+
+    def wait(self, timeout=None):
+        return self._h.wait(timeout)
+
+
+class Barrier(_Handle):
+    """A process-shared barrier for ``parties`` processes."""
+
+    __slots__ = ()
+
+    def __init__(self, parties):
+        self._h = _native.Barrier(parties)
+
+    def wait(self, timeout=None):
+        return self._h.wait(timeout)
+
+    @property
+    def parties(self):
+        return self._h.parties
+
+
+# --- pickling for multiprocessing ---------------------------------------------------
+
+def _wrap(cls, handle):
+    obj = cls.__new__(cls)
+    obj._h = handle
+    return obj
+
+
+def _pass_fd(parcel):
+    """A ``DupFd`` for the parcel's fd, keeping the parcel open as long as needed."""
+    popen = multiprocessing.context.get_spawning_popen()
+    if popen is not None:
+        # The fd goes to the child when the process starts, after pickling: the popen
+        # object keeps the parcel open until then (and is dropped with the Process).
+        popen.__dict__.setdefault("_multiproc_parcels", []).append(parcel)
+        return multiprocessing.reduction.DupFd(parcel.fileno())
+    # Pickled for another purpose (a multiprocessing.Queue): the resource sharer takes a
+    # duplicate now and hands it to whichever process unpickles it.
+    dup = multiprocessing.resource_sharer.DupFd(parcel.fileno())
+    parcel.close()
+    return dup
+
+
+def _rebuild_handle(cls, dupfd):
+    return _wrap(cls, _native.open_parcel(dupfd.detach()))
+
+
+def _reduce_handle(obj):
+    return _rebuild_handle, (type(obj), _pass_fd(_native.seal(obj._h)))
+
+
+def _rebuild_tensor(dupfd, requires_grad):
+    t = _native.to_python(_native.open_parcel(dupfd.detach()))
+    if requires_grad:
+        t.requires_grad_(True)
+    return t
+
+
+def _reduce_tensor(t):
+    native = _native.as_native(t.detach())
+    return _rebuild_tensor, (_pass_fd(_native.seal(native)), t.requires_grad)
+
+
+for _cls in (Queue, JoinableQueue, SimpleQueue, Connection, Lock, RLock, Semaphore,
+             Condition, Event, Barrier):
+    multiprocessing.reduction.ForkingPickler.register(_cls, _reduce_handle)
+
+
+def register_torch_reducers():
+    """Makes multiprocessing pickle CPU ``torch.Tensor``s by multiproc handle (a tensor
+    in a multiproc block by handle, any other copied once into one). Done when
+    ``multiproc`` is imported after torch; call it again after importing
+    ``torch.multiprocessing``, which registers torch's own."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        multiprocessing.reduction.ForkingPickler.register(torch.Tensor, _reduce_tensor)
+
+
+register_torch_reducers()
+
+
+# --- processes this package did not start -------------------------------------------
+
+_KINDS = {}  # class -> the kind name open_bare takes
+
+
+def parcel_for_child(obj):
+    """Seals a queue, pipe end, lock or event into an fd for a program you start
+    yourself (``subprocess.Popen(..., pass_fds=[fd])``); the child opens it with
+    ``multiproc.open_parcel(fd, multiproc.Queue)`` (Python) or
+    ``multiproc::parcel::open::<Queue<Dynamic>>`` (Rust). Returns ``(fd, parcel)``: keep
+    ``parcel`` until the child has started, then ``parcel.close()``. A parcel opens
+    once."""
+    parcel = _native.seal_bare(obj._h)
+    return parcel.fileno(), parcel
+
+
+def open_parcel(fd, cls):
+    """Opens an fd that ``parcel_for_child`` (or a Rust program's
+    ``multiproc::parcel::seal``) made, as an object of ``cls`` (``multiproc.Queue``,
+    ``multiproc.Event``…). Takes ownership of ``fd``."""
+    kind = _KINDS.get(cls)
+    if kind is None:
+        raise TypeError(f"open_parcel cannot make a {cls!r}")
+    return _wrap(cls, _native.open_bare(fd, kind))
+
+
+_KINDS.update({
+    Queue: "queue", JoinableQueue: "joinable", SimpleQueue: "simple",
+    Connection: "connection", Event: "event", Lock: "lock", RLock: "rlock",
+    Semaphore: "semaphore", Condition: "condition", Barrier: "barrier",
+})

@@ -1,0 +1,166 @@
+"""Tensors: made in shared blocks, sent by handle, received without a copy (DLPack)."""
+
+import pickle
+import sys
+
+from . import _native
+
+_torch = None  # the torch module once looked up; False when it is not installed
+
+
+def _torch_module():
+    global _torch
+    if _torch is None:
+        try:
+            import torch
+        except ImportError:
+            _torch = False
+        else:
+            _torch = torch
+    return _torch or None
+
+
+def _decode_tensor(native):
+    """A received storage (a 1-D ``NativeTensor`` over all of it): a torch.Tensor over
+    the shared block (no copy) and its storage, or a numpy array (and None) when torch
+    is not installed."""
+    torch = _torch_module()
+    if torch is not None:
+        base = torch.from_dlpack(native)
+        return base, base.untyped_storage()
+    import numpy
+
+    return numpy.from_dlpack(native), None
+
+
+_TORCH_DTYPES = {}
+
+
+def _view_of_storage(storage, dtype, shape, strides, offset):
+    """A received tensor over a storage torch already has (from an earlier message)."""
+    d = _TORCH_DTYPES.get(dtype)
+    if d is None:
+        d = _TORCH_DTYPES[dtype] = getattr(_torch, dtype)
+    return _torch.empty(0, dtype=d).set_(storage, offset, shape, strides)
+
+
+def _view_tensor(base, shape, strides, offset):
+    """A received tensor: a view of its storage's ``base`` (strides in elements)."""
+    torch = _torch_module()
+    if torch is not None:
+        return base.as_strided(shape, strides, offset)
+    from numpy.lib.stride_tricks import as_strided
+
+    itemsize = base.itemsize
+    return as_strided(base[offset:], shape, tuple(s * itemsize for s in strides))
+
+
+_CUDA_ERROR = (
+    "a {} tensor cannot travel through multiproc's Python package, which shares CPU "
+    "tensors; move it with .cpu() first"
+)
+
+
+def _torch_memory(t, torch):
+    if t.device.type != "cpu":
+        raise ValueError(_CUDA_ERROR.format(t.device.type))
+    if t.layout != torch.strided:
+        raise ValueError(f"a tensor of layout {t.layout} cannot travel; only strided tensors")
+    s = t.untyped_storage()
+    return (s.data_ptr(), s.nbytes(), str(t.dtype), tuple(t.shape), tuple(t.stride()),
+            t.storage_offset(), t)
+
+
+def _numpy_memory(a):
+    import numpy
+
+    if a.dtype.kind not in "biuf" or not a.dtype.isnative:
+        return None
+    itemsize = a.itemsize
+    if any(s < 0 or s % itemsize for s in a.strides):
+        a = numpy.ascontiguousarray(a)
+    strides = tuple(s // itemsize for s in a.strides)
+    addr = a.__array_interface__["data"][0]
+    # The array that owns the memory plays torch's storage: views of one array then
+    # travel as views of one copy (or of one block), and arrive sharing memory.
+    root = a
+    while isinstance(root.base, numpy.ndarray):
+        root = root.base
+    if root is not a and (root.flags.c_contiguous or root.flags.f_contiguous):
+        start = root.__array_interface__["data"][0]
+        if (addr - start) % itemsize == 0 and start <= addr:
+            return (start, root.nbytes, a.dtype.name, tuple(a.shape), strides,
+                    (addr - start) // itemsize, a)
+    extent = 0 if a.size == 0 else (
+        sum((n - 1) * s for n, s in zip(a.shape, strides)) + 1) * itemsize
+    return (addr, extent, a.dtype.name, tuple(a.shape), strides, 0, a)
+
+
+def _encode_other(obj):
+    """What the native layer does with a value it has no rule for: a tensor's memory
+    (address, bytes, dtype, shape, strides, offset, owner), or the object's pickle."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(obj, torch.Tensor):
+        return _torch_memory(obj, torch)
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and isinstance(obj, numpy.ndarray):
+        memory = _numpy_memory(obj)
+        if memory is not None:
+            return memory
+    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _dtype_name(dtype):
+    if dtype is None:
+        return "float32"
+    if isinstance(dtype, str):
+        return dtype
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(dtype, torch.dtype):
+        return str(dtype)
+    try:
+        import numpy
+
+        return numpy.dtype(dtype).name
+    except (ImportError, TypeError) as e:
+        raise TypeError(f"not a dtype: {dtype!r}") from e
+
+
+def _shape(shape):
+    if isinstance(shape, int):
+        return [shape]
+    return [int(n) for n in shape]
+
+
+def empty(*shape, dtype=None):
+    """A tensor in a new shared block, uninitialised: it travels by handle."""
+    if len(shape) == 1 and not isinstance(shape[0], int):
+        shape = shape[0]
+    return _native.to_python(_native.new_tensor(_shape(shape), _dtype_name(dtype), None))
+
+
+def zeros(*shape, dtype=None):
+    """A tensor of zeros in a new shared block: it travels by handle."""
+    if len(shape) == 1 and not isinstance(shape[0], int):
+        shape = shape[0]
+    return _native.to_python(_native.new_tensor(_shape(shape), _dtype_name(dtype), 0.0))
+
+
+def full(shape, fill_value, dtype=None):
+    """A tensor filled with ``fill_value`` in a new shared block: it travels by handle."""
+    return _native.to_python(
+        _native.new_tensor(_shape(shape), _dtype_name(dtype), float(fill_value)))
+
+
+def share_memory_(tensor):
+    """Moves a CPU torch tensor's elements into a multiproc block (one copy), as torch's
+    ``share_memory_``: afterwards it travels by handle. Other tensors on its old storage
+    keep the old memory. Returns the tensor."""
+    torch = _torch_module()
+    if torch is None or not isinstance(tensor, torch.Tensor):
+        raise TypeError("share_memory_ takes a torch.Tensor")
+    shared = _native.to_python(_native.as_native(tensor))
+    with torch.no_grad():
+        tensor.set_(shared.untyped_storage(), shared.storage_offset(), shared.shape,
+                    shared.stride())
+    return tensor

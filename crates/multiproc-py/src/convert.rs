@@ -1,0 +1,342 @@
+//! Python values to and from `multiproc::Dynamic`, the type a queue carries.
+//!
+//! Plain values (None, bool, int, float, str, bytes, list, tuple, dict) convert here;
+//! anything else goes to the Python layer's `encode_other` hook, which answers with a
+//! tensor's memory (a CPU `torch.Tensor` or numpy array), a `NativeTensor`, or the
+//! object's pickle. Received tensors go to its `decode_tensor` hook, which makes a
+//! `torch.Tensor` (or a numpy array) over the shared block without a copy.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+use multiproc::{Dynamic, Storage, Tensor};
+use pyo3::exceptions::{PyRecursionError, PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::sync::GILOnceCell;
+use pyo3::types::{
+    PyBool, PyByteArray, PyBytes, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple,
+    PyWeakrefMethods, PyWeakrefReference,
+};
+
+use crate::dlpack::{NativeTensor, dtype_name, find_exported, parse_dtype};
+use crate::errors::to_py;
+
+/// The Python layer's two hooks (see the module docs).
+struct Hooks {
+    encode_other: PyObject,
+    decode_tensor: PyObject,
+    view_tensor: PyObject,
+    view_of_storage: PyObject,
+    loads: PyObject,
+}
+
+static HOOKS: GILOnceCell<Hooks> = GILOnceCell::new();
+
+/// Installs the Python layer's hooks (once, when `multiproc` is imported).
+#[pyfunction]
+pub fn _set_hooks(
+    py: Python<'_>,
+    encode_other: PyObject,
+    decode_tensor: PyObject,
+    view_tensor: PyObject,
+    view_of_storage: PyObject,
+) -> PyResult<()> {
+    let loads = py.import("pickle")?.getattr("loads")?.unbind();
+    let _ = HOOKS.set(
+        py,
+        Hooks {
+            encode_other,
+            decode_tensor,
+            view_tensor,
+            view_of_storage,
+            loads,
+        },
+    );
+    Ok(())
+}
+
+fn hooks(py: Python<'_>) -> PyResult<&Hooks> {
+    HOOKS.get(py).ok_or_else(|| {
+        PyValueError::new_err(
+            "multiproc._native is used without the multiproc package: import multiproc",
+        )
+    })
+}
+
+/// How deep messages may nest (a self-containing list stops here, not in a crash).
+const MAX_DEPTH: usize = 100;
+
+/// One message's conversion: storages copied into shared memory so far, by address, so
+/// that two views of one storage arrive sharing memory.
+#[derive(Default)]
+pub struct ToDynamic {
+    copied: HashMap<usize, Storage>,
+}
+
+impl ToDynamic {
+    /// Converts `obj` (and everything in it).
+    pub fn convert(&mut self, obj: &Bound<'_, PyAny>) -> PyResult<Dynamic> {
+        self.value(obj, 0)
+    }
+
+    fn value(&mut self, obj: &Bound<'_, PyAny>, depth: usize) -> PyResult<Dynamic> {
+        if depth > MAX_DEPTH {
+            return Err(PyRecursionError::new_err(format!(
+                "a message nests deeper than {MAX_DEPTH} levels (or contains itself)"
+            )));
+        }
+        let py = obj.py();
+        if obj.is_none() {
+            return Ok(Dynamic::None);
+        }
+        if let Ok(b) = obj.downcast_exact::<PyBool>() {
+            return Ok(Dynamic::Bool(b.is_true()));
+        }
+        if obj.is_exact_instance_of::<PyInt>() {
+            return Ok(match obj.extract::<i64>() {
+                Ok(i) => Dynamic::Int(i),
+                Err(_) => self.other(obj)?,
+            });
+        }
+        if let Ok(f) = obj.downcast_exact::<PyFloat>() {
+            return Ok(Dynamic::Float(f.value()));
+        }
+        if let Ok(s) = obj.downcast_exact::<PyString>() {
+            return Ok(Dynamic::Str(s.to_cow()?.into_owned()));
+        }
+        if let Ok(b) = obj.downcast_exact::<PyBytes>() {
+            return Ok(Dynamic::Bytes(b.as_bytes().to_vec()));
+        }
+        if let Ok(b) = obj.downcast_exact::<PyByteArray>() {
+            return Ok(Dynamic::Bytes(b.to_vec()));
+        }
+        if let Ok(l) = obj.downcast_exact::<PyList>() {
+            let mut items = Vec::with_capacity(l.len());
+            for item in l.iter() {
+                items.push(self.value(&item, depth + 1)?);
+            }
+            return Ok(Dynamic::List(items));
+        }
+        if let Ok(t) = obj.downcast_exact::<PyTuple>() {
+            let mut items = Vec::with_capacity(t.len());
+            for item in t.iter() {
+                items.push(self.value(&item, depth + 1)?);
+            }
+            return Ok(Dynamic::Tuple(items));
+        }
+        if let Ok(d) = obj.downcast_exact::<PyDict>() {
+            let mut items = Vec::with_capacity(d.len());
+            for (k, v) in d.iter() {
+                items.push((self.value(&k, depth + 1)?, self.value(&v, depth + 1)?));
+            }
+            return Ok(Dynamic::Dict(items));
+        }
+        if let Ok(t) = obj.downcast::<NativeTensor>() {
+            return Ok(Dynamic::Tensor(t.get().tensor.clone()));
+        }
+        let _ = py;
+        self.other(obj)
+    }
+
+    /// Asks the Python layer: a tensor's memory, a `NativeTensor`, or a pickle.
+    fn other(&mut self, obj: &Bound<'_, PyAny>) -> PyResult<Dynamic> {
+        let py = obj.py();
+        let answer = hooks(py)?.encode_other.bind(py).call1((obj,))?;
+        if let Ok(b) = answer.downcast::<PyBytes>() {
+            return Ok(Dynamic::Pickled(b.as_bytes().to_vec()));
+        }
+        if let Ok(t) = answer.downcast::<NativeTensor>() {
+            return Ok(Dynamic::Tensor(t.get().tensor.clone()));
+        }
+        // The answer's last item owns the memory (the object, or a contiguous copy of
+        // it); `answer` keeps it alive until the bytes are copied or found.
+        let (addr, nbytes, dtype, shape, strides, offset, _owner): (
+            usize,
+            usize,
+            String,
+            Vec<usize>,
+            Vec<usize>,
+            usize,
+            Bound<'_, PyAny>,
+        ) = answer.extract().map_err(|_| {
+            PyTypeError::new_err(
+                "multiproc's encode hook answered neither bytes nor a tensor's memory",
+            )
+        })?;
+        let tensor = self.tensor_from_memory(addr, nbytes, &dtype, &shape, &strides, offset)?;
+        Ok(Dynamic::Tensor(tensor))
+    }
+
+    /// A tensor over `nbytes` at `addr` (a torch storage or a numpy array's extent): by
+    /// handle when those bytes lie in a block this process exported, else copied once
+    /// into a new shared block (once per message for one storage).
+    fn tensor_from_memory(
+        &mut self,
+        addr: usize,
+        nbytes: usize,
+        dtype: &str,
+        shape: &[usize],
+        strides: &[usize],
+        offset: usize,
+    ) -> PyResult<Tensor> {
+        let dtype = parse_dtype(dtype)?;
+        let size = dtype.size();
+        let found = self
+            .copied
+            .get(&addr)
+            .map(|s| (s.clone(), 0))
+            .or_else(|| find_exported(addr, nbytes).filter(|(_, off)| off % size == 0));
+        let (storage, byte_offset) = match found {
+            Some(f) => f,
+            None => {
+                let copy = if nbytes == 0 {
+                    Tensor::from_slice_shared::<u8>(&[], &[0])
+                } else {
+                    // SAFETY: `addr` and `nbytes` are the address and size of the memory
+                    // of a CPU tensor or array that the caller holds alive for the
+                    // duration of this call (the Python layer reads them from the object
+                    // being sent); the bytes are only read, and copied.
+                    let bytes = unsafe { std::slice::from_raw_parts(addr as *const u8, nbytes) };
+                    Tensor::from_slice_shared::<u8>(bytes, &[nbytes])
+                }
+                .map_err(to_py)?;
+                let storage = copy.storage().clone();
+                self.copied.insert(addr, storage.clone());
+                (storage, 0)
+            }
+        };
+        Tensor::from_storage(storage, dtype, shape, strides, offset + byte_offset / size)
+            .map_err(to_py)
+    }
+}
+
+/// One received message's conversion to Python objects. A tensor arrives as a view
+/// (shape, strides, storage offset) of a torch tensor (or numpy array) over its whole
+/// storage, made once per storage and dtype: views of one storage share one torch
+/// storage, and keep their offsets (DLPack alone would make each view a storage of
+/// its own, starting at its first element).
+#[derive(Default)]
+pub struct FromDynamic {
+    bases: HashMap<(usize, multiproc::DType), PyObject>,
+}
+
+impl FromDynamic {
+    /// Converts `value`.
+    pub fn convert(&mut self, py: Python<'_>, value: Dynamic) -> PyResult<PyObject> {
+        Ok(match value {
+            Dynamic::None => py.None(),
+            Dynamic::Bool(b) => PyBool::new(py, b).to_owned().into_any().unbind(),
+            Dynamic::Int(i) => i.into_pyobject(py)?.into_any().unbind(),
+            Dynamic::Float(f) => PyFloat::new(py, f).into_any().unbind(),
+            Dynamic::Str(s) => PyString::new(py, &s).into_any().unbind(),
+            Dynamic::Bytes(b) => PyBytes::new(py, &b).into_any().unbind(),
+            Dynamic::List(items) => {
+                let list = PyList::empty(py);
+                for item in items {
+                    list.append(self.convert(py, item)?)?;
+                }
+                list.into_any().unbind()
+            }
+            Dynamic::Tuple(items) => {
+                let items = items
+                    .into_iter()
+                    .map(|i| self.convert(py, i))
+                    .collect::<PyResult<Vec<_>>>()?;
+                PyTuple::new(py, items)?.into_any().unbind()
+            }
+            Dynamic::Dict(items) => {
+                let dict = PyDict::new(py);
+                for (k, v) in items {
+                    dict.set_item(self.convert(py, k)?, self.convert(py, v)?)?;
+                }
+                dict.into_any().unbind()
+            }
+            Dynamic::Tensor(t) => self.tensor(py, t)?,
+            Dynamic::Pickled(b) => hooks(py)?
+                .loads
+                .bind(py)
+                .call1((PyBytes::new(py, &b),))?
+                .unbind(),
+        })
+    }
+
+    fn tensor(&mut self, py: Python<'_>, t: Tensor) -> PyResult<PyObject> {
+        let hooks = hooks(py)?;
+        let t = NativeTensor::new(t)?.tensor;
+        let shape = PyTuple::new(py, t.shape())?;
+        let strides = PyTuple::new(py, t.strides())?;
+        let block = (t.storage().data_ptr() as usize, t.storage().nbytes());
+        // A storage torch still holds: a view of it, no DLPack export.
+        if let Some(storage) = torch_storage(py, block) {
+            return Ok(hooks
+                .view_of_storage
+                .bind(py)
+                .call1((
+                    storage,
+                    dtype_name(t.dtype()),
+                    shape,
+                    strides,
+                    t.storage_offset(),
+                ))?
+                .unbind());
+        }
+        let key = (block.0, t.dtype());
+        let base = match self.bases.get(&key) {
+            Some(base) => base.clone_ref(py),
+            None => {
+                let elements = t.storage().nbytes() / t.dtype().size();
+                let whole =
+                    Tensor::from_storage(t.storage().clone(), t.dtype(), &[elements], &[1], 0)
+                        .map_err(to_py)?;
+                let native = Bound::new(py, NativeTensor::new(whole)?)?;
+                let (base, storage): (Bound<'_, PyAny>, Bound<'_, PyAny>) =
+                    hooks.decode_tensor.bind(py).call1((native,))?.extract()?;
+                if !storage.is_none() {
+                    remember_torch_storage(block, &storage)?;
+                }
+                self.bases.insert(key, base.clone().unbind());
+                base.unbind()
+            }
+        };
+        Ok(hooks
+            .view_tensor
+            .bind(py)
+            .call1((base, shape, strides, t.storage_offset()))?
+            .unbind())
+    }
+}
+
+/// The torch storages made from received blocks, by the block's address and size, as
+/// weak references. While torch keeps such a storage (any tensor on it lives), the
+/// block stays mapped at that address, so a block received again there is the same
+/// one, and a new view of the storage is all it takes (torch keeps one Python object
+/// per storage for as long as the storage lives).
+static TORCH_STORAGES: Mutex<Option<StorageTable>> = Mutex::new(None);
+
+/// Weak references to torch storages by (block address, block size).
+type StorageTable = HashMap<(usize, usize), Py<PyWeakrefReference>>;
+
+/// How many entries the table may hold before the dead ones are swept.
+const SWEEP_AT: usize = 1024;
+
+fn torch_storage<'py>(py: Python<'py>, block: (usize, usize)) -> Option<Bound<'py, PyAny>> {
+    let table = TORCH_STORAGES.lock().unwrap_or_else(|p| p.into_inner());
+    table.as_ref()?.get(&block)?.bind(py).upgrade()
+}
+
+fn remember_torch_storage(block: (usize, usize), storage: &Bound<'_, PyAny>) -> PyResult<()> {
+    let weak = PyWeakrefReference::new(storage)?.unbind();
+    let mut table = TORCH_STORAGES.lock().unwrap_or_else(|p| p.into_inner());
+    let table = table.get_or_insert_with(HashMap::new);
+    if table.len() >= SWEEP_AT {
+        let py = storage.py();
+        table.retain(|_, w| w.bind(py).upgrade().is_some());
+    }
+    table.insert(block, weak);
+    Ok(())
+}
+
+/// Converts a received value to Python objects.
+pub fn from_dynamic(py: Python<'_>, value: Dynamic) -> PyResult<PyObject> {
+    FromDynamic::default().convert(py, value)
+}

@@ -1,0 +1,370 @@
+//! Tensors handed to torch and numpy without a copy (DLPack), and the table that
+//! recognises their memory when they are put on a queue again.
+//!
+//! # Safety
+//!
+//! A capsule points at the bytes of a multiproc tensor that lives in shared memory,
+//! whose bytes never move; the capsule's context owns a clone of the tensor, so the
+//! block stays mapped until the consumer calls the deleter (torch and numpy call it when
+//! the last array on it is freed; the capsule's destructor calls it when no consumer
+//! took the capsule). The deleter frees exactly what the export allocated, once.
+
+use std::collections::BTreeMap;
+use std::ffi::{CStr, c_void};
+use std::sync::Mutex;
+
+use multiproc::{DType, Storage, Tensor};
+use pyo3::exceptions::{PyBufferError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyTuple;
+
+use crate::errors::to_py;
+
+#[repr(C)]
+struct DLDevice {
+    device_type: i32,
+    device_id: i32,
+}
+
+#[repr(C)]
+struct DLDataType {
+    code: u8,
+    bits: u8,
+    lanes: u16,
+}
+
+#[repr(C)]
+struct DLTensor {
+    data: *mut c_void,
+    device: DLDevice,
+    ndim: i32,
+    dtype: DLDataType,
+    shape: *mut i64,
+    strides: *mut i64,
+    byte_offset: u64,
+}
+
+/// DLPack 0.x's managed tensor (the `"dltensor"` capsule).
+#[repr(C)]
+struct DLManagedTensor {
+    dl_tensor: DLTensor,
+    manager_ctx: *mut c_void,
+    deleter: Option<unsafe extern "C" fn(*mut DLManagedTensor)>,
+}
+
+#[repr(C)]
+struct DLPackVersion {
+    major: u32,
+    minor: u32,
+}
+
+/// DLPack 1.x's managed tensor (the `"dltensor_versioned"` capsule).
+#[repr(C)]
+struct DLManagedTensorVersioned {
+    version: DLPackVersion,
+    manager_ctx: *mut c_void,
+    deleter: Option<unsafe extern "C" fn(*mut DLManagedTensorVersioned)>,
+    flags: u64,
+    dl_tensor: DLTensor,
+}
+
+const DL_CPU: i32 = 1;
+const DL_FLAG_READ_ONLY: u64 = 1;
+
+/// What a capsule's context owns: the tensor (so the block stays mapped) and the shape
+/// and strides the `DLTensor` points into.
+struct Exported {
+    tensor: Tensor,
+    shape: Vec<i64>,
+    strides: Vec<i64>,
+}
+
+/// dtype names as torch and numpy spell them.
+pub fn dtype_name(d: DType) -> &'static str {
+    match d {
+        DType::F32 => "float32",
+        DType::F64 => "float64",
+        DType::F16 => "float16",
+        DType::BF16 => "bfloat16",
+        DType::I8 => "int8",
+        DType::I16 => "int16",
+        DType::I32 => "int32",
+        DType::I64 => "int64",
+        DType::U8 => "uint8",
+        DType::Bool => "bool",
+        DType::U16 => "uint16",
+        DType::U32 => "uint32",
+        DType::U64 => "uint64",
+    }
+}
+
+/// The dtype named `name` (torch's or numpy's spelling).
+pub fn parse_dtype(name: &str) -> PyResult<DType> {
+    let name = name.strip_prefix("torch.").unwrap_or(name);
+    let d = match name {
+        "float32" | "float" => DType::F32,
+        "float64" | "double" => DType::F64,
+        "float16" | "half" => DType::F16,
+        "bfloat16" => DType::BF16,
+        "int8" => DType::I8,
+        "int16" | "short" => DType::I16,
+        "int32" | "int" => DType::I32,
+        "int64" | "long" => DType::I64,
+        "uint8" => DType::U8,
+        "bool" => DType::Bool,
+        "uint16" => DType::U16,
+        "uint32" => DType::U32,
+        "uint64" => DType::U64,
+        other => {
+            return Err(PyValueError::new_err(format!(
+                "multiproc has no dtype {other:?}: it has float32, float64, float16, bfloat16, \
+                 int8, int16, int32, int64, uint8, uint16, uint32, uint64 and bool"
+            )));
+        }
+    };
+    Ok(d)
+}
+
+fn dl_dtype(d: DType) -> DLDataType {
+    let code = match d {
+        DType::I8 | DType::I16 | DType::I32 | DType::I64 => 0,
+        DType::U8 | DType::U16 | DType::U32 | DType::U64 => 1,
+        DType::F32 | DType::F64 | DType::F16 => 2,
+        DType::BF16 => 4,
+        DType::Bool => 6,
+    };
+    DLDataType {
+        code,
+        bits: (d.size() * 8) as u8,
+        lanes: 1,
+    }
+}
+
+/// A storage this process handed out through DLPack, by the address range of its bytes.
+struct Block {
+    end: usize,
+    storage: Storage,
+    exports: usize,
+}
+
+/// The storages whose bytes torch or numpy arrays may point into, by start address:
+/// an array put on a queue whose memory lies in one of them travels by handle.
+static EXPORTED: Mutex<BTreeMap<usize, Block>> = Mutex::new(BTreeMap::new());
+
+fn exported() -> std::sync::MutexGuard<'static, BTreeMap<usize, Block>> {
+    EXPORTED.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn register(storage: &Storage) {
+    let start = storage.data_ptr() as usize;
+    let mut table = exported();
+    let block = table.entry(start).or_insert_with(|| Block {
+        end: start + storage.nbytes(),
+        storage: storage.clone(),
+        exports: 0,
+    });
+    block.exports += 1;
+}
+
+fn unregister(storage: &Storage) {
+    let start = storage.data_ptr() as usize;
+    let mut table = exported();
+    if let Some(block) = table.get_mut(&start) {
+        block.exports -= 1;
+        if block.exports == 0 {
+            table.remove(&start);
+        }
+    }
+}
+
+/// The exported storage whose bytes hold `[start, start + len)`, and the byte offset of
+/// `start` in it.
+pub fn find_exported(start: usize, len: usize) -> Option<(Storage, usize)> {
+    let table = exported();
+    let (&base, block) = table.range(..=start).next_back()?;
+    let end = start.checked_add(len)?;
+    (end <= block.end).then(|| (block.storage.clone(), start - base))
+}
+
+/// A multiproc tensor on its way to torch or numpy: `torch.from_dlpack(t)` and
+/// `numpy.from_dlpack(t)` take it without a copy.
+#[pyclass(module = "multiproc._native", name = "NativeTensor", frozen)]
+pub struct NativeTensor {
+    pub tensor: Tensor,
+}
+
+impl NativeTensor {
+    /// Wraps `tensor`, moving its bytes to shared memory if they are private (they would
+    /// move later, leaving a capsule dangling).
+    pub fn new(tensor: Tensor) -> PyResult<Self> {
+        if !tensor.is_shared() {
+            tensor.share_memory_().map_err(to_py)?;
+        }
+        Ok(Self { tensor })
+    }
+
+    fn context(&self) -> Box<Exported> {
+        Box::new(Exported {
+            tensor: self.tensor.clone(),
+            shape: self.tensor.shape().iter().map(|&n| n as i64).collect(),
+            strides: self.tensor.strides().iter().map(|&s| s as i64).collect(),
+        })
+    }
+}
+
+fn dl_tensor(ctx: &mut Exported) -> DLTensor {
+    DLTensor {
+        data: ctx.tensor.data_ptr().cast(),
+        device: DLDevice {
+            device_type: DL_CPU,
+            device_id: 0,
+        },
+        ndim: ctx.shape.len() as i32,
+        dtype: dl_dtype(ctx.tensor.dtype()),
+        shape: ctx.shape.as_mut_ptr(),
+        strides: ctx.strides.as_mut_ptr(),
+        byte_offset: 0,
+    }
+}
+
+unsafe extern "C" fn delete_legacy(managed: *mut DLManagedTensor) {
+    if managed.is_null() {
+        return;
+    }
+    // SAFETY: `managed` and its context were made by `Box::into_raw` in `__dlpack__`,
+    // and DLPack calls the deleter once.
+    let managed = unsafe { Box::from_raw(managed) };
+    // SAFETY: as above, the context is the `Exported` box of this export.
+    let ctx = unsafe { Box::from_raw(managed.manager_ctx.cast::<Exported>()) };
+    unregister(ctx.tensor.storage());
+}
+
+unsafe extern "C" fn delete_versioned(managed: *mut DLManagedTensorVersioned) {
+    if managed.is_null() {
+        return;
+    }
+    // SAFETY: as in `delete_legacy`.
+    let managed = unsafe { Box::from_raw(managed) };
+    // SAFETY: as in `delete_legacy`.
+    let ctx = unsafe { Box::from_raw(managed.manager_ctx.cast::<Exported>()) };
+    unregister(ctx.tensor.storage());
+}
+
+const LEGACY: &CStr = c"dltensor";
+const VERSIONED: &CStr = c"dltensor_versioned";
+
+/// The capsule's destructor: a capsule no consumer renamed (took) still owns its tensor.
+unsafe extern "C" fn capsule_destructor(capsule: *mut pyo3::ffi::PyObject) {
+    // SAFETY: called by Python with a live capsule; `PyCapsule_IsValid` only reads its
+    // name, and `PyCapsule_GetPointer` returns the pointer stored under that name.
+    unsafe {
+        if pyo3::ffi::PyCapsule_IsValid(capsule, LEGACY.as_ptr()) == 1 {
+            let p = pyo3::ffi::PyCapsule_GetPointer(capsule, LEGACY.as_ptr());
+            delete_legacy(p.cast());
+        } else if pyo3::ffi::PyCapsule_IsValid(capsule, VERSIONED.as_ptr()) == 1 {
+            let p = pyo3::ffi::PyCapsule_GetPointer(capsule, VERSIONED.as_ptr());
+            delete_versioned(p.cast());
+        }
+    }
+}
+
+#[pymethods]
+impl NativeTensor {
+    /// The DLPack capsule (version 1 when the consumer asks for it, else 0.x).
+    #[pyo3(signature = (*, stream=None, max_version=None, dl_device=None, copy=None))]
+    fn __dlpack__<'py>(
+        &self,
+        py: Python<'py>,
+        stream: Option<Bound<'py, PyAny>>,
+        max_version: Option<(u32, u32)>,
+        dl_device: Option<(i32, i32)>,
+        copy: Option<bool>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let _ = stream;
+        if let Some((kind, _)) = dl_device {
+            if kind != DL_CPU {
+                return Err(PyBufferError::new_err(
+                    "a multiproc tensor is on the CPU; it cannot be exported to another device",
+                ));
+            }
+        }
+        if copy == Some(true) {
+            return Err(PyBufferError::new_err(
+                "multiproc exports without a copy; copy the array after taking it",
+            ));
+        }
+        let read_only = self.tensor.is_read_only();
+        let versioned = max_version.is_some_and(|(major, _)| major >= 1);
+        let mut ctx = self.context();
+        let dl = dl_tensor(&mut ctx);
+        let storage = ctx.tensor.storage().clone();
+        let capsule = if versioned {
+            let managed = Box::new(DLManagedTensorVersioned {
+                version: DLPackVersion { major: 1, minor: 0 },
+                manager_ctx: Box::into_raw(ctx).cast(),
+                deleter: Some(delete_versioned),
+                flags: if read_only { DL_FLAG_READ_ONLY } else { 0 },
+                dl_tensor: dl,
+            });
+            register(&storage);
+            let raw = Box::into_raw(managed);
+            // SAFETY: `raw` is a live allocation owned from here on by the capsule (its
+            // destructor or the consumer's call of the deleter frees it).
+            let capsule = unsafe {
+                pyo3::ffi::PyCapsule_New(raw.cast(), VERSIONED.as_ptr(), Some(capsule_destructor))
+            };
+            if capsule.is_null() {
+                // SAFETY: no capsule took `raw`: it is still ours, freed once here.
+                unsafe { delete_versioned(raw) };
+            }
+            capsule
+        } else {
+            if read_only {
+                return Err(PyBufferError::new_err(
+                    "a read-only tensor needs DLPack 1.0 (torch >= 2.4 or numpy >= 2.1), \
+                     which can say it is read-only",
+                ));
+            }
+            let managed = Box::new(DLManagedTensor {
+                dl_tensor: dl,
+                manager_ctx: Box::into_raw(ctx).cast(),
+                deleter: Some(delete_legacy),
+            });
+            register(&storage);
+            let raw = Box::into_raw(managed);
+            // SAFETY: as above.
+            let capsule = unsafe {
+                pyo3::ffi::PyCapsule_New(raw.cast(), LEGACY.as_ptr(), Some(capsule_destructor))
+            };
+            if capsule.is_null() {
+                // SAFETY: as above.
+                unsafe { delete_legacy(raw) };
+            }
+            capsule
+        };
+        // SAFETY: `PyCapsule_New` returns a new reference or null with an exception set.
+        unsafe { Bound::from_owned_ptr_or_err(py, capsule) }
+    }
+
+    fn __dlpack_device__(&self) -> (i32, i32) {
+        (DL_CPU, 0)
+    }
+
+    #[getter]
+    fn shape<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        PyTuple::new(py, self.tensor.shape())
+    }
+
+    #[getter]
+    fn dtype(&self) -> &'static str {
+        dtype_name(self.tensor.dtype())
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "NativeTensor(shape={:?}, dtype={})",
+            self.tensor.shape(),
+            dtype_name(self.tensor.dtype())
+        )
+    }
+}

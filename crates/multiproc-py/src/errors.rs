@@ -1,0 +1,126 @@
+//! The library's errors as Python exceptions, and the loop that makes a blocking wait
+//! interruptible: waits run in slices with the GIL released, and Ctrl-C is checked
+//! between slices.
+
+use std::time::{Duration, Instant};
+
+use multiproc::Error;
+use pyo3::exceptions::{PyEOFError, PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyType;
+
+pyo3::create_exception!(
+    multiproc,
+    MultiprocError,
+    PyRuntimeError,
+    "An error of the multiproc library (the base of its other exceptions)."
+);
+pyo3::create_exception!(
+    multiproc,
+    FdLimitError,
+    MultiprocError,
+    "This process ran out of file descriptors; the message stayed queued."
+);
+pyo3::create_exception!(
+    multiproc,
+    InvalidMessageError,
+    MultiprocError,
+    "Received bytes or handles that are not a valid message."
+);
+pyo3::create_exception!(
+    multiproc,
+    OutOfSharedMemoryError,
+    MultiprocError,
+    "/dev/shm has no room for a new block."
+);
+pyo3::create_exception!(
+    multiproc,
+    ClosedError,
+    MultiprocError,
+    "The queue or connection was closed."
+);
+pyo3::create_exception!(
+    multiproc,
+    OwnerDiedError,
+    MultiprocError,
+    "A lock's holder died while holding it."
+);
+
+/// The Python exception for a library error.
+pub fn to_py(err: Error) -> PyErr {
+    let text = err.to_string();
+    match err {
+        Error::FdLimit { .. } => FdLimitError::new_err(text),
+        Error::InvalidMessage(_) => InvalidMessageError::new_err(text),
+        Error::OutOfSharedMemory { .. } => OutOfSharedMemoryError::new_err(text),
+        Error::Closed(_) => ClosedError::new_err(text),
+        Error::OwnerDied { .. } => OwnerDiedError::new_err(text),
+        Error::InvalidArgument(_) | Error::Tensor(_) => PyValueError::new_err(text),
+        Error::Encode(_) => PyTypeError::new_err(text),
+        _ => MultiprocError::new_err(text),
+    }
+}
+
+/// [`to_py`] where a closed channel is Python's `EOFError` (a `Connection`'s `recv`).
+pub fn to_py_eof(err: Error) -> PyErr {
+    match err {
+        Error::Closed(text) => PyEOFError::new_err(text),
+        other => to_py(other),
+    }
+}
+
+/// `queue.Empty` or `queue.Full` (the standard library's, as `multiprocessing` raises).
+pub fn queue_error(py: Python<'_>, name: &str, text: &str) -> PyErr {
+    match py
+        .import("queue")
+        .and_then(|m| m.getattr(name))
+        .and_then(|c| Ok(c.downcast_into::<PyType>()?))
+    {
+        Ok(cls) => PyErr::from_type(cls, text.to_owned()),
+        Err(e) => e,
+    }
+}
+
+/// How long one slice of a blocking wait lasts: Ctrl-C is noticed within it.
+const SLICE: Duration = Duration::from_millis(50);
+
+/// A Python timeout: `None` or negative waits forever.
+pub fn deadline(timeout: Option<f64>) -> PyResult<Option<Instant>> {
+    match timeout {
+        None => Ok(None),
+        Some(t) if t < 0.0 => Ok(None),
+        Some(t) if t.is_finite() => Ok(Some(Instant::now() + Duration::from_secs_f64(t))),
+        Some(_) => Ok(None),
+    }
+}
+
+/// What one slice of a wait did.
+pub enum Slice<T> {
+    /// Done (or failed): stop waiting.
+    Done(T),
+    /// Not yet: wait another slice, unless the deadline passed.
+    Again,
+}
+
+/// Runs `attempt` in slices of at most [`SLICE`] with the GIL released, checking for
+/// signals (Ctrl-C raises `KeyboardInterrupt`) between slices, until it is done or the
+/// deadline passes. Returns `None` when the deadline passed.
+pub fn wait_in_slices<T: Send>(
+    py: Python<'_>,
+    deadline: Option<Instant>,
+    mut attempt: impl FnMut(Duration) -> Slice<T> + Send,
+) -> PyResult<Option<T>> {
+    loop {
+        let slice = match deadline {
+            None => SLICE,
+            Some(d) => d.saturating_duration_since(Instant::now()).min(SLICE),
+        };
+        if let Slice::Done(v) = py.allow_threads(|| attempt(slice)) {
+            return Ok(Some(v));
+        }
+        py.check_signals()?;
+        if deadline.is_some_and(|d| Instant::now() >= d) {
+            return Ok(None);
+        }
+    }
+}

@@ -1,0 +1,203 @@
+//! Process-shared events, locks, semaphores, conditions and barriers, with the Python
+//! `threading`/`multiprocessing` method names.
+
+use std::time::Duration;
+
+use multiproc::{Barrier, Condition, Event, Lock, RLock, Semaphore};
+use pyo3::prelude::*;
+
+use crate::errors::{Slice, deadline, to_py, wait_in_slices};
+
+/// Waits in slices on an operation that takes a timeout and reports `Timeout` when it
+/// runs out: `Ok(true)` when it happened, `Ok(false)` when the deadline passed.
+fn timed(
+    py: Python<'_>,
+    block: bool,
+    timeout: Option<f64>,
+    op: impl Fn(Option<Duration>) -> multiproc::Result<()> + Sync,
+) -> PyResult<bool> {
+    if !block {
+        return match op(Some(Duration::ZERO)) {
+            Ok(()) => Ok(true),
+            Err(e) if e.is_timeout() => Ok(false),
+            Err(e) => Err(to_py(e)),
+        };
+    }
+    let done = wait_in_slices(py, deadline(timeout)?, |slice| match op(Some(slice)) {
+        Err(e) if e.is_timeout() => Slice::Again,
+        other => Slice::Done(other),
+    })?;
+    match done {
+        Some(r) => r.map(|()| true).map_err(to_py),
+        None => Ok(false),
+    }
+}
+
+#[pyclass(module = "multiproc._native", name = "Event", frozen)]
+pub struct PyEvent {
+    pub inner: Event,
+}
+
+#[pymethods]
+impl PyEvent {
+    #[new]
+    fn new() -> PyResult<Self> {
+        Ok(Self {
+            inner: Event::new().map_err(to_py)?,
+        })
+    }
+    fn set(&self) {
+        self.inner.set();
+    }
+    fn clear(&self) {
+        self.inner.clear();
+    }
+    fn is_set(&self) -> bool {
+        self.inner.is_set()
+    }
+    /// True when the flag is set, False when `timeout` seconds passed first.
+    #[pyo3(signature = (timeout=None))]
+    fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
+        timed(py, true, timeout, |t| self.inner.wait(t))
+    }
+}
+
+macro_rules! lock_methods {
+    ($ty:ident, $name:literal, $inner:ty, $new:expr) => {
+        #[pyclass(module = "multiproc._native", name = $name, frozen)]
+        pub struct $ty {
+            pub inner: $inner,
+        }
+
+        #[pymethods]
+        impl $ty {
+            #[pyo3(signature = (block=true, timeout=None))]
+            fn acquire(&self, py: Python<'_>, block: bool, timeout: Option<f64>) -> PyResult<bool> {
+                timed(py, block, timeout, |t| self.inner.acquire(t))
+            }
+            fn release(&self) -> PyResult<()> {
+                self.inner.release().map_err(to_py)
+            }
+            fn __enter__(&self, py: Python<'_>) -> PyResult<bool> {
+                self.acquire(py, true, None)
+            }
+            #[pyo3(signature = (*_exc))]
+            fn __exit__(&self, _exc: &Bound<'_, pyo3::types::PyTuple>) -> PyResult<()> {
+                self.release()
+            }
+        }
+
+        impl $ty {
+            pub fn create() -> PyResult<Self> {
+                Ok(Self {
+                    inner: $new.map_err(to_py)?,
+                })
+            }
+        }
+    };
+}
+
+lock_methods!(PyLock, "Lock", Lock, Lock::new());
+lock_methods!(PyRLock, "RLock", RLock, RLock::new());
+lock_methods!(PyCondition, "Condition", Condition, Condition::new());
+
+#[pymethods]
+impl PyLock {
+    #[new]
+    fn new() -> PyResult<Self> {
+        Self::create()
+    }
+}
+
+#[pymethods]
+impl PyRLock {
+    #[new]
+    fn new() -> PyResult<Self> {
+        Self::create()
+    }
+}
+
+#[pymethods]
+impl PyCondition {
+    #[new]
+    fn new() -> PyResult<Self> {
+        Self::create()
+    }
+
+    /// Waits for a notify (the lock held, released while waiting): True when notified,
+    /// False after `timeout` seconds. Waiting in slices loses no notify: a notifier holds
+    /// the lock, which this waiter holds between slices.
+    #[pyo3(signature = (timeout=None))]
+    fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
+        timed(py, true, timeout, |t| self.inner.wait(t))
+    }
+
+    #[pyo3(signature = (n=1))]
+    fn notify(&self, n: u32) {
+        self.inner.notify(n);
+    }
+
+    fn notify_all(&self) {
+        self.inner.notify_all();
+    }
+}
+
+#[pyclass(module = "multiproc._native", name = "Semaphore", frozen)]
+pub struct PySemaphore {
+    pub inner: Semaphore,
+}
+
+#[pymethods]
+impl PySemaphore {
+    #[new]
+    #[pyo3(signature = (value=1))]
+    fn new(value: u32) -> PyResult<Self> {
+        Ok(Self {
+            inner: Semaphore::new(value).map_err(to_py)?,
+        })
+    }
+    #[pyo3(signature = (block=true, timeout=None))]
+    fn acquire(&self, py: Python<'_>, block: bool, timeout: Option<f64>) -> PyResult<bool> {
+        timed(py, block, timeout, |t| self.inner.acquire(t))
+    }
+    fn release(&self) -> PyResult<()> {
+        self.inner.release().map_err(to_py)
+    }
+    fn get_value(&self) -> u32 {
+        self.inner.value()
+    }
+    fn __enter__(&self, py: Python<'_>) -> PyResult<bool> {
+        self.acquire(py, true, None)
+    }
+    #[pyo3(signature = (*_exc))]
+    fn __exit__(&self, _exc: &Bound<'_, pyo3::types::PyTuple>) -> PyResult<()> {
+        self.release()
+    }
+}
+
+#[pyclass(module = "multiproc._native", name = "Barrier", frozen)]
+pub struct PyBarrier {
+    pub inner: Barrier,
+}
+
+#[pymethods]
+impl PyBarrier {
+    #[new]
+    fn new(parties: u32) -> PyResult<Self> {
+        Ok(Self {
+            inner: Barrier::new(parties).map_err(to_py)?,
+        })
+    }
+    /// Waits for every party; returns this party's index (0..parties). One wait, the
+    /// GIL released: a barrier that timed out is broken, so it is not waited on in
+    /// slices, and Ctrl-C is seen when the wait returns.
+    #[pyo3(signature = (timeout=None))]
+    fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<u32> {
+        let timeout = timeout.filter(|t| *t >= 0.0).map(Duration::from_secs_f64);
+        py.allow_threads(|| self.inner.wait(timeout)).map_err(to_py)
+    }
+    #[getter]
+    fn parties(&self) -> u32 {
+        self.inner.parties()
+    }
+}

@@ -1,0 +1,95 @@
+"""Worker functions for the tests' child processes (importable by the spawn and
+forkserver start methods)."""
+
+import os
+import signal
+
+
+
+import multiproc
+
+
+def put_and_exit(q, n):
+    """Puts ``n`` tensors and leaves at once (os._exit: no cleanup at all)."""
+    for i in range(n):
+        q.put((i, multiproc.full((256,), float(i))))
+    os._exit(0)
+
+
+def add_one(rank, t, lock, done):
+    with lock:
+        t += 1
+    done.put(rank)
+
+
+def echo(q_in, q_out):
+    while True:
+        item = q_in.get()
+        if item is None:
+            return
+        q_out.put(item)
+
+
+def write_and_signal(t, ev, value):
+    t.fill_(value)
+    ev.set()
+
+
+def raise_on(rank, bad_rank, q):
+    q.put(rank)
+    if rank == bad_rank:
+        raise ValueError(f"rank {rank} found a NaN")
+
+
+def kill_self_on(rank, bad_rank, q):
+    q.put(rank)
+    if rank == bad_rank:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def exit_with(rank, code):
+    os._exit(code)
+
+
+def block_forever(rank, started, ev):
+    started.put((rank, os.getpid()))
+    ev.wait()
+
+
+def get_from(rank, q, out):
+    out.put(q.get())
+
+
+def receive_tensor(t, q):
+    q.put((t.sum().item(), t.shape, t.dtype))
+    t.zero_()
+
+
+def print_pid_and_wait(rank, ev):
+    # One write: two workers' lines never interleave.
+    os.write(1, b"%d\n" % os.getpid())
+    ev.wait()
+
+
+def barrier_then_put(rank, barrier, q):
+    q.put((rank, barrier.wait(60)))
+
+
+def consume_joinable(rank, q):
+    while True:
+        item = q.get()
+        q.task_done()
+        if item is None:
+            return
+
+
+def wait_on_condition(rank, cond, flag, ready):
+    with cond:
+        ready.put(rank)
+        assert cond.wait_for(lambda: flag.is_set(), timeout=60)
+
+
+def count_with_lock(rank, lock, counter, n):
+    for _ in range(n):
+        with lock:
+            counter += 1
