@@ -54,11 +54,28 @@ pub fn to_py(err: Error) -> PyErr {
         Error::InvalidMessage(_) => InvalidMessageError::new_err(text),
         Error::OutOfSharedMemory { .. } => OutOfSharedMemoryError::new_err(text),
         Error::Closed(_) => ClosedError::new_err(text),
+        Error::Disconnected(_) => disconnected(text),
         Error::OwnerDied { .. } => OwnerDiedError::new_err(text),
         Error::InvalidArgument(_) | Error::Tensor(_) => PyValueError::new_err(text),
         Error::Encode(_) => PyTypeError::new_err(text),
         _ => MultiprocError::new_err(text),
     }
+}
+
+/// `multiproc.DisconnectedError` (defined in Python: it is a `MultiprocError`, an
+/// `EOFError` and a `queue.Empty` at once), or a plain `EOFError` if the package
+/// cannot be imported.
+fn disconnected(text: String) -> PyErr {
+    Python::with_gil(|py| {
+        match py
+            .import("multiproc")
+            .and_then(|m| m.getattr("DisconnectedError"))
+            .and_then(|c| Ok(c.downcast_into::<PyType>()?))
+        {
+            Ok(cls) => PyErr::from_type(cls, text),
+            Err(_) => PyEOFError::new_err(text),
+        }
+    })
 }
 
 /// [`to_py`] where a closed channel is Python's `EOFError` (a `Connection`'s `recv`).

@@ -84,6 +84,7 @@ impl Parcel {
 
 fn handle_of(obj: &Bound<'_, PyAny>) -> PyResult<HandleOut> {
     if let Ok(q) = obj.downcast::<NativeQueue>() {
+        q.get().leaves_this_process();
         return Ok(match &q.get().flavor {
             Flavor::Queue(q) => HandleOut::Queue(q.clone()),
             Flavor::Joinable(q) => HandleOut::Joinable(q.clone()),
@@ -138,27 +139,11 @@ pub fn open_parcel(py: Python<'_>, fd: RawFd) -> PyResult<PyObject> {
         .allow_threads(|| multiproc::parcel::open(fd))
         .map_err(to_py)?;
     let obj = match handle {
-        Handle::Queue(q) => Bound::new(
-            py,
-            NativeQueue {
-                flavor: Flavor::Queue(q),
-            },
-        )?
-        .into_any(),
-        Handle::Joinable(q) => Bound::new(
-            py,
-            NativeQueue {
-                flavor: Flavor::Joinable(q),
-            },
-        )?
-        .into_any(),
-        Handle::Simple(q) => Bound::new(
-            py,
-            NativeQueue {
-                flavor: Flavor::Simple(q),
-            },
-        )?
-        .into_any(),
+        Handle::Queue(q) => Bound::new(py, NativeQueue::received(Flavor::Queue(q)))?.into_any(),
+        Handle::Joinable(q) => {
+            Bound::new(py, NativeQueue::received(Flavor::Joinable(q)))?.into_any()
+        }
+        Handle::Simple(q) => Bound::new(py, NativeQueue::received(Flavor::Simple(q)))?.into_any(),
         Handle::Connection(c) => Bound::new(py, NativeConnection::wrap(c))?.into_any(),
         Handle::Event(inner) => Bound::new(py, PyEvent { inner })?.into_any(),
         Handle::Lock(inner) => Bound::new(py, PyLock { inner })?.into_any(),
@@ -212,27 +197,13 @@ pub fn open_bare(py: Python<'_>, fd: RawFd, kind: &str) -> PyResult<PyObject> {
             .map_err(to_py)
     }
     let obj = match kind {
-        "queue" => Bound::new(
-            py,
-            NativeQueue {
-                flavor: Flavor::Queue(open(py, fd)?),
-            },
-        )?
-        .into_any(),
-        "joinable" => Bound::new(
-            py,
-            NativeQueue {
-                flavor: Flavor::Joinable(open(py, fd)?),
-            },
-        )?
-        .into_any(),
-        "simple" => Bound::new(
-            py,
-            NativeQueue {
-                flavor: Flavor::Simple(open(py, fd)?),
-            },
-        )?
-        .into_any(),
+        "queue" => Bound::new(py, NativeQueue::received(Flavor::Queue(open(py, fd)?)))?.into_any(),
+        "joinable" => {
+            Bound::new(py, NativeQueue::received(Flavor::Joinable(open(py, fd)?)))?.into_any()
+        }
+        "simple" => {
+            Bound::new(py, NativeQueue::received(Flavor::Simple(open(py, fd)?)))?.into_any()
+        }
         "connection" => Bound::new(py, NativeConnection::wrap(open(py, fd)?))?.into_any(),
         "event" => Bound::new(
             py,

@@ -16,6 +16,7 @@ use crate::convert::{ToDynamic, from_dynamic};
 use crate::errors::{Slice, deadline, queue_error, to_py, to_py_eof, wait_in_slices};
 
 /// The queue behind a Python `Queue`, `JoinableQueue` or `SimpleQueue`.
+#[derive(Clone)]
 pub enum Flavor {
     Queue(Queue<Dynamic>),
     Joinable(JoinableQueue<Dynamic>),
@@ -62,6 +63,32 @@ impl Flavor {
 #[pyclass(module = "multiproc._native", name = "NativeQueue", frozen)]
 pub struct NativeQueue {
     pub flavor: Flavor,
+    /// A second handle on the queue, held while it has never left this process. Python
+    /// threads share one object, which the library cannot count as handles; so a
+    /// queue made here counts as held by another thread until it is sent to another
+    /// process (see `parcel`), and a `get` on it waits as torch's does rather than
+    /// report `DisconnectedError`. Once sent, the other processes' handles are what
+    /// keeps it connected (in-process threads are then not counted).
+    pub kept_for_threads: std::sync::Mutex<Option<Flavor>>,
+}
+
+impl NativeQueue {
+    /// A queue received from another process (no handle kept for threads).
+    pub fn received(flavor: Flavor) -> Self {
+        Self {
+            flavor,
+            kept_for_threads: std::sync::Mutex::new(None),
+        }
+    }
+
+    /// The queue is going to another process: from now on, a `get` here that finds it
+    /// empty with no other process's handle left reports `DisconnectedError`.
+    pub fn leaves_this_process(&self) {
+        self.kept_for_threads
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+    }
 }
 
 #[pymethods]
@@ -81,7 +108,10 @@ impl NativeQueue {
             ("simple", _) => Flavor::Simple(SimpleQueue::new().map_err(to_py)?),
             _ => return Err(PyValueError::new_err(format!("no queue kind {kind:?}"))),
         };
-        Ok(Self { flavor })
+        Ok(Self {
+            kept_for_threads: std::sync::Mutex::new(Some(flavor.clone())),
+            flavor,
+        })
     }
 
     #[pyo3(signature = (obj, block=true, timeout=None))]
@@ -136,7 +166,11 @@ impl NativeQueue {
                 }
             })?
         } else {
-            py.allow_threads(|| self.flavor.try_get()).transpose()
+            // Non-blocking: a disconnected queue is empty now, as `queue.Empty` says.
+            match py.allow_threads(|| self.flavor.try_get()) {
+                Err(e) if e.is_disconnected() => None,
+                other => other.transpose(),
+            }
         };
         match got {
             Some(Ok(value)) => from_dynamic(py, value),

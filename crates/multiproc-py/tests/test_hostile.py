@@ -13,7 +13,7 @@ import multiproc as mp
 HEADER = b"MPW\x01"
 
 
-def packet(payload, nfds=0, version=1, kind=0, declared=None):
+def packet(payload, nfds=0, version=2, kind=0, declared=None):
     length = len(payload) if declared is None else declared
     return HEADER + bytes([version, kind, 0, 0]) + struct.pack("<II", nfds, length) + payload
 

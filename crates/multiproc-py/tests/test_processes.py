@@ -4,6 +4,7 @@ reports."""
 
 import multiprocessing
 import os
+import queue
 import signal
 
 import pytest
@@ -64,6 +65,41 @@ def test_the_producer_may_exit_right_after_put(method):
         j, t = q.get(timeout=10)
         assert j == i and torch.equal(t, torch.full((256,), float(i)))
     assert q.empty()
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_consumer_whose_producers_all_exited_is_told_so(method):
+    # torch.multiprocessing's get waits forever here.
+    ctx = multiprocessing.get_context(method)
+    q = mp.Queue()
+    procs = [ctx.Process(target=workers.put_and_exit, args=(q, 5)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+        assert p.exitcode == 0
+    got = sorted(q.get(timeout=30)[0] for _ in range(10))
+    assert got == sorted(list(range(5)) * 2), "every message first"
+    with pytest.raises(mp.DisconnectedError) as info:
+        q.get()  # no timeout: it would wait forever without the error
+    assert isinstance(info.value, EOFError) and isinstance(info.value, queue.Empty)
+    with pytest.raises(queue.Empty):
+        q.get_nowait()
+
+
+def test_a_queue_that_never_left_the_process_waits_for_its_threads():
+    q = mp.Queue()
+    with pytest.raises(queue.Empty):
+        q.get(timeout=0.05)
+    assert not isinstance(_raised(lambda: q.get(timeout=0.05)), mp.DisconnectedError)
+
+
+def _raised(f):
+    try:
+        f()
+    except Exception as e:  # noqa: BLE001 - the test looks at which one
+        return e
+    return None
 
 
 def test_handles_through_a_multiprocessing_queue():

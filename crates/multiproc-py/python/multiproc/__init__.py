@@ -17,6 +17,7 @@ process reads the same queue as ``Queue<multiproc::Dynamic>``.
 
 import os
 import pickle
+import queue as _queue
 import sys
 
 from . import _native
@@ -56,8 +57,18 @@ from .spawn import (
 
 _native._set_hooks(_encode_other, _decode_tensor, _view_tensor, _view_of_storage)
 
+
+class DisconnectedError(MultiprocError, EOFError, _queue.Empty):
+    """A get or recv found its queue or pipe empty with no other handle of it left
+    anywhere — in another process (exited or killed), another thread, or a message in
+    flight — so nothing can ever arrive. torch.multiprocessing's queues wait forever
+    there. It is an ``EOFError`` (what ``Connection.recv`` raises at the end) and a
+    ``queue.Empty`` (what code ported from torch catches around ``get``); a
+    non-blocking ``get`` raises plain ``queue.Empty``."""
+
 __all__ = [
-    "Barrier", "ClosedError", "Condition", "Connection", "Event", "FdLimitError",
+    "Barrier", "ClosedError", "Condition", "Connection", "DisconnectedError", "Event",
+    "FdLimitError",
     "InvalidMessageError", "JoinableQueue", "Lock", "MultiprocError",
     "OutOfSharedMemoryError", "OwnerDiedError", "Pipe", "ProcessContext",
     "ProcessException", "ProcessExitedException", "ProcessRaisedException", "Queue",
