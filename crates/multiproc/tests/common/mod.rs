@@ -212,16 +212,25 @@ pub fn children() -> BTreeSet<u32> {
     out
 }
 
-/// Whether process `pid` exists and is not a zombie.
+/// Whether process `pid` still runs: it exists and has not exited, as its pidfd says
+/// (readable once every thread of it has ended, which is when a parent can reap it).
+/// `/proc/<pid>/stat` says `Z` as soon as the main thread has exited, while its other
+/// threads may still be ending, so a parent asked then would still see it running.
 pub fn alive(pid: u32) -> bool {
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Ok(stat) => {
-            let state = stat
-                .rfind(')')
-                .and_then(|i| stat[i + 1..].trim_start().chars().next());
-            !matches!(state, Some('Z') | Some('X'))
-        }
-        Err(_) => false,
+    let Some(pid) = rustix::process::Pid::from_raw(pid as i32) else {
+        return false;
+    };
+    let Ok(pidfd) = rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty()) else {
+        return false;
+    };
+    let mut fds = [rustix::event::PollFd::new(&pidfd, rustix::event::PollFlags::IN)];
+    let zero = rustix::event::Timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    match rustix::event::poll(&mut fds, Some(&zero)) {
+        Ok(n) => n == 0,
+        Err(_) => true,
     }
 }
 
