@@ -223,7 +223,10 @@ pub fn alive(pid: u32) -> bool {
     let Ok(pidfd) = rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty()) else {
         return false;
     };
-    let mut fds = [rustix::event::PollFd::new(&pidfd, rustix::event::PollFlags::IN)];
+    let mut fds = [rustix::event::PollFd::new(
+        &pidfd,
+        rustix::event::PollFlags::IN,
+    )];
     let zero = rustix::event::Timespec {
         tv_sec: 0,
         tv_nsec: 0,
