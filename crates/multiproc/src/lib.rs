@@ -503,7 +503,7 @@ mod dynamic;
 mod error;
 #[cfg(target_os = "linux")]
 mod idle;
-
+#[cfg(target_os = "linux")]
 mod manager;
 #[cfg(target_os = "linux")]
 pub mod parcel;
