@@ -82,28 +82,31 @@ def torch_figures(scale):
     count_of = lambda c: max(3, int(c * scale))
 
     q, acks = ctx.Queue(), ctx.Queue()
-    p = ctx.Process(target=consumer, args=(q, acks))
+    # Daemonic, so that a failed assertion here ends the run instead of waiting on them.
+    p = ctx.Process(target=consumer, args=(q, acks), daemon=True)
     p.start()
+    sent = [0]  # the consumer counts across sizes, so the expected ack does too
     for nbytes, count in SIZES:
-        def step(i):
+        def step(_):
             x = torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
             q.put(x)
-            ack = acks.get()
-            assert ack == i, (ack, i)
+            ack = acks.get(timeout=30)
+            assert ack == sent[0], (ack, sent[0])
+            sent[0] += 1
         done, seconds = timed(count_of(count), 3, step)
         out.append(figure("cuda_fresh", nbytes, done, seconds))
     q.put(None)
     p.join()
 
     q, acks = ctx.Queue(), ctx.Queue()
-    p = ctx.Process(target=ponger, args=(q, acks))
+    p = ctx.Process(target=ponger, args=(q, acks), daemon=True)
     p.start()
     for nbytes, count in SIZES:
         x = torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
 
         def step(_):
             q.put(x)
-            acks.get()
+            acks.get(timeout=30)
         done, seconds = timed(count_of(count * 2), 3, step)
         out.append(figure("cuda_ping", nbytes, done, seconds))
     q.put(None)
