@@ -308,7 +308,7 @@ fn classify(fd: std::os::fd::BorrowedFd<'_>, blob: &mut Vec<u8>) -> Result<u8> {
     }
     let mut kind = [0u8; 4];
     let _ = memfd::read_at_start(fd, &mut kind);
-    if u32::from_le_bytes(kind) == 0x5249_4e47 {
+    if u32::from_ne_bytes(kind) == crate::queue::RING_KIND {
         return Ok(6); // a queue's ring
     }
     if size == 4096 {

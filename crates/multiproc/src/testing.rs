@@ -29,3 +29,26 @@ pub fn while_custody_locked<T: serde::Serialize + serde::de::DeserializeOwned, R
 ) -> crate::Result<R> {
     queue.while_custody_locked(f)
 }
+
+/// Puts `item` on `queue`, running `pause` after its slot in the queue's ring is claimed
+/// and before the record is written: a test makes a writer that stops (SIGSTOP) there.
+/// Built with the `fuzzing` feature only.
+#[cfg(feature = "fuzzing")]
+pub fn put_pausing_in_ring<T: serde::Serialize + serde::de::DeserializeOwned>(
+    queue: &crate::SimpleQueue<T>,
+    item: &T,
+    pause: impl FnOnce(),
+) -> crate::Result<()> {
+    queue.put_pausing_in_ring(item, pause)
+}
+
+/// Gets one item from `queue`, running `pause` the first time a record has been copied
+/// out of the queue's ring and before it is taken: a test makes a reader that stops
+/// (SIGSTOP) there. Built with the `fuzzing` feature only.
+#[cfg(feature = "fuzzing")]
+pub fn get_pausing_in_ring<T: serde::Serialize + serde::de::DeserializeOwned>(
+    queue: &crate::SimpleQueue<T>,
+    pause: impl FnOnce(),
+) -> crate::Result<T> {
+    queue.get_pausing_in_ring(pause)
+}

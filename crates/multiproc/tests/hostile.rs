@@ -702,7 +702,7 @@ fn queue_event_and_lock_handles_whose_fd_is_of_the_wrong_kind() {
         );
         assert_says(&refused(&here), &["queue ring segment holds 4096 bytes"]);
         // Big enough, but not a ring (its kind word says so).
-        let not_a_ring = sealed(4096 + 64 * 1024);
+        let not_a_ring = sealed(4096 + (1 << 20));
         send_raw(
             there.as_fd(),
             &packet(6, &body),

@@ -1,10 +1,13 @@
 //! Stopped peers never cost a message or a deadline: a process stopped (SIGSTOP: a
-//! debugger, Ctrl-Z, a frozen container) while it holds a queue's lock makes the others
-//! wait for it, but a `get` without a deadline never returns early and nothing is lost;
-//! when the stopped process resumes, everything carries on.
+//! debugger, Ctrl-Z, a frozen container) anywhere inside a `put` or a `get` — with a
+//! slot of the queue's ring claimed, with a record copied out and not yet taken, or
+//! holding the lock of the queue's block custody — loses nobody's message, a `get`
+//! without a deadline never returns early, and when the stopped process resumes,
+//! everything carries on (nothing lost, nothing taken twice). The ring is lock-free, so
+//! the others do not even wait for it; the custody lock makes a lookup wait, never fail.
 //!
-//! The stop lasts longer than any internal wait of the library (a lookup in a queue's
-//! block custody gave up after 10 s and lost its message before).
+//! The custody stop lasts longer than any internal wait of the library (a lookup in a
+//! queue's block custody gave up after 10 s and lost its message before).
 
 multiproc::test_init!();
 
@@ -12,7 +15,7 @@ mod common;
 
 use std::time::Duration;
 
-use multiproc::{DType, Event, Process, Queue, StartMethod, Tensor, start_processes};
+use multiproc::{DType, Event, Process, Queue, SimpleQueue, StartMethod, Tensor, start_processes};
 
 const DEADLINE: Duration = Duration::from_secs(90);
 const WAIT: Duration = Duration::from_secs(30);
@@ -103,5 +106,170 @@ fn a_get_without_deadline_waits_out_a_stopped_lock_holder_and_loses_nothing() {
         assert_eq!(sums, [0.0, 65536.0, 131072.0]);
         getter.join().unwrap();
         holder.join(Some(WAIT)).unwrap();
+    });
+}
+
+/// What the stopped writer puts (no producer below puts it).
+const STOPPED_ITEM: u64 = u64::MAX;
+
+/// Stops this process (SIGSTOP) until it is continued; `holding` is set first.
+fn stop_here(holding: &Event) {
+    holding.set();
+    rustix::process::kill_process(rustix::process::getpid(), rustix::process::Signal::STOP)
+        .expect("SIGSTOP to itself");
+}
+
+/// Claims a slot of the queue's ring for [`STOPPED_ITEM`] and stops itself before it
+/// writes the record; once continued, finishes the put.
+fn stop_inside_a_put(
+    _rank: usize,
+    (q, holding): (SimpleQueue<u64>, Event),
+) -> multiproc::Result<()> {
+    multiproc::__testing::put_pausing_in_ring(&q, &STOPPED_ITEM, || stop_here(&holding))
+}
+
+/// Copies the first record out of the queue's ring and stops itself before it takes
+/// it; once continued, finishes its get and sends what it got on `out`.
+fn stop_inside_a_get(
+    _rank: usize,
+    (q, holding, out): (SimpleQueue<u64>, Event, SimpleQueue<u64>),
+) -> multiproc::Result<()> {
+    let got = multiproc::__testing::get_pausing_in_ring(&q, || stop_here(&holding))?;
+    out.put(got).map_err(multiproc::Error::from)
+}
+
+/// Puts `count` numbers, `rank * 1_000_000 + i`, and exits.
+fn put_numbers(rank: usize, (q, count): (SimpleQueue<u64>, u64)) -> multiproc::Result<()> {
+    for i in 0..count {
+        q.put(rank as u64 * 1_000_000 + i)?;
+    }
+    Ok(())
+}
+
+/// Continues a stopped process.
+fn continue_process(process: &Process) {
+    let pid = rustix::process::Pid::from_raw(process.pid().unwrap()).unwrap();
+    rustix::process::kill_process(pid, rustix::process::Signal::CONT).unwrap();
+}
+
+/// Gets `count` items on a thread, each within [`WAIT`]; what came (fewer when a get
+/// failed or waited too long: the caller continues the stopped process first, then
+/// judges).
+fn get_on_a_thread(q: &SimpleQueue<u64>, count: usize) -> std::thread::JoinHandle<Vec<u64>> {
+    let q = q.clone();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for _ in 0..count {
+            match q.get() {
+                Ok(v) => tx.send(v).unwrap(),
+                Err(e) => {
+                    eprintln!("get failed: {e}");
+                    return;
+                }
+            }
+        }
+    });
+    std::thread::spawn(move || {
+        let mut got = Vec::new();
+        while got.len() < count {
+            match rx.recv_timeout(WAIT) {
+                Ok(v) => got.push(v),
+                Err(_) => break,
+            }
+        }
+        got
+    })
+}
+
+/// Nothing more waits on `q` (its other holders have gone, or a short get finds nothing).
+fn assert_drained(q: &SimpleQueue<u64>) {
+    match q.get_timeout(Duration::from_millis(200)) {
+        Err(e) if e.is_disconnected() || matches!(e, multiproc::Error::Timeout { .. }) => {}
+        other => panic!("the queue held more: {other:?}"),
+    }
+}
+
+#[test]
+fn a_writer_stopped_inside_a_put_holds_nobody_up_and_loses_nothing() {
+    common::run(DEADLINE, || {
+        let q = SimpleQueue::<u64>::new().unwrap();
+        let holding = Event::new().unwrap();
+        let mut writer = Process::new(stop_inside_a_put, 0, (q.clone(), holding.clone()));
+        writer.start().unwrap();
+        holding.wait(Some(WAIT)).unwrap();
+        // While the writer is stopped with a slot of the ring claimed, three producers
+        // put more than the ring holds, and every item reaches the getter in order.
+        let (producers, per_producer) = (3, 1500);
+        let mut ps = start_processes(
+            put_numbers,
+            (q.clone(), per_producer),
+            producers,
+            StartMethod::Spawn,
+        )
+        .unwrap();
+        let got = get_on_a_thread(&q, producers * per_producer as usize)
+            .join()
+            .unwrap();
+        continue_process(&writer);
+        ps.join(Some(WAIT)).unwrap();
+        assert_eq!(
+            got.len(),
+            producers * per_producer as usize,
+            "the others' items did not all come while the writer was stopped"
+        );
+        for rank in 0..producers as u64 {
+            let mine: Vec<u64> = got
+                .iter()
+                .copied()
+                .filter(|v| v / 1_000_000 == rank)
+                .collect();
+            let want: Vec<u64> = (0..per_producer).map(|i| rank * 1_000_000 + i).collect();
+            assert_eq!(
+                mine, want,
+                "producer {rank}'s items lost, duplicated or reordered"
+            );
+        }
+        // Continued, the writer finishes its put: its item comes once.
+        writer.join(Some(WAIT)).unwrap();
+        assert_eq!(q.get_timeout(WAIT).unwrap(), STOPPED_ITEM);
+        assert_drained(&q);
+    });
+}
+
+#[test]
+fn a_reader_stopped_inside_a_get_holds_nobody_up_and_takes_nothing() {
+    common::run(DEADLINE, || {
+        let q = SimpleQueue::<u64>::new().unwrap();
+        let out = SimpleQueue::<u64>::new().unwrap();
+        let holding = Event::new().unwrap();
+        q.put(1).unwrap();
+        let mut reader = Process::new(
+            stop_inside_a_get,
+            0,
+            (q.clone(), holding.clone(), out.clone()),
+        );
+        reader.start().unwrap();
+        holding.wait(Some(WAIT)).unwrap();
+        // The stopped reader has copied item 1 but not taken it: it is still ours to
+        // get, and the queue carries on.
+        let first = get_on_a_thread(&q, 1).join().unwrap();
+        let mut rest = Vec::new();
+        if first == [1] {
+            q.put(2).unwrap();
+            q.put(3).unwrap();
+            rest = get_on_a_thread(&q, 2).join().unwrap();
+        }
+        continue_process(&reader);
+        assert_eq!(
+            first,
+            [1],
+            "the item a stopped reader copied was not left to the others"
+        );
+        assert_eq!(rest, [2, 3]);
+        // Continued, the reader finds its copy taken and gets the next item instead.
+        q.put(4).unwrap();
+        assert_eq!(out.get_timeout(WAIT).unwrap(), 4);
+        reader.join(Some(WAIT)).unwrap();
+        assert_drained(&q);
     });
 }

@@ -308,6 +308,40 @@ impl Channel {
         self.custody.while_locked(f)
     }
 
+    /// Puts `item` without a deadline, running `pause` while its ring slot is claimed
+    /// and not yet written (tests).
+    #[cfg(feature = "fuzzing")]
+    pub(crate) fn put_pausing_in_ring<T: Serialize>(
+        &self,
+        item: &T,
+        pause: impl FnOnce(),
+    ) -> Result<()> {
+        let mut encoded = self.encode(item)?;
+        self.ring
+            .send_pausing(&mut encoded, self.tx.as_fd(), None, pause)
+    }
+
+    /// Gets one item without a deadline, running `pause` the first time a record has
+    /// been copied out of the ring and not yet taken (tests).
+    #[cfg(feature = "fuzzing")]
+    pub(crate) fn get_pausing_in_ring<T: DeserializeOwned>(
+        &self,
+        others_here: OthersHere<'_>,
+        pause: impl FnOnce(),
+    ) -> Result<T> {
+        self.check_open("get")?;
+        let packet = self
+            .ring
+            .recv_pausing(
+                self.rx.as_fd(),
+                None,
+                &|| self.disconnected(others_here, false),
+                pause,
+            )?
+            .ok_or_else(|| Error::timeout("a get without deadline", None))?;
+        self.decode(packet)
+    }
+
     /// The sending socket, for tests that inject raw packets.
     #[cfg(test)]
     pub(crate) fn tx_fd(&self) -> std::os::fd::BorrowedFd<'_> {

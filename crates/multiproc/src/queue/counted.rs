@@ -28,7 +28,8 @@
 //! soak in `tests/faults.rs` loses about one place in 100 kills of a busy consumer
 //! (it lost two before the ring). The loss is bounded and reported: a later `put`
 //! waits for room and a `put_timeout` says it timed out. (Closing the ring's window
-//! would mean giving the place back under the ring lock, in the same step as the take.)
+//! would mean giving the place back in the same compare-and-swap as the take, which the
+//! ring's slot protocol does not couple to the count.)
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};

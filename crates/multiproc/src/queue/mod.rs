@@ -45,6 +45,8 @@ mod custody;
 mod joinable;
 mod pipe;
 mod ring;
+#[cfg(feature = "fuzzing")]
+pub(crate) use ring::KIND as RING_KIND;
 mod simple;
 
 pub use bounded::{Queue, QueueIter, QueueTryIter};

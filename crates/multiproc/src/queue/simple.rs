@@ -89,6 +89,21 @@ impl<T: Serialize + DeserializeOwned> SimpleQueue<T> {
         self.channel.try_get(&|| self.others_here())
     }
 
+    /// [`put`](Self::put), running `pause` while the item's slot in the queue's ring is
+    /// claimed and not yet written (the tests' stopped-writer cases).
+    #[cfg(feature = "fuzzing")]
+    pub(crate) fn put_pausing_in_ring(&self, item: &T, pause: impl FnOnce()) -> Result<()> {
+        self.channel.put_pausing_in_ring(item, pause)
+    }
+
+    /// [`get`](Self::get), running `pause` once a record has been copied out of the
+    /// queue's ring and before it is taken (the tests' stopped-reader cases).
+    #[cfg(feature = "fuzzing")]
+    pub(crate) fn get_pausing_in_ring(&self, pause: impl FnOnce()) -> Result<T> {
+        self.channel
+            .get_pausing_in_ring(&|| self.others_here(), pause)
+    }
+
     /// Whether another handle of this queue exists in this process.
     fn others_here(&self) -> bool {
         Arc::strong_count(&self.channel) > 1

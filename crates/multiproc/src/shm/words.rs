@@ -118,6 +118,25 @@ impl SharedWords {
         }
     }
 
+    /// The 64-bit atomic word at byte `offset` of the byte area (a multiple of 8, inside
+    /// the area): the per-record state words of a ring. `None` when out of range or
+    /// misaligned.
+    pub(crate) fn area_word64(&self, offset: usize) -> Option<&AtomicU64> {
+        if offset % 8 != 0 || offset.checked_add(8).is_none_or(|end| end > self.bytes) {
+            return None;
+        }
+        // SAFETY: the 8 bytes lie inside the byte area, which starts at a page boundary
+        // of the mapping, so an offset that is a multiple of 8 is 8-aligned; the mapping
+        // outlives `&self`, and atomics may be written by anyone (see the module docs).
+        Some(unsafe {
+            &*self
+                .map
+                .as_ptr()
+                .add(BLOCK_BYTES + offset)
+                .cast::<AtomicU64>()
+        })
+    }
+
     /// Copies `out.len()` bytes of the byte area, from `offset` on, into `out`; `false`
     /// (nothing copied) when that range is not inside the area. The bytes are whatever
     /// the area holds at that moment: the caller validates them.
