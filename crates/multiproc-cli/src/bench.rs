@@ -10,6 +10,7 @@
 //! | `ping` | the parent `put`s one shared tensor, the worker sends it straight back, the parent `get`s it: a round trip of the same storage | 4 KiB and 64 MiB (2,000 each) | µs per round trip |
 //! | `spawn` | `multiproc::spawn` of 4 no-op workers and their join, after one warm-up | 4 workers (median of 10) | seconds |
 //! | `memory` | 8 workers each `put` 50 fresh 64 MiB tensors (scaled) on one queue and exit; the parent `get`s and drops each, then holds the queue, idle | 8 × 50 × 64 MiB | the machine's committed shared memory (`Shmem`) before, at the end of the burst, and every 100 ms for 2 s after (one row each) |
+//! | `stopped` | 8 producers and 8 consumers of plain numbers on one `SimpleQueue`; one of them is stopped (SIGSTOP, as a debugger or Ctrl-Z does) at whatever point it is at, for 2 s, then continued; a producer, then a consumer (runs only when named) | 16 processes, 3 s before, 2 s stopped, 2 s after, per victim | the others' messages/s in each window; the run fails if a message was lost or duplicated or a `get` without deadline returned |
 //! | `disconnect` | a worker holds the parent's queue; the parent waits in `get` on it, empty; the worker drops the queue, says so through a pipe, and exits; the time from that word to the parent's `Error::Disconnected` | median of 20 | seconds |
 //!
 //! Every scenario but `spawn` starts its worker first and waits for it to say it is
@@ -34,7 +35,7 @@
 use std::time::{Duration, Instant};
 
 use multiproc::dist::{ProcessGroup, ReduceOp};
-use multiproc::{DType, Queue, SharingStrategy, StartMethod, Tensor};
+use multiproc::{DType, Event, Queue, SharingStrategy, SimpleQueue, StartMethod, Tensor};
 use serde::{Deserialize, Serialize};
 
 /// One measured figure.
@@ -350,6 +351,155 @@ fn disconnect(runs: u64) -> multiproc::Result<Figure> {
     })
 }
 
+/// Producer of `stopped`: puts `rank << 40 | i` for i = 0, 1, ... until `stop` is set;
+/// reports how many it put.
+fn stopped_producer(
+    rank: usize,
+    (q, stop, out): (SimpleQueue<u64>, Event, SimpleQueue<(u64, u64)>),
+) -> multiproc::Result<()> {
+    let mut i = 0u64;
+    while !stop.is_set() {
+        for _ in 0..64 {
+            q.put((rank as u64) << 40 | i)?;
+            i += 1;
+        }
+    }
+    out.put((rank as u64, i))?;
+    Ok(())
+}
+
+/// Consumer of `stopped`: gets until it takes an end mark, checking that each producer's
+/// numbers come in order, each once; ticks `ticks` every 256 messages; reports how many
+/// of each producer's it got (an error for a gap, a repeat or a failed `get`).
+fn stopped_consumer(
+    _rank: usize,
+    (q, ticks, out, producers): (
+        SimpleQueue<u64>,
+        SimpleQueue<u8>,
+        SimpleQueue<Vec<u64>>,
+        usize,
+    ),
+) -> multiproc::Result<()> {
+    let mut next = vec![0u64; producers];
+    let mut got = 0u64;
+    loop {
+        let v = q.get()?;
+        if v == u64::MAX {
+            break;
+        }
+        let (rank, i) = ((v >> 40) as usize, v & ((1 << 40) - 1));
+        let Some(want) = next.get_mut(rank).filter(|w| **w <= i) else {
+            return Err(multiproc::Error::InvalidMessage(format!(
+                "producer {rank}'s message {i} came twice or out of order"
+            )));
+        };
+        *want = i + 1;
+        got += 1;
+        if got % 256 == 0 {
+            ticks.put(0)?;
+        }
+    }
+    out.put(next)?;
+    Ok(())
+}
+
+/// The others' rate while one of 16 processes on a queue is stopped (see the table).
+fn stopped(scale: f64) -> multiproc::Result<Vec<Figure>> {
+    use rustix::process::{Pid, Signal, kill_process};
+    let (producers, consumers) = (8usize, 8usize);
+    let window = |s: f64| Duration::from_secs_f64(s * scale.clamp(0.2, 1.0));
+    let mut figures = Vec::new();
+    for victim in ["producer", "consumer"] {
+        let q = SimpleQueue::<u64>::new()?;
+        let ticks = SimpleQueue::<u8>::new()?;
+        let stop = Event::new()?;
+        let put_counts = SimpleQueue::<(u64, u64)>::new()?;
+        let got_counts = SimpleQueue::<Vec<u64>>::new()?;
+        let mut made = multiproc::start_processes(
+            stopped_producer,
+            (q.clone(), stop.clone(), put_counts.clone()),
+            producers,
+            StartMethod::Spawn,
+        )?;
+        let mut taken = multiproc::start_processes(
+            stopped_consumer,
+            (q.clone(), ticks.clone(), got_counts.clone(), producers),
+            consumers,
+            StartMethod::Spawn,
+        )?;
+        let pid = if victim == "producer" {
+            made.pids()[0]
+        } else {
+            taken.pids()[0]
+        };
+        let pid = Pid::from_raw(pid as i32)
+            .ok_or_else(|| multiproc::Error::InvalidArgument("a worker without a pid".into()))?;
+        // Messages per second in a window, counted by the consumers' ticks.
+        let rate = |length: Duration| -> multiproc::Result<(u64, f64)> {
+            while ticks.try_get()?.is_some() {}
+            let start = Instant::now();
+            let mut n = 0u64;
+            while start.elapsed() < length {
+                if ticks.get_timeout(Duration::from_millis(50)).is_ok() {
+                    n += 256;
+                }
+            }
+            Ok((n, n as f64 / start.elapsed().as_secs_f64()))
+        };
+        let mut row = |what: &str, length: Duration| -> multiproc::Result<()> {
+            let (count, per_s) = rate(length)?;
+            figures.push(Figure {
+                scenario: "stopped",
+                strategy: Some(format!("{what} ({victim} stopped)")),
+                bytes: None,
+                count,
+                per_s: Some(per_s),
+                gb_s: None,
+                us_per_roundtrip: None,
+                seconds: length.as_secs_f64(),
+                implementation: "multiproc",
+            });
+            Ok(())
+        };
+        row("before", window(3.0))?;
+        kill_process(pid, Signal::STOP)
+            .map_err(|e| multiproc::Error::InvalidArgument(format!("SIGSTOP to a worker: {e}")))?;
+        let stopped_row = row("while stopped", window(2.0));
+        kill_process(pid, Signal::CONT)
+            .map_err(|e| multiproc::Error::InvalidArgument(format!("SIGCONT to a worker: {e}")))?;
+        stopped_row?;
+        row("after", window(2.0))?;
+        stop.set();
+        made.join(Some(Duration::from_secs(60)))?;
+        let mut put = vec![0u64; producers];
+        for _ in 0..producers {
+            let (rank, n) = put_counts.get_timeout(Duration::from_secs(10))?;
+            put[rank as usize] = n;
+        }
+        for _ in 0..consumers {
+            q.put(u64::MAX)?;
+        }
+        // A consumer's error (a gap, a repeat, a get that returned) fails the join.
+        taken.join(Some(Duration::from_secs(60)))?;
+        let mut got = vec![0u64; producers];
+        for _ in 0..consumers {
+            for (rank, n) in got_counts
+                .get_timeout(Duration::from_secs(10))?
+                .iter()
+                .enumerate()
+            {
+                got[rank] = got[rank].max(*n);
+            }
+        }
+        if got != put {
+            return Err(multiproc::Error::InvalidMessage(format!(
+                "messages lost with a {victim} stopped: put {put:?}, the last of each taken {got:?}"
+            )));
+        }
+    }
+    Ok(figures)
+}
+
 /// Which scenarios to run, and how big.
 pub struct Plan {
     /// Scale every count by this (for a quick run).
@@ -416,6 +566,12 @@ pub fn run(plan: &Plan, mut report: impl FnMut(&Figure)) -> multiproc::Result<Ve
     }
     if wanted("disconnect") {
         record(disconnect(scaled(20))?, &mut figures);
+    }
+    // Only when asked for: it stops a process for seconds.
+    if plan.only.iter().any(|o| o == "stopped") {
+        for f in stopped(plan.scale)? {
+            record(f, &mut figures);
+        }
     }
     // Only when asked for: it moves 25 GiB through the queue at `--scale 1`.
     if plan.only.iter().any(|o| o == "memory") {
@@ -509,6 +665,8 @@ pub fn row(f: &Figure) -> String {
             format!("+{:.1} s", f.seconds)
         };
         format!("{:>9} MiB committed  {when}", f.bytes.unwrap_or(0) >> 20)
+    } else if f.scenario == "stopped" {
+        format!("{:>12.0} messages/s", f.per_s.unwrap_or(0.0))
     } else if f.scenario == "disconnect" {
         format!("{:>12.1} ms after the last holder left", f.seconds * 1e3)
     } else {

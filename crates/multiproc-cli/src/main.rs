@@ -35,7 +35,8 @@ enum Command {
         #[arg(long, default_value_t = 1.0)]
         scale: f64,
         /// Run only these scenarios (fresh, small, ping, spawn, disconnect; memory, the
-        /// burst-then-idle curve, runs only when named); repeatable.
+        /// burst-then-idle curve, and stopped, 16 processes with one stopped, run only
+        /// when named); repeatable.
         #[arg(long = "scenario")]
         only: Vec<String>,
         /// Only this sharing strategy (file_descriptor or file_system).
