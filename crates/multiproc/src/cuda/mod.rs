@@ -91,6 +91,8 @@
 mod memory;
 #[cfg(not(feature = "cuda"))]
 mod stub;
+#[cfg(feature = "cuda")]
+pub(crate) mod transfer;
 
 use std::fmt;
 use std::str::FromStr;

@@ -17,6 +17,10 @@
 //! - `state` — [`LoaderState`] and [`StreamState`] (resuming mid-epoch), and
 //!   [`worker_seed`].
 //! - `stats` — [`LoaderStats`]: where an epoch's time went.
+//! - `tensors` — [`Tensors`]: a batch that hands over its tensors, for `pin_memory` and
+//!   `prefetch_to`.
+//! - `device_stage` — what the trainer does to each batch before yielding it with
+//!   `pin_memory` or `prefetch_to` (feature `cuda`).
 //! - `shared_rows` — [`SharedRows`]: a data set's big read-only table, in shared
 //!   memory once, reaching the workers by handle.
 //! - `progress` — the optional progress bar (feature `progress`).
@@ -129,6 +133,7 @@ mod batch_plan;
 mod builder;
 mod collate;
 mod dataset;
+mod device_stage;
 mod epoch;
 mod from_fn;
 #[cfg(feature = "image")]
@@ -142,6 +147,7 @@ mod sampler;
 mod shared_rows;
 mod state;
 mod stats;
+mod tensors;
 mod worker;
 mod worker_kind;
 mod worker_set;
@@ -161,4 +167,5 @@ pub use sampler::{
 pub use shared_rows::SharedRows;
 pub use state::{LoaderState, StreamState, worker_seed};
 pub use stats::LoaderStats;
+pub use tensors::{Tensors, VisitTensors};
 pub use worker_kind::WorkerKind;
