@@ -31,8 +31,11 @@ fn segment_bytes(segment: &Segment) -> SharedBytes<'_> {
     unsafe { SharedBytes::from_raw(segment.data_ptr(), segment.len(), false) }
 }
 
-/// `len` bytes at `offset` of a segment, kept mapped by holding the segment.
+/// `len` bytes at `offset` of a segment, kept mapped by holding the segment, and kept
+/// from being reused by holding the storage (whose block use stops the block's creator
+/// from recycling it and writing the next batch there while a copy still reads it).
 pub(crate) struct HeldSegmentBytes {
+    _storage: Storage,
     segment: Arc<Segment>,
     offset: usize,
     len: usize,
@@ -115,6 +118,7 @@ impl Storage {
             )));
         }
         Ok(HeldSegmentBytes {
+            _storage: self.clone(),
             segment,
             offset: start + offset,
             len,
