@@ -567,3 +567,24 @@ int cuEventDestroy_v2(void *event) {
     free(event);
     return SUCCESS;
 }
+
+/* ----- modules and kernels: loaded and launched, never run (examples only) ----- */
+
+int cuModuleLoadData(void **module, const void *image) {
+    if (!image) return INVALID_VALUE;
+    *module = (void *)1;
+    return SUCCESS;
+}
+
+int cuModuleGetFunction(void **function, void *module, const char *name) {
+    if (!module || !name) return INVALID_VALUE;
+    *function = (void *)2;
+    return SUCCESS;
+}
+
+int cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                   unsigned bz, unsigned shared, void *stream, void **params, void **extra) {
+    (void)gx; (void)gy; (void)gz; (void)bx; (void)by; (void)bz; (void)shared; (void)stream;
+    (void)params; (void)extra;
+    return f ? SUCCESS : INVALID_HANDLE;
+}
