@@ -326,7 +326,7 @@ fn main() -> multiproc::Result<()> {
     } else {
         println!(
             "batch {} MiB; compute {:.0} us per step ({} fma per element); copy from pinned memory {:.0} us; {workers} workers",
-            BATCH * SAMPLE * 4 >> 20,
+            (BATCH * SAMPLE * 4) >> 20,
             us(compute),
             model.iters,
             us(copy_pinned)

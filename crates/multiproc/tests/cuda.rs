@@ -160,7 +160,7 @@ fn write_cuda_inputs_into_the_corpus() {
 #[derive(Clone, serde::Serialize, serde::Deserialize)]
 struct Ramp {
     n: usize,
-    len: usize,
+    width: usize,
 }
 
 impl Dataset for Ramp {
@@ -171,7 +171,7 @@ impl Dataset for Ramp {
     }
 
     fn get(&self, i: usize) -> multiproc::Result<(Tensor, i64)> {
-        Ok((Tensor::full(&[self.len], i as f64, DType::F32)?, i as i64))
+        Ok((Tensor::full(&[self.width], i as f64, DType::F32)?, i as i64))
     }
 }
 
@@ -215,7 +215,7 @@ fn invalid(r: multiproc::Result<impl Sized>, needles: &[&str]) {
 #[test]
 fn pin_memory_and_prefetch_to_refuse_bad_arguments_at_build() {
     common::run(DEADLINE, || {
-        let data = Ramp { n: 8, len: 4 };
+        let data = Ramp { n: 8, width: 4 };
         invalid(
             DataLoader::builder(data.clone())
                 .prefetch_to(GPU, 0)
@@ -338,7 +338,7 @@ fn pinned_batches_register_each_block_once_and_unregister_when_freed() {
         const BATCHES: usize = 24;
         let mut loader = DataLoader::builder(Ramp {
             n: BATCHES * 4,
-            len: LEN,
+            width: LEN,
         })
         .batch_size(4)
         .num_workers(1)
@@ -398,7 +398,7 @@ fn pin_memory_pins_batches_made_in_this_process_and_by_thread_workers() {
     common::run(DEADLINE, || {
         let before = fake_host_counts();
         for (workers, kind) in [(0, WorkerKind::Process), (2, WorkerKind::Thread)] {
-            let mut loader = DataLoader::builder(Ramp { n: 40, len: 1000 })
+            let mut loader = DataLoader::builder(Ramp { n: 40, width: 1000 })
                 .batch_size(5)
                 .num_workers(workers)
                 .workers(kind)
@@ -435,7 +435,7 @@ fn pin_memory_pins_batches_made_in_this_process_and_by_thread_workers() {
 fn prefetched_batches_are_on_the_device_and_equal_the_cpu_batches_in_order() {
     warm_up_cuda();
     common::run(DEADLINE, || {
-        let data = Ramp { n: 90, len: 3000 };
+        let data = Ramp { n: 90, width: 3000 };
         let build =
             |b: DataLoaderBuilder<Ramp>| b.batch_size(6).shuffle(7).num_workers(2).build().unwrap();
         let mut cpu = build(DataLoader::builder(data.clone()));
@@ -482,7 +482,7 @@ fn an_epoch_dropped_with_copies_in_flight_waits_for_them_and_leaks_nothing() {
     common::run(DEADLINE, || {
         let mut loader = DataLoader::builder(Ramp {
             n: 64,
-            len: 1 << 16,
+            width: 1 << 16,
         })
         .batch_size(4)
         .num_workers(2)
@@ -515,7 +515,7 @@ fn an_epoch_dropped_with_copies_in_flight_waits_for_them_and_leaks_nothing() {
 fn prefetch_to_a_device_this_process_does_not_see_is_an_error() {
     warm_up_cuda();
     common::run(DEADLINE, || {
-        let r = DataLoader::builder(Ramp { n: 4, len: 4 })
+        let r = DataLoader::builder(Ramp { n: 4, width: 4 })
             .prefetch_to(Device::Cuda(99), 2)
             .build();
         invalid(r, &["cuda:99", "prefetch_to"]);
