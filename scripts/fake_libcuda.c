@@ -421,6 +421,18 @@ int cuMemHostGetFlags(unsigned *flags, void *p) {
     return INVALID_VALUE;
 }
 
+/* Only the memory type of registered host memory (CU_MEMORYTYPE_HOST); any other address
+ * is CUDA_ERROR_INVALID_VALUE, as pageable memory is on a GPU. */
+int cuPointerGetAttribute(void *data, int attribute, CUdeviceptr ptr) {
+    if (attribute != 2) return INVALID_VALUE; /* CU_POINTER_ATTRIBUTE_MEMORY_TYPE */
+    unsigned flags;
+    if (cuMemHostGetFlags(&flags, (void *)(uintptr_t)ptr) == SUCCESS) {
+        *(unsigned *)data = 1; /* CU_MEMORYTYPE_HOST */
+        return SUCCESS;
+    }
+    return INVALID_VALUE;
+}
+
 /* Not CUDA: the stand-in's counters, for tests. out[0] registrations made, out[1]
  * undone, out[2] refused as already registered, out[3] undone after their memory was
  * unmapped, out[4] registered now. */

@@ -94,6 +94,17 @@
 //! [`DataLoader::stats`] says where an epoch's time went: the caller waiting, the
 //! workers loading and collating, the hand-over.
 //!
+//! # Batches for a GPU (feature `cuda`)
+//!
+//! [`pin_memory`](DataLoaderBuilder::pin_memory) page-locks the shared blocks batches
+//! arrive in, in this process, once per block, so a batch is pinned where the worker
+//! wrote it (torch copies it into pinned memory instead).
+//! [`prefetch_to`](DataLoaderBuilder::prefetch_to) hands over batches already on a
+//! device, copied on a side stream `n` batches ahead, complete when handed over. Both
+//! reach a batch's tensors through [`Collate::batch_tensors`]: the default collate's
+//! batches (tensors, tuples of them) say how; a batch type of your own implements
+//! [`Tensors`]. Both are for map-style data sets for now.
+//!
 //! # Seeds
 //!
 //! A worker's seed ([`WorkerInfo::seed`]) is [`worker_seed`]`(base, epoch, rank,

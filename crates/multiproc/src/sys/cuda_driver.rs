@@ -62,6 +62,7 @@ const SYMBOLS: &[&str] = &[
     "cuMemHostRegister_v2",
     "cuMemHostUnregister",
     "cuMemHostGetFlags",
+    "cuPointerGetAttribute",
     "cuStreamCreate",
     "cuStreamSynchronize",
     "cuStreamDestroy_v2",
@@ -454,9 +455,23 @@ impl Driver {
         })
     }
 
-    /// Whether the host address `ptr` is in memory registered with the driver
-    /// (`cuMemHostGetFlags` succeeds).
+    /// Whether the host address `ptr` is in page-locked memory the driver knows: its
+    /// memory type is host memory (`cuPointerGetAttribute`, what torch's `is_pinned`
+    /// asks through the runtime), or, failing that, `cuMemHostGetFlags` knows it.
     pub(crate) fn is_registered_host(&self, ptr: *const u8) -> bool {
+        let mut kind: std::ffi::c_uint = 0;
+        // SAFETY: a valid out-pointer of the attribute's type (`CUmemorytype`, an
+        // unsigned int); the driver only looks the address up.
+        let r = unsafe {
+            sys::cuPointerGetAttribute(
+                (&mut kind as *mut std::ffi::c_uint).cast(),
+                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+                ptr as sys::CUdeviceptr,
+            )
+        };
+        if r == sys::CUresult::CUDA_SUCCESS {
+            return kind == sys::CUmemorytype::CU_MEMORYTYPE_HOST as std::ffi::c_uint;
+        }
         let mut flags = 0;
         // SAFETY: a valid out-pointer; the driver only looks the address up.
         let r = unsafe { sys::cuMemHostGetFlags(&mut flags, ptr.cast_mut().cast()) };
