@@ -207,7 +207,12 @@ impl<D, C> DataLoaderBuilder<D, C> {
     /// (its event was waited for), so the batch can be used on any stream. Pulling a
     /// batch ahead waits for the workers as the next batch would; the state
     /// ([`DataLoader::state_dict`](super::DataLoader::state_dict)) counts only the
-    /// batches handed over.
+    /// batches handed over. The device tensors come from this process's CUDA pool,
+    /// which waits for the device before it hands a recycled allocation out again
+    /// (see [`crate::cuda`]): a batch's copy starts after the work queued before the
+    /// `next` that pulls it, so a loop that waits for each step (reads its loss)
+    /// overlaps each step with the next batches' copies, and one that never waits
+    /// overlaps less.
     ///
     /// Errors at [`build`](Self::build): as `pin_memory`, and for `n == 0`, a CPU
     /// device, or a device index this process does not see.
