@@ -10,7 +10,12 @@ Runs, on cuda:0 with the spawn start method, for 4 KiB, 64 MiB and 1 GiB:
 - cuda_ping: the parent puts one CUDA tensor, the child gets it and acknowledges with a
   small message (torch forbids sending a received CUDA tensor on, so this is one way
   plus an ack, where multiproc's ping sends the tensor itself back);
-- d2d_copy: `dst.copy_(src)` then `torch.cuda.synchronize()` (the device's floor).
+- d2d_copy: `dst.copy_(src)` then `torch.cuda.synchronize()` (the device's floor);
+- h2d_pinned, h2d_pageable (64 MiB): `x.to("cuda")` then `torch.cuda.synchronize()`,
+  from a tensor made with `pin_memory()` or from ordinary (pageable) host memory. The
+  best case for torch: its DataLoader first copies each batch out of shared memory into
+  pinned memory (the pin-memory thread), which is not timed here; multiproc's figures
+  are from the received batch itself.
 
 Prints one JSON object per line (`impl` = torch). With --multiproc-json (the output of
 `cuda_bench --json` from the same machine, same run), also prints a table of both and
@@ -121,6 +126,18 @@ def torch_figures(scale):
             torch.cuda.synchronize()
         done, seconds = timed(count_of(count * 2), 3, step)
         out.append(figure("d2d_copy", nbytes, done, seconds))
+
+    nbytes = 64 << 20
+    for scenario, host in [
+        ("h2d_pinned", torch.ones(nbytes, dtype=torch.uint8).pin_memory()),
+        ("h2d_pageable", torch.ones(nbytes, dtype=torch.uint8)),
+    ]:
+        def step(_):
+            y = host.to("cuda")
+            torch.cuda.synchronize()
+            del y
+        done, seconds = timed(count_of(20), 2, step)
+        out.append(figure(scenario, nbytes, done, seconds))
     return out
 
 

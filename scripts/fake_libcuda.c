@@ -14,6 +14,19 @@
  * See scripts/cuda_fake_check.sh, which does both. "Free memory" is 64 GiB less every
  * fake allocation that some process still holds (an fd or a mapping), so a test that
  * watches memory come back when its last holder dies means something here too.
+ *
+ * Page-locked host memory (cuMemHostRegister) is a table of registered ranges with the
+ * driver's refusals: pages registered twice are CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED,
+ * unregistering an address that is not a registration's start is
+ * CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED, a range that is not mapped is
+ * CUDA_ERROR_INVALID_VALUE. Tests read its counters with fake_cuda_host_counts (a symbol
+ * the real driver lacks), including registrations whose memory was unmapped before they
+ * were undone (a leak the real driver would keep pinned).
+ *
+ * Streams are queues: an asynchronous copy on a stream other than the default one runs
+ * only when the stream, an event recorded on it, or the context is synchronised. So a
+ * caller that reads the destination, or lets the source go, before waiting sees the
+ * wrong bytes or crashes here — stricter than a GPU, which may well have finished.
  */
 #define _GNU_SOURCE
 #include <dirent.h>
@@ -33,6 +46,8 @@
 #define OUT_OF_MEMORY 2
 #define INVALID_DEVICE 101
 #define INVALID_HANDLE 400
+#define HOST_MEMORY_ALREADY_REGISTERED 712
+#define HOST_MEMORY_NOT_REGISTERED 713
 
 #define GRANULE (2ull << 20)
 #define TOTAL (64ull << 30)
@@ -112,7 +127,12 @@ int cuDevicePrimaryCtxRetain(void **ctx, int device) {
 
 int cuCtxSetCurrent(void *ctx) { return ctx ? SUCCESS : INVALID_VALUE; }
 
-int cuCtxSynchronize(void) { return SUCCESS; }
+static void flush_all_streams(void);
+
+int cuCtxSynchronize(void) {
+    flush_all_streams();
+    return SUCCESS;
+}
 
 static const char *name_of(int e) {
     switch (e) {
@@ -121,6 +141,8 @@ static const char *name_of(int e) {
     case OUT_OF_MEMORY: return "CUDA_ERROR_OUT_OF_MEMORY";
     case INVALID_DEVICE: return "CUDA_ERROR_INVALID_DEVICE";
     case INVALID_HANDLE: return "CUDA_ERROR_INVALID_HANDLE";
+    case HOST_MEMORY_ALREADY_REGISTERED: return "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED";
+    case HOST_MEMORY_NOT_REGISTERED: return "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED";
     default: return "CUDA_ERROR_UNKNOWN";
     }
 }
@@ -324,4 +346,257 @@ int cuMemcpyDtoD_v2(CUdeviceptr dst, CUdeviceptr src, size_t n) {
 int cuMemsetD8_v2(CUdeviceptr dst, unsigned char value, size_t n) {
     memset((void *)(uintptr_t)dst, value, n);
     return SUCCESS;
+}
+
+/* ----- page-locked host memory ----- */
+
+#define MAX_REGISTERED 4096
+#define PAGE 4096ull
+
+typedef struct {
+    uintptr_t base;  /* as passed to cuMemHostRegister */
+    uintptr_t first; /* page-rounded range */
+    uintptr_t end;
+    unsigned flags;
+} Registration;
+
+static Registration registered[MAX_REGISTERED];
+static int nregistered;
+/* registrations made, undone, refused as already registered, and undone after their
+ * memory was unmapped */
+static long long host_counts[4];
+
+static int is_mapped(uintptr_t first, uintptr_t end) {
+    return msync((void *)first, end - first, MS_ASYNC) == 0;
+}
+
+int cuMemHostRegister_v2(void *p, size_t size, unsigned flags) {
+    if (p == NULL || size == 0 || (flags & ~0xfu) != 0) return INVALID_VALUE;
+    uintptr_t first = (uintptr_t)p & ~(PAGE - 1);
+    uintptr_t end = ((uintptr_t)p + size + PAGE - 1) & ~(PAGE - 1);
+    if (!is_mapped(first, end)) return INVALID_VALUE;
+    pthread_mutex_lock(&lock);
+    for (int i = 0; i < nregistered; i++) {
+        if (registered[i].first < end && first < registered[i].end) {
+            host_counts[2]++;
+            pthread_mutex_unlock(&lock);
+            return HOST_MEMORY_ALREADY_REGISTERED;
+        }
+    }
+    if (nregistered == MAX_REGISTERED) {
+        pthread_mutex_unlock(&lock);
+        return OUT_OF_MEMORY;
+    }
+    registered[nregistered++] = (Registration){(uintptr_t)p, first, end, flags};
+    host_counts[0]++;
+    pthread_mutex_unlock(&lock);
+    return SUCCESS;
+}
+
+int cuMemHostUnregister(void *p) {
+    pthread_mutex_lock(&lock);
+    for (int i = 0; i < nregistered; i++) {
+        if (registered[i].base == (uintptr_t)p) {
+            if (!is_mapped(registered[i].first, registered[i].end)) host_counts[3]++;
+            registered[i] = registered[--nregistered];
+            host_counts[1]++;
+            pthread_mutex_unlock(&lock);
+            return SUCCESS;
+        }
+    }
+    pthread_mutex_unlock(&lock);
+    return HOST_MEMORY_NOT_REGISTERED;
+}
+
+int cuMemHostGetFlags(unsigned *flags, void *p) {
+    pthread_mutex_lock(&lock);
+    for (int i = 0; i < nregistered; i++) {
+        if (registered[i].first <= (uintptr_t)p && (uintptr_t)p < registered[i].end) {
+            *flags = registered[i].flags;
+            pthread_mutex_unlock(&lock);
+            return SUCCESS;
+        }
+    }
+    pthread_mutex_unlock(&lock);
+    return INVALID_VALUE;
+}
+
+/* Only the memory type of registered host memory (CU_MEMORYTYPE_HOST); any other address
+ * is CUDA_ERROR_INVALID_VALUE, as pageable memory is on a GPU. */
+int cuPointerGetAttribute(void *data, int attribute, CUdeviceptr ptr) {
+    if (attribute != 2) return INVALID_VALUE; /* CU_POINTER_ATTRIBUTE_MEMORY_TYPE */
+    unsigned flags;
+    if (cuMemHostGetFlags(&flags, (void *)(uintptr_t)ptr) == SUCCESS) {
+        *(unsigned *)data = 1; /* CU_MEMORYTYPE_HOST */
+        return SUCCESS;
+    }
+    return INVALID_VALUE;
+}
+
+/* Not CUDA: the stand-in's counters, for tests. out[0] registrations made, out[1]
+ * undone, out[2] refused as already registered, out[3] undone after their memory was
+ * unmapped, out[4] registered now. */
+void fake_cuda_host_counts(long long out[5]) {
+    pthread_mutex_lock(&lock);
+    for (int i = 0; i < 4; i++) out[i] = host_counts[i];
+    out[4] = nregistered;
+    pthread_mutex_unlock(&lock);
+}
+
+/* ----- streams and events: queues of copies run when synchronised ----- */
+
+typedef struct {
+    CUdeviceptr dst;
+    const void *src;
+    size_t n;
+} Copy;
+
+typedef struct {
+    Copy *ops;
+    size_t len, cap;
+    int live;
+} Stream;
+
+#define MAX_STREAMS 256
+static Stream *streams[MAX_STREAMS];
+static pthread_mutex_t stream_lock = PTHREAD_MUTEX_INITIALIZER;
+
+typedef struct {
+    Stream *stream;
+} Event;
+
+static void flush_locked(Stream *s) {
+    for (size_t i = 0; i < s->len; i++)
+        memcpy((void *)(uintptr_t)s->ops[i].dst, s->ops[i].src, s->ops[i].n);
+    s->len = 0;
+}
+
+static void flush_all_streams(void) {
+    pthread_mutex_lock(&stream_lock);
+    for (int i = 0; i < MAX_STREAMS; i++)
+        if (streams[i]) flush_locked(streams[i]);
+    pthread_mutex_unlock(&stream_lock);
+}
+
+int cuStreamCreate(void **out, unsigned flags) {
+    if (flags > 1) return INVALID_VALUE;
+    Stream *s = calloc(1, sizeof *s);
+    if (!s) return OUT_OF_MEMORY;
+    pthread_mutex_lock(&stream_lock);
+    for (int i = 0; i < MAX_STREAMS; i++) {
+        if (!streams[i]) {
+            streams[i] = s;
+            pthread_mutex_unlock(&stream_lock);
+            *out = s;
+            return SUCCESS;
+        }
+    }
+    pthread_mutex_unlock(&stream_lock);
+    free(s);
+    return OUT_OF_MEMORY;
+}
+
+static int known_stream(Stream *s) {
+    for (int i = 0; i < MAX_STREAMS; i++)
+        if (streams[i] == s) return 1;
+    return 0;
+}
+
+int cuStreamSynchronize(void *stream) {
+    pthread_mutex_lock(&stream_lock);
+    if (stream && !known_stream(stream)) {
+        pthread_mutex_unlock(&stream_lock);
+        return INVALID_HANDLE;
+    }
+    if (stream) flush_locked(stream);
+    pthread_mutex_unlock(&stream_lock);
+    return SUCCESS;
+}
+
+int cuStreamDestroy_v2(void *stream) {
+    pthread_mutex_lock(&stream_lock);
+    for (int i = 0; i < MAX_STREAMS; i++) {
+        if (streams[i] == stream) {
+            flush_locked(stream);
+            streams[i] = NULL;
+            pthread_mutex_unlock(&stream_lock);
+            free(((Stream *)stream)->ops);
+            free(stream);
+            return SUCCESS;
+        }
+    }
+    pthread_mutex_unlock(&stream_lock);
+    return INVALID_HANDLE;
+}
+
+int cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t n, void *stream) {
+    if (!stream) {
+        memcpy((void *)(uintptr_t)dst, src, n);
+        return SUCCESS;
+    }
+    pthread_mutex_lock(&stream_lock);
+    Stream *s = stream;
+    if (!known_stream(s)) {
+        pthread_mutex_unlock(&stream_lock);
+        return INVALID_HANDLE;
+    }
+    if (s->len == s->cap) {
+        size_t cap = s->cap ? 2 * s->cap : 16;
+        Copy *ops = realloc(s->ops, cap * sizeof *ops);
+        if (!ops) {
+            pthread_mutex_unlock(&stream_lock);
+            return OUT_OF_MEMORY;
+        }
+        s->ops = ops;
+        s->cap = cap;
+    }
+    s->ops[s->len++] = (Copy){dst, src, n};
+    pthread_mutex_unlock(&stream_lock);
+    return SUCCESS;
+}
+
+int cuEventCreate(void **out, unsigned flags) {
+    (void)flags;
+    Event *e = calloc(1, sizeof *e);
+    if (!e) return OUT_OF_MEMORY;
+    *out = e;
+    return SUCCESS;
+}
+
+int cuEventRecord(void *event, void *stream) {
+    ((Event *)event)->stream = stream;
+    return SUCCESS;
+}
+
+int cuEventSynchronize(void *event) {
+    Event *e = event;
+    /* Runs the whole stream: copies issued after the record too (allowed: they would
+     * finish eventually anyway). */
+    return e->stream ? cuStreamSynchronize(e->stream) : SUCCESS;
+}
+
+int cuEventDestroy_v2(void *event) {
+    free(event);
+    return SUCCESS;
+}
+
+/* ----- modules and kernels: loaded and launched, never run (examples only) ----- */
+
+int cuModuleLoadData(void **module, const void *image) {
+    if (!image) return INVALID_VALUE;
+    *module = (void *)1;
+    return SUCCESS;
+}
+
+int cuModuleGetFunction(void **function, void *module, const char *name) {
+    if (!module || !name) return INVALID_VALUE;
+    *function = (void *)2;
+    return SUCCESS;
+}
+
+int cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                   unsigned bz, unsigned shared, void *stream, void **params, void **extra) {
+    (void)gx; (void)gy; (void)gz; (void)bx; (void)by; (void)bz; (void)shared; (void)stream;
+    (void)params; (void)extra;
+    return f ? SUCCESS : INVALID_HANDLE;
 }

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds the bundle that scripts/gpu_check.sh runs on a GPU machine with no Rust
 # toolchain: the CUDA test binary (tests/cuda.rs, feature `cuda`), the CUDA benchmark
-# (examples/cuda_bench.rs, release) and the torch comparison script.
+# (examples/cuda_bench.rs, release), the prefetch example (examples/prefetch_overlap.rs,
+# release) and the torch comparison script.
 #
 #     scripts/gpu_build.sh [DIR]      # default target/gpu-bundle
 #
@@ -24,13 +25,14 @@ for line in sys.stdin:
 [ -n "$tests" ] || { echo "no test executable found" >&2; exit 1; }
 cp "$tests" "$out/cuda_tests"
 
-echo "== benchmark (examples/cuda_bench.rs, release, --features cuda)"
-cargo build -p multiproc --features cuda --release --example cuda_bench
+echo "== benchmark and example (examples/cuda_bench.rs, prefetch_overlap.rs, release, --features cuda)"
+cargo build -p multiproc --features cuda --release --example cuda_bench --example prefetch_overlap
 cp target/release/examples/cuda_bench "$out/cuda_bench"
+cp target/release/examples/prefetch_overlap "$out/prefetch_overlap"
 
 cp scripts/compare_torch_cuda.py "$out/"
 # Debug info is most of a test binary's size; the bundle travels (64 MiB at most).
-strip --strip-debug "$out/cuda_tests" "$out/cuda_bench"
+strip --strip-debug "$out/cuda_tests" "$out/cuda_bench" "$out/prefetch_overlap"
 git rev-parse HEAD >"$out/COMMIT"
 git status --porcelain --untracked-files=no | grep -q . && echo "(with uncommitted changes)" >>"$out/COMMIT"
 ls -la "$out"

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# The GPU check of the `cuda` feature, in one go (under 8 minutes on one GPU): every
-# test of tests/cuda.rs (the GPU ones are #[ignore]d on CPU CI), then the CUDA
-# benchmark beside torch.multiprocessing's CUDA sharing of the same sizes.
+# The GPU check of the `cuda` feature, in one go (about a minute on one GPU; every step
+# has a timeout, 6 minutes in all at worst): every test of tests/cuda.rs (the GPU ones
+# are #[ignore]d on CPU CI), the CUDA benchmark (sharing, and host-to-device copies from
+# a data loader's batch, pinned and pageable) beside torch.multiprocessing's of the same
+# sizes, then the prefetch example (a training step with and without prefetch_to).
 #
 # Needs a bundle from scripts/gpu_build.sh (built where Rust is; this machine needs
 # only the NVIDIA driver, python3 and torch):
@@ -9,7 +11,8 @@
 #     scripts/gpu_check.sh [DIR]      # default target/gpu-bundle
 #
 # Logs go to $OUT (or /tmp/gpu-check): tests.log, multiproc.json, torch.log,
-# summary.txt. Exit status: 0 when every test passed and both benchmarks ran.
+# prefetch.json, summary.txt. Exit status: 0 when every test passed and the benchmarks
+# and the example ran.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bundle=${1:-target/gpu-bundle}
@@ -24,18 +27,22 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv
 uname -r
 
 echo "== tests (tests/cuda.rs, one at a time: the lifetime tests read free device memory)"
-timeout 270 "$bundle/cuda_tests" --include-ignored --skip write_cuda_inputs_into_the_corpus \
+timeout 150 "$bundle/cuda_tests" --include-ignored --skip write_cuda_inputs_into_the_corpus \
   --test-threads 1 --nocapture 2>&1 | tee "$logs/tests.log"
 tests_rc=${PIPESTATUS[0]}
 
 echo "== benchmark: multiproc (cuda_bench)"
-timeout 90 "$bundle/cuda_bench" --json 2>&1 | tee "$logs/multiproc.json"
+timeout 60 "$bundle/cuda_bench" --json 2>&1 | tee "$logs/multiproc.json"
 bench_rc=${PIPESTATUS[0]}
 
 echo "== benchmark: torch.multiprocessing, same sizes, same machine"
-timeout 120 python3 "$bundle/compare_torch_cuda.py" --multiproc-json "$logs/multiproc.json" 2>&1 \
+timeout 100 python3 "$bundle/compare_torch_cuda.py" --multiproc-json "$logs/multiproc.json" 2>&1 \
   | tee "$logs/torch.log"
 torch_rc=${PIPESTATUS[0]}
+
+echo "== example: prefetch_overlap (step time with and without prefetch_to)"
+timeout 45 "$bundle/prefetch_overlap" 2>&1 | tee "$logs/prefetch.log"
+prefetch_rc=${PIPESTATUS[0]}
 
 {
   echo "== summary"
@@ -43,7 +50,9 @@ torch_rc=${PIPESTATUS[0]}
   # The names of the failed tests (the second "failures:" block libtest prints).
   awk '/^test result:/ {n = 0; next} /^failures:$/ {n++; next} n == 2 && NF {print "  FAILED " $1}' \
     "$logs/tests.log"
-  grep -E '^(cuda_fresh|cuda_ping|d2d_copy) ' "$logs/torch.log" | sed 's/^/  /'
-  echo "  tests exit $tests_rc, cuda_bench exit $bench_rc, torch script exit $torch_rc"
+  grep -E '^(cuda_fresh|cuda_ping|d2d_copy|h2d_pinned|h2d_pageable) ' "$logs/torch.log" | sed 's/^/  /'
+  grep -E '"scenario":"h2d_' "$logs/multiproc.json" | sed 's/^/  /'
+  grep -E '^(batch|pageable|pinned|prefetch) ' "$logs/prefetch.log" | sed 's/^/  /'
+  echo "  tests exit $tests_rc, cuda_bench exit $bench_rc, torch script exit $torch_rc, prefetch_overlap exit $prefetch_rc"
 } | tee "$logs/summary.txt"
-[ "$tests_rc" = 0 ] && [ "$bench_rc" = 0 ] && [ "$torch_rc" = 0 ]
+[ "$tests_rc" = 0 ] && [ "$bench_rc" = 0 ] && [ "$torch_rc" = 0 ] && [ "$prefetch_rc" = 0 ]

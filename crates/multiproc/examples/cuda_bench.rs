@@ -16,6 +16,11 @@
 //!   tensor can be sent on; torch cannot do this, see the torch script).
 //! - `d2d_copy` (the floor): one device-to-device copy of the same size (`copy_`
 //!   between two CUDA tensors, waited for), in this process.
+//! - `h2d_pinned` and `h2d_pageable`, for 64 MiB: a data loader's worker process makes
+//!   64 MiB batches in shared memory; this process receives each and copies it to the
+//!   device (`to(cuda:0)`, waited for). Pinned: the loader has `pin_memory(true)`, so
+//!   the block a batch arrives in is page-locked where it is (registered once, then
+//!   recycled); pageable: the same without. Only the copy is timed.
 //!
 //! Prints a table, or with `--json` one object per line with the fields of
 //! `multiproc bench --json` (`scenario, strategy, bytes, count, per_s, GB_s,
@@ -23,6 +28,7 @@
 
 use std::time::{Duration, Instant};
 
+use multiproc::data::{DataLoader, Dataset};
 use multiproc::{DType, Device, Queue, StartMethod, Tensor, start_processes};
 
 const GPU: Device = Device::Cuda(0);
@@ -51,6 +57,46 @@ fn pong(
     Ok(())
 }
 
+/// 16 MiB samples of `u8`, sample `i` all `i`: four make a 64 MiB batch.
+#[derive(Clone, serde::Serialize, serde::Deserialize)]
+struct Bytes16M(usize);
+
+impl Dataset for Bytes16M {
+    type Item = Tensor;
+
+    fn len(&self) -> usize {
+        self.0
+    }
+
+    fn get(&self, i: usize) -> multiproc::Result<Tensor> {
+        Tensor::full(&[16 << 20], (i % 251) as f64, DType::U8)
+    }
+}
+
+/// Host-to-device copies of `batches` 64 MiB batches as they arrive from a worker,
+/// pinned or not; the copies' count and total time (the first two untimed).
+fn h2d_from_batches(pinned: bool, batches: usize) -> multiproc::Result<(usize, f64)> {
+    let mut loader = DataLoader::builder(Bytes16M(4 * (batches + 2)))
+        .batch_size(4)
+        .num_workers(1)
+        .pin_memory(pinned)
+        .build()?;
+    let (mut count, mut seconds) = (0, 0.0);
+    for (i, batch) in loader.iter().enumerate() {
+        let x = batch?;
+        assert_eq!(x.is_pinned(), pinned, "batch {i} pinned");
+        let start = Instant::now();
+        let on_gpu = x.to(GPU)?;
+        let took = start.elapsed().as_secs_f64();
+        assert_eq!(on_gpu.numel(), 64 << 20);
+        if i >= 2 {
+            count += 1;
+            seconds += took;
+        }
+    }
+    Ok((count, seconds))
+}
+
 struct Figure {
     scenario: &'static str,
     bytes: usize,
@@ -64,8 +110,15 @@ impl Figure {
         let gb_s = self.bytes as f64 / per / 1e9;
         if json {
             println!(
-                "{{\"scenario\":\"{}\",\"strategy\":\"cuda_vmm_fd\",\"bytes\":{},\"count\":{},\"per_s\":{:.1},\"GB_s\":{:.3},\"us_per_roundtrip\":{:.2},\"seconds\":{:.4},\"impl\":\"multiproc\"}}",
+                "{{\"scenario\":\"{}\",\"strategy\":\"{}\",\"bytes\":{},\"count\":{},\"per_s\":{:.1},\"GB_s\":{:.3},\"us_per_roundtrip\":{:.2},\"seconds\":{:.4},\"impl\":\"multiproc\"}}",
                 self.scenario,
+                // The copies from host memory: the host side is a data loader's shared
+                // block (the default strategy).
+                if self.scenario.starts_with("h2d") {
+                    "file_descriptor"
+                } else {
+                    "cuda_vmm_fd"
+                },
                 self.bytes,
                 self.count,
                 1.0 / per,
@@ -196,6 +249,18 @@ fn main() -> multiproc::Result<()> {
             scenario: "d2d_copy",
             bytes,
             count: done,
+            seconds,
+        }
+        .print(json);
+    }
+
+    // host to device from a received batch, pinned against pageable
+    for (scenario, pinned) in [("h2d_pinned", true), ("h2d_pageable", false)] {
+        let (count, seconds) = h2d_from_batches(pinned, count_of(20))?;
+        Figure {
+            scenario,
+            bytes: 64 << 20,
+            count,
             seconds,
         }
         .print(json);

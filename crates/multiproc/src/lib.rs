@@ -298,8 +298,11 @@
 //! [`Tensor::to`]`(`[`Device::Cuda`]`(0))`, [`Tensor::zeros_on`] and friends put a
 //! tensor in GPU memory that crosses every channel by handle (a VMM allocation exported
 //! as an fd): the producer may exit after `put`, a killed consumer releases its share,
-//! and a received CUDA tensor can be sent on. See the [`cuda`] module. Without the
-//! feature the same API builds and answers [`Error::CudaUnavailable`].
+//! and a received CUDA tensor can be sent on. A data loader page-locks the shared
+//! memory its batches arrive in ([`pin_memory`](data::DataLoaderBuilder::pin_memory))
+//! or hands them over on a device, copied ahead on a side stream
+//! ([`prefetch_to`](data::DataLoaderBuilder::prefetch_to)). See the [`cuda`] module.
+//! Without the feature the same API builds and answers [`Error::CudaUnavailable`].
 //!
 //! ## Data loading
 //!

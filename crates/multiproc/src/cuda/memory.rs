@@ -174,6 +174,17 @@ impl CudaMemory {
         driver::driver()?.copy_from_host(&self.mapping, offset, src)
     }
 
+    /// Starts copying `src` to `offset` on `transfer`'s stream (complete once the
+    /// transfer is waited for).
+    pub(crate) fn copy_from_host_async(
+        &self,
+        offset: usize,
+        src: Box<dyn driver::HeldHostBytes>,
+        transfer: &mut driver::Transfer,
+    ) -> Result<()> {
+        transfer.copy(&self.mapping, offset, src)
+    }
+
     /// Copies `dst.len()` bytes at `offset` into the host bytes `dst` (writable).
     pub(crate) fn copy_to_host(&self, dst: SharedBytes<'_>, offset: usize) -> Result<()> {
         driver::driver()?.copy_to_host(dst, &self.mapping, offset)

@@ -65,6 +65,20 @@
 //! process exits, or [`empty_cache`] gives them up with the pool's idle ones. Out of
 //! device memory is [`Error::Cuda`] naming the device, the size and the free memory.
 //!
+//! ## Pinned shared memory and batches on the device
+//!
+//! A data loader with [`pin_memory`](crate::data::DataLoaderBuilder::pin_memory)
+//! page-locks the shared blocks its batches arrive in, in the trainer, once per block
+//! (`cuMemHostRegister`, portable, so every context sees the pages as pinned): the
+//! workers write into shared memory, and the trainer registers that very memory, so no
+//! batch is copied to be pinned. The registration lives with the trainer's mapping of
+//! the block — the workers recycle blocks, so after the first few batches none costs a
+//! registration — and is undone just before the mapping goes.
+//! [`Tensor::is_pinned`](crate::Tensor::is_pinned) asks the driver.
+//! [`prefetch_to`](crate::data::DataLoaderBuilder::prefetch_to) copies each batch to a
+//! device on a stream of the loader's own (non-blocking), `n` batches ahead; a batch
+//! is handed over once its copy is complete, as every operation of this module is.
+//!
 //! ## Start methods and devices per worker
 //!
 //! CUDA does not survive `fork`: start workers with `Spawn` or `Forkserver` (the fork
@@ -84,13 +98,16 @@
 //! exchange CPU tensors with everyone and CUDA tensors with workers of the same GPU.
 
 // `memory`: CUDA memory other processes can map (allocations, the pool, the wire
-// form), or `stub` without the feature. The driver calls (FFI) are
+// form), or `stub` without the feature; `transfer`: pinning host tensors and copying
+// them to a device on a side stream (the data loader's `pin_memory`, `prefetch_to`). The driver calls (FFI) are
 // `sys::cuda_driver`'s; this module has no unsafe code: host memory reaches the
 // driver's copies as a checked `SharedBytes`.
 #[cfg(feature = "cuda")]
 mod memory;
 #[cfg(not(feature = "cuda"))]
 mod stub;
+#[cfg(feature = "cuda")]
+pub(crate) mod transfer;
 
 use std::fmt;
 use std::str::FromStr;

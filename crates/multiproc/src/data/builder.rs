@@ -7,11 +7,13 @@ use serde::de::DeserializeOwned;
 
 use super::collate::{Collate, DefaultCollate, Stack};
 use super::dataset::{Dataset, IterableDataset};
+use super::device_stage::DeviceStage;
 use super::iterable_loader::IterableDataLoader;
 use super::loader::DataLoader;
 use super::options::Options;
 use super::sampler::{RandomSampler, Sampler, SequentialSampler};
 use super::worker_kind::WorkerKind;
+use crate::cuda::Device;
 use crate::error::{Error, Result};
 use crate::process::StartMethod;
 
@@ -59,6 +61,8 @@ impl<D> DataLoaderBuilder<D, DefaultCollate> {
                 seed: 0x6d75_6c74_6970_726f,
                 rank: 0,
                 worker_init: None,
+                pin_memory: false,
+                prefetch_to: None,
                 #[cfg(feature = "progress")]
                 progress: false,
             },
@@ -174,6 +178,49 @@ impl<D, C> DataLoaderBuilder<D, C> {
         self
     }
 
+    /// Page-lock the shared memory batches arrive in (torch's `pin_memory=True`; feature
+    /// `cuda`). Each shared block a batch's tensors live in is registered with the CUDA
+    /// driver once, in this process (`cuMemHostRegister`, portable: pinned for every
+    /// context), so the batch is page-locked where the worker wrote it, with no copy
+    /// (torch copies every batch into pinned memory in a thread instead), and its
+    /// copies to a device run at the bus's speed. A block stays registered while this
+    /// process maps it: the worker recycles blocks, so after the first few batches no
+    /// batch costs a registration; a block is unregistered when this process unmaps
+    /// it. Tensors a collate makes in private memory are moved into shared memory first.
+    /// [`Tensor::is_pinned`](crate::Tensor::is_pinned) tells.
+    ///
+    /// Errors at [`build`](Self::build): without the `cuda` feature or a CUDA device,
+    /// with a collate that does not say how to reach its batch's tensors
+    /// ([`Collate::batch_tensors`]; the default collate does), or with `Fork` worker
+    /// processes. Not for iterable data sets yet.
+    pub fn pin_memory(mut self, pin: bool) -> Self {
+        self.options.pin_memory = pin;
+        self
+    }
+
+    /// Hand over batches already on `device`, copied there on a stream of the loader's
+    /// own, `n` batches ahead (feature `cuda`): while the caller works on batch `k`, the
+    /// copies of batches `k + 1 ..= k + n` run. Each tensor of the batch is replaced by
+    /// a contiguous copy on the device (tensors there already stay); the host blocks are
+    /// pinned first, as with [`pin_memory`](Self::pin_memory), so the copies run while
+    /// the caller goes on. A batch's copy is **complete** when the iterator returns it
+    /// (its event was waited for), so the batch can be used on any stream. Pulling a
+    /// batch ahead waits for the workers as the next batch would; the state
+    /// ([`DataLoader::state_dict`](super::DataLoader::state_dict)) counts only the
+    /// batches handed over. The device tensors come from this process's CUDA pool,
+    /// which waits for the device before it hands a recycled allocation out again
+    /// (see [`crate::cuda`]): a batch's copy starts after the work queued before the
+    /// `next` that pulls it, so a loop that waits for each step (reads its loss)
+    /// overlaps each step with the next batches' copies, and one that never waits
+    /// overlaps less.
+    ///
+    /// Errors at [`build`](Self::build): as `pin_memory`, and for `n == 0`, a CPU
+    /// device, or a device index this process does not see.
+    pub fn prefetch_to(mut self, device: Device, n: usize) -> Self {
+        self.options.prefetch_to = Some((device, n));
+        self
+    }
+
     /// Collate with `collate` instead of [`DefaultCollate`].
     pub fn collate<C2>(self, collate: C2) -> DataLoaderBuilder<D, C2> {
         DataLoaderBuilder {
@@ -195,9 +242,12 @@ where
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] for a batch size or prefetch factor of 0, or a
-    /// sampler that would visit an index outside the data set.
+    /// sampler that would visit an index outside the data set; for
+    /// [`pin_memory`](Self::pin_memory) and [`prefetch_to`](Self::prefetch_to), what
+    /// they say.
     pub fn build(mut self) -> Result<DataLoader<D, C>> {
         self.options.check()?;
+        let stage = DeviceStage::new(&self.options, self.collate.batch_tensors())?;
         let len = self.dataset.len();
         let sampler: Box<dyn Sampler> = match self.order {
             Order::Sequential => Box::new(SequentialSampler::new(len)),
@@ -213,6 +263,7 @@ where
             self.collate,
             sampler,
             self.options,
+            stage,
         ))
     }
 }
@@ -230,6 +281,12 @@ where
     /// set, seeded by [`WorkerInfo::seed`](super::WorkerInfo)).
     pub fn build_iterable(mut self) -> Result<IterableDataLoader<D, C>> {
         self.options.check()?;
+        if self.options.pin_memory || self.options.prefetch_to.is_some() {
+            return Err(Error::InvalidArgument(
+                "data loader: pin_memory and prefetch_to are not supported for iterable data                  sets yet: leave them out, and pin or copy the batches in the training loop"
+                    .into(),
+            ));
+        }
         self.options.rank = self.rank.unwrap_or(0);
         if !matches!(self.order, Order::Sequential) {
             return Err(Error::InvalidArgument(

@@ -8,6 +8,7 @@
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
+use super::tensors::{Tensors, VisitTensors};
 use crate::error::{Error, Result};
 #[cfg(test)]
 use crate::tensor::DType;
@@ -25,6 +26,16 @@ pub trait Collate<Item>: Serialize + DeserializeOwned + Clone {
     /// # Errors
     /// When the samples cannot be combined (shapes differ, memory is short).
     fn collate(&self, items: Vec<Item>) -> Result<Self::Batch>;
+
+    /// How the loader reaches a batch's tensors, for
+    /// [`pin_memory`](super::DataLoaderBuilder::pin_memory) and
+    /// [`prefetch_to`](super::DataLoaderBuilder::prefetch_to): `None` (the default)
+    /// when this collate does not say, and then those options are an error at
+    /// `build`. For a batch type that implements [`Tensors`]:
+    /// `Some(Tensors::visit_tensors)`.
+    fn batch_tensors(&self) -> Option<VisitTensors<Self::Batch>> {
+        None
+    }
 }
 
 /// The default collate: [`Stack::stack`] the samples.
@@ -36,6 +47,10 @@ impl<I: Stack> Collate<I> for DefaultCollate {
 
     fn collate(&self, items: Vec<I>) -> Result<I::Stacked> {
         I::stack(items)
+    }
+
+    fn batch_tensors(&self) -> Option<VisitTensors<I::Stacked>> {
+        I::stacked_tensors()
     }
 }
 
@@ -78,6 +93,13 @@ pub trait Stack: Sized {
     /// # Errors
     /// When the items cannot be stacked (tensors of different shapes or dtypes).
     fn stack(items: Vec<Self>) -> Result<Self::Stacked>;
+
+    /// How the loader reaches the tensors of a stacked batch (see
+    /// [`Collate::batch_tensors`]); `None` (the default) when the type does not say.
+    /// For a `Stacked` type that implements [`Tensors`]: `Some(Tensors::visit_tensors)`.
+    fn stacked_tensors() -> Option<VisitTensors<Self::Stacked>> {
+        None
+    }
 }
 
 impl Stack for Tensor {
@@ -85,6 +107,10 @@ impl Stack for Tensor {
 
     fn stack(items: Vec<Tensor>) -> Result<Tensor> {
         stack_tensors(&items)
+    }
+
+    fn stacked_tensors() -> Option<VisitTensors<Tensor>> {
+        Some(Tensor::visit_tensors)
     }
 }
 
@@ -135,6 +161,10 @@ macro_rules! stack_number {
             fn stack(items: Vec<$t>) -> Result<Tensor> {
                 stack_numbers(&items)
             }
+
+            fn stacked_tensors() -> Option<VisitTensors<Tensor>> {
+                Some(Tensor::visit_tensors)
+            }
         }
     )*};
 }
@@ -156,6 +186,10 @@ impl Stack for usize {
             .collect::<Result<Vec<i64>>>()?;
         stack_numbers(&values)
     }
+
+    fn stacked_tensors() -> Option<VisitTensors<Tensor>> {
+        Some(Tensor::visit_tensors)
+    }
 }
 
 macro_rules! stack_tuple {
@@ -170,13 +204,25 @@ macro_rules! stack_tuple {
                 }
                 Ok(($($name::stack($vec)?,)+))
             }
+
+            fn stacked_tensors() -> Option<VisitTensors<Self::Stacked>> {
+                // Every field must say how, or the tuple cannot.
+                $($name::stacked_tensors()?;)+
+                Some(|batch, f| {
+                    let ($($vec,)+) = batch;
+                    $(if let Some(visit) = $name::stacked_tensors() {
+                        visit($vec, f)?;
+                    })+
+                    Ok(())
+                })
+            }
         }
     };
 }
 
 #[allow(non_snake_case)]
 mod tuples {
-    use super::{Result, Stack};
+    use super::{Result, Stack, VisitTensors};
     stack_tuple!(A a);
     stack_tuple!(A a, B b);
     stack_tuple!(A a, B b, C c);

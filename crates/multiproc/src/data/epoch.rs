@@ -14,6 +14,7 @@
 //!   loader always does, within [`STOP_GRACE`] plus the time to kill and reap.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::time::Instant;
 
 use serde::Serialize;
@@ -22,6 +23,7 @@ use serde::de::DeserializeOwned;
 use super::batch_plan::{batch_plan, check_in_range, show_indices};
 use super::collate::Collate;
 use super::dataset::Dataset;
+use super::device_stage::{DeviceStage, Staged};
 use super::loader::DataLoader;
 use super::state::{Done, LoaderState, MapProgress, fingerprint};
 use super::stats::LoaderStats;
@@ -59,6 +61,12 @@ where
     /// Whether this run has handed the caller a batch yet (past that, every worker may
     /// start).
     delivered: bool,
+    /// The loader's stage (`pin_memory`, `prefetch_to`), and the batches it has pulled
+    /// ahead. With copies ahead, a batch counts as yielded in the state only when it is
+    /// handed over (`last_pulled` carries its number there).
+    stage: Option<Arc<DeviceStage<C::Batch>>>,
+    staged: Staged<C::Batch>,
+    last_pulled: Option<usize>,
     #[cfg(feature = "progress")]
     bar: Option<super::progress::Bar>,
 }
@@ -77,6 +85,7 @@ where
         todo: Vec<usize>,
         #[cfg(feature = "progress")] bar: Option<super::progress::Bar>,
     ) -> Self {
+        let stage = loader.stage.clone();
         Epoch {
             loader,
             epoch,
@@ -90,6 +99,9 @@ where
             failed: None,
             finished: false,
             delivered: false,
+            stage,
+            staged: Staged::new(),
+            last_pulled: None,
             #[cfg(feature = "progress")]
             bar,
         }
@@ -123,7 +135,10 @@ where
         self.yielded += 1;
         self.delivered = true;
         self.loader.stats.batches += 1;
-        if let Some(p) = self.loader.progress.as_mut() {
+        if self.stage.as_ref().is_some_and(|s| s.ahead() > 0) {
+            // Counted when the stage hands it over (`next_staged`).
+            self.last_pulled = Some(batch);
+        } else if let Some(p) = self.loader.progress.as_mut() {
             p.done.mark(batch);
         }
         #[cfg(feature = "progress")]
@@ -353,7 +368,10 @@ where
 
     fn next(&mut self) -> Option<Result<C::Batch>> {
         let start = Instant::now();
-        let next = self.next_inner();
+        let next = match self.stage.clone() {
+            None => self.next_inner(),
+            Some(stage) => self.next_staged(&stage),
+        };
         self.loader.stats.waiting += start.elapsed();
         next
     }
@@ -364,7 +382,7 @@ where
         } else {
             self.todo.len() - self.yielded
         };
-        (0, Some(left))
+        (0, Some(left + self.staged.len()))
     }
 }
 
@@ -373,6 +391,37 @@ where
     D: Dataset + Serialize + DeserializeOwned + Clone + 'static,
     C: Collate<D::Item> + 'static,
 {
+    /// The next batch through the loader's stage: pinned, or copied to the device
+    /// (pulled ahead; counted in the state when handed over). An error of the stage
+    /// ends the epoch like a worker's.
+    fn next_staged(&mut self, stage: &DeviceStage<C::Batch>) -> Option<Result<C::Batch>> {
+        if stage.ahead() == 0 {
+            return match self.next_inner()? {
+                Ok(mut batch) => match stage.pin(&mut batch) {
+                    Ok(()) => Some(Ok(batch)),
+                    Err(e) => self.fail(e),
+                },
+                Err(e) => Some(Err(e)),
+            };
+        }
+        let mut staged = std::mem::take(&mut self.staged);
+        let next = stage.next(&mut staged, || {
+            let batch = self.next_inner()?;
+            Some((self.last_pulled.take(), batch))
+        });
+        self.staged = staged;
+        match next? {
+            (number, Ok(batch)) => {
+                if let (Some(b), Some(p)) = (number, self.loader.progress.as_mut()) {
+                    p.done.mark(b);
+                }
+                Some(Ok(batch))
+            }
+            (_, Err(e)) if self.finished => Some(Err(e)),
+            (_, Err(e)) => self.fail(e),
+        }
+    }
+
     /// The next batch (the iterator's `next`, less its accounting).
     fn next_inner(&mut self) -> Option<Result<C::Batch>> {
         if self.finished || self.yielded == self.todo.len() {

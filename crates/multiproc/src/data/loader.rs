@@ -3,6 +3,7 @@
 //! one [`Epoch`](super::Epoch), made in `epoch` (which also says how an epoch runs).
 
 use std::fmt;
+use std::sync::Arc;
 
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -10,6 +11,7 @@ use serde::de::DeserializeOwned;
 use super::batch_plan::batch_plan;
 use super::collate::{Collate, DefaultCollate};
 use super::dataset::Dataset;
+use super::device_stage::DeviceStage;
 use super::options::Options;
 use super::sampler::Sampler;
 use super::state::{Done, EpochState, LoaderState, MapProgress, MapState, fingerprint};
@@ -68,6 +70,9 @@ pub struct DataLoader<D: Dataset, C: Collate<D::Item> = DefaultCollate> {
     pub(super) resume: Option<MapProgress>,
     /// Where the epoch's time went.
     pub(super) stats: LoaderStats,
+    /// What happens to each batch in this process before it is yielded (`pin_memory`,
+    /// `prefetch_to`).
+    pub(super) stage: Option<Arc<DeviceStage<C::Batch>>>,
 }
 
 impl<D, C> DataLoader<D, C>
@@ -75,7 +80,13 @@ where
     D: Dataset + Serialize + DeserializeOwned + Clone + 'static,
     C: Collate<D::Item> + 'static,
 {
-    pub(crate) fn new(dataset: D, collate: C, sampler: Box<dyn Sampler>, options: Options) -> Self {
+    pub(super) fn new(
+        dataset: D,
+        collate: C,
+        sampler: Box<dyn Sampler>,
+        options: Options,
+        stage: Option<DeviceStage<C::Batch>>,
+    ) -> Self {
         DataLoader {
             dataset,
             collate,
@@ -87,6 +98,7 @@ where
             progress: None,
             resume: None,
             stats: LoaderStats::default(),
+            stage: stage.map(Arc::new),
         }
     }
 

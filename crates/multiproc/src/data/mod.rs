@@ -17,6 +17,10 @@
 //! - `state` — [`LoaderState`] and [`StreamState`] (resuming mid-epoch), and
 //!   [`worker_seed`].
 //! - `stats` — [`LoaderStats`]: where an epoch's time went.
+//! - `tensors` — [`Tensors`]: a batch that hands over its tensors, for `pin_memory` and
+//!   `prefetch_to`.
+//! - `device_stage` — what the trainer does to each batch before yielding it with
+//!   `pin_memory` or `prefetch_to` (feature `cuda`).
 //! - `shared_rows` — [`SharedRows`]: a data set's big read-only table, in shared
 //!   memory once, reaching the workers by handle.
 //! - `progress` — the optional progress bar (feature `progress`).
@@ -90,6 +94,17 @@
 //! [`DataLoader::stats`] says where an epoch's time went: the caller waiting, the
 //! workers loading and collating, the hand-over.
 //!
+//! # Batches for a GPU (feature `cuda`)
+//!
+//! [`pin_memory`](DataLoaderBuilder::pin_memory) page-locks the shared blocks batches
+//! arrive in, in this process, once per block, so a batch is pinned where the worker
+//! wrote it (torch copies it into pinned memory instead).
+//! [`prefetch_to`](DataLoaderBuilder::prefetch_to) hands over batches already on a
+//! device, copied on a side stream `n` batches ahead, complete when handed over. Both
+//! reach a batch's tensors through [`Collate::batch_tensors`]: the default collate's
+//! batches (tensors, tuples of them) say how; a batch type of your own implements
+//! [`Tensors`]. Both are for map-style data sets for now.
+//!
 //! # Seeds
 //!
 //! A worker's seed ([`WorkerInfo::seed`]) is [`worker_seed`]`(base, epoch, rank,
@@ -129,6 +144,7 @@ mod batch_plan;
 mod builder;
 mod collate;
 mod dataset;
+mod device_stage;
 mod epoch;
 mod from_fn;
 #[cfg(feature = "image")]
@@ -142,6 +158,7 @@ mod sampler;
 mod shared_rows;
 mod state;
 mod stats;
+mod tensors;
 mod worker;
 mod worker_kind;
 mod worker_set;
@@ -161,4 +178,5 @@ pub use sampler::{
 pub use shared_rows::SharedRows;
 pub use state::{LoaderState, StreamState, worker_seed};
 pub use stats::LoaderStats;
+pub use tensors::{Tensors, VisitTensors};
 pub use worker_kind::WorkerKind;

@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use super::from_fn::InitFn;
 use super::worker_kind::WorkerKind;
+use crate::cuda::Device;
 use crate::error::{Error, Result};
 use crate::process::StartMethod;
 
@@ -25,6 +26,10 @@ pub(crate) struct Options {
     /// The rank in worker seeds (the sampler's, the builder's, or 0).
     pub rank: usize,
     pub worker_init: Option<fn(usize)>,
+    /// Page-lock each batch's shared blocks in the trainer (`pin_memory`).
+    pub pin_memory: bool,
+    /// Copy each batch to this device, this many batches ahead (`prefetch_to`).
+    pub prefetch_to: Option<(Device, usize)>,
     #[cfg(feature = "progress")]
     pub progress: bool,
 }

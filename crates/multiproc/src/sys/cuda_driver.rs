@@ -13,7 +13,14 @@
 //! a call. The only host memory the driver touches is that of the copies, which take
 //! it as a [`SharedBytes`]: checked to be mapped for the borrow and as long as the
 //! copy (and writable, for a copy to the host); the driver reads or writes exactly
-//! those bytes before the call returns.
+//! those bytes before the call returns — but for an asynchronous copy ([`Transfer`]),
+//! which takes host bytes it holds ([`HeldHostBytes`]: mapped while the value lives)
+//! and drops them only once the copy is complete (its event waited for).
+//!
+//! Host memory registered with the driver ([`HostRegistration`], `cuMemHostRegister`)
+//! is only named by address: the driver pins its pages and never touches them on our
+//! behalf outside a copy. The registration is undone by the process that made it, in
+//! its drop (the owner of the mapping drops it before unmapping).
 
 use std::ffi::{CStr, c_void};
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
@@ -52,6 +59,18 @@ const SYMBOLS: &[&str] = &[
     "cuMemcpyDtoH_v2",
     "cuMemcpyDtoD_v2",
     "cuMemsetD8_v2",
+    "cuMemHostRegister_v2",
+    "cuMemHostUnregister",
+    "cuMemHostGetFlags",
+    "cuPointerGetAttribute",
+    "cuStreamCreate",
+    "cuStreamSynchronize",
+    "cuStreamDestroy_v2",
+    "cuMemcpyHtoDAsync_v2",
+    "cuEventCreate",
+    "cuEventRecord",
+    "cuEventSynchronize",
+    "cuEventDestroy_v2",
 ];
 
 /// Set once `cuInit` has succeeded in this process: a `fork` child of this process
@@ -254,7 +273,249 @@ impl Drop for Mapping {
     }
 }
 
+/// Host memory page-locked for every CUDA context of this process
+/// (`cuMemHostRegister` with `CU_MEMHOSTREGISTER_PORTABLE`): `len` bytes at `ptr`.
+/// Unregistered on drop, by the process that registered it (a `fork` child inherits
+/// the value, not the registration).
+#[derive(Debug)]
+pub(crate) struct HostRegistration {
+    ptr: usize,
+    len: usize,
+    device: u32,
+    pid: u32,
+}
+
+impl Drop for HostRegistration {
+    fn drop(&mut self) {
+        if self.pid != super::process::cached_pid() {
+            return;
+        }
+        if let Ok(d) = driver() {
+            if d.bind(self.device).is_ok() {
+                // SAFETY: the address was registered by `register_host` in this process
+                // and is unregistered once, here.
+                let r = unsafe { sys::cuMemHostUnregister(self.ptr as *mut c_void) };
+                if let Err(e) = check(r, || "cuMemHostUnregister".into()) {
+                    tracing::warn!("unregistering {} of pinned host memory: {e}", self.len);
+                }
+            }
+        }
+    }
+}
+
+/// Host bytes that stay mapped (readable) while the value lives: the source of a copy
+/// that completes after the call that issues it ([`Transfer::copy`] holds it until
+/// then).
+pub(crate) trait HeldHostBytes: Send + Sync {
+    /// The bytes, valid while `self` lives.
+    fn bytes(&self) -> SharedBytes<'_>;
+}
+
+/// A CUDA stream of this process that never waits for the legacy default stream
+/// (`CU_STREAM_NON_BLOCKING`), so copies on it overlap other work. Waited for and
+/// destroyed on drop.
+pub(crate) struct Stream {
+    raw: usize,
+    device: u32,
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        if let Ok(d) = driver() {
+            if d.bind(self.device).is_ok() {
+                // SAFETY: a stream made by `Driver::stream`, destroyed once, here, after
+                // its work is done.
+                unsafe {
+                    let _ = sys::cuStreamSynchronize(self.raw as sys::CUstream);
+                    let _ = sys::cuStreamDestroy_v2(self.raw as sys::CUstream);
+                }
+            }
+        }
+    }
+}
+
+/// Copies from host to device issued on a [`Stream`], and an event recorded after
+/// them: [`wait`](Self::wait) returns once every copy is complete. The host bytes are
+/// held until then; dropping a transfer waits for it first.
+pub(crate) struct Transfer {
+    stream: std::sync::Arc<Stream>,
+    event: usize,
+    recorded: bool,
+    held: Vec<Box<dyn HeldHostBytes>>,
+}
+
+impl Transfer {
+    /// Copies `src` to `offset` in `dst` on the transfer's stream; `src` is held until
+    /// the copy is complete. From pinned host memory the copy runs while the caller
+    /// goes on; from pageable memory the driver stages it (and may return later).
+    pub(crate) fn copy(
+        &mut self,
+        dst: &Mapping,
+        offset: usize,
+        src: Box<dyn HeldHostBytes>,
+    ) -> Result<()> {
+        let bytes = src.bytes();
+        let len = bytes.len();
+        let d = dst.range(offset, len, "an asynchronous host-to-device copy")?;
+        if dst.device != self.stream.device {
+            return Err(Error::InvalidArgument(format!(
+                "a copy to cuda:{} on a stream of cuda:{}",
+                dst.device, self.stream.device
+            )));
+        }
+        let host = bytes.as_ptr().cast_const().cast();
+        driver()?.bind(dst.device)?;
+        // SAFETY: the device range is mapped (checked above); the host range is `len`
+        // readable bytes while `src` lives, and `src` is held (below) until the copy is
+        // complete: `wait` (also run by drop) waits for the event recorded after it, or
+        // the whole stream.
+        let r =
+            unsafe { sys::cuMemcpyHtoDAsync_v2(d, host, len, self.stream.raw as sys::CUstream) };
+        self.held.push(src);
+        check(r, || "cuMemcpyHtoDAsync".into())
+    }
+
+    /// Records the transfer's event after the copies issued so far.
+    pub(crate) fn record(&mut self) -> Result<()> {
+        driver()?.bind(self.stream.device)?;
+        // SAFETY: an event and a stream of this context, both alive.
+        let r = unsafe {
+            sys::cuEventRecord(self.event as sys::CUevent, self.stream.raw as sys::CUstream)
+        };
+        check(r, || "cuEventRecord".into())?;
+        self.recorded = true;
+        Ok(())
+    }
+
+    /// Waits until every copy issued is complete, then lets go of their host bytes.
+    pub(crate) fn wait(&mut self) -> Result<()> {
+        if self.held.is_empty() {
+            return Ok(());
+        }
+        driver()?.bind(self.stream.device)?;
+        let r = if self.recorded {
+            // SAFETY: an event recorded after every copy issued.
+            unsafe { sys::cuEventSynchronize(self.event as sys::CUevent) }
+        } else {
+            // SAFETY: a live stream.
+            unsafe { sys::cuStreamSynchronize(self.stream.raw as sys::CUstream) }
+        };
+        check(r, || "waiting for host-to-device copies".into())?;
+        self.held.clear();
+        Ok(())
+    }
+}
+
+impl Drop for Transfer {
+    fn drop(&mut self) {
+        if self.wait().is_err() {
+            // The copies' state is unknown: wait for the whole stream before the host
+            // bytes may go (a stream that fails to synchronise is a dead context, which
+            // reads nothing any more).
+            if let Ok(d) = driver() {
+                if d.bind(self.stream.device).is_ok() {
+                    // SAFETY: a live stream.
+                    let _ = unsafe { sys::cuStreamSynchronize(self.stream.raw as sys::CUstream) };
+                }
+            }
+        }
+        // SAFETY: the event was made by `Driver::transfer` and is destroyed once, here.
+        let _ = unsafe { sys::cuEventDestroy_v2(self.event as sys::CUevent) };
+    }
+}
+
 impl Driver {
+    /// Page-locks `bytes` for every context (`cuMemHostRegister`, portable), with
+    /// `device`'s context current. Registering pages that are registered already is
+    /// the driver's `CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED`.
+    pub(crate) fn register_host(
+        &self,
+        device: u32,
+        bytes: SharedBytes<'_>,
+    ) -> Result<HostRegistration> {
+        self.bind(device)?;
+        let len = bytes.len();
+        // SAFETY: `len` mapped bytes (what a `SharedBytes` is); the driver only pins
+        // their pages. The registration is undone by `HostRegistration`'s drop, which
+        // the mapping's owner runs before unmapping.
+        let r = unsafe {
+            sys::cuMemHostRegister_v2(bytes.as_ptr().cast(), len, sys::CU_MEMHOSTREGISTER_PORTABLE)
+        };
+        check(r, || {
+            format!(
+                "page-locking {} of shared memory (cuMemHostRegister)",
+                human_bytes(len as u64)
+            )
+        })?;
+        Ok(HostRegistration {
+            ptr: bytes.as_ptr() as usize,
+            len,
+            device,
+            pid: super::process::cached_pid(),
+        })
+    }
+
+    /// Whether the host address `ptr` is in page-locked memory the driver knows: its
+    /// memory type is host memory (`cuPointerGetAttribute`, what torch's `is_pinned`
+    /// asks through the runtime), or, failing that, `cuMemHostGetFlags` knows it.
+    pub(crate) fn is_registered_host(&self, ptr: *const u8) -> bool {
+        let mut kind: std::ffi::c_uint = 0;
+        // SAFETY: a valid out-pointer of the attribute's type (`CUmemorytype`, an
+        // unsigned int); the driver only looks the address up.
+        let r = unsafe {
+            sys::cuPointerGetAttribute(
+                (&mut kind as *mut std::ffi::c_uint).cast(),
+                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+                ptr as sys::CUdeviceptr,
+            )
+        };
+        if r == sys::CUresult::CUDA_SUCCESS {
+            return kind == sys::CUmemorytype::CU_MEMORYTYPE_HOST as std::ffi::c_uint;
+        }
+        let mut flags = 0;
+        // SAFETY: a valid out-pointer; the driver only looks the address up.
+        let r = unsafe { sys::cuMemHostGetFlags(&mut flags, ptr.cast_mut().cast()) };
+        r == sys::CUresult::CUDA_SUCCESS
+    }
+
+    /// A new stream on `device` that does not wait for the default stream.
+    pub(crate) fn stream(&self, device: u32) -> Result<std::sync::Arc<Stream>> {
+        self.bind(device)?;
+        let mut raw: sys::CUstream = std::ptr::null_mut();
+        // SAFETY: a valid out-pointer; flags are a documented value.
+        let r = unsafe {
+            sys::cuStreamCreate(
+                &mut raw,
+                sys::CUstream_flags::CU_STREAM_NON_BLOCKING as std::ffi::c_uint,
+            )
+        };
+        check(r, || format!("cuStreamCreate(cuda:{device})"))?;
+        Ok(std::sync::Arc::new(Stream {
+            raw: raw as usize,
+            device,
+        }))
+    }
+
+    /// A new transfer on `stream` (an event without timing).
+    pub(crate) fn transfer(&self, stream: &std::sync::Arc<Stream>) -> Result<Transfer> {
+        self.bind(stream.device)?;
+        let mut event: sys::CUevent = std::ptr::null_mut();
+        // SAFETY: a valid out-pointer; flags are a documented value.
+        let r = unsafe {
+            sys::cuEventCreate(
+                &mut event,
+                sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as std::ffi::c_uint,
+            )
+        };
+        check(r, || "cuEventCreate".into())?;
+        Ok(Transfer {
+            stream: std::sync::Arc::clone(stream),
+            event: event as usize,
+            recorded: false,
+            held: Vec::new(),
+        })
+    }
+
     /// The number of visible devices.
     pub(crate) fn device_count(&self) -> usize {
         self.contexts.len()

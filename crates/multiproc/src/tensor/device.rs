@@ -20,6 +20,22 @@ impl Tensor {
         self.storage.device()
     }
 
+    /// Whether the tensor's bytes are page-locked host memory that the CUDA driver
+    /// knows (torch's `is_pinned`), as the driver reports it: a batch of a data loader
+    /// with [`pin_memory`](crate::data::DataLoaderBuilder::pin_memory) is. Always
+    /// `false` for CUDA tensors, before this process has initialised CUDA, and without
+    /// the `cuda` feature.
+    pub fn is_pinned(&self) -> bool {
+        #[cfg(feature = "cuda")]
+        {
+            self.device() == Device::Cpu && self.storage.is_pinned()
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            false
+        }
+    }
+
     /// A zero-filled, contiguous tensor on `device` (torch's `zeros(..., device=)`).
     ///
     /// # Errors

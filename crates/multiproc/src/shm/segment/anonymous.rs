@@ -5,7 +5,7 @@ use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
 
 use super::block::{ARENA_LEN, BLOCK_HEADER_LEN};
-use super::{Backing, Segment};
+use super::{Attachment, Backing, Segment};
 use crate::error::{Error, Result};
 use crate::sys::memfd;
 use crate::sys::mmap::SharedMapping;
@@ -19,6 +19,7 @@ impl Segment {
         let st = crate::sys::fs::status(fd.as_fd(), "a new memfd")?;
         let mapping = SharedMapping::map(fd.as_fd(), len)?;
         Ok(Segment {
+            attachment: Attachment::default(),
             mapping,
             data_offset: 0,
             len,
@@ -91,6 +92,7 @@ impl Segment {
         })?;
         let mapping = SharedMapping::map(fd.as_fd(), len)?;
         let segment = Segment {
+            attachment: Attachment::default(),
             mapping,
             data_offset: 0,
             len,

@@ -12,9 +12,10 @@
 //! concurrently by atomics elsewhere. Every header access is in bounds because a named
 //! segment's mapping is always at least [`HEADER_LEN`] bytes (checked before mapping).
 
+use std::any::Any;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use super::name::SegmentName;
 use super::strategy::SharingStrategy;
@@ -53,6 +54,9 @@ enum Backing {
 /// user of a named one, unlinked) on drop.
 #[derive(Debug)]
 pub(crate) struct Segment {
+    /// What a higher layer keeps with this mapping (a CUDA host registration of its
+    /// pages). The first field, so it is dropped before `mapping` is unmapped.
+    attachment: Attachment,
     mapping: SharedMapping,
     /// Offset of the data in the mapping: 0 anonymous, [`HEADER_LEN`] named.
     data_offset: usize,
@@ -63,6 +67,26 @@ pub(crate) struct Segment {
     /// creator, or a receiver from the *handle's* kind — never from bytes in the
     /// mapping, which a peer may have written.
     is_block: bool,
+}
+
+/// A value a higher layer keeps with a mapping, set once (see [`Segment::attach_once`]).
+/// This layer only holds and drops it; it never looks inside.
+#[derive(Default)]
+pub(crate) struct Attachment(Mutex<Option<Box<dyn Any + Send + Sync>>>);
+
+impl std::fmt::Debug for Attachment {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let set = self
+            .0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .is_some();
+        f.write_str(if set {
+            "Attachment(set)"
+        } else {
+            "Attachment(none)"
+        })
+    }
 }
 
 fn pid() -> i32 {
@@ -107,6 +131,27 @@ impl Segment {
             Backing::Anonymous { dev, ino, .. } => Some((*dev, *ino)),
             Backing::Named { .. } => None,
         }
+    }
+
+    /// Keeps what `make` returns with this mapping, unless a value is kept already:
+    /// `make` runs at most once per mapping (under a lock, so two threads cannot both
+    /// run it). The value is dropped just before the mapping is unmapped. Whether
+    /// `make` ran.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn attach_once<E>(
+        &self,
+        make: impl FnOnce() -> std::result::Result<Box<dyn Any + Send + Sync>, E>,
+    ) -> std::result::Result<bool, E> {
+        let mut slot = self
+            .attachment
+            .0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if slot.is_some() {
+            return Ok(false);
+        }
+        *slot = Some(make()?);
+        Ok(true)
     }
 
     /// The name of a named segment.

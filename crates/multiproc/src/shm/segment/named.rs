@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicI32, AtomicU32, AtomicU64, Ordering};
 use rustix::io::Errno;
 
 use super::super::name::{SegmentName, shm_path};
-use super::{Backing, Segment, pid};
+use super::{Attachment, Backing, Segment, pid};
 use crate::error::{Error, Result};
 use crate::sys::mmap::SharedMapping;
 use crate::sys::{fs, memfd};
@@ -83,6 +83,7 @@ impl Segment {
             }
         };
         let segment = Segment {
+            attachment: Attachment::default(),
             mapping,
             data_offset: HEADER_LEN,
             len,
@@ -164,6 +165,7 @@ impl Segment {
         })?;
         let mapping = SharedMapping::map(fd.as_fd(), total)?;
         let mut segment = Segment {
+            attachment: Attachment::default(),
             mapping,
             data_offset: HEADER_LEN,
             len: 0,

@@ -27,6 +27,8 @@
 mod backing;
 mod device_memory;
 mod initial_bytes;
+#[cfg(feature = "cuda")]
+mod pinned;
 mod private_buf;
 mod read_only;
 mod received_cache;
