@@ -52,7 +52,7 @@ prefetch_rc=${PIPESTATUS[0]}
     "$logs/tests.log"
   grep -E '^(cuda_fresh|cuda_ping|d2d_copy|h2d_pinned|h2d_pageable) ' "$logs/torch.log" | sed 's/^/  /'
   grep -E '"scenario":"h2d_' "$logs/multiproc.json" | sed 's/^/  /'
-  grep -E '^(batch|pageable|pinned|prefetch) ' "$logs/prefetch.log" | sed 's/^/  /'
+  grep -E '^(batch|mode|pageable|pinned|prefetch) ' "$logs/prefetch.log" | sed 's/^/  /'
   echo "  tests exit $tests_rc, cuda_bench exit $bench_rc, torch script exit $torch_rc, prefetch_overlap exit $prefetch_rc"
 } | tee "$logs/summary.txt"
 [ "$tests_rc" = 0 ] && [ "$bench_rc" = 0 ] && [ "$torch_rc" = 0 ] && [ "$prefetch_rc" = 0 ]

@@ -4,7 +4,7 @@
 //! feature; run by `scripts/gpu_check.sh`).
 //!
 //! ```text
-//! cargo run --release --features cuda --example prefetch_overlap [-- --json] [--steps 200]
+//! cargo run --release --features cuda --example prefetch_overlap [-- --json] [--steps 200] [--workers 2,8]
 //! ```
 //!
 //! The model is one kernel (PTX, loaded with `cuModuleLoadData`) that does a fixed
@@ -25,9 +25,20 @@
 //! - `prefetch`: `prefetch_to(cuda:0, 2)` (the copy runs while the previous step
 //!   computes; the batch arrives on the device).
 //!
-//! Prints the step time of each and the ratios, or with `--json` one object per line
-//! (`scenario` = `step_pageable`, `step_pinned`, `step_prefetch`; `us_per_step`,
-//! `compute_us`, `copy_pinned_us`).
+//! Each mode runs once per worker count of `--workers` (default 2 and 8), each run with
+//! a new loader (new workers, new blocks) whose first `10 + 6 * workers` steps are not
+//! timed. Prints, per run, the step time and its ratio to the prefetched step with as
+//! many workers, and where a step's time went (means per timed step): waiting in the
+//! loader's `next()` (with `pin_memory`, registering a block seen for the first time;
+//! with `prefetch_to`, starting the next copy and waiting for this one), in
+//! `batch.to(cuda:0)`, and in the model; then what the loader cost the trainer in
+//! calls: the distinct host addresses its batches arrived at, the shared segments it
+//! mapped on receipt and the `cuMemHostRegister` calls it made (each over the whole
+//! run / over the timed steps: a steady state makes none), and the registrations
+//! undone. With `--json`, one object per run (`scenario` = `step_pageable`,
+//! `step_pinned`, `step_prefetch`; `us_per_step`, `next_us`, `to_us`, `model_us`,
+//! `compute_us`, `copy_pinned_us`, `workers`, `mapped_on_receipt`, `mapped_timed`,
+//! `host_registrations`, `registered_timed`, ...).
 
 use std::ffi::{CStr, c_void};
 use std::time::{Duration, Instant};
@@ -40,8 +51,12 @@ const GPU: Device = Device::Cuda(0);
 /// Elements of one sample (4 MiB of f32); four make a 16 MiB batch.
 const SAMPLE: usize = 1 << 20;
 const BATCH: usize = 4;
-/// Untimed steps at the start of each mode.
-const WARM: usize = 10;
+/// Untimed steps at the start of each run: enough for every worker to have made the
+/// blocks it recycles (about `prefetch_factor + 2` each), so that the timed steps
+/// measure the steady state (no block mapped or registered for the first time).
+fn warm(workers: usize) -> usize {
+    10 + 6 * workers
+}
 
 /// A kernel that reads one f32 per thread, runs `iters` fused multiply-adds on it and
 /// writes the result: `out[i] = f^iters(in[i])` with `f(x) = 0.999 x + in[i]`.
@@ -233,34 +248,100 @@ fn loader(batches: usize, workers: usize) -> DataLoaderBuilder<Samples, CheapBat
         .prefetch_factor(4)
 }
 
-/// The mean step time over `steps` steps after `WARM` untimed ones.
+/// Where one mode's steps went, per step (means over the timed steps), and what the
+/// loader cost in system and driver calls over the whole run (warm-up included).
+struct Figures {
+    mode: &'static str,
+    workers: usize,
+    /// The whole step: `next()`, `to()` and the model.
+    step: Duration,
+    /// Waiting in the loader's `next()` (with `pin_memory`: the registration of a new
+    /// block; with `prefetch_to`: starting the next copy and waiting for this one).
+    next: Duration,
+    /// `batch.to(GPU)` in the loop (0 with `prefetch_to`).
+    to: Duration,
+    /// The model's kernel, waited for.
+    model: Duration,
+    /// Distinct host addresses the batches arrived at (blocks, or mappings of them).
+    host_addresses: usize,
+    /// Shared segments mapped on receipt (the map cache's misses): in the whole run,
+    /// and in its timed steps.
+    mapped: (u64, u64),
+    /// `cuMemHostRegister` calls made: in the whole run, and in its timed steps.
+    registered: (u64, u64),
+    /// Registrations undone in the whole run (the loader's drop included).
+    unregistered: u64,
+}
+
+/// One mode with `workers` workers: `steps` timed steps after [`warm`] untimed ones.
 fn run_mode(
-    mode: &str,
+    mode: &'static str,
     model: &Model,
     steps: usize,
     workers: usize,
-) -> multiproc::Result<Duration> {
-    let builder = loader(steps + WARM, workers);
+) -> multiproc::Result<Figures> {
+    let before = multiproc::__testing::counters();
+    let warm = warm(workers);
+    let builder = loader(steps + warm, workers);
     let mut loader = match mode {
         "pageable" => builder.build()?,
         "pinned" => builder.pin_memory(true).build()?,
         _ => builder.prefetch_to(GPU, 2).build()?,
     };
+    let (mut next, mut to, mut compute) = (Duration::ZERO, Duration::ZERO, Duration::ZERO);
+    let mut addresses = std::collections::HashSet::new();
+    let mut iter = loader.iter();
     let mut start = Instant::now();
-    for (i, batch) in loader.iter().enumerate() {
-        if i == WARM {
+    let mut at_warm = before;
+    for i in 0.. {
+        if i == warm {
+            (next, to, compute) = (Duration::ZERO, Duration::ZERO, Duration::ZERO);
+            at_warm = multiproc::__testing::counters();
             start = Instant::now();
         }
+        let t0 = Instant::now();
+        let Some(batch) = iter.next() else {
+            break;
+        };
         let batch = batch?;
+        let t1 = Instant::now();
         assert_eq!(batch.shape(), [BATCH, SAMPLE]);
         let x = if batch.device() == GPU {
             batch
         } else {
+            addresses.insert(batch.data_ptr() as usize);
             batch.to(GPU)?
         };
+        let t2 = Instant::now();
         model.step(&x);
+        let t3 = Instant::now();
+        next += t1 - t0;
+        to += t2 - t1;
+        compute += t3 - t2;
     }
-    Ok(start.elapsed() / steps as u32)
+    let step = start.elapsed() / steps as u32;
+    let at_end = multiproc::__testing::counters();
+    drop(iter);
+    drop(loader);
+    let after = multiproc::__testing::counters();
+    Ok(Figures {
+        mode,
+        workers,
+        step,
+        next: next / steps as u32,
+        to: to / steps as u32,
+        model: compute / steps as u32,
+        host_addresses: addresses.len(),
+        mapped: (
+            at_end.segments_mapped_on_receipt - before.segments_mapped_on_receipt,
+            at_end.segments_mapped_on_receipt - at_warm.segments_mapped_on_receipt,
+        ),
+        registered: (
+            at_end.host_registrations - before.host_registrations,
+            at_end.host_registrations - at_warm.host_registrations,
+        ),
+        unregistered: after.host_unregistrations - before.host_unregistrations,
+    })
 }
 
 /// The mean time of `f` over `n` runs after two untimed ones.
@@ -286,7 +367,15 @@ fn main() -> multiproc::Result<()> {
             .unwrap_or(default)
     };
     let steps = arg("--steps", 200);
-    let workers = arg("--workers", 2);
+    // Worker counts to run each mode with: `--workers 2,8` (the default).
+    let workers: Vec<usize> = args
+        .iter()
+        .position(|a| a == "--workers")
+        .and_then(|i| args.get(i + 1))
+        .map_or_else(
+            || vec![2, 8],
+            |s| s.split(',').filter_map(|w| w.parse().ok()).collect(),
+        );
     multiproc::cuda::init()?;
     let mut model = Model::new();
 
@@ -307,35 +396,78 @@ fn main() -> multiproc::Result<()> {
     drop((x, pinned_batch));
 
     let mut figures = Vec::new();
-    for mode in ["pageable", "pinned", "prefetch"] {
-        figures.push((mode, run_mode(mode, &model, steps, workers)?));
+    for &w in &workers {
+        for mode in ["pageable", "pinned", "prefetch"] {
+            figures.push(run_mode(mode, &model, steps, w)?);
+        }
     }
     let us = |d: Duration| d.as_secs_f64() * 1e6;
-    let prefetch = figures[2].1;
+    // Each row's ratio is to the prefetched step with as many workers.
+    let vs_prefetch = |f: &Figures| {
+        let prefetch = figures
+            .iter()
+            .find(|p| p.mode == "prefetch" && p.workers == f.workers)
+            .map_or(f.step, |p| p.step);
+        f.step.as_secs_f64() / prefetch.as_secs_f64()
+    };
     if json {
-        for (mode, step) in &figures {
+        for f in &figures {
             println!(
-                "{{\"scenario\":\"step_{mode}\",\"bytes\":{},\"count\":{steps},\"us_per_step\":{:.1},\"compute_us\":{:.1},\"copy_pinned_us\":{:.1},\"vs_prefetch\":{:.3},\"workers\":{workers},\"impl\":\"multiproc\"}}",
+                "{{\"scenario\":\"step_{}\",\"bytes\":{},\"count\":{steps},\"us_per_step\":{:.1},\"next_us\":{:.1},\"to_us\":{:.1},\"model_us\":{:.1},\"compute_us\":{:.1},\"copy_pinned_us\":{:.1},\"vs_prefetch\":{:.3},\"workers\":{},\"host_addresses\":{},\"mapped_on_receipt\":{},\"mapped_timed\":{},\"host_registrations\":{},\"registered_timed\":{},\"host_unregistrations\":{},\"impl\":\"multiproc\"}}",
+                f.mode,
                 BATCH * SAMPLE * 4,
-                us(*step),
+                us(f.step),
+                us(f.next),
+                us(f.to),
+                us(f.model),
                 us(compute),
                 us(copy_pinned),
-                step.as_secs_f64() / prefetch.as_secs_f64()
+                vs_prefetch(f),
+                f.workers,
+                f.host_addresses,
+                f.mapped.0,
+                f.mapped.1,
+                f.registered.0,
+                f.registered.1,
+                f.unregistered,
             );
         }
     } else {
         println!(
-            "batch {} MiB; compute {:.0} us per step ({} fma per element); copy from pinned memory {:.0} us; {workers} workers",
+            "batch {} MiB; compute {:.0} us per step ({} fma per element); copy from pinned memory {:.0} us; {steps} timed steps after 10 + 6 per worker untimed ones",
             (BATCH * SAMPLE * 4) >> 20,
             us(compute),
             model.iters,
             us(copy_pinned)
         );
-        for (mode, step) in &figures {
+        println!(
+            "{:<9} {:>7} {:>9} {:>11}   {:>8} {:>8} {:>8}   {:>9} {:>11} {:>15} {:>12}",
+            "mode",
+            "workers",
+            "us/step",
+            "vs_prefetch",
+            "next()",
+            "to()",
+            "model",
+            "addresses",
+            "mapped all/t",
+            "registered all/t",
+            "unregistered"
+        );
+        for f in &figures {
             println!(
-                "{mode:<9} {:>9.0} us per step   {:.2}x the prefetched step",
-                us(*step),
-                step.as_secs_f64() / prefetch.as_secs_f64()
+                "{:<9} {:>7} {:>9.0} {:>10.2}x   {:>8.0} {:>8.0} {:>8.0}   {:>9} {:>11} {:>15} {:>12}",
+                f.mode,
+                f.workers,
+                us(f.step),
+                vs_prefetch(f),
+                us(f.next),
+                us(f.to),
+                us(f.model),
+                f.host_addresses,
+                format!("{}/{}", f.mapped.0, f.mapped.1),
+                format!("{}/{}", f.registered.0, f.registered.1),
+                f.unregistered
             );
         }
     }

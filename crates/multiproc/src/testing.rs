@@ -20,6 +20,38 @@ pub fn release_idle_blocks() -> usize {
     crate::shm::release_idle_blocks()
 }
 
+/// Counters of this process since it started, for diagnostics (the examples' timing
+/// breakdowns): shared segments mapped when a message named them (a miss of the map
+/// cache), and with the `cuda` feature, host registrations made (`cuMemHostRegister`)
+/// and undone. A loader whose workers recycle their blocks stops adding to all three
+/// after its first few batches.
+pub fn counters() -> Counters {
+    use std::sync::atomic::Ordering::Relaxed;
+    #[cfg(feature = "cuda")]
+    let (registered, unregistered) = {
+        let c = &crate::sys::cuda_driver::HOST_REGISTRATIONS;
+        (c[0].load(Relaxed), c[1].load(Relaxed))
+    };
+    #[cfg(not(feature = "cuda"))]
+    let (registered, unregistered) = (0, 0);
+    Counters {
+        segments_mapped_on_receipt: crate::shm::MAPPED_ON_RECEIPT.load(Relaxed),
+        host_registrations: registered,
+        host_unregistrations: unregistered,
+    }
+}
+
+/// See [`counters`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Counters {
+    /// Shared segments mapped on receipt.
+    pub segments_mapped_on_receipt: u64,
+    /// `cuMemHostRegister` calls that succeeded.
+    pub host_registrations: u64,
+    /// Host registrations undone (`cuMemHostUnregister`).
+    pub host_unregistrations: u64,
+}
+
 /// Runs `f` while this process holds the lock of `queue`'s block custody: a test makes
 /// a holder that stops (SIGSTOP) inside it. Built with the `fuzzing` feature only.
 #[cfg(feature = "fuzzing")]

@@ -105,8 +105,19 @@ fn decay_job() -> Box<dyn FnMut() -> bool + Send> {
     })
 }
 
-/// How many received segments stay mapped after their last tensor is dropped.
-pub(crate) const RECENT: usize = 8;
+/// Segments mapped on receipt so far (a miss of the cache; for the diagnostics in
+/// `__testing`).
+pub(crate) static MAPPED_ON_RECEIPT: std::sync::atomic::AtomicU64 =
+    std::sync::atomic::AtomicU64::new(0);
+
+/// How many received segments stay mapped after their last tensor is dropped. A data
+/// loader cycles through about `num_workers * (prefetch_factor + 1)` blocks (each
+/// worker recycles its own), and with a least-recently-used list a cycle even one
+/// longer than the list misses every time: each batch then maps its block afresh,
+/// faults its pages in, and with `pin_memory` registers it with the CUDA driver again.
+/// So the list is long enough for 8 workers with a prefetch factor of 4, or 16 with
+/// the default of 2; the byte bound ([`recent_bytes`]) still caps what it keeps.
+pub(crate) const RECENT: usize = 64;
 /// How many bytes of received segments stay mapped after their last tensor is dropped.
 fn recent_bytes() -> usize {
     super::idle_bytes_limit()
@@ -225,7 +236,10 @@ pub(crate) fn get_or_try_insert(
             return (Ok((live, false)), evicted);
         }
         let segment = match open() {
-            Ok(s) => Arc::new(s),
+            Ok(s) => {
+                MAPPED_ON_RECEIPT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                Arc::new(s)
+            }
             Err(e) => return (Err(e), Vec::new()),
         };
         c.put(key, &segment);

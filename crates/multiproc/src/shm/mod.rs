@@ -98,7 +98,9 @@ use std::sync::Arc;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 pub(crate) use area::SharedArea;
-pub(crate) use cache::{CacheKey, flush_retained, lookup as cached, release_before_exit};
+pub(crate) use cache::{
+    CacheKey, MAPPED_ON_RECEIPT, flush_retained, lookup as cached, release_before_exit,
+};
 pub(crate) use name::SegmentName;
 pub(crate) use recycler::allocate;
 pub(crate) use recycler::release_idle as release_idle_blocks;

@@ -73,6 +73,11 @@ const SYMBOLS: &[&str] = &[
     "cuEventDestroy_v2",
 ];
 
+/// `cuMemHostRegister` calls that succeeded in this process, and registrations undone
+/// (for the diagnostics in `__testing`: a recycled block should cost one, once).
+pub(crate) static HOST_REGISTRATIONS: [std::sync::atomic::AtomicU64; 2] =
+    [const { std::sync::atomic::AtomicU64::new(0) }; 2];
+
 /// Set once `cuInit` has succeeded in this process: a `fork` child of this process
 /// cannot use CUDA (see `check_fork`).
 static INITIALISED: AtomicBool = AtomicBool::new(false);
@@ -295,6 +300,7 @@ impl Drop for HostRegistration {
                 // SAFETY: the address was registered by `register_host` in this process
                 // and is unregistered once, here.
                 let r = unsafe { sys::cuMemHostUnregister(self.ptr as *mut c_void) };
+                HOST_REGISTRATIONS[1].fetch_add(1, Ordering::Relaxed);
                 if let Err(e) = check(r, || "cuMemHostUnregister".into()) {
                     tracing::warn!("unregistering {} of pinned host memory: {e}", self.len);
                 }
@@ -447,6 +453,7 @@ impl Driver {
                 human_bytes(len as u64)
             )
         })?;
+        HOST_REGISTRATIONS[0].fetch_add(1, Ordering::Relaxed);
         Ok(HostRegistration {
             ptr: bytes.as_ptr() as usize,
             len,
