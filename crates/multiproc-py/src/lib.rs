@@ -84,9 +84,20 @@ fn set_sharing_strategy(name: &str) -> PyResult<()> {
     Ok(())
 }
 
+/// For a process about to end without finalizing (a `fork` or `forkserver` child of
+/// `multiprocessing` leaves with `os._exit`): gives back the block uses of every tensor
+/// this process still holds through torch or numpy, which must not be read afterwards.
+/// Returns how many storages.
+#[pyfunction]
+fn _give_back_at_exit() -> usize {
+    dlpack::give_back_at_exit()
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
+    dlpack::give_back_at_c_exit_once();
+    m.add_function(wrap_pyfunction!(_give_back_at_exit, m)?)?;
     m.add_function(wrap_pyfunction!(convert::_set_hooks, m)?)?;
     m.add_function(wrap_pyfunction!(new_tensor, m)?)?;
     m.add_function(wrap_pyfunction!(is_shared_block, m)?)?;

@@ -108,3 +108,14 @@ def wait_for_count(cond, counter, target, out):
     with cond:
         ok = cond.wait_for(lambda: int(counter.item()) >= target, timeout=60)
         out.put((ok, int(counter.item())))
+
+
+KEPT = []
+
+
+def keep_until_exit(t, q_in, q):
+    """Keeps a tensor argument and one received tensor in a global until the process
+    ends (a fork/forkserver child ends with os._exit, which frees nothing)."""
+    KEPT.append(t)
+    KEPT.append(q_in.get())
+    q.put(float(t[0]) + float(KEPT[1][0]))

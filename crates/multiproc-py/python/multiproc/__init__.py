@@ -15,6 +15,8 @@ values (str, int, float, bool, None, bytes); any other object goes by pickle. A 
 process reads the same queue as ``Queue<multiproc::Dynamic>``.
 """
 
+import multiprocessing
+import multiprocessing.util
 import os
 import pickle
 import queue as _queue
@@ -56,6 +58,42 @@ from .spawn import (
 )
 
 _native._set_hooks(_encode_other, _decode_tensor, _view_tensor, _view_of_storage)
+
+
+def _give_back_before_os_exit():
+    """Run by ``multiprocessing`` as one of its processes ends. A ``fork`` or
+    ``forkserver`` child then leaves with ``os._exit``, freeing nothing: its received
+    tensors (its ``Process`` arguments among them) would keep their blocks' uses, and
+    their creators could never reuse them. This gives them back, when nothing can read
+    the tensors any more: no other thread runs, and ``os._exit`` follows. A ``spawn``
+    child and the main process finalize instead, and give back whatever is still alive
+    after that from a C ``atexit`` handler (the native module's)."""
+    import threading
+
+    if multiprocessing.parent_process() is None or threading.active_count() != 1:
+        return
+    frame = sys._getframe()
+    while frame is not None:
+        if frame.f_code.co_name == "spawn_main":
+            return  # spawn: the interpreter finalizes after this
+        frame = frame.f_back
+    _native._give_back_at_exit()
+
+
+def _register_give_back(_anchor=None):
+    # The lowest priority: after every other finalizer, which may still use tensors.
+    multiprocessing.util.Finalize(None, _give_back_before_os_exit, exitpriority=-(1 << 30))
+
+
+class _AfterFork:
+    """An anchor for ``register_after_fork`` (which holds it weakly)."""
+
+
+_after_fork = _AfterFork()
+_register_give_back()
+# A child's bootstrap clears the finalizers registered before it (when multiproc was
+# imported to unpickle the child's arguments), then runs the after-fork hooks.
+multiprocessing.util.register_after_fork(_after_fork, _register_give_back)
 
 
 class DisconnectedError(MultiprocError, EOFError, _queue.Empty):
