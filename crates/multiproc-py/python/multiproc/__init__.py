@@ -22,7 +22,7 @@ import pickle
 import queue as _queue
 import sys
 
-from . import _native
+from . import _native, _shm_manager
 from ._native import (
     ClosedError,
     FdLimitError,
@@ -118,7 +118,7 @@ __all__ = [
 
 def get_all_sharing_strategies():
     """The sharing strategies this process can use (torch's names)."""
-    return {"file_descriptor"}
+    return {"file_descriptor", "file_system"}
 
 
 def get_sharing_strategy():
@@ -127,15 +127,33 @@ def get_sharing_strategy():
 
 
 def set_sharing_strategy(new_strategy):
-    """Sets the strategy new shared blocks are made with.
+    """Sets the strategy new shared blocks are made with: ``"file_descriptor"`` (the
+    default: blocks are memfds, passed as fds) or ``"file_system"`` (blocks are files
+    in /dev/shm, passed by name; the tree's shm manager removes what a crashed tree
+    left). Processes started afterwards inherit it, as the library's own do.
 
-    Only ``"file_descriptor"`` is available from Python: ``"file_system"`` needs the
-    shm manager, which the library starts by running this program again, and a Python
-    interpreter run again does not serve as one.
+    ``"file_system"`` starts the tree's shm manager if it does not run yet (a Python
+    interpreter started once, which forks the manager off; see ``_shm_manager``).
     """
     if new_strategy not in get_all_sharing_strategies():
         raise ValueError(
-            f"sharing strategy {new_strategy!r} is not available from Python; "
-            f"the available ones are {sorted(get_all_sharing_strategies())}"
+            f"no sharing strategy {new_strategy!r}; the available ones are "
+            f"{sorted(get_all_sharing_strategies())}"
         )
+    started = new_strategy == "file_system" and _shm_manager.ensure_running()
     _native.set_sharing_strategy(new_strategy)
+    os.environ["MULTIPROC_SHARING_STRATEGY"] = new_strategy
+    if started:
+        _connect_to_shm_manager()
+
+
+def _connect_to_shm_manager():
+    # A first named block connects this process to the manager, which then lives as
+    # long as this process (a manager without clients ends after a grace period).
+    _native.new_tensor([1], "uint8", None)
+
+
+# Started with file_system in the environment (by hand, or by a parent that set it):
+# the library will want the tree's manager, which only this package can start.
+if os.environ.get("MULTIPROC_SHARING_STRATEGY") == "file_system" and _shm_manager.ensure_running():
+    _connect_to_shm_manager()
