@@ -315,33 +315,11 @@ unsafe extern "C" fn capsule_destructor(capsule: *mut pyo3::ffi::PyObject) {
     }
 }
 
-#[pymethods]
 impl NativeTensor {
-    /// The DLPack capsule (version 1 when the consumer asks for it, else 0.x).
-    #[pyo3(signature = (*, stream=None, max_version=None, dl_device=None, copy=None))]
-    fn __dlpack__<'py>(
-        &self,
-        py: Python<'py>,
-        stream: Option<Bound<'py, PyAny>>,
-        max_version: Option<(u32, u32)>,
-        dl_device: Option<(i32, i32)>,
-        copy: Option<bool>,
-    ) -> PyResult<Bound<'py, PyAny>> {
-        let _ = stream;
-        if let Some((kind, _)) = dl_device {
-            if kind != DL_CPU {
-                return Err(PyBufferError::new_err(
-                    "a multiproc tensor is on the CPU; it cannot be exported to another device",
-                ));
-            }
-        }
-        if copy == Some(true) {
-            return Err(PyBufferError::new_err(
-                "multiproc exports without a copy; copy the array after taking it",
-            ));
-        }
+    /// The DLPack capsule of this tensor: version 1 (`"dltensor_versioned"`) when
+    /// `versioned`, else 0.x.
+    pub fn capsule<'py>(&self, py: Python<'py>, versioned: bool) -> PyResult<Bound<'py, PyAny>> {
         let read_only = self.tensor.is_read_only();
-        let versioned = max_version.is_some_and(|(major, _)| major >= 1);
         let mut ctx = self.context();
         let dl = dl_tensor(&self.tensor, &mut ctx);
         let storage = self.tensor.storage();
@@ -391,6 +369,35 @@ impl NativeTensor {
         };
         // SAFETY: `PyCapsule_New` returns a new reference or null with an exception set.
         unsafe { Bound::from_owned_ptr_or_err(py, capsule) }
+    }
+}
+
+#[pymethods]
+impl NativeTensor {
+    /// The DLPack capsule (version 1 when the consumer asks for it, else 0.x).
+    #[pyo3(signature = (*, stream=None, max_version=None, dl_device=None, copy=None))]
+    fn __dlpack__<'py>(
+        &self,
+        py: Python<'py>,
+        stream: Option<Bound<'py, PyAny>>,
+        max_version: Option<(u32, u32)>,
+        dl_device: Option<(i32, i32)>,
+        copy: Option<bool>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let _ = stream;
+        if let Some((kind, _)) = dl_device {
+            if kind != DL_CPU {
+                return Err(PyBufferError::new_err(
+                    "a multiproc tensor is on the CPU; it cannot be exported to another device",
+                ));
+            }
+        }
+        if copy == Some(true) {
+            return Err(PyBufferError::new_err(
+                "multiproc exports without a copy; copy the array after taking it",
+            ));
+        }
+        self.capsule(py, max_version.is_some_and(|(major, _)| major >= 1))
     }
 
     fn __dlpack_device__(&self) -> (i32, i32) {
