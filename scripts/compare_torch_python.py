@@ -3,7 +3,11 @@
 (file_descriptor strategy, spawn context), the same scenarios in one run.
 
     pip install ./crates/multiproc-py torch numpy
-    python3 scripts/compare_torch_python.py [--scale 0.2]
+    python3 scripts/compare_torch_python.py [--scale 0.2] [--runs 3]
+
+With ``--runs N`` (default 3) both implementations run N times, alternating, and the
+table gives each one's median and the median ratio with its range over the runs (a
+ratio is always of two runs made one right after the other).
 
 | scenario | what is timed |
 |---|---|
@@ -146,36 +150,48 @@ def size(b):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--scale", type=float, default=1.0)
+    ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--impl", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.impl:
         run_one(args.impl, args.scale)
         return
-    results = {}
-    for impl in ("multiproc", "torch"):
-        out = subprocess.run([sys.executable, os.path.abspath(__file__), "--impl", impl,
-                              "--scale", str(args.scale)],
-                             check=True, capture_output=True, text=True).stdout
-        for line in out.splitlines():
-            f = json.loads(line)
-            results[(f["scenario"], f.get("bytes"), impl)] = f
-    print("| scenario | size | multiproc | torch.multiprocessing | ratio |")
+    runs = []  # one {(scenario, bytes, impl): figures} per run
+    for _ in range(args.runs):
+        results = {}
+        for impl in ("multiproc", "torch"):
+            out = subprocess.run([sys.executable, os.path.abspath(__file__), "--impl", impl,
+                                  "--scale", str(args.scale)],
+                                 check=True, capture_output=True, text=True).stdout
+            for line in out.splitlines():
+                f = json.loads(line)
+                results[(f["scenario"], f.get("bytes"), impl)] = f
+        runs.append(results)
+    print(f"{len(runs)} run(s); medians, and the ratio's range over the runs")
+    print("| scenario | size | multiproc | torch.multiprocessing | ratio (min–max) |")
     print("|---|---|---|---|---|")
-    for (scenario, nbytes, impl), f in results.items():
+    median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    for (scenario, nbytes, impl) in runs[0]:
         if impl != "multiproc":
             continue
-        t = results[(scenario, nbytes, "torch")]
-        if scenario == "ping":
-            m, tv, unit = f["us_per_roundtrip"], t["us_per_roundtrip"], "µs/round trip"
-            ratio = tv / m
-        elif scenario == "spawn":
-            m, tv, unit = f["ms"], t["ms"], "ms"
-            ratio = tv / m
-        else:
-            m, tv, unit = f["per_s"], t["per_s"], "tensors/s"
-            ratio = m / tv
+        ms, ts, ratios = [], [], []
+        for results in runs:
+            f, t = results[(scenario, nbytes, "multiproc")], results[(scenario, nbytes, "torch")]
+            if scenario == "ping":
+                m, tv, unit = f["us_per_roundtrip"], t["us_per_roundtrip"], "µs/round trip"
+                ratio = tv / m
+            elif scenario == "spawn":
+                m, tv, unit = f["ms"], t["ms"], "ms"
+                ratio = tv / m
+            else:
+                m, tv, unit = f["per_s"], t["per_s"], "tensors/s"
+                ratio = m / tv
+            ms.append(m)
+            ts.append(tv)
+            ratios.append(ratio)
         label = size(nbytes) if nbytes else "4 workers"
-        print(f"| {scenario} | {label} | {m:,.1f} {unit} | {tv:,.1f} {unit} | {ratio:.1f}x |")
+        print(f"| {scenario} | {label} | {median(ms):,.1f} {unit} | {median(ts):,.1f} {unit} "
+              f"| {median(ratios):.1f}x ({min(ratios):.1f}–{max(ratios):.1f}) |")
 
 
 if __name__ == "__main__":

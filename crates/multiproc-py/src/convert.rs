@@ -281,6 +281,21 @@ impl FromDynamic {
                 .unbind());
         }
         let key = (block.0, t.dtype());
+        let from_capsule = torch_from_dlpack(py);
+        // A tensor over its whole storage (the common case: one tensor, its own block)
+        // is exported as it is: torch's storage from DLPack is then the whole block,
+        // and no view has to be made of it.
+        let whole = t.storage_offset() == 0
+            && t.is_contiguous()
+            && t.numel() * t.dtype().size() == t.storage().nbytes();
+        if let (true, Some(from_capsule), false) =
+            (whole, from_capsule, self.bases.contains_key(&key))
+        {
+            let (tensor, storage) = torch_from_native(py, from_capsule, &NativeTensor::new(t)?)?;
+            remember_torch_storage(block, &storage)?;
+            self.bases.insert(key, tensor.clone().unbind());
+            return Ok(tensor.unbind());
+        }
         let base = match self.bases.get(&key) {
             Some(base) => base.clone_ref(py),
             None => {
@@ -288,9 +303,15 @@ impl FromDynamic {
                 let whole =
                     Tensor::from_storage(t.storage().clone(), t.dtype(), &[elements], &[1], 0)
                         .map_err(to_py)?;
-                let native = Bound::new(py, NativeTensor::new(whole)?)?;
-                let (base, storage): (Bound<'_, PyAny>, Bound<'_, PyAny>) =
-                    hooks.decode_tensor.bind(py).call1((native,))?.extract()?;
+                let native = NativeTensor::new(whole)?;
+                let (base, storage) = match from_capsule {
+                    Some(f) => torch_from_native(py, f, &native)?,
+                    None => hooks
+                        .decode_tensor
+                        .bind(py)
+                        .call1((Bound::new(py, native)?,))?
+                        .extract()?,
+                };
                 if !storage.is_none() {
                     remember_torch_storage(block, &storage)?;
                 }
@@ -304,6 +325,34 @@ impl FromDynamic {
             .call1((base, shape, strides, t.storage_offset()))?
             .unbind())
     }
+}
+
+/// `torch._C._from_dlpack` (what `torch.from_dlpack` calls once it has a capsule),
+/// looked up once; `None` when torch is not installed (numpy then takes the arrays,
+/// through the Python layer's `decode_tensor`).
+fn torch_from_dlpack(py: Python<'_>) -> Option<&Bound<'_, PyAny>> {
+    static FROM_DLPACK: GILOnceCell<Option<PyObject>> = GILOnceCell::new();
+    FROM_DLPACK
+        .get_or_init(py, || {
+            py.import("torch")
+                .and_then(|torch| torch.getattr("_C")?.getattr("_from_dlpack"))
+                .ok()
+                .map(Bound::unbind)
+        })
+        .as_ref()
+        .map(|f| f.bind(py))
+}
+
+/// A torch tensor over `native` (no copy) and its untyped storage.
+fn torch_from_native<'py>(
+    py: Python<'py>,
+    from_capsule: &Bound<'py, PyAny>,
+    native: &NativeTensor,
+) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
+    let capsule = native.capsule(py, native.tensor.is_read_only())?;
+    let tensor = from_capsule.call1((capsule,))?;
+    let storage = tensor.call_method0(pyo3::intern!(py, "untyped_storage"))?;
+    Ok((tensor, storage))
 }
 
 /// The torch storages made from received blocks, by the block's address and size, as

@@ -4,14 +4,22 @@
 //! # Safety
 //!
 //! A capsule points at the bytes of a multiproc tensor that lives in shared memory,
-//! whose bytes never move; the capsule's context owns a clone of the tensor, so the
-//! block stays mapped until the consumer calls the deleter (torch and numpy call it when
-//! the last array on it is freed; the capsule's destructor calls it when no consumer
-//! took the capsule). The deleter frees exactly what the export allocated, once.
+//! whose bytes never move; the table of exports ([`EXPORTED`]) holds the tensor's
+//! storage until the consumer calls the deleter (torch and numpy call it when the last
+//! array on it is freed; the capsule's destructor calls it when no consumer took the
+//! capsule), so the block stays mapped. The deleter frees exactly what the export
+//! allocated, once.
+//!
+//! The one exception: [`give_back_at_exit`], for a process about to end, empties the
+//! table, giving back the block uses its storages hold (a process that ends without
+//! freeing its arrays would otherwise pin those blocks in their creators' pools). It
+//! runs where no Python code can read the arrays any more; a deleter called after it
+//! finds no entry and only frees its own allocation.
 
 use std::collections::BTreeMap;
 use std::ffi::{CStr, c_void};
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use multiproc::{DType, Storage, Tensor};
 use pyo3::exceptions::{PyBufferError, PyValueError};
@@ -71,10 +79,10 @@ struct DLManagedTensorVersioned {
 const DL_CPU: i32 = 1;
 const DL_FLAG_READ_ONLY: u64 = 1;
 
-/// What a capsule's context owns: the tensor (so the block stays mapped) and the shape
-/// and strides the `DLTensor` points into.
+/// What a capsule's context owns: the shape and strides the `DLTensor` points into,
+/// and the key of its storage in [`EXPORTED`] (which keeps the block mapped).
 struct Exported {
-    tensor: Tensor,
+    storage_start: usize,
     shape: Vec<i64>,
     strides: Vec<i64>,
 }
@@ -166,15 +174,54 @@ fn register(storage: &Storage) {
     block.exports += 1;
 }
 
-fn unregister(storage: &Storage) {
-    let start = storage.data_ptr() as usize;
-    let mut table = exported();
-    if let Some(block) = table.get_mut(&start) {
-        block.exports -= 1;
-        if block.exports == 0 {
-            table.remove(&start);
-        }
+/// Set once the exports were given back at exit: deleters called later only free their
+/// own allocation (an export at a reused address must not be counted down by them).
+static GIVEN_BACK: AtomicBool = AtomicBool::new(false);
+
+fn unregister(start: usize) {
+    if GIVEN_BACK.load(Ordering::Acquire) {
+        return;
     }
+    let mut table = exported();
+    let gone = match table.get_mut(&start) {
+        Some(block) => {
+            block.exports -= 1;
+            (block.exports == 0).then(|| table.remove(&start))
+        }
+        None => None, // given back at exit already
+    };
+    drop(table);
+    // The storage (maybe the last of it here) is dropped outside the lock.
+    drop(gone);
+}
+
+/// Empties the table of exports, giving back the block uses of every storage still
+/// exported: for a process about to end (see the module docs). Returns how many.
+pub fn give_back_at_exit() -> usize {
+    GIVEN_BACK.store(true, Ordering::Release);
+    let all = std::mem::take(&mut *exported());
+    all.len()
+}
+
+/// The C `atexit` handler: runs after the interpreter has finalized (no Python code
+/// left to read an array), giving back what the arrays still alive then hold.
+extern "C" fn give_back_at_c_exit() {
+    // Never unwind into libc.
+    let _ = std::panic::catch_unwind(give_back_at_exit);
+}
+
+unsafe extern "C" {
+    fn atexit(callback: extern "C" fn()) -> std::ffi::c_int;
+}
+
+/// Registers [`give_back_at_c_exit`] (once, when the module is loaded).
+pub fn give_back_at_c_exit_once() {
+    static REGISTER: std::sync::Once = std::sync::Once::new();
+    // SAFETY: `atexit` takes a plain function pointer to a function that lives as long
+    // as the process (this library is never unloaded: CPython keeps extension modules).
+    REGISTER.call_once(|| unsafe {
+        atexit(give_back_at_c_exit);
+    });
 }
 
 /// The exported storage whose bytes hold `[start, start + len)`, and the byte offset of
@@ -205,22 +252,22 @@ impl NativeTensor {
 
     fn context(&self) -> Box<Exported> {
         Box::new(Exported {
-            tensor: self.tensor.clone(),
+            storage_start: self.tensor.storage().data_ptr() as usize,
             shape: self.tensor.shape().iter().map(|&n| n as i64).collect(),
             strides: self.tensor.strides().iter().map(|&s| s as i64).collect(),
         })
     }
 }
 
-fn dl_tensor(ctx: &mut Exported) -> DLTensor {
+fn dl_tensor(tensor: &Tensor, ctx: &mut Exported) -> DLTensor {
     DLTensor {
-        data: ctx.tensor.data_ptr().cast(),
+        data: tensor.data_ptr().cast(),
         device: DLDevice {
             device_type: DL_CPU,
             device_id: 0,
         },
         ndim: ctx.shape.len() as i32,
-        dtype: dl_dtype(ctx.tensor.dtype()),
+        dtype: dl_dtype(tensor.dtype()),
         shape: ctx.shape.as_mut_ptr(),
         strides: ctx.strides.as_mut_ptr(),
         byte_offset: 0,
@@ -236,7 +283,7 @@ unsafe extern "C" fn delete_legacy(managed: *mut DLManagedTensor) {
     let managed = unsafe { Box::from_raw(managed) };
     // SAFETY: as above, the context is the `Exported` box of this export.
     let ctx = unsafe { Box::from_raw(managed.manager_ctx.cast::<Exported>()) };
-    unregister(ctx.tensor.storage());
+    unregister(ctx.storage_start);
 }
 
 unsafe extern "C" fn delete_versioned(managed: *mut DLManagedTensorVersioned) {
@@ -247,7 +294,7 @@ unsafe extern "C" fn delete_versioned(managed: *mut DLManagedTensorVersioned) {
     let managed = unsafe { Box::from_raw(managed) };
     // SAFETY: as in `delete_legacy`.
     let ctx = unsafe { Box::from_raw(managed.manager_ctx.cast::<Exported>()) };
-    unregister(ctx.tensor.storage());
+    unregister(ctx.storage_start);
 }
 
 const LEGACY: &CStr = c"dltensor";
@@ -265,6 +312,63 @@ unsafe extern "C" fn capsule_destructor(capsule: *mut pyo3::ffi::PyObject) {
             let p = pyo3::ffi::PyCapsule_GetPointer(capsule, VERSIONED.as_ptr());
             delete_versioned(p.cast());
         }
+    }
+}
+
+impl NativeTensor {
+    /// The DLPack capsule of this tensor: version 1 (`"dltensor_versioned"`) when
+    /// `versioned`, else 0.x.
+    pub fn capsule<'py>(&self, py: Python<'py>, versioned: bool) -> PyResult<Bound<'py, PyAny>> {
+        let read_only = self.tensor.is_read_only();
+        let mut ctx = self.context();
+        let dl = dl_tensor(&self.tensor, &mut ctx);
+        let storage = self.tensor.storage();
+        let capsule = if versioned {
+            let managed = Box::new(DLManagedTensorVersioned {
+                version: DLPackVersion { major: 1, minor: 0 },
+                manager_ctx: Box::into_raw(ctx).cast(),
+                deleter: Some(delete_versioned),
+                flags: if read_only { DL_FLAG_READ_ONLY } else { 0 },
+                dl_tensor: dl,
+            });
+            register(storage);
+            let raw = Box::into_raw(managed);
+            // SAFETY: `raw` is a live allocation owned from here on by the capsule (its
+            // destructor or the consumer's call of the deleter frees it).
+            let capsule = unsafe {
+                pyo3::ffi::PyCapsule_New(raw.cast(), VERSIONED.as_ptr(), Some(capsule_destructor))
+            };
+            if capsule.is_null() {
+                // SAFETY: no capsule took `raw`: it is still ours, freed once here.
+                unsafe { delete_versioned(raw) };
+            }
+            capsule
+        } else {
+            if read_only {
+                return Err(PyBufferError::new_err(
+                    "a read-only tensor needs DLPack 1.0 (torch >= 2.4 or numpy >= 2.1), \
+                     which can say it is read-only",
+                ));
+            }
+            let managed = Box::new(DLManagedTensor {
+                dl_tensor: dl,
+                manager_ctx: Box::into_raw(ctx).cast(),
+                deleter: Some(delete_legacy),
+            });
+            register(storage);
+            let raw = Box::into_raw(managed);
+            // SAFETY: as above.
+            let capsule = unsafe {
+                pyo3::ffi::PyCapsule_New(raw.cast(), LEGACY.as_ptr(), Some(capsule_destructor))
+            };
+            if capsule.is_null() {
+                // SAFETY: as above.
+                unsafe { delete_legacy(raw) };
+            }
+            capsule
+        };
+        // SAFETY: `PyCapsule_New` returns a new reference or null with an exception set.
+        unsafe { Bound::from_owned_ptr_or_err(py, capsule) }
     }
 }
 
@@ -293,57 +397,7 @@ impl NativeTensor {
                 "multiproc exports without a copy; copy the array after taking it",
             ));
         }
-        let read_only = self.tensor.is_read_only();
-        let versioned = max_version.is_some_and(|(major, _)| major >= 1);
-        let mut ctx = self.context();
-        let dl = dl_tensor(&mut ctx);
-        let storage = ctx.tensor.storage().clone();
-        let capsule = if versioned {
-            let managed = Box::new(DLManagedTensorVersioned {
-                version: DLPackVersion { major: 1, minor: 0 },
-                manager_ctx: Box::into_raw(ctx).cast(),
-                deleter: Some(delete_versioned),
-                flags: if read_only { DL_FLAG_READ_ONLY } else { 0 },
-                dl_tensor: dl,
-            });
-            register(&storage);
-            let raw = Box::into_raw(managed);
-            // SAFETY: `raw` is a live allocation owned from here on by the capsule (its
-            // destructor or the consumer's call of the deleter frees it).
-            let capsule = unsafe {
-                pyo3::ffi::PyCapsule_New(raw.cast(), VERSIONED.as_ptr(), Some(capsule_destructor))
-            };
-            if capsule.is_null() {
-                // SAFETY: no capsule took `raw`: it is still ours, freed once here.
-                unsafe { delete_versioned(raw) };
-            }
-            capsule
-        } else {
-            if read_only {
-                return Err(PyBufferError::new_err(
-                    "a read-only tensor needs DLPack 1.0 (torch >= 2.4 or numpy >= 2.1), \
-                     which can say it is read-only",
-                ));
-            }
-            let managed = Box::new(DLManagedTensor {
-                dl_tensor: dl,
-                manager_ctx: Box::into_raw(ctx).cast(),
-                deleter: Some(delete_legacy),
-            });
-            register(&storage);
-            let raw = Box::into_raw(managed);
-            // SAFETY: as above.
-            let capsule = unsafe {
-                pyo3::ffi::PyCapsule_New(raw.cast(), LEGACY.as_ptr(), Some(capsule_destructor))
-            };
-            if capsule.is_null() {
-                // SAFETY: as above.
-                unsafe { delete_legacy(raw) };
-            }
-            capsule
-        };
-        // SAFETY: `PyCapsule_New` returns a new reference or null with an exception set.
-        unsafe { Bound::from_owned_ptr_or_err(py, capsule) }
+        self.capsule(py, max_version.is_some_and(|(major, _)| major >= 1))
     }
 
     fn __dlpack_device__(&self) -> (i32, i32) {

@@ -84,9 +84,29 @@ fn set_sharing_strategy(name: &str) -> PyResult<()> {
     Ok(())
 }
 
+/// For a process about to end without finalizing (a `fork` or `forkserver` child of
+/// `multiprocessing` leaves with `os._exit`): gives back the block uses of every tensor
+/// this process still holds through torch or numpy, which must not be read afterwards.
+/// Returns how many storages.
+#[pyfunction]
+fn _give_back_at_exit() -> usize {
+    dlpack::give_back_at_exit()
+}
+
+/// Becomes the shm manager at the address in `MULTIPROC_SHM_MANAGER` (see the Python
+/// module `_shm_manager`): forks the manager off, reports on stdout, and returns in
+/// this process. Must run in a single-threaded interpreter.
+#[pyfunction]
+fn _run_shm_manager() -> PyResult<bool> {
+    multiproc::run_shm_manager_from_env().map_err(to_py)
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
+    dlpack::give_back_at_c_exit_once();
+    m.add_function(wrap_pyfunction!(_give_back_at_exit, m)?)?;
+    m.add_function(wrap_pyfunction!(_run_shm_manager, m)?)?;
     m.add_function(wrap_pyfunction!(convert::_set_hooks, m)?)?;
     m.add_function(wrap_pyfunction!(new_tensor, m)?)?;
     m.add_function(wrap_pyfunction!(is_shared_block, m)?)?;

@@ -2,6 +2,7 @@
 (spawn and forkserver), the producer that exits right after put, spawn's failure
 reports."""
 
+import gc
 import multiprocessing
 import os
 import queue
@@ -159,3 +160,23 @@ def test_process_context_join_timeout():
     ev.set()
     while not ctx.join(timeout=30):
         pass
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_an_exited_receiver_does_not_pin_its_blocks(method):
+    """A child that still holds received tensors when it ends gives their blocks' uses
+    back: the creator hands the same blocks out again (a pinned block never is)."""
+    ctx = multiprocessing.get_context(method)
+    arg, sent = mp.full((1 << 20,), 1.0), mp.full((1 << 20,), 2.0)  # 4 MiB: own blocks
+    addrs = {arg.data_ptr(), sent.data_ptr()}
+    q_in, q = mp.Queue(), mp.Queue()
+    p = ctx.Process(target=workers.keep_until_exit, args=(arg, q_in, q))
+    p.start()
+    q_in.put(sent)
+    assert q.get(timeout=60) == 3.0
+    p.join(60)
+    assert p.exitcode == 0
+    del arg, sent
+    gc.collect()
+    again = [mp.empty((1 << 20,)) for _ in range(2)]
+    assert {t.data_ptr() for t in again} == addrs

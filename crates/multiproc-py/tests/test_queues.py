@@ -4,6 +4,7 @@ across threads (blocking calls release the GIL)."""
 import pickle
 import queue
 import threading
+import time
 from collections import OrderedDict, namedtuple
 from fractions import Fraction
 
@@ -179,8 +180,46 @@ def test_condition_wait_for_across_threads():
     t.join()
     with c:
         assert c.wait(0.01) is False
-    with pytest.raises(ValueError):
-        mp.Condition(mp.Lock())
+    with pytest.raises(TypeError):
+        mp.Condition(threading.Lock())
+
+
+@pytest.mark.parametrize("make_lock", [None, mp.Lock, mp.RLock])
+def test_condition_over_a_lock_across_threads(make_lock):
+    lock = make_lock() if make_lock else None
+    c = mp.Condition(lock)
+    box, woke = [], []
+
+    def waiter():
+        with c:
+            box.append("waiting")
+            woke.append(c.wait_for(lambda: len(box) > 2, timeout=30))
+
+    threads = [threading.Thread(target=waiter) for _ in range(2)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while True:
+        with c:
+            if len(box) == 2:
+                box.append("go")
+                c.notify_all()
+                break
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    for t in threads:
+        t.join(30)
+    assert woke == [True, True]
+    with c:
+        assert c.wait(0.01) is False
+        if make_lock is mp.RLock:
+            with c:  # re-entered: wait lets go of both levels, and takes both back
+                assert c.wait(0.01) is False
+            assert lock.acquire(block=False) is True  # still this thread's
+            lock.release()
+    if make_lock is not None:
+        with pytest.raises(RuntimeError, match="not held"):
+            c.wait(0.01)
 
 
 def test_barrier_across_threads():
@@ -195,11 +234,11 @@ def test_barrier_across_threads():
 
 
 def test_sharing_strategies():
-    assert mp.get_all_sharing_strategies() == {"file_descriptor"}
+    assert mp.get_all_sharing_strategies() == {"file_descriptor", "file_system"}
     assert mp.get_sharing_strategy() == "file_descriptor"
     mp.set_sharing_strategy("file_descriptor")
-    with pytest.raises(ValueError):
-        mp.set_sharing_strategy("file_system")
+    with pytest.raises(ValueError, match="file_system"):
+        mp.set_sharing_strategy("file_sistem")
 
 
 def test_plain_pickle_refuses_handles():

@@ -1,9 +1,16 @@
 """The synchronisation primitives across processes started by spawn."""
 
+import multiprocessing
+import queue
+
+import pytest
 import torch
 
 import multiproc as mp
 import workers
+
+METHODS = ["spawn", "forkserver"]
+LOCKS = [None, mp.Lock, mp.RLock]
 
 
 def test_barrier_across_processes():
@@ -43,3 +50,56 @@ def test_a_lock_serialises_writers_of_a_shared_tensor():
     lock, counter = mp.Lock(), mp.zeros(1, dtype=torch.int64)
     mp.spawn(workers.count_with_lock, args=(lock, counter, 200), nprocs=3)
     assert counter.item() == 600
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("make_lock", LOCKS, ids=["own", "Lock", "RLock"])
+def test_condition_notify_wakes_n_waiters_of_python_processes(method, make_lock):
+    """Condition handed to multiprocessing.Process (spawn, forkserver): notify(1) wakes
+    one of two waiting processes, notify_all the rest. (The library's own condition may
+    also wake a waiter without a notify, as its docs say: "exactly one" is checked over
+    a lock, CPython's way.)"""
+    ctx = multiprocessing.get_context(method)
+    cond = mp.Condition(make_lock() if make_lock else None)
+    ready, out = mp.Queue(), mp.Queue()
+    procs = [ctx.Process(target=workers.wait_then_report, args=(cond, ready, out, r))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    assert sorted(ready.get(timeout=60) for _ in procs) == [0, 1]
+    with cond:  # taken only once both let go of it in wait
+        cond.notify(1)
+    first = out.get(timeout=60)
+    assert first[1] is True
+    if make_lock is not None:
+        with pytest.raises(queue.Empty):
+            out.get(timeout=0.3)  # the other still waits
+    with cond:
+        cond.notify_all()
+    second = out.get(timeout=60)
+    assert second == (1 - first[0], True)
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("make_lock", LOCKS, ids=["own", "Lock", "RLock"])
+def test_condition_wait_for_a_shared_counter(method, make_lock):
+    ctx = multiprocessing.get_context(method)
+    cond = mp.Condition(make_lock() if make_lock else None)
+    counter, out = mp.zeros(1, dtype=torch.int64), mp.Queue()
+    p = ctx.Process(target=workers.wait_for_count, args=(cond, counter, 5, out))
+    p.start()
+    for _ in range(5):
+        with cond:
+            counter += 1
+            cond.notify()
+    assert out.get(timeout=60) == (True, 5)
+    p.join(60)
+    assert p.exitcode == 0
+
+
+def test_a_condition_over_a_lock_refuses_a_parcel():
+    with pytest.raises(TypeError, match="four handles"):
+        mp.parcel_for_child(mp.Condition(mp.Lock()))

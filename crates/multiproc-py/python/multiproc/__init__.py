@@ -15,12 +15,14 @@ values (str, int, float, bool, None, bytes); any other object goes by pickle. A 
 process reads the same queue as ``Queue<multiproc::Dynamic>``.
 """
 
+import multiprocessing
+import multiprocessing.util
 import os
 import pickle
 import queue as _queue
 import sys
 
-from . import _native
+from . import _native, _shm_manager
 from ._native import (
     ClosedError,
     FdLimitError,
@@ -58,6 +60,42 @@ from .spawn import (
 _native._set_hooks(_encode_other, _decode_tensor, _view_tensor, _view_of_storage)
 
 
+def _give_back_before_os_exit():
+    """Run by ``multiprocessing`` as one of its processes ends. A ``fork`` or
+    ``forkserver`` child then leaves with ``os._exit``, freeing nothing: its received
+    tensors (its ``Process`` arguments among them) would keep their blocks' uses, and
+    their creators could never reuse them. This gives them back, when nothing can read
+    the tensors any more: no other thread runs, and ``os._exit`` follows. A ``spawn``
+    child and the main process finalize instead, and give back whatever is still alive
+    after that from a C ``atexit`` handler (the native module's)."""
+    import threading
+
+    if multiprocessing.parent_process() is None or threading.active_count() != 1:
+        return
+    frame = sys._getframe()
+    while frame is not None:
+        if frame.f_code.co_name == "spawn_main":
+            return  # spawn: the interpreter finalizes after this
+        frame = frame.f_back
+    _native._give_back_at_exit()
+
+
+def _register_give_back(_anchor=None):
+    # The lowest priority: after every other finalizer, which may still use tensors.
+    multiprocessing.util.Finalize(None, _give_back_before_os_exit, exitpriority=-(1 << 30))
+
+
+class _AfterFork:
+    """An anchor for ``register_after_fork`` (which holds it weakly)."""
+
+
+_after_fork = _AfterFork()
+_register_give_back()
+# A child's bootstrap clears the finalizers registered before it (when multiproc was
+# imported to unpickle the child's arguments), then runs the after-fork hooks.
+multiprocessing.util.register_after_fork(_after_fork, _register_give_back)
+
+
 class DisconnectedError(MultiprocError, EOFError, _queue.Empty):
     """A get or recv found its queue or pipe empty with no other handle of it left
     anywhere — in another process (exited or killed), another thread, or a message in
@@ -80,7 +118,7 @@ __all__ = [
 
 def get_all_sharing_strategies():
     """The sharing strategies this process can use (torch's names)."""
-    return {"file_descriptor"}
+    return {"file_descriptor", "file_system"}
 
 
 def get_sharing_strategy():
@@ -89,15 +127,33 @@ def get_sharing_strategy():
 
 
 def set_sharing_strategy(new_strategy):
-    """Sets the strategy new shared blocks are made with.
+    """Sets the strategy new shared blocks are made with: ``"file_descriptor"`` (the
+    default: blocks are memfds, passed as fds) or ``"file_system"`` (blocks are files
+    in /dev/shm, passed by name; the tree's shm manager removes what a crashed tree
+    left). Processes started afterwards inherit it, as the library's own do.
 
-    Only ``"file_descriptor"`` is available from Python: ``"file_system"`` needs the
-    shm manager, which the library starts by running this program again, and a Python
-    interpreter run again does not serve as one.
+    ``"file_system"`` starts the tree's shm manager if it does not run yet (a Python
+    interpreter started once, which forks the manager off; see ``_shm_manager``).
     """
     if new_strategy not in get_all_sharing_strategies():
         raise ValueError(
-            f"sharing strategy {new_strategy!r} is not available from Python; "
-            f"the available ones are {sorted(get_all_sharing_strategies())}"
+            f"no sharing strategy {new_strategy!r}; the available ones are "
+            f"{sorted(get_all_sharing_strategies())}"
         )
+    started = new_strategy == "file_system" and _shm_manager.ensure_running()
     _native.set_sharing_strategy(new_strategy)
+    os.environ["MULTIPROC_SHARING_STRATEGY"] = new_strategy
+    if started:
+        _connect_to_shm_manager()
+
+
+def _connect_to_shm_manager():
+    # A first named block connects this process to the manager, which then lives as
+    # long as this process (a manager without clients ends after a grace period).
+    _native.new_tensor([1], "uint8", None)
+
+
+# Started with file_system in the environment (by hand, or by a parent that set it):
+# the library will want the tree's manager, which only this package can start.
+if os.environ.get("MULTIPROC_SHARING_STRATEGY") == "file_system" and _shm_manager.ensure_running():
+    _connect_to_shm_manager()

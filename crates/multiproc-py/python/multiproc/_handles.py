@@ -18,6 +18,7 @@ import multiprocessing.reduction
 import multiprocessing.resource_sharer
 import os
 import sys
+import time
 
 from . import _native
 
@@ -203,21 +204,35 @@ class Semaphore(_Lockish):
 
 
 class Condition(_Lockish):
-    """A process-shared condition variable with its own lock."""
+    """A process-shared condition variable, ``multiprocessing.Condition(lock=None)``.
+
+    Without ``lock`` it is the library's own condition (``multiproc::Condition``, which
+    a Rust process can open too), with a lock of its own that is not re-entrant. With a
+    multiproc ``Lock`` or ``RLock`` it waits on that lock the way CPython's
+    ``multiprocessing.Condition`` does: three semaphores count the sleepers, wake them
+    and confirm that they woke (see ``_ConditionOverLock``).
+    """
 
     __slots__ = ()
 
     def __init__(self, lock=None):
-        if lock is not None:
-            raise ValueError("a multiproc Condition has its own lock; pass none")
-        self._h = _native.Condition()
+        if lock is None:
+            self._h = _native.Condition()
+        elif isinstance(lock, (Lock, RLock)):
+            self._h = _ConditionOverLock(lock, Semaphore(0), Semaphore(0), Semaphore(0))
+        else:
+            raise TypeError(
+                f"a multiproc Condition waits on a multiproc Lock or RLock, not a "
+                f"{type(lock).__name__}")
 
     def wait(self, timeout=None):
+        """Releases the lock, waits for a notify, and takes the lock again: True when
+        notified, False when ``timeout`` seconds passed first."""
         return self._h.wait(timeout)
 
     def wait_for(self, predicate, timeout=None):
-        import time
-
+        """Waits until ``predicate()`` is true (checked with the lock held), at most
+        ``timeout`` seconds; returns the predicate's last value."""
         end = None if timeout is None else time.monotonic() + timeout
         result = predicate()
         while not result:
@@ -229,10 +244,87 @@ class Condition(_Lockish):
         return result
 
     def notify(self, n=1):
+        """Wakes up to ``n`` waiters (the lock held)."""
         self._h.notify(n)
 
     def notify_all(self):
         self._h.notify_all()
+
+
+class _ConditionOverLock:
+    """CPython's ``multiprocessing.synchronize.Condition`` over a multiproc ``Lock`` or
+    ``RLock`` and three multiproc semaphores (all process-shared, so the condition is).
+
+    A waiter counts itself in ``sleeping`` before it lets go of the lock, so a notifier
+    (which holds the lock) always sees it; the notifier then releases ``wake`` once per
+    sleeper it wakes and waits on ``woken`` until each has taken its ``wake``, so that a
+    later waiter cannot take a wake-up meant for an earlier one. ``woken`` also counts
+    waiters that timed out, which the next notify subtracts from ``sleeping``.
+    """
+
+    __slots__ = ("lock", "sleeping", "woken", "wake")
+
+    def __init__(self, lock, sleeping, woken, wake):
+        self.lock, self.sleeping, self.woken, self.wake = lock, sleeping, woken, wake
+
+    def acquire(self, block=True, timeout=None):
+        return self.lock.acquire(block, timeout)
+
+    def release(self):
+        self.lock.release()
+
+    def __enter__(self):
+        return self.lock.acquire(True, None)
+
+    def __exit__(self, *exc):
+        self.lock.release()
+
+    def _let_go(self):
+        """Releases every level of the lock this caller holds; how many."""
+        if isinstance(self.lock, RLock):
+            levels = 0
+            while True:
+                try:
+                    self.lock.release()
+                except ValueError:
+                    return levels  # this thread holds no level any more
+                levels += 1
+        try:
+            self.lock.release()
+        except ValueError:
+            return 0
+        return 1
+
+    def wait(self, timeout=None):
+        self.sleeping.release()
+        levels = self._let_go()
+        if levels == 0:
+            self.sleeping.acquire(False)
+            raise RuntimeError("cannot wait on a condition whose lock is not held")
+        try:
+            return self.wake.acquire(True, timeout)
+        finally:
+            self.woken.release()
+            for _ in range(levels):
+                self.lock.acquire(True, None)
+
+    def notify(self, n=1):
+        # Waiters that timed out since the last notify are counted in both.
+        while self.woken.acquire(False):
+            self.sleeping.acquire(False)
+        sleepers = 0
+        while sleepers < n and self.sleeping.acquire(False):
+            self.wake.release()
+            sleepers += 1
+        if sleepers:
+            for _ in range(sleepers):
+                self.woken.acquire(True, None)
+            # A waiter that timed out meanwhile left its wake-up unused.
+            while self.wake.acquire(False):
+                pass
+
+    def notify_all(self):
+        self.notify(sys.maxsize)
 
 
 class Event(_Handle):
@@ -315,9 +407,24 @@ def _reduce_tensor(t):
     return _rebuild_tensor, (_pass_fd(_native.seal(native)), t.requires_grad)
 
 
-for _cls in (Queue, JoinableQueue, SimpleQueue, Connection, Lock, RLock, Semaphore,
-             Condition, Event, Barrier):
+def _rebuild_condition_over(lock, sleeping, woken, wake):
+    c = Condition.__new__(Condition)
+    c._h = _ConditionOverLock(lock, sleeping, woken, wake)
+    return c
+
+
+def _reduce_condition(c):
+    h = c._h
+    if isinstance(h, _ConditionOverLock):
+        # Its four handles go as handles of their own (ForkingPickler reduces them).
+        return _rebuild_condition_over, (h.lock, h.sleeping, h.woken, h.wake)
+    return _reduce_handle(c)
+
+
+for _cls in (Queue, JoinableQueue, SimpleQueue, Connection, Lock, RLock, Semaphore, Event,
+             Barrier):
     multiprocessing.reduction.ForkingPickler.register(_cls, _reduce_handle)
+multiprocessing.reduction.ForkingPickler.register(Condition, _reduce_condition)
 
 
 def register_torch_reducers():
@@ -345,6 +452,9 @@ def parcel_for_child(obj):
     ``multiproc::parcel::open::<Queue<Dynamic>>`` (Rust). Returns ``(fd, parcel)``: keep
     ``parcel`` until the child has started, then ``parcel.close()``. A parcel opens
     once."""
+    if isinstance(obj, Condition) and isinstance(obj._h, _ConditionOverLock):
+        raise TypeError("a Condition over a lock of yours is four handles, which a parcel "
+                        "cannot hold; pass it as an argument of a multiprocessing.Process")
     parcel = _native.seal_bare(obj._h)
     return parcel.fileno(), parcel
 

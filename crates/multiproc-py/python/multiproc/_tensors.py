@@ -38,10 +38,11 @@ _TORCH_DTYPES = {}
 
 def _view_of_storage(storage, dtype, shape, strides, offset):
     """A received tensor over a storage torch already has (from an earlier message)."""
+    torch = _torch or _torch_module()
     d = _TORCH_DTYPES.get(dtype)
     if d is None:
-        d = _TORCH_DTYPES[dtype] = getattr(_torch, dtype)
-    return _torch.empty(0, dtype=d).set_(storage, offset, shape, strides)
+        d = _TORCH_DTYPES[dtype] = getattr(torch, dtype)
+    return torch.empty(0, dtype=d).set_(storage, offset, shape, strides)
 
 
 def _view_tensor(base, shape, strides, offset):
@@ -61,14 +62,21 @@ _CUDA_ERROR = (
 )
 
 
+_DTYPE_NAMES = {}  # torch.dtype -> its name without "torch." (str() of a dtype is slow)
+
+
 def _torch_memory(t, torch):
-    if t.device.type != "cpu":
+    if not t.is_cpu:
         raise ValueError(_CUDA_ERROR.format(t.device.type))
-    if t.layout != torch.strided:
+    if t.layout is not torch.strided:
         raise ValueError(f"a tensor of layout {t.layout} cannot travel; only strided tensors")
+    dtype = t.dtype
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype)
     s = t.untyped_storage()
-    return (s.data_ptr(), s.nbytes(), str(t.dtype), tuple(t.shape), tuple(t.stride()),
-            t.storage_offset(), t)
+    # torch.Size is a tuple, and stride() returns one: no copies.
+    return (s.data_ptr(), s.nbytes(), name, t.shape, t.stride(), t.storage_offset(), t)
 
 
 def _numpy_memory(a):

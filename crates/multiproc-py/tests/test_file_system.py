@@ -1,0 +1,47 @@
+"""The file_system strategy from Python: blocks are files in /dev/shm that cross by
+name, the tree's shm manager is started from Python, and nothing of the tree is left
+in /dev/shm once it ends. Each tree is a program of its own (``fs_tree.py``), the root
+of a fresh tree, so that its end can be watched from here."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def manager_running(addr):
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if addr.encode() in f.read():
+                        return True
+            except OSError:
+                pass
+    return False
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_tensors_cross_by_name_and_the_tree_leaves_nothing(method):
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MULTIPROC_SHM_MANAGER", "MULTIPROC_SHARING_STRATEGY")}
+    env["MULTIPROC_SHM_MANAGER_GRACE_MS"] = "200"
+    done = subprocess.run([sys.executable, os.path.join(HERE, "fs_tree.py"), method],
+                          env=env, cwd=HERE, capture_output=True, text=True, timeout=100)
+    assert done.returncode == 0, done.stderr
+    tree = json.loads(done.stdout.strip().splitlines()[-1])
+    assert tree["names"] > 0  # the root's blocks were files in /dev/shm
+    deadline = time.monotonic() + 30
+    while True:
+        left = [n for n in os.listdir("/dev/shm") if n.endswith(tree["tag"])]
+        running = manager_running(tree["addr"])
+        if not left and not running:
+            break
+        assert time.monotonic() < deadline, (
+            f"after the tree ended: {left} in /dev/shm, manager running: {running}")
+        time.sleep(0.05)
