@@ -477,10 +477,10 @@ mod model {
             let ring = ModelRing::new(8);
             let producers: Vec<_> = [1u64, 2]
                 .into_iter()
-                .map(|values| {
+                .map(|value| {
                     let ring = Arc::clone(&ring);
                     loom::thread::spawn(move || {
-                        assert_eq!(push(&*ring, &[&values.to_le_bytes()], || true), Pushed::Done);
+                        assert_eq!(push(&*ring, &[&value.to_le_bytes()], || true), Pushed::Done);
                     })
                 })
                 .collect();
