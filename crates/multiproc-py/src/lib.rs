@@ -105,6 +105,20 @@ fn _run_shm_manager() -> PyResult<bool> {
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     dlpack::give_back_at_c_exit_once();
+    // The library would start a tree's shm manager by running this program again, which
+    // for an interpreter does not serve: it runs this interpreter on the manager's entry
+    // point instead (a killed manager restarted, a name received from another tree).
+    let executable: String = py.import("sys")?.getattr("executable")?.extract()?;
+    if !executable.is_empty() {
+        multiproc::set_shm_manager_command(
+            &executable,
+            &[
+                "-c",
+                "from multiproc import _native; _native._run_shm_manager()",
+            ],
+        )
+        .map_err(to_py)?;
+    }
     m.add_function(wrap_pyfunction!(_give_back_at_exit, m)?)?;
     m.add_function(wrap_pyfunction!(_run_shm_manager, m)?)?;
     m.add_function(wrap_pyfunction!(convert::_set_hooks, m)?)?;

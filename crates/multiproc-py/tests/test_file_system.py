@@ -15,14 +15,20 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def manager_running(addr):
+    """Whether a process of the tree at ``addr`` is left: one that names the address in
+    its command line (a manager started by ``multiproc._shm_manager``) or in its
+    environment (one the library started, and any other member of the tree)."""
     for pid in os.listdir("/proc"):
         if pid.isdigit():
             try:
                 with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    if addr.encode() in f.read():
-                        return True
+                    cmd = f.read()
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    env = f.read()
             except OSError:
-                pass
+                continue
+            if addr.encode() in cmd + env:
+                return True
     return False
 
 
@@ -44,4 +50,19 @@ def test_tensors_cross_by_name_and_the_tree_leaves_nothing(method):
             break
         assert time.monotonic() < deadline, (
             f"after the tree ended: {left} in /dev/shm, manager running: {running}")
+        time.sleep(0.05)
+
+
+def test_a_killed_manager_is_started_again():
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MULTIPROC_SHM_MANAGER", "MULTIPROC_SHARING_STRATEGY")}
+    env["MULTIPROC_SHM_MANAGER_GRACE_MS"] = "200"
+    done = subprocess.run([sys.executable, os.path.join(HERE, "fs_restart.py")],
+                          env=env, cwd=HERE, capture_output=True, text=True, timeout=100)
+    assert done.returncode == 0, done.stderr
+    tree = json.loads(done.stdout.strip().splitlines()[-1])
+    assert tree["killed"], tree
+    deadline = time.monotonic() + 30
+    while manager_running(tree["addr"]):
+        assert time.monotonic() < deadline, "a manager outlived its tree"
         time.sleep(0.05)

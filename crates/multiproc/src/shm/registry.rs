@@ -221,8 +221,32 @@ fn connect_after_start(addr: &str) -> Result<OwnedFd> {
     }
 }
 
-/// Starts a manager at `addr` by re-executing this binary in manager mode, and waits
-/// until it reports that it listens (or that another one already does).
+/// The command that starts a manager in place of this program run again, for hosts
+/// whose program cannot serve (a Python interpreter): set once, before the first
+/// `file_system` storage (see `crate::set_shm_manager_command`).
+static COMMAND: std::sync::OnceLock<(std::ffi::OsString, Vec<std::ffi::OsString>)> =
+    std::sync::OnceLock::new();
+
+/// Sets [`COMMAND`]; an error when it was set before (to another command).
+pub(crate) fn set_command(
+    program: std::ffi::OsString,
+    args: Vec<std::ffi::OsString>,
+) -> Result<()> {
+    let wanted = (program, args);
+    if *COMMAND.get_or_init(|| wanted.clone()) == wanted {
+        Ok(())
+    } else {
+        Err(Error::InvalidArgument(format!(
+            "set_shm_manager_command: the command that starts the shm manager is set already \
+             (to {:?}); it can be set once per process",
+            COMMAND.get().map(|(p, _)| p)
+        )))
+    }
+}
+
+/// Starts a manager at `addr` by re-executing this binary in manager mode (or by
+/// [`COMMAND`] where one is set), and waits until it reports that it listens (or that
+/// another one already does).
 #[cfg(not(test))]
 fn start(addr: &str) -> Result<()> {
     use std::process::{Command, Stdio};
@@ -234,9 +258,16 @@ fn start(addr: &str) -> Result<()> {
                 .into(),
         ));
     }
-    let exe = std::fs::read_link("/proc/self/exe")
-        .map_or_else(|_| "/proc/self/exe".to_owned(), |p| p.display().to_string());
-    let mut child = Command::new("/proc/self/exe")
+    let (program, args) = match COMMAND.get() {
+        Some((program, args)) => (program.clone(), args.clone()),
+        None => ("/proc/self/exe".into(), Vec::new()),
+    };
+    let exe = std::fs::read_link(&program).map_or_else(
+        |_| program.to_string_lossy().into_owned(),
+        |p| p.display().to_string(),
+    );
+    let mut child = Command::new(&program)
+        .args(&args)
         .env(ROLE_VAR, ROLE)
         .env(ADDRESS_ENV, addr)
         .stdin(Stdio::null())
