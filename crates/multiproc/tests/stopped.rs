@@ -86,8 +86,7 @@ fn a_get_without_deadline_waits_out_a_stopped_lock_holder_and_loses_nothing() {
         let during_the_stop = got_rx.try_recv();
         // Continued before anything is judged, so that a failure leaves no stopped
         // process behind.
-        let pid = rustix::process::Pid::from_raw(holder.pid().unwrap()).unwrap();
-        rustix::process::kill_process(pid, rustix::process::Signal::CONT).unwrap();
+        continue_process(&holder);
         match during_the_stop {
             Err(std::sync::mpsc::TryRecvError::Empty) => {}
             other => {
@@ -146,9 +145,25 @@ fn put_numbers(rank: usize, (q, count): (SimpleQueue<u64>, u64)) -> multiproc::R
     Ok(())
 }
 
-/// Continues a stopped process.
+/// Continues a stopped process, once it has stopped: it sets its event just before it
+/// stops itself, and a SIGCONT sent in between would be lost, leaving it stopped.
 fn continue_process(process: &Process) {
-    let pid = rustix::process::Pid::from_raw(process.pid().unwrap()).unwrap();
+    let pid = process.pid().unwrap();
+    let deadline = std::time::Instant::now() + WAIT;
+    loop {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+        // The state follows the command's closing parenthesis: `T` when stopped.
+        let state = stat.rsplit(')').next().unwrap().split_whitespace().next();
+        if state == Some("T") {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "process {pid} did not stop (state {state:?})"
+        );
+        std::thread::yield_now();
+    }
+    let pid = rustix::process::Pid::from_raw(pid).unwrap();
     rustix::process::kill_process(pid, rustix::process::Signal::CONT).unwrap();
 }
 
