@@ -2,11 +2,11 @@
 //! sleepers — that takers wait on with a futex. The one mechanism under
 //! [`Semaphore`](super::Semaphore) (its permits) and a bounded queue (its places).
 //!
-//! The protocol is written against [`Word`], the few operations it needs of a shared
-//! word: in a process, a `std` atomic in shared memory and the kernel's futex; in the
-//! model checker (the `loom` tests below), a loom atomic and a futex emulated with a
-//! loom mutex and condition variable, over process-local words. So the code that runs
-//! is the code that is checked.
+//! The protocol is written against [`Word`] (see `sync::word`): in a process, a `std`
+//! atomic in shared memory and the kernel's futex; in the model checker (the `loom`
+//! tests below), a loom atomic and a futex emulated with a loom mutex and condition
+//! variable, over process-local words. So the code that runs is the code that is
+//! checked.
 //!
 //! Invariants: a place is taken once (`try_take` is one compare-and-swap that never
 //! goes below 0); a give never exceeds the bound; a taker that sleeps is always woken
@@ -16,67 +16,9 @@
 
 use std::sync::atomic::{AtomicU32, Ordering};
 
+use super::word::Word;
 use crate::error::Result;
 use crate::sys::Deadline;
-use crate::sys::futex;
-
-/// What the counter needs of a shared word.
-pub(crate) trait Word: Sync {
-    /// The value.
-    fn load(&self, order: Ordering) -> u32;
-    /// `AtomicU32::fetch_update`.
-    fn fetch_update(
-        &self,
-        set: Ordering,
-        fetch: Ordering,
-        f: impl FnMut(u32) -> Option<u32>,
-    ) -> std::result::Result<u32, u32>;
-    /// `AtomicU32::fetch_add`.
-    fn fetch_add(&self, n: u32, order: Ordering) -> u32;
-    /// `AtomicU32::fetch_sub`.
-    fn fetch_sub(&self, n: u32, order: Ordering) -> u32;
-    /// Sleeps while the value is `expected`, until woken or the deadline (`false`).
-    fn wait(&self, expected: u32, deadline: Deadline) -> Result<bool>;
-    /// Wakes one sleeper.
-    fn wake_one(&self);
-    /// Spins briefly until `ready`; whether it became ready (a model never spins).
-    fn spin_until(&self, deadline: Deadline, ready: impl FnMut() -> bool) -> bool;
-}
-
-impl Word for AtomicU32 {
-    fn load(&self, order: Ordering) -> u32 {
-        AtomicU32::load(self, order)
-    }
-
-    fn fetch_update(
-        &self,
-        set: Ordering,
-        fetch: Ordering,
-        f: impl FnMut(u32) -> Option<u32>,
-    ) -> std::result::Result<u32, u32> {
-        AtomicU32::fetch_update(self, set, fetch, f)
-    }
-
-    fn fetch_add(&self, n: u32, order: Ordering) -> u32 {
-        AtomicU32::fetch_add(self, n, order)
-    }
-
-    fn fetch_sub(&self, n: u32, order: Ordering) -> u32 {
-        AtomicU32::fetch_sub(self, n, order)
-    }
-
-    fn wait(&self, expected: u32, deadline: Deadline) -> Result<bool> {
-        futex::wait(self, expected, deadline)
-    }
-
-    fn wake_one(&self) {
-        futex::wake(self, 1);
-    }
-
-    fn spin_until(&self, deadline: Deadline, ready: impl FnMut() -> bool) -> bool {
-        futex::spin_until(deadline, ready)
-    }
-}
 
 /// The count and sleeper words of one counter, borrowed from a shared block.
 pub(crate) struct FutexCount<'a, W: Word = AtomicU32> {
@@ -156,83 +98,9 @@ impl<'a, W: Word> FutexCount<'a, W> {
 #[cfg(test)]
 mod model {
     use super::*;
+    use crate::sync::word::model::{ModelWord, explore};
+    use loom::sync::Arc;
     use loom::sync::atomic::AtomicU32 as LoomU32;
-    use loom::sync::{Arc, Condvar, Mutex};
-    use std::sync::atomic::AtomicUsize;
-
-    /// A shared word in the model: a loom atomic, and a futex emulated with a mutex and
-    /// a condition variable (a waiter checks the value under the mutex, a waker takes
-    /// the mutex before it notifies, so a wake-up between the check and the sleep cannot
-    /// be lost — the futex's own guarantee).
-    struct ModelWord {
-        value: LoomU32,
-        lock: Mutex<()>,
-        sleeping: Condvar,
-    }
-
-    impl ModelWord {
-        fn new(v: u32) -> Self {
-            Self {
-                value: LoomU32::new(v),
-                lock: Mutex::new(()),
-                sleeping: Condvar::new(),
-            }
-        }
-    }
-
-    impl Word for ModelWord {
-        fn load(&self, order: Ordering) -> u32 {
-            self.value.load(order)
-        }
-
-        fn fetch_update(
-            &self,
-            set: Ordering,
-            fetch: Ordering,
-            f: impl FnMut(u32) -> Option<u32>,
-        ) -> std::result::Result<u32, u32> {
-            self.value.fetch_update(set, fetch, f)
-        }
-
-        fn fetch_add(&self, n: u32, order: Ordering) -> u32 {
-            self.value.fetch_add(n, order)
-        }
-
-        fn fetch_sub(&self, n: u32, order: Ordering) -> u32 {
-            self.value.fetch_sub(n, order)
-        }
-
-        fn wait(&self, expected: u32, deadline: Deadline) -> Result<bool> {
-            assert!(deadline.is_none(), "the model has no clock");
-            let guard = self.lock.lock().unwrap();
-            if self.value.load(Ordering::Acquire) == expected {
-                drop(self.sleeping.wait(guard).unwrap());
-            }
-            Ok(true)
-        }
-
-        fn wake_one(&self) {
-            let _guard = self.lock.lock().unwrap();
-            self.sleeping.notify_one();
-        }
-
-        fn spin_until(&self, _deadline: Deadline, _ready: impl FnMut() -> bool) -> bool {
-            false
-        }
-    }
-
-    /// Runs `f` under loom and returns how many interleavings it explored.
-    fn explore(f: impl Fn() + Sync + Send + 'static) -> usize {
-        static RUNS: AtomicUsize = AtomicUsize::new(0);
-        RUNS.store(0, std::sync::atomic::Ordering::SeqCst);
-        let mut builder = loom::model::Builder::new();
-        builder.preemption_bound = Some(2);
-        builder.check(move || {
-            RUNS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-            f();
-        });
-        RUNS.load(std::sync::atomic::Ordering::SeqCst)
-    }
 
     fn words(value: u32) -> Arc<(ModelWord, ModelWord)> {
         Arc::new((ModelWord::new(value), ModelWord::new(0)))

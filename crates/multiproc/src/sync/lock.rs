@@ -17,9 +17,9 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
+use super::word::Word;
 use crate::error::{Error, LockError, Result};
 use crate::shm::SharedWords;
-use crate::sys::futex;
 use crate::sys::process::process_is_dead;
 use crate::sys::{Deadline, deadline_after};
 
@@ -76,61 +76,19 @@ impl RawLock {
     }
 
     pub(crate) fn acquire(&self, deadline: Deadline) -> Result<Acquired> {
-        let me = my_pid();
-        let owner = self.word(OWNER);
-        let mut waited = false;
-        loop {
-            match owner.compare_exchange(0, me, Ordering::Acquire, Ordering::Relaxed) {
-                Ok(_) => return Ok(Acquired::Yes),
-                Err(holder) => {
-                    // Most holders are inside a critical section of well under a
-                    // microsecond (a queue's ring): retry briefly before paying for a
-                    // liveness check (a /proc read) and a futex sleep.
-                    if holder != me && spin_until_free(owner) {
-                        continue;
-                    }
-                    // A holder that did not let go within the spin was most likely
-                    // preempted: wait for its release once (briefly) before paying
-                    // for the liveness check, and check before giving up.
-                    let now = Instant::now();
-                    let late = deadline.is_some_and(|d| now + FIRST_WAIT >= d);
-                    if holder != me && (waited || late) && process_is_dead(holder) {
-                        if owner
-                            .compare_exchange(holder, me, Ordering::Acquire, Ordering::Relaxed)
-                            .is_ok()
-                        {
-                            return Ok(Acquired::FromDeadOwner(holder));
-                        }
-                        continue;
-                    }
-                    if deadline.is_some_and(|d| now >= d) {
-                        return Ok(Acquired::TimedOut);
-                    }
-                    let slice = now + if waited { LIVENESS_CHECK } else { FIRST_WAIT };
-                    waited = true;
-                    let until = Some(deadline.map_or(slice, |d| d.min(slice)));
-                    self.word(WAITERS).fetch_add(1, Ordering::AcqRel);
-                    let r = futex::wait(owner, holder, until);
-                    self.word(WAITERS).fetch_sub(1, Ordering::AcqRel);
-                    r?;
-                }
-            }
-        }
+        acquire(
+            self.word(OWNER),
+            self.word(WAITERS),
+            my_pid(),
+            deadline,
+            process_is_dead,
+        )
     }
 
     /// Releases the lock. Any process may release a [`Lock`] (as in Python); the caller
     /// checks ownership where the primitive requires it.
     pub(crate) fn release(&self) -> Result<()> {
-        let owner = self.word(OWNER);
-        if owner.swap(0, Ordering::Release) == 0 {
-            return Err(Error::InvalidArgument(
-                "release of a lock that is not held".into(),
-            ));
-        }
-        if self.word(WAITERS).load(Ordering::Acquire) > 0 {
-            futex::wake(owner, 1);
-        }
-        Ok(())
+        release(self.word(OWNER), self.word(WAITERS))
     }
 
     #[cfg(test)]
@@ -143,11 +101,82 @@ impl RawLock {
     }
 }
 
+/// The protocol of [`RawLock::acquire`], over the lock's `owner` and `waiters` words,
+/// for the process `me`; `is_dead` says whether a holder's process has died.
+fn acquire<W: Word>(
+    owner: &W,
+    waiters: &W,
+    me: u32,
+    deadline: Deadline,
+    is_dead: impl Fn(u32) -> bool,
+) -> Result<Acquired> {
+    let mut waited = false;
+    loop {
+        match owner.compare_exchange(0, me, Ordering::Acquire, Ordering::Relaxed) {
+            Ok(_) => return Ok(Acquired::Yes),
+            Err(holder) => {
+                // Most holders are inside a critical section of well under a
+                // microsecond: retry briefly before paying for a liveness check (a
+                // /proc read) and a futex sleep.
+                if holder != me && spin_until_free(owner) {
+                    continue;
+                }
+                // A holder that did not let go within the spin was most likely
+                // preempted: wait for its release once (briefly) before paying for the
+                // liveness check, and check before giving up.
+                let now = Instant::now();
+                let late = deadline.is_some_and(|d| now + FIRST_WAIT >= d);
+                if holder != me && (waited || late) && is_dead(holder) {
+                    if owner
+                        .compare_exchange(holder, me, Ordering::Acquire, Ordering::Relaxed)
+                        .is_ok()
+                    {
+                        return Ok(Acquired::FromDeadOwner(holder));
+                    }
+                    continue;
+                }
+                if deadline.is_some_and(|d| now >= d) {
+                    return Ok(Acquired::TimedOut);
+                }
+                let slice = now + if waited { LIVENESS_CHECK } else { FIRST_WAIT };
+                waited = true;
+                let until = Some(deadline.map_or(slice, |d| d.min(slice)));
+                // Counted with read-modify-writes on both sides (see `release`).
+                waiters.fetch_add(1, Ordering::AcqRel);
+                let r = owner.wait(holder, until);
+                waiters.fetch_sub(1, Ordering::AcqRel);
+                r?;
+            }
+        }
+    }
+}
+
+/// The protocol of [`RawLock::release`].
+fn release<W: Word>(owner: &W, waiters: &W) -> Result<()> {
+    if owner.swap(0, Ordering::Release) == 0 {
+        return Err(Error::InvalidArgument(
+            "release of a lock that is not held".into(),
+        ));
+    }
+    // A read-modify-write, not a load: the waiter counts itself and then sleeps only
+    // while the owner word is unchanged, the releaser changes it and then reads the
+    // waiters, and with plain loads on both sides each could miss the other's write
+    // (store buffering; see `counter`).
+    if waiters.fetch_add(0, Ordering::AcqRel) > 0 {
+        owner.wake_one();
+    }
+    Ok(())
+}
+
 /// How many times [`spin_until_free`] looks at a held lock word before giving up.
 const SPIN_TRIES: u32 = 256;
 
-/// Polls a lock word for a short while; whether it became free.
-fn spin_until_free(owner: &std::sync::atomic::AtomicU32) -> bool {
+/// Polls a lock word for a short while; whether it became free (never, for a word
+/// that does not spin: the model checker's).
+fn spin_until_free<W: Word>(owner: &W) -> bool {
+    if !W::SPINS {
+        return false;
+    }
     for _ in 0..SPIN_TRIES {
         if owner.load(Ordering::Relaxed) == 0 {
             return true;
@@ -524,5 +553,157 @@ impl<'de> Deserialize<'de> for RLock {
         Ok(Self {
             raw: RawLock::new(Arc::new(block), 1),
         })
+    }
+}
+
+/// The lock's protocol under the loom model checker, over process-local words: threads
+/// stand for processes (each with a pid), and a process "dies" by setting its flag in
+/// the table that the protocol's liveness check reads (as the kernel makes a dead pid's
+/// `/proc` entry a zombie or gone). `.ci/run` runs them in release:
+/// `cargo test --release -p multiproc --lib lock::model -- --ignored`.
+#[cfg(test)]
+mod model {
+    use super::*;
+    use crate::sync::word::model::{ModelWord, explore};
+    use loom::sync::Arc;
+    use loom::sync::atomic::{AtomicBool, AtomicU32 as LoomU32};
+
+    /// A lock's two words, and which of the pids 1..=3 have died.
+    struct Model {
+        owner: ModelWord,
+        waiters: ModelWord,
+        dead: [AtomicBool; 4],
+    }
+
+    impl Model {
+        fn new() -> Arc<Self> {
+            Arc::new(Self {
+                owner: ModelWord::new(0),
+                waiters: ModelWord::new(0),
+                dead: std::array::from_fn(|_| AtomicBool::new(false)),
+            })
+        }
+
+        fn acquire(&self, me: u32) -> Acquired {
+            acquire(&self.owner, &self.waiters, me, None, |pid| {
+                self.dead
+                    .get(pid as usize)
+                    .is_some_and(|d| d.load(Ordering::Acquire))
+            })
+            .unwrap()
+        }
+
+        fn release(&self) {
+            release(&self.owner, &self.waiters).unwrap();
+        }
+
+        fn die(&self, me: u32) {
+            self.dead[me as usize].store(true, Ordering::Release);
+        }
+    }
+
+    #[test]
+    #[ignore = "model checker: .ci/run runs it in release"]
+    fn two_processes_are_never_inside_at_once() {
+        let runs = explore(|| {
+            let m = Model::new();
+            let inside = Arc::new(LoomU32::new(0));
+            let processes: Vec<_> = (1..=2)
+                .map(|pid| {
+                    let (m, inside) = (Arc::clone(&m), Arc::clone(&inside));
+                    loom::thread::spawn(move || {
+                        assert!(matches!(m.acquire(pid), Acquired::Yes));
+                        assert_eq!(inside.fetch_add(1, Ordering::SeqCst), 0, "two inside");
+                        inside.fetch_sub(1, Ordering::SeqCst);
+                        m.release();
+                    })
+                })
+                .collect();
+            for p in processes {
+                p.join().unwrap();
+            }
+            assert_eq!(m.owner.load(Ordering::SeqCst), 0, "left held");
+        });
+        eprintln!("lock model, 2 processes: {runs} interleavings");
+        assert!(runs > 1);
+    }
+
+    #[test]
+    #[ignore = "model checker: .ci/run runs it in release"]
+    fn a_holder_killed_inside_is_taken_over_once() {
+        // Process 1 takes the lock and dies holding it; process 2 takes it (before 1,
+        // or over from the dead 1) and releases it. Nobody waits forever, a takeover
+        // names the dead holder, and the lock is taken over at most once. (A third
+        // process made loom's paths too long: in the model a liveness slice is a
+        // yield, so a waiter's turns are steps to explore.)
+        let runs = explore(|| {
+            let m = Model::new();
+            let killed = {
+                let m = Arc::clone(&m);
+                loom::thread::spawn(move || {
+                    assert!(matches!(m.acquire(1), Acquired::Yes));
+                    m.die(1);
+                })
+            };
+            let others: Vec<_> = (2..=2)
+                .map(|pid| {
+                    let m = Arc::clone(&m);
+                    loom::thread::spawn(move || {
+                        let got = m.acquire(pid);
+                        m.release();
+                        match got {
+                            Acquired::Yes => 0,
+                            Acquired::FromDeadOwner(dead) => {
+                                assert_eq!(dead, 1, "took over from a live process");
+                                1
+                            }
+                            Acquired::TimedOut => panic!("timed out without a deadline"),
+                        }
+                    })
+                })
+                .collect();
+            killed.join().unwrap();
+            let takeovers: u32 = others.into_iter().map(|p| p.join().unwrap()).sum();
+            let owner = m.owner.load(Ordering::SeqCst);
+            // Either someone took it over from the dead holder (and released it), or
+            // the dead process took it last and still holds it: never both, never twice.
+            assert!(
+                (takeovers == 1 && owner == 0) || (takeovers == 0 && owner == 1),
+                "takeovers {takeovers}, owner {owner}"
+            );
+        });
+        eprintln!("lock model, a holder killed inside and another process: {runs} interleavings");
+        assert!(runs > 1);
+    }
+
+    #[test]
+    #[ignore = "model checker: .ci/run runs it in release"]
+    fn a_waiter_killed_after_counting_itself_holds_nobody_up() {
+        // Process 3 counts itself a waiter and dies there (its count never taken back):
+        // the holder's release and the next acquirer carry on.
+        let runs = explore(|| {
+            let m = Model::new();
+            assert!(matches!(m.acquire(1), Acquired::Yes));
+            let killed = {
+                let m = Arc::clone(&m);
+                loom::thread::spawn(move || {
+                    m.waiters.fetch_add(1, Ordering::AcqRel);
+                    m.die(3);
+                })
+            };
+            let next = {
+                let m = Arc::clone(&m);
+                loom::thread::spawn(move || {
+                    assert!(matches!(m.acquire(2), Acquired::Yes));
+                    m.release();
+                })
+            };
+            m.release();
+            killed.join().unwrap();
+            next.join().unwrap();
+            assert_eq!(m.owner.load(Ordering::SeqCst), 0);
+        });
+        eprintln!("lock model, a waiter killed after counting itself: {runs} interleavings");
+        assert!(runs > 1);
     }
 }

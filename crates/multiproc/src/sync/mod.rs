@@ -8,6 +8,7 @@
 pub(crate) mod counter;
 mod event;
 pub(crate) mod lock;
+pub(crate) mod word;
 
 /// `Serialize`/`Deserialize` for a primitive that is one [`SharedWords`](crate::shm::SharedWords)
 /// (a field named `block`): the block's handle travels, checked against `$kind` on
