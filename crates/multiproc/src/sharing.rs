@@ -69,6 +69,27 @@ pub fn set_sharing_strategy(strategy: SharingStrategy) {
     CURRENT.store(strategy.code(), Ordering::Release);
 }
 
+/// Names the command that starts a process tree's shm manager (the `file_system`
+/// strategy's daemon), for a host whose own program cannot serve as it: by default the
+/// library runs this program again in manager mode, which works for any Rust `main`
+/// that calls [`init`](crate::init) first, but not for, say, a Python interpreter. The
+/// command must call [`run_shm_manager_from_env`](crate::run_shm_manager_from_env) (it
+/// finds its address and role in the environment the library gives it).
+///
+/// Set it once per process, before the first `file_system` storage; setting the same
+/// command again is allowed, another one is [`Error::InvalidArgument`](crate::Error).
+/// Processes started afterwards do not inherit it: each host sets it for itself.
+pub fn set_shm_manager_command<P, A>(program: P, args: &[A]) -> crate::Result<()>
+where
+    P: AsRef<std::ffi::OsStr>,
+    A: AsRef<std::ffi::OsStr>,
+{
+    crate::shm::registry::set_command(
+        program.as_ref().to_owned(),
+        args.iter().map(|a| a.as_ref().to_owned()).collect(),
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -91,25 +112,4 @@ mod tests {
             "unknown sharing strategy \"shm\"; the valid strategies are file_descriptor, file_system"
         );
     }
-}
-
-/// Names the command that starts a process tree's shm manager (the `file_system`
-/// strategy's daemon), for a host whose own program cannot serve as it: by default the
-/// library runs this program again in manager mode, which works for any Rust `main`
-/// that calls [`init`](crate::init) first, but not for, say, a Python interpreter. The
-/// command must call [`run_shm_manager_from_env`](crate::run_shm_manager_from_env) (it
-/// finds its address and role in the environment the library gives it).
-///
-/// Set it once per process, before the first `file_system` storage; setting the same
-/// command again is allowed, another one is [`Error::InvalidArgument`](crate::Error).
-/// Processes started afterwards do not inherit it: each host sets it for itself.
-pub fn set_shm_manager_command<P, A>(program: P, args: &[A]) -> crate::Result<()>
-where
-    P: AsRef<std::ffi::OsStr>,
-    A: AsRef<std::ffi::OsStr>,
-{
-    crate::shm::registry::set_command(
-        program.as_ref().to_owned(),
-        args.iter().map(|a| a.as_ref().to_owned()).collect(),
-    )
 }
