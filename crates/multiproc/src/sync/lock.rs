@@ -40,7 +40,7 @@ const DEPTH: usize = 3;
 pub(crate) const RAW_LOCK_WORDS: usize = 4;
 
 fn my_pid() -> u32 {
-    // Without a system call: the ring of every queue takes a lock per message.
+    // Without a system call: a queue's custody takes a lock per lookup.
     crate::sys::process::cached_pid()
 }
 
