@@ -52,14 +52,16 @@ pub struct Counters {
     pub host_unregistrations: u64,
 }
 
-/// Runs `f` while this process holds the lock of `queue`'s block custody: a test makes
-/// a holder that stops (SIGSTOP) inside it. Built with the `fuzzing` feature only.
+/// Runs `f` while this process holds the lock of shelf `shelf` (0 or 1) of `queue`'s
+/// block custody: a test makes a holder that stops (SIGSTOP) inside it. Built with the
+/// `fuzzing` feature only.
 #[cfg(feature = "fuzzing")]
 pub fn while_custody_locked<T: serde::Serialize + serde::de::DeserializeOwned, R>(
     queue: &crate::Queue<T>,
+    shelf: usize,
     f: impl FnOnce() -> R,
 ) -> crate::Result<R> {
-    queue.while_custody_locked(f)
+    queue.while_custody_locked(shelf, f)
 }
 
 /// Puts `item` on `queue`, running `pause` after its slot in the queue's ring is claimed

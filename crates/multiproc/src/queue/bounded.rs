@@ -149,11 +149,11 @@ impl<T: Serialize + DeserializeOwned> Queue<T> {
         self.shared.try_get(&|| self.others_here())
     }
 
-    /// Runs `f` while this process holds the lock of the queue's block custody (the
-    /// tests' stopped-holder cases).
+    /// Runs `f` while this process holds the lock of one shelf of the queue's block
+    /// custody (the tests' stopped-holder cases).
     #[cfg(feature = "fuzzing")]
-    pub(crate) fn while_custody_locked<R>(&self, f: impl FnOnce() -> R) -> Result<R> {
-        self.shared.channel.while_custody_locked(f)
+    pub(crate) fn while_custody_locked<R>(&self, shelf: usize, f: impl FnOnce() -> R) -> Result<R> {
+        self.shared.channel.while_custody_locked(shelf, f)
     }
 
     /// Whether another handle of this queue (or of the joinable queue around it) exists

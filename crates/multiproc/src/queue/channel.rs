@@ -302,10 +302,10 @@ impl Channel {
             .unwrap_or(false)
     }
 
-    /// Runs `f` while this process holds the custody's lock (tests).
+    /// Runs `f` while this process holds the lock of the custody's `shelf` (tests).
     #[cfg(feature = "fuzzing")]
-    pub(crate) fn while_custody_locked<R>(&self, f: impl FnOnce() -> R) -> Result<R> {
-        self.custody.while_locked(f)
+    pub(crate) fn while_custody_locked<R>(&self, shelf: usize, f: impl FnOnce() -> R) -> Result<R> {
+        self.custody.while_locked(shelf, f)
     }
 
     /// Puts `item` without a deadline, running `pause` while its ring slot is claimed

@@ -12,9 +12,19 @@
 //! second copy of an entry, never one fewer, so a block that a message in flight names
 //! is always in custody, whoever exits or is killed.
 //!
-//! Words of the ring's block: the custody lock (`RawLock`, words 16..20; rotations and
-//! sweeps hold it, publishing does not), `ENTRIES` (about how many packets are queued)
-//! and `BYTES` (about how many bytes of blocks they hold).
+//! **Two shelves, so that nobody waits for a stopped peer.** A socket pair queues
+//! packets both ways, so the custody's one pair holds two queues of entries, its
+//! *shelves*: shelf 0 is written on one end and read on the other, shelf 1 the reverse.
+//! Every block goes on both. Each shelf has a lock of its own (`RawLock`: rotations and
+//! sweeps hold it, appending does not), and nobody ever holds both: a process stopped
+//! (a debugger, Ctrl-Z, a frozen container) or slow while it rotates one shelf leaves
+//! the other free, and a lookup that finds one shelf taken looks on the other instead
+//! of waiting. A lookup reports a block missing only after it has looked through both
+//! shelves, since a block whose second append failed (a full buffer) is on one only.
+//!
+//! Words of the ring's block, per shelf: the lock (4 words), `ENTRIES` (about how many
+//! packets are queued) and `BYTES` (about how many bytes of blocks they hold): shelf 0
+//! at words 16..24, shelf 1 at 24..32.
 //!
 //! **Sweeps.** An entry costs its block's memory as long as it is queued. When the
 //! entries or their bytes pass a threshold (which doubles with what a sweep keeps), the
@@ -48,16 +58,22 @@ use crate::shm::{CacheKey, Segment, cached};
 use crate::sync::lock::{Acquired, RawLock};
 use crate::sys::socket::{self, Attempt, Packet, seqpacket_pair};
 
-const LOCK_BASE: usize = 16;
-const ENTRIES: usize = 20;
-const BYTES: usize = 22;
+/// The first word of each shelf's words: its lock (4 words), `ENTRIES` (+4) and
+/// `BYTES` (+6, 64 bits).
+const SHELF_BASE: [usize; SHELVES] = [16, 24];
+const ENTRIES: usize = 4;
+const BYTES: usize = 6;
+/// How many shelves a custody has (see the module docs).
+const SHELVES: usize = 2;
 /// Sweep thresholds before any sweep has run (see the module docs).
 const SWEEP_ENTRIES: u32 = 64;
 const SWEEP_BYTES: u64 = 512 << 20;
-/// How long a rotation waits for another process's rotation to end (its holder may be
-/// stopped: a lookup that gives up keeps its message for another try, see
-/// `Channel::decode`).
+/// How long a lookup waits for both shelves' rotations by other processes to end (a
+/// holder of each stopped or slow): a lookup that gives up keeps its message for
+/// another try, see `Channel::decode`. One stopped process holds one shelf at most.
 const LOCK_WAIT: Duration = Duration::from_millis(500);
+/// How long a lookup waits on one taken shelf before it looks at the other again.
+const SHELF_SLICE: Duration = Duration::from_millis(2);
 /// The bytes of one entry: device and inode.
 const ENTRY_LEN: usize = 16;
 /// Ticks of the idle thread without a publication or a lookup before a sweep.
@@ -65,16 +81,26 @@ const QUIET_TICKS: u32 = 2;
 /// Most sweeps of one quiet period.
 const IDLE_SWEEPS: u32 = 10;
 
+/// One of a custody's two queues of entries (see the module docs).
+struct Shelf {
+    lock: RawLock,
+    /// The end of the pair entries are appended on ([`Custody::ends`]).
+    write: usize,
+    /// The end they are queued at (peeked and dequeued).
+    read: usize,
+    base: usize,
+}
+
 /// The custody of one channel (see the module docs).
 pub(crate) struct Custody {
     block: Arc<SharedWords>,
-    lock: RawLock,
-    tx: OwnedFd,
-    rx: OwnedFd,
+    /// The socket pair: the custody's own two fds, which every holder holds.
+    ends: [OwnedFd; 2],
+    shelves: [Shelf; SHELVES],
     /// The blocks this process has put into custody, by device and inode.
     published: Mutex<Published>,
-    /// When to sweep next: entries, bytes.
-    sweep_at: Mutex<(u32, u64)>,
+    /// When to sweep next, per shelf: entries, bytes.
+    sweep_at: Mutex<[(u32, u64); SHELVES]>,
     /// Publications and lookups so far (the idle job tells a quiet custody by it).
     activity: AtomicU64,
     /// Whether this value's idle job is registered.
@@ -84,12 +110,12 @@ pub(crate) struct Custody {
 impl std::fmt::Debug for Custody {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Custody")
-            .field("entries", &self.entries().load(Ordering::Relaxed))
+            .field("entries", &self.entries(0).load(Ordering::Relaxed))
             .finish()
     }
 }
 
-/// Frees the custody lock on drop.
+/// Frees a shelf's lock on drop.
 struct Held<'a>(&'a RawLock);
 
 impl Drop for Held<'_> {
@@ -121,15 +147,21 @@ impl Custody {
     }
 
     /// A custody received with its channel: `tx` and `rx` checked to be seqpacket
-    /// sockets by the caller.
+    /// sockets by the caller. Shelf 0 is written on `tx` and read on `rx`, shelf 1 the
+    /// reverse.
     pub(crate) fn from_parts(block: Arc<SharedWords>, tx: OwnedFd, rx: OwnedFd) -> Self {
+        let shelf = |i: usize| Shelf {
+            lock: RawLock::new(Arc::clone(&block), SHELF_BASE[i]),
+            write: i,
+            read: 1 - i,
+            base: SHELF_BASE[i],
+        };
         Self {
-            lock: RawLock::new(Arc::clone(&block), LOCK_BASE),
+            shelves: [shelf(0), shelf(1)],
+            ends: [tx, rx],
             block,
-            tx,
-            rx,
             published: Mutex::new(Published::default()),
-            sweep_at: Mutex::new((SWEEP_ENTRIES, SWEEP_BYTES)),
+            sweep_at: Mutex::new([(SWEEP_ENTRIES, SWEEP_BYTES); SHELVES]),
             activity: AtomicU64::new(0),
             idle_job: std::sync::atomic::AtomicBool::new(false),
         }
@@ -137,63 +169,79 @@ impl Custody {
 
     /// The two sockets, for serializing the channel.
     pub(crate) fn sockets(&self) -> (BorrowedFd<'_>, BorrowedFd<'_>) {
-        (self.tx.as_fd(), self.rx.as_fd())
+        (self.ends[0].as_fd(), self.ends[1].as_fd())
     }
 
-    fn entries(&self) -> &AtomicU32 {
-        self.block.word(ENTRIES)
+    fn writing(&self, shelf: usize) -> BorrowedFd<'_> {
+        self.ends[self.shelves[shelf].write].as_fd()
     }
 
-    fn bytes(&self) -> &AtomicU64 {
-        self.block.word64(BYTES)
+    fn reading(&self, shelf: usize) -> BorrowedFd<'_> {
+        self.ends[self.shelves[shelf].read].as_fd()
     }
 
-    /// Runs `f` with the custody's lock held (tests: a holder that stops while it holds
-    /// the lock).
+    fn entries(&self, shelf: usize) -> &AtomicU32 {
+        self.block.word(self.shelves[shelf].base + ENTRIES)
+    }
+
+    fn bytes(&self, shelf: usize) -> &AtomicU64 {
+        self.block.word64(self.shelves[shelf].base + BYTES)
+    }
+
+    /// Runs `f` with the lock of `shelf` (0 or 1) held (tests: a holder that stops
+    /// while it holds it).
     #[cfg(any(test, feature = "fuzzing"))]
-    pub(crate) fn while_locked<R>(&self, f: impl FnOnce() -> R) -> Result<R> {
-        let _held = self.hold()?;
+    pub(crate) fn while_locked<R>(&self, shelf: usize, f: impl FnOnce() -> R) -> Result<R> {
+        if shelf >= SHELVES {
+            return Err(Error::InvalidArgument(format!(
+                "a queue's custody has shelves 0 and 1, not {shelf}"
+            )));
+        }
+        let _held = self.hold(shelf, Some(Instant::now() + LOCK_WAIT))?;
         Ok(f())
     }
 
-    fn hold(&self) -> Result<Held<'_>> {
-        match self.lock.acquire(Some(Instant::now() + LOCK_WAIT))? {
-            Acquired::Yes | Acquired::FromDeadOwner(_) => Ok(Held(&self.lock)),
+    /// Takes the lock of `shelf`, waiting until `deadline` at most.
+    fn hold(&self, shelf: usize, deadline: Option<Instant>) -> Result<Held<'_>> {
+        let lock = &self.shelves[shelf].lock;
+        match lock.acquire(deadline)? {
+            Acquired::Yes | Acquired::FromDeadOwner(_) => Ok(Held(lock)),
             Acquired::TimedOut => Err(Error::timeout(
-                "waiting for another process to finish looking through a queue's blocks",
+                "waiting for other processes to finish looking through a queue's blocks",
                 Some(LOCK_WAIT),
             )),
         }
     }
 
-    /// The first entry, still queued: its device and inode (from the bytes: untrusted)
-    /// and its fd. `None` when the custody is empty.
-    fn peek(&self) -> Result<Option<(Vec<u8>, Option<OwnedFd>)>> {
+    /// The first entry of `shelf`, still queued: its device and inode (from the bytes:
+    /// untrusted) and its fd. `None` when the shelf is empty.
+    fn peek(&self, shelf: usize) -> Result<Option<(Vec<u8>, Option<OwnedFd>)>> {
         let mut buf = [0u8; ENTRY_LEN + 1];
-        match socket::try_peek_packet(self.rx.as_fd(), &mut buf)? {
+        match socket::try_peek_packet(self.reading(shelf), &mut buf)? {
             Attempt::Done(Packet { bytes, mut fds }) => Ok(Some((bytes, fds.pop()))),
             Attempt::WouldBlock => Ok(None),
         }
     }
 
-    /// Drops the first entry (a duplicate of it is at the end, or it is not wanted).
-    fn dequeue(&self) {
+    /// Drops the first entry of `shelf` (a duplicate of it is at the end, or it is not
+    /// wanted).
+    fn dequeue(&self, shelf: usize) {
         let mut buf = [0u8; ENTRY_LEN + 1];
         // Its fds are closed when the packet is dropped.
-        let _ = socket::try_recv_packet(self.rx.as_fd(), &mut buf);
+        let _ = socket::try_recv_packet(self.reading(shelf), &mut buf);
     }
 
-    /// Appends an entry; `false` when the custody's buffer is full.
-    fn append(&self, bytes: &[u8], fd: BorrowedFd<'_>) -> bool {
+    /// Appends an entry to `shelf`; `false` when its buffer is full.
+    fn append(&self, shelf: usize, bytes: &[u8], fd: BorrowedFd<'_>) -> bool {
         matches!(
-            socket::try_send_packet(self.tx.as_fd(), bytes, &[], &[fd]),
+            socket::try_send_packet(self.writing(shelf), bytes, &[], &[fd]),
             Ok(Attempt::Done(()))
         )
     }
 
-    /// Looks at every entry once, keeping those `keep` accepts (in their order) and
-    /// dropping the others; stops early when `stop` says so, leaving that entry first.
-    /// Lock held. Returns the fd `stop` chose, if any.
+    /// Looks at every entry of `shelf` once, keeping those `keep` accepts (in their
+    /// order) and dropping the others; stops early when `stop` says so, leaving that
+    /// entry first. The shelf's lock held. Returns the fd `stop` chose, if any.
     ///
     /// One pass ends at a sentinel: a packet without fd, unique to this pass, appended
     /// first. (Counting entries instead would go round twice when the count is high,
@@ -201,6 +249,7 @@ impl Custody {
     /// or was killed is dropped by the next pass, as is anything else without an fd.
     fn rotate(
         &self,
+        shelf: usize,
         mut stop: impl FnMut(u64, u64, &OwnedFd) -> bool,
         mut keep: impl FnMut(u64, u64, &OwnedFd) -> bool,
     ) -> Result<Option<OwnedFd>> {
@@ -209,24 +258,24 @@ impl Custody {
         sentinel[..4].copy_from_slice(&std::process::id().to_le_bytes());
         sentinel[8..].copy_from_slice(&PASSES.fetch_add(1, Ordering::Relaxed).to_le_bytes());
         let appended = matches!(
-            socket::try_send_packet(self.tx.as_fd(), &sentinel, &[], &[]),
+            socket::try_send_packet(self.writing(shelf), &sentinel, &[], &[]),
             Ok(Attempt::Done(()))
         );
         // Without a sentinel (a full buffer), one pass over the counted entries.
         let mut left = if appended {
             usize::MAX
         } else {
-            self.entries().load(Ordering::Acquire) as usize
+            self.entries(shelf).load(Ordering::Acquire) as usize
         };
         while left > 0 {
             left -= 1;
-            let Some((bytes, fd)) = self.peek()? else {
+            let Some((bytes, fd)) = self.peek(shelf)? else {
                 break;
             };
             let Some(fd) = fd.filter(|_| bytes.len() == ENTRY_LEN) else {
                 // A sentinel, or not an entry of ours (something else wrote to the
                 // socket).
-                self.dequeue();
+                self.dequeue(shelf);
                 if bytes == sentinel {
                     break;
                 }
@@ -239,14 +288,14 @@ impl Custody {
             if keep(dev, ino, &fd) {
                 // The copy at the end first: a process killed between these two steps
                 // leaves an entry twice, never lost.
-                if !self.append(&bytes, fd.as_fd()) {
+                if !self.append(shelf, &bytes, fd.as_fd()) {
                     // The buffer is full: nothing more can be rotated now.
                     break;
                 }
             } else {
-                dec(self.entries());
+                dec(self.entries(shelf));
             }
-            self.dequeue();
+            self.dequeue(shelf);
         }
         Ok(None)
     }
@@ -254,7 +303,8 @@ impl Custody {
     /// Makes sure the idle job sweeps this custody once it goes quiet (see the module
     /// docs), when it holds entries. Cheap when the job runs already.
     pub(crate) fn wake_idle_job(self: &Arc<Self>) {
-        if self.entries().load(Ordering::Relaxed) == 0
+        if self.entries(0).load(Ordering::Relaxed) == 0
+            && self.entries(1).load(Ordering::Relaxed) == 0
             || self.idle_job.load(Ordering::Relaxed)
             || self.idle_job.swap(true, Ordering::AcqRel)
         {
@@ -274,14 +324,21 @@ impl Custody {
                 }
                 quiet += 1;
                 if quiet >= QUIET_TICKS {
-                    if let Ok(_held) = custody.hold() {
-                        if let Err(e) = custody.sweep() {
-                            tracing::debug!("an idle sweep of a queue's block custody failed: {e}");
+                    for shelf in 0..SHELVES {
+                        // A shelf whose lock is taken (its holder may be stopped) is
+                        // swept on a later tick.
+                        if let Ok(_held) = custody.hold(shelf, Some(Instant::now())) {
+                            if let Err(e) = custody.sweep(shelf) {
+                                tracing::debug!(
+                                    "an idle sweep of a queue's block custody failed: {e}"
+                                );
+                            }
                         }
                     }
                     sweeps += 1;
                 }
-                let more = custody.entries().load(Ordering::Acquire) > 0 && sweeps < IDLE_SWEEPS;
+                let more = (0..SHELVES).any(|s| custody.entries(s).load(Ordering::Acquire) > 0)
+                    && sweeps < IDLE_SWEEPS;
                 if !more {
                     custody.idle_job.store(false, Ordering::Release);
                 }
@@ -290,11 +347,13 @@ impl Custody {
         });
     }
 
-    /// Drops duplicates and dead blocks (see the module docs). Lock held.
-    fn sweep(&self) -> Result<()> {
+    /// Drops duplicates and dead blocks from `shelf` (see the module docs). Its lock
+    /// held.
+    fn sweep(&self, shelf: usize) -> Result<()> {
         let mut seen = HashSet::new();
         let (mut live, mut live_bytes) = (0u32, 0u64);
         self.rotate(
+            shelf,
             |_, _, _| false,
             |dev, ino, fd| {
                 if !seen.insert((dev, ino)) || is_dead(dev, ino, fd) {
@@ -305,15 +364,37 @@ impl Custody {
                 true
             },
         )?;
-        self.entries().store(live, Ordering::Release);
-        self.bytes().store(live_bytes, Ordering::Release);
+        self.entries(shelf).store(live, Ordering::Release);
+        self.bytes(shelf).store(live_bytes, Ordering::Release);
         let mut at = self.sweep_at.lock().unwrap_or_else(PoisonError::into_inner);
-        *at = (
+        at[shelf] = (
             SWEEP_ENTRIES.max(live.saturating_mul(2)),
             SWEEP_BYTES.max(live_bytes.saturating_mul(2)),
         );
-        tracing::debug!(live, live_bytes, "swept a queue's block custody");
+        tracing::debug!(shelf, live, live_bytes, "swept a queue's block custody");
         Ok(())
+    }
+
+    /// Puts an entry on `shelf`; `false` when its buffer is full. Sweeps the shelf when
+    /// it has passed its threshold and its lock is free.
+    fn put_on(&self, shelf: usize, entry: &[u8], fd: BorrowedFd<'_>, len: u64) -> bool {
+        if !self.append(shelf, entry, fd) {
+            return false;
+        }
+        let entries = self.entries(shelf).fetch_add(1, Ordering::AcqRel) + 1;
+        let bytes = self.bytes(shelf).fetch_add(len, Ordering::AcqRel) + len;
+        let (at_entries, at_bytes) =
+            self.sweep_at.lock().unwrap_or_else(PoisonError::into_inner)[shelf];
+        if entries >= at_entries || bytes >= at_bytes {
+            // Best effort, and never a wait: a sweep that cannot run now runs at a
+            // later publication, or on the idle job's tick.
+            if let Ok(_held) = self.hold(shelf, Some(Instant::now())) {
+                if let Err(e) = self.sweep(shelf) {
+                    tracing::debug!("a sweep of a queue's block custody failed: {e}");
+                }
+            }
+        }
+        true
     }
 }
 
@@ -342,32 +423,54 @@ impl BlockCustody for Custody {
         let mut entry = [0u8; ENTRY_LEN];
         entry[..8].copy_from_slice(&dev.to_le_bytes());
         entry[8..].copy_from_slice(&ino.to_le_bytes());
-        if !self.append(&entry, fd.as_fd()) {
+        let len = block.len() as u64;
+        // On one shelf at least; a lookup looks through both before it gives up.
+        let on_first = self.put_on(0, &entry, fd.as_fd(), len);
+        let on_second = self.put_on(1, &entry, fd.as_fd(), len);
+        if !(on_first || on_second) {
             return false;
         }
-        let entries = self.entries().fetch_add(1, Ordering::AcqRel) + 1;
-        let bytes =
-            self.bytes().fetch_add(block.len() as u64, Ordering::AcqRel) + block.len() as u64;
         published.blocks.retain(|_, w| w.strong_count() > 0);
         published.blocks.insert((dev, ino), Arc::downgrade(block));
         published.last = Arc::downgrade(block);
-        drop(published);
-        let (at_entries, at_bytes) = *self.sweep_at.lock().unwrap_or_else(PoisonError::into_inner);
-        if entries >= at_entries || bytes >= at_bytes {
-            // Best effort: a sweep that cannot run now runs at the next publication.
-            if let Ok(_held) = self.hold() {
-                if let Err(e) = self.sweep() {
-                    tracing::debug!("a sweep of a queue's block custody failed: {e}");
-                }
-            }
-        }
         true
     }
 
     fn find(&self, dev: u64, ino: u64) -> Result<Option<OwnedFd>> {
         self.activity.fetch_add(1, Ordering::Relaxed);
-        let _held = self.hold()?;
-        self.rotate(|d, i, _| (d, i) == (dev, ino), |_, _, _| true)
+        let give_up = Instant::now() + LOCK_WAIT;
+        let mut searched = [false; SHELVES];
+        loop {
+            // Each shelf not yet looked through whose lock is free now.
+            for shelf in 0..SHELVES {
+                if searched[shelf] {
+                    continue;
+                }
+                let Ok(_held) = self.hold(shelf, Some(Instant::now())) else {
+                    continue;
+                };
+                searched[shelf] = true;
+                let found = self.rotate(shelf, |d, i, _| (d, i) == (dev, ino), |_, _, _| true)?;
+                if found.is_some() {
+                    return Ok(found);
+                }
+            }
+            let Some(waiting) = searched.iter().position(|s| !s) else {
+                return Ok(None);
+            };
+            let now = Instant::now();
+            if now >= give_up {
+                return Err(Error::timeout(
+                    "waiting for other processes to finish looking through a queue's blocks",
+                    Some(LOCK_WAIT),
+                ));
+            }
+            // Both taken (or one searched in vain and the other taken): wait a little
+            // on one, then look at both again.
+            if let Ok(held) = self.hold(waiting, Some((now + SHELF_SLICE).min(give_up))) {
+                drop(held);
+            }
+        }
     }
 }
 
