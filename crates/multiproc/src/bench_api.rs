@@ -52,7 +52,7 @@ pub fn send<T: Serialize>(pair: &SocketPair, value: &T) -> Result<()> {
 pub fn recv<T: DeserializeOwned>(pair: &SocketPair) -> Result<T> {
     let packet = wire::recv_packet(pair.rx.as_fd(), None)?
         .ok_or_else(|| Error::timeout("a bench recv without deadline", None))?;
-    wire::decode(packet)
+    wire::decode(packet, &crate::shm::Returns::plain())
 }
 
 /// An anonymous shared-memory segment's fd (a sealed memfd, pages reserved).

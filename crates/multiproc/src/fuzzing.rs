@@ -84,10 +84,13 @@ pub fn split_input(data: &[u8]) -> (&[u8], &[u8], &[u8]) {
 /// Decodes `bytes` with `fds` attached, as a channel would, into a [`FuzzMessage`],
 /// and uses what decoded.
 pub fn decode_packet_for_fuzzing(bytes: &[u8], fds: Vec<OwnedFd>) -> Result<String> {
-    let message: FuzzMessage = wire::decode(Packet {
-        bytes: bytes.to_vec(),
-        fds,
-    })?;
+    let message: FuzzMessage = wire::decode(
+        Packet {
+            bytes: bytes.to_vec(),
+            fds,
+        },
+        &crate::shm::Returns::plain(),
+    )?;
     exercise(message, 0)
 }
 
@@ -132,7 +135,10 @@ fn exercise(m: FuzzMessage, depth: usize) -> Result<String> {
         let _ = c.poll(Some(Duration::ZERO));
     }
     let inner = match m.inner {
-        Some(inner) if depth < MAX_DEPTH => Some(exercise(inner.decode()?, depth + 1)?),
+        Some(inner) if depth < MAX_DEPTH => Some(exercise(
+            inner.decode(&crate::shm::Returns::plain())?,
+            depth + 1,
+        )?),
         _ => None,
     };
     Ok(format!(
@@ -283,9 +289,9 @@ pub fn seed_inputs() -> Result<Vec<Vec<u8>>> {
         // The packet counts as sent, so it carries uses of the tensors' blocks: received
         // here once, where the storages live, it gives them back (otherwise they would
         // pin the blocks for good, like any message sent and never received).
-        let received: FuzzMessage = wire::decode(packet)?;
+        let received: FuzzMessage = wire::decode(packet, &crate::shm::Returns::plain())?;
         if let Some(inner) = received.inner {
-            drop(inner.decode::<FuzzMessage>()?);
+            drop(inner.decode::<FuzzMessage>(&crate::shm::Returns::plain())?);
         }
     }
     Ok(inputs)

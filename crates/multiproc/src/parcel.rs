@@ -75,7 +75,7 @@ pub fn open<T: DeserializeOwned>(fd: OwnedFd) -> Result<T> {
         || Error::InvalidArgument("the parcel holds no message: it was opened already".into());
     // Its sending end is closed, so an empty parcel reads as a closed channel.
     match wire::try_recv_packet(fd.as_fd()) {
-        Ok(Some(packet)) => wire::decode(packet),
+        Ok(Some(packet)) => wire::decode(packet, &crate::shm::Returns::plain()),
         Ok(None) | Err(Error::Closed(_)) => Err(opened_already()),
         Err(e) => Err(e),
     }

@@ -29,23 +29,70 @@ const WAIT: Duration = Duration::from_secs(20);
 // ----- the wire, from the outside -----
 
 const MAGIC: [u8; 4] = *b"MPW\x01";
-const VERSION: u8 = 2;
+const VERSION: u8 = 3;
 const INLINE: u8 = 0;
 const MEMFD: u8 = 1;
 const F32: u8 = 0; // DType::ALL[0]
 
+/// A header declaring an empty references section.
 fn header(version: u8, kind: u8, nfds: u32, len: u32) -> Vec<u8> {
+    header_with_section(version, kind, nfds, len, 0)
+}
+
+fn header_with_section(version: u8, kind: u8, nfds: u32, len: u32, section: u32) -> Vec<u8> {
     let mut h = MAGIC.to_vec();
     h.extend([version, kind, 0, 0]);
     h.extend(nfds.to_le_bytes());
     h.extend(len.to_le_bytes());
+    h.extend(section.to_le_bytes());
     h
 }
 
-/// A well-formed inline packet around `payload`, declaring `nfds` fds.
-fn packet(nfds: u32, payload: &[u8]) -> Vec<u8> {
-    let mut p = header(VERSION, INLINE, nfds, payload.len() as u32);
+/// What follows a packet's header: the payload, then the references section (the
+/// block uses the message lists, see `src/wire/references.rs`).
+trait Body {
+    fn parts(&self) -> (&[u8], &[u8]);
+}
+
+impl Body for Vec<u8> {
+    fn parts(&self) -> (&[u8], &[u8]) {
+        (self, &[])
+    }
+}
+
+/// A payload with block handles, and its references section.
+struct WithReferences {
+    payload: Vec<u8>,
+    section: Vec<u8>,
+}
+
+impl Body for WithReferences {
+    fn parts(&self) -> (&[u8], &[u8]) {
+        (&self.payload, &self.section)
+    }
+}
+
+/// A references section listing `entries`.
+fn section(entries: &[Reference]) -> Vec<u8> {
+    let mut s = (entries.len() as u32).to_le_bytes().to_vec();
+    for e in entries {
+        s.extend(payload(e));
+    }
+    s
+}
+
+/// A well-formed inline packet around `body`, declaring `nfds` fds.
+fn packet(nfds: u32, body: &impl Body) -> Vec<u8> {
+    let (payload, section) = body.parts();
+    let mut p = header_with_section(
+        VERSION,
+        INLINE,
+        nfds,
+        payload.len() as u32,
+        section.len() as u32,
+    );
     p.extend_from_slice(payload);
+    p.extend_from_slice(section);
     p
 }
 
@@ -55,24 +102,23 @@ fn payload<T: Serialize>(v: &T) -> Vec<u8> {
 
 /// Mirrors of the library's wire types (same field order, same variants).
 #[derive(Serialize)]
-enum HandleWire {
-    Block {
-        index: u32,
-        offset: u64,
-        nbytes: u64,
-    },
+struct HandleWire {
+    /// Its entry in the references section.
+    reference: u32,
+    offset: u64,
+    nbytes: u64,
+}
+
+/// An entry of the references section.
+#[derive(Serialize)]
+enum Reference {
+    Fd(u32),
     #[allow(dead_code)]
-    BlockRef {
+    Inode {
         dev: u64,
         ino: u64,
-        offset: u64,
-        nbytes: u64,
     },
-    NamedBlock {
-        name: String,
-        offset: u64,
-        nbytes: u64,
-    },
+    Name(String),
 }
 
 /// Where a block's data starts (after its use-counting header).
@@ -107,33 +153,46 @@ struct TensorWire {
     storage: StorageWire,
 }
 
-fn fd_tensor(dtype: u8, shape: &[u64], strides: &[u64], offset: u64, nbytes: u64) -> Vec<u8> {
-    payload(&TensorWire {
-        dtype,
-        shape: shape.to_vec(),
-        strides: strides.to_vec(),
-        offset,
-        storage: StorageWire::Segment(HandleWire::Block {
-            index: 0,
-            offset: BLOCK_HEADER,
-            nbytes,
+/// A tensor on the block whose memfd is the packet's fd 0.
+fn fd_tensor(
+    dtype: u8,
+    shape: &[u64],
+    strides: &[u64],
+    offset: u64,
+    nbytes: u64,
+) -> WithReferences {
+    WithReferences {
+        payload: payload(&TensorWire {
+            dtype,
+            shape: shape.to_vec(),
+            strides: strides.to_vec(),
+            offset,
+            storage: StorageWire::Segment(HandleWire {
+                reference: 0,
+                offset: BLOCK_HEADER,
+                nbytes,
+            }),
         }),
-    })
+        section: section(&[Reference::Fd(0)]),
+    }
 }
 
 /// A tensor of `numel` f32 at the start of named block `name`'s data.
-fn named_tensor(name: &str, numel: u64) -> Vec<u8> {
-    payload(&TensorWire {
-        dtype: F32,
-        shape: vec![numel],
-        strides: vec![1],
-        offset: 0,
-        storage: StorageWire::Segment(HandleWire::NamedBlock {
-            name: name.to_owned(),
-            offset: BLOCK_HEADER,
-            nbytes: numel * 4,
+fn named_tensor(name: &str, numel: u64) -> WithReferences {
+    WithReferences {
+        payload: payload(&TensorWire {
+            dtype: F32,
+            shape: vec![numel],
+            strides: vec![1],
+            offset: 0,
+            storage: StorageWire::Segment(HandleWire {
+                reference: 0,
+                offset: BLOCK_HEADER,
+                nbytes: numel * 4,
+            }),
         }),
-    })
+        section: section(&[Reference::Name(name.to_owned())]),
+    }
 }
 
 /// Writes one raw packet with `fds` attached.
@@ -269,7 +328,7 @@ fn wrong_magic_version_and_kind() {
                     p.extend(&body);
                     p
                 },
-                &["wire version 0", "version 2"],
+                &["wire version 0", "version 3"],
             ),
             (
                 {
@@ -320,17 +379,19 @@ fn truncated_messages() {
                 let why = refused(&here);
                 if cut == 0 && fds.is_empty() {
                     assert_says(&why, &["empty packet"]);
-                } else if cut < 16 {
-                    assert_says(&why, &["shorter than the 16-byte header"]);
+                } else if cut < 20 {
+                    assert_says(&why, &["shorter than the 20-byte header"]);
                 } else {
                     assert_says(&why, &["declares a", "bytes arrived"]);
                 }
             }
-            // Cut, with the header's length fixed up to match: the value itself ends
-            // early.
-            for cut in 16..good.len() {
+            // Cut, with the header's lengths fixed up to match (all payload, no
+            // references section): the value itself ends early, or names a reference
+            // the packet does not list.
+            for cut in 20..good.len() {
                 let mut bytes = good[..cut].to_vec();
-                bytes[12..16].copy_from_slice(&((cut - 16) as u32).to_le_bytes());
+                bytes[12..16].copy_from_slice(&((cut - 20) as u32).to_le_bytes());
+                bytes[16..20].copy_from_slice(&[0; 4]);
                 send_raw(there.as_fd(), &bytes, &fds);
                 let why = refused(&here);
                 assert!(!why.is_empty());
@@ -371,25 +432,74 @@ fn more_or_fewer_fds_than_declared_and_indices_out_of_range() {
             &[seg.as_fd(), other.as_fd()],
         );
         assert_says(&refused(&here), &["fd #1 is not referred to"]);
-        // A handle pointing past the table.
-        for index in [1u32, 252, u32::MAX] {
-            let body = payload(&TensorWire {
+        // A reference pointing past the fd table, and a handle past the references.
+        let tensor = |reference: u32, entries: &[Reference]| WithReferences {
+            payload: payload(&TensorWire {
                 dtype: F32,
                 shape: vec![4],
                 strides: vec![1],
                 offset: 0,
-                storage: StorageWire::Segment(HandleWire::Block {
-                    index,
+                storage: StorageWire::Segment(HandleWire {
+                    reference,
                     offset: BLOCK_HEADER,
                     nbytes: 16,
                 }),
-            });
+            }),
+            section: section(entries),
+        };
+        for index in [1u32, 252, u32::MAX] {
+            let body = tensor(0, &[Reference::Fd(index)]);
             send_raw(there.as_fd(), &packet(1, &body), &[seg.as_fd()]);
             assert_says(
                 &refused(&here),
                 &[&format!("file descriptor #{index}"), "carried 1"],
             );
+            let body = tensor(index, &[Reference::Fd(0)]);
+            send_raw(there.as_fd(), &packet(1, &body), &[seg.as_fd()]);
+            assert_says(
+                &refused(&here),
+                &[&format!("reference #{index}"), "lists 1"],
+            );
         }
+        // Two handles naming one reference, and a reference no handle names.
+        let two = WithReferences {
+            payload: payload(&(
+                TensorWire {
+                    dtype: F32,
+                    shape: vec![4],
+                    strides: vec![1],
+                    offset: 0,
+                    storage: StorageWire::Segment(HandleWire {
+                        reference: 0,
+                        offset: BLOCK_HEADER,
+                        nbytes: 16,
+                    }),
+                },
+                TensorWire {
+                    dtype: F32,
+                    shape: vec![4],
+                    strides: vec![1],
+                    offset: 0,
+                    storage: StorageWire::Segment(HandleWire {
+                        reference: 0,
+                        offset: BLOCK_HEADER,
+                        nbytes: 16,
+                    }),
+                },
+            )),
+            section: section(&[Reference::Fd(0)]),
+        };
+        let (pair_here, pair_there) = pipe::<(Tensor, Tensor)>().unwrap();
+        send_raw(pair_there.as_fd(), &packet(1, &two), &[seg.as_fd()]);
+        assert_says(&refused(&pair_here), &["reference #0", "named already"]);
+        let extra = tensor(0, &[Reference::Fd(0), Reference::Fd(0)]);
+        send_raw(there.as_fd(), &packet(1, &extra), &[seg.as_fd()]);
+        assert_says(&refused(&here), &["lists 2 references", "#1 is not named"]);
+        // A references section that lies about its entries.
+        let mut lying = tensor(0, &[Reference::Fd(0)]);
+        lying.section[0] = 9;
+        send_raw(there.as_fd(), &packet(1, &lying), &[seg.as_fd()]);
+        assert_says(&refused(&here), &["references section"]);
         tensor_channel_works(&here, &there);
     });
 }
@@ -416,18 +526,19 @@ fn memfd_segments_that_are_short_unsealed_or_not_memfds() {
         send(file.as_fd());
         assert_says(&refused(&here), &["not a memfd"]);
         // A storage at an offset that runs past the segment, or overflows.
-        let at = |offset: u64, nbytes: u64| {
-            payload(&TensorWire {
+        let at = |offset: u64, nbytes: u64| WithReferences {
+            payload: payload(&TensorWire {
                 dtype: F32,
                 shape: vec![1],
                 strides: vec![1],
                 offset: 0,
-                storage: StorageWire::Segment(HandleWire::Block {
-                    index: 0,
+                storage: StorageWire::Segment(HandleWire {
+                    reference: 0,
                     offset: BLOCK_HEADER + offset,
                     nbytes,
                 }),
-            })
+            }),
+            section: section(&[Reference::Fd(0)]),
         };
         send_raw(
             there.as_fd(),
@@ -552,7 +663,7 @@ fn layouts_that_overflow_or_point_past_the_storage_and_unknown_dtypes() {
     common::run(DEADLINE, || {
         let (here, there) = pipe::<Tensor>().unwrap();
         let seg = block(4096); // 1024 f32
-        let cases: [(Vec<u8>, &[&str]); 9] = [
+        let cases: [(WithReferences, &[&str]); 9] = [
             (
                 fd_tensor(F32, &[1025], &[1], 0, 4096),
                 &["past the storage"],
@@ -845,8 +956,8 @@ fn named_segments_that_lie_or_shrank_after_they_were_sent() {
         send_raw(here.as_fd(), &packet(0, &named_tensor(&link, 250)), &[]);
         // 4b: a handle of the old wire (version 1, which also had plain segments).
         let old = named_tensor(&small_name, 250);
-        let mut v1 = header(1, INLINE, 0, old.len() as u32);
-        v1.extend(old);
+        let mut v1 = header(1, INLINE, 0, old.payload.len() as u32);
+        v1.extend(old.payload);
         send_raw(here.as_fd(), &v1, &[]);
         // 5: a real send of a 4 MiB tensor, shrunk before the receiver maps it.
         let big = Tensor::full(&[1 << 20], 1.0, DType::F32).unwrap();
@@ -1045,7 +1156,7 @@ fn forged_packets_never_give_a_bounded_queue_extra_places() {
             b"random bytes, not a packet".to_vec(),
             header(VERSION + 1, INLINE, 0, 0),
             header(VERSION, 7, 0, 0),
-            packet(0, &[0xff, 0xff, 0xff, 0xff, 0xff, 0xff]),
+            packet(0, &vec![0xff, 0xff, 0xff, 0xff, 0xff, 0xff]),
             flagged,
         ];
         let mut seed = 0x5eed_u64;
@@ -1105,17 +1216,20 @@ fn a_forged_block_handle_over_a_huge_sparse_memfd_commits_only_the_tensor() {
         rustix::io::pwrite(&fd, b"MPBLOCK1", 0).unwrap();
         rustix::fs::fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)
             .unwrap();
-        let body = payload(&TensorWire {
-            dtype: F32,
-            shape: vec![1024],
-            strides: vec![1],
-            offset: 0,
-            storage: StorageWire::Segment(HandleWire::Block {
-                index: 0,
-                offset: 4096,
-                nbytes: 4096,
+        let body = WithReferences {
+            payload: payload(&TensorWire {
+                dtype: F32,
+                shape: vec![1024],
+                strides: vec![1],
+                offset: 0,
+                storage: StorageWire::Segment(HandleWire {
+                    reference: 0,
+                    offset: 4096,
+                    nbytes: 4096,
+                }),
             }),
-        });
+            section: section(&[Reference::Fd(0)]),
+        };
         let start = Instant::now();
         send_raw(there.as_fd(), &packet(1, &body), &[fd.as_fd()]);
         let t = here.recv_timeout(WAIT).expect("the tensor");

@@ -107,5 +107,5 @@ pub(crate) fn join<T: serde::de::DeserializeOwned>(name: &str) -> Result<T> {
             "the rendezvous @{name} closed before sending the group"
         ))
     })?;
-    wire::decode(packet)
+    wire::decode(packet, &crate::shm::Returns::plain())
 }

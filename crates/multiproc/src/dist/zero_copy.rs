@@ -424,7 +424,7 @@ fn take_offer(
     };
     let packet = wire::recv_packet(conn.as_fd(), deadline)?
         .ok_or_else(|| Error::Closed(format!("rank {r} closed its zero-copy connection")))?;
-    let offer: Offer = wire::decode(packet)?;
+    let offer: Offer = wire::decode(packet, &crate::shm::Returns::plain())?;
     if offer.epoch != epoch {
         return Ok(None);
     }

@@ -55,5 +55,5 @@ pub(super) fn first_result<R: DeserializeOwned>((_, results): ChunkOutcome) -> R
         .into_iter()
         .next()
         .unwrap_or_else(|| Err(dispatcher_gone()))
-        .and_then(|o| o.decode::<R>())
+        .and_then(|o| o.decode::<R>(&crate::shm::Returns::plain()))
 }

@@ -125,7 +125,7 @@ where
     E: Display,
 {
     let items: Vec<(A, B)> = args
-        .decode()
+        .decode(&crate::shm::Returns::plain())
         .map_err(|e| format!("cannot decode the task's arguments: {e}"))?;
     for (k, (a, b)) in items.into_iter().enumerate().skip(skip) {
         if !report((k, run_task(|| f(a, b)))) {
@@ -210,7 +210,7 @@ impl<R: DeserializeOwned> MapResult<R> {
             .enumerate()
             .map(|(index, r)| {
                 r.unwrap_or_else(|| Err(dispatcher_gone()))
-                    .and_then(|o| o.decode::<R>())
+                    .and_then(|o| o.decode::<R>(&crate::shm::Returns::plain()))
                     .map_err(|e| with_index(e, index))
             })
             .collect()

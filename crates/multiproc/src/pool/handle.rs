@@ -244,7 +244,7 @@ impl Pool {
                 let index = first + i;
                 if let Some(slot) = out.get_mut(index) {
                     *slot = Some(
-                        r.and_then(|o| o.decode::<R>())
+                        r.and_then(|o| o.decode::<R>(&crate::shm::Returns::plain()))
                             .map_err(|e| with_index(e, index)),
                     );
                     got += 1;

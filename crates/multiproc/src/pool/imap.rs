@@ -116,7 +116,7 @@ impl<R: DeserializeOwned> Iterator for Imap<'_, R> {
                     .unwrap_or_else(|| Err(dispatcher_gone()));
                 self.yielded += 1;
                 return Some(
-                    r.and_then(|o| o.decode::<R>())
+                    r.and_then(|o| o.decode::<R>(&crate::shm::Returns::plain()))
                         .map_err(|e| with_index(e, index)),
                 );
             }

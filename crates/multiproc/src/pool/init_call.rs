@@ -40,7 +40,7 @@ fn run_init<A: DeserializeOwned>(
     _nothing_reported: Sink<'_, ()>,
 ) -> std::result::Result<(), String> {
     let arg: A = arg
-        .decode()
+        .decode(&crate::shm::Returns::plain())
         .map_err(|e| format!("cannot decode the initializer's argument: {e}"))?;
     f(arg);
     Ok(())

@@ -27,7 +27,7 @@ where
     E: Display,
 {
     let items: Vec<A> = args
-        .decode()
+        .decode(&crate::shm::Returns::plain())
         .map_err(|e| format!("cannot decode the task's arguments: {e}"))?;
     for (k, a) in items.into_iter().enumerate().skip(skip) {
         let outcome = run_task(|| f(a));

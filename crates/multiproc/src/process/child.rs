@@ -255,12 +255,14 @@ impl Child {
         match wire::try_recv_packet(channel.as_fd()) {
             Ok(None) => {}
             Ok(Some(packet)) => {
-                self.report = Some(match wire::decode::<Report>(packet) {
-                    Ok(report) => report,
-                    Err(e) => Report::Raised {
-                        message: format!("process {} sent a malformed report: {e}", self.rank),
+                self.report = Some(
+                    match wire::decode::<Report>(packet, &crate::shm::Returns::plain()) {
+                        Ok(report) => report,
+                        Err(e) => Report::Raised {
+                            message: format!("process {} sent a malformed report: {e}", self.rank),
+                        },
                     },
-                });
+                );
                 self.channel = None;
             }
             // Closed: it exited without reporting (e.g. `process::exit`); the status

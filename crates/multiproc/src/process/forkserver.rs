@@ -228,7 +228,7 @@ pub(crate) fn start(job: OwnedFd, env: Vec<(String, String)>) -> Result<ServerCh
         }
         Err(e) => return Err(e),
     };
-    match wire::decode::<ForkReply>(packet)? {
+    match wire::decode::<ForkReply>(packet, &crate::shm::Returns::plain())? {
         ForkReply::Started { pid, pidfd } => Ok(ServerChild {
             pid,
             pidfd: pidfd.0,
@@ -245,7 +245,7 @@ pub(crate) fn start(job: OwnedFd, env: Vec<(String, String)>) -> Result<ServerCh
 /// arrived; [`Error::Closed`] when the server hung up without sending one.
 pub(crate) fn try_read_status(status: BorrowedFd<'_>) -> Result<Option<ExitStatus>> {
     match wire::try_recv_packet(status)? {
-        Some(packet) => wire::decode(packet).map(Some),
+        Some(packet) => wire::decode(packet, &crate::shm::Returns::plain()).map(Some),
         None => Ok(None),
     }
 }
@@ -332,7 +332,7 @@ fn serve(sock: OwnedFd) -> Result<()> {
             }
             Err(e) => return Err(e),
         };
-        match wire::decode::<ForkRequest>(packet) {
+        match wire::decode::<ForkRequest>(packet, &crate::shm::Returns::plain()) {
             Ok(request) => server.handle(request),
             // Nothing to answer on: the status socket is inside the malformed message.
             Err(e) => eprintln!("multiproc fork server: a malformed fork request: {e}"),

@@ -109,7 +109,7 @@ where
             type_name::<A>()
         )));
     }
-    let args: A = wire::decode(job.packet)
+    let args: A = wire::decode(job.packet, &crate::shm::Returns::plain())
         .map_err(|e| Failed::Setup(format!("cannot decode its arguments: {e}")))?;
     worker(job.rank, args)
         .into_outcome()

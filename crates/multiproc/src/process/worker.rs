@@ -59,7 +59,7 @@ pub(crate) enum Report {
 pub(crate) fn run_worker(sock: OwnedFd) -> i32 {
     let header: JobHeader = match wire::recv_packet(sock.as_fd(), None)
         .and_then(|p| p.ok_or_else(|| Error::Closed("no job arrived".into())))
-        .and_then(wire::decode)
+        .and_then(|p| wire::decode(p, &crate::shm::Returns::plain()))
     {
         Ok(h) => h,
         Err(e) => {

@@ -57,9 +57,9 @@ pub(crate) struct Channel {
     /// blocks had to come out of custody): it is this process's next message, so that
     /// an fd limit loses nothing (see [`decode`](Self::decode)).
     pending: Mutex<Option<Packet>>,
-    /// The references the failed decode of the pending packet holds for its next try,
-    /// with the packet's bytes (address, length) to know it again by.
-    held_for_retry: Mutex<Option<((usize, usize), wire::HeldReferences)>>,
+    /// What gives back the block uses of a packet dropped unread (see
+    /// `wire::references`), with the custody to find their blocks in.
+    returns: Arc<dyn wire::GiveBack>,
     closed: AtomicBool,
     /// This value's peer lease on the channel's holder file.
     holder: OwnedFd,
@@ -84,13 +84,14 @@ impl Channel {
     pub(crate) fn new() -> Result<Self> {
         let (tx, rx) = seqpacket_pair()?;
         let ring = Ring::new()?;
+        let custody = Arc::new(Custody::new(Arc::clone(ring.block()))?);
         Ok(Self {
-            custody: Arc::new(Custody::new(Arc::clone(ring.block()))?),
+            returns: crate::shm::Returns::with_custody(Arc::clone(&custody) as _),
+            custody,
             ring,
             tx,
             rx,
             pending: Mutex::new(None),
-            held_for_retry: Mutex::new(None),
             closed: AtomicBool::new(false),
             holder: lease::create_peer("multiproc-queue-holders")?,
             others_seen_at: AtomicU64::new(0),
@@ -188,49 +189,23 @@ impl Channel {
     ///
     /// A packet without fds that fails with [`Error::FdLimit`] (a block it names had to
     /// be taken out of custody, with no fd left to take it) or with [`Error::Timeout`]
-    /// (the custody's lock stayed taken: its holder is stopped — a debugger, Ctrl-Z — or
-    /// slow) is kept, uncounted, as this process's next message: like a socket packet
-    /// whose fds do not fit, it waits instead of being lost. The references its handles
-    /// adopted before the failure are taken once more and kept with it (see
-    /// `wire::Decoder::adopted`), so that each is given back once however many tries
-    /// the packet takes. [`get`](Self::get) tries again until its deadline.
-    pub(crate) fn decode<T: DeserializeOwned>(&self, mut packet: Packet) -> Result<T> {
+    /// (both shelves of the custody stayed taken: their holders are stopped — a
+    /// debugger, Ctrl-Z — or slow) is kept, uncounted, as this process's next message:
+    /// like a socket packet whose fds do not fit, it waits instead of being lost. The
+    /// failed decode adopted none of the uses the packet carries, so its next try finds
+    /// them all. [`get`](Self::get) tries again until its deadline.
+    pub(crate) fn decode<T: DeserializeOwned>(&self, packet: Packet) -> Result<T> {
         // Once this holder goes quiet, the custody is swept of dead blocks.
         self.custody.wake_idle_job();
-        if !packet.fds.is_empty() {
-            return custody::scope(self.custody_handle(), || wire::decode(packet));
-        }
-        let this = (packet.bytes.as_ptr() as usize, packet.bytes.len());
-        let earlier = {
-            let mut held = self
-                .held_for_retry
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner);
-            match held.take() {
-                Some((of, refs)) if of == this => Some(refs),
-                other => {
-                    *held = other;
-                    None
-                }
-            }
-        };
-        let (result, held) = custody::scope(self.custody_handle(), || {
-            wire::decode_keeping(&packet.bytes)
+        let mut kept = None;
+        let decoded = custody::scope(self.custody_handle(), || {
+            wire::decode_or_keep(packet, &self.returns, &mut kept)
         });
-        // What an earlier try held for this packet, this one has adopted (or, failing,
-        // holds anew).
-        if let Some(earlier) = earlier {
-            earlier.forget();
-        }
-        if let Err(Error::FdLimit { .. } | Error::Timeout { .. }) = &result {
+        if let Some(mut packet) = kept {
             wire::uncount(&mut packet);
-            *self
-                .held_for_retry
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner) = Some((this, held));
             *self.pending.lock().unwrap_or_else(PoisonError::into_inner) = Some(packet);
         }
-        result
+        decoded
     }
 
     fn take_pending(&self) -> Option<Packet> {
@@ -349,6 +324,35 @@ impl Channel {
     }
 }
 
+/// Most packets the last holder gives back when it drops the channel (a bound, in case
+/// something keeps writing to the sockets).
+const GIVE_BACK_AT_MOST: usize = 1 << 20;
+
+impl Drop for Channel {
+    /// Gives back the block uses of what can no longer be received: this process's
+    /// pending packet, and — when no other holder is left anywhere (none in another
+    /// process, none in a message in flight) — every message still queued.
+    fn drop(&mut self) {
+        if let Some(packet) = self.take_pending() {
+            wire::give_back_unread(packet, &*self.returns);
+        }
+        let holder = self.holder.as_fd();
+        if lease::release_peer(holder).is_err() || lease::others_hold(holder) {
+            return;
+        }
+        for _ in 0..GIVE_BACK_AT_MOST {
+            let packet = match self.ring.try_recv(self.rx.as_fd(), &|| true) {
+                Ok(Some(packet)) => packet,
+                _ => match wire::try_recv_packet(self.rx.as_fd()) {
+                    Ok(Some(packet)) => packet,
+                    _ => break,
+                },
+            };
+            wire::give_back_unread(packet, &*self.returns);
+        }
+    }
+}
+
 impl Serialize for Channel {
     fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
         use serde::ser::Error as _;
@@ -393,13 +397,14 @@ impl<'de> Deserialize<'de> for Channel {
                 "a received queue's holder lease cannot be held: {e}"
             ))))
         })?;
+        let custody = Arc::new(Custody::from_parts(Arc::clone(ring.block()), ctx, crx));
         Ok(Self {
-            custody: Arc::new(Custody::from_parts(Arc::clone(ring.block()), ctx, crx)),
+            returns: crate::shm::Returns::with_custody(Arc::clone(&custody) as _),
+            custody,
             ring,
             tx,
             rx,
             pending: Mutex::new(None),
-            held_for_retry: Mutex::new(None),
             closed: AtomicBool::new(false),
             holder,
             others_seen_at: AtomicU64::new(0),

@@ -442,14 +442,14 @@ impl BlockCustody for Custody {
         let mut searched = [false; SHELVES];
         loop {
             // Each shelf not yet looked through whose lock is free now.
-            for shelf in 0..SHELVES {
-                if searched[shelf] {
+            for (shelf, searched) in searched.iter_mut().enumerate() {
+                if *searched {
                     continue;
                 }
                 let Ok(_held) = self.hold(shelf, Some(Instant::now())) else {
                     continue;
                 };
-                searched[shelf] = true;
+                *searched = true;
                 let found = self.rotate(shelf, |d, i, _| (d, i) == (dev, ino), |_, _, _| true)?;
                 if found.is_some() {
                     return Ok(found);

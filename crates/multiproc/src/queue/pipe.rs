@@ -150,7 +150,7 @@ impl<T: Serialize + DeserializeOwned> Connection<T> {
     /// As [`recv`](Self::recv).
     pub fn try_recv(&self) -> Result<Option<T>> {
         match wire::try_recv_packet(self.sock.as_fd()).map_err(disconnected_at_end)? {
-            Some(packet) => wire::decode(packet).map(Some),
+            Some(packet) => wire::decode(packet, &crate::shm::Returns::plain()).map(Some),
             None => Ok(None),
         }
     }
@@ -158,7 +158,7 @@ impl<T: Serialize + DeserializeOwned> Connection<T> {
     fn recv_until(&self, deadline: Deadline) -> Result<Option<T>> {
         let _span = tracing::trace_span!("multiproc::get", queue = "Connection").entered();
         match wire::recv_packet(self.sock.as_fd(), deadline).map_err(disconnected_at_end)? {
-            Some(packet) => wire::decode(packet).map(Some),
+            Some(packet) => wire::decode(packet, &crate::shm::Returns::plain()).map(Some),
             None => Ok(None),
         }
     }

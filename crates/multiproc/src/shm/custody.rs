@@ -3,8 +3,8 @@
 //! Attaching a block's fd to every message costs a `sendmsg` and a `recvmsg` per
 //! message, and the receiver an `fstat` and a cache lookup. A channel that can keep
 //! fds on its own (a queue's *custody*, see `queue::custody`) offers itself here for
-//! the duration of one encode or decode ([`scope`]); a block handle then travels as
-//! `(device, inode, offset, length)` — `HandleWire::BlockRef` — and the block's fd
+//! the duration of one encode or decode ([`scope`]); a block then travels as `(device,
+//! inode)` — `wire::Reference::Inode` in the packet's references section — and its fd
 //! goes into the custody once, the first time this process sends the block through
 //! that channel. A receiver that already maps the block (most of them, most of the
 //! time: blocks are recycled and stay mapped on both sides) needs no system call at

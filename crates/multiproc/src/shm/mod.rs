@@ -106,7 +106,7 @@ pub(crate) use recycler::allocate;
 pub(crate) use recycler::release_idle as release_idle_blocks;
 #[cfg(test)]
 pub(crate) use recycler::small_max as allocate_small_max;
-pub(crate) use reference::BlockUse;
+pub(crate) use reference::{BlockUse, Returns};
 #[cfg(any(test, feature = "fuzzing"))]
 pub(crate) use segment::BLOCK_MAGIC_BYTES;
 pub(crate) use segment::{BLOCK_HEADER_LEN, Segment};
@@ -114,7 +114,7 @@ pub(crate) use words::SharedWords;
 
 use self::strategy::SharingStrategy;
 use crate::error::{Error, Result};
-use crate::wire::{Decoder, Encoder, Readopt};
+use crate::wire::{Decoder, Encoder, Reference};
 
 /// Creates a plain segment (not a block) of `len > 0` bytes with `strategy`, already in
 /// this process's map cache. Storages live in blocks (see `recycler`); plain segments
@@ -213,42 +213,26 @@ fn create_block(strategy: SharingStrategy, len: usize) -> Result<Arc<Segment>> {
     Ok(segment)
 }
 
-/// The wire form of a segment: always a block, which the handle's kind says (never
-/// bytes in the file). Plain segments do not travel: a peer cannot make a receiver map
-/// a block as something else, nor hold one name or inode under two kinds. Names are
-/// borrowed from the value on the way out and from the received bytes on the way in
-/// (no copy per message).
+/// The wire form of a segment: always a block (never bytes in the file), named by its
+/// entry in the message's references section (`wire::Reference`: an fd of the packet,
+/// an inode in the channel's custody, or a name), which stands for the one use of the
+/// block the message carries for its receiver. Plain segments do not travel: a peer
+/// cannot make a receiver map a block as something else, nor hold one name or inode
+/// under two kinds.
 #[derive(Serialize, Deserialize)]
-enum HandleWire<'a> {
-    /// Index of a block's memfd in the message's fd table, and the bytes the storage
-    /// uses; the message carries one use of the block, which the receiver adopts.
-    Block {
-        index: u32,
-        offset: u64,
-        nbytes: u64,
-    },
-    /// A block named by its memfd's device and inode, its fd in the custody of the
-    /// channel the message travels through (see `custody`); otherwise as `Block`.
-    BlockRef {
-        dev: u64,
-        ino: u64,
-        offset: u64,
-        nbytes: u64,
-    },
-    /// A named block and the bytes the storage uses; the message carries one use of
-    /// the block (and with it a reference on its name), which the receiver adopts.
-    NamedBlock {
-        #[serde(borrow)]
-        name: Cow<'a, str>,
-        offset: u64,
-        nbytes: u64,
-    },
+struct HandleWire {
+    /// Index of the block's entry in the references section.
+    reference: u32,
+    /// Where the storage's bytes start in the block.
+    offset: u64,
+    /// How many bytes the storage uses.
+    nbytes: u64,
 }
 
-/// A segment as a value inside a message: serializing attaches its fd (or names a block
-/// the channel keeps), and gives the message a reference for its receiver — a
-/// [`BlockUse`] of a block, a [`NamedRef`] of a plain named segment; deserializing
-/// maps it (through the cache) and, for a block, adopts the use the message brought.
+/// A segment as a value inside a message: serializing lists its block in the message's
+/// references (by fd, by inode when the channel keeps its fd, or by name) with a
+/// [`BlockUse`] for the receiver; deserializing maps it (through the cache) and adopts
+/// that use.
 pub(crate) struct SegmentHandle {
     /// The segment.
     pub(crate) segment: Arc<Segment>,
@@ -266,58 +250,50 @@ impl Serialize for SegmentHandle {
     fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
         use serde::ser::Error as _;
         let enc = Encoder::current("a shared tensor").map_err(S::Error::custom)?;
-        let (offset, nbytes) = (self.offset, self.nbytes);
         if !self.segment.is_block() {
             return Err(S::Error::custom(enc.fail(Error::Encode(
                 "only pooled blocks travel between processes, and this segment is not one".into(),
             ))));
         }
-        let wire = if let Some(fd) = self.segment.shared_fd() {
+        let name;
+        let reference = if let Some(fd) = self.segment.shared_fd() {
             // A block by inode when the channel keeps its fd (see `custody`), else with it.
             let by_inode = self.segment.inode().filter(|_| {
                 custody::current().is_some_and(|custody| custody.publish(&self.segment))
             });
             match by_inode {
-                Some((dev, ino)) => HandleWire::BlockRef {
-                    dev,
-                    ino,
-                    offset,
-                    nbytes,
-                },
-                None => HandleWire::Block {
-                    index: enc.attach_shared_fd(fd),
-                    offset,
-                    nbytes,
-                },
+                Some((dev, ino)) => Reference::Inode { dev, ino },
+                None => Reference::Fd(enc.attach_shared_fd(fd)),
             }
-        } else if let Some(name) = self.segment.name() {
-            HandleWire::NamedBlock {
-                name: Cow::Borrowed(name.as_str()),
-                offset,
-                nbytes,
-            }
+        } else if let Some(n) = self.segment.name() {
+            name = n;
+            Reference::Name(Cow::Borrowed(name.as_str()))
         } else {
             return Err(S::Error::custom(
                 enc.fail(Error::Encode("a segment with neither fd nor name".into())),
             ));
         };
         // The receiver adopts this use (or gives it back when it already holds one).
-        enc.carry(Box::new(BlockUse::take(&self.segment)));
-        wire.serialize(s)
+        let reference = enc.carry_reference(&reference, Box::new(BlockUse::take(&self.segment)));
+        HandleWire {
+            reference,
+            offset: self.offset,
+            nbytes: self.nbytes,
+        }
+        .serialize(s)
     }
 }
 
 impl<'de> Deserialize<'de> for SegmentHandle {
     fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
         use serde::de::Error as _;
-        let wire = HandleWire::deserialize(d)?;
+        let HandleWire {
+            reference,
+            offset,
+            nbytes,
+        } = HandleWire::deserialize(d)?;
         let dec = Decoder::current("a shared tensor").map_err(D::Error::custom)?;
         let fail = |e: Error| D::Error::custom(dec.fail(e));
-        let (offset, nbytes) = match wire {
-            HandleWire::Block { offset, nbytes, .. }
-            | HandleWire::BlockRef { offset, nbytes, .. }
-            | HandleWire::NamedBlock { offset, nbytes, .. } => (offset, nbytes),
-        };
         let end = claimed_end(offset, nbytes).map_err(fail)?;
         if offset < segment::BLOCK_HEADER_LEN as u64 {
             return Err(fail(Error::InvalidMessage(format!(
@@ -325,21 +301,18 @@ impl<'de> Deserialize<'de> for SegmentHandle {
                  the block header"
             ))));
         }
-        let segment = match wire {
-            HandleWire::Block { index, .. } => dec
+        let segment = match dec.reference(reference).map_err(D::Error::custom)? {
+            Reference::Fd(index) => dec
                 .with_fd(index, |fd| receive_fd(fd, end))
                 .map_err(D::Error::custom)?
                 .map_err(fail)?,
-            HandleWire::BlockRef { dev, ino, .. } => {
-                receive_by_inode(dev, ino, end).map_err(fail)?
-            }
-            HandleWire::NamedBlock { name, .. } => named_handle(&name, end).map_err(fail)?,
+            Reference::Inode { dev, ino } => receive_by_inode(dev, ino, end).map_err(fail)?,
+            Reference::Name(name) => named_handle(&name, end).map_err(fail)?,
         };
-        // The block's use came with the message (see `Decoder::adopted`: a packet kept
-        // for another try must bring it again).
-        dec.adopted(Arc::clone(&segment) as Arc<dyn Readopt>);
+        // The block's use came with the message; adopted only once it is mapped.
+        let decode = dec.adopt(reference).map_err(D::Error::custom)?;
         Ok(SegmentHandle {
-            brought: Some(BlockUse::adopt(Arc::clone(&segment))),
+            brought: Some(BlockUse::adopt(Arc::clone(&segment), decode)),
             segment,
             offset,
             nbytes,
@@ -347,7 +320,7 @@ impl<'de> Deserialize<'de> for SegmentHandle {
     }
 }
 
-/// The named block a `NamedBlock` handle names, whose data must reach `end`.
+/// The named block a `Reference::Name` names, whose data must reach `end`.
 fn named_handle(name: &str, end: u64) -> Result<Arc<Segment>> {
     // The segment named last is found by comparing the name (checked when it first
     // came): a stream of tensors from one arena costs no parse and no hash.
@@ -390,7 +363,7 @@ fn receive_fd(fd: BorrowedFd<'_>, end: u64) -> Result<Arc<Segment>> {
     Ok(segment)
 }
 
-/// Finds the block a `BlockRef` handle names: mapped here already (no system call), or
+/// Finds the block a `Reference::Inode` names: mapped here already (no system call), or
 /// mapped from the duplicate of its fd that the channel's custody holds. Like a `Block`
 /// handle's, it must cover the claimed range.
 fn receive_by_inode(dev: u64, ino: u64, end: u64) -> Result<Arc<Segment>> {

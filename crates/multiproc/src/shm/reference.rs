@@ -7,10 +7,12 @@
 //! adopted it. A `fork` child inherits its parent's values (inside storages and
 //! unsent messages) but not their references; dropping them there gives nothing back.
 
+use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
 
 use super::Segment;
-use crate::wire::{Carried, Readopt};
+use super::custody::{self, BlockCustody};
+use crate::wire::{Carried, GiveBack, Reference};
 
 /// The pid a reference belongs to, 0 once it has been handed to a receiver.
 fn this_process() -> u32 {
@@ -22,6 +24,9 @@ fn this_process() -> u32 {
 pub(crate) struct BlockUse {
     block: Arc<Segment>,
     owner: u32,
+    /// The decode that adopted it (0: none): dropped while that decode still runs, it
+    /// is given back only if the decode succeeds (see `wire::defer_give_back`).
+    adopted_in: u64,
 }
 
 impl BlockUse {
@@ -31,14 +36,17 @@ impl BlockUse {
         BlockUse {
             block: Arc::clone(block),
             owner: this_process(),
+            adopted_in: 0,
         }
     }
 
-    /// The use a received message brought for this process.
-    pub(crate) fn adopt(block: Arc<Segment>) -> BlockUse {
+    /// The use a received message brought for this process, adopted by the decode
+    /// with id `decode` (`wire::Decoder::adopt`).
+    pub(crate) fn adopt(block: Arc<Segment>, decode: u64) -> BlockUse {
         BlockUse {
             block,
             owner: this_process(),
+            adopted_in: decode,
         }
     }
 
@@ -55,9 +63,23 @@ impl BlockUse {
 
 impl Drop for BlockUse {
     fn drop(&mut self) {
-        if self.is_held_here() {
-            self.block.release_use();
+        if !self.is_held_here() {
+            return;
         }
+        if self.adopted_in != 0 && crate::wire::is_decoding(self.adopted_in) {
+            // Dropped inside the decode that adopted it: given back when (and only if)
+            // that decode succeeds.
+            let deferred = BlockUse {
+                block: Arc::clone(&self.block),
+                owner: self.owner,
+                adopted_in: 0,
+            };
+            if let Some(now) = crate::wire::defer_give_back(self.adopted_in, Box::new(deferred)) {
+                drop(now);
+            }
+            return;
+        }
+        self.block.release_use();
     }
 }
 
@@ -67,10 +89,51 @@ impl Carried for BlockUse {
     }
 }
 
-/// A block's use, taken once more for a received packet that is kept for another try
-/// (see `wire::Decoder::adopted`).
-impl Readopt for Segment {
-    fn take_again(self: Arc<Self>) -> std::result::Result<Box<dyn Carried>, crate::error::Error> {
-        Ok(Box::new(BlockUse::take(&self)))
+/// Gives back the block uses of messages that are dropped unread (see
+/// `wire::references`): finds each block — mapped here already, or mapped now from the
+/// packet's fd, the channel's custody or its name — and gives its use back.
+pub(crate) struct Returns {
+    /// The custody of the channel the packets came through, for blocks named by inode.
+    custody: Option<Arc<dyn BlockCustody>>,
+}
+
+impl Returns {
+    /// For packets of a channel with `custody`.
+    pub(crate) fn with_custody(custody: Arc<dyn BlockCustody>) -> Arc<dyn GiveBack> {
+        Arc::new(Returns {
+            custody: Some(custody),
+        })
+    }
+
+    /// For packets of a channel without custody (a pipe, a process's arguments).
+    pub(crate) fn plain() -> Arc<dyn GiveBack> {
+        static PLAIN: std::sync::LazyLock<Arc<dyn GiveBack>> =
+            std::sync::LazyLock::new(|| Arc::new(Returns { custody: None }));
+        Arc::clone(&PLAIN)
+    }
+}
+
+impl GiveBack for Returns {
+    fn give_back(&self, reference: &Reference<'_>, fds: &[OwnedFd]) {
+        // Only the header is needed to give a use back.
+        let end = (super::segment::BLOCK_HEADER_LEN + 1) as u64;
+        let block = match reference {
+            Reference::Fd(i) => match fds.get(*i as usize) {
+                Some(fd) => super::receive_fd(fd.as_fd(), end),
+                None => return,
+            },
+            Reference::Inode { dev, ino } => match &self.custody {
+                Some(c) => {
+                    custody::scope(Arc::clone(c), || super::receive_by_inode(*dev, *ino, end))
+                }
+                None => return,
+            },
+            Reference::Name(name) => super::named_handle(name, end),
+        };
+        match block {
+            Ok(block) => block.release_use(),
+            // Not ours, or gone: nothing to give back here.
+            Err(e) => tracing::debug!("a use carried by an unread message: {e}"),
+        }
     }
 }

@@ -97,6 +97,14 @@ pub(crate) fn hold_peer(fd: BorrowedFd<'_>) -> Result<()> {
         .map_err(|e| Error::os("taking an open-file-description lock on a lease file", e))
 }
 
+/// Lets go of the peer lease `fd` holds (its holder is going away, and asks next
+/// whether any other is left: two holders that go at once then both see none).
+pub(crate) fn release_peer(fd: BorrowedFd<'_>) -> Result<()> {
+    ofd_lock(fd, libc::F_OFD_SETLK, libc::F_UNLCK as libc::c_short)
+        .map(drop)
+        .map_err(|e| Error::os("releasing an open-file-description lock on a lease file", e))
+}
+
 /// Whether a description other than `mine` (a peer lease) holds a peer lease on the
 /// same file: another process's, or one inside a message in flight. `true` when the
 /// kernel cannot tell (the resource is then assumed to be held).

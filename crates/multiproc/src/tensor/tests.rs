@@ -161,7 +161,7 @@ fn send_all<T: Serialize>(value: &T) -> Result<(OwnedFd, OwnedFd)> {
 
 fn receive<T: serde::de::DeserializeOwned>(b: &OwnedFd) -> Result<T> {
     let p = wire::recv_packet(b.as_fd(), None)?.expect("no deadline");
-    wire::decode(p)
+    wire::decode(p, &crate::shm::Returns::plain())
 }
 
 fn roundtrip<T: Serialize + serde::de::DeserializeOwned>(value: &T) -> Result<T> {
@@ -321,24 +321,10 @@ fn an_unsent_file_system_message_gives_its_reference_back() {
 
 // A forged tensor message: the same wire layout with handles we choose.
 #[derive(Serialize)]
-enum ForgedHandle {
-    Block {
-        index: u32,
-        offset: u64,
-        nbytes: u64,
-    },
-    #[allow(dead_code)]
-    BlockRef {
-        dev: u64,
-        ino: u64,
-        offset: u64,
-        nbytes: u64,
-    },
-    NamedBlock {
-        name: String,
-        offset: u64,
-        nbytes: u64,
-    },
+struct ForgedHandle {
+    reference: u32,
+    offset: u64,
+    nbytes: u64,
 }
 
 #[derive(Serialize)]
@@ -346,6 +332,13 @@ enum ForgedStorage {
     #[allow(dead_code)]
     Empty,
     Segment(ForgedHandle),
+}
+
+/// A forger's entry in the references section: it took no use.
+struct NoUse;
+
+impl wire::Carried for NoUse {
+    fn sent(self: Box<Self>) {}
 }
 
 /// A block handle: its memfd, the bytes it claims, and where they start after the block
@@ -357,10 +350,41 @@ impl Serialize for ForgedFd {
         use serde::ser::Error as _;
         let enc = wire::Encoder::current("a forged tensor").map_err(S::Error::custom)?;
         let index = enc.attach_fd(self.0.as_fd()).map_err(S::Error::custom)?;
-        ForgedStorage::Segment(ForgedHandle::Block {
-            index,
+        let reference = enc.carry_reference(&wire::Reference::Fd(index), Box::new(NoUse));
+        ForgedStorage::Segment(ForgedHandle {
+            reference,
             offset: self.2.saturating_add(crate::shm::BLOCK_HEADER_LEN as u64),
             nbytes: self.1,
+        })
+        .serialize(s)
+    }
+}
+
+/// A named block's handle: its name, offset and length, and the block when the sender
+/// takes a use of it as an honest one would (else it takes none).
+struct ForgedName {
+    name: String,
+    offset: u64,
+    nbytes: u64,
+    block: Option<std::sync::Arc<crate::shm::Segment>>,
+}
+
+impl Serialize for ForgedName {
+    fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        use serde::ser::Error as _;
+        let enc = wire::Encoder::current("a forged tensor").map_err(S::Error::custom)?;
+        let carried: Box<dyn wire::Carried> = match &self.block {
+            Some(block) => Box::new(crate::shm::BlockUse::take(block)),
+            None => Box::new(NoUse),
+        };
+        let reference = enc.carry_reference(
+            &wire::Reference::Name(std::borrow::Cow::Borrowed(&self.name)),
+            carried,
+        );
+        ForgedStorage::Segment(ForgedHandle {
+            reference,
+            offset: self.offset,
+            nbytes: self.nbytes,
         })
         .serialize(s)
     }
@@ -470,12 +494,11 @@ fn forged_handles_are_errors_not_crashes() {
         "dtype code 77",
     );
     // Named segments: a name that is not ours, one that does not exist.
-    let named = |name: &str| {
-        ForgedStorage::Segment(ForgedHandle::NamedBlock {
-            name: name.to_string(),
-            offset: 64,
-            nbytes: 64,
-        })
+    let named = |name: &str| ForgedName {
+        name: name.to_string(),
+        offset: 64,
+        nbytes: 64,
+        block: None,
     };
     check(
         forged(named("../../etc/passwd"), 0, &[1], &[1], 0),
@@ -505,13 +528,15 @@ fn a_forged_length_on_a_real_named_segment_is_an_error() {
     let name = t.storage().shm_name().unwrap();
     let (seg, _) = t.storage().segment().unwrap();
     let counts = (seg.uses(), seg.refcount());
-    // Mapped here already: judged against the mapping.
+    // Mapped here already: judged against the mapping. The sender took a use for the
+    // receiver, as an honest one does: the refused packet gives it back.
     let e = forged(
-        ForgedStorage::Segment(ForgedHandle::NamedBlock {
+        ForgedName {
             name: name.clone(),
             offset: 64,
             nbytes: 1 << 30,
-        }),
+            block: Some(std::sync::Arc::clone(&seg)),
+        },
         0,
         &[1],
         &[1],
@@ -521,9 +546,66 @@ fn a_forged_length_on_a_real_named_segment_is_an_error() {
     assert_eq!(
         (seg.uses(), seg.refcount()),
         counts,
-        "a refused handle does not touch the counts"
+        "a refused packet gives back the use it carried, and nothing else"
     );
     assert!(std::path::Path::new(&format!("/dev/shm/{name}")).exists());
+}
+
+/// A tensor on a block of its own under `strategy`, and its block.
+fn own_block(strategy: SharingStrategy) -> (Tensor, std::sync::Arc<crate::shm::Segment>) {
+    let t = Tensor::zeros(&[crate::shm::allocate_small_max() + 1], DType::U8).unwrap();
+    t.storage().share_memory_with(strategy).unwrap();
+    let (seg, _) = t.storage().segment().unwrap();
+    (t, seg)
+}
+
+#[test]
+#[cfg_attr(miri, ignore = "memfd, mmap, sockets")]
+fn a_message_refused_after_its_handles_decoded_gives_back_what_it_carried() {
+    crate::manager::serve_in_this_process();
+    for strategy in [SharingStrategy::FileDescriptor, SharingStrategy::FileSystem] {
+        let (t, seg) = own_block(strategy);
+        let before = (seg.uses(), seg.refcount());
+        let (_a, b) = send_all(&(t.clone(), 5u8, t.clone())).unwrap();
+        assert_eq!(
+            seg.uses(),
+            before.0.map(|u| u + 2),
+            "{strategy}: two uses in flight"
+        );
+        // The tensors decode (and adopt their uses), then the rest does not fit the type.
+        let e = receive::<(Tensor, String, Tensor)>(&b).unwrap_err();
+        assert!(matches!(e, Error::InvalidMessage(_)), "{e}");
+        assert_eq!(
+            (seg.uses(), seg.refcount()),
+            before,
+            "{strategy}: the refused message gave back each use it carried, once"
+        );
+    }
+}
+
+#[test]
+#[cfg_attr(miri, ignore = "memfd, mmap, sockets")]
+fn a_message_dropped_unread_gives_back_what_it_carried() {
+    crate::manager::serve_in_this_process();
+    for strategy in [SharingStrategy::FileDescriptor, SharingStrategy::FileSystem] {
+        let (t, seg) = own_block(strategy);
+        let before = (seg.uses(), seg.refcount());
+        let (_a, b) = send_all(&vec![t.clone(), t.clone(), t.clone()]).unwrap();
+        assert_eq!(seg.uses(), before.0.map(|u| u + 3));
+        let packet = wire::recv_packet(b.as_fd(), None).unwrap().unwrap();
+        wire::give_back_unread(packet, &*crate::shm::Returns::plain());
+        assert_eq!((seg.uses(), seg.refcount()), before, "{strategy}");
+        // Received and decoded, the same message's uses are the tensors'.
+        let (_a, b) = send_all(&vec![t.clone(), t.clone()]).unwrap();
+        let got: Vec<Tensor> = receive(&b).unwrap();
+        assert_eq!(seg.uses().map(|u| u >= 1), Some(true));
+        drop(got);
+        assert_eq!(
+            (seg.uses(), seg.refcount()),
+            before,
+            "{strategy}: decoded, then dropped"
+        );
+    }
 }
 
 /// Rough figures, not a timed test: `cargo test --release -p multiproc --lib perf_figures

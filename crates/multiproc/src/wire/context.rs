@@ -7,9 +7,19 @@
 //! the fd side table ([`Encoder::attach_fd`] writes an index into the bytes, the fd
 //! goes with the packet), the references the message carries ([`Encoder::carry`]:
 //! handed to the receiver when the message is sent, released when it is dropped
-//! unsent), and the slot for the reason it failed ([`Encoder::fail`]: postcard keeps
-//! only "custom error", so the caller of `encode` gets the typed error recorded here).
-//! [`Decoder::current`] is the same for `Deserialize` impls while [`decode`] runs.
+//! unsent; [`Encoder::carry_reference`] also lists a block use in the packet's
+//! references section, see `references`), and the slot for the reason it failed
+//! ([`Encoder::fail`]: postcard keeps only "custom error", so the caller of `encode`
+//! gets the typed error recorded here). [`Decoder::current`] is the same for
+//! `Deserialize` impls while [`decode`] runs.
+//!
+//! **A decode adopts nothing until it has succeeded.** A handle that adopts a block use
+//! of its message ([`Decoder::adopt`]) gets the decode's id; a use dropped while that
+//! same decode still runs (a partial value dropped on an error, or a use this process
+//! held already) is not given back at once but deferred ([`defer_give_back`]). When the
+//! decode succeeds the deferred ones are given back; when it fails they are forgotten
+//! and the packet's references section says what to give back — or, for a packet kept
+//! for another try, nothing, since the packet still carries every use.
 //!
 //! Outside `encode`/`decode` (a tensor given to serde_json, say) there is no context,
 //! and `current` says that the value can only travel through a multiproc channel.
@@ -27,6 +37,9 @@ use std::marker::PhantomData;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::sync::Arc;
 
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use super::references::{GiveBack, Reference};
 use crate::error::Error;
 
 /// A reference a message carries for its receiver (a use of a block, a name's
@@ -75,6 +88,9 @@ pub(super) struct EncodeTable {
     /// cheaper than a hash map).
     index_of: Vec<(RawFd, u32)>,
     pub(super) carried: Vec<Box<dyn Carried>>,
+    /// The packet's references section so far, and its number of entries.
+    pub(super) references: Vec<u8>,
+    reference_count: u32,
 }
 
 /// What a decode lends out.
@@ -84,54 +100,38 @@ pub(super) struct DecodeTable {
     /// `None` only while [`Decoder::with_fd`] lends the fd out.
     pub(super) fds: Vec<Option<OwnedFd>>,
     pub(super) used: Vec<bool>,
-    /// `Some` while the packet is kept for another try if this decode fails with
-    /// [`Error::FdLimit`] (see [`Decoder::adopted`]): the references the decode holds
-    /// for that try.
-    pub(super) held: Option<Vec<Box<dyn Carried>>>,
-    /// What the handles decoded so far adopted (tracked only when `held` is `Some`).
-    adopted: Vec<Arc<dyn Readopt>>,
-}
-
-/// A reference a received message brought and a handle adopted, which the decode can
-/// take once more for a packet kept for another try (see [`Decoder::adopted`]).
-pub(crate) trait Readopt: Send + Sync {
-    /// Another reference of the same kind on the same memory.
-    fn take_again(self: Arc<Self>) -> Result<Box<dyn Carried>, Error>;
-}
-
-thread_local! {
-    /// The `adopted` list of the last decode, kept for its capacity: the ring path
-    /// decodes every packet as one that may be kept, and should not allocate for it.
-    static ADOPTED: RefCell<Vec<Arc<dyn Readopt>>> = const { RefCell::new(Vec::new()) };
+    /// The packet's references section, and whether a handle adopted each entry.
+    pub(super) references: Vec<(Reference<'static>, bool)>,
+    /// This decode's id (see the module docs).
+    id: u64,
+    /// Uses adopted by this decode and dropped while it ran (see the module docs).
+    pub(super) deferred: Vec<Box<dyn Carried>>,
+    /// What gives back the references of a packet that will not be decoded: lent to
+    /// the nested messages this decode makes ([`Decoder::give_back_to`]).
+    pub(super) returns: Arc<dyn GiveBack>,
 }
 
 impl DecodeTable {
-    pub(super) fn new(fds: Vec<OwnedFd>) -> DecodeTable {
+    pub(super) fn new(
+        fds: Vec<OwnedFd>,
+        references: Vec<Reference<'static>>,
+        returns: Arc<dyn GiveBack>,
+    ) -> DecodeTable {
+        static IDS: AtomicU64 = AtomicU64::new(1);
         DecodeTable {
             error: None,
             used: vec![false; fds.len()],
             fds: fds.into_iter().map(Some).collect(),
-            held: None,
-            adopted: Vec::new(),
+            references: references.into_iter().map(|r| (r, false)).collect(),
+            id: IDS.fetch_add(1, Ordering::Relaxed),
+            deferred: Vec::new(),
+            returns,
         }
     }
 
-    /// A table for a decode whose packet is kept for another try when it fails.
-    pub(super) fn keeping_packet(fds: Vec<OwnedFd>) -> DecodeTable {
-        DecodeTable {
-            held: Some(Vec::new()),
-            adopted: ADOPTED.with(|a| std::mem::take(&mut *a.borrow_mut())),
-            ..DecodeTable::new(fds)
-        }
-    }
-
-    /// The references held for the packet's next try; gives the `adopted` list's
-    /// capacity back for the next decode.
-    pub(super) fn into_held(mut self) -> Vec<Box<dyn Carried>> {
-        let mut adopted = std::mem::take(&mut self.adopted);
-        adopted.clear();
-        let _ = ADOPTED.try_with(|a| *a.borrow_mut() = adopted);
-        self.held.take().unwrap_or_default()
+    /// The fds, all back in the table once the decode has ended.
+    pub(super) fn into_fds(self) -> Vec<OwnedFd> {
+        self.fds.into_iter().flatten().collect()
     }
 }
 
@@ -180,6 +180,56 @@ fn with_table<T: 'static, R>(
         Some(table) => (result, table),
         None => unreachable!("the context table is set for the whole of `f`"),
     }
+}
+
+/// Whether the decode with id `id` is running on this thread (see the module docs).
+pub(crate) fn is_decoding(id: u64) -> bool {
+    DECODER
+        .try_with(|d| {
+            d.try_borrow()
+                .is_ok_and(|t| t.as_ref().is_some_and(|t| t.id == id))
+        })
+        .unwrap_or(false)
+}
+
+/// Defers giving back `reference`, a use adopted by the decode with id `id`, to that
+/// decode's end (see the module docs). Hands it back when that decode is not running
+/// on this thread: the caller gives it back now.
+pub(crate) fn defer_give_back(id: u64, reference: Box<dyn Carried>) -> Option<Box<dyn Carried>> {
+    let mut reference = Some(reference);
+    let _ = DECODER.try_with(|d| {
+        if let Ok(mut table) = d.try_borrow_mut() {
+            if let Some(table) = table.as_mut().filter(|t| t.id == id) {
+                table.deferred.extend(reference.take());
+            }
+        }
+    });
+    reference
+}
+
+/// Whether every fd and every reference the message carried was named by a handle;
+/// what was not, as the error of a malformed message. Run at the end of a decode,
+/// inside it.
+pub(super) fn check_all_used() -> Result<(), Error> {
+    DECODER.with(|d| {
+        let d = d.borrow();
+        let Some(table) = d.as_ref() else {
+            return Ok(());
+        };
+        if let Some(i) = table.used.iter().position(|u| !u) {
+            return Err(Error::InvalidMessage(format!(
+                "the message carried {} fds but fd #{i} is not referred to by its payload",
+                table.used.len()
+            )));
+        }
+        if let Some(i) = table.references.iter().position(|(_, adopted)| !adopted) {
+            return Err(Error::InvalidMessage(format!(
+                "the message lists {} references but #{i} is not named by its payload",
+                table.references.len()
+            )));
+        }
+        Ok(())
+    })
 }
 
 /// Whether this thread is encoding a message right now.
@@ -277,6 +327,22 @@ impl<'w> Encoder<'w> {
     /// Gives the message a reference it carries for its receiver (see [`Carried`]).
     pub(crate) fn carry(&self, reference: Box<dyn Carried>) {
         self.with_table(|table| table.carried.push(reference));
+    }
+
+    /// Gives the message a block use it carries for its receiver (`carried`), listed
+    /// in the packet's references section as `reference`; returns the entry's index,
+    /// which the handle writes.
+    pub(crate) fn carry_reference(
+        &self,
+        reference: &Reference<'_>,
+        carried: Box<dyn Carried>,
+    ) -> u32 {
+        self.with_table(|table| {
+            let index = table.reference_count;
+            super::references::push(&mut table.references, &mut table.reference_count, reference);
+            table.carried.push(carried);
+            index
+        })
     }
 
     /// Records `err` as why this encode fails (the caller of `encode` gets it, variant
@@ -386,48 +452,50 @@ impl<'w> Decoder<'w> {
     /// Records `err` as why this decode fails (the caller of `decode` gets it, variant
     /// and all) and returns its text, for `serde::de::Error::custom`.
     pub(crate) fn fail(&self, err: Error) -> String {
-        if matches!(err, Error::FdLimit { .. }) {
-            self.hold_adopted();
-        }
         record(&DECODER, err)
     }
 
-    /// Records that the handle being decoded adopted a reference its message brought.
-    ///
-    /// A packet without fds whose decode runs into the fd limit stays queued for another
-    /// try (see `queue::channel`). The partial value the failed decode drops gives the
-    /// references it adopted back, but the packet's next try must find them again: so
-    /// when such a decode fails with [`Error::FdLimit`] ([`fail`](Self::fail)), it
-    /// first takes each adopted reference once more, while the partial value still
-    /// holds it, and keeps those for the next try. A decode that succeeds pays only for
-    /// this list.
-    pub(crate) fn adopted(&self, reference: Arc<dyn Readopt>) {
-        self.with_table(|table| {
-            if table.held.is_some() {
-                table.adopted.push(reference);
-            }
-        });
+    /// Entry `index` of the packet's references section (a handle's).
+    pub(crate) fn reference(&self, index: u32) -> std::result::Result<Reference<'static>, String> {
+        let what = self.what;
+        self.with_table(|table| match table.references.get(index as usize) {
+            Some((reference, _)) => Ok(reference.clone()),
+            None => Err(Error::InvalidMessage(format!(
+                "{what} names reference #{index}, but the message lists {}",
+                table.references.len()
+            ))),
+        })
+        .map_err(|e| self.fail(e))
     }
 
-    /// Takes every adopted reference once more, for the packet's next try.
-    fn hold_adopted(&self) {
-        let adopted = self.with_table(|table| std::mem::take(&mut table.adopted));
-        let mut taken = Vec::with_capacity(adopted.len());
-        for reference in &adopted {
-            match Arc::clone(reference).take_again() {
-                Ok(r) => taken.push(r),
-                // Only a name being removed refuses: the next try then fails to map it,
-                // as it would have without the limit.
-                Err(e) => tracing::debug!("a reference kept for a retried message: {e}"),
-            }
-        }
+    /// Records that the handle being decoded adopted entry `index` of the references
+    /// section; returns this decode's id, for the adopted use (see the module docs).
+    /// An entry is adopted once: a second handle naming it is malformed.
+    pub(crate) fn adopt(&self, index: u32) -> std::result::Result<u64, String> {
+        let what = self.what;
         self.with_table(|table| {
-            if let Some(held) = &mut table.held {
-                held.append(&mut taken);
+            let id = table.id;
+            match table.references.get_mut(index as usize) {
+                Some((_, adopted @ false)) => {
+                    *adopted = true;
+                    Ok(id)
+                }
+                Some(_) => Err(Error::InvalidMessage(format!(
+                    "{what} names reference #{index}, which another handle of the message named \
+                     already"
+                ))),
+                None => Err(Error::InvalidMessage(format!(
+                    "{what} names reference #{index}, which the message does not list"
+                ))),
             }
-            table.adopted = adopted;
-            table.adopted.clear();
-        });
+        })
+        .map_err(|e| self.fail(e))
+    }
+
+    /// What gives back the references of a packet this decode makes but does not
+    /// decode (a nested message's).
+    pub(crate) fn give_back_to(&self) -> Arc<dyn GiveBack> {
+        self.with_table(|table| Arc::clone(&table.returns))
     }
 
     fn with_table<R>(&self, f: impl FnOnce(&mut DecodeTable) -> R) -> R {

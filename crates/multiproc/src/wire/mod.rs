@@ -25,12 +25,17 @@
 //! | 7 | zero |
 //! | 8..12 | number of fds the payload uses (not counting the payload memfd) |
 //! | 12..16 | payload length in bytes |
+//! | 16..20 | references section length in bytes (see `references`) |
+//!
+//! The *body* — the payload, then the references section — follows the header (kind 0)
+//! or fills the payload memfd (kind 1). The section lists the block uses the message
+//! carries, so that a packet nobody decodes gives them back ([`give_back_unread`]).
 //!
 //! A queue carries a packet without fds through its shared-memory ring instead of its
 //! socket (see `queue`), the same bytes either way; a tensor block in such a packet is
 //! named by inode, its fd in the queue's custody (see `shm::custody`).
 //!
-//! Payloads above [`INLINE_MAX`] go into a sealed memfd so every message is a single
+//! Bodies above [`INLINE_MAX`] go into a sealed memfd so every message is a single
 //! packet whatever its size: one packet is delivered whole to exactly one reader, which
 //! is what lets many processes put and get on one socket without locks.
 //!
@@ -38,7 +43,7 @@
 //! packet constants; `packet` the framing ([`Encoded`], sending, receiving, the
 //! payload memfd); `context` the encoder and decoder that handles' impls talk to (the
 //! fd side table, the references a message carries, the error it failed with);
-//! `opaque` nested messages ([`Opaque`]).
+//! `opaque` nested messages ([`Opaque`]); `references` the references section.
 //!
 //! Invariant: decoding never panics and never trusts the sender. Every length, count
 //! and index is checked; anything malformed is [`Error::InvalidMessage`] saying what.
@@ -46,17 +51,23 @@
 mod context;
 mod opaque;
 mod packet;
+mod references;
 
+use std::borrow::Cow;
 use std::os::fd::{AsFd, OwnedFd};
+use std::sync::Arc;
 
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use context::{AttachedFd, DecodeTable, EncodeTable, decoding, encoding, is_encoding};
-pub(crate) use context::{Carried, Decoder, Encoder, Readopt};
+use context::{
+    AttachedFd, DecodeTable, EncodeTable, check_all_used, decoding, encoding, is_encoding,
+};
+pub(crate) use context::{Carried, Decoder, Encoder, defer_give_back, is_decoding};
 pub(crate) use opaque::Opaque;
 use packet::read_sealed_payload;
 pub(crate) use packet::{Encoded, is_counted, recv_packet, try_recv_packet, uncount};
+pub(crate) use references::{GiveBack, Reference, give_back_unread};
 
 use crate::error::{Error, Result};
 use crate::sys::memfd;
@@ -65,14 +76,15 @@ use crate::sys::socket::{MAX_FDS_PER_PACKET, Packet};
 /// The packet magic.
 pub(super) const MAGIC: [u8; 4] = *b"MPW\x01";
 /// The wire format version; a packet of another version is refused. Version 2: only
-/// blocks travel (the plain `Fd` and `Named` segment handles are gone).
-pub(crate) const VERSION: u8 = 2;
-pub(super) const HEADER_LEN: usize = 16;
+/// blocks travel (the plain `Fd` and `Named` segment handles are gone). Version 3: the
+/// references section, which block handles name by index.
+pub(crate) const VERSION: u8 = 3;
+pub(super) const HEADER_LEN: usize = 20;
 pub(super) const KIND_INLINE: u8 = 0;
 pub(super) const KIND_MEMFD: u8 = 1;
 /// Header flag: a queue's `put` counted this message (see [`Encoded::mark_counted`]).
 pub(super) const FLAG_COUNTED: u8 = 1;
-/// Largest payload sent inside the packet itself.
+/// Largest body (payload and references section) sent inside the packet itself.
 pub(crate) const INLINE_MAX: usize = 60 * 1024;
 /// Largest payload accepted from a memfd (a sanity bound against hostile lengths).
 pub(super) const MEMFD_PAYLOAD_MAX: u64 = 1 << 40;
@@ -97,6 +109,7 @@ pub(crate) fn encode<T: Serialize + ?Sized>(value: &T) -> Result<Encoded> {
         mut fds,
         carried,
         error,
+        references,
         ..
     } = table;
     let mut encoded = Encoded {
@@ -105,7 +118,7 @@ pub(crate) fn encode<T: Serialize + ?Sized>(value: &T) -> Result<Encoded> {
         fds: Vec::new(),
         carried,
     };
-    let payload = bytes.map_err(|e| error.map_or_else(|| Error::Encode(e.to_string()), |e| *e))?;
+    let mut body = bytes.map_err(|e| error.map_or_else(|| Error::Encode(e.to_string()), |e| *e))?;
     let nfds = fds.len();
     if nfds > MAX_FDS_PER_PACKET - 1 {
         return Err(Error::Encode(format!(
@@ -114,20 +127,22 @@ pub(crate) fn encode<T: Serialize + ?Sized>(value: &T) -> Result<Encoded> {
             MAX_FDS_PER_PACKET - 1
         )));
     }
-    let payload_len = payload.len();
-    if payload_len > u32::MAX as usize {
+    let payload_len = body.len();
+    let section_len = references.len();
+    if payload_len as u64 + section_len as u64 > u32::MAX as u64 {
         return Err(Error::Encode(format!(
             "a message of {payload_len} bytes is larger than 4 GiB; put large data in tensors"
         )));
     }
-    let kind = if payload_len > INLINE_MAX {
-        let fd = memfd::create("multiproc-message", payload.len() as u64)?;
-        memfd::write_all_at(fd.as_fd(), &payload)?;
+    body.extend_from_slice(&references);
+    let kind = if body.len() > INLINE_MAX {
+        let fd = memfd::create("multiproc-message", body.len() as u64)?;
+        memfd::write_all_at(fd.as_fd(), &body)?;
         memfd::seal_contents(fd.as_fd())?;
         fds.push(AttachedFd::Owned(fd));
         KIND_MEMFD
     } else {
-        encoded.payload = payload;
+        encoded.payload = body;
         KIND_INLINE
     };
     encoded.header[0..4].copy_from_slice(&MAGIC);
@@ -135,6 +150,7 @@ pub(crate) fn encode<T: Serialize + ?Sized>(value: &T) -> Result<Encoded> {
     encoded.header[5] = kind;
     encoded.header[8..12].copy_from_slice(&(nfds as u32).to_le_bytes());
     encoded.header[12..16].copy_from_slice(&(payload_len as u32).to_le_bytes());
+    encoded.header[16..20].copy_from_slice(&(section_len as u32).to_le_bytes());
     tracing::trace!(
         bytes = payload_len,
         handles = nfds,
@@ -146,71 +162,48 @@ pub(crate) fn encode<T: Serialize + ?Sized>(value: &T) -> Result<Encoded> {
 }
 
 /// Decodes a received packet. Never panics; a malformed packet is an error that says
-/// what was wrong with it.
-pub(crate) fn decode<T: DeserializeOwned>(packet: Packet) -> Result<T> {
+/// what was wrong with it, and gives back the block uses it carried (to `returns`).
+pub(crate) fn decode<T: DeserializeOwned>(
+    packet: Packet,
+    returns: &Arc<dyn GiveBack>,
+) -> Result<T> {
     let Packet { bytes, fds } = packet;
-    decode_from(&bytes, fds)
+    decode_body(&bytes, fds, returns, false).map_err(|(e, _)| e)
 }
 
-/// [`decode`] of a packet's bytes and fds, the bytes borrowed (a packet without fds
-/// stays the caller's, to keep when decoding fails for a reason that may pass).
-pub(crate) fn decode_from<T: DeserializeOwned>(bytes: &[u8], fds: Vec<OwnedFd>) -> Result<T> {
-    decode_with(bytes, fds, false).0
-}
-
-/// The references a decode of a kept packet holds for the packet's next try (see
-/// [`decode_keeping`]). Dropped, they are given back; [`forget`](Self::forget) hands
-/// them to the next try's adoption instead.
-#[must_use]
-pub(crate) struct HeldReferences(Vec<Box<dyn Carried>>);
-
-impl HeldReferences {
-    /// The packet's next try has adopted what these stood for: let go of them without
-    /// giving anything back.
-    pub(crate) fn forget(self) {
-        for reference in self.0 {
-            reference.sent();
+/// [`decode`] of a packet that its caller keeps for another try when the decode fails
+/// for a reason that may pass — [`Error::FdLimit`] (a block it names had to be mapped,
+/// with no fd left to do it) or [`Error::Timeout`] — and it carries no fds: then the
+/// packet is put in `kept`, still carrying every use it brought (the decode adopted
+/// none of them). After any other failure it is consumed.
+pub(crate) fn decode_or_keep<T: DeserializeOwned>(
+    packet: Packet,
+    returns: &Arc<dyn GiveBack>,
+    kept: &mut Option<Packet>,
+) -> Result<T> {
+    if !packet.fds.is_empty() {
+        return decode(packet, returns);
+    }
+    match decode_body(&packet.bytes, Vec::new(), returns, true) {
+        Ok(value) => Ok(value),
+        Err((e, keep)) => {
+            if keep {
+                *kept = Some(packet);
+            }
+            Err(e)
         }
     }
 }
 
-impl std::fmt::Debug for HeldReferences {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "HeldReferences({})", self.0.len())
-    }
+/// The parts of a packet whose header checked out.
+struct Parts<'a> {
+    payload: Cow<'a, [u8]>,
+    section: Cow<'a, [u8]>,
 }
 
-/// [`decode_from`] of a packet without fds that its caller keeps for another try when
-/// the decode fails with [`Error::FdLimit`]: then every reference the handles decoded
-/// so far adopted is taken once more (see `Decoder::adopted`) and returned, so that
-/// the packet still brings them on its next try. The caller keeps them with the packet,
-/// or drops them (giving them back) when it does not keep it; after any other outcome
-/// they are empty.
-pub(crate) fn decode_keeping<T: DeserializeOwned>(bytes: &[u8]) -> (Result<T>, HeldReferences) {
-    decode_with(bytes, Vec::new(), true)
-}
-
-fn decode_with<T: DeserializeOwned>(
-    bytes: &[u8],
-    fds: Vec<OwnedFd>,
-    keep: bool,
-) -> (Result<T>, HeldReferences) {
-    let mut held = HeldReferences(Vec::new());
-    let result = decode_checked(bytes, fds, keep, &mut held);
-    (result, held)
-}
-
-fn decode_checked<T: DeserializeOwned>(
-    bytes: &[u8],
-    mut fds: Vec<OwnedFd>,
-    keep: bool,
-    held: &mut HeldReferences,
-) -> Result<T> {
-    tracing::trace!(
-        bytes = bytes.len(),
-        handles = fds.len(),
-        "decoding a message"
-    );
+/// Checks the header and finds the payload and the references section (reading the
+/// body out of the payload memfd, the last of `fds`, which is taken off).
+fn split_packet<'a>(bytes: &'a [u8], fds: &mut Vec<OwnedFd>) -> Result<Parts<'a>> {
     let bad = |what: String| Err(Error::InvalidMessage(what));
     if bytes.len() < HEADER_LEN {
         return bad(format!(
@@ -231,11 +224,12 @@ fn decode_checked<T: DeserializeOwned>(
             bytes[4]
         ));
     }
-    let kind = bytes[5];
-    let nfds = u32::from_le_bytes([bytes[8], bytes[9], bytes[10], bytes[11]]) as usize;
-    let len = u32::from_le_bytes([bytes[12], bytes[13], bytes[14], bytes[15]]) as usize;
-    let from_memfd;
-    let payload: &[u8] = match kind {
+    let word = |at: usize| {
+        u32::from_le_bytes([bytes[at], bytes[at + 1], bytes[at + 2], bytes[at + 3]]) as usize
+    };
+    let (kind, nfds, len, section_len) = (bytes[5], word(8), word(12), word(16));
+    let body_len = len.checked_add(section_len);
+    match kind {
         KIND_INLINE => {
             if nfds != fds.len() {
                 return bad(format!(
@@ -243,13 +237,18 @@ fn decode_checked<T: DeserializeOwned>(
                     fds.len()
                 ));
             }
-            if bytes.len() - HEADER_LEN != len {
+            if body_len != Some(bytes.len() - HEADER_LEN) {
                 return bad(format!(
-                    "the header declares a {len}-byte payload but {} bytes arrived",
+                    "the header declares a {len}-byte payload and a {section_len}-byte \
+                     references section but {} bytes arrived",
                     bytes.len() - HEADER_LEN
                 ));
             }
-            &bytes[HEADER_LEN..]
+            let body = &bytes[HEADER_LEN..];
+            Ok(Parts {
+                payload: Cow::Borrowed(&body[..len]),
+                section: Cow::Borrowed(&body[len..]),
+            })
         }
         KIND_MEMFD => {
             if fds.len() != nfds + 1 {
@@ -261,48 +260,101 @@ fn decode_checked<T: DeserializeOwned>(
             if bytes.len() != HEADER_LEN {
                 return bad("an out-of-band message carries inline bytes".into());
             }
+            let Some(body_len) = body_len else {
+                return bad("the header's body length overflows".into());
+            };
             let Some(fd) = fds.pop() else {
                 return bad("the payload memfd is missing".into());
             };
-            from_memfd = read_sealed_payload(fd.as_fd(), len)?;
-            &from_memfd
+            let mut payload = read_sealed_payload(fd.as_fd(), body_len)?;
+            let section = payload.split_off(len);
+            Ok(Parts {
+                payload: Cow::Owned(payload),
+                section: Cow::Owned(section),
+            })
         }
-        other => return bad(format!("unknown packet kind {other}")),
-    };
-    let table = if keep {
-        DecodeTable::keeping_packet(fds)
-    } else {
-        DecodeTable::new(fds)
-    };
-    let (result, mut table) = decoding(table, || postcard::take_from_bytes::<T>(payload));
-    let error = table.error.take();
-    let used = std::mem::take(&mut table.used);
-    held.0 = table.into_held();
-    let (value, rest) = match result {
-        Ok(v) => v,
+        other => bad(format!("unknown packet kind {other}")),
+    }
+}
+
+/// The references section of a packet, when its header checks out (for a packet
+/// dropped unread: see [`give_back_unread`]).
+fn references_section(bytes: &[u8], fds: &mut Vec<OwnedFd>) -> Option<Vec<u8>> {
+    split_packet(bytes, fds)
+        .ok()
+        .map(|parts| parts.section.into_owned())
+}
+
+/// Decodes a packet's bytes and fds. On failure: the error, and whether the packet is
+/// to be kept for another try (only when `may_keep`); a packet that is not kept has
+/// given back the uses it carried.
+fn decode_body<T: DeserializeOwned>(
+    bytes: &[u8],
+    mut fds: Vec<OwnedFd>,
+    returns: &Arc<dyn GiveBack>,
+    may_keep: bool,
+) -> std::result::Result<T, (Error, bool)> {
+    tracing::trace!(
+        bytes = bytes.len(),
+        handles = fds.len(),
+        "decoding a message"
+    );
+    let parts = split_packet(bytes, &mut fds).map_err(|e| (e, false))?;
+    // A section that cannot be read lists nothing to give back: the packet is not one
+    // of ours.
+    let references = references::parse(&parts.section)
+        .map_err(|e| (e, false))?
+        .into_iter()
+        .map(Reference::into_owned)
+        .collect::<Vec<_>>();
+    let table = DecodeTable::new(fds, references, Arc::clone(returns));
+    let (result, mut table) = decoding(table, || {
+        match postcard::take_from_bytes::<T>(&parts.payload) {
+            Ok((value, [])) => check_all_used().map(|()| value),
+            // Dropped here, inside the decode, so that its uses are deferred.
+            Ok((_, rest)) => Err(Error::InvalidMessage(format!(
+                "{} bytes follow the end of the value",
+                rest.len()
+            ))),
+            Err(e) => Err(Error::InvalidMessage(format!(
+                "cannot decode the payload: {e}"
+            ))),
+        }
+    });
+    let deferred = std::mem::take(&mut table.deferred);
+    match result {
+        Ok(value) => {
+            // Uses this process held already, or dropped by the value's own impls.
+            drop(deferred);
+            Ok(value)
+        }
         Err(e) => {
-            return Err(error.map_or_else(
-                || Error::InvalidMessage(format!("cannot decode the payload: {e}")),
-                |e| *e,
-            ));
+            // Nothing was adopted: the packet still carries every use.
+            for reference in deferred {
+                reference.sent();
+            }
+            let error = table.error.take().map_or(e, |e| *e);
+            if may_keep && matches!(error, Error::FdLimit { .. } | Error::Timeout { .. }) {
+                return Err((error, true));
+            }
+            let references = std::mem::take(&mut table.references);
+            let fds = table.into_fds();
+            for (reference, _) in &references {
+                returns.give_back(reference, &fds);
+            }
+            Err((error, false))
         }
-    };
-    if !rest.is_empty() {
-        return bad(format!("{} bytes follow the end of the value", rest.len()));
     }
-    if let Some(i) = used.iter().position(|u| !u) {
-        return bad(format!(
-            "the message carried {} fds but fd #{i} is not referred to by its payload",
-            used.len()
-        ));
-    }
-    Ok(value)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::sys::socket;
+
+    fn decode<T: DeserializeOwned>(p: Packet) -> Result<T> {
+        super::decode(p, &crate::shm::Returns::plain())
+    }
 
     fn roundtrip<T: Serialize + DeserializeOwned>(v: &T) -> Result<T> {
         let (a, b) = socket::seqpacket_pair()?;
@@ -357,7 +409,7 @@ mod tests {
         let (a, b) = socket::seqpacket_pair().unwrap();
         let inner = Opaque::encode(&crate::sync::Event::new().unwrap()).unwrap();
         let outer: (u8, Opaque) = roundtrip(&(7u8, inner)).unwrap();
-        let ev: crate::sync::Event = outer.1.decode().unwrap();
+        let ev: crate::sync::Event = outer.1.decode(&crate::shm::Returns::plain()).unwrap();
         ev.set();
         assert!(ev.is_set());
         drop((a, b));
@@ -394,7 +446,7 @@ mod tests {
         again.send(c.as_fd(), None).unwrap();
         drop((again, inner));
         let back: (u8, Opaque) = decode(recv_packet(d.as_fd(), None).unwrap().unwrap()).unwrap();
-        let t: crate::tensor::Tensor = back.1.decode().unwrap();
+        let t: crate::tensor::Tensor = back.1.decode(&crate::shm::Returns::plain()).unwrap();
         assert_eq!(t.sum().unwrap(), 3.0 * floats as f64);
         drop(t);
         assert_eq!(seg.uses(), Some(0), "the last user gave its use back");
@@ -411,7 +463,24 @@ mod tests {
             assert!(matches!(err, Error::InvalidMessage(_)), "{err}");
         }
         let mut header = MAGIC.to_vec();
-        header.extend([VERSION, KIND_INLINE, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0]);
+        header.extend([
+            VERSION,
+            KIND_INLINE,
+            0,
+            0,
+            1,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+        ]);
         let err = decode::<()>(Packet {
             bytes: header,
             fds: vec![],

@@ -7,7 +7,8 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use super::context::{AttachedFd, Carried, Decoder, Encoder};
-use super::{decode, encode};
+use super::references::{GiveBack, give_back_unread};
+use super::{HEADER_LEN, decode, encode};
 use crate::error::{Error, Result};
 use crate::sys::socket::Packet;
 
@@ -26,6 +27,43 @@ pub(crate) struct Opaque {
     /// who may send it again), they come back here. Dropping an `Opaque` that holds
     /// them releases them.
     carried: Arc<Mutex<Vec<Box<dyn Carried>>>>,
+    /// For a received `Opaque`, whose uses are in its packet: what gives them back if
+    /// it is dropped unread. Lent, like `carried`, to an outer message it is sent in.
+    unread: Arc<Mutex<Option<Arc<dyn GiveBack>>>>,
+}
+
+/// A received `Opaque`'s duty to give back its packet's uses, lent to the outer message
+/// it was serialized into: sent, the duty goes with it; not sent, it comes back.
+struct LentUnread {
+    returns: Option<Arc<dyn GiveBack>>,
+    home: std::sync::Weak<Mutex<Option<Arc<dyn GiveBack>>>>,
+}
+
+impl Carried for LentUnread {
+    fn sent(mut self: Box<Self>) {
+        self.returns = None;
+    }
+}
+
+impl Drop for LentUnread {
+    fn drop(&mut self) {
+        if let (Some(returns), Some(home)) = (self.returns.take(), self.home.upgrade()) {
+            *home.lock().unwrap_or_else(|p| p.into_inner()) = Some(returns);
+        }
+    }
+}
+
+impl Drop for Opaque {
+    fn drop(&mut self) {
+        let returns = self.unread.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(returns) = returns {
+            let packet = Packet {
+                bytes: std::mem::take(&mut self.bytes),
+                fds: std::mem::take(&mut self.fds),
+            };
+            give_back_unread(packet, &*returns);
+        }
+    }
 }
 
 /// An `Opaque`'s references, lent to the outer message it was serialized into.
@@ -71,19 +109,23 @@ impl Opaque {
             fds,
             // The references move to the Opaque.
             carried: Arc::new(Mutex::new(std::mem::take(&mut inner.carried))),
+            unread: Arc::new(Mutex::new(None)),
         })
     }
 
-    /// Decodes the value.
-    pub(crate) fn decode<T: DeserializeOwned>(mut self) -> Result<T> {
+    /// Decodes the value. A received `Opaque` gives its uses back through what its
+    /// outer message's decode gave it; one made here through `returns`.
+    pub(crate) fn decode<T: DeserializeOwned>(mut self, returns: &Arc<dyn GiveBack>) -> Result<T> {
         // Decoding here adopts the references taken for the receiver.
         for reference in self.carried_list().drain(..) {
             reference.sent();
         }
-        decode(Packet {
+        let unread = self.unread.lock().unwrap_or_else(|p| p.into_inner()).take();
+        let packet = Packet {
             bytes: std::mem::take(&mut self.bytes),
             fds: std::mem::take(&mut self.fds),
-        })
+        };
+        decode(packet, unread.as_ref().unwrap_or(returns))
     }
 }
 
@@ -92,13 +134,15 @@ impl Opaque {
     /// no references taken for a receiver): then it is only bytes. `None` otherwise —
     /// a handle's references can be handed to one receiver only.
     pub(crate) fn try_clone_plain(&self) -> Option<Opaque> {
-        if !self.fds.is_empty() || !self.carried_list().is_empty() {
+        let lists_references = self.bytes.get(16..HEADER_LEN) != Some(&[0; 4][..]);
+        if !self.fds.is_empty() || !self.carried_list().is_empty() || lists_references {
             return None;
         }
         Some(Opaque {
             bytes: self.bytes.clone(),
             fds: Vec::new(),
             carried: Arc::new(Mutex::new(Vec::new())),
+            unread: Arc::new(Mutex::new(None)),
         })
     }
 
@@ -124,6 +168,13 @@ impl Serialize for Opaque {
                 home: Arc::downgrade(&self.carried),
             }));
         }
+        let unread = self.unread.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(returns) = unread {
+            enc.carry(Box::new(LentUnread {
+                returns: Some(returns),
+                home: Arc::downgrade(&self.unread),
+            }));
+        }
         (&self.bytes, indices).serialize(s)
     }
 }
@@ -142,6 +193,7 @@ impl<'de> serde::Deserialize<'de> for Opaque {
             bytes,
             fds,
             carried: Arc::new(Mutex::new(Vec::new())),
+            unread: Arc::new(Mutex::new(Some(dec.give_back_to()))),
         })
     }
 }

@@ -514,7 +514,7 @@ mod tests {
         assert!(lane_flagged(&ring), "the test meant to use the lane");
         for i in 0..n {
             let packet = ring.recv(rx.as_fd(), None, &|| false).unwrap().unwrap();
-            match wire::decode::<Item>(packet).unwrap() {
+            match wire::decode::<Item>(packet, &crate::shm::Returns::plain()).unwrap() {
                 Item::Plain(j) => assert_eq!((j, i % 100 != 0), (i, true)),
                 Item::WithFd(j, _) => assert_eq!((j, i % 100), (i, 0)),
             }
@@ -568,8 +568,11 @@ mod tests {
                 ring.send(&mut msg, tx.as_fd(), None).unwrap();
             }
             for v in 0..3u8 {
-                let got: u8 =
-                    wire::decode(ring.recv(rx.as_fd(), None, &|| false).unwrap().unwrap()).unwrap();
+                let got: u8 = wire::decode(
+                    ring.recv(rx.as_fd(), None, &|| false).unwrap().unwrap(),
+                    &crate::shm::Returns::plain(),
+                )
+                .unwrap();
                 assert_eq!(got, v);
             }
         }
@@ -603,6 +606,7 @@ mod tests {
             )
             .unwrap()
             .expect("the record behind a stalled writer"),
+            &crate::shm::Returns::plain(),
         )
         .unwrap();
         assert_eq!(got, 2);
@@ -634,7 +638,7 @@ mod tests {
                     )
                     .unwrap()
                     .expect("woken before the deadline");
-                wire::decode::<String>(packet).unwrap()
+                wire::decode::<String>(packet, &crate::shm::Returns::plain()).unwrap()
             })
         };
         // Whether the getter is spinning or asleep by now, the put must reach it.
