@@ -41,6 +41,11 @@
 //! [`IDLE_SWEEPS`] times) while entries are left, since the blocks' creators let them go
 //! on their own idle ticks.
 //!
+//! The rotation and the lookup are written once, in `protocol`, over the [`Shelves`]
+//! they act on: this module's socket queues, or the model checker's stand-ins, with
+//! which `protocol::model` explores them (participants stopped for good or killed at
+//! every step).
+//!
 //! Each process remembers which blocks it has put into this custody (a `Weak` per
 //! block, so a block freed and an inode number reused are told apart) and puts a block
 //! in once.
@@ -58,13 +63,15 @@ use crate::shm::{CacheKey, Segment, cached};
 use crate::sync::lock::{Acquired, RawLock};
 use crate::sys::socket::{self, Attempt, Packet, seqpacket_pair};
 
+mod protocol;
+
+use protocol::{ENTRY_LEN, Lookup, SHELVES, Shelves};
+
 /// The first word of each shelf's words: its lock (4 words), `ENTRIES` (+4) and
 /// `BYTES` (+6, 64 bits).
 const SHELF_BASE: [usize; SHELVES] = [16, 24];
 const ENTRIES: usize = 4;
 const BYTES: usize = 6;
-/// How many shelves a custody has (see the module docs).
-const SHELVES: usize = 2;
 /// Sweep thresholds before any sweep has run (see the module docs).
 const SWEEP_ENTRIES: u32 = 64;
 const SWEEP_BYTES: u64 = 512 << 20;
@@ -74,8 +81,6 @@ const SWEEP_BYTES: u64 = 512 << 20;
 const LOCK_WAIT: Duration = Duration::from_millis(500);
 /// How long a lookup waits on one taken shelf before it looks at the other again.
 const SHELF_SLICE: Duration = Duration::from_millis(2);
-/// The bytes of one entry: device and inode.
-const ENTRY_LEN: usize = 16;
 /// Ticks of the idle thread without a publication or a lookup before a sweep.
 const QUIET_TICKS: u32 = 2;
 /// Most sweeps of one quiet period.
@@ -213,91 +218,22 @@ impl Custody {
         }
     }
 
-    /// The first entry of `shelf`, still queued: its device and inode (from the bytes:
-    /// untrusted) and its fd. `None` when the shelf is empty.
-    fn peek(&self, shelf: usize) -> Result<Option<(Vec<u8>, Option<OwnedFd>)>> {
-        let mut buf = [0u8; ENTRY_LEN + 1];
-        match socket::try_peek_packet(self.reading(shelf), &mut buf)? {
-            Attempt::Done(Packet { bytes, mut fds }) => Ok(Some((bytes, fds.pop()))),
-            Attempt::WouldBlock => Ok(None),
-        }
-    }
-
-    /// Drops the first entry of `shelf` (a duplicate of it is at the end, or it is not
-    /// wanted).
-    fn dequeue(&self, shelf: usize) {
-        let mut buf = [0u8; ENTRY_LEN + 1];
-        // Its fds are closed when the packet is dropped.
-        let _ = socket::try_recv_packet(self.reading(shelf), &mut buf);
-    }
-
     /// Appends an entry to `shelf`; `false` when its buffer is full.
-    fn append(&self, shelf: usize, bytes: &[u8], fd: BorrowedFd<'_>) -> bool {
+    fn append_entry(&self, shelf: usize, bytes: &[u8], fd: BorrowedFd<'_>) -> bool {
         matches!(
             socket::try_send_packet(self.writing(shelf), bytes, &[], &[fd]),
             Ok(Attempt::Done(()))
         )
     }
 
-    /// Looks at every entry of `shelf` once, keeping those `keep` accepts (in their
-    /// order) and dropping the others; stops early when `stop` says so, leaving that
-    /// entry first. The shelf's lock held. Returns the fd `stop` chose, if any.
-    ///
-    /// One pass ends at a sentinel: a packet without fd, unique to this pass, appended
-    /// first. (Counting entries instead would go round twice when the count is high,
-    /// and see the copies it made.) A sentinel left behind by a pass that stopped early
-    /// or was killed is dropped by the next pass, as is anything else without an fd.
+    /// One pass over `shelf` (see [`protocol::rotate`]). Its lock held.
     fn rotate(
         &self,
         shelf: usize,
-        mut stop: impl FnMut(u64, u64, &OwnedFd) -> bool,
-        mut keep: impl FnMut(u64, u64, &OwnedFd) -> bool,
+        stop: impl FnMut(u64, u64, &OwnedFd) -> bool,
+        keep: impl FnMut(u64, u64, &OwnedFd) -> bool,
     ) -> Result<Option<OwnedFd>> {
-        static PASSES: AtomicU64 = AtomicU64::new(0);
-        let mut sentinel = [0u8; ENTRY_LEN];
-        sentinel[..4].copy_from_slice(&std::process::id().to_le_bytes());
-        sentinel[8..].copy_from_slice(&PASSES.fetch_add(1, Ordering::Relaxed).to_le_bytes());
-        let appended = matches!(
-            socket::try_send_packet(self.writing(shelf), &sentinel, &[], &[]),
-            Ok(Attempt::Done(()))
-        );
-        // Without a sentinel (a full buffer), one pass over the counted entries.
-        let mut left = if appended {
-            usize::MAX
-        } else {
-            self.entries(shelf).load(Ordering::Acquire) as usize
-        };
-        while left > 0 {
-            left -= 1;
-            let Some((bytes, fd)) = self.peek(shelf)? else {
-                break;
-            };
-            let Some(fd) = fd.filter(|_| bytes.len() == ENTRY_LEN) else {
-                // A sentinel, or not an entry of ours (something else wrote to the
-                // socket).
-                self.dequeue(shelf);
-                if bytes == sentinel {
-                    break;
-                }
-                continue;
-            };
-            let (dev, ino) = identity(&fd);
-            if stop(dev, ino, &fd) {
-                return Ok(Some(fd));
-            }
-            if keep(dev, ino, &fd) {
-                // The copy at the end first: a process killed between these two steps
-                // leaves an entry twice, never lost.
-                if !self.append(shelf, &bytes, fd.as_fd()) {
-                    // The buffer is full: nothing more can be rotated now.
-                    break;
-                }
-            } else {
-                dec(self.entries(shelf));
-            }
-            self.dequeue(shelf);
-        }
-        Ok(None)
+        protocol::rotate(self, shelf, &sentinel(), stop, keep, &mut || true)
     }
 
     /// Makes sure the idle job sweeps this custody once it goes quiet (see the module
@@ -378,7 +314,7 @@ impl Custody {
     /// Puts an entry on `shelf`; `false` when its buffer is full. Sweeps the shelf when
     /// it has passed its threshold and its lock is free.
     fn put_on(&self, shelf: usize, entry: &[u8], fd: BorrowedFd<'_>, len: u64) -> bool {
-        if !self.append(shelf, entry, fd) {
+        if !self.append_entry(shelf, entry, fd) {
             return false;
         }
         let entries = self.entries(shelf).fetch_add(1, Ordering::AcqRel) + 1;
@@ -439,38 +375,87 @@ impl BlockCustody for Custody {
     fn find(&self, dev: u64, ino: u64) -> Result<Option<OwnedFd>> {
         self.activity.fetch_add(1, Ordering::Relaxed);
         let give_up = Instant::now() + LOCK_WAIT;
-        let mut searched = [false; SHELVES];
-        loop {
-            // Each shelf not yet looked through whose lock is free now.
-            for (shelf, searched) in searched.iter_mut().enumerate() {
-                if *searched {
-                    continue;
-                }
-                let Ok(_held) = self.hold(shelf, Some(Instant::now())) else {
-                    continue;
-                };
-                *searched = true;
-                let found = self.rotate(shelf, |d, i, _| (d, i) == (dev, ino), |_, _, _| true)?;
-                if found.is_some() {
-                    return Ok(found);
-                }
-            }
-            let Some(waiting) = searched.iter().position(|s| !s) else {
-                return Ok(None);
-            };
-            let now = Instant::now();
-            if now >= give_up {
-                return Err(Error::timeout(
-                    "waiting for other processes to finish looking through a queue's blocks",
-                    Some(LOCK_WAIT),
-                ));
-            }
-            // Both taken (or one searched in vain and the other taken): wait a little
-            // on one, then look at both again.
-            if let Ok(held) = self.hold(waiting, Some((now + SHELF_SLICE).min(give_up))) {
-                drop(held);
-            }
+        let patient = || Instant::now() < give_up;
+        match protocol::find(self, (dev, ino), sentinel, patient, &mut || true)? {
+            Lookup::Found(fd) => Ok(Some(fd)),
+            Lookup::Missing => Ok(None),
+            Lookup::GaveUp | Lookup::Stopped => Err(Error::timeout(
+                "waiting for other processes to finish looking through a queue's blocks",
+                Some(LOCK_WAIT),
+            )),
         }
+    }
+}
+
+/// The sentinel of one pass: this process's pid and a number of its own.
+fn sentinel() -> [u8; ENTRY_LEN] {
+    static PASSES: AtomicU64 = AtomicU64::new(0);
+    let mut sentinel = [0u8; ENTRY_LEN];
+    sentinel[..4].copy_from_slice(&std::process::id().to_le_bytes());
+    sentinel[8..].copy_from_slice(&PASSES.fetch_add(1, Ordering::Relaxed).to_le_bytes());
+    sentinel
+}
+
+/// The real shelves: the custody pair's two directions, locked by the ring block's
+/// words.
+impl Shelves for Custody {
+    type Fd = OwnedFd;
+
+    fn try_hold(&self, shelf: usize) -> bool {
+        self.hold(shelf, Some(Instant::now()))
+            .map(std::mem::forget)
+            .is_ok()
+    }
+
+    fn hold_a_while(&self, shelf: usize) -> bool {
+        self.hold(shelf, Some(Instant::now() + SHELF_SLICE))
+            .map(std::mem::forget)
+            .is_ok()
+    }
+
+    fn release(&self, shelf: usize) {
+        let _ = self.shelves[shelf].lock.release();
+    }
+
+    fn peek(&self, shelf: usize) -> Result<Option<protocol::Peeked<OwnedFd>>> {
+        let mut buf = [0u8; ENTRY_LEN + 1];
+        match socket::try_peek_packet(self.reading(shelf), &mut buf)? {
+            Attempt::Done(Packet { bytes, mut fds }) => Ok(Some((bytes, fds.pop()))),
+            Attempt::WouldBlock => Ok(None),
+        }
+    }
+
+    fn dequeue(&self, shelf: usize) {
+        let mut buf = [0u8; ENTRY_LEN + 1];
+        // Its fds are closed when the packet is dropped.
+        let _ = socket::try_recv_packet(self.reading(shelf), &mut buf);
+    }
+
+    fn append(&self, shelf: usize, bytes: &[u8], fd: Option<&OwnedFd>) -> bool {
+        let one;
+        let fds: &[BorrowedFd<'_>] = match fd {
+            Some(fd) => {
+                one = [fd.as_fd()];
+                &one
+            }
+            None => &[],
+        };
+        matches!(
+            socket::try_send_packet(self.writing(shelf), bytes, &[], fds),
+            Ok(Attempt::Done(()))
+        )
+    }
+
+    fn identity(&self, fd: &OwnedFd) -> (u64, u64) {
+        identity(fd)
+    }
+
+    fn count(&self, shelf: usize) -> usize {
+        self.entries(shelf).load(Ordering::Acquire) as usize
+    }
+
+    fn dropped(&self, shelf: usize) {
+        dec(self.entries(shelf));
     }
 }
 
