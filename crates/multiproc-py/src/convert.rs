@@ -9,24 +9,24 @@
 use std::collections::HashMap;
 use std::sync::Mutex;
 
-use multiproc::{Dynamic, Storage, Tensor};
+use multiproc::{DType, Dynamic, Storage, Tensor};
 use pyo3::exceptions::{PyRecursionError, PyTypeError, PyValueError};
+use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::GILOnceCell;
 use pyo3::types::{
-    PyBool, PyByteArray, PyBytes, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple,
+    PyBool, PyByteArray, PyBytes, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple, PyType,
     PyWeakrefMethods, PyWeakrefReference,
 };
 
 use crate::dlpack::{NativeTensor, dtype_name, find_exported, parse_dtype};
 use crate::errors::to_py;
 
-/// The Python layer's two hooks (see the module docs).
+/// The Python layer's hooks (see the module docs).
 struct Hooks {
     encode_other: PyObject,
     decode_tensor: PyObject,
     view_tensor: PyObject,
-    view_of_storage: PyObject,
     loads: PyObject,
 }
 
@@ -39,7 +39,6 @@ pub fn _set_hooks(
     encode_other: PyObject,
     decode_tensor: PyObject,
     view_tensor: PyObject,
-    view_of_storage: PyObject,
 ) -> PyResult<()> {
     let loads = py.import("pickle")?.getattr("loads")?.unbind();
     let _ = HOOKS.set(
@@ -48,7 +47,6 @@ pub fn _set_hooks(
             encode_other,
             decode_tensor,
             view_tensor,
-            view_of_storage,
             loads,
         },
     );
@@ -134,8 +132,42 @@ impl ToDynamic {
         if let Ok(t) = obj.downcast::<NativeTensor>() {
             return Ok(Dynamic::Tensor(t.get().tensor.clone()));
         }
-        let _ = py;
+        if let Some(torch) = torch_if_imported(py) {
+            if obj.get_type().is(torch.tensor_type.bind(py)) {
+                if let Some(t) = self.torch_tensor(obj, torch)? {
+                    return Ok(Dynamic::Tensor(t));
+                }
+            }
+        }
         self.other(obj)
+    }
+
+    /// A CPU strided `torch.Tensor` of a dtype multiproc knows, read here rather than
+    /// by the Python hook (a Python call and a tuple per tensor, and the dtype's name
+    /// parsed): the same reads as the hook's `_torch_memory`. `None` for any other
+    /// tensor, which the hook then explains (a CUDA tensor, a sparse one...).
+    fn torch_tensor(&mut self, obj: &Bound<'_, PyAny>, torch: &Torch) -> PyResult<Option<Tensor>> {
+        let py = obj.py();
+        if !obj.getattr(intern!(py, "is_cpu"))?.is_truthy()?
+            || !obj
+                .getattr(intern!(py, "layout"))?
+                .is(torch.strided.bind(py))
+        {
+            return Ok(None);
+        }
+        let dtype = obj.getattr(intern!(py, "dtype"))?;
+        let Some(dtype) = torch.dtype_of(&dtype) else {
+            return Ok(None);
+        };
+        let storage = obj.call_method0(intern!(py, "untyped_storage"))?;
+        let addr: usize = storage.call_method0(intern!(py, "data_ptr"))?.extract()?;
+        let nbytes: usize = storage.call_method0(intern!(py, "nbytes"))?.extract()?;
+        let shape = usizes(&obj.getattr(intern!(py, "shape"))?)?;
+        let strides = usizes(&obj.call_method0(intern!(py, "stride"))?)?;
+        let offset: usize = obj.call_method0(intern!(py, "storage_offset"))?.extract()?;
+        // `storage` keeps the bytes alive while they are found or copied.
+        self.tensor_from_memory(addr, nbytes, dtype, &shape, &strides, offset)
+            .map(Some)
     }
 
     /// Asks the Python layer: a tensor's memory, a `NativeTensor`, or a pickle.
@@ -163,7 +195,8 @@ impl ToDynamic {
                 "multiproc's encode hook answered neither bytes nor a tensor's memory",
             )
         })?;
-        let tensor = self.tensor_from_memory(addr, nbytes, &dtype, &shape, &strides, offset)?;
+        let dtype = parse_dtype(&dtype)?;
+        let tensor = self.tensor_from_memory(addr, nbytes, dtype, &shape, &strides, offset)?;
         Ok(Dynamic::Tensor(tensor))
     }
 
@@ -174,12 +207,11 @@ impl ToDynamic {
         &mut self,
         addr: usize,
         nbytes: usize,
-        dtype: &str,
+        dtype: DType,
         shape: &[usize],
         strides: &[usize],
         offset: usize,
     ) -> PyResult<Tensor> {
-        let dtype = parse_dtype(dtype)?;
         let size = dtype.size();
         let found = self
             .copied
@@ -217,7 +249,7 @@ impl ToDynamic {
 /// its own, starting at its first element).
 #[derive(Default)]
 pub struct FromDynamic {
-    bases: HashMap<(usize, multiproc::DType), PyObject>,
+    bases: HashMap<(usize, DType), PyObject>,
 }
 
 impl FromDynamic {
@@ -263,35 +295,23 @@ impl FromDynamic {
     fn tensor(&mut self, py: Python<'_>, t: Tensor) -> PyResult<PyObject> {
         let hooks = hooks(py)?;
         let t = NativeTensor::new(t)?.tensor;
-        let shape = PyTuple::new(py, t.shape())?;
-        let strides = PyTuple::new(py, t.strides())?;
         let block = (t.storage().data_ptr() as usize, t.storage().nbytes());
+        let torch = torch_imported(py);
         // A storage torch still holds: a view of it, no DLPack export.
-        if let Some(storage) = torch_storage(py, block) {
-            return Ok(hooks
-                .view_of_storage
-                .bind(py)
-                .call1((
-                    storage,
-                    dtype_name(t.dtype()),
-                    shape,
-                    strides,
-                    t.storage_offset(),
-                ))?
-                .unbind());
+        if let Some(torch) = torch {
+            if let Some(storage) = torch_storage(py, block) {
+                return torch.view_of_storage(&storage, &t);
+            }
         }
         let key = (block.0, t.dtype());
-        let from_capsule = torch_from_dlpack(py);
         // A tensor over its whole storage (the common case: one tensor, its own block)
         // is exported as it is: torch's storage from DLPack is then the whole block,
         // and no view has to be made of it.
         let whole = t.storage_offset() == 0
             && t.is_contiguous()
             && t.numel() * t.dtype().size() == t.storage().nbytes();
-        if let (true, Some(from_capsule), false) =
-            (whole, from_capsule, self.bases.contains_key(&key))
-        {
-            let (tensor, storage) = torch_from_native(py, from_capsule, &NativeTensor::new(t)?)?;
+        if let (true, Some(torch), false) = (whole, torch, self.bases.contains_key(&key)) {
+            let (tensor, storage) = torch.tensor_over(py, &NativeTensor { tensor: t })?;
             remember_torch_storage(block, &storage)?;
             self.bases.insert(key, tensor.clone().unbind());
             return Ok(tensor.unbind());
@@ -304,8 +324,8 @@ impl FromDynamic {
                     Tensor::from_storage(t.storage().clone(), t.dtype(), &[elements], &[1], 0)
                         .map_err(to_py)?;
                 let native = NativeTensor::new(whole)?;
-                let (base, storage) = match from_capsule {
-                    Some(f) => torch_from_native(py, f, &native)?,
+                let (base, storage) = match torch {
+                    Some(torch) => torch.tensor_over(py, &native)?,
                     None => hooks
                         .decode_tensor
                         .bind(py)
@@ -322,37 +342,162 @@ impl FromDynamic {
         Ok(hooks
             .view_tensor
             .bind(py)
-            .call1((base, shape, strides, t.storage_offset()))?
+            .call1((
+                base,
+                PyTuple::new(py, t.shape())?,
+                PyTuple::new(py, t.strides())?,
+                t.storage_offset(),
+            ))?
             .unbind())
     }
 }
 
-/// `torch._C._from_dlpack` (what `torch.from_dlpack` calls once it has a capsule),
-/// looked up once; `None` when torch is not installed (numpy then takes the arrays,
-/// through the Python layer's `decode_tensor`).
-fn torch_from_dlpack(py: Python<'_>) -> Option<&Bound<'_, PyAny>> {
-    static FROM_DLPACK: GILOnceCell<Option<PyObject>> = GILOnceCell::new();
-    FROM_DLPACK
-        .get_or_init(py, || {
-            py.import("torch")
-                .and_then(|torch| torch.getattr("_C")?.getattr("_from_dlpack"))
-                .ok()
-                .map(Bound::unbind)
-        })
-        .as_ref()
-        .map(|f| f.bind(py))
+/// Every dtype multiproc knows.
+const DTYPES: [DType; 13] = [
+    DType::F32,
+    DType::F64,
+    DType::F16,
+    DType::BF16,
+    DType::I8,
+    DType::I16,
+    DType::I32,
+    DType::I64,
+    DType::U8,
+    DType::Bool,
+    DType::U16,
+    DType::U32,
+    DType::U64,
+];
+
+/// One torch dtype: its object, multiproc's dtype, and an empty tensor of it.
+struct TorchDType {
+    object: PyObject,
+    dtype: DType,
+    /// `empty.new()` is the cheapest new tensor of this dtype torch makes (a factory
+    /// such as `torch.empty(0, dtype=...)` parses its arguments first).
+    empty: PyObject,
 }
 
-/// A torch tensor over `native` (no copy) and its untyped storage.
-fn torch_from_native<'py>(
-    py: Python<'py>,
-    from_capsule: &Bound<'py, PyAny>,
-    native: &NativeTensor,
-) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
-    let capsule = native.capsule(py, native.tensor.is_read_only())?;
-    let tensor = from_capsule.call1((capsule,))?;
-    let storage = tensor.call_method0(pyo3::intern!(py, "untyped_storage"))?;
-    Ok((tensor, storage))
+/// What the conversions use of torch, looked up once.
+struct Torch {
+    tensor_type: Py<PyType>,
+    strided: PyObject,
+    /// `torch._C._from_dlpack` (what `torch.from_dlpack` calls once it has a capsule).
+    from_dlpack: PyObject,
+    dtypes: Vec<TorchDType>,
+}
+
+impl Torch {
+    fn load(py: Python<'_>) -> PyResult<Self> {
+        let torch = py.import("torch")?;
+        let mut dtypes = Vec::with_capacity(DTYPES.len());
+        for dtype in DTYPES {
+            // A torch without this dtype (an older one): tensors of it never come from
+            // torch, and one received says so when it is made.
+            let Ok(object) = torch.getattr(dtype_name(dtype)) else {
+                continue;
+            };
+            let kwargs = PyDict::new(py);
+            kwargs.set_item("dtype", &object)?;
+            let Ok(empty) = torch.call_method("empty", (0,), Some(&kwargs)) else {
+                continue;
+            };
+            dtypes.push(TorchDType {
+                object: object.unbind(),
+                dtype,
+                empty: empty.unbind(),
+            });
+        }
+        Ok(Self {
+            tensor_type: torch.getattr("Tensor")?.downcast_into::<PyType>()?.unbind(),
+            strided: torch.getattr("strided")?.unbind(),
+            from_dlpack: torch.getattr("_C")?.getattr("_from_dlpack")?.unbind(),
+            dtypes,
+        })
+    }
+
+    /// multiproc's dtype for a torch dtype object (torch keeps one object per dtype).
+    fn dtype_of(&self, object: &Bound<'_, PyAny>) -> Option<DType> {
+        let py = object.py();
+        self.dtypes
+            .iter()
+            .find(|d| d.object.bind(py).is(object))
+            .map(|d| d.dtype)
+    }
+
+    /// A torch tensor over `native` (no copy) and its untyped storage.
+    fn tensor_over<'py>(
+        &self,
+        py: Python<'py>,
+        native: &NativeTensor,
+    ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
+        let capsule = native.capsule(py, native.tensor.is_read_only())?;
+        let tensor = self.from_dlpack.bind(py).call1((capsule,))?;
+        let storage = tensor.call_method0(intern!(py, "untyped_storage"))?;
+        Ok((tensor, storage))
+    }
+
+    /// A received tensor over a storage torch already has (from an earlier message):
+    /// a new tensor of its dtype, set to its place in the storage.
+    fn view_of_storage(&self, storage: &Bound<'_, PyAny>, t: &Tensor) -> PyResult<PyObject> {
+        let py = storage.py();
+        let Some(d) = self.dtypes.iter().find(|d| d.dtype == t.dtype()) else {
+            return Err(PyTypeError::new_err(format!(
+                "this torch has no dtype {}",
+                dtype_name(t.dtype())
+            )));
+        };
+        let fresh = d.empty.bind(py).call_method0(intern!(py, "new"))?;
+        let set = intern!(py, "set_");
+        // Over the whole storage, 1-D: `set_(storage)` alone gives that shape, stride
+        // and offset, without parsing them.
+        let view = if t.shape().len() == 1
+            && t.storage_offset() == 0
+            && t.is_contiguous()
+            && t.numel() * t.dtype().size() == t.storage().nbytes()
+        {
+            fresh.call_method1(set, (storage,))?
+        } else {
+            fresh.call_method1(
+                set,
+                (
+                    storage,
+                    t.storage_offset(),
+                    PyTuple::new(py, t.shape())?,
+                    PyTuple::new(py, t.strides())?,
+                ),
+            )?
+        };
+        Ok(view.unbind())
+    }
+}
+
+static TORCH: GILOnceCell<Option<Torch>> = GILOnceCell::new();
+
+/// torch, imported if it is installed: received tensors become torch tensors then
+/// (numpy arrays without it).
+fn torch_imported(py: Python<'_>) -> Option<&Torch> {
+    TORCH.get_or_init(py, || Torch::load(py).ok()).as_ref()
+}
+
+/// torch if this process imported it already: a put of a value that is no tensor
+/// must not import it (seconds), and without torch no torch tensor can be put.
+fn torch_if_imported(py: Python<'_>) -> Option<&Torch> {
+    if let Some(torch) = TORCH.get(py) {
+        return torch.as_ref();
+    }
+    let imported = py
+        .import("sys")
+        .and_then(|sys| sys.getattr("modules"))
+        .and_then(|modules| modules.contains("torch"))
+        .unwrap_or(false);
+    if imported { torch_imported(py) } else { None }
+}
+
+/// The sizes in a tuple (a `torch.Size`, or what `stride()` returns).
+fn usizes(tuple: &Bound<'_, PyAny>) -> PyResult<Vec<usize>> {
+    let tuple = tuple.downcast::<PyTuple>()?;
+    tuple.iter().map(|n| n.extract()).collect()
 }
 
 /// The torch storages made from received blocks, by the block's address and size, as

@@ -37,6 +37,20 @@ fn new_tensor(shape: Vec<usize>, dtype: &str, fill: Option<f64>) -> PyResult<Nat
     NativeTensor::new(t)
 }
 
+/// [`new_tensor`] handed to torch (or numpy) at once, as `multiproc.empty`, `zeros`
+/// and `full` return it: one call, no `NativeTensor` object in between.
+#[pyfunction]
+#[pyo3(signature = (shape, dtype, fill=None))]
+fn new_python_tensor(
+    py: Python<'_>,
+    shape: Vec<usize>,
+    dtype: &str,
+    fill: Option<f64>,
+) -> PyResult<PyObject> {
+    let native = new_tensor(shape, dtype, fill)?;
+    convert::from_dynamic(py, multiproc::Dynamic::Tensor(native.tensor))
+}
+
 /// A CPU torch tensor or numpy array as a multiproc tensor: by handle when its memory
 /// is a multiproc block, else copied once into a new shared block.
 #[pyfunction]
@@ -123,6 +137,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_run_shm_manager, m)?)?;
     m.add_function(wrap_pyfunction!(convert::_set_hooks, m)?)?;
     m.add_function(wrap_pyfunction!(new_tensor, m)?)?;
+    m.add_function(wrap_pyfunction!(new_python_tensor, m)?)?;
     m.add_function(wrap_pyfunction!(is_shared_block, m)?)?;
     m.add_function(wrap_pyfunction!(as_native, m)?)?;
     m.add_function(wrap_pyfunction!(to_python, m)?)?;

@@ -32,7 +32,7 @@ from ._native import (
     OwnerDiedError,
 )
 from ._tensors import empty, full, share_memory_, zeros
-from ._tensors import _decode_tensor, _encode_other, _view_of_storage, _view_tensor
+from ._tensors import _decode_tensor, _encode_other, _view_tensor
 from ._handles import (
     Barrier,
     Condition,
@@ -57,7 +57,7 @@ from .spawn import (
     start_processes,
 )
 
-_native._set_hooks(_encode_other, _decode_tensor, _view_tensor, _view_of_storage)
+_native._set_hooks(_encode_other, _decode_tensor, _view_tensor)
 
 
 def _give_back_before_os_exit():

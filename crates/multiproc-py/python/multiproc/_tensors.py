@@ -33,18 +33,6 @@ def _decode_tensor(native):
     return numpy.from_dlpack(native), None
 
 
-_TORCH_DTYPES = {}
-
-
-def _view_of_storage(storage, dtype, shape, strides, offset):
-    """A received tensor over a storage torch already has (from an earlier message)."""
-    torch = _torch or _torch_module()
-    d = _TORCH_DTYPES.get(dtype)
-    if d is None:
-        d = _TORCH_DTYPES[dtype] = getattr(torch, dtype)
-    return torch.empty(0, dtype=d).set_(storage, offset, shape, strides)
-
-
 def _view_tensor(base, shape, strides, offset):
     """A received tensor: a view of its storage's ``base`` (strides in elements)."""
     torch = _torch_module()
@@ -125,7 +113,10 @@ def _dtype_name(dtype):
         return dtype
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(dtype, torch.dtype):
-        return str(dtype)
+        name = _DTYPE_NAMES.get(dtype)
+        if name is None:
+            name = _DTYPE_NAMES[dtype] = str(dtype)
+        return name
     try:
         import numpy
 
@@ -144,20 +135,19 @@ def empty(*shape, dtype=None):
     """A tensor in a new shared block, uninitialised: it travels by handle."""
     if len(shape) == 1 and not isinstance(shape[0], int):
         shape = shape[0]
-    return _native.to_python(_native.new_tensor(_shape(shape), _dtype_name(dtype), None))
+    return _native.new_python_tensor(_shape(shape), _dtype_name(dtype), None)
 
 
 def zeros(*shape, dtype=None):
     """A tensor of zeros in a new shared block: it travels by handle."""
     if len(shape) == 1 and not isinstance(shape[0], int):
         shape = shape[0]
-    return _native.to_python(_native.new_tensor(_shape(shape), _dtype_name(dtype), 0.0))
+    return _native.new_python_tensor(_shape(shape), _dtype_name(dtype), 0.0)
 
 
 def full(shape, fill_value, dtype=None):
     """A tensor filled with ``fill_value`` in a new shared block: it travels by handle."""
-    return _native.to_python(
-        _native.new_tensor(_shape(shape), _dtype_name(dtype), float(fill_value)))
+    return _native.new_python_tensor(_shape(shape), _dtype_name(dtype), float(fill_value))
 
 
 def share_memory_(tensor):
