@@ -13,9 +13,12 @@ import multiproc as mp
 HEADER = b"MPW\x01"
 
 
-def packet(payload, nfds=0, version=2, kind=0, declared=None):
+def packet(payload, nfds=0, version=3, kind=0, declared=None, section=b""):
+    """A packet of wire version 3: the 20-byte header, the payload, then the
+    references section (the block uses the message carries; none unless given)."""
     length = len(payload) if declared is None else declared
-    return HEADER + bytes([version, kind, 0, 0]) + struct.pack("<II", nfds, length) + payload
+    return (HEADER + bytes([version, kind, 0, 0])
+            + struct.pack("<III", nfds, length, len(section)) + payload + section)
 
 
 @pytest.fixture
@@ -81,11 +84,28 @@ def test_every_truncation_of_a_real_message_raises(raw_pipe):
 
 
 def test_a_forged_handle_fd_is_refused(raw_pipe):
-    # A tensor whose fd is a regular file, not a multiproc block.
+    # A real tensor message whose block fd is swapped for a regular file, not a
+    # multiproc block: refused, and the connection goes on.
+    a2, b2 = mp.Pipe()
+    a2.send(mp.full((32 * 1024,), 7.0))
+    reader = socket.socket(fileno=os.dup(b2.fileno()))
+    data, fds, _, _ = socket.recv_fds(reader, 1 << 16, 16)
+    assert fds, "a tensor above the small-tensor size travels with its block's fd"
+    reader.close()
     with open("/dev/null", "rb") as f:
         with pytest.raises(mp.InvalidMessageError):
-            receive(raw_pipe, packet(bytes([9, 0, 1, 4, 1, 1, 0, 0, 0, 0]), nfds=1),
-                    fds=[f.fileno()])
+            receive(raw_pipe, data, fds=[f.fileno()] * len(fds))
+    # The real block's use, given to this process for the receiver, goes back with
+    # the real packet received whole.
+    s, b = raw_pipe
+    socket.send_fds(s, [data], fds)
+    assert float(b.recv()[0]) == 7.0
+    for fd in fds:
+        os.close(fd)
+    s.send(packet(bytes([4, 2]) + b"ok"))
+    assert b.recv() == "ok"
+    a2.close()
+    b2.close()
 
 
 def test_a_forged_pickle_raises_a_python_error(raw_pipe):

@@ -33,6 +33,12 @@ struct Registry {
 
 static REGISTRY: ForkLocal<Registry> = ForkLocal::new();
 
+/// Held by the idle thread while it runs a tick's jobs. A job may hold what it looks
+/// after for the length of its run (the custody job upgrades its `Weak`), so a value
+/// dropped by its owner can be freed on the idle thread, a moment later:
+/// [`wait_for_tick`] waits that moment out.
+static TICK_RUNNING: ForkLocal<()> = ForkLocal::new();
+
 /// Registers `job` under `key` unless a job with that key is registered already, and
 /// makes sure the idle thread runs. `make` is called only when the job is new.
 pub(crate) fn wake(key: usize, make: impl FnOnce() -> Job) {
@@ -53,12 +59,21 @@ pub(crate) fn wake(key: usize, make: impl FnOnce() -> Job) {
     }
 }
 
+/// Waits until the idle thread is between ticks, so that whatever a job held during
+/// the tick that was running has been let go (a leak check counts fds after it).
+/// Jobs never wait, so this returns within one tick's work.
+pub(crate) fn wait_for_tick() {
+    drop(TICK_RUNNING.lock());
+}
+
 /// The idle thread: runs every job each tick, outside the lock, until none is left.
 fn run() {
     loop {
         std::thread::sleep(TICK);
+        let tick = TICK_RUNNING.lock();
         let mut jobs = std::mem::take(&mut REGISTRY.lock().jobs);
         jobs.retain_mut(|(_, job)| job());
+        drop(tick);
         let mut registry = REGISTRY.lock();
         // Jobs registered while these ran are kept beside them (a key twice is harmless:
         // both run, and the one without work drops out).

@@ -17,7 +17,10 @@ pub fn release_idle_blocks() -> usize {
     if crate::cuda::initialised() {
         crate::cuda::empty_cache();
     }
-    crate::shm::release_idle_blocks()
+    let released = crate::shm::release_idle_blocks();
+    // A queue dropped while its custody's idle job ran is freed when that job ends.
+    crate::idle::wait_for_tick();
+    released
 }
 
 /// Counters of this process since it started, for diagnostics (the examples' timing
