@@ -29,7 +29,6 @@ use std::sync::{Arc, Mutex, PoisonError};
 use super::custody::Custody;
 use super::ring::Ring;
 use crate::error::{Error, PutError, Result};
-use crate::shm::custody::{self, BlockCustody};
 use crate::sys::Deadline;
 use crate::sys::lease;
 use crate::sys::socket::{Packet, seqpacket_pair};
@@ -198,9 +197,7 @@ impl Channel {
         // Once this holder goes quiet, the custody is swept of dead blocks.
         self.custody.wake_idle_job();
         let mut kept = None;
-        let decoded = custody::scope(self.custody_handle(), || {
-            wire::decode_or_keep(packet, &self.returns, &mut kept)
-        });
+        let decoded = wire::decode_or_keep(packet, &self.returns, &mut kept);
         if let Some(mut packet) = kept {
             wire::uncount(&mut packet);
             *self.pending.lock().unwrap_or_else(PoisonError::into_inner) = Some(packet);
@@ -215,14 +212,11 @@ impl Channel {
             .take()
     }
 
-    fn custody_handle(&self) -> Arc<dyn BlockCustody> {
-        Arc::clone(&self.custody) as Arc<dyn BlockCustody>
-    }
-
     /// Encodes `item` for [`send`](Self::send), without sending it.
     pub(crate) fn encode<T: Serialize>(&self, item: &T) -> Result<wire::Encoded> {
         self.check_open("put")?;
-        let encoded = custody::scope(self.custody_handle(), || wire::encode(item));
+        let custody: Arc<dyn wire::Custody> = Arc::clone(&self.custody) as _;
+        let encoded = wire::encode_in(item, Some(&custody));
         self.custody.wake_idle_job();
         encoded
     }

@@ -27,14 +27,14 @@
 //! block of atomics. A [`pipe`] is a plain socket pair (one reader per end, and hang-up
 //! detection).
 //!
-//! One tensor from `put` to `get`: `Queue::put` encodes the item inside the channel's
-//! custody scope (`shm::custody`); the tensor's `Storage` moves to shared memory if it
+//! One tensor from `put` to `get`: `Queue::put` encodes the item with the channel's
+//! custody lent to the encode (`wire::encode_in`, `wire::Custody`); the tensor's `Storage` moves to shared memory if it
 //! is not there (`share_memory_`), and its `SegmentHandle` takes one use of the block
 //! for the receiver, lists it in the packet's references section as `Inode { dev, ino
 //! }` and writes `{ reference, offset, nbytes }`, having put the block's fd into the
 //! custody the first time this process sent that block on this queue. The packet (header and payload) is copied into the ring and a sleeping getter
-//! is woken. `get` copies the packet out of the ring, decodes it in the same scope: the
-//! block is found in this process's map cache (or its fd is taken from the custody and
+//! is woken. `get` copies the packet out of the ring, decodes it with the channel's `Returns`, which lends
+//! the decode the same custody: the block is found in this process's map cache (or its fd is taken from the custody and
 //! mapped once), the `Storage` adopts the message's use, and the tensor aliases the
 //! sender's memory.
 

@@ -70,7 +70,7 @@
 //! which carry their tree; `registry` — the client of the tree's manager (the names
 //! this process holds, the request codec, starting the daemon); `segment` — one
 //! mapped segment and its header; `recycler` — the blocks this process recycles;
-//! `cache`, `custody`, `file`; `words` — pages of shared atomic words (the state of
+//! `cache`, `file`; `reference` — block uses as values; `words` — pages of shared atomic words (the state of
 //! sync primitives and queues); `area` — a mapping laid out by its owner (a process
 //! group's segment), with checked atomic words and byte ranges. The manager daemon (`crate::manager`) sits above shm
 //! and speaks `registry`'s codec; nothing here depends on it.
@@ -78,7 +78,6 @@
 #[allow(unsafe_code)]
 pub(crate) mod area;
 mod cache;
-pub(crate) mod custody;
 pub(crate) mod file;
 pub(crate) mod name;
 mod recycler;
@@ -91,8 +90,9 @@ pub(crate) mod tree;
 #[allow(unsafe_code)]
 mod words;
 
+use std::any::Any;
 use std::borrow::Cow;
-use std::os::fd::BorrowedFd;
+use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::Arc;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
@@ -114,7 +114,7 @@ pub(crate) use words::SharedWords;
 
 use self::strategy::SharingStrategy;
 use crate::error::{Error, Result};
-use crate::wire::{Decoder, Encoder, Reference};
+use crate::wire::{Custody, Decoder, Encoder, KeptBlock, Reference};
 
 /// Creates a plain segment (not a block) of `len > 0` bytes with `strategy`, already in
 /// this process's map cache. Storages live in blocks (see `recycler`); plain segments
@@ -257,9 +257,19 @@ impl Serialize for SegmentHandle {
         }
         let name;
         let reference = if let Some(fd) = self.segment.shared_fd() {
-            // A block by inode when the channel keeps its fd (see `custody`), else with it.
-            let by_inode = self.segment.inode().filter(|_| {
-                custody::current().is_some_and(|custody| custody.publish(&self.segment))
+            // A block by inode when the channel keeps its fd (see `wire::Custody`), else
+            // with it.
+            let by_inode = self.segment.inode().filter(|&(dev, ino)| {
+                enc.custody().is_some_and(|custody| {
+                    let identity: Arc<dyn Any + Send + Sync> = self.segment.clone();
+                    custody.keep(&KeptBlock {
+                        dev,
+                        ino,
+                        fd: fd.as_fd(),
+                        len: self.segment.len() as u64,
+                        identity: &identity,
+                    })
+                })
             });
             match by_inode {
                 Some((dev, ino)) => Reference::Inode { dev, ino },
@@ -306,7 +316,9 @@ impl<'de> Deserialize<'de> for SegmentHandle {
                 .with_fd(index, |fd| receive_fd(fd, end))
                 .map_err(D::Error::custom)?
                 .map_err(fail)?,
-            Reference::Inode { dev, ino } => receive_by_inode(dev, ino, end).map_err(fail)?,
+            Reference::Inode { dev, ino } => {
+                receive_by_inode(dec.custody().as_deref(), dev, ino, end).map_err(fail)?
+            }
             Reference::Name(name) => named_handle(&name, end).map_err(fail)?,
         };
         // The block's use came with the message; adopted only once it is mapped.
@@ -366,8 +378,13 @@ fn receive_fd(fd: BorrowedFd<'_>, end: u64) -> Result<Arc<Segment>> {
 /// Finds the block a `Reference::Inode` names: mapped here already (no system call), or
 /// mapped from the duplicate of its fd that the channel's custody holds. Like a `Block`
 /// handle's, it must cover the claimed range.
-fn receive_by_inode(dev: u64, ino: u64, end: u64) -> Result<Arc<Segment>> {
-    let Some(custody) = custody::current() else {
+fn receive_by_inode(
+    custody: Option<&dyn Custody>,
+    dev: u64,
+    ino: u64,
+    end: u64,
+) -> Result<Arc<Segment>> {
+    let Some(custody) = custody else {
         return Err(Error::InvalidMessage(
             "a received tensor's handle names a block by inode, which only a queue that keeps \
              its blocks' fds can resolve, but it did not arrive through one"

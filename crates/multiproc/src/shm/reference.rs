@@ -11,8 +11,7 @@ use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
 
 use super::Segment;
-use super::custody::{self, BlockCustody};
-use crate::wire::{Carried, GiveBack, Reference};
+use crate::wire::{Carried, Custody, GiveBack, Reference};
 
 /// The pid a reference belongs to, 0 once it has been handed to a receiver.
 fn this_process() -> u32 {
@@ -94,12 +93,12 @@ impl Carried for BlockUse {
 /// packet's fd, the channel's custody or its name — and gives its use back.
 pub(crate) struct Returns {
     /// The custody of the channel the packets came through, for blocks named by inode.
-    custody: Option<Arc<dyn BlockCustody>>,
+    custody: Option<Arc<dyn Custody>>,
 }
 
 impl Returns {
     /// For packets of a channel with `custody`.
-    pub(crate) fn with_custody(custody: Arc<dyn BlockCustody>) -> Arc<dyn GiveBack> {
+    pub(crate) fn with_custody(custody: Arc<dyn Custody>) -> Arc<dyn GiveBack> {
         Arc::new(Returns {
             custody: Some(custody),
         })
@@ -123,9 +122,7 @@ impl GiveBack for Returns {
                 None => return,
             },
             Reference::Inode { dev, ino } => match &self.custody {
-                Some(c) => {
-                    custody::scope(Arc::clone(c), || super::receive_by_inode(*dev, *ino, end))
-                }
+                Some(c) => super::receive_by_inode(Some(&**c), *dev, *ino, end),
                 None => return,
             },
             Reference::Name(name) => super::named_handle(name, end),
@@ -135,5 +132,9 @@ impl GiveBack for Returns {
             // Not ours, or gone: nothing to give back here.
             Err(e) => tracing::debug!("a use carried by an unread message: {e}"),
         }
+    }
+
+    fn custody(&self) -> Option<&Arc<dyn Custody>> {
+        self.custody.as_ref()
     }
 }

@@ -39,6 +39,7 @@ use std::sync::Arc;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use super::Custody;
 use super::references::{GiveBack, Reference};
 use crate::error::Error;
 
@@ -91,6 +92,19 @@ pub(super) struct EncodeTable {
     /// The packet's references section so far, and its number of entries.
     pub(super) references: Vec<u8>,
     reference_count: u32,
+    /// The custody of the channel the message goes through, if it keeps its blocks'
+    /// fds (see `custody`).
+    pub(super) custody: Option<Arc<dyn Custody>>,
+}
+
+impl EncodeTable {
+    /// The table of an encode for a channel with `custody` (if it keeps its blocks' fds).
+    pub(super) fn new(custody: Option<Arc<dyn Custody>>) -> EncodeTable {
+        EncodeTable {
+            custody,
+            ..EncodeTable::default()
+        }
+    }
 }
 
 /// What a decode lends out.
@@ -329,6 +343,12 @@ impl<'w> Encoder<'w> {
         self.with_table(|table| table.carried.push(reference));
     }
 
+    /// The custody of the channel the message goes through, if it keeps its blocks'
+    /// fds (see `custody`).
+    pub(crate) fn custody(&self) -> Option<Arc<dyn Custody>> {
+        self.with_table(|table| table.custody.clone())
+    }
+
     /// Gives the message a block use it carries for its receiver (`carried`), listed
     /// in the packet's references section as `reference`; returns the entry's index,
     /// which the handle writes.
@@ -490,6 +510,12 @@ impl<'w> Decoder<'w> {
             }
         })
         .map_err(|e| self.fail(e))
+    }
+
+    /// The custody of the channel the packet came through, if it keeps its blocks'
+    /// fds (see `custody`).
+    pub(crate) fn custody(&self) -> Option<Arc<dyn Custody>> {
+        self.with_table(|table| table.returns.custody().cloned())
     }
 
     /// What gives back the references of a packet this decode makes but does not

@@ -33,7 +33,7 @@
 //!
 //! A queue carries a packet without fds through its shared-memory ring instead of its
 //! socket (see `queue`), the same bytes either way; a tensor block in such a packet is
-//! named by inode, its fd in the queue's custody (see `shm::custody`).
+//! named by inode, its fd in the queue's custody (see `custody`).
 //!
 //! Bodies above [`INLINE_MAX`] go into a sealed memfd so every message is a single
 //! packet whatever its size: one packet is delivered whole to exactly one reader, which
@@ -49,6 +49,7 @@
 //! and index is checked; anything malformed is [`Error::InvalidMessage`] saying what.
 
 mod context;
+mod custody;
 mod opaque;
 mod packet;
 mod references;
@@ -64,6 +65,7 @@ use context::{
     AttachedFd, DecodeTable, EncodeTable, check_all_used, decoding, encoding, is_encoding,
 };
 pub(crate) use context::{Carried, Decoder, Encoder, defer_give_back, is_decoding};
+pub(crate) use custody::{Custody, KeptBlock};
 pub(crate) use opaque::Opaque;
 use packet::read_sealed_payload;
 pub(crate) use packet::{Encoded, is_counted, recv_packet, try_recv_packet, uncount};
@@ -95,6 +97,15 @@ const ENCODE_CAPACITY: usize = 256;
 
 /// Encodes `value` into a packet, attaching the fds of every handle inside it.
 pub(crate) fn encode<T: Serialize + ?Sized>(value: &T) -> Result<Encoded> {
+    encode_in(value, None)
+}
+
+/// [`encode`] for a channel that keeps its blocks' fds in `custody` (see `custody`):
+/// its block handles name blocks by inode.
+pub(crate) fn encode_in<T: Serialize + ?Sized>(
+    value: &T,
+    custody: Option<&Arc<dyn Custody>>,
+) -> Result<Encoded> {
     if is_encoding() {
         return Err(Error::Encode(
             "a value is being sent from inside the serialization of another message".into(),
@@ -102,7 +113,7 @@ pub(crate) fn encode<T: Serialize + ?Sized>(value: &T) -> Result<Encoded> {
     }
     // Room for a few tensors' handles up front: growing from empty costs several
     // reallocations per message.
-    let (bytes, table) = encoding(EncodeTable::default(), || {
+    let (bytes, table) = encoding(EncodeTable::new(custody.cloned()), || {
         postcard::to_extend(value, Vec::with_capacity(ENCODE_CAPACITY))
     });
     let EncodeTable {

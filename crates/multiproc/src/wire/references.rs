@@ -23,9 +23,11 @@
 
 use std::borrow::Cow;
 use std::os::fd::OwnedFd;
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
+use super::Custody;
 use crate::error::{Error, Result};
 use crate::sys::socket::Packet;
 
@@ -53,9 +55,15 @@ impl Reference<'_> {
 }
 
 /// Gives back the use a reference of an unread message stands for. Implemented by the
-/// layer that owns blocks; `fds` are the packet's.
+/// layer that owns blocks, one per channel; `fds` are the packet's.
 pub(crate) trait GiveBack: Send + Sync {
     fn give_back(&self, reference: &Reference<'_>, fds: &[OwnedFd]);
+
+    /// The custody of the channel whose packets these are, if it keeps its blocks'
+    /// fds: a decode of them finds blocks named by inode there (see `custody`).
+    fn custody(&self) -> Option<&Arc<dyn Custody>> {
+        None
+    }
 }
 
 impl std::fmt::Debug for dyn GiveBack {

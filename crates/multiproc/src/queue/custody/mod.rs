@@ -1,6 +1,6 @@
 //! A channel's custody: the fds of the blocks sent through it, kept where every holder
 //! of the channel can take a duplicate, so that a message names a block by inode alone
-//! (see `shm::custody` for why).
+//! (see `wire::custody` for why).
 //!
 //! The custody is a `SOCK_SEQPACKET` pair that every holder of the channel holds, like
 //! the channel's own socket. Each block in custody is one packet queued on it: the
@@ -50,6 +50,7 @@
 //! block, so a block freed and an inode number reused are told apart) and puts a block
 //! in once.
 
+use std::any::Any;
 use std::collections::{HashMap, HashSet};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -58,10 +59,10 @@ use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
 use crate::shm::SharedWords;
-use crate::shm::custody::BlockCustody;
 use crate::shm::{CacheKey, Segment, cached};
 use crate::sync::lock::{Acquired, RawLock};
 use crate::sys::socket::{self, Attempt, Packet, seqpacket_pair};
+use crate::wire::{Custody as WireCustody, KeptBlock};
 
 mod protocol;
 
@@ -129,19 +130,29 @@ impl Drop for Held<'_> {
     }
 }
 
+/// What maps a block here (`KeptBlock::identity`).
+type Identity = Arc<dyn Any + Send + Sync>;
+
 /// The blocks this process has put into a custody, by device and inode.
-#[derive(Default)]
 struct Published {
-    blocks: HashMap<(u64, u64), Weak<Segment>>,
+    blocks: HashMap<(u64, u64), Weak<dyn Any + Send + Sync>>,
     /// The block published or found last, compared before `blocks` is hashed: a
     /// stream of tensors from one arena names the same block again and again.
-    last: Weak<Segment>,
+    last: Weak<dyn Any + Send + Sync>,
 }
 
-impl Published {
-    fn is_last(&self, block: &Arc<Segment>) -> bool {
-        std::ptr::eq(self.last.as_ptr(), Arc::as_ptr(block))
+impl Default for Published {
+    fn default() -> Self {
+        Self {
+            blocks: HashMap::new(),
+            last: Weak::<()>::new(),
+        }
     }
+}
+
+/// Whether `weak` points at `identity` (a live one: `identity` holds it).
+fn same(weak: &Weak<dyn Any + Send + Sync>, identity: &Identity) -> bool {
+    std::ptr::addr_eq(weak.as_ptr(), Arc::as_ptr(identity))
 }
 
 impl Custody {
@@ -334,41 +345,39 @@ impl Custody {
     }
 }
 
-impl BlockCustody for Custody {
-    fn publish(&self, block: &Arc<Segment>) -> bool {
+impl WireCustody for Custody {
+    fn keep(&self, block: &KeptBlock<'_>) -> bool {
         self.activity.fetch_add(1, Ordering::Relaxed);
-        let (Some((dev, ino)), Some(fd)) = (block.inode(), block.shared_fd()) else {
-            return false;
-        };
+        let (dev, ino) = (block.dev, block.ino);
         let mut published = self
             .published
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        if published.is_last(block) {
+        if same(&published.last, block.identity) {
             return true;
         }
         let known = published
             .blocks
             .get(&(dev, ino))
-            .and_then(Weak::upgrade)
-            .is_some_and(|s| Arc::ptr_eq(&s, block));
+            .is_some_and(|w| same(w, block.identity));
         if known {
-            published.last = Arc::downgrade(block);
+            published.last = Arc::downgrade(block.identity);
             return true;
         }
         let mut entry = [0u8; ENTRY_LEN];
         entry[..8].copy_from_slice(&dev.to_le_bytes());
         entry[8..].copy_from_slice(&ino.to_le_bytes());
-        let len = block.len() as u64;
         // On one shelf at least; a lookup looks through both before it gives up.
-        let on_first = self.put_on(0, &entry, fd.as_fd(), len);
-        let on_second = self.put_on(1, &entry, fd.as_fd(), len);
+        let on_first = self.put_on(0, &entry, block.fd, block.len);
+        let on_second = self.put_on(1, &entry, block.fd, block.len);
         if !(on_first || on_second) {
             return false;
         }
         published.blocks.retain(|_, w| w.strong_count() > 0);
-        published.blocks.insert((dev, ino), Arc::downgrade(block));
-        published.last = Arc::downgrade(block);
+        published
+            .blocks
+            .insert((dev, ino), Arc::downgrade(block.identity));
+        published.last = Arc::downgrade(block.identity);
         true
     }
 
