@@ -13,7 +13,9 @@ source (test modules left out: `tests.rs` files and everything from a `#[cfg(tes
 - the imports that go through lib.rs's re-exports (`crate::Error` instead of
   `crate::error::Error`), by file.
 
-Usage: scripts/module_deps.py [--src crates/multiproc/src] [--quiet]
+Usage: scripts/module_deps.py [--src crates/multiproc/src] [--quiet] [--check]
+
+With --check it exits with status 1 when there is a cycle (`.ci/run` runs it so).
 """
 
 import argparse
@@ -241,6 +243,9 @@ def main():
     here = os.path.dirname(os.path.abspath(__file__))
     ap.add_argument("--src", default=os.path.join(here, "..", "crates", "multiproc", "src"))
     ap.add_argument("--quiet", action="store_true", help="only the order and the cycles")
+    ap.add_argument(
+        "--check", action="store_true", help="exit with status 1 when there is any cycle"
+    )
     args = ap.parse_args()
     crate = Crate(os.path.normpath(args.src))
     edges, via_lib = collect(crate)
@@ -289,6 +294,9 @@ def main():
             for b in c:
                 if (a, b) in edges:
                     print(f"    {crate.files[a]} -> {crate.files[b]}   ({edges[(a, b)][0]})")
+
+    if args.check and (cyc or fcomps):
+        raise SystemExit("module_deps: the layers have a cycle (see above)")
 
     total = sum(len(v) for v in via_lib.values())
     print(f"\nImports through lib.rs re-exports: {total} in {len(via_lib)} files")

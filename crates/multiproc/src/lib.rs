@@ -505,6 +505,8 @@ mod dynamic;
 #[cfg(target_os = "linux")]
 mod error;
 #[cfg(target_os = "linux")]
+mod identity_cache;
+#[cfg(target_os = "linux")]
 mod idle;
 #[cfg(target_os = "linux")]
 mod manager;

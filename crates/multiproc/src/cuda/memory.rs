@@ -37,6 +37,7 @@ use std::sync::{Arc, Mutex, PoisonError, Weak};
 
 use super::CudaHandle;
 use crate::error::{Error, Result};
+use crate::identity_cache::IdentityCache;
 use crate::sys::cuda_driver::{self as driver, Driver, Mapping};
 use crate::sys::lease;
 use crate::sys::memfd::human_bytes;
@@ -192,15 +193,11 @@ impl CudaMemory {
 }
 
 /// This process's allocations, by id, so that a received handle finds its mapping.
-static BY_ID: Mutex<Option<HashMap<u128, Weak<CudaMemory>>>> = Mutex::new(None);
+static BY_ID: crate::sys::fork_local::ForkLocal<IdentityCache<u128, CudaMemory>> =
+    crate::sys::fork_local::ForkLocal::new();
 
-fn with_ids<R>(f: impl FnOnce(&mut HashMap<u128, Weak<CudaMemory>>) -> R) -> R {
-    let mut guard = BY_ID.lock().unwrap_or_else(PoisonError::into_inner);
-    let map = guard.get_or_insert_with(HashMap::new);
-    if map.len() >= 256 && map.len().is_power_of_two() {
-        map.retain(|_, w| w.strong_count() > 0);
-    }
-    f(map)
+fn with_ids<R>(f: impl FnOnce(&mut IdentityCache<u128, CudaMemory>) -> R) -> R {
+    f(&mut BY_ID.lock())
 }
 
 struct Pool {
@@ -300,7 +297,7 @@ impl Pool {
             }
             None => {
                 let m = Arc::new(create(d, device, len)?);
-                with_ids(|ids| ids.insert(m.id, Arc::downgrade(&m)));
+                with_ids(|ids| ids.insert(m.id, &m));
                 m
             }
         };
@@ -439,7 +436,7 @@ pub(crate) fn receive(
             h.device
         )));
     }
-    let known = with_ids(|ids| ids.get(&h.id).and_then(Weak::upgrade));
+    let known = with_ids(|ids| ids.get(&h.id));
     if let Some(memory) = known {
         if memory.device != h.device || memory.len() != len {
             return Err(invalid(format!(
@@ -486,10 +483,10 @@ pub(crate) fn receive(
         current: Mutex::new(Weak::new()),
     });
     // Another thread may have mapped the same allocation meanwhile: keep one.
-    let memory = with_ids(|ids| match ids.get(&h.id).and_then(Weak::upgrade) {
+    let memory = with_ids(|ids| match ids.get(&h.id) {
         Some(existing) => existing,
         None => {
-            ids.insert(h.id, Arc::downgrade(&memory));
+            ids.insert(h.id, &memory);
             memory
         }
     });

@@ -98,16 +98,14 @@
 //! exchange CPU tensors with everyone and CUDA tensors with workers of the same GPU.
 
 // `memory`: CUDA memory other processes can map (allocations, the pool, the wire
-// form), or `stub` without the feature; `transfer`: pinning host tensors and copying
-// them to a device on a side stream (the data loader's `pin_memory`, `prefetch_to`). The driver calls (FFI) are
+// form), or `stub` without the feature (pinning host tensors and copying them to a
+// device on a side stream is the tensor's, `tensor::side_stream`). The driver calls (FFI) are
 // `sys::cuda_driver`'s; this module has no unsafe code: host memory reaches the
 // driver's copies as a checked `SharedBytes`.
 #[cfg(feature = "cuda")]
 mod memory;
 #[cfg(not(feature = "cuda"))]
 mod stub;
-#[cfg(feature = "cuda")]
-pub(crate) mod transfer;
 
 use std::fmt;
 use std::str::FromStr;

@@ -21,9 +21,9 @@ use std::collections::VecDeque;
 use super::options::Options;
 use super::tensors::VisitTensors;
 use crate::cuda::Device;
-#[cfg(feature = "cuda")]
-use crate::cuda::transfer::{Copier, InFlight, pin};
 use crate::error::{Error, Result};
+#[cfg(feature = "cuda")]
+use crate::tensor::side_stream::{Copier, InFlight, pin};
 
 /// The loader's per-batch work in the trainer (see the module docs).
 pub(super) struct DeviceStage<B> {

@@ -10,7 +10,8 @@ use std::time::Duration;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use super::counted::{CAPACITY, ITEMS, SLOTS, Shared, Wait};
+use super::counted::{Shared, Wait};
+use super::layout::{CAPACITY, FREE_PLACES, ITEMS};
 use crate::error::{Error, PutError, Result};
 use crate::sys::deadline_after;
 
@@ -229,7 +230,7 @@ impl<T: Serialize + DeserializeOwned> Queue<T> {
 
     /// Whether the queue holds its capacity (never for an unbounded queue).
     pub fn full(&self) -> bool {
-        self.shared.bounded() && self.shared.block.word(SLOTS).load(Ordering::Acquire) == 0
+        self.shared.bounded() && self.shared.block.word(FREE_PLACES).load(Ordering::Acquire) == 0
     }
 
     /// Closes this process's handles: later puts and gets through them fail with

@@ -1,10 +1,10 @@
 //! What [`Queue`](super::Queue) and [`JoinableQueue`](super::JoinableQueue) share: a channel plus counters in the block of its
 //! ring (words 32 and up, which the ring and the custody leave free).
 //!
-//! Words: `SLOTS` — free places left (a semaphore; only when bounded),
+//! Words (their offsets in `layout`): `FREE_PLACES` — free places left (a semaphore; only when bounded),
 //! `ITEMS` — messages put and not yet taken (approximate `qsize`), `UNFINISHED` — items
 //! put and not yet marked done (for `JoinableQueue::join`), `CAPACITY` (0 = unbounded),
-//! `SLOT_DEBT` — places given back for packets that turned out not to have taken one.
+//! `PLACE_DEBT` — places given back for packets that turned out not to have taken one.
 //!
 //! Capacity is exact under hostile input: a `put` marks its packet as counted (a header
 //! flag, see `wire`), and a getter gives a place back only for a packet with a
@@ -47,12 +47,7 @@ use crate::sys::socket::Packet;
 use crate::sys::{Deadline, deadline_after};
 use crate::wire;
 
-pub(super) const SLOTS: usize = 33;
-pub(super) const ITEMS: usize = 34;
-pub(super) const UNFINISHED: usize = 35;
-pub(super) const CAPACITY: usize = 36;
-pub(super) const SLOT_WAITERS: usize = 37;
-pub(super) const SLOT_DEBT: usize = 38;
+use super::layout::{CAPACITY, FREE_PLACES, ITEMS, PLACE_DEBT, PLACE_WAITERS, UNFINISHED};
 
 /// What [`Queue`] and [`JoinableQueue`] share.
 #[derive(Debug)]
@@ -79,7 +74,7 @@ impl Shared {
         let channel = Channel::new()?;
         let block = Arc::clone(channel.block());
         block.word(CAPACITY).store(capacity, Ordering::Release);
-        block.word(SLOTS).store(capacity, Ordering::Release);
+        block.word(FREE_PLACES).store(capacity, Ordering::Release);
         Ok(Self { channel, block })
     }
 
@@ -94,12 +89,12 @@ impl Shared {
 
     /// The free places: a futex counter shared with every holder of the queue.
     fn slots(&self) -> FutexCount<'_> {
-        FutexCount::new(self.block.word(SLOTS), self.block.word(SLOT_WAITERS))
+        FutexCount::new(self.block.word(FREE_PLACES), self.block.word(PLACE_WAITERS))
     }
 
     pub(super) fn release_slot(&self) {
         // A place owed (given back for a forged packet) is paid before one is freed.
-        if saturating_dec(self.block.word(SLOT_DEBT)) > 0 {
+        if saturating_dec(self.block.word(PLACE_DEBT)) > 0 {
             return;
         }
         self.slots().give(None);
@@ -192,7 +187,7 @@ impl Shared {
             self.block.word(ITEMS).fetch_add(1, Ordering::AcqRel);
         }
         if taken.slot && !self.slots().try_take() {
-            self.block.word(SLOT_DEBT).fetch_add(1, Ordering::AcqRel);
+            self.block.word(PLACE_DEBT).fetch_add(1, Ordering::AcqRel);
         }
     }
 

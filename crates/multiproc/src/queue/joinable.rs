@@ -12,7 +12,8 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use super::bounded::{Queue, QueueIter, QueueTryIter};
-use super::counted::{UNFINISHED, Wait};
+use super::counted::Wait;
+use super::layout::UNFINISHED;
 use crate::error::{Error, PutError, Result};
 use crate::sys::deadline_after;
 use crate::sys::futex;

@@ -43,6 +43,7 @@ mod channel;
 mod counted;
 mod custody;
 mod joinable;
+mod layout;
 mod pipe;
 mod ring;
 #[cfg(feature = "fuzzing")]

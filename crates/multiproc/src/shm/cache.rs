@@ -1,8 +1,9 @@
 //! The per-process map cache: which segments this process has mapped.
 //!
-//! Entries are `Weak`, so the cache never keeps a segment alive; a dead entry is
-//! replaced when its key comes back (inode numbers are reused once a memfd is freed) and
-//! dead entries are swept whenever the table has doubled since the last sweep. Lookup,
+//! The table is an [`IdentityCache`]: it never keeps a segment alive, a dead entry is
+//! replaced when its key comes back (inode numbers are reused once a memfd is freed),
+//! dead entries are swept when the table has doubled, and the entry found last is
+//! compared before the table is hashed. Lookup,
 //! mapping and insertion happen under one lock, so two threads receiving the same new
 //! segment at once still end up with one mapping.
 //!
@@ -16,22 +17,22 @@
 //! worker that made it is joined (`release_dead_retained`), or else as soon as the
 //! retention list next changes. Mappings are let go outside the cache lock: freeing a
 //! large block's pages takes milliseconds, which no receiving thread should wait for.
-//! The entry found last is compared before the table is hashed, since a stream of
-//! tensors from one arena names one segment again and again. Plain named segments are never retained (the
+//! Plain named segments are never retained (the
 //! mapping holds a reference, and their name must go away with their last tensor); a
 //! named block's mapping holds none (see `segment::block`), so keeping it does not keep
 //! its name. Blocks this process created are kept by its recycler instead.
 //!
-//! Entries remember the process that made them. A `fork` child inherits the table, but
-//! the segments in it hold its parent's references (and its parent's handles keep them
-//! alive forever in the child, so they would never be released there): a child maps
-//! what it receives afresh, with references of its own.
+//! A `fork` child does not inherit the table (it is a `ForkLocal`): the segments in the
+//! parent's hold the parent's references (and the parent's handles keep them alive
+//! forever in the child, so they would never be released there), so a child maps what
+//! it receives afresh, with references of its own.
 
-use std::collections::{HashMap, VecDeque};
-use std::sync::{Arc, Weak};
+use std::collections::VecDeque;
+use std::sync::Arc;
 
 use super::{Segment, SegmentName};
 use crate::error::Result;
+use crate::identity_cache::IdentityCache;
 
 /// What identifies a segment across processes.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -58,14 +59,10 @@ impl CacheKey {
     }
 }
 
+#[derive(Default)]
 struct MapCache {
-    /// The segment and the pid of the process that cached it.
-    entries: HashMap<CacheKey, (u32, Weak<Segment>)>,
-    /// The entry found or made last, checked before `entries`: a stream of tensors
-    /// from one arena names the same segment again and again, and comparing a key
-    /// costs less than hashing it.
-    last: Option<(CacheKey, u32, Weak<Segment>)>,
-    sweep_at: usize,
+    /// The segments mapped here.
+    entries: IdentityCache<CacheKey, Segment>,
     /// Received segments kept mapped, most recent last.
     recent: VecDeque<Arc<Segment>>,
     /// Segments kept so far (the idle job tells a quiet receiver by it).
@@ -82,10 +79,7 @@ fn decay_job() -> Box<dyn FnMut() -> bool + Send> {
     let (mut seen, mut quiet) = (u64::MAX, 0u32);
     Box::new(move || {
         let flushed: Vec<Arc<Segment>> = {
-            let mut guard = CACHE.lock();
-            let Some(cache) = guard.as_mut() else {
-                return false;
-            };
+            let mut cache = CACHE.lock();
             if cache.recent.is_empty() {
                 return false;
             }
@@ -123,33 +117,14 @@ fn recent_bytes() -> usize {
     super::idle_bytes_limit()
 }
 
-static CACHE: crate::sys::fork_local::ForkLocal<Option<MapCache>> =
+static CACHE: crate::sys::fork_local::ForkLocal<MapCache> =
     crate::sys::fork_local::ForkLocal::new();
 
 fn with_cache<R>(f: impl FnOnce(&mut MapCache) -> R) -> R {
-    let mut guard = CACHE.lock();
-    let cache = guard.get_or_insert_with(|| MapCache {
-        entries: HashMap::new(),
-        last: None,
-        sweep_at: 64,
-        recent: VecDeque::new(),
-        retained: 0,
-    });
-    f(cache)
+    f(&mut CACHE.lock())
 }
 
 impl MapCache {
-    fn put(&mut self, key: CacheKey, segment: &Arc<Segment>) {
-        let pid = crate::sys::process::cached_pid();
-        self.last = Some((key.clone(), pid, Arc::downgrade(segment)));
-        self.entries.insert(key, (pid, Arc::downgrade(segment)));
-        if self.entries.len() >= self.sweep_at {
-            self.entries
-                .retain(|_, (owner, w)| *owner == pid && w.strong_count() > 0);
-            self.sweep_at = (self.entries.len() * 2).max(64);
-        }
-    }
-
     /// Keeps a received memfd segment or block mapped (see the module docs). Returns
     /// the mappings it let go, for the caller to drop outside the cache lock: the last
     /// reference to a large block unmaps it and frees its pages, which takes
@@ -197,30 +172,12 @@ impl MapCache {
         self.recent = kept.into();
         dead
     }
-
-    fn live(&mut self, key: &CacheKey) -> Option<Arc<Segment>> {
-        let pid = crate::sys::process::cached_pid();
-        if let Some((last, owner, weak)) = &self.last {
-            if last == key && *owner == pid {
-                if let Some(live) = weak.upgrade() {
-                    return Some(live);
-                }
-            }
-        }
-        let (owner, weak) = self.entries.get(key)?;
-        if *owner != pid {
-            return None;
-        }
-        let live = weak.upgrade()?;
-        self.last = Some((key.clone(), pid, Weak::clone(weak)));
-        Some(live)
-    }
 }
 
 /// Records a segment this process created.
 pub(crate) fn insert(segment: &Arc<Segment>) {
     if let Some(key) = CacheKey::of(segment) {
-        with_cache(|c| c.put(key, segment));
+        with_cache(|c| c.entries.insert(key, segment));
     }
 }
 
@@ -231,7 +188,7 @@ pub(crate) fn get_or_try_insert(
     open: impl FnOnce() -> Result<Segment>,
 ) -> Result<(Arc<Segment>, bool)> {
     let (found, evicted) = with_cache(|c| {
-        if let Some(live) = c.live(&key) {
+        if let Some(live) = c.entries.get(&key) {
             let evicted = c.retain_recent(&live);
             return (Ok((live, false)), evicted);
         }
@@ -242,7 +199,7 @@ pub(crate) fn get_or_try_insert(
             }
             Err(e) => return (Err(e), Vec::new()),
         };
-        c.put(key, &segment);
+        c.entries.insert(key, &segment);
         let evicted = c.retain_recent(&segment);
         (Ok((segment, true)), evicted)
     });
@@ -264,12 +221,7 @@ pub(crate) fn release_dead_retained() -> usize {
 /// Releases every named-segment reference this process holds (see
 /// [`Segment::release_before_exit`]); for a worker about to `_exit`.
 pub(crate) fn release_before_exit() {
-    let live: Vec<Arc<Segment>> = with_cache(|c| {
-        c.entries
-            .values()
-            .filter_map(|(_, w)| w.upgrade())
-            .collect()
-    });
+    let live: Vec<Arc<Segment>> = with_cache(|c| c.entries.live());
     for segment in live {
         segment.release_before_exit();
     }
@@ -287,13 +239,10 @@ pub(crate) fn flush_retained() -> usize {
 /// in the retention list as any hit is). The name was checked when the entry was made.
 pub(crate) fn last_named(name: &str) -> Option<Arc<Segment>> {
     let (found, evicted) = with_cache(|c| {
-        let pid = crate::sys::process::cached_pid();
-        let live = match &c.last {
-            Some((CacheKey::Name(last), owner, weak)) if *owner == pid && last.as_str() == name => {
-                weak.upgrade()
-            }
-            _ => None,
-        }?;
+        let live = match c.entries.last()? {
+            (CacheKey::Name(last), live) if last.as_str() == name => live,
+            _ => return None,
+        };
         let evicted = c.retain_recent(&live);
         Some((live, evicted))
     })
@@ -305,5 +254,5 @@ pub(crate) fn last_named(name: &str) -> Option<Arc<Segment>> {
 
 /// The live segment under `key`, if this process maps it.
 pub(crate) fn lookup(key: &CacheKey) -> Option<Arc<Segment>> {
-    with_cache(|c| c.live(key))
+    with_cache(|c| c.entries.get(key))
 }

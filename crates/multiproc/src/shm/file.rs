@@ -20,14 +20,14 @@
 //! own writer ([`crate::safetensors::save`]) writes a new file and renames it over the
 //! old one, which leaves every existing mapping intact.
 
-use std::collections::HashMap;
 use std::fmt;
 use std::os::fd::{BorrowedFd, OwnedFd};
-use std::sync::{Arc, Weak};
+use std::sync::Arc;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use crate::error::{Error, Result};
+use crate::identity_cache::IdentityCache;
 use crate::sys;
 use crate::sys::file_map::ReadOnlyMapping;
 use crate::wire::{Decoder, Encoder};
@@ -49,11 +49,8 @@ impl fmt::Debug for FileSegment {
     }
 }
 
-/// Mapped files by (device, inode). `Weak`: the cache keeps nothing alive.
-type FileTable = HashMap<(u64, u64), Weak<FileSegment>>;
-
-/// This process's mapped files.
-static FILES: crate::sys::fork_local::ForkLocal<Option<FileTable>> =
+/// This process's mapped files, by (device, inode).
+static FILES: crate::sys::fork_local::ForkLocal<IdentityCache<(u64, u64), FileSegment>> =
     crate::sys::fork_local::ForkLocal::new();
 
 impl FileSegment {
@@ -86,9 +83,8 @@ impl FileSegment {
             )));
         }
         let key = (st.dev, st.ino);
-        let mut guard = FILES.lock();
-        let files = guard.get_or_insert_with(HashMap::new);
-        if let Some(live) = files.get(&key).and_then(Weak::upgrade) {
+        let mut files = FILES.lock();
+        if let Some(live) = files.get(&key) {
             if claimed > live.len() as u64 {
                 return Err(Error::InvalidMessage(format!(
                     "a read-only tensor's handle claims {claimed} bytes but {} was mapped here \
@@ -115,8 +111,7 @@ impl FileSegment {
             fd: Arc::new(owned),
             origin: origin.to_owned(),
         });
-        files.retain(|_, w| w.strong_count() > 0);
-        files.insert(key, Arc::downgrade(&segment));
+        files.insert(key, &segment);
         Ok(segment)
     }
 

@@ -110,7 +110,7 @@ pub(crate) use reference::{BlockUse, Returns};
 #[cfg(any(test, feature = "fuzzing"))]
 pub(crate) use segment::BLOCK_MAGIC_BYTES;
 pub(crate) use segment::{BLOCK_HEADER_LEN, Segment};
-pub(crate) use words::SharedWords;
+pub(crate) use words::{SharedWords, WORDS};
 
 use self::strategy::SharingStrategy;
 use crate::error::{Error, Result};

@@ -56,6 +56,10 @@ mod layout;
 #[allow(unsafe_code)]
 mod raw;
 mod reductions;
+// Host tensors pinned and copied to a device on a side stream (the data loader's
+// `pin_memory` and `prefetch_to`).
+#[cfg(feature = "cuda")]
+pub(crate) mod side_stream;
 #[allow(unsafe_code)]
 mod storage;
 #[cfg(test)]

@@ -22,9 +22,9 @@
 //! of waiting. A lookup reports a block missing only after it has looked through both
 //! shelves, since a block whose second append failed (a full buffer) is on one only.
 //!
-//! Words of the ring's block, per shelf: the lock (4 words), `ENTRIES` (about how many
-//! packets are queued) and `BYTES` (about how many bytes of blocks they hold): shelf 0
-//! at words 16..24, shelf 1 at 24..32.
+//! Each shelf has words in the ring's block (their offsets in `queue::layout`): the
+//! lock, `ENTRIES` (about how many packets are queued) and `BYTES` (about how many
+//! bytes of blocks they hold).
 //!
 //! **Sweeps.** An entry costs its block's memory as long as it is queued. When the
 //! entries or their bytes pass a threshold (which doubles with what a sweep keeps), the
@@ -46,18 +46,20 @@
 //! which `protocol::model` explores them (participants stopped for good or killed at
 //! every step).
 //!
-//! Each process remembers which blocks it has put into this custody (a `Weak` per
-//! block, so a block freed and an inode number reused are told apart) and puts a block
-//! in once.
+//! Each process remembers which blocks it has put into this custody (an
+//! `IdentityCache` entry per block, compared by identity, so a block freed and an
+//! inode number reused are told apart) and puts a block in once.
 
 use std::any::Any;
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
+use super::layout::{SHELF_BASE, SHELF_BYTES, SHELF_ENTRIES};
 use crate::error::{Error, Result};
+use crate::identity_cache::IdentityCache;
 use crate::shm::SharedWords;
 use crate::shm::{CacheKey, Segment, cached};
 use crate::sync::lock::{Acquired, RawLock};
@@ -68,11 +70,6 @@ mod protocol;
 
 use protocol::{ENTRY_LEN, Lookup, SHELVES, Shelves};
 
-/// The first word of each shelf's words: its lock (4 words), `ENTRIES` (+4) and
-/// `BYTES` (+6, 64 bits).
-const SHELF_BASE: [usize; SHELVES] = [16, 24];
-const ENTRIES: usize = 4;
-const BYTES: usize = 6;
 /// Sweep thresholds before any sweep has run (see the module docs).
 const SWEEP_ENTRIES: u32 = 64;
 const SWEEP_BYTES: u64 = 512 << 20;
@@ -130,30 +127,8 @@ impl Drop for Held<'_> {
     }
 }
 
-/// What maps a block here (`KeptBlock::identity`).
-type Identity = Arc<dyn Any + Send + Sync>;
-
 /// The blocks this process has put into a custody, by device and inode.
-struct Published {
-    blocks: HashMap<(u64, u64), Weak<dyn Any + Send + Sync>>,
-    /// The block published or found last, compared before `blocks` is hashed: a
-    /// stream of tensors from one arena names the same block again and again.
-    last: Weak<dyn Any + Send + Sync>,
-}
-
-impl Default for Published {
-    fn default() -> Self {
-        Self {
-            blocks: HashMap::new(),
-            last: Weak::<()>::new(),
-        }
-    }
-}
-
-/// Whether `weak` points at `identity` (a live one: `identity` holds it).
-fn same(weak: &Weak<dyn Any + Send + Sync>, identity: &Identity) -> bool {
-    std::ptr::addr_eq(weak.as_ptr(), Arc::as_ptr(identity))
-}
+type Published = IdentityCache<(u64, u64), dyn Any + Send + Sync>;
 
 impl Custody {
     /// A new, empty custody in the words of `block` (a ring's).
@@ -197,11 +172,11 @@ impl Custody {
     }
 
     fn entries(&self, shelf: usize) -> &AtomicU32 {
-        self.block.word(self.shelves[shelf].base + ENTRIES)
+        self.block.word(self.shelves[shelf].base + SHELF_ENTRIES)
     }
 
     fn bytes(&self, shelf: usize) -> &AtomicU64 {
-        self.block.word64(self.shelves[shelf].base + BYTES)
+        self.block.word64(self.shelves[shelf].base + SHELF_BYTES)
     }
 
     /// Runs `f` with the lock of `shelf` (0 or 1) held (tests: a holder that stops
@@ -353,15 +328,7 @@ impl WireCustody for Custody {
             .published
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        if same(&published.last, block.identity) {
-            return true;
-        }
-        let known = published
-            .blocks
-            .get(&(dev, ino))
-            .is_some_and(|w| same(w, block.identity));
-        if known {
-            published.last = Arc::downgrade(block.identity);
+        if published.holds(&(dev, ino), block.identity) {
             return true;
         }
         let mut entry = [0u8; ENTRY_LEN];
@@ -373,11 +340,7 @@ impl WireCustody for Custody {
         if !(on_first || on_second) {
             return false;
         }
-        published.blocks.retain(|_, w| w.strong_count() > 0);
-        published
-            .blocks
-            .insert((dev, ino), Arc::downgrade(block.identity));
-        published.last = Arc::downgrade(block.identity);
+        published.insert((dev, ino), block.identity);
         true
     }
 

@@ -4,12 +4,13 @@
 //! than a slot, any message while the ring is full) and for packets that did not come
 //! through a `put` (forged ones, which a getter still receives and reports).
 //!
-//! **Layout.** One [`SharedWords`] (kind `RNG3`) whose byte area is [`SLOTS`] slots of
-//! [`SLOT_BYTES`]: each a 64-bit state word, a 32-bit length and the record (a whole
-//! packet: wire header and inline payload, at most [`RECORD_MAX`] bytes). Words of the
-//! page: `HEAD` and `TAIL` (64-bit positions), `SEQ` (bumped by every publication;
-//! sleeping getters wait on it), `GET_WAITERS`, `LANE` (64 bits: a generation and a
-//! flag). The slots follow the lock-free protocol of [`slots`]: nobody ever waits for
+//! **Layout.** One [`SharedWords`] (kind `RNG3`) whose byte area is `SLOTS` slots: each
+//! a 64-bit state word, a 32-bit length and the record (a whole packet: wire header and
+//! inline payload, at most [`RECORD_MAX`] bytes). Words of the page: `HEAD` and `TAIL`
+//! (64-bit positions), `SEQ` (bumped by every publication; sleeping getters wait on
+//! it), `GET_WAITERS`, `LANE` (64 bits: a generation and a flag). Every offset is in
+//! `queue::layout`, the block's one map (the custody and a queue's counters have words
+//! in it too). The slots follow the lock-free protocol of [`slots`]: nobody ever waits for
 //! another participant, so one stopped or killed anywhere costs the others at most one
 //! [`REVOKE_AFTER`] (a writer stopped mid-record is revoked and writes again when it
 //! resumes) and never a message.
@@ -46,6 +47,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use self::slots::{Popped, Pushed, SlotMemory};
+use super::layout::{GET_WAITERS, HEAD, LANE, LENGTH_AT, RECORD_AT, SEQ, SLOT_BYTES, SLOTS, TAIL};
 use crate::error::{Error, Result};
 use crate::shm::SharedWords;
 use crate::sys::futex;
@@ -55,23 +57,9 @@ use crate::wire::{self, Decoder, Encoder};
 
 /// The kind word of a ring's block (the fuzzer's seeds recognise rings by it).
 pub(crate) const KIND: u32 = 0x524e_4733; // "RNG3"
-/// Slots of a ring.
-const SLOTS: usize = 1024;
-/// Bytes of a slot: state word, length, record.
-const SLOT_BYTES: usize = 256;
-/// Where a slot's record starts.
-const RECORD_AT: usize = 16;
 /// The largest packet that travels through the ring (a tensor's message is 30 to 60
 /// bytes); a larger one goes on the lane.
 const RECORD_MAX: usize = SLOT_BYTES - RECORD_AT;
-
-/// Words of the block (word 0 is the block's kind; words 16..32 belong to the
-/// channel's custody, 32 and up to a queue's counters).
-const HEAD: usize = 8;
-const TAIL: usize = 10;
-const SEQ: usize = 12;
-const GET_WAITERS: usize = 13;
-const LANE: usize = 14;
 
 /// How long a sleeping getter waits before it looks at the socket again.
 const SOCKET_RECHECK: Duration = Duration::from_millis(20);
@@ -119,7 +107,8 @@ impl SlotMemory for Ring {
     fn write(&self, slot: usize, parts: &[&[u8]]) {
         let at = slot * SLOT_BYTES;
         let len: usize = parts.iter().map(|p| p.len()).sum();
-        self.block.write_bytes(at + 8, &(len as u32).to_le_bytes());
+        self.block
+            .write_bytes(at + LENGTH_AT, &(len as u32).to_le_bytes());
         let mut offset = at + RECORD_AT;
         for part in parts {
             self.block.write_bytes(offset, part);
@@ -130,7 +119,7 @@ impl SlotMemory for Ring {
     fn read(&self, slot: usize) -> Option<Vec<u8>> {
         let at = slot * SLOT_BYTES;
         let mut len = [0u8; 4];
-        self.block.read_bytes(at + 8, &mut len);
+        self.block.read_bytes(at + LENGTH_AT, &mut len);
         let len = u32::from_le_bytes(len) as usize;
         if len > RECORD_MAX {
             return None;
@@ -543,7 +532,7 @@ mod tests {
                 let head = r.position(HEAD).load(Ordering::Acquire);
                 let slot = (head % SLOTS as u64) as usize;
                 r.block
-                    .write_bytes(slot * SLOT_BYTES + 8, &u32::MAX.to_le_bytes());
+                    .write_bytes(slot * SLOT_BYTES + LENGTH_AT, &u32::MAX.to_le_bytes());
                 r.state(slot)
                     .store((head / SLOTS as u64) << 2 | 2, Ordering::Release);
                 r.position(TAIL).store(head + 1, Ordering::Release);

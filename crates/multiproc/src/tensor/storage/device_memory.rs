@@ -8,7 +8,7 @@
 //! the guard lives; device memory only through the driver, with every range checked
 //! first.
 
-use std::sync::{Arc, Weak};
+use std::sync::Arc;
 
 use super::backing::Backing;
 use super::received_cache::{StorageKey, with_storage_cache};
@@ -27,7 +27,7 @@ impl Storage {
         }
         let key = StorageKey(Arc::as_ptr(&memory) as usize, offset, nbytes);
         let storage = Storage::with_backing(nbytes, Backing::Cuda { memory, offset });
-        with_storage_cache(|c| c.put(key, &storage));
+        with_storage_cache(|c| c.insert(key, &storage.inner));
         Ok(storage)
     }
 
@@ -36,11 +36,11 @@ impl Storage {
     pub(super) fn from_cuda(memory: Arc<CudaUse>, offset: usize, nbytes: usize) -> Storage {
         let key = StorageKey(Arc::as_ptr(&memory) as usize, offset, nbytes);
         with_storage_cache(|c| {
-            if let Some(inner) = c.entries.get(&key).and_then(Weak::upgrade) {
+            if let Some(inner) = c.get(&key) {
                 return Storage { inner };
             }
             let storage = Storage::with_backing(nbytes, Backing::Cuda { memory, offset });
-            c.put(key, &storage);
+            c.insert(key, &storage.inner);
             storage
         })
     }

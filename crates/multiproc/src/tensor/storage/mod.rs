@@ -186,7 +186,7 @@ impl Storage {
             },
             Some(slice.block),
         );
-        with_storage_cache(|c| c.put(key, &storage));
+        with_storage_cache(|c| c.insert(key, &storage.inner));
         Ok(storage)
     }
 
@@ -234,7 +234,7 @@ impl Storage {
         // released: the last use of a named block unlinks its name.
         let mut unneeded = None;
         let storage = with_storage_cache(|c| {
-            if let Some(inner) = c.entries.get(&key).and_then(Weak::upgrade) {
+            if let Some(inner) = c.get(&key) {
                 if let Some(brought) = brought {
                     let mut held = inner
                         .block_use
@@ -251,7 +251,7 @@ impl Storage {
                 return Storage { inner };
             }
             let storage = Storage::with_use(nbytes, Backing::Shared { segment, offset }, brought);
-            c.put(key, &storage);
+            c.insert(key, &storage.inner);
             storage
         });
         drop(unneeded);
@@ -398,7 +398,7 @@ impl Storage {
         // locks a backing, so the two locks are never nested).
         drop(backing);
         drop(none);
-        with_storage_cache(|c| c.put(key, self));
+        with_storage_cache(|c| c.insert(key, &self.inner));
         Ok(())
     }
 

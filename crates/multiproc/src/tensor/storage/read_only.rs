@@ -4,7 +4,7 @@
 //! move? See the parent module's `# Safety` for the lock discipline this relies on.
 
 use std::ptr::NonNull;
-use std::sync::{Arc, PoisonError, Weak};
+use std::sync::{Arc, PoisonError};
 
 use super::Storage;
 use super::backing::Backing;
@@ -37,7 +37,7 @@ impl Storage {
         // its backing rather than becoming an ordinary empty storage.
         let key = StorageKey(Arc::as_ptr(&file) as usize, offset, nbytes);
         with_storage_cache(|c| {
-            if let Some(inner) = c.entries.get(&key).and_then(Weak::upgrade) {
+            if let Some(inner) = c.get(&key) {
                 return Ok(Storage { inner });
             }
             let storage = Storage::with_backing(
@@ -48,7 +48,7 @@ impl Storage {
                     name: Arc::from(name),
                 },
             );
-            c.put(key, &storage);
+            c.insert(key, &storage.inner);
             Ok(storage)
         })
     }

@@ -11,10 +11,10 @@
 
 use std::sync::Arc;
 
+use super::Tensor;
 use crate::cuda::Device;
 use crate::error::Result;
 use crate::sys::cuda_driver::{self as driver, Stream, Transfer};
-use crate::tensor::Tensor;
 
 /// Page-locks the host bytes of `t` for every CUDA context of this process (registered
 /// with `device`'s context current), once per shared segment. A tensor in private

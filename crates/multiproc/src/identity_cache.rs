@@ -1,0 +1,178 @@
+//! [`IdentityCache`]: this process's table of the live things it can find again by an
+//! identity — its mappings by segment, its storages by where their bytes are, its
+//! read-only files and CUDA allocations by inode or id, the blocks it has put into a
+//! queue's custody.
+//!
+//! Every such table answers the same question ("do I already have the one named
+//! so?") under the same rules, so they are one type:
+//!
+//! - **It keeps nothing alive.** An entry is a [`Weak`]: the thing lives exactly as
+//!   long as its users hold it, and a lookup of a dead one is a miss.
+//! - **Dead entries cost amortised O(1).** They are swept when the table has grown to
+//!   twice its size after the last sweep (as a `HashMap` grows), never on every insert:
+//!   a receiver holding 100,000 tensors pays one pass per doubling, not one per tensor.
+//! - **The last hit is checked first.** A stream of tensors from one arena names the
+//!   same segment again and again, and comparing a key costs less than hashing it.
+//!
+//! A table is plain process-local bookkeeping: the caller holds it in a
+//! `sys::fork_local::ForkLocal` (or a lock of its own) and a fork child starts with
+//! an empty one.
+
+use std::collections::HashMap;
+use std::hash::Hash;
+use std::sync::{Arc, Weak};
+
+/// Entries a table holds before its first sweep.
+const FIRST_SWEEP: usize = 64;
+
+/// Live things by identity, held weakly (see the module docs).
+pub(crate) struct IdentityCache<K, V: ?Sized> {
+    entries: HashMap<K, Weak<V>>,
+    /// The entry found or made last.
+    last: Option<(K, Weak<V>)>,
+    /// The size at which dead entries are swept next.
+    sweep_at: usize,
+}
+
+impl<K, V: ?Sized> Default for IdentityCache<K, V> {
+    fn default() -> Self {
+        Self {
+            entries: HashMap::new(),
+            last: None,
+            sweep_at: FIRST_SWEEP,
+        }
+    }
+}
+
+impl<K: Eq + Hash + Clone, V: ?Sized> IdentityCache<K, V> {
+    /// The live thing under `key`, if there is one.
+    pub(crate) fn get(&mut self, key: &K) -> Option<Arc<V>> {
+        if let Some((last, weak)) = &self.last {
+            if last == key {
+                if let Some(live) = weak.upgrade() {
+                    return Some(live);
+                }
+            }
+        }
+        let weak = self.entries.get(key)?;
+        let live = weak.upgrade()?;
+        self.last = Some((key.clone(), Weak::clone(weak)));
+        Some(live)
+    }
+
+    /// Whether `value` itself (not merely something under the same key) is the entry
+    /// under `key`.
+    pub(crate) fn holds(&mut self, key: &K, value: &Arc<V>) -> bool {
+        // `value` is alive, so a dead entry's address (its allocation stays while a
+        // `Weak` points at it) can never be its address.
+        let same = |weak: &Weak<V>| std::ptr::addr_eq(weak.as_ptr(), Arc::as_ptr(value));
+        if let Some((last, weak)) = &self.last {
+            if last == key && same(weak) {
+                return true;
+            }
+        }
+        let Some(weak) = self.entries.get(key).filter(|w| same(w)) else {
+            return false;
+        };
+        self.last = Some((key.clone(), Weak::clone(weak)));
+        true
+    }
+
+    /// The entry found or made last, if it is still alive.
+    pub(crate) fn last(&self) -> Option<(&K, Arc<V>)> {
+        let (key, weak) = self.last.as_ref()?;
+        Some((key, weak.upgrade()?))
+    }
+
+    /// Records `value` under `key` (replacing what was there).
+    pub(crate) fn insert(&mut self, key: K, value: &Arc<V>) {
+        let weak = Arc::downgrade(value);
+        self.last = Some((key.clone(), Weak::clone(&weak)));
+        self.entries.insert(key, weak);
+        if self.entries.len() >= self.sweep_at {
+            self.sweep();
+        }
+    }
+
+    /// Drops the dead entries now.
+    pub(crate) fn sweep(&mut self) {
+        self.entries.retain(|_, weak| weak.strong_count() > 0);
+        self.sweep_at = (self.entries.len() * 2).max(FIRST_SWEEP);
+        if self
+            .last
+            .as_ref()
+            .is_some_and(|(_, w)| w.strong_count() == 0)
+        {
+            self.last = None;
+        }
+    }
+
+    /// Every live thing in the table.
+    pub(crate) fn live(&self) -> Vec<Arc<V>> {
+        self.entries.values().filter_map(Weak::upgrade).collect()
+    }
+
+    /// How many entries the table holds, dead ones not yet swept included.
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.entries.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn finds_only_what_is_alive_and_keeps_nothing_alive() {
+        let mut cache: IdentityCache<u32, String> = IdentityCache::default();
+        let a = Arc::new("a".to_owned());
+        cache.insert(1, &a);
+        assert_eq!(cache.get(&1).as_deref().map(String::as_str), Some("a"));
+        assert_eq!(
+            Arc::strong_count(&a),
+            1,
+            "the cache holds no strong reference"
+        );
+        drop(a);
+        assert!(cache.get(&1).is_none());
+        assert!(cache.last().is_none());
+    }
+
+    #[test]
+    fn holds_tells_the_same_thing_from_another_under_the_same_key() {
+        let mut cache: IdentityCache<u32, dyn std::any::Any + Send + Sync> =
+            IdentityCache::default();
+        let a: Arc<dyn std::any::Any + Send + Sync> = Arc::new(1u8);
+        let b: Arc<dyn std::any::Any + Send + Sync> = Arc::new(1u8);
+        cache.insert(7, &a);
+        assert!(cache.holds(&7, &a));
+        assert!(!cache.holds(&7, &b));
+        assert!(!cache.holds(&8, &a));
+        // Found through the map as well as through the last entry.
+        cache.insert(9, &b);
+        assert!(cache.holds(&7, &a));
+    }
+
+    #[test]
+    fn dead_entries_are_swept_when_the_table_doubles() {
+        let mut cache: IdentityCache<usize, usize> = IdentityCache::default();
+        let kept: Vec<Arc<usize>> = (0..10).map(Arc::new).collect();
+        for (i, k) in kept.iter().enumerate() {
+            cache.insert(i, k);
+        }
+        // 10,000 short-lived entries: the table never holds more than about twice
+        // the live ones past the first sweep.
+        let mut most = 0;
+        for i in 10..10_010 {
+            let short = Arc::new(i);
+            cache.insert(i, &short);
+            most = most.max(cache.len());
+        }
+        assert!(most <= FIRST_SWEEP, "the table grew to {most} entries");
+        for (i, k) in kept.iter().enumerate() {
+            assert!(Arc::ptr_eq(&cache.get(&i).expect("a live entry"), k));
+        }
+        assert_eq!(cache.live().len(), 10);
+    }
+}

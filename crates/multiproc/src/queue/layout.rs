@@ -1,0 +1,112 @@
+//! Where everything lives in a channel's block: the one map of its words and slots.
+//!
+//! A channel (every queue and pipe) has one [`SharedWords`](crate::shm::SharedWords)
+//! block, made by the ring, whose page of 32-bit words is shared by three owners and
+//! whose byte area holds the ring's slots. Every offset any of them uses is defined
+//! here and nowhere else, so that two owners can never be given the same word:
+//!
+//! | words | owner | what |
+//! |---|---|---|
+//! | 0 | `shm::SharedWords` | the block's kind (`ring::KIND`) |
+//! | 8–9 | `ring` | `HEAD`: the position of the oldest record (64 bits, a hint) |
+//! | 10–11 | `ring` | `TAIL`: the position of the next record (64 bits, a hint) |
+//! | 12 | `ring` | `SEQ`: bumped by every publication; sleeping getters wait on it |
+//! | 13 | `ring` | `GET_WAITERS`: getters asleep on `SEQ` |
+//! | 14–15 | `ring` | `LANE`: the socket lane's generation and flag (64 bits) |
+//! | 16–23 | `custody` | shelf 0: its lock (4 words), `ENTRIES` (+4), `BYTES` (+6, 64 bits) |
+//! | 24–31 | `custody` | shelf 1, the same |
+//! | 33 | `counted` | `FREE_PLACES`: places a bounded queue has free |
+//! | 34 | `counted` | `ITEMS`: messages put and not yet taken (`qsize`) |
+//! | 35 | `counted` | `UNFINISHED`: a joinable queue's tasks not yet done |
+//! | 36 | `counted` | `CAPACITY`: a bounded queue's `maxsize` (0: unbounded) |
+//! | 37 | `counted` | `PLACE_WAITERS`: putters asleep on `FREE_PLACES` |
+//! | 38 | `counted` | `PLACE_DEBT`: places taken back from putters that timed out |
+//!
+//! Words 1–7, 32 and 39 up are unused. The byte area after the page is [`SLOTS`] slots
+//! of [`SLOT_BYTES`] each: a 64-bit state word (`ring::slots`' protocol), a 32-bit
+//! length at [`LENGTH_AT`], and from [`RECORD_AT`] the record (a whole packet).
+
+/// Words of the ring (see the table).
+pub(super) const HEAD: usize = 8;
+pub(super) const TAIL: usize = 10;
+pub(super) const SEQ: usize = 12;
+pub(super) const GET_WAITERS: usize = 13;
+pub(super) const LANE: usize = 14;
+
+/// The first word of each custody shelf's words: its lock (4 words, a
+/// `sync::lock::RawLock`), then [`SHELF_ENTRIES`] and [`SHELF_BYTES`].
+pub(super) const SHELF_BASE: [usize; 2] = [16, 24];
+/// A shelf's `ENTRIES` word, from its base: about how many packets it holds.
+pub(super) const SHELF_ENTRIES: usize = 4;
+/// A shelf's `BYTES` (64 bits), from its base: about how many bytes of blocks they hold.
+pub(super) const SHELF_BYTES: usize = 6;
+
+/// Words of a queue's counters (see the table).
+pub(super) const FREE_PLACES: usize = 33;
+pub(super) const ITEMS: usize = 34;
+pub(super) const UNFINISHED: usize = 35;
+pub(super) const CAPACITY: usize = 36;
+pub(super) const PLACE_WAITERS: usize = 37;
+pub(super) const PLACE_DEBT: usize = 38;
+
+/// Slots of the ring, in the block's byte area.
+pub(super) const SLOTS: usize = 1024;
+/// Bytes of a slot: state word, length, record.
+pub(super) const SLOT_BYTES: usize = 256;
+/// Where a slot's record length (32 bits) is, from the slot's start.
+pub(super) const LENGTH_AT: usize = 8;
+/// Where a slot's record starts.
+pub(super) const RECORD_AT: usize = 16;
+
+// Every word is on the page, and the slots' fields are in their slot.
+const _: () =
+    assert!(PLACE_DEBT < crate::shm::WORDS && SHELF_BASE[1] + SHELF_BYTES + 1 < FREE_PLACES);
+const _: () = assert!(LENGTH_AT >= 8 && LENGTH_AT + 4 <= RECORD_AT && RECORD_AT < SLOT_BYTES);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn no_two_owners_share_a_word_and_everything_fits_the_page() {
+        let mut owner = [""; crate::shm::WORDS];
+        let mut claim = |first: usize, words: usize, who: &'static str| {
+            for (w, slot) in owner.iter_mut().enumerate().skip(first).take(words) {
+                assert!(slot.is_empty(), "word {w} is claimed by {slot} and {who}");
+                *slot = who;
+            }
+            assert!(first + words <= crate::shm::WORDS, "{who} is past the page");
+        };
+        claim(0, 1, "kind");
+        claim(HEAD, 2, "HEAD");
+        claim(TAIL, 2, "TAIL");
+        claim(SEQ, 1, "SEQ");
+        claim(GET_WAITERS, 1, "GET_WAITERS");
+        claim(LANE, 2, "LANE");
+        for base in SHELF_BASE {
+            claim(base, crate::sync::lock::RAW_LOCK_WORDS, "a shelf's lock");
+            claim(base + SHELF_ENTRIES, 1, "a shelf's ENTRIES");
+            claim(base + SHELF_BYTES, 2, "a shelf's BYTES");
+        }
+        for w in [
+            FREE_PLACES,
+            ITEMS,
+            UNFINISHED,
+            CAPACITY,
+            PLACE_WAITERS,
+            PLACE_DEBT,
+        ] {
+            claim(w, 1, "a counter");
+        }
+        // 64-bit words are 8-byte aligned.
+        for w in [
+            HEAD,
+            TAIL,
+            LANE,
+            SHELF_BASE[0] + SHELF_BYTES,
+            SHELF_BASE[1] + SHELF_BYTES,
+        ] {
+            assert_eq!(w % 2, 0, "the 64-bit word at {w} is not 8-byte aligned");
+        }
+    }
+}
