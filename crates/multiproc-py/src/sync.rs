@@ -107,6 +107,12 @@ impl PyLock {
     fn new() -> PyResult<Self> {
         Self::create()
     }
+
+    /// Whether this thread of this process holds the lock (CPython's
+    /// `SemLock._is_mine`): what a `Condition` over the lock checks.
+    fn _is_mine(&self) -> bool {
+        self.inner.is_owned_by_current_thread()
+    }
 }
 
 #[pymethods]
@@ -114,6 +120,11 @@ impl PyRLock {
     #[new]
     fn new() -> PyResult<Self> {
         Self::create()
+    }
+
+    /// Whether this thread of this process holds the lock, at any depth.
+    fn _is_mine(&self) -> bool {
+        self.inner.is_owned_by_current_thread()
     }
 }
 

@@ -2,6 +2,7 @@
 
 import multiprocessing
 import queue
+import threading
 
 import pytest
 import torch
@@ -103,3 +104,60 @@ def test_condition_wait_for_a_shared_counter(method, make_lock):
 def test_a_condition_over_a_lock_refuses_a_parcel():
     with pytest.raises(TypeError, match="four handles"):
         mp.parcel_for_child(mp.Condition(mp.Lock()))
+
+
+def _refuse_everything_but_holding(cond, lock):
+    """Every wait and notify of ``cond`` raises RuntimeError, and leaves ``lock`` as it
+    was: held by its other holder."""
+    calls = [lambda: cond.wait(0.01), lambda: cond.wait(), lambda: cond.wait_for(lambda: True),
+             lambda: cond.wait_for(lambda: False, 0.01), lambda: cond.notify(),
+             lambda: cond.notify(2), lambda: cond.notify_all()]
+    for call in calls:
+        with pytest.raises(RuntimeError, match="not held by this thread"):
+            call()
+        assert lock.acquire(block=False) is False, "the other holder's lock was let go"
+
+
+@pytest.mark.parametrize("make_lock", [mp.Lock, mp.RLock], ids=["Lock", "RLock"])
+def test_a_condition_refuses_a_lock_another_process_holds(make_lock):
+    lock = make_lock()
+    cond = mp.Condition(lock)
+    taken, done = mp.Event(), mp.Event()
+    p = multiprocessing.get_context("forkserver").Process(
+        target=workers.hold_lock_until, args=(lock, taken, done))
+    p.start()
+    try:
+        assert taken.wait(60)
+        _refuse_everything_but_holding(cond, lock)
+    finally:
+        done.set()
+        p.join(60)
+    assert p.exitcode == 0
+    with cond:  # the caller's own: as before
+        cond.notify_all()
+        assert cond.wait(0.01) is False
+        assert cond.wait_for(lambda: True) is True
+
+
+@pytest.mark.parametrize("make_lock", [mp.Lock, mp.RLock], ids=["Lock", "RLock"])
+def test_a_condition_refuses_a_lock_another_thread_holds(make_lock):
+    lock = make_lock()
+    cond = mp.Condition(lock)
+    taken, done = threading.Event(), threading.Event()
+    t = threading.Thread(target=workers.hold_lock_until, args=(lock, taken, done))
+    t.start()
+    try:
+        assert taken.wait(60)
+        _refuse_everything_but_holding(cond, lock)
+    finally:
+        done.set()
+        t.join(60)
+    assert not t.is_alive()
+    # Free: refused too (nothing to let go of), and the lock stays free.
+    with pytest.raises(RuntimeError, match="not held by this thread"):
+        cond.notify()
+    assert lock.acquire(block=False) is True
+    lock.release()
+    with cond:
+        cond.notify()
+        assert cond.wait(0.01) is False

@@ -104,6 +104,13 @@ def wait_then_report(cond, ready, out, rank):
     out.put((rank, notified))
 
 
+def hold_lock_until(lock, taken, done):
+    """Holds ``lock`` from ``taken`` until ``done`` is set."""
+    with lock:
+        taken.set()
+        assert done.wait(60)
+
+
 def wait_for_count(cond, counter, target, out):
     with cond:
         ok = cond.wait_for(lambda: int(counter.item()) >= target, timeout=60)

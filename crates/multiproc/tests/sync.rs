@@ -7,7 +7,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use multiproc::{
-    Barrier, Error, Event, Lock, Semaphore, SimpleQueue, StartMethod, Value, start_processes,
+    Barrier, Error, Event, Lock, RLock, Semaphore, SimpleQueue, StartMethod, Value, start_processes,
 };
 
 const DEADLINE: Duration = Duration::from_secs(60);
@@ -175,8 +175,82 @@ fn a_lock_holder_killed_while_holding_is_reported() {
         );
         assert!(err.to_string().contains(&holder.to_string()), "{err}");
         assert!(start.elapsed() < Duration::from_secs(10));
+        assert!(
+            lock.is_owned_by_current_thread(),
+            "taken over from the dead holder: this thread's"
+        );
         lock.release().unwrap();
+        assert!(!lock.is_owned_by_current_thread());
         let err = ctx.join(Some(Duration::from_secs(20))).unwrap_err();
         assert!(matches!(err, Error::ProcessExited { .. }), "{err}");
+    });
+}
+
+type Ownership = (Lock, RLock, Value<u32>, [Event; 4]);
+
+/// Bits of what a worker saw: its parent's locks as not its own (0, 1) but held (2, 3),
+/// then, once it took them, as its own (4, 5).
+fn check_ownership(_rank: usize, (lock, rlock, seen, [reported, go, held, done]): Ownership) {
+    let bit = |b: bool, at: u32| u32::from(b) << at;
+    seen.set(
+        bit(lock.is_owned_by_current_thread(), 0)
+            | bit(rlock.is_owned_by_current_thread(), 1)
+            | bit(lock.is_locked(), 2)
+            | bit(rlock.acquire(Some(Duration::ZERO)).is_err(), 3),
+    );
+    reported.set();
+    go.wait(Some(Duration::from_secs(30))).expect("go");
+    let _l = lock.lock().expect("lock");
+    let _r = rlock.lock().expect("rlock");
+    seen.update(|v| {
+        v | bit(lock.is_owned_by_current_thread(), 4) | bit(rlock.is_owned_by_current_thread(), 5)
+    })
+    .expect("update");
+    held.set();
+    done.wait(Some(Duration::from_secs(30))).expect("done");
+}
+
+#[test]
+fn is_owned_by_current_thread_tells_this_thread_from_other_threads_and_processes() {
+    common::run(DEADLINE, || {
+        for method in [StartMethod::Fork, StartMethod::Spawn] {
+            let (lock, rlock) = (Lock::new().unwrap(), RLock::new().unwrap());
+            assert!(!lock.is_owned_by_current_thread() && !rlock.is_owned_by_current_thread());
+            lock.acquire(None).unwrap();
+            rlock.acquire(None).unwrap();
+            rlock.acquire(None).unwrap();
+            assert!(lock.is_owned_by_current_thread() && rlock.is_owned_by_current_thread());
+            std::thread::scope(|s| {
+                s.spawn(|| {
+                    assert!(lock.is_locked() && !lock.is_owned_by_current_thread());
+                    assert!(!rlock.is_owned_by_current_thread());
+                    assert!(rlock.try_lock().unwrap().is_none(), "another thread's");
+                });
+            });
+            let seen = Value::new(0u32).unwrap();
+            let events: [Event; 4] = std::array::from_fn(|_| Event::new().unwrap());
+            let [reported, go, held, done] = events.clone();
+            let args = (lock.clone(), rlock.clone(), seen.clone(), events);
+            let mut ctx = start_processes(check_ownership, args, 1, method).unwrap();
+            reported.wait(Some(Duration::from_secs(30))).unwrap();
+            assert_eq!(seen.get(), 0b1100, "{method:?}: the parent's locks, held");
+            lock.release().unwrap();
+            rlock.release().unwrap();
+            assert!(rlock.is_owned_by_current_thread(), "one level left");
+            rlock.release().unwrap();
+            assert!(!lock.is_owned_by_current_thread() && !rlock.is_owned_by_current_thread());
+            go.set();
+            held.wait(Some(Duration::from_secs(30))).unwrap();
+            assert_eq!(
+                seen.get(),
+                0b11_1100,
+                "{method:?}: the child's own, once taken"
+            );
+            assert!(lock.is_locked() && !lock.is_owned_by_current_thread());
+            assert!(!rlock.is_owned_by_current_thread());
+            done.set();
+            ctx.join(Some(Duration::from_secs(30))).unwrap();
+            assert!(!lock.is_locked());
+        }
     });
 }

@@ -210,7 +210,9 @@ class Condition(_Lockish):
     a Rust process can open too), with a lock of its own that is not re-entrant. With a
     multiproc ``Lock`` or ``RLock`` it waits on that lock the way CPython's
     ``multiprocessing.Condition`` does: three semaphores count the sleepers, wake them
-    and confirm that they woke (see ``_ConditionOverLock``).
+    and confirm that they woke (see ``_ConditionOverLock``); ``wait``, ``wait_for``,
+    ``notify`` and ``notify_all`` then raise ``RuntimeError`` unless this thread holds
+    the lock, as CPython's do.
     """
 
     __slots__ = ()
@@ -233,6 +235,8 @@ class Condition(_Lockish):
     def wait_for(self, predicate, timeout=None):
         """Waits until ``predicate()`` is true (checked with the lock held), at most
         ``timeout`` seconds; returns the predicate's last value."""
+        if isinstance(self._h, _ConditionOverLock):
+            self._h.check_owned("wait on")
         end = None if timeout is None else time.monotonic() + timeout
         result = predicate()
         while not result:
@@ -260,6 +264,12 @@ class _ConditionOverLock:
     sleeper it wakes and waits on ``woken`` until each has taken its ``wake``, so that a
     later waiter cannot take a wake-up meant for an earlier one. ``woken`` also counts
     waiters that timed out, which the next notify subtracts from ``sleeping``.
+
+    All of that holds only while the caller holds the lock: ``wait`` and ``notify``
+    first check that this thread of this process does (the lock's ``_is_mine``, as
+    CPython asserts its ``SemLock._is_mine``), and raise ``RuntimeError`` otherwise —
+    a ``Lock`` may be released by anyone, so without the check a wait would let go of
+    another holder's lock.
     """
 
     __slots__ = ("lock", "sleeping", "woken", "wake")
@@ -279,28 +289,28 @@ class _ConditionOverLock:
     def __exit__(self, *exc):
         self.lock.release()
 
+    def check_owned(self, what):
+        """Raises ``RuntimeError`` unless this thread of this process holds the lock."""
+        if not self.lock._h._is_mine():
+            raise RuntimeError(
+                f"cannot {what} a Condition whose {type(self.lock).__name__} is not held "
+                f"by this thread (it is free, or another thread or process holds it); "
+                f"acquire the lock first, as with multiprocessing.Condition")
+
     def _let_go(self):
-        """Releases every level of the lock this caller holds; how many."""
+        """Releases every level of the lock this thread holds; how many."""
+        levels = 1
+        self.lock.release()
         if isinstance(self.lock, RLock):
-            levels = 0
-            while True:
-                try:
-                    self.lock.release()
-                except ValueError:
-                    return levels  # this thread holds no level any more
+            while self.lock._h._is_mine():
+                self.lock.release()
                 levels += 1
-        try:
-            self.lock.release()
-        except ValueError:
-            return 0
-        return 1
+        return levels
 
     def wait(self, timeout=None):
+        self.check_owned("wait on")
         self.sleeping.release()
         levels = self._let_go()
-        if levels == 0:
-            self.sleeping.acquire(False)
-            raise RuntimeError("cannot wait on a condition whose lock is not held")
         try:
             return self.wake.acquire(True, timeout)
         finally:
@@ -309,6 +319,7 @@ class _ConditionOverLock:
                 self.lock.acquire(True, None)
 
     def notify(self, n=1):
+        self.check_owned("notify")
         # Waiters that timed out since the last notify are counted in both.
         while self.woken.acquire(False):
             self.sleeping.acquire(False)

@@ -9,6 +9,7 @@
 //! alive; the check runs often enough that this needs a pid wrap-around within one
 //! interval.
 
+use std::cell::Cell;
 use std::fmt;
 use std::marker::PhantomData;
 use std::sync::Arc;
@@ -34,6 +35,8 @@ const RLOCK_KIND: u32 = 0x524c_434b; // "RLCK"
 /// Word offsets of a raw lock inside its block.
 const OWNER: usize = 0;
 const WAITERS: usize = 1;
+/// The holder's thread id (written after an acquire by `Lock` and `RLock`, read by
+/// their `is_owned_by_current_thread`; not part of the futex protocol).
 const THREAD: usize = 2;
 const DEPTH: usize = 3;
 /// Words a raw lock takes.
@@ -44,8 +47,24 @@ fn my_pid() -> u32 {
     crate::sys::process::cached_pid()
 }
 
+/// This thread's id, without a system call after the thread's first ask (every acquire
+/// of a lock records it): cached per thread, and asked again in a `fork` child, whose
+/// thread has an id of its own.
 fn my_tid() -> u32 {
-    crate::sys::process::current_tid()
+    thread_local! {
+        static TID: Cell<(u64, u32)> = const { Cell::new((u64::MAX, 0)) };
+    }
+    let generation = crate::sys::process::fork_generation();
+    TID.try_with(|cached| {
+        let (seen_in, tid) = cached.get();
+        if seen_in == generation {
+            return tid;
+        }
+        let tid = crate::sys::process::current_tid();
+        cached.set((generation, tid));
+        tid
+    })
+    .unwrap_or_else(|_| crate::sys::process::current_tid())
 }
 
 /// The mechanism under every lock-like primitive: [`RAW_LOCK_WORDS`] words of a shared
@@ -277,6 +296,37 @@ impl Lock {
         Self { raw }
     }
 
+    /// Acquires the raw lock and, once it is ours, records this thread in its THREAD
+    /// word (for [`is_owned_by_current_thread`](Self::is_owned_by_current_thread); the
+    /// protocol itself reads only OWNER and WAITERS).
+    fn acquire_raw(&self, deadline: Deadline) -> Result<Acquired> {
+        let got = self.raw.acquire(deadline)?;
+        if !matches!(got, Acquired::TimedOut) {
+            self.raw.word(THREAD).store(my_tid(), Ordering::Release);
+        }
+        Ok(got)
+    }
+
+    /// Whether this thread of this process holds the lock; a snapshot, for assertions
+    /// and `Condition`. (Any thread or process may release a `Lock`: one that another
+    /// releases stops being this thread's.)
+    ///
+    /// ```
+    /// let lock = multiproc::Lock::new()?;
+    /// assert!(!lock.is_owned_by_current_thread());
+    /// let held = lock.lock()?;
+    /// assert!(lock.is_owned_by_current_thread());
+    /// std::thread::scope(|s| {
+    ///     s.spawn(|| assert!(lock.is_locked() && !lock.is_owned_by_current_thread()));
+    /// });
+    /// drop(held);
+    /// assert!(!lock.is_owned_by_current_thread());
+    /// # Ok::<(), multiproc::Error>(())
+    /// ```
+    pub fn is_owned_by_current_thread(&self) -> bool {
+        self.raw.holder() == my_pid() && self.raw.word(THREAD).load(Ordering::Acquire) == my_tid()
+    }
+
     /// Acquires the lock, waiting at most `timeout` (`None`: as long as it takes).
     /// Release it with [`release`](Self::release), or use [`lock`](Self::lock) for a
     /// guard that releases it.
@@ -285,7 +335,7 @@ impl Lock {
     /// [`Error::Timeout`] when it was not acquired in time; [`Error::OwnerDied`] when
     /// the lock was taken over from a dead holder (the caller now holds it).
     pub fn acquire(&self, timeout: Option<Duration>) -> Result<()> {
-        match self.raw.acquire(deadline_after(timeout))? {
+        match self.acquire_raw(deadline_after(timeout))? {
             Acquired::Yes => Ok(()),
             Acquired::TimedOut => Err(Error::timeout("an acquire of a lock", timeout)),
             Acquired::FromDeadOwner(pid) => Err(owner_died("lock", pid)),
@@ -297,6 +347,12 @@ impl Lock {
     /// # Errors
     /// [`Error::InvalidArgument`] when it is not held.
     pub fn release(&self) -> Result<()> {
+        // Forgotten before the lock is free (the owner word's release orders it): a
+        // thread of this process that takes it next is not taken for the old holder
+        // before it records itself.
+        if self.raw.holder() != 0 {
+            self.raw.word(THREAD).store(0, Ordering::Relaxed);
+        }
         self.raw.release()
     }
 
@@ -308,7 +364,7 @@ impl Lock {
     /// [`LockError`] then carries the guard (the lock is held), to repair the state and
     /// go on with [`LockError::into_guard`]. `?` drops that guard, releasing the lock.
     pub fn lock(&self) -> std::result::Result<LockGuard<'_>, LockError<LockGuard<'_>>> {
-        let got = self.raw.acquire(None);
+        let got = self.acquire_raw(None);
         expect_guard(
             guarded(got, "lock", OnTimeout::Fail(None), || LockGuard {
                 lock: self,
@@ -322,7 +378,7 @@ impl Lock {
     /// # Errors
     /// As [`lock`](Self::lock) (a dead holder's lock is taken over and reported).
     pub fn try_lock(&self) -> std::result::Result<Option<LockGuard<'_>>, LockError<LockGuard<'_>>> {
-        let got = self.raw.acquire(Some(Instant::now()));
+        let got = self.acquire_raw(Some(Instant::now()));
         guarded(got, "lock", OnTimeout::Nothing, || LockGuard { lock: self })
     }
 
@@ -335,7 +391,7 @@ impl Lock {
         &self,
         timeout: Duration,
     ) -> std::result::Result<LockGuard<'_>, LockError<LockGuard<'_>>> {
-        let got = self.raw.acquire(deadline_after(Some(timeout)));
+        let got = self.acquire_raw(deadline_after(Some(timeout)));
         let t = OnTimeout::Fail(Some(timeout));
         expect_guard(guarded(got, "lock", t, || LockGuard { lock: self }), "lock")
     }
@@ -412,6 +468,26 @@ impl RLock {
         Ok(Self {
             raw: RawLock::new(Arc::new(SharedWords::new(RLOCK_KIND)?), 1),
         })
+    }
+
+    /// Whether this thread of this process holds the lock (at any depth); a snapshot,
+    /// for assertions and `Condition`.
+    ///
+    /// ```
+    /// let lock = multiproc::RLock::new()?;
+    /// let outer = lock.lock()?;
+    /// let inner = lock.lock()?;
+    /// std::thread::scope(|s| {
+    ///     s.spawn(|| assert!(!lock.is_owned_by_current_thread()));
+    /// });
+    /// drop(inner);
+    /// assert!(lock.is_owned_by_current_thread(), "one level is still held");
+    /// drop(outer);
+    /// assert!(!lock.is_owned_by_current_thread());
+    /// # Ok::<(), multiproc::Error>(())
+    /// ```
+    pub fn is_owned_by_current_thread(&self) -> bool {
+        self.held_by_me()
     }
 
     fn held_by_me(&self) -> bool {
