@@ -107,9 +107,10 @@ fn _give_back_at_exit() -> usize {
     dlpack::give_back_at_exit()
 }
 
-/// Becomes the shm manager at the address in `MULTIPROC_SHM_MANAGER` (see the Python
-/// module `_shm_manager`): forks the manager off, reports on stdout, and returns in
-/// this process. Must run in a single-threaded interpreter.
+/// Becomes the shm manager at the address in `MULTIPROC_SHM_MANAGER`: the command the
+/// library runs to start a tree's manager (set below, at import). Forks the manager
+/// off, reports on stdout, and returns in this process. Must run in a single-threaded
+/// interpreter.
 #[pyfunction]
 fn _run_shm_manager() -> PyResult<bool> {
     multiproc::run_shm_manager_from_env().map_err(to_py)
@@ -121,7 +122,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     dlpack::give_back_at_c_exit_once();
     // The library would start a tree's shm manager by running this program again, which
     // for an interpreter does not serve: it runs this interpreter on the manager's entry
-    // point instead (a killed manager restarted, a name received from another tree).
+    // point instead: the first start of a tree's manager, a killed one restarted, a name
+    // received from another tree. The package starts no manager of its own.
     let executable: String = py.import("sys")?.getattr("executable")?.extract()?;
     if !executable.is_empty() {
         multiproc::set_shm_manager_command(

@@ -1,5 +1,6 @@
 """The file_system strategy from Python: blocks are files in /dev/shm that cross by
-name, the tree's shm manager is started from Python, and nothing of the tree is left
+name, the tree's shm manager is started (by the library, running this interpreter on
+the manager's entry point), and nothing of the tree is left
 in /dev/shm once it ends. Each tree is a program of its own (``fs_tree.py``), the root
 of a fresh tree, so that its end can be watched from here."""
 
@@ -16,8 +17,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def manager_running(addr):
     """Whether a process of the tree at ``addr`` is left: one that names the address in
-    its command line (a manager started by ``multiproc._shm_manager``) or in its
-    environment (one the library started, and any other member of the tree)."""
+    its command line or in its environment (the manager the library started, and any
+    other member of the tree)."""
     for pid in os.listdir("/proc"):
         if pid.isdigit():
             try:

@@ -132,28 +132,34 @@ def set_sharing_strategy(new_strategy):
     in /dev/shm, passed by name; the tree's shm manager removes what a crashed tree
     left). Processes started afterwards inherit it, as the library's own do.
 
-    ``"file_system"`` starts the tree's shm manager if it does not run yet (a Python
-    interpreter started once, which forks the manager off; see ``_shm_manager``).
+    ``"file_system"`` puts this process in a tree (the one it inherited, or a new one
+    it is the root of; see ``_shm_manager``) and connects it to the tree's shm manager,
+    which the library starts if it does not run yet.
     """
     if new_strategy not in get_all_sharing_strategies():
         raise ValueError(
             f"no sharing strategy {new_strategy!r}; the available ones are "
             f"{sorted(get_all_sharing_strategies())}"
         )
-    started = new_strategy == "file_system" and _shm_manager.ensure_running()
+    if new_strategy == "file_system":
+        _shm_manager.tree_address()
     _native.set_sharing_strategy(new_strategy)
     os.environ["MULTIPROC_SHARING_STRATEGY"] = new_strategy
-    if started:
+    if new_strategy == "file_system":
         _connect_to_shm_manager()
 
 
 def _connect_to_shm_manager():
-    # A first named block connects this process to the manager, which then lives as
-    # long as this process (a manager without clients ends after a grace period).
+    # A first named block connects this process to the manager (the library starts one
+    # if none listens), which then lives as long as this process: a manager without
+    # clients ends after a grace period, removing the tree's names.
     _native.new_tensor([1], "uint8", None)
 
 
-# Started with file_system in the environment (by hand, or by a parent that set it):
-# the library will want the tree's manager, which only this package can start.
-if os.environ.get("MULTIPROC_SHARING_STRATEGY") == "file_system" and _shm_manager.ensure_running():
+# Started with file_system in the environment: joins the tree it names, or becomes the
+# root of a new one (started by hand, say). A root connects at once, as the library's
+# own processes connect before they start workers, so that the manager outlives the
+# workers that name blocks for it; a process that inherited the tree (the manager the
+# library starts among them) connects when it first names a block.
+if os.environ.get("MULTIPROC_SHARING_STRATEGY") == "file_system" and _shm_manager.tree_address()[1]:
     _connect_to_shm_manager()
