@@ -9,6 +9,8 @@
 # (`rustup component add llvm-tools`).
 #
 # Usage: scripts/trip_files.sh            prints the files, put side then get side
+#        TRIP_VERBOSE=1 scripts/trip_files.sh   and the functions in each (demangled
+#                                        when rustfilt is installed)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 target=${TRIP_TARGET_DIR:-target/trip-coverage}
@@ -28,7 +30,7 @@ for side in put get; do
   "$tools/llvm-cov" export -format=text -summary-only=false -skip-expansions \
     -instr-profile="$work/$side.profdata" "$exe" > "$work/$side.json"
   python3 - "$work/$side.json" "$side" <<'PY'
-import json, sys, collections
+import collections, json, os, subprocess, sys
 data = json.load(open(sys.argv[1]))
 files = collections.defaultdict(set)
 for fn in data["data"][0]["functions"]:
@@ -38,7 +40,16 @@ for fn in data["data"][0]["functions"]:
         if "/crates/multiproc/src/" in f:
             files[f.split("/crates/multiproc/src/", 1)[1]].add(fn["name"])
 print(f"{sys.argv[2]} side: {len(files)} files")
+verbose = bool(os.environ.get("TRIP_VERBOSE"))
 for f in sorted(files):
     print(f"  {f} ({len(files[f])} functions)")
+    if verbose:
+        names = "\n".join(sorted(files[f]))
+        try:
+            names = subprocess.run(["rustfilt"], input=names, capture_output=True, text=True).stdout
+        except FileNotFoundError:
+            pass
+        for name in names.splitlines():
+            print(f"      {name}")
 PY
 done
