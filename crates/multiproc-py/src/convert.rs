@@ -507,27 +507,78 @@ fn usizes(tuple: &Bound<'_, PyAny>) -> PyResult<Vec<usize>> {
 /// per storage for as long as the storage lives).
 static TORCH_STORAGES: Mutex<Option<StorageTable>> = Mutex::new(None);
 
-/// Weak references to torch storages by (block address, block size).
-type StorageTable = HashMap<(usize, usize), Py<PyWeakrefReference>>;
+/// Weak references to torch storages by (block address, block size), and when to sweep
+/// the dead ones out.
+struct StorageTable {
+    entries: HashMap<(usize, usize), Py<PyWeakrefReference>>,
+    /// Inserts since the last sweep (a block received again at its old address
+    /// replaces its entry, and counts too).
+    inserted: usize,
+    /// How many inserts the next sweep waits for: as many as the last one kept, at
+    /// least [`SWEEP_AT`]. A sweep visits at most the entries it kept last time plus
+    /// those inserted since, so it costs at most two steps per insert it waited for
+    /// (amortised O(1), as a `HashMap` that doubles), and dead entries go within as
+    /// many inserts as there were live ones, even when every block is received again
+    /// at an address the table knows.
+    sweep_after: usize,
+    /// Inserts and entries visited by sweeps, in all (for the test suite).
+    inserts: u64,
+    visited: u64,
+}
 
-/// How many entries the table may hold before the dead ones are swept.
+/// The fewest inserts between two sweeps.
 const SWEEP_AT: usize = 1024;
+
+impl StorageTable {
+    fn new() -> Self {
+        Self {
+            entries: HashMap::new(),
+            inserted: 0,
+            sweep_after: SWEEP_AT,
+            inserts: 0,
+            visited: 0,
+        }
+    }
+
+    fn insert(&mut self, py: Python<'_>, block: (usize, usize), weak: Py<PyWeakrefReference>) {
+        self.inserted += 1;
+        self.inserts += 1;
+        if self.inserted >= self.sweep_after {
+            self.visited += self.entries.len() as u64;
+            self.entries.retain(|_, w| w.bind(py).upgrade().is_some());
+            self.sweep_after = self.entries.len().max(SWEEP_AT);
+            self.inserted = 0;
+            // Room for the live entries and the inserts until the next sweep.
+            self.entries
+                .shrink_to(self.entries.len() + self.sweep_after);
+        }
+        self.entries.insert(block, weak);
+    }
+}
 
 fn torch_storage<'py>(py: Python<'py>, block: (usize, usize)) -> Option<Bound<'py, PyAny>> {
     let table = TORCH_STORAGES.lock().unwrap_or_else(|p| p.into_inner());
-    table.as_ref()?.get(&block)?.bind(py).upgrade()
+    table.as_ref()?.entries.get(&block)?.bind(py).upgrade()
 }
 
 fn remember_torch_storage(block: (usize, usize), storage: &Bound<'_, PyAny>) -> PyResult<()> {
     let weak = PyWeakrefReference::new(storage)?.unbind();
     let mut table = TORCH_STORAGES.lock().unwrap_or_else(|p| p.into_inner());
-    let table = table.get_or_insert_with(HashMap::new);
-    if table.len() >= SWEEP_AT {
-        let py = storage.py();
-        table.retain(|_, w| w.bind(py).upgrade().is_some());
-    }
-    table.insert(block, weak);
+    table
+        .get_or_insert_with(StorageTable::new)
+        .insert(storage.py(), block, weak);
     Ok(())
+}
+
+/// For the test suite: the table of torch storages as `(entries, inserts, visited)`:
+/// the entries it holds, live or dead (dead ones stay until a sweep), the inserts so
+/// far, and the entries its sweeps visited so far.
+#[pyfunction]
+pub fn _torch_storage_table() -> (usize, u64, u64) {
+    let table = TORCH_STORAGES.lock().unwrap_or_else(|p| p.into_inner());
+    table
+        .as_ref()
+        .map_or((0, 0, 0), |t| (t.entries.len(), t.inserts, t.visited))
 }
 
 /// Converts a received value to Python objects.

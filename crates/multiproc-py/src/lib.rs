@@ -138,6 +138,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_give_back_at_exit, m)?)?;
     m.add_function(wrap_pyfunction!(_run_shm_manager, m)?)?;
     m.add_function(wrap_pyfunction!(convert::_set_hooks, m)?)?;
+    m.add_function(wrap_pyfunction!(convert::_torch_storage_table, m)?)?;
     m.add_function(wrap_pyfunction!(new_tensor, m)?)?;
     m.add_function(wrap_pyfunction!(new_python_tensor, m)?)?;
     m.add_function(wrap_pyfunction!(is_shared_block, m)?)?;

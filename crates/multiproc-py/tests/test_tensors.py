@@ -153,3 +153,40 @@ def test_numpy_arrays_come_back_when_torch_is_absent():
     out = subprocess.run([sys.executable, "-c", NUMPY_ONLY], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_the_table_of_received_storages_is_swept_as_it_grows_and_after_a_drop():
+    """5,000 received tensors kept at once, each a block of its own (above the library's
+    small-tensor size), then dropped. The table of torch storages by block (weak
+    references, swept of dead ones every so many inserts) holds them all while they
+    live; its sweeps visit at most two entries per insert (a sweep on every insert
+    above a fixed size visited thousands); and it lets go of the dead ones once blocks
+    are received again, here at their old addresses (recycled blocks)."""
+    from multiproc import _native
+
+    n, elements = 5000, 16 * 1024 + 16
+    entries, inserts, visited = _native._torch_storage_table()
+    # Each sweep visits at most the entries the last one kept plus the inserts it
+    # waited for, and waits for at least as many inserts as that one kept: the first
+    # sweep of this test may visit what is in the table now, paid for before.
+    budget = 2 * entries + 2048
+    q = mp.Queue()
+    kept = []
+    for _ in range(n):
+        q.put(mp.empty(elements, dtype=torch.float32))
+        kept.append(q.get())
+    assert len({t.data_ptr() for t in kept}) == n
+    held, inserted, swept = _native._torch_storage_table()
+    assert held >= n
+    assert swept - visited <= 2 * (inserted - inserts) + budget
+    del kept
+    # A sweep comes within as many inserts as the last one kept live (fewer than the
+    # table holds now); a round trip inserts twice (made, then received).
+    for _ in range(held):
+        q.put(mp.empty(elements, dtype=torch.float32))
+        q.get()
+        if _native._torch_storage_table()[0] < n // 4:
+            break
+    entries_now, inserted, swept = _native._torch_storage_table()
+    assert entries_now < n // 4
+    assert swept - visited <= 2 * (inserted - inserts) + budget
