@@ -566,7 +566,7 @@ pub mod connection {
 #[cfg(target_os = "linux")]
 pub use sharing::{
     SharingStrategy, get_all_sharing_strategies, get_sharing_strategy, set_sharing_strategy,
-    set_shm_manager_command,
+    set_shm_manager_command, shm_manager_env,
 };
 #[cfg(target_os = "linux")]
 pub use sync::{

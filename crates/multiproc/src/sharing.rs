@@ -90,10 +90,38 @@ where
     )
 }
 
+/// The environment variable and value that a process this tree starts *without*
+/// multiproc (Python's own `multiprocessing`, a shell command) needs to share
+/// `file_system` storages with it: the address of the tree's shm manager. A process
+/// started by multiproc gets it by itself.
+///
+/// The address is inherited (from this variable in this process's environment) or
+/// chosen now, with this process as the tree's root; choosing it starts nothing (the
+/// manager starts with the first `file_system` storage). Put it in the child's
+/// environment, or in this process's own before the child starts.
+///
+/// ```
+/// let (name, value) = multiproc::shm_manager_env();
+/// assert_eq!(name, "MULTIPROC_SHM_MANAGER");
+/// let child = std::process::Command::new("true").env(name, value).status().unwrap();
+/// assert!(child.success());
+/// ```
+pub fn shm_manager_env() -> (&'static str, &'static str) {
+    (crate::shm::tree::ADDRESS_ENV, crate::shm::tree::address())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::error::Error;
+
+    #[test]
+    fn the_manager_env_names_one_address_for_the_whole_process() {
+        let (name, first) = shm_manager_env();
+        assert_eq!(name, "MULTIPROC_SHM_MANAGER");
+        assert!(crate::shm::tree::is_valid_address(first), "{first}");
+        assert_eq!(shm_manager_env().1, first, "chosen once per process");
+    }
 
     #[test]
     fn names_round_trip_and_unknown_names_list_the_valid_ones() {
