@@ -18,11 +18,12 @@ sysroot=$(rustc --print sysroot)
 bin=$(ls "$sysroot"/lib/rustlib/*/bin/llvm-profdata 2>/dev/null | head -1)
 [ -n "$bin" ] || { echo "trip_files: needs llvm-tools (rustup component add llvm-tools)" >&2; exit 2; }
 tools=$(dirname "$bin")
-CARGO_TARGET_DIR=$target RUSTFLAGS="-Cinstrument-coverage" \
-  cargo build --release -q -p multiproc --example one_trip
-exe=$target/release/examples/one_trip
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
+# Build scripts and proc macros are instrumented too: their profiles go to $work.
+CARGO_TARGET_DIR=$target RUSTFLAGS="-Cinstrument-coverage" LLVM_PROFILE_FILE="$work/build-%p-%m.profraw" \
+  cargo build --release -q -p multiproc --example one_trip
+exe=$target/release/examples/one_trip
 for side in put get; do
   arg=""; [ "$side" = put ] && arg=put
   LLVM_PROFILE_FILE="$work/$side-%p.profraw" "$exe" $arg >/dev/null
