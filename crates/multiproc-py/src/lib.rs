@@ -98,6 +98,14 @@ fn set_sharing_strategy(name: &str) -> PyResult<()> {
     Ok(())
 }
 
+/// The environment variable and value that put a process this package starts through
+/// Python's `multiprocessing` into this process tree (the address of its shm manager,
+/// inherited or chosen now): `multiproc::shm_manager_env`.
+#[pyfunction]
+fn shm_manager_env() -> (&'static str, &'static str) {
+    multiproc::shm_manager_env()
+}
+
 /// For a process about to end without finalizing (a `fork` or `forkserver` child of
 /// `multiprocessing` leaves with `os._exit`): gives back the block uses of every tensor
 /// this process still holds through torch or numpy, which must not be read afterwards.
@@ -147,6 +155,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_release_cached_blocks, m)?)?;
     m.add_function(wrap_pyfunction!(get_sharing_strategy, m)?)?;
     m.add_function(wrap_pyfunction!(set_sharing_strategy, m)?)?;
+    m.add_function(wrap_pyfunction!(shm_manager_env, m)?)?;
     m.add_function(wrap_pyfunction!(queues::native_pipe, m)?)?;
     m.add_function(wrap_pyfunction!(parcel::seal, m)?)?;
     m.add_function(wrap_pyfunction!(parcel::open_parcel, m)?)?;

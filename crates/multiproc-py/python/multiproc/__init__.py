@@ -22,7 +22,7 @@ import pickle
 import queue as _queue
 import sys
 
-from . import _native, _shm_manager
+from . import _native
 from ._native import (
     ClosedError,
     FdLimitError,
@@ -133,8 +133,8 @@ def set_sharing_strategy(new_strategy):
     left). Processes started afterwards inherit it, as the library's own do.
 
     ``"file_system"`` puts this process in a tree (the one it inherited, or a new one
-    it is the root of; see ``_shm_manager``) and connects it to the tree's shm manager,
-    which the library starts if it does not run yet.
+    it is the root of) and connects it to the tree's shm manager, which the library
+    starts if it does not run yet.
     """
     if new_strategy not in get_all_sharing_strategies():
         raise ValueError(
@@ -142,11 +142,27 @@ def set_sharing_strategy(new_strategy):
             f"{sorted(get_all_sharing_strategies())}"
         )
     if new_strategy == "file_system":
-        _shm_manager.tree_address()
+        _join_shm_tree()
     _native.set_sharing_strategy(new_strategy)
     os.environ["MULTIPROC_SHARING_STRATEGY"] = new_strategy
     if new_strategy == "file_system":
         _connect_to_shm_manager()
+
+
+def _join_shm_tree():
+    """Puts this process tree's shm manager address (the library's: inherited, or chosen
+    now with this process as the root) into this process's environment, for the
+    processes Python's own ``multiprocessing`` starts, which the library does not: they
+    belong to the tree and find its manager through it. Whether this process is the
+    tree's root.
+
+    The library starts the manager itself (the native module told it how at import:
+    ``multiproc::set_shm_manager_command``, this interpreter on
+    ``multiproc._native._run_shm_manager()``), and starts it again if it was killed."""
+    name, address = _native.shm_manager_env()
+    root = os.environ.get(name) != address
+    os.environ[name] = address
+    return root
 
 
 def _connect_to_shm_manager():
@@ -161,5 +177,5 @@ def _connect_to_shm_manager():
 # own processes connect before they start workers, so that the manager outlives the
 # workers that name blocks for it; a process that inherited the tree (the manager the
 # library starts among them) connects when it first names a block.
-if os.environ.get("MULTIPROC_SHARING_STRATEGY") == "file_system" and _shm_manager.tree_address()[1]:
+if os.environ.get("MULTIPROC_SHARING_STRATEGY") == "file_system" and _join_shm_tree():
     _connect_to_shm_manager()
