@@ -4,6 +4,7 @@
 use std::time::Duration;
 
 use multiproc::{Barrier, Condition, Event, Lock, RLock, Semaphore};
+use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 
 use crate::errors::{Slice, deadline, to_py, wait_in_slices};
@@ -140,16 +141,41 @@ impl PyCondition {
     /// the lock, which this waiter holds between slices.
     #[pyo3(signature = (timeout=None))]
     fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
+        self.check_owned("wait")?;
         timed(py, true, timeout, |t| self.inner.wait(t))
     }
 
     #[pyo3(signature = (n=1))]
-    fn notify(&self, n: u32) {
+    fn notify(&self, n: u32) -> PyResult<()> {
+        self.check_owned("notify")?;
         self.inner.notify(n);
+        Ok(())
     }
 
-    fn notify_all(&self) {
+    fn notify_all(&self) -> PyResult<()> {
+        self.check_owned("notify_all")?;
         self.inner.notify_all();
+        Ok(())
+    }
+
+    /// Whether this thread of this process holds the condition's lock.
+    fn _is_mine(&self) -> bool {
+        self.inner.is_owned_by_current_thread()
+    }
+}
+
+impl PyCondition {
+    /// `RuntimeError` unless this thread holds the lock, as CPython's `threading` and
+    /// `multiprocessing` conditions refuse.
+    fn check_owned(&self, what: &str) -> PyResult<()> {
+        if self.inner.is_owned_by_current_thread() {
+            Ok(())
+        } else {
+            Err(PyRuntimeError::new_err(format!(
+                "cannot {what} on a Condition whose lock is not held by this thread (it is \
+                 free, or another thread or process holds it); acquire the lock first"
+            )))
+        }
     }
 }
 

@@ -161,3 +161,24 @@ def test_a_condition_refuses_a_lock_another_thread_holds(make_lock):
     with cond:
         cond.notify()
         assert cond.wait(0.01) is False
+
+
+def test_the_library_condition_refuses_a_lock_another_thread_holds():
+    """``Condition()`` with its own lock refuses as one over a given lock does: held by
+    another thread, or free."""
+    cond = mp.Condition()
+    taken, done = threading.Event(), threading.Event()
+    t = threading.Thread(target=workers.hold_lock_until, args=(cond, taken, done))
+    t.start()
+    try:
+        assert taken.wait(60)
+        _refuse_everything_but_holding(cond, cond)
+    finally:
+        done.set()
+        t.join(60)
+    assert not t.is_alive()
+    with pytest.raises(RuntimeError, match="not held by this thread"):
+        cond.notify_all()
+    with cond:
+        cond.notify()
+        assert cond.wait(0.01) is False

@@ -211,8 +211,8 @@ class Condition(_Lockish):
     multiproc ``Lock`` or ``RLock`` it waits on that lock the way CPython's
     ``multiprocessing.Condition`` does: three semaphores count the sleepers, wake them
     and confirm that they woke (see ``_ConditionOverLock``); ``wait``, ``wait_for``,
-    ``notify`` and ``notify_all`` then raise ``RuntimeError`` unless this thread holds
-    the lock, as CPython's do.
+    ``notify`` and ``notify_all`` raise ``RuntimeError`` unless this thread holds the
+    lock (either kind), as CPython's do.
     """
 
     __slots__ = ()
@@ -237,6 +237,10 @@ class Condition(_Lockish):
         ``timeout`` seconds; returns the predicate's last value."""
         if isinstance(self._h, _ConditionOverLock):
             self._h.check_owned("wait on")
+        elif not self._h._is_mine():
+            raise RuntimeError(
+                "cannot wait_for on a Condition whose lock is not held by this thread (it "
+                "is free, or another thread or process holds it); acquire the lock first")
         end = None if timeout is None else time.monotonic() + timeout
         result = predicate()
         while not result:

@@ -74,7 +74,7 @@ impl Condition {
     /// # Ok::<(), multiproc::Error>(())
     /// ```
     pub fn lock(&self) -> std::result::Result<ConditionGuard<'_>, LockError<ConditionGuard<'_>>> {
-        let got = self.lock.raw().acquire(None);
+        let got = self.lock.acquire_raw(None);
         expect_guard(
             guarded(got, "condition's lock", OnTimeout::Fail(None), || {
                 self.guard()
@@ -90,7 +90,7 @@ impl Condition {
     pub fn try_lock(
         &self,
     ) -> std::result::Result<Option<ConditionGuard<'_>>, LockError<ConditionGuard<'_>>> {
-        let got = self.lock.raw().acquire(Some(std::time::Instant::now()));
+        let got = self.lock.acquire_raw(Some(std::time::Instant::now()));
         guarded(got, "condition's lock", OnTimeout::Nothing, || self.guard())
     }
 
@@ -102,12 +102,18 @@ impl Condition {
         &self,
         timeout: Duration,
     ) -> std::result::Result<ConditionGuard<'_>, LockError<ConditionGuard<'_>>> {
-        let got = self.lock.raw().acquire(deadline_after(Some(timeout)));
+        let got = self.lock.acquire_raw(deadline_after(Some(timeout)));
         let t = OnTimeout::Fail(Some(timeout));
         expect_guard(
             guarded(got, "condition's lock", t, || self.guard()),
             "condition's lock",
         )
+    }
+
+    /// Whether this thread of this process holds the condition's lock; a snapshot, as
+    /// [`Lock::is_owned_by_current_thread`].
+    pub fn is_owned_by_current_thread(&self) -> bool {
+        self.lock.is_owned_by_current_thread()
     }
 
     /// Releases the condition's lock.
@@ -123,9 +129,18 @@ impl Condition {
     ///
     /// # Errors
     /// [`Error::Timeout`] when the timeout passed (the lock is held again);
-    /// [`Error::InvalidArgument`] when the lock is not held; [`Error::OwnerDied`] when
-    /// re-acquiring took the lock over from a dead holder (the lock is held).
+    /// [`Error::InvalidArgument`] when this thread does not hold the lock (it is free,
+    /// or another thread or process holds it: nothing is released then);
+    /// [`Error::OwnerDied`] when re-acquiring took the lock over from a dead holder (the
+    /// lock is held).
     pub fn wait(&self, timeout: Option<Duration>) -> Result<()> {
+        if !self.lock.is_owned_by_current_thread() {
+            return Err(Error::InvalidArgument(
+                "a wait on a condition whose lock this thread does not hold (it is free, or \
+                 another thread or process holds it); acquire the lock first"
+                    .into(),
+            ));
+        }
         let deadline = deadline_after(timeout);
         let seq = self.block.word(COND_SEQ);
         let seen = seq.load(Ordering::Acquire);
@@ -250,5 +265,50 @@ impl fmt::Debug for ConditionGuard<'_> {
         f.debug_struct("ConditionGuard")
             .field("condition", self.condition)
             .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_wait_without_the_lock_is_refused_and_releases_nothing() {
+        let cond = Condition::new().unwrap();
+        // Free: refused.
+        let err = cond.wait(Some(Duration::from_millis(1))).unwrap_err();
+        assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+        // Held by another thread (through a guard, which records its holder too).
+        let (held_tx, held_rx) = std::sync::mpsc::channel();
+        let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+        std::thread::scope(|s| {
+            let other = cond.clone();
+            s.spawn(move || {
+                let guard = other.lock().unwrap();
+                assert!(other.is_owned_by_current_thread());
+                held_tx.send(()).unwrap();
+                done_rx.recv_timeout(Duration::from_secs(30)).unwrap();
+                drop(guard);
+            });
+            held_rx.recv_timeout(Duration::from_secs(30)).unwrap();
+            assert!(!cond.is_owned_by_current_thread());
+            let err = cond.wait(Some(Duration::from_millis(1))).unwrap_err();
+            assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+            assert!(
+                cond.lock.is_locked(),
+                "the other thread's lock was released"
+            );
+            done_tx.send(()).unwrap();
+        });
+        // Held by this thread: waits (and times out, holding the lock again).
+        cond.acquire(None).unwrap();
+        assert!(cond.is_owned_by_current_thread());
+        assert!(
+            cond.wait(Some(Duration::from_millis(1)))
+                .unwrap_err()
+                .is_timeout()
+        );
+        assert!(cond.is_owned_by_current_thread());
+        cond.release().unwrap();
     }
 }

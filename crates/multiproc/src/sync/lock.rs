@@ -299,7 +299,7 @@ impl Lock {
     /// Acquires the raw lock and, once it is ours, records this thread in its THREAD
     /// word (for [`is_owned_by_current_thread`](Self::is_owned_by_current_thread); the
     /// protocol itself reads only OWNER and WAITERS).
-    fn acquire_raw(&self, deadline: Deadline) -> Result<Acquired> {
+    pub(super) fn acquire_raw(&self, deadline: Deadline) -> Result<Acquired> {
         let got = self.raw.acquire(deadline)?;
         if !matches!(got, Acquired::TimedOut) {
             self.raw.word(THREAD).store(my_tid(), Ordering::Release);
@@ -394,10 +394,6 @@ impl Lock {
         let got = self.acquire_raw(deadline_after(Some(timeout)));
         let t = OnTimeout::Fail(Some(timeout));
         expect_guard(guarded(got, "lock", t, || LockGuard { lock: self }), "lock")
-    }
-
-    pub(crate) fn raw(&self) -> &RawLock {
-        &self.raw
     }
 
     #[cfg(test)]
