@@ -144,9 +144,24 @@ fn the_serve_loop_unlinks_leftovers_after_its_clients_hang_up() {
         assert_eq!(packet.bytes, [held], "{name}");
     }
     drop(a);
-    // One client remains, so nothing is cleaned up even after the grace period.
-    std::thread::sleep(grace * 2);
-    assert!(Path::new(&left_path).exists());
+    // One client remains, so nothing is cleaned up even after the grace period: past
+    // it, the server still answers `b` and still counts `left` as held (an answer on
+    // `b` comes after the server has seen whatever came before it, `a`'s hang-up
+    // included), and the file is still there.
+    let hung_up = Instant::now();
+    for _ in 0..3 {
+        std::thread::sleep(grace);
+        send(&b, Request::Query(left.as_str().into()));
+        let packet = crate::wire::recv_packet(
+            b.as_fd(),
+            crate::sys::deadline_after(Some(Duration::from_secs(10))),
+        )
+        .unwrap()
+        .expect("an answer while a client remains");
+        assert_eq!(packet.bytes, [b'Y'], "{left} is still held");
+        assert!(Path::new(&left_path).exists());
+    }
+    assert!(hung_up.elapsed() >= grace * 2);
     let started = Instant::now();
     drop(b);
     server.join().unwrap();
