@@ -283,7 +283,8 @@ where
         self.options.check()?;
         if self.options.pin_memory || self.options.prefetch_to.is_some() {
             return Err(Error::InvalidArgument(
-                "data loader: pin_memory and prefetch_to are not supported for iterable data                  sets yet: leave them out, and pin or copy the batches in the training loop"
+                "data loader: pin_memory and prefetch_to are not supported for iterable data sets \
+                 yet: leave them out, and pin or copy the batches in the training loop"
                     .into(),
             ));
         }
