@@ -329,9 +329,6 @@ impl Storage {
     /// `/dev/shm`), [`Error::Manager`] (`file_system` needs the shm manager) or
     /// [`Error::Os`]. The storage is unchanged and usable (private) after an error.
     pub fn share_memory_(&self) -> Result<()> {
-        if self.is_shared() {
-            return Ok(());
-        }
         self.share_memory_with(get_sharing_strategy())
     }
 
@@ -537,27 +534,27 @@ impl Serialize for Storage {
         // refers to the segment as any shared storage's does.
         self.share_memory_()
             .map_err(|e| S::Error::custom(enc.fail(e)))?;
-        // One look at the backing (a shared storage's never changes again).
-        let nbytes = self.nbytes() as u64;
-        let wire = match &*self.backing() {
-            Backing::ReadOnlyFile { file, offset, name } => StorageWire::ReadOnlyFile(FileHandle {
-                file: Arc::clone(file),
-                offset: *offset as u64,
-                nbytes,
-                name: name.to_string(),
-            }),
-            _ if nbytes == 0 => StorageWire::Empty,
-            Backing::Shared { segment, offset } => StorageWire::Segment(SegmentHandle {
-                segment: Arc::clone(segment),
-                offset: *offset as u64,
-                nbytes,
-                brought: None,
-            }),
-            _ => {
-                return Err(S::Error::custom(
+        let wire = if let Some((file, offset, name)) = self.file_with_name() {
+            StorageWire::ReadOnlyFile(FileHandle {
+                file,
+                offset: offset as u64,
+                nbytes: self.nbytes() as u64,
+                name,
+            })
+        } else if self.nbytes() == 0 {
+            StorageWire::Empty
+        } else {
+            let (segment, offset) = self.segment().ok_or_else(|| {
+                S::Error::custom(
                     enc.fail(Error::Encode("a shared storage without a segment".into())),
-                ));
-            }
+                )
+            })?;
+            StorageWire::Segment(SegmentHandle {
+                segment,
+                offset: offset as u64,
+                nbytes: self.nbytes() as u64,
+                brought: None,
+            })
         };
         wire.serialize(s)
     }
