@@ -118,6 +118,21 @@ def _refuse_everything_but_holding(cond, lock):
         assert lock.acquire(block=False) is False, "the other holder's lock was let go"
 
 
+def _refused_while_another_thread_holds(cond, lock):
+    """While another thread of this process holds ``lock``, ``cond`` refuses every
+    wait and notify (see ``_refuse_everything_but_holding``)."""
+    taken, done = threading.Event(), threading.Event()
+    t = threading.Thread(target=workers.hold_lock_until, args=(lock, taken, done))
+    t.start()
+    try:
+        assert taken.wait(60)
+        _refuse_everything_but_holding(cond, lock)
+    finally:
+        done.set()
+        t.join(60)
+    assert not t.is_alive()
+
+
 @pytest.mark.parametrize("make_lock", [mp.Lock, mp.RLock], ids=["Lock", "RLock"])
 def test_a_condition_refuses_a_lock_another_process_holds(make_lock):
     lock = make_lock()
@@ -143,16 +158,7 @@ def test_a_condition_refuses_a_lock_another_process_holds(make_lock):
 def test_a_condition_refuses_a_lock_another_thread_holds(make_lock):
     lock = make_lock()
     cond = mp.Condition(lock)
-    taken, done = threading.Event(), threading.Event()
-    t = threading.Thread(target=workers.hold_lock_until, args=(lock, taken, done))
-    t.start()
-    try:
-        assert taken.wait(60)
-        _refuse_everything_but_holding(cond, lock)
-    finally:
-        done.set()
-        t.join(60)
-    assert not t.is_alive()
+    _refused_while_another_thread_holds(cond, lock)
     # Free: refused too (nothing to let go of), and the lock stays free.
     with pytest.raises(RuntimeError, match="not held by this thread"):
         cond.notify()
@@ -167,16 +173,7 @@ def test_the_library_condition_refuses_a_lock_another_thread_holds():
     """``Condition()`` with its own lock refuses as one over a given lock does: held by
     another thread, or free."""
     cond = mp.Condition()
-    taken, done = threading.Event(), threading.Event()
-    t = threading.Thread(target=workers.hold_lock_until, args=(cond, taken, done))
-    t.start()
-    try:
-        assert taken.wait(60)
-        _refuse_everything_but_holding(cond, cond)
-    finally:
-        done.set()
-        t.join(60)
-    assert not t.is_alive()
+    _refused_while_another_thread_holds(cond, cond)
     with pytest.raises(RuntimeError, match="not held by this thread"):
         cond.notify_all()
     with cond:

@@ -95,7 +95,7 @@ impl<K: Eq + Hash + Clone, V: ?Sized> IdentityCache<K, V> {
     }
 
     /// Drops the dead entries now.
-    pub(crate) fn sweep(&mut self) {
+    fn sweep(&mut self) {
         self.entries.retain(|_, weak| weak.strong_count() > 0);
         self.sweep_at = (self.entries.len() * 2).max(FIRST_SWEEP);
         if self

@@ -108,6 +108,18 @@ fn send(sock: &std::os::fd::OwnedFd, r: Request) {
     send_packet(sock.as_fd(), &r.encode(), &[], &[], None).unwrap();
 }
 
+/// Asks the manager on `conn` whether `name` is held: its one-byte answer.
+fn query(conn: &std::os::fd::OwnedFd, name: &SegmentName) -> Vec<u8> {
+    send(conn, Request::Query(name.as_str().into()));
+    crate::wire::recv_packet(
+        conn.as_fd(),
+        crate::sys::deadline_after(Some(Duration::from_secs(10))),
+    )
+    .unwrap()
+    .expect("an answer to a query")
+    .bytes
+}
+
 #[test]
 fn the_serve_loop_unlinks_leftovers_after_its_clients_hang_up() {
     let addr = new_address();
@@ -134,14 +146,7 @@ fn the_serve_loop_unlinks_leftovers_after_its_clients_hang_up() {
     send_packet(b.as_fd(), b"garbage", &[], &[], None).unwrap();
     // A query (what `multiproc gc` asks) is answered on the same connection.
     for (name, held) in [(&gone, b'Y'), (&kept, b'N')] {
-        send(&b, Request::Query(name.as_str().into()));
-        let packet = crate::wire::recv_packet(
-            b.as_fd(),
-            crate::sys::deadline_after(Some(Duration::from_secs(10))),
-        )
-        .unwrap()
-        .expect("an answer");
-        assert_eq!(packet.bytes, [held], "{name}");
+        assert_eq!(query(&b, name), [held], "{name}");
     }
     drop(a);
     // One client remains, so nothing is cleaned up even after the grace period: past
@@ -151,14 +156,7 @@ fn the_serve_loop_unlinks_leftovers_after_its_clients_hang_up() {
     let hung_up = Instant::now();
     for _ in 0..3 {
         std::thread::sleep(grace);
-        send(&b, Request::Query(left.as_str().into()));
-        let packet = crate::wire::recv_packet(
-            b.as_fd(),
-            crate::sys::deadline_after(Some(Duration::from_secs(10))),
-        )
-        .unwrap()
-        .expect("an answer while a client remains");
-        assert_eq!(packet.bytes, [b'Y'], "{left} is still held");
+        assert_eq!(query(&b, &left), [b'Y'], "{left} is still held");
         assert!(Path::new(&left_path).exists());
     }
     assert!(hung_up.elapsed() >= grace * 2);
