@@ -45,7 +45,7 @@
 //! once no process uses them any more. Small storages are carved out of shared 1 MiB
 //! arena blocks, so a handle names a segment *and* an offset in it; a large storage has
 //! a block of its own. A handle to a block (`HandleWire::Block`) carries one use, as a
-//! [`BlockUse`] the message holds (see `reference`), which the receiving storage adopts
+//! [`InFlightUse`] the message holds (see `reference`), which the receiving storage adopts
 //! and keeps as long as it lives. (Segments used to be made fresh for every large
 //! storage and arenas thrown away when full, so every large tensor paid for zeroing,
 //! faulting in and unmapping its pages on both sides; a recycled block that both sides
@@ -106,7 +106,7 @@ pub(crate) use recycler::allocate;
 pub(crate) use recycler::release_idle as release_idle_blocks;
 #[cfg(test)]
 pub(crate) use recycler::small_max as allocate_small_max;
-pub(crate) use reference::{BlockUse, Returns};
+pub(crate) use reference::{BlockUse, InFlightUse, Returns};
 #[cfg(any(test, feature = "fuzzing"))]
 pub(crate) use segment::BLOCK_MAGIC_BYTES;
 pub(crate) use segment::{BLOCK_HEADER_LEN, Segment};
@@ -284,7 +284,7 @@ impl Serialize for SegmentHandle {
             ));
         };
         // The receiver adopts this use (or gives it back when it already holds one).
-        let reference = enc.carry_reference(&reference, Box::new(BlockUse::take(&self.segment)));
+        let reference = enc.carry_reference(&reference, Box::new(InFlightUse::take(&self.segment)));
         HandleWire {
             reference,
             offset: self.offset,
@@ -322,7 +322,10 @@ impl<'de> Deserialize<'de> for SegmentHandle {
             Reference::Name(name) => named_handle(&name, end).map_err(fail)?,
         };
         // The block's use came with the message; adopted only once it is mapped.
-        let decode = dec.adopt(reference).map_err(D::Error::custom)?;
+        let landed = Arc::clone(&segment);
+        let decode = dec
+            .adopt(reference, Box::new(move || landed.use_landed()))
+            .map_err(D::Error::custom)?;
         Ok(SegmentHandle {
             brought: Some(BlockUse::adopt(Arc::clone(&segment), decode)),
             segment,

@@ -19,7 +19,9 @@
 //! full arena: for a new arena). Its pages are then already allocated and mapped here,
 //! and receivers keep recently received blocks mapped (see `cache`), so a recycled
 //! block costs no page fault and no `mmap` on either side. A process that crashes while
-//! holding a use pins its block (it is never reused), it never corrupts one.
+//! holding uses cannot give them back: once no live process maps the block and no
+//! message names it, this process takes them back (on its idle ticks, and before it lets
+//! a block go; see `segment::block`), so a crash never pins a block for good.
 //!
 //! Bounds: at most [`MAX_RETIRED`] full arenas and [`MAX_LARGE`] large blocks are kept
 //! waiting for their uses to end, and idle large blocks (no uses) are kept only up to
@@ -137,8 +139,10 @@ fn is_free(block: &Segment) -> bool {
 }
 
 /// Stops keeping a block: receivers may now unmap it once it has no uses, and a named
-/// block's name goes with its last use.
+/// block's name goes with its last use. Uses that only dead processes held are taken
+/// back first, so that they do not keep the name.
 fn release(block: Arc<Segment>) {
+    block.reclaim_stale_uses();
     block.unpool();
 }
 
@@ -296,8 +300,14 @@ impl Pool {
             .chain(self.large.iter())
     }
 
-    /// Removes the blocks nobody uses, the current arena included.
+    /// Removes the blocks nobody uses, the current arena included. The uses of
+    /// processes that died holding them are taken back first (see
+    /// `Segment::reclaim_stale_uses`; the pool's lock keeps this process from carving
+    /// the current arena meanwhile).
     fn take_idle(&mut self) -> Vec<Arc<Segment>> {
+        for block in self.blocks() {
+            block.reclaim_stale_uses();
+        }
         let mut idle = Vec::new();
         if self.arena.as_ref().is_some_and(|a| is_free(&a.segment)) {
             idle.extend(self.arena.take().map(|a| a.segment));

@@ -1,7 +1,9 @@
-//! References to shared memory as values: a [`BlockUse`] is one use of a block (see
-//! `segment::block`; a named block's use holds its name too). Whoever holds one — a storage, a message in flight — gives it back by dropping it;
-//! a message that is sent hands it to its receiver instead ([`Carried::sent`]), who
-//! adopts it as a value of its own ([`BlockUse::adopt`]).
+//! References to shared memory as values: a [`BlockUse`] is one use of a block held by
+//! a value of this process (a storage; see `segment::block`; a named block's use holds
+//! its name too), an [`InFlightUse`] one that a message carries for its receiver.
+//! Whoever holds one gives it back by dropping it; a message that is sent hands its
+//! use to its receiver instead ([`Carried::sent`]), who adopts it as a value of its own
+//! ([`BlockUse::adopt`]).
 //!
 //! Invariant: a value gives its reference back only in the process that took or
 //! adopted it. A `fork` child inherits its parent's values (inside storages and
@@ -31,7 +33,7 @@ pub(crate) struct BlockUse {
 impl BlockUse {
     /// Takes a new use of `block` (which must be a block: see `Segment::is_block`).
     pub(crate) fn take(block: &Arc<Segment>) -> BlockUse {
-        block.acquire_use();
+        block.acquire_local_use();
         BlockUse {
             block: Arc::clone(block),
             owner: this_process(),
@@ -42,6 +44,7 @@ impl BlockUse {
     /// The use a received message brought for this process, adopted by the decode
     /// with id `decode` (`wire::Decoder::adopt`).
     pub(crate) fn adopt(block: Arc<Segment>, decode: u64) -> BlockUse {
+        block.adopt_local_use();
         BlockUse {
             block,
             owner: this_process(),
@@ -78,11 +81,52 @@ impl Drop for BlockUse {
             }
             return;
         }
-        self.block.release_use();
+        self.block.release_local_use();
     }
 }
 
 impl Carried for BlockUse {
+    /// A use adopted by a decode that then failed (see `wire::defer_give_back`): the
+    /// packet kept for another try still carries it, so this process no longer counts
+    /// it.
+    fn sent(mut self: Box<Self>) {
+        if self.is_held_here() {
+            self.block.local_uses_forget();
+        }
+        self.owner = 0;
+    }
+}
+
+/// The use of a block that a message carries for its receiver: counted as in flight
+/// (see `segment::block`) until the receiver's decode succeeds; given back if the
+/// message is dropped unsent.
+#[derive(Debug)]
+pub(crate) struct InFlightUse {
+    block: Arc<Segment>,
+    /// The process that took it, 0 once it was sent.
+    owner: u32,
+}
+
+impl InFlightUse {
+    /// Takes a use of `block` (a block) for a message.
+    pub(crate) fn take(block: &Arc<Segment>) -> InFlightUse {
+        block.take_in_flight_use();
+        InFlightUse {
+            block: Arc::clone(block),
+            owner: this_process(),
+        }
+    }
+}
+
+impl Drop for InFlightUse {
+    fn drop(&mut self) {
+        if self.owner == this_process() {
+            self.block.give_back_in_flight_use();
+        }
+    }
+}
+
+impl Carried for InFlightUse {
     fn sent(mut self: Box<Self>) {
         self.owner = 0;
     }
@@ -128,7 +172,7 @@ impl GiveBack for Returns {
             Reference::Name(name) => super::named_handle(name, end),
         };
         match block {
-            Ok(block) => block.release_use(),
+            Ok(block) => block.give_back_in_flight_use(),
             // Not ours, or gone: nothing to give back here.
             Err(e) => tracing::debug!("a use carried by an unread message: {e}"),
         }

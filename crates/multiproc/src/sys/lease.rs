@@ -27,6 +27,17 @@
 //!   The question takes nothing and changes nothing, so two peers asking at once cannot
 //!   mislead each other (a `flock` upgrade would drop the asker's lock first). The
 //!   same invariant holds: a new peer is only made from a peer's description.
+//! - **Marks** ([`marked_description`], [`is_marked`]), for a file that processes map
+//!   (a pooled block). A process that maps the file does so through a description of
+//!   its own (opened anew, never sent to anyone) on which it holds an
+//!   open-file-description read lock on one byte, its *mark*: [`MARK_HOLDER`] for a
+//!   process that maps the block to use it, [`MARK_CREATOR`] for the process that
+//!   created it and hands it out. The fd is closed once the file is mapped: the
+//!   mapping keeps the description, and with it the mark, until it is unmapped —
+//!   when the process lets the block go, or dies. Anyone asks whether a byte is marked
+//!   from a description that holds no mark (the fd that travels in messages, or one
+//!   opened for the question). A mark is never placed on a description that is sent,
+//!   so a message in flight or a queue's custody never keeps a dead process's mark.
 
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 
@@ -92,7 +103,7 @@ pub(crate) fn hold_peer(fd: BorrowedFd<'_>) -> Result<()> {
             "a lease handle is not a regular file (a lease file is an empty memfd)".into(),
         ));
     }
-    ofd_lock(fd, libc::F_OFD_SETLK, libc::F_RDLCK as libc::c_short)
+    ofd_lock(fd, libc::F_OFD_SETLK, libc::F_RDLCK as libc::c_short, 0)
         .map(drop)
         .map_err(|e| Error::os("taking an open-file-description lock on a lease file", e))
 }
@@ -100,7 +111,7 @@ pub(crate) fn hold_peer(fd: BorrowedFd<'_>) -> Result<()> {
 /// Lets go of the peer lease `fd` holds (its holder is going away, and asks next
 /// whether any other is left: two holders that go at once then both see none).
 pub(crate) fn release_peer(fd: BorrowedFd<'_>) -> Result<()> {
-    ofd_lock(fd, libc::F_OFD_SETLK, libc::F_UNLCK as libc::c_short)
+    ofd_lock(fd, libc::F_OFD_SETLK, libc::F_UNLCK as libc::c_short, 0)
         .map(drop)
         .map_err(|e| Error::os("releasing an open-file-description lock on a lease file", e))
 }
@@ -109,24 +120,66 @@ pub(crate) fn release_peer(fd: BorrowedFd<'_>) -> Result<()> {
 /// same file: another process's, or one inside a message in flight. `true` when the
 /// kernel cannot tell (the resource is then assumed to be held).
 pub(crate) fn others_hold(mine: BorrowedFd<'_>) -> bool {
-    ofd_lock(mine, libc::F_OFD_GETLK, libc::F_WRLCK as libc::c_short)
+    ofd_lock(mine, libc::F_OFD_GETLK, libc::F_WRLCK as libc::c_short, 0)
         != Ok(libc::F_UNLCK as libc::c_short)
 }
 
-/// `fcntl(fd, cmd, {type, SEEK_SET, 0, 1})` for an open-file-description lock on byte
-/// 0; returns the `l_type` the kernel leaves (for `F_OFD_GETLK`, `F_UNLCK` when the
-/// lock could be placed).
+/// The byte a process that maps a block to use it marks.
+pub(crate) const MARK_HOLDER: i64 = 0;
+/// The byte the creator of a block marks while it maps it (and may hand it out).
+pub(crate) const MARK_CREATOR: i64 = 1;
+
+/// A description of its own of the file `fd` refers to (opened anew through
+/// `/proc/self/fd`, read-write), carrying this process's mark on `byte`: map the file
+/// through it, then close it (the mapping keeps the mark). With `fresh` the file was
+/// just opened here by name and `fd` is such a description already: it is marked as
+/// it is.
+pub(crate) fn marked_description(fd: BorrowedFd<'_>, byte: i64, fresh: bool) -> Result<OwnedFd> {
+    let own = if fresh {
+        fd.try_clone_to_owned()
+            .map_err(|e| Error::os("duplicating a block's fd to mark it", e))?
+    } else {
+        let path = format!("/proc/self/fd/{}", fd.as_raw_fd());
+        rustix::fs::open(&path, OFlags::RDWR | OFlags::CLOEXEC, Mode::empty())
+            .map_err(|e| Error::os(format!("re-opening a block to mark it ({path})"), e))?
+    };
+    ofd_lock(
+        own.as_fd(),
+        libc::F_OFD_SETLK,
+        libc::F_RDLCK as libc::c_short,
+        byte,
+    )
+    .map_err(|e| Error::os("marking a block with an open-file-description lock", e))?;
+    Ok(own)
+}
+
+/// Whether any description marks `byte` of the file `unmarked` refers to; `unmarked`
+/// must hold no mark itself (its own would not count). `true` when the kernel cannot
+/// tell (a mark is then assumed, which keeps a block rather than reuse it).
+pub(crate) fn is_marked(unmarked: BorrowedFd<'_>, byte: i64) -> bool {
+    ofd_lock(
+        unmarked,
+        libc::F_OFD_GETLK,
+        libc::F_WRLCK as libc::c_short,
+        byte,
+    ) != Ok(libc::F_UNLCK as libc::c_short)
+}
+
+/// `fcntl(fd, cmd, {type, SEEK_SET, byte, 1})` for an open-file-description lock on
+/// one byte; returns the `l_type` the kernel leaves (for `F_OFD_GETLK`, `F_UNLCK` when
+/// the lock could be placed).
 fn ofd_lock(
     fd: BorrowedFd<'_>,
     cmd: libc::c_int,
     kind: libc::c_short,
+    byte: i64,
 ) -> std::result::Result<libc::c_short, rustix::io::Errno> {
     // SAFETY: `flock` is plain data; all-zero is a valid value (l_pid must be 0 for
     // the F_OFD_* commands).
     let mut lock: libc::flock = unsafe { std::mem::zeroed() };
     lock.l_type = kind;
     lock.l_whence = libc::SEEK_SET as libc::c_short;
-    lock.l_start = 0;
+    lock.l_start = byte;
     lock.l_len = 1;
     loop {
         // SAFETY: `fd` is valid for the call; `lock` is a live, initialised `flock`
@@ -190,5 +243,28 @@ mod tests {
         assert!(others_hold(c.as_fd()) && others_hold(a.as_fd()));
         drop(a);
         assert!(!others_hold(c.as_fd()));
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore = "memfds and fcntl")]
+    fn a_mark_lasts_as_long_as_the_mapping_of_its_description() {
+        let file = crate::sys::memfd::create("mark-test", 4096).unwrap();
+        assert!(!is_marked(file.as_fd(), MARK_HOLDER));
+        let own = marked_description(file.as_fd(), MARK_HOLDER, false).unwrap();
+        let map = crate::sys::mmap::SharedMapping::map(own.as_fd(), 4096).unwrap();
+        drop(own);
+        assert!(
+            is_marked(file.as_fd(), MARK_HOLDER),
+            "the mapping keeps the mark"
+        );
+        assert!(!is_marked(file.as_fd(), MARK_CREATOR), "one byte only");
+        // A duplicate of the unmarked fd (as a message carries it) holds no mark.
+        let sent = file.try_clone().unwrap();
+        drop(map);
+        assert!(
+            !is_marked(file.as_fd(), MARK_HOLDER),
+            "unmapped: the mark is gone"
+        );
+        assert!(!is_marked(sent.as_fd(), MARK_HOLDER));
     }
 }

@@ -120,6 +120,9 @@ pub(super) struct DecodeTable {
     id: u64,
     /// Uses adopted by this decode and dropped while it ran (see the module docs).
     pub(super) deferred: Vec<Box<dyn Carried>>,
+    /// What the adopting handles do once the decode has succeeded (a block's use then
+    /// stops being in flight: see [`Decoder::adopt`]).
+    pub(super) landed: Vec<Box<dyn FnOnce() + Send>>,
     /// What gives back the references of a packet that will not be decoded: lent to
     /// the nested messages this decode makes ([`Decoder::give_back_to`]).
     pub(super) returns: Arc<dyn GiveBack>,
@@ -139,6 +142,7 @@ impl DecodeTable {
             references: references.into_iter().map(|r| (r, false)).collect(),
             id: IDS.fetch_add(1, Ordering::Relaxed),
             deferred: Vec::new(),
+            landed: Vec::new(),
             returns,
         }
     }
@@ -490,14 +494,21 @@ impl<'w> Decoder<'w> {
 
     /// Records that the handle being decoded adopted entry `index` of the references
     /// section; returns this decode's id, for the adopted use (see the module docs).
-    /// An entry is adopted once: a second handle naming it is malformed.
-    pub(crate) fn adopt(&self, index: u32) -> std::result::Result<u64, String> {
+    /// `landed` runs once the whole decode has succeeded (never when it fails: the
+    /// packet then still carries the use). An entry is adopted once: a second handle
+    /// naming it is malformed.
+    pub(crate) fn adopt(
+        &self,
+        index: u32,
+        landed: Box<dyn FnOnce() + Send>,
+    ) -> std::result::Result<u64, String> {
         let what = self.what;
         self.with_table(|table| {
             let id = table.id;
             match table.references.get_mut(index as usize) {
                 Some((_, adopted @ false)) => {
                     *adopted = true;
+                    table.landed.push(landed);
                     Ok(id)
                 }
                 Some(_) => Err(Error::InvalidMessage(format!(

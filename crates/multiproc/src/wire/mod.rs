@@ -333,8 +333,11 @@ fn decode_body<T: DeserializeOwned>(
         }
     });
     let deferred = std::mem::take(&mut table.deferred);
+    let landed = std::mem::take(&mut table.landed);
     match result {
         Ok(value) => {
+            // The adopted uses are this process's now, no longer the message's.
+            landed.into_iter().for_each(|land| land());
             // Uses this process held already, or dropped by the value's own impls.
             drop(deferred);
             Ok(value)

@@ -3,21 +3,36 @@
 
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
+use std::sync::atomic::AtomicU32;
 
 use super::block::{ARENA_LEN, BLOCK_HEADER_LEN};
 use super::{Attachment, Backing, Segment};
 use crate::error::{Error, Result};
-use crate::sys::memfd;
 use crate::sys::mmap::SharedMapping;
+use crate::sys::{lease, memfd};
 
 impl Segment {
     /// Creates an anonymous segment of `len > 0` bytes: a memfd whose pages are
     /// reserved and whose size is sealed.
+    #[cfg(any(test, feature = "bench-internals"))]
     pub(crate) fn create_anonymous(len: usize) -> Result<Segment> {
+        Segment::create_anonymous_marked(len, None)
+    }
+
+    /// [`create_anonymous`](Self::create_anonymous), mapped through a description of
+    /// its own that carries this process's `mark` (see `sys::lease`) when there is one:
+    /// the fd the segment keeps, which messages carry, holds none.
+    fn create_anonymous_marked(len: usize, mark: Option<i64>) -> Result<Segment> {
         let fd = memfd::create("multiproc-tensor", len as u64)?;
         memfd::seal_size(fd.as_fd())?;
         let st = crate::sys::fs::status(fd.as_fd(), "a new memfd")?;
-        let mapping = SharedMapping::map(fd.as_fd(), len)?;
+        let mapping = match mark {
+            Some(byte) => {
+                let marked = lease::marked_description(fd.as_fd(), byte, false)?;
+                SharedMapping::map(marked.as_fd(), len)?
+            }
+            None => SharedMapping::map(fd.as_fd(), len)?,
+        };
         Ok(Segment {
             attachment: Attachment::default(),
             mapping,
@@ -29,13 +44,18 @@ impl Segment {
                 ino: st.ino,
             },
             is_block: false,
+            local_uses: AtomicU32::new(0),
         })
     }
 
     /// Creates a block: an anonymous segment of `len > BLOCK_HEADER_LEN` bytes that
-    /// starts with a block header (see `block`) with no uses, pooled by this process.
+    /// starts with a block header (see `block`) with no uses, pooled by this process,
+    /// and mapped with this process's creator mark.
     pub(crate) fn create_anonymous_block(len: usize) -> Result<Segment> {
-        let mut segment = Segment::create_anonymous(len.max(BLOCK_HEADER_LEN + 1))?;
+        let mut segment = Segment::create_anonymous_marked(
+            len.max(BLOCK_HEADER_LEN + 1),
+            Some(lease::MARK_CREATOR),
+        )?;
         segment.init_block();
         Ok(segment)
     }
@@ -90,7 +110,14 @@ impl Segment {
                 "a received segment of {wanted} bytes cannot be mapped"
             ))
         })?;
-        let mapping = SharedMapping::map(fd.as_fd(), len)?;
+        // A block is mapped through a description of this process's own that carries
+        // its holder mark (see `block`); the received fd, which it may send on, none.
+        let mapping = if as_block {
+            let marked = lease::marked_description(fd.as_fd(), lease::MARK_HOLDER, false)?;
+            SharedMapping::map(marked.as_fd(), len)?
+        } else {
+            SharedMapping::map(fd.as_fd(), len)?
+        };
         let segment = Segment {
             attachment: Attachment::default(),
             mapping,
@@ -102,6 +129,7 @@ impl Segment {
                 ino: st.ino,
             },
             is_block: as_block,
+            local_uses: AtomicU32::new(0),
         };
         if as_block && !segment.is_block() {
             return Err(Error::InvalidMessage(

@@ -3,16 +3,28 @@
 //! either backend can hold one (a memfd block, or a named block whose block header
 //! follows the named header).
 //!
-//! Uses: one per process holding a storage on the block, plus one per message in
-//! flight that names it. The creator hands the block out again only at 0 uses, so a
-//! process that crashes while holding a use pins the block (never corrupts it).
+//! Uses: one per storage on the block, in any process, plus one per message in flight
+//! that names it (those are also counted apart, `in_flight`). The creator hands the
+//! block out again only at 0 uses.
+//!
+//! **Who still maps a block is the kernel's to say** (see `sys::lease`, marks): every
+//! process that maps a block maps it through a description of its own that carries a
+//! mark — the creator's on one byte, each holder's on another — and the kernel drops a
+//! mark when its process unmaps the block or dies. The counts are the fast path; the
+//! marks are the truth when a process dies holding uses. Its uses can then never be
+//! given back by it, so the creator takes them back ([`Segment::reclaim_stale_uses`])
+//! once no other process marks the block, no message in flight names it and it holds
+//! no use itself: every use left is a dead process's. And a receiver lets a block go
+//! when its creator's mark is gone (the creator exited or was killed), never by a pid
+//! that may have been reused.
 //!
 //! A named block's *name* lives exactly as long as the block can be reached: its named
 //! header's reference count is one for the creator's pool (while `pooled` is 1) plus
-//! one per use, taken before the use and dropped after it. Whoever drops the last one
-//! unlinks the name. So a receiver that keeps a block mapped for reuse (see `cache`)
-//! holds no reference: once no tensor anywhere uses the block and its creator no longer
-//! pools it, nothing can name it again, and its name goes.
+//! one per use, taken before the use and dropped after it (a reclaimed use drops its
+//! reference too). Whoever drops the last one unlinks the name. So a receiver that
+//! keeps a block mapped for reuse (see `cache`) holds no reference: once no tensor
+//! anywhere uses the block and its creator no longer pools it, nothing can name it
+//! again, and its name goes.
 //!
 //! # Safety
 //!
@@ -21,10 +33,13 @@
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
+use std::os::fd::AsFd;
+
 use super::named::{drop_reference, take_reference};
 use super::{Backing, Segment, pid};
 use crate::error::Result;
 use crate::shm::SegmentName;
+use crate::sys::lease;
 
 /// Bytes at the start of a block's data (its header).
 pub(crate) const BLOCK_HEADER_LEN: usize = 64;
@@ -46,9 +61,12 @@ struct BlockHeader {
     uses: AtomicU32,
     /// 1 while the creator keeps the block for reuse: receivers then keep it mapped too.
     pooled: AtomicU32,
-    /// Pid of the creator.
+    /// Pid of the creator (who made it, for `multiproc gc` and diagnostics; whether it
+    /// lives is told by its mark).
     creator_pid: AtomicU32,
-    _reserved: [AtomicU32; 11],
+    /// The uses held by messages in flight (counted in `uses` too).
+    in_flight: AtomicU32,
+    _reserved: [AtomicU32; 10],
 }
 
 const _: () = assert!(std::mem::size_of::<BlockHeader>() == BLOCK_HEADER_LEN);
@@ -77,6 +95,7 @@ impl Segment {
         self.is_block = true;
         if let Some(h) = self.header_unchecked() {
             h.uses.store(0, Ordering::Relaxed);
+            h.in_flight.store(0, Ordering::Relaxed);
             h.pooled.store(1, Ordering::Relaxed);
             h.creator_pid.store(pid() as u32, Ordering::Relaxed);
             h.magic.store(BLOCK_MAGIC, Ordering::Release);
@@ -142,6 +161,131 @@ impl Segment {
         }
     }
 
+    /// Takes a use for a value of this process (a storage): counted in the block and
+    /// here.
+    pub(crate) fn acquire_local_use(&self) {
+        self.acquire_use();
+        self.local_uses.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// A use a message brought becomes this process's: counted here (the block counts
+    /// it already). Its `in_flight` count goes once the decode has succeeded
+    /// ([`use_landed`](Self::use_landed)).
+    pub(crate) fn adopt_local_use(&self) {
+        self.local_uses.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// A use adopted here goes back to the message that brought it (its decode
+    /// failed, and the packet is kept for another try): no longer counted here.
+    pub(crate) fn local_uses_forget(&self) {
+        let _ = self
+            .local_uses
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| v.checked_sub(1));
+    }
+
+    /// Gives back a use taken or adopted by a value of this process.
+    pub(crate) fn release_local_use(&self) {
+        // Before the block's count: `uses` never reads below what this process holds
+        // (see `reclaim_stale_uses`).
+        let _ = self
+            .local_uses
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| v.checked_sub(1));
+        self.release_use();
+    }
+
+    /// Takes a use for a message about to be sent: counted as in flight until its
+    /// receiver's decode succeeds ([`use_landed`](Self::use_landed)) or it is given
+    /// back unread ([`give_back_in_flight_use`](Self::give_back_in_flight_use)).
+    pub(crate) fn take_in_flight_use(&self) {
+        if let Some(h) = self.block() {
+            h.in_flight.fetch_add(1, Ordering::AcqRel);
+        }
+        self.acquire_use();
+    }
+
+    /// The use a message brought has been adopted by a decode that succeeded here.
+    pub(crate) fn use_landed(&self) {
+        if let Some(h) = self.block() {
+            let _ = h
+                .in_flight
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| v.checked_sub(1));
+        }
+    }
+
+    /// Gives back the use of a message that is never received (dropped unread or
+    /// unsent, or refused as malformed).
+    pub(crate) fn give_back_in_flight_use(&self) {
+        self.use_landed();
+        self.release_use();
+    }
+
+    /// The creator's part (see the module docs): when this process created the block,
+    /// holds no use of it, no message in flight names it and no other process marks it
+    /// as a holder, every use left is one a dead process can never give back: they are
+    /// taken back, with the name references they held. Returns how many. Cheap when
+    /// there are none (no system call).
+    ///
+    /// Nothing in this process may take a new use of the block meanwhile except by
+    /// receiving a message that names it (the caller keeps it out of its pool's
+    /// allocations): such a message is counted in flight until its use has become
+    /// local, and another process's holder mark is in place before its decode counts
+    /// its message landed — so the checks below, in this order, can never miss a use
+    /// that someone alive still holds.
+    pub(crate) fn reclaim_stale_uses(&self) -> u32 {
+        let Some(h) = self.block() else {
+            return 0;
+        };
+        let uses = h.uses.load(Ordering::Acquire);
+        if uses == 0 || !self.is_own_block() || h.in_flight.load(Ordering::Acquire) != 0 {
+            return 0;
+        }
+        if self.holders_elsewhere() || self.local_uses.load(Ordering::Acquire) != 0 {
+            return 0;
+        }
+        if h.uses
+            .compare_exchange(uses, 0, Ordering::AcqRel, Ordering::Acquire)
+            .is_err()
+        {
+            return 0;
+        }
+        tracing::debug!(
+            uses,
+            "took back the uses of a block that only dead processes held"
+        );
+        for _ in 0..uses {
+            self.drop_block_reference();
+        }
+        uses
+    }
+
+    /// Whether any other process maps the block as a holder (its mark; see the module
+    /// docs). Asked from a description with no mark. `true` when unsure.
+    fn holders_elsewhere(&self) -> bool {
+        self.ask_marks(lease::MARK_HOLDER)
+    }
+
+    /// Whether the block's creator still maps it (its mark). `true` when unsure.
+    pub(crate) fn creator_lives(&self) -> bool {
+        self.ask_marks(lease::MARK_CREATOR)
+    }
+
+    /// Whether `byte` of the block's file is marked, asked from a description that
+    /// holds no mark: a memfd's fd (the one messages carry), or the name opened anew.
+    fn ask_marks(&self, byte: i64) -> bool {
+        match &self.backing {
+            Backing::Anonymous { fd, .. } => lease::is_marked(fd.as_fd(), byte),
+            Backing::Named { name, .. } => {
+                let path = crate::shm::name::shm_path(name);
+                match crate::sys::fs::open_shm_file(&path, false) {
+                    Ok(fd) => lease::is_marked(fd.as_fd(), byte),
+                    // The name is gone: nobody can map it any more.
+                    Err(rustix::io::Errno::NOENT) => false,
+                    Err(_) => true,
+                }
+            }
+        }
+    }
+
     /// The uses of a block (`None` for other segments).
     pub(crate) fn uses(&self) -> Option<u32> {
         self.block().map(|h| h.uses.load(Ordering::Acquire))
@@ -187,8 +331,8 @@ impl Segment {
     }
 
     /// Whether a block mapped here (not by its creator) can never be used again: no
-    /// uses, and its creator no longer pools it or has exited. Keeping such a mapping
-    /// only holds memory.
+    /// uses, and its creator no longer pools it or no longer maps it (exited, or was
+    /// killed: its mark is gone). Keeping such a mapping only holds memory.
     pub(crate) fn is_dead_block(&self) -> bool {
         let Some(h) = self.block() else {
             return false;
@@ -196,10 +340,6 @@ impl Segment {
         if h.uses.load(Ordering::Acquire) != 0 {
             return false;
         }
-        if h.pooled.load(Ordering::Acquire) == 0 {
-            return true;
-        }
-        let creator = h.creator_pid.load(Ordering::Relaxed);
-        creator == 0 || crate::sys::process::process_is_dead(creator)
+        h.pooled.load(Ordering::Acquire) == 0 || !self.creator_lives()
     }
 }

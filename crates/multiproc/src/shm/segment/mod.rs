@@ -14,7 +14,7 @@
 
 use std::any::Any;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
-use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::atomic::{AtomicI32, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use super::name::SegmentName;
@@ -67,6 +67,8 @@ pub(crate) struct Segment {
     /// creator, or a receiver from the *handle's* kind — never from bytes in the
     /// mapping, which a peer may have written.
     is_block: bool,
+    /// The block's uses held by values of this process (its storages; see `block`).
+    local_uses: AtomicU32,
 }
 
 /// A value a higher layer keeps with a mapping, set once (see [`Segment::attach_once`]).

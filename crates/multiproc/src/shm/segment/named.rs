@@ -11,7 +11,7 @@ use super::super::name::{SegmentName, shm_path};
 use super::{Attachment, Backing, Segment, pid};
 use crate::error::{Error, Result};
 use crate::sys::mmap::SharedMapping;
-use crate::sys::{fs, memfd};
+use crate::sys::{fs, lease, memfd};
 
 /// Bytes before the data of a named segment.
 pub(crate) const HEADER_LEN: usize = 64;
@@ -74,7 +74,14 @@ impl Segment {
                 header: headers as u64,
             },
         )
-        .and_then(|()| SharedMapping::map(fd.as_fd(), total));
+        .and_then(|()| {
+            // A block's creator maps it with its creator mark (see `block`); the fd is
+            // this process's own description, opened here and never sent.
+            if headers > HEADER_LEN {
+                lease::marked_description(fd.as_fd(), lease::MARK_CREATOR, true).map(drop)?;
+            }
+            SharedMapping::map(fd.as_fd(), total)
+        });
         let mapping = match made {
             Ok(m) => m,
             Err(e) => {
@@ -92,6 +99,7 @@ impl Segment {
                 owner_pid: AtomicI32::new(pid()),
             },
             is_block: false,
+            local_uses: AtomicU32::new(0),
         };
         if let Some(h) = segment.named_header() {
             h.data_len.store(len as u64, Ordering::Relaxed);
@@ -163,6 +171,11 @@ impl Segment {
         let total = usize::try_from(size).map_err(|_| {
             Error::InvalidMessage(format!("segment {path} of {size} bytes cannot be mapped"))
         })?;
+        if as_block {
+            // Mapped with this process's holder mark (see `block`): the description was
+            // opened here, by name, and is never sent.
+            lease::marked_description(fd.as_fd(), lease::MARK_HOLDER, true).map(drop)?;
+        }
         let mapping = SharedMapping::map(fd.as_fd(), total)?;
         let mut segment = Segment {
             attachment: Attachment::default(),
@@ -176,6 +189,7 @@ impl Segment {
                 owner_pid: AtomicI32::new(0),
             },
             is_block: false,
+            local_uses: AtomicU32::new(0),
         };
         let h = segment
             .named_header()
