@@ -1,8 +1,10 @@
-//! What crossing into ndarray and candle costs for a 40 MB tensor, against a plain
-//! `memcpy` of 40 MB measured in the same run (the floor for any one-copy conversion).
+//! What crossing into ndarray and candle (and burn, with its feature) costs for a 40 MB
+//! tensor, against a plain `memcpy` of 40 MB measured in the same run (the floor for any
+//! one-copy conversion).
 //!
 //! ```text
 //! cargo run --release -p multiproc --features ndarray,candle --example interop_cost
+//! cargo run --release -p multiproc --features ndarray,candle,burn --example interop_cost
 //! ```
 //!
 //! A measurement, not a test: each figure is the median of 21 runs, with the ratio to
@@ -50,7 +52,8 @@ fn main() -> multiproc::Result<()> {
     let candle = candle_core::Tensor::from_vec(data.clone(), n, &candle_core::Device::Cpu)
         .map_err(|e| multiproc::Error::Tensor(e.to_string()))?;
 
-    let rows: Vec<(&str, Duration)> = vec![
+    #[allow(unused_mut)] // the burn rows are pushed with the `burn` feature
+    let mut rows: Vec<(&str, Duration)> = vec![
         (
             "to_candle",
             median(|| drop(black_box(tensor.to_candle().unwrap()))),
@@ -93,6 +96,8 @@ fn main() -> multiproc::Result<()> {
             median(|| drop(black_box(unsafe { shared.as_array_view::<f32>() }.unwrap()))),
         ),
     ];
+    #[cfg(feature = "burn")]
+    rows.extend(burn_rows(&tensor, &shared, &data)?);
 
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
     println!("40 MB of f32, median of {RUNS} runs");
@@ -123,4 +128,60 @@ fn main() -> multiproc::Result<()> {
         );
     }
     Ok(())
+}
+
+/// burn's figures: the copies, and the borrows (which cost no copy whatever the size).
+#[cfg(feature = "burn")]
+fn burn_rows(
+    tensor: &Tensor,
+    shared: &Tensor,
+    data: &[f32],
+) -> multiproc::Result<Vec<(&'static str, Duration)>> {
+    use burn_tensor::DType as BurnDType;
+    #[allow(deprecated)] // burn 0.22 deprecates NdArray in favour of Flex
+    let device = burn_tensor::Device::ndarray();
+    let n = data.len();
+    let burn_data = burn_tensor::TensorData::new(data.to_vec(), [n]);
+    Ok(vec![
+        (
+            "to_burn",
+            median(|| drop(black_box(tensor.to_burn().unwrap()))),
+        ),
+        (
+            "to_burn + NdArray tensor",
+            median(|| {
+                let d = tensor.to_burn().unwrap();
+                drop(black_box(burn_tensor::Tensor::<1>::from_data(d, &device)));
+            }),
+        ),
+        (
+            "from_burn",
+            median(|| drop(black_box(Tensor::from_burn(&burn_data).unwrap()))),
+        ),
+        (
+            "from_burn_shared",
+            median(|| drop(black_box(Tensor::from_burn_shared(&burn_data).unwrap()))),
+        ),
+        (
+            "from_burn + into_burn (borrowed)",
+            median(|| {
+                let t = Tensor::from_burn(&burn_data).unwrap();
+                drop(black_box(t.into_burn().unwrap()));
+            }),
+        ),
+        (
+            "as_burn (shared, zero-copy)",
+            // SAFETY: nothing writes `shared` while burn holds it.
+            median(|| drop(black_box(unsafe { shared.as_burn() }.unwrap()))),
+        ),
+        (
+            "as_burn + NdArray tensor (zero-copy)",
+            median(|| {
+                // SAFETY: nothing writes `shared` while burn holds it.
+                let d = unsafe { shared.as_burn() }.unwrap();
+                let t = burn_tensor::Tensor::<1>::from_data(d, (&device, BurnDType::F32));
+                drop(black_box(t));
+            }),
+        ),
+    ])
 }

@@ -17,7 +17,8 @@
 //! 7. [Synchronisation](#synchronisation): locks and their guards, events, barriers
 //! 8. [Errors and timeouts](#errors-and-timeouts)
 //! 9. [Logs from workers](#logs-from-workers)
-//! 10. [Other frameworks](#other-frameworks): ndarray, candle, safetensors, DLPack
+//! 10. [Other frameworks](#interop-ndarray-candle-burn-safetensors-dlpack): ndarray,
+//!     candle, burn, safetensors, DLPack
 //! 11. [Tests](#tests) that start workers
 //! 12. [Python](#python): the same queues from Python processes
 //!
@@ -369,7 +370,7 @@
 //! }
 //! ```
 //!
-//! ## Interop: ndarray, candle, safetensors, DLPack
+//! ## Interop: ndarray, candle, burn, safetensors, DLPack
 //!
 //! Optional features, off by default (the items below exist only with their feature;
 //! their own docs have the details and examples), connect tensors to the Rust ML ecosystem. The
@@ -381,11 +382,13 @@
 //! |---|---|
 //! | `ndarray` | `Tensor::from_ndarray` / `from_ndarray_shared` (one copy, any strides, straight into shared memory for the `_shared` form), `Tensor::to_ndarray` (one copy), `Tensor::copy_from_ndarray` (into an existing tensor, shared or not), zero-copy views: the safe `Tensor::array_view` / `array_view_mut` and the `unsafe` `Tensor::as_array_view` / `as_array_view_mut` |
 //! | `candle` | `Tensor::to_candle`, `Tensor::from_candle` / `from_candle_shared`: one copy each, every dtype both sides know (`u8 u32 i16 i32 i64 bf16 f16 f32 f64`), an error naming the dtype otherwise |
+//! | `burn` | `Tensor::to_burn` (one copy, any tensor) and `Tensor::into_burn` (zero-copy on the only handle of a private tensor, one copy otherwise) give burn's `TensorData`; the `unsafe` `Tensor::as_burn` borrows a shared tensor's mapping without a copy, for burn's NdArray backend to compute on in place; `Tensor::from_burn` / `from_burn_shared` (one copy); all thirteen dtypes, burn's `qfloat` refused by name |
 //! | `safetensors` | `safetensors::load`: tensors backed by the file's own pages, mapped shared and read-only, that travel to workers as the file's fd (N workers, one page-cache copy); `safetensors::save` |
 //! | `dlpack` | `Tensor::to_dlpack` / `Tensor::from_dlpack` (through the `dlpark` crate): zero-copy, the capsule keeps the storage alive |
 //!
 //! Toolchains: the crate, `ndarray` and `safetensors` build with Rust 1.85; `dlpack`
-//! needs 1.88 (dlpark) and `candle` 1.89 (candle's own dependencies).
+//! needs 1.88 (dlpark), `candle` 1.89 (candle's own dependencies) and `burn` 1.95
+//! (burn 0.22).
 //!
 //! Without any feature, [`Tensor::copy_from_slice`] writes a slice into an existing
 //! tensor (shared or not) in one copy, and [`Tensor::from_slice_shared`] makes a shared
@@ -426,6 +429,26 @@
 //! [`Error::Tensor`] naming it ([`Tensor::is_read_only`]); [`Tensor::deep_clone`] makes
 //! a writable copy. Inference workers that receive such weights add no private memory
 //! for them: `examples/inference_workers.rs` shows it from `/proc/PID/smaps_rollup`.
+//!
+//! **burn: which backends borrow.** burn's `TensorData` holds its bytes in a `Bytes`
+//! that may borrow memory it does not own; multiproc's borrowed bytes keep the tensor's
+//! storage, and so its shared mapping, alive for as long as burn holds them (after the
+//! tensor itself is dropped), and burn never writes them (a mutation copies first).
+//! burn's NdArray backend (the one the feature builds) computes on borrowed bytes where
+//! they are, and so does Flex; GPU backends (wgpu, CUDA, ROCm, Metal) upload the bytes,
+//! one copy that any host data pays. Make the burn tensor with the data's own dtype,
+//! `burn_tensor::Tensor::<2>::from_data(data, (&device, data.dtype()))`, or burn converts
+//! it first (a copy). Which route, by the same rule as the ndarray views:
+//!
+//! - `Tensor::to_burn` copies once: the safe route for a tensor that other
+//!   processes may write (a Hogwild parameter, anything received).
+//! - `Tensor::into_burn` takes the tensor and borrows it when it is the only handle on
+//!   private memory (nobody else can write or share those bytes any more), and copies
+//!   otherwise.
+//! - `Tensor::as_burn` (`unsafe`) borrows a shared or read-only tensor: you promise
+//!   that nobody writes those elements until burn has dropped every tensor and
+//!   `TensorData` made from them, e.g. weights that every worker only reads
+//!   (`examples/burn_inference.rs`).
 //!
 //! **DLPack is one-process.** A capsule is a pointer into this process plus a deleter:
 //! hand it to a library in this process (a PyO3 extension's `torch.from_dlpack`), and

@@ -15,8 +15,9 @@
 //!   received message), and every kernel re-checks it once, up front.
 //! - Tensor memory is never exposed as `&[T]`/`&mut [T]` by a safe function unless no
 //!   one else can write it (the `ndarray` feature's `array_view` on the only handle of a
-//!   private tensor, or on a read-only file): other threads and processes may write it
-//!   at any time.
+//!   private tensor, or on a read-only file; the `burn` feature's `into_burn`, which takes
+//!   the only handle of a private tensor): other threads and processes may write it at
+//!   any time.
 //! - A read-only storage (a `safetensors` file's pages) is never written: every
 //!   in-place operation calls `Storage::check_writable` before it touches a byte. Reads copy ([`Tensor::to_vec`]); element-wise operations
 //!   use relaxed atomics, so concurrent Hogwild updates are defined behaviour (an update
@@ -34,7 +35,8 @@
 //! bytes), `raw` (the element kernels, the only code that touches them, beside `bulk`,
 //! the copy and reduction kernels of the collectives over memory other processes write),
 //! `constructors`, `views`, `in_place`, `reductions` (the operations, by kind),
-//! `copy_in` (host data in), `device` (CPU or CUDA), `interop_*` (the features); this
+//! `copy_in` (host data in), `device` (CPU or CUDA), `interop_*` (the features: ndarray,
+//! candle, DLPack, burn); this
 //! file: [`Tensor`] itself, its accessors, `Debug` and wire form.
 
 #[allow(unsafe_code)]
@@ -44,6 +46,9 @@ pub(crate) mod copy_in;
 mod device;
 pub(crate) mod dtype;
 mod in_place;
+#[cfg(feature = "burn")]
+#[allow(unsafe_code)]
+mod interop_burn;
 #[cfg(feature = "candle")]
 mod interop_candle;
 #[cfg(feature = "dlpack")]
