@@ -374,7 +374,7 @@ impl Serialize for ForgedName {
         use serde::ser::Error as _;
         let enc = wire::Encoder::current("a forged tensor").map_err(S::Error::custom)?;
         let carried: Box<dyn wire::Carried> = match &self.block {
-            Some(block) => Box::new(crate::shm::BlockUse::take(block)),
+            Some(block) => Box::new(crate::shm::InFlightUse::take(block)),
             None => Box::new(NoUse),
         };
         let reference = enc.carry_reference(
