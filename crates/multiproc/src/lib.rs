@@ -382,7 +382,7 @@
 //! |---|---|
 //! | `ndarray` | `Tensor::from_ndarray` / `from_ndarray_shared` (one copy, any strides, straight into shared memory for the `_shared` form), `Tensor::to_ndarray` (one copy), `Tensor::copy_from_ndarray` (into an existing tensor, shared or not), zero-copy views: the safe `Tensor::array_view` / `array_view_mut` and the `unsafe` `Tensor::as_array_view` / `as_array_view_mut` |
 //! | `candle` | `Tensor::to_candle`, `Tensor::from_candle` / `from_candle_shared`: one copy each, every dtype both sides know (`u8 u32 i16 i32 i64 bf16 f16 f32 f64`), an error naming the dtype otherwise |
-//! | `burn` | `Tensor::to_burn` (one copy, any tensor) and `Tensor::into_burn` (zero-copy on the only handle of a private tensor, one copy otherwise) give burn's `TensorData`; the `unsafe` `Tensor::as_burn` borrows a shared tensor's mapping without a copy, for burn's NdArray backend to compute on in place; `Tensor::from_burn` / `from_burn_shared` (one copy); all thirteen dtypes, burn's `qfloat` refused by name |
+//! | `burn` | `Tensor::to_burn` (one copy, any tensor) and `Tensor::into_burn` (zero-copy on the only handle of a private tensor, one copy otherwise) give burn's `TensorData`; the `unsafe` `Tensor::as_burn` borrows a shared tensor's mapping without a copy, which burn's NdArray backend takes as it is; `Tensor::from_burn` / `from_burn_shared` (one copy); all thirteen dtypes, burn's `qfloat` refused by name |
 //! | `safetensors` | `safetensors::load`: tensors backed by the file's own pages, mapped shared and read-only, that travel to workers as the file's fd (N workers, one page-cache copy); `safetensors::save` |
 //! | `dlpack` | `Tensor::to_dlpack` / `Tensor::from_dlpack` (through the `dlpark` crate): zero-copy, the capsule keeps the storage alive |
 //!
@@ -434,9 +434,11 @@
 //! that may borrow memory it does not own; multiproc's borrowed bytes keep the tensor's
 //! storage, and so its shared mapping, alive for as long as burn holds them (after the
 //! tensor itself is dropped), and burn never writes them (a mutation copies first).
-//! burn's NdArray backend (the one the feature builds) computes on borrowed bytes where
-//! they are, and so does Flex; GPU backends (wgpu, CUDA, ROCm, Metal) upload the bytes,
-//! one copy that any host data pays. Make the burn tensor with the data's own dtype,
+//! burn's NdArray backend (the one the feature builds) takes them without a copy, but in
+//! burn 0.22 nearly every NdArray operation copies a borrowed input into its own array
+//! first (one copy per operation, freed after it); burn's Flex backend reads them in
+//! place. GPU backends (wgpu, CUDA, ROCm, Metal) upload the bytes, one copy that any host
+//! data pays. Make the burn tensor with the data's own dtype,
 //! `burn_tensor::Tensor::<2>::from_data(data, (&device, data.dtype()))`, or burn converts
 //! it first (a copy). Which route, by the same rule as the ndarray views:
 //!

@@ -12,10 +12,13 @@
 //! through such bytes: a write (an in-place operation, `as_mut_slice`) copies them
 //! first (copy-on-write). Backends then differ:
 //!
-//! - **NdArray** keeps non-heap bytes borrowed (`NdArrayStorage::Borrowed`): reading
-//!   operations view the shared bytes where they are, and an operation that would
-//!   mutate copies them once into its own array. So does **Flex** (its tensor keeps the
-//!   `Bytes` it was given).
+//! - **NdArray** (burn-ndarray 0.22) takes non-heap bytes without a copy and holds them
+//!   borrowed (`NdArrayStorage::Borrowed`), but nearly every operation first turns a
+//!   borrowed input into an array of its own (`into_shared`): one copy of that input per
+//!   operation, freed when it is done. Holding the bytes is free; computing on them
+//!   costs that copy each time (the model's weights, for each batch).
+//! - **Flex** (burn's newer CPU backend, not built by this feature) keeps the `Bytes`
+//!   it is given and reads them in place (`bytemuck::cast_slice` over them).
 //! - **wgpu, CUDA, ROCm, Metal** (cubecl) upload the bytes to the device: one copy, the
 //!   one any host data pays, with nothing to borrow on the other side.
 //! - burn converts the data first when the tensor is made with another dtype than the
@@ -160,8 +163,9 @@ impl Tensor {
     /// The elements as burn [`TensorData`] without a copy when that is sound without a
     /// contract: this is the only handle on a private, contiguous tensor (it is taken,
     /// so nothing else can reach, write or share those bytes while burn borrows them).
-    /// burn's NdArray backend then reads the very bytes this tensor had; the buffer is
-    /// freed when burn drops the last `TensorData` or tensor that holds it.
+    /// A burn tensor made from it holds the very bytes this tensor had (see the module
+    /// docs for what each backend does with them); the buffer is freed when burn drops
+    /// the last `TensorData` or tensor that holds it.
     ///
     /// Otherwise — a shared or read-only tensor (another process, or anyone who can
     /// open the file, may write it), other handles (clones, views), a non-contiguous
@@ -197,8 +201,9 @@ impl Tensor {
     /// The elements of a shared (or read-only) tensor as burn [`TensorData`] without a
     /// copy: burn's bytes are this tensor's memory, and they keep its storage (and so
     /// its mapping) alive for as long as burn holds them, whatever happens to this
-    /// tensor. burn's NdArray backend computes on them where they are; burn itself never
-    /// writes them (a mutation copies first).
+    /// tensor. burn's NdArray backend takes them as they are (its operations then copy a
+    /// borrowed input, Flex reads it in place); burn itself never writes them (a
+    /// mutation copies first).
     ///
     /// A private tensor is refused, since its bytes move when it is shared: share it
     /// first ([`share_memory_`](Self::share_memory_)), or hand the only handle to the
