@@ -26,17 +26,6 @@ const EACH: usize = 6;
 /// machine does meanwhile (the holder held 96 MiB).
 const SLACK_MIB: u64 = 40;
 
-/// The machine's committed shared memory, in MiB.
-fn shmem_mib() -> u64 {
-    let text = std::fs::read_to_string("/proc/meminfo").expect("/proc/meminfo");
-    text.lines()
-        .find_map(|l| l.strip_prefix("Shmem:"))
-        .and_then(|v| v.trim().strip_suffix("kB"))
-        .and_then(|v| v.trim().parse::<u64>().ok())
-        .expect("a Shmem line")
-        >> 10
-}
-
 /// The tensors a holder gets: [`EACH`] large and [`EACH`] small ones full of `value`.
 fn tensors(value: f64) -> Vec<Tensor> {
     (0..EACH)
@@ -84,7 +73,7 @@ fn release_until(what: &str, mut done: impl FnMut() -> Option<String>) {
 fn a_holder_killed_with_tensors_pins_no_block_and_no_name() {
     common::run(DEADLINE, || {
         for_each_strategy(|strategy| {
-            let (names, baseline) = (common::our_segments(), shmem_mib());
+            let (names, baseline) = (common::our_segments(), common::shmem_mib());
             let (q, told) = (
                 Queue::<Tensor>::new().unwrap(),
                 Queue::<u32>::new().unwrap(),
@@ -102,7 +91,7 @@ fn a_holder_killed_with_tensors_pins_no_block_and_no_name() {
             release_until(&format!("{strategy}, holder killed"), || {
                 let left: Vec<String> =
                     common::our_segments().difference(&names).cloned().collect();
-                let now = shmem_mib();
+                let now = common::shmem_mib();
                 (!left.is_empty() || now > baseline + SLACK_MIB).then(|| {
                     format!(
                         "{} names are left ({left:?}) and {now} MiB of shared memory is committed \

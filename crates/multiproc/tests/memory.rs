@@ -28,17 +28,6 @@ const BURST_MIB: u64 = (WORKERS * TENSORS_EACH * FLOATS * 4) as u64 >> 20;
 /// current arenas and whatever else the machine does meanwhile.
 const SLACK_MIB: u64 = 96;
 
-/// The machine's committed shared memory, in MiB.
-fn shmem_mib() -> u64 {
-    let text = std::fs::read_to_string("/proc/meminfo").expect("/proc/meminfo");
-    text.lines()
-        .find_map(|l| l.strip_prefix("Shmem:"))
-        .and_then(|v| v.trim().strip_suffix("kB"))
-        .and_then(|v| v.trim().parse::<u64>().ok())
-        .expect("a Shmem line")
-        >> 10
-}
-
 /// Sends its tensors (each a block of its own, all alive at once in the parent), then
 /// stays alive, idle, until told to go when `linger` is set.
 fn burst(
@@ -62,7 +51,7 @@ fn burst(
 fn comes_back(baseline: u64, what: &str) -> Duration {
     let start = Instant::now();
     loop {
-        let now = shmem_mib();
+        let now = common::shmem_mib();
         if now <= baseline + SLACK_MIB {
             return start.elapsed();
         }
@@ -76,7 +65,7 @@ fn comes_back(baseline: u64, what: &str) -> Duration {
 }
 
 fn burst_then_idle(strategy: SharingStrategy, linger: bool) {
-    let baseline = shmem_mib();
+    let baseline = common::shmem_mib();
     let q = Queue::<(usize, Tensor)>::new().unwrap();
     let go = Event::new().unwrap();
     let mut ctx = start_processes(
@@ -92,7 +81,7 @@ fn burst_then_idle(strategy: SharingStrategy, linger: bool) {
         assert_eq!(t.numel(), FLOATS);
         kept.push((rank, t));
     }
-    let peak = shmem_mib();
+    let peak = common::shmem_mib();
     assert!(
         peak >= baseline + BURST_MIB / 2,
         "the burst did not commit memory ({baseline} -> {peak} MiB): the check cannot tell"

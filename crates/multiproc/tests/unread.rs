@@ -31,17 +31,6 @@ const SLACK_MIB: u64 = 48;
 /// One case at a time: each judges the machine's committed shared memory.
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
-/// The machine's committed shared memory, in MiB.
-fn shmem_mib() -> u64 {
-    let text = std::fs::read_to_string("/proc/meminfo").expect("/proc/meminfo");
-    text.lines()
-        .find_map(|l| l.strip_prefix("Shmem:"))
-        .and_then(|v| v.trim().strip_suffix("kB"))
-        .and_then(|v| v.trim().parse::<u64>().ok())
-        .expect("a Shmem line")
-        >> 10
-}
-
 /// A fresh 16 MiB tensor (a block of the worker's own) full of `i`.
 fn big(i: u64) -> Result<Tensor, String> {
     Tensor::full(&[FLOATS], i as f64, DType::F32).map_err(|e| e.to_string())
@@ -53,7 +42,7 @@ fn nothing_pinned(baseline: u64, names: &std::collections::BTreeSet<String>, wha
     let start = Instant::now();
     loop {
         let left: Vec<String> = common::our_segments().difference(names).cloned().collect();
-        let now = shmem_mib();
+        let now = common::shmem_mib();
         if left.is_empty() && now <= baseline + SLACK_MIB {
             eprintln!(
                 "{what}: back to {now} MiB (baseline {baseline}) after {:?}",
@@ -77,7 +66,7 @@ fn pins_nothing(what: &'static str, case: fn(SharingStrategy)) {
     common::run(DEADLINE, move || {
         let _one = ONE_AT_A_TIME.lock().unwrap_or_else(PoisonError::into_inner);
         for_each_strategy(|strategy| {
-            let (baseline, names) = (shmem_mib(), common::our_segments());
+            let (baseline, names) = (common::shmem_mib(), common::our_segments());
             case(strategy);
             nothing_pinned(baseline, &names, &format!("{what}, {strategy}"));
         });

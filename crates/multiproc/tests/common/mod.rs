@@ -302,3 +302,14 @@ impl Rng {
         self.below(den) < num
     }
 }
+
+/// The machine's committed (`Shmem` in /proc/meminfo) shared memory, in MiB.
+pub fn shmem_mib() -> u64 {
+    let text = std::fs::read_to_string("/proc/meminfo").expect("/proc/meminfo");
+    text.lines()
+        .find_map(|l| l.strip_prefix("Shmem:"))
+        .and_then(|v| v.trim().strip_suffix("kB"))
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .expect("a Shmem line")
+        >> 10
+}
