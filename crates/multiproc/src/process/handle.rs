@@ -181,6 +181,38 @@ impl Process {
         })
     }
 
+    /// Waits until it exits, as [`join`](Self::join) without a timeout does, without
+    /// blocking a thread (feature `async`; any executor): the reactor watches its
+    /// pidfd. Cancel-safe.
+    ///
+    /// # Errors
+    /// As [`join`](Self::join), and when the fd reactor cannot be started.
+    #[cfg(feature = "async")]
+    pub async fn join_async(&mut self) -> Result<ExitStatus> {
+        use crate::sys::reactor::{self, Parked, Ready, Step};
+        self.started_mut("join")?;
+        // The future's own copy of the pidfd: the steps below reap through `self`.
+        let pidfd = match self.sentinel() {
+            Some(fd) => fd
+                .try_clone_to_owned()
+                .map_err(|e| Error::os("duplicating a process's pidfd", e))?,
+            None => return Err(Error::InvalidArgument("join of a process not started".into())),
+        };
+        let mut parked: Option<Parked> = None;
+        std::future::poll_fn(|cx| {
+            reactor::poll_step(
+                cx,
+                &mut parked,
+                || match self.exit_status() {
+                    Some(status) => Step::Done(Ok(status)),
+                    None => Step::Fd(std::os::fd::AsFd::as_fd(&pidfd), Ready::Readable),
+                },
+                Err,
+            )
+        })
+        .await
+    }
+
     /// Its exit status if it has exited (reaping it), without waiting.
     pub fn exit_status(&mut self) -> Option<ExitStatus> {
         let child = self.child.as_mut()?;

@@ -271,6 +271,19 @@ impl Channel {
             .unwrap_or(false)
     }
 
+    /// What an awaited get parks on: see `Ring::get_wait`. Read before the get's try.
+    #[cfg(feature = "async")]
+    pub(crate) fn get_wait(&self) -> crate::sys::reactor::WordWait {
+        self.ring.get_wait()
+    }
+
+    /// The sending socket: an awaited put whose packet found it full waits until it
+    /// takes more.
+    #[cfg(feature = "async")]
+    pub(crate) fn tx(&self) -> std::os::fd::BorrowedFd<'_> {
+        self.tx.as_fd()
+    }
+
     /// Runs `f` while this process holds the lock of the custody's `shelf` (tests).
     #[cfg(feature = "fuzzing")]
     pub(crate) fn while_custody_locked<R>(&self, shelf: usize, f: impl FnOnce() -> R) -> Result<R> {
@@ -331,7 +344,11 @@ impl Drop for Channel {
             wire::give_back_unread(packet, &*self.returns);
         }
         let holder = self.holder.as_fd();
-        if lease::release_peer(holder).is_err() || lease::others_hold(holder) {
+        let released = lease::release_peer(holder).is_ok();
+        // Getters that wait (awaited ones above all, which otherwise hear of it only
+        // at their next re-check) ask again whether anybody is left.
+        self.ring.holder_left();
+        if !released || lease::others_hold(holder) {
             return;
         }
         for _ in 0..GIVE_BACK_AT_MOST {

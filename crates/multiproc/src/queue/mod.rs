@@ -38,6 +38,9 @@
 //! mapped once), the `Storage` adopts the message's use, and the tensor aliases the
 //! sender's memory.
 
+// The awaitable operations (feature `async`).
+#[cfg(feature = "async")]
+mod awaiting;
 mod bounded;
 mod channel;
 mod counted;

@@ -89,6 +89,9 @@ pub(crate) mod strategy;
 pub(crate) mod tree;
 #[allow(unsafe_code)]
 mod words;
+// Shared words as the async reactor waits on them (feature `async`).
+#[cfg(feature = "async")]
+mod awaiting;
 
 use std::any::Any;
 use std::borrow::Cow;

@@ -86,6 +86,35 @@ impl Event {
             }
         }
     }
+
+    /// Waits until the flag is set, as [`wait`](Self::wait) does, without blocking a
+    /// thread (feature `async`; any executor). Cancel-safe: it takes nothing.
+    ///
+    /// # Errors
+    /// When the async reactor's thread cannot be started.
+    #[cfg(feature = "async")]
+    pub async fn wait_async(&self) -> Result<()> {
+        use crate::sys::reactor::{self, Parked, Step, WordWait};
+        let mut parked: Option<Parked> = None;
+        std::future::poll_fn(|cx| {
+            reactor::poll_step(
+                cx,
+                &mut parked,
+                || match self.block.word(FLAG).load(Ordering::SeqCst) {
+                    0 => Step::Word(WordWait {
+                        host: Arc::clone(&self.block) as _,
+                        index: FLAG,
+                        expected: 0,
+                        counted_in: None,
+                        recheck: false,
+                    }),
+                    _ => Step::Done(Ok(())),
+                },
+                Err,
+            )
+        })
+        .await
+    }
 }
 
 impl fmt::Debug for Event {

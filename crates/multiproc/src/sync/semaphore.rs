@@ -107,6 +107,39 @@ impl Semaphore {
         Ok(SemaphoreGuard { semaphore: self })
     }
 
+    /// Takes one permit, as [`acquire`](Self::acquire) without a timeout does, without
+    /// blocking a thread (feature `async`; any executor). Cancel-safe: a future
+    /// dropped before it completes has taken no permit.
+    ///
+    /// # Errors
+    /// When the async reactor's thread cannot be started.
+    #[cfg(feature = "async")]
+    pub async fn acquire_async(&self) -> Result<()> {
+        use crate::sys::reactor::{self, Parked, Step, WordWait};
+        let mut parked: Option<Parked> = None;
+        std::future::poll_fn(|cx| {
+            reactor::poll_step(
+                cx,
+                &mut parked,
+                || {
+                    let seen = self.block.word(SEM_VALUE).load(Ordering::SeqCst);
+                    if self.count().try_take() {
+                        return Step::Done(Ok(()));
+                    }
+                    Step::Word(WordWait {
+                        host: Arc::clone(&self.block) as _,
+                        index: SEM_VALUE,
+                        expected: seen,
+                        counted_in: Some(SEM_WAITERS),
+                        recheck: false,
+                    })
+                },
+                Err,
+            )
+        })
+        .await
+    }
+
     fn acquire_until(&self, deadline: crate::sys::Deadline) -> Result<bool> {
         self.count().take(deadline)
     }

@@ -33,6 +33,9 @@ pub(crate) mod memlimit;
 pub(crate) mod mmap;
 mod os_errors;
 pub(crate) mod process;
+// The wake-up path of the `*_async` futures (feature `async`).
+#[cfg(feature = "async")]
+pub(crate) mod reactor;
 // Used by the collectives' kernels, and the `cuda` feature's host copies.
 pub(crate) mod shared_bytes;
 pub(crate) mod socket;

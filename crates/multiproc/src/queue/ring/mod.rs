@@ -38,6 +38,8 @@
 //! when `GET_WAITERS` says there is one: a hand-over to a spinning getter costs no
 //! system call on either side. A sleeping getter also looks at the socket every
 //! [`SOCKET_RECHECK`], because a packet that did not come through a `put` wakes nobody.
+//! A channel value that is dropped wakes every sleeper ([`Ring::holder_left`]), so a
+//! getter left alone hears of it (an awaited get at once, see `sys::reactor`).
 
 pub(crate) mod slots;
 
@@ -181,6 +183,29 @@ impl Ring {
         self.word(SEQ).fetch_add(1, Ordering::SeqCst);
         if self.word(GET_WAITERS).load(Ordering::SeqCst) > 0 {
             futex::wake(self.word(SEQ), 1);
+        }
+    }
+
+    /// Wakes every sleeping getter (a holder of the channel is leaving: a getter left
+    /// alone asks again whether anything can still arrive, see `channel`).
+    pub(crate) fn holder_left(&self) {
+        self.word(SEQ).fetch_add(1, Ordering::SeqCst);
+        if self.word(GET_WAITERS).load(Ordering::SeqCst) > 0 {
+            futex::wake_all(self.word(SEQ));
+        }
+    }
+
+    /// What an awaited get parks on (feature `async`): `SEQ` as it is now, read before
+    /// the get's try, counted in `GET_WAITERS` like a sleeping getter, and looked at
+    /// again after `reactor::RECHECK` (see the module docs of `sys::reactor`).
+    #[cfg(feature = "async")]
+    pub(crate) fn get_wait(&self) -> crate::sys::reactor::WordWait {
+        crate::sys::reactor::WordWait {
+            expected: self.word(SEQ).load(Ordering::SeqCst),
+            host: Arc::clone(&self.block) as _,
+            index: SEQ,
+            counted_in: Some(GET_WAITERS),
+            recheck: true,
         }
     }
 

@@ -1,0 +1,180 @@
+//! The queues' awaitable operations (feature `async`; the wake-up path is
+//! `sys::reactor`'s).
+//!
+//! Every future here is a loop of *read the word, try the non-blocking form, park on
+//! the word if nothing*: a message is only ever taken by a synchronous `try_get` whose
+//! result the future returns at once, and a bounded queue's place only ever by a
+//! synchronous `try_put` that sends (or gives the place back) before it returns. So
+//! dropping a future at any await point loses no message and leaks no place; its
+//! registration is removed by its drop (which passes on a wake-up it received and did
+//! not use, so no other waiter is left asleep beside a message).
+//!
+//! A parked get also looks again every `reactor::RECHECK` (1 s), which is when it
+//! hears of a queue whose last other holder was SIGKILLed ([`Error::Disconnected`];
+//! one that drops its handle wakes it at once), of a packet that reached the socket
+//! without a `put`, and of a message kept back because the queue's custody was busy.
+
+use std::future::poll_fn;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::task::Poll;
+
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use super::bounded::Queue;
+use super::joinable::JoinableQueue;
+use super::layout::{FREE_PLACES, PLACE_WAITERS, UNFINISHED};
+use super::simple::SimpleQueue;
+use crate::error::{Error, PutError, Result};
+use crate::sys::reactor::{self, Parked, Ready, Step, WordWait};
+
+/// The step of an awaited get: `wait` read before `try_get`.
+fn get_step<'a, T>(wait: WordWait, got: Result<Option<T>>) -> Step<'a, Result<T>> {
+    match got {
+        Ok(Some(item)) => Step::Done(Ok(item)),
+        Ok(None) => Step::Word(wait),
+        Err(e) => Step::Done(Err(e)),
+    }
+}
+
+impl<T: Serialize + DeserializeOwned> Queue<T> {
+    /// Takes the next item, as [`get`](Self::get) does, without blocking a thread
+    /// while the queue is empty (feature `async`; any executor).
+    ///
+    /// Cancel-safe: a future dropped before it completes has taken nothing.
+    ///
+    /// # Errors
+    /// As [`get`](Self::get). [`Error::Disconnected`] comes as soon as the last other
+    /// holder drops the queue, and within a second when it is killed.
+    pub async fn get_async(&self) -> Result<T> {
+        let mut parked: Option<Parked> = None;
+        poll_fn(|cx| {
+            reactor::poll_step(
+                cx,
+                &mut parked,
+                || get_step(self.shared.channel.get_wait(), self.try_get()),
+                Err,
+            )
+        })
+        .await
+    }
+
+    /// Puts `item`, as [`put`](Self::put) does, without blocking a thread while a
+    /// bounded queue is full (or the socket behind the ring is).
+    ///
+    /// Cancel-safe as far as the queue goes: a future dropped before it completes has
+    /// put nothing and holds no place (the item is dropped with it).
+    ///
+    /// # Errors
+    /// As [`put`](Self::put); the item comes back in the error.
+    pub async fn put_async(&self, item: T) -> Result<(), PutError<T>> {
+        let mut item = Some(item);
+        let mut parked: Option<Parked> = None;
+        poll_fn(|cx| {
+            if let Some(p) = parked.take() {
+                p.settle();
+            }
+            loop {
+                // Only empty once this future has completed, which `await` never polls.
+                let Some(it) = item.take() else {
+                    return Poll::Pending;
+                };
+                let places = self.shared.block.word(FREE_PLACES).load(Ordering::SeqCst);
+                let back = match self.try_put(it) {
+                    Ok(()) => return Poll::Ready(Ok(())),
+                    Err(PutError {
+                        error: Error::Full(_),
+                        item,
+                    }) => item,
+                    Err(e) => return Poll::Ready(Err(e)),
+                };
+                let registered = if self.shared.bounded() && places == 0 {
+                    reactor::park_word(
+                        WordWait {
+                            host: Arc::clone(&self.shared.block) as _,
+                            index: FREE_PLACES,
+                            expected: 0,
+                            counted_in: Some(PLACE_WAITERS),
+                            recheck: false,
+                        },
+                        cx.waker(),
+                    )
+                } else {
+                    // Room in the count, none on the socket: wait until it takes more.
+                    reactor::park_fd(self.shared.channel.tx(), Ready::Writable, cx.waker())
+                        .map(Some)
+                };
+                match registered {
+                    Ok(Some(p)) => {
+                        parked = Some(p);
+                        item = Some(back);
+                        return Poll::Pending;
+                    }
+                    Ok(None) => item = Some(back),
+                    Err(error) => return Poll::Ready(Err(PutError { error, item: back })),
+                }
+            }
+        })
+        .await
+    }
+}
+
+impl<T: Serialize + DeserializeOwned> SimpleQueue<T> {
+    /// Takes the next item, as [`get`](Self::get) does, without blocking a thread
+    /// while the queue is empty (feature `async`; any executor). Cancel-safe, as
+    /// [`Queue::get_async`].
+    ///
+    /// # Errors
+    /// As [`Queue::get_async`].
+    pub async fn get_async(&self) -> Result<T> {
+        let mut parked: Option<Parked> = None;
+        poll_fn(|cx| {
+            reactor::poll_step(
+                cx,
+                &mut parked,
+                || get_step(self.channel.get_wait(), self.try_get()),
+                Err,
+            )
+        })
+        .await
+    }
+}
+
+impl<T: Serialize + DeserializeOwned> JoinableQueue<T> {
+    /// Takes the next item, as [`Queue::get_async`] does.
+    ///
+    /// # Errors
+    /// As [`Queue::get_async`].
+    pub async fn get_async(&self) -> Result<T> {
+        self.queue.get_async().await
+    }
+
+    /// Waits until every item put has been marked done, as [`join`](Self::join) does,
+    /// without blocking a thread.
+    ///
+    /// # Errors
+    /// When the reactor thread cannot be started.
+    pub async fn join_async(&self) -> Result<()> {
+        let mut parked: Option<Parked> = None;
+        let block = &self.queue.shared.block;
+        poll_fn(|cx| {
+            reactor::poll_step(
+                cx,
+                &mut parked,
+                || match block.word(UNFINISHED).load(Ordering::SeqCst) {
+                    0 => Step::Done(Ok(())),
+                    left => Step::Word(WordWait {
+                        host: Arc::clone(block) as _,
+                        index: UNFINISHED,
+                        expected: left,
+                        counted_in: None,
+                        recheck: false,
+                    }),
+                },
+                Err,
+            )
+        })
+        .await
+    }
+}

@@ -1,0 +1,596 @@
+//! Waiting without a thread per wait (feature `async`): the wake-up path under every
+//! `*_async` future.
+//!
+//! # Safety
+//!
+//! No unsafe code. `futex_waitv` takes the words' addresses as integers (rustix's
+//! `Wait`); the kernel reads them, Rust never dereferences them, and every word's block
+//! is kept alive (an `Arc` in the registration) for as long as the word is waited on.
+//!
+//! **Why a thread.** A futex cannot be registered with epoll (`FUTEX_FD` was removed as
+//! racy), and multiproc's producers wake their consumers with a futex wake on a shared
+//! word (a queue's `SEQ`, a bounded queue's `FREE_PLACES`, an event's flag). So an
+//! awaited wait is handed to a **word reactor**: one thread per process (started on the
+//! first wait that parks, started afresh in a `fork` child through [`ForkLocal`]) that
+//! sleeps in `futex_waitv` (Linux 5.16+) over every word a parked future registered,
+//! plus one private control word that tells it the set changed. A registration is
+//! (word, the value the future saw, its `Waker`); the thread wakes the future when the
+//! word no longer holds that value (or a wake-up was aimed at it). A parked future
+//! counts itself in the waiter count the blocking waiters use (`GET_WAITERS`,
+//! `PLACE_WAITERS`), so producers' existing wake path — a wake only when someone
+//! sleeps — wakes the reactor too. One `futex_waitv` takes at most 128 words: past 127
+//! distinct words a second reactor thread (a *shard*) starts, and so on.
+//!
+//! **The race.** A future reads the word *before* its non-blocking try, and registers
+//! that value: a producer that published between the two changed the word, so the
+//! kernel refuses to sleep on it (`EAGAIN`) and the future is woken at once.
+//!
+//! **Hand-over.** A producer wakes *one* sleeper. When the woken registration belongs to
+//! a future that is dropped before it runs again, [`Parked`]'s drop passes the wake-up
+//! on (one futex wake on the same word), so another waiter — a blocking one, or another
+//! process's reactor — is not left asleep beside a message.
+//!
+//! **fds.** A pidfd (a process's exit) and a full socket (a `put` whose packet goes on
+//! the queue's socket) are readiness, not words: a second thread, the **fd reactor**,
+//! `poll`s the registered fds (each a duplicate the registration owns) and an eventfd
+//! that tells it the set changed. It starts only when a future first needs it.
+//!
+//! **Idle costs nothing.** Both threads sleep in the kernel without a timeout, except
+//! for registrations that ask for a *re-check* after [`RECHECK`]: a parked queue `get`
+//! does, because two things wake no futex — the last other holder of the queue being
+//! SIGKILLed (a holder that drops the queue rings `SEQ`, see `queue::channel`), and a
+//! packet written on the socket by something other than a `put`. Those are noticed
+//! within `RECHECK` (the blocking `get` looks every 20 ms). That costs one wake-up of
+//! the reactor per `RECHECK` while such futures are parked, and one try per future.
+//!
+//! Without `futex_waitv` (`ENOSYS`: kernels before 5.16) the word reactor falls back to
+//! looking at its words every [`FALLBACK_POLL`]: correct, but not free when idle.
+
+use std::collections::HashMap;
+use std::os::fd::{BorrowedFd, OwnedFd};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::task::{Context, Poll, Waker};
+use std::time::{Duration, Instant};
+
+use rustix::event::{EventfdFlags, PollFd, PollFlags};
+use rustix::io::Errno;
+use rustix::thread::futex;
+
+use super::fork_local::ForkLocal;
+use crate::error::{Error, Result};
+
+/// How long a registration that asks for it waits before its future looks again even
+/// though its word did not change (see the module docs).
+pub(crate) const RECHECK: Duration = Duration::from_secs(1);
+
+/// How often the word reactor looks at its words without `futex_waitv`.
+const FALLBACK_POLL: Duration = Duration::from_millis(10);
+
+/// The most words one `futex_waitv` takes (the kernel's `FUTEX_WAITV_MAX`), the
+/// control word included.
+const WAITV_MAX: usize = 128;
+
+/// Where the words a future waits on live: a shared block of 32-bit words.
+pub(crate) trait WordHost: Send + Sync + 'static {
+    /// The word at `index`.
+    fn host_word(&self, index: usize) -> &AtomicU32;
+}
+
+/// What a future parks on: a word of a block, the value it saw there before its try,
+/// and the waiter count it counts itself in while parked.
+pub(crate) struct WordWait {
+    pub(crate) host: Arc<dyn WordHost>,
+    pub(crate) index: usize,
+    pub(crate) expected: u32,
+    /// The index of a waiter count in the same block (a producer wakes only when it is
+    /// above 0).
+    pub(crate) counted_in: Option<usize>,
+    /// Whether to wake the future after [`RECHECK`] even if the word did not change.
+    pub(crate) recheck: bool,
+}
+
+impl WordWait {
+    fn word(&self) -> &AtomicU32 {
+        self.host.host_word(self.index)
+    }
+
+    fn changed(&self) -> bool {
+        self.word().load(Ordering::SeqCst) != self.expected
+    }
+
+    fn uncount(&self) {
+        if let Some(count) = self.counted_in {
+            let _ = self.host.host_word(count).fetch_update(
+                Ordering::SeqCst,
+                Ordering::SeqCst,
+                |v| v.checked_sub(1),
+            );
+        }
+    }
+}
+
+struct Registration {
+    wait: WordWait,
+    waker: Waker,
+    due: Option<Instant>,
+}
+
+#[derive(Default)]
+struct Registrations {
+    next_key: u64,
+    entries: HashMap<u64, Registration>,
+}
+
+impl Registrations {
+    /// The distinct (address, value) pairs waited on.
+    fn distinct(&self) -> Vec<(usize, u32)> {
+        let mut pairs: Vec<(usize, u32)> = self
+            .entries
+            .values()
+            .map(|r| (address(r.wait.word()), r.wait.expected))
+            .collect();
+        pairs.sort_unstable();
+        pairs.dedup();
+        pairs
+    }
+}
+
+fn address(word: &AtomicU32) -> usize {
+    word.as_ptr() as usize
+}
+
+/// One word-reactor thread and what it waits on.
+struct Shard {
+    /// Bumped (and woken) whenever the registrations change.
+    control: AtomicU32,
+    registrations: Mutex<Registrations>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl Shard {
+    fn changed(&self) {
+        self.control.fetch_add(1, Ordering::SeqCst);
+        let _ = futex::wake(&self.control, futex::Flags::PRIVATE, 1);
+    }
+
+    fn run(self: Arc<Self>) {
+        let mut fallback = false;
+        loop {
+            let control = self.control.load(Ordering::SeqCst);
+            let (waits, addresses, due) = {
+                let regs = lock(&self.registrations);
+                let mut waits = vec![waiter(&self.control, control, true)];
+                let mut addresses = vec![address(&self.control)];
+                let mut seen = Vec::new();
+                for r in regs.entries.values() {
+                    let pair = (address(r.wait.word()), r.wait.expected);
+                    if !seen.contains(&pair) {
+                        seen.push(pair);
+                        waits.push(waiter(r.wait.word(), r.wait.expected, false));
+                        addresses.push(pair.0);
+                    }
+                }
+                (
+                    waits,
+                    addresses,
+                    regs.entries.values().filter_map(|r| r.due).min(),
+                )
+            };
+            let due = if fallback {
+                Some(due.map_or(Instant::now() + FALLBACK_POLL, |d| {
+                    d.min(Instant::now() + FALLBACK_POLL)
+                }))
+            } else {
+                due
+            };
+            let woken = if fallback {
+                let left = due.map(|d| d.saturating_duration_since(Instant::now()));
+                let _ = futex::wait(
+                    &self.control,
+                    futex::Flags::PRIVATE,
+                    control,
+                    left.map(timespec).as_ref(),
+                );
+                None
+            } else {
+                let deadline = due.map(|d| {
+                    monotonic_after(d.saturating_duration_since(Instant::now()))
+                });
+                match futex::waitv(
+                    &waits,
+                    futex::WaitvFlags::empty(),
+                    deadline.as_ref(),
+                    rustix::time::ClockId::Monotonic,
+                ) {
+                    Ok(i) => addresses.get(i).copied(),
+                    Err(Errno::NOSYS) => {
+                        tracing::debug!(
+                            "multiproc: no futex_waitv (Linux before 5.16): async waits \
+                             look at their words every {FALLBACK_POLL:?}"
+                        );
+                        fallback = true;
+                        None
+                    }
+                    Err(_) => None, // EAGAIN, ETIMEDOUT, EINTR: looked at below
+                }
+            };
+            self.fire(woken);
+        }
+    }
+
+    /// Wakes (and removes) every registration whose word changed, that the wake-up
+    /// was aimed at, or whose re-check is due.
+    fn fire(&self, woken: Option<usize>) {
+        let now = Instant::now();
+        let mut wakers = Vec::new();
+        {
+            let mut regs = lock(&self.registrations);
+            let keys: Vec<u64> = regs
+                .entries
+                .iter()
+                .filter(|(_, r)| {
+                    r.wait.changed()
+                        || woken == Some(address(r.wait.word()))
+                        || r.due.is_some_and(|d| d <= now)
+                })
+                .map(|(k, _)| *k)
+                .collect();
+            for key in keys {
+                if let Some(r) = regs.entries.remove(&key) {
+                    r.wait.uncount();
+                    wakers.push(r.waker);
+                }
+            }
+        }
+        for waker in wakers {
+            waker.wake();
+        }
+    }
+}
+
+fn waiter(word: &AtomicU32, expected: u32, private: bool) -> futex::Wait {
+    let mut w = futex::Wait::new();
+    w.val = u64::from(expected);
+    w.uaddr = futex::WaitPtr::new(word.as_ptr().cast());
+    // Not private for the shared words: they live in memory other processes map.
+    w.flags = if private {
+        futex::WaitFlags::SIZE_U32 | futex::WaitFlags::PRIVATE
+    } else {
+        futex::WaitFlags::SIZE_U32
+    };
+    w
+}
+
+fn timespec(d: Duration) -> rustix::time::Timespec {
+    rustix::time::Timespec {
+        tv_sec: d.as_secs() as i64,
+        tv_nsec: d.subsec_nanos() as _,
+    }
+}
+
+/// The absolute `CLOCK_MONOTONIC` time `d` from now (`futex_waitv` takes one).
+fn monotonic_after(d: Duration) -> rustix::time::Timespec {
+    let now = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
+    let nanos = now.tv_nsec as u64 + u64::from(d.subsec_nanos());
+    rustix::time::Timespec {
+        tv_sec: now.tv_sec + d.as_secs() as i64 + (nanos / 1_000_000_000) as i64,
+        tv_nsec: (nanos % 1_000_000_000) as _,
+    }
+}
+
+/// This process's word-reactor shards (a `fork` child starts with none).
+static SHARDS: ForkLocal<Vec<Arc<Shard>>> = ForkLocal::new();
+
+/// A registration with a reactor; dropping it deregisters (and passes on a wake-up
+/// that reached it, see the module docs). [`settle`](Self::settle) when the future
+/// runs again.
+pub(crate) struct Parked {
+    kind: ParkedKind,
+    done: bool,
+}
+
+enum ParkedKind {
+    Word {
+        shard: Arc<Shard>,
+        key: u64,
+        host: Arc<dyn WordHost>,
+        index: usize,
+    },
+    Fd {
+        reactor: Arc<FdReactor>,
+        key: u64,
+    },
+}
+
+impl Parked {
+    /// Deregisters without passing anything on: the future is running again and
+    /// tries for itself.
+    pub(crate) fn settle(mut self) {
+        self.release(false);
+    }
+
+    fn release(&mut self, pass_on: bool) {
+        if std::mem::replace(&mut self.done, true) {
+            return;
+        }
+        match &self.kind {
+            ParkedKind::Word {
+                shard,
+                key,
+                host,
+                index,
+            } => {
+                let removed = lock(&shard.registrations).entries.remove(key);
+                match removed {
+                    Some(r) => {
+                        r.wait.uncount();
+                        shard.changed();
+                    }
+                    None if pass_on => {
+                        super::futex::wake(host.host_word(*index), 1);
+                    }
+                    None => {}
+                }
+            }
+            ParkedKind::Fd { reactor, key } => {
+                if lock(&reactor.registrations).entries.remove(key).is_some() {
+                    reactor.changed();
+                }
+            }
+        }
+    }
+}
+
+impl Drop for Parked {
+    fn drop(&mut self) {
+        self.release(true);
+    }
+}
+
+/// Registers `wait` with a word reactor, to wake `waker` when its word changes;
+/// `Ok(None)` when it already has (the caller tries again at once).
+///
+/// # Errors
+/// When no reactor thread can be started.
+pub(crate) fn park_word(wait: WordWait, waker: &Waker) -> Result<Option<Parked>> {
+    if let Some(count) = wait.counted_in {
+        wait.host.host_word(count).fetch_add(1, Ordering::SeqCst);
+    }
+    if wait.changed() {
+        wait.uncount();
+        return Ok(None);
+    }
+    let pair = (address(wait.word()), wait.expected);
+    let shard = {
+        let mut shards = SHARDS.lock();
+        let found = shards
+            .iter()
+            .find(|s| {
+                let d = lock(&s.registrations).distinct();
+                d.contains(&pair) || d.len() < WAITV_MAX - 1
+            })
+            .cloned();
+        match found {
+            Some(shard) => shard,
+            None => {
+                let shard = Arc::new(Shard {
+                    control: AtomicU32::new(0),
+                    registrations: Mutex::new(Registrations::default()),
+                });
+                let runner = Arc::clone(&shard);
+                if let Err(e) = std::thread::Builder::new()
+                    .name("multiproc-reactor".into())
+                    .spawn(move || runner.run())
+                {
+                    wait.uncount();
+                    return Err(Error::os("starting multiproc's async reactor thread", e));
+                }
+                shards.push(Arc::clone(&shard));
+                shard
+            }
+        }
+    };
+    let host = Arc::clone(&wait.host);
+    let index = wait.index;
+    let key = {
+        let mut regs = lock(&shard.registrations);
+        let key = regs.next_key;
+        regs.next_key += 1;
+        let due = wait.recheck.then(|| Instant::now() + RECHECK);
+        regs.entries.insert(
+            key,
+            Registration {
+                wait,
+                waker: waker.clone(),
+                due,
+            },
+        );
+        key
+    };
+    shard.changed();
+    Ok(Some(Parked {
+        kind: ParkedKind::Word {
+            shard,
+            key,
+            host,
+            index,
+        },
+        done: false,
+    }))
+}
+
+/// Which readiness an fd registration waits for.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Ready {
+    Readable,
+    Writable,
+}
+
+struct FdRegistration {
+    fd: Arc<OwnedFd>,
+    flags: PollFlags,
+    waker: Waker,
+}
+
+#[derive(Default)]
+struct FdRegistrations {
+    next_key: u64,
+    entries: HashMap<u64, FdRegistration>,
+}
+
+/// The fd reactor: a thread in `poll` over the registered fds and its eventfd.
+struct FdReactor {
+    doorbell: OwnedFd,
+    registrations: Mutex<FdRegistrations>,
+}
+
+impl FdReactor {
+    fn changed(&self) {
+        let _ = rustix::io::write(&self.doorbell, &1u64.to_ne_bytes());
+    }
+
+    fn run(self: Arc<Self>) {
+        loop {
+            let watched: Vec<(u64, Arc<OwnedFd>, PollFlags)> = lock(&self.registrations)
+                .entries
+                .iter()
+                .map(|(k, r)| (*k, Arc::clone(&r.fd), r.flags))
+                .collect();
+            let mut fds = vec![PollFd::new(&self.doorbell, PollFlags::IN)];
+            fds.extend(watched.iter().map(|(_, fd, flags)| PollFd::new(&**fd, *flags)));
+            if rustix::event::poll(&mut fds, None).is_err() {
+                continue; // EINTR; anything else is looked at again
+            }
+            if !fds[0].revents().is_empty() {
+                let mut count = [0u8; 8];
+                let _ = rustix::io::read(&self.doorbell, &mut count);
+            }
+            let ready: Vec<u64> = watched
+                .iter()
+                .zip(&fds[1..])
+                .filter(|(_, p)| !p.revents().is_empty())
+                .map(|((k, _, _), _)| *k)
+                .collect();
+            drop(fds);
+            let mut wakers = Vec::new();
+            {
+                let mut regs = lock(&self.registrations);
+                for key in ready {
+                    if let Some(r) = regs.entries.remove(&key) {
+                        wakers.push(r.waker);
+                    }
+                }
+            }
+            for waker in wakers {
+                waker.wake();
+            }
+        }
+    }
+}
+
+/// This process's fd reactor (a `fork` child starts without one).
+static FD_REACTOR: ForkLocal<Option<Arc<FdReactor>>> = ForkLocal::new();
+
+/// Registers a duplicate of `fd` with the fd reactor, to wake `waker` when it is
+/// ready (or hung up).
+///
+/// # Errors
+/// When the fd cannot be duplicated or the fd reactor cannot be started.
+pub(crate) fn park_fd(fd: BorrowedFd<'_>, ready: Ready, waker: &Waker) -> Result<Parked> {
+    let reactor = {
+        let mut slot = FD_REACTOR.lock();
+        match &*slot {
+            Some(r) => Arc::clone(r),
+            None => {
+                let doorbell =
+                    rustix::event::eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)
+                        .map_err(|e| Error::os("making the async fd reactor's eventfd", e))?;
+                let reactor = Arc::new(FdReactor {
+                    doorbell,
+                    registrations: Mutex::new(FdRegistrations::default()),
+                });
+                let runner = Arc::clone(&reactor);
+                std::thread::Builder::new()
+                    .name("multiproc-fd-reactor".into())
+                    .spawn(move || runner.run())
+                    .map_err(|e| Error::os("starting multiproc's async fd reactor thread", e))?;
+                *slot = Some(Arc::clone(&reactor));
+                reactor
+            }
+        }
+    };
+    let fd = fd
+        .try_clone_to_owned()
+        .map_err(|e| Error::os("duplicating an fd to wait on it", e))?;
+    let flags = match ready {
+        Ready::Readable => PollFlags::IN,
+        Ready::Writable => PollFlags::OUT,
+    };
+    let key = {
+        let mut regs = lock(&reactor.registrations);
+        let key = regs.next_key;
+        regs.next_key += 1;
+        regs.entries.insert(
+            key,
+            FdRegistration {
+                fd: Arc::new(fd),
+                flags,
+                waker: waker.clone(),
+            },
+        );
+        key
+    };
+    reactor.changed();
+    Ok(Parked {
+        kind: ParkedKind::Fd { reactor, key },
+        done: false,
+    })
+}
+
+/// What one try of an awaited operation found.
+pub(crate) enum Step<'a, R> {
+    /// Done (or failed): the future's output.
+    Done(R),
+    /// Nothing yet: park on this word (read *before* the try).
+    Word(WordWait),
+    /// Nothing yet: park until this fd is ready (readiness is a level: no race).
+    Fd(BorrowedFd<'a>, Ready),
+}
+
+/// Tries before giving the executor back, when every try finds its word changed again.
+const TRIES_PER_POLL: usize = 64;
+
+/// The poll of an awaited operation: settles the last registration, then tries
+/// (`step`), parking when it finds nothing, until it is done. Cancel-safe as far as
+/// `step` is: a dropped future leaves only a registration, which its drop removes.
+pub(crate) fn poll_step<'a, R>(
+    cx: &mut Context<'_>,
+    parked: &mut Option<Parked>,
+    mut step: impl FnMut() -> Step<'a, R>,
+    failed: impl FnOnce(Error) -> R,
+) -> Poll<R> {
+    if let Some(p) = parked.take() {
+        p.settle();
+    }
+    for _ in 0..TRIES_PER_POLL {
+        let registered = match step() {
+            Step::Done(r) => return Poll::Ready(r),
+            Step::Word(wait) => park_word(wait, cx.waker()),
+            Step::Fd(fd, ready) => park_fd(fd, ready, cx.waker()).map(Some),
+        };
+        match registered {
+            Ok(Some(p)) => {
+                *parked = Some(p);
+                return Poll::Pending;
+            }
+            Ok(None) => {}
+            Err(e) => return Poll::Ready(failed(e)),
+        }
+    }
+    cx.waker().wake_by_ref();
+    Poll::Pending
+}
