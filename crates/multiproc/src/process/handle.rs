@@ -196,7 +196,11 @@ impl Process {
             Some(fd) => fd
                 .try_clone_to_owned()
                 .map_err(|e| Error::os("duplicating a process's pidfd", e))?,
-            None => return Err(Error::InvalidArgument("join of a process not started".into())),
+            None => {
+                return Err(Error::InvalidArgument(
+                    "join of a process not started".into(),
+                ));
+            }
         };
         let mut parked: Option<Parked> = None;
         std::future::poll_fn(|cx| {

@@ -101,11 +101,10 @@ impl WordWait {
 
     fn uncount(&self) {
         if let Some(count) = self.counted_in {
-            let _ = self.host.host_word(count).fetch_update(
-                Ordering::SeqCst,
-                Ordering::SeqCst,
-                |v| v.checked_sub(1),
-            );
+            let _ =
+                self.host
+                    .host_word(count)
+                    .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |v| v.checked_sub(1));
         }
     }
 }
@@ -197,9 +196,8 @@ impl Shard {
                 );
                 None
             } else {
-                let deadline = due.map(|d| {
-                    monotonic_after(d.saturating_duration_since(Instant::now()))
-                });
+                let deadline =
+                    due.map(|d| monotonic_after(d.saturating_duration_since(Instant::now())));
                 match futex::waitv(
                     &waits,
                     futex::WaitvFlags::empty(),
@@ -461,7 +459,11 @@ impl FdReactor {
                 .map(|(k, r)| (*k, Arc::clone(&r.fd), r.flags))
                 .collect();
             let mut fds = vec![PollFd::new(&self.doorbell, PollFlags::IN)];
-            fds.extend(watched.iter().map(|(_, fd, flags)| PollFd::new(&**fd, *flags)));
+            fds.extend(
+                watched
+                    .iter()
+                    .map(|(_, fd, flags)| PollFd::new(&**fd, *flags)),
+            );
             if rustix::event::poll(&mut fds, None).is_err() {
                 continue; // EINTR; anything else is looked at again
             }
