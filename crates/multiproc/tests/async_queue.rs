@@ -204,6 +204,57 @@ fn dropped_get_futures_lose_nothing_and_leak_no_place() {
 }
 
 #[test]
+fn put_async_waits_for_room_on_a_full_socket() {
+    warm_up();
+    common::run(DEADLINE, || {
+        // Unbounded, but each item is larger than a ring slot: it goes on the queue's
+        // socket, whose buffer fills.
+        let q = Queue::<Vec<u8>>::new().unwrap();
+        let mut put = 0usize;
+        while q.try_put(vec![put as u8; 32 << 10]).is_ok() {
+            put += 1;
+            assert!(put < 100_000, "the socket never filled");
+        }
+        let rt = runtime();
+        rt.block_on(async {
+            for _ in 0..50 {
+                let dropped =
+                    tokio::time::timeout(Duration::from_micros(100), q.put_async(vec![0xEE; 8]))
+                        .await;
+                assert!(dropped.is_err(), "a put on a full socket completed");
+            }
+            let putter = {
+                let q = q.clone();
+                tokio::spawn(async move { q.put_async(vec![0xFF; 8]).await.map_err(|e| e.error) })
+            };
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            assert!(!putter.is_finished(), "put_async returned on a full socket");
+            let mut got = Vec::new();
+            while got.len() < put {
+                got.push(
+                    tokio::time::timeout(WAIT, q.get_async())
+                        .await
+                        .unwrap()
+                        .unwrap(),
+                );
+            }
+            tokio::time::timeout(WAIT, putter)
+                .await
+                .unwrap()
+                .unwrap()
+                .unwrap();
+            assert_eq!(q.get_async().await.unwrap(), vec![0xFF; 8]);
+            assert!(
+                got.iter()
+                    .enumerate()
+                    .all(|(i, v)| v[0] == i as u8 && v.len() == 32 << 10)
+            );
+        });
+        drop(rt);
+    });
+}
+
+#[test]
 fn a_hundred_idle_awaiting_tasks_cost_no_cpu() {
     warm_up();
     common::run(DEADLINE, || {

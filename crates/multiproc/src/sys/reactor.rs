@@ -213,10 +213,30 @@ impl Shard {
                         fallback = true;
                         None
                     }
-                    Err(_) => None, // EAGAIN, ETIMEDOUT, EINTR: looked at below
+                    Err(Errno::AGAIN | Errno::TIMEDOUT | Errno::INTR) => None, // see `fire`
+                    Err(e) => {
+                        // Never seen (the words are aligned, mapped, at most 127):
+                        // every future tries again rather than this thread spinning.
+                        tracing::debug!("multiproc: futex_waitv failed: {e}");
+                        self.fire_all();
+                        continue;
+                    }
                 }
             };
             self.fire(woken);
+        }
+    }
+
+    /// Wakes (and removes) every registration.
+    fn fire_all(&self) {
+        let drained: Vec<Registration> = lock(&self.registrations)
+            .entries
+            .drain()
+            .map(|(_, r)| r)
+            .collect();
+        for r in drained {
+            r.wait.uncount();
+            r.waker.wake();
         }
     }
 
