@@ -304,12 +304,13 @@ fn a_hundred_idle_awaiting_tasks_cost_no_cpu() {
     });
 }
 
-/// Puts three items and returns: its handle of the queue is dropped on the way out.
-fn put_three_and_leave(_rank: usize, q: Queue<u32>) -> multiproc::Result<()> {
+/// Puts three items, waits for `go` and returns: its handle of the queue is dropped on
+/// the way out.
+fn put_three_and_leave(_rank: usize, (q, go): (Queue<u32>, Event)) -> multiproc::Result<()> {
     for i in 0..3 {
         q.put(i)?;
     }
-    Ok(())
+    go.wait(Some(WAIT))
 }
 
 /// Puts three items, says so, and waits to be killed.
@@ -330,7 +331,8 @@ fn disconnected_reaches_an_awaiting_task_when_the_only_producer_leaves() {
         rt.block_on(async {
             // The producer returns (and drops its handle).
             let q = Queue::<u32>::new().unwrap();
-            let mut producer = Process::new(put_three_and_leave, 0, q.clone());
+            let go = Event::new().unwrap();
+            let mut producer = Process::new(put_three_and_leave, 0, (q.clone(), go.clone()));
             producer.start().unwrap();
             let mut got = Vec::new();
             for _ in 0..3 {
@@ -342,10 +344,20 @@ fn disconnected_reaches_an_awaiting_task_when_the_only_producer_leaves() {
                 );
             }
             assert_eq!(got, [0, 1, 2]);
-            let start = Instant::now();
-            let end = tokio::time::timeout(WAIT, q.get_async()).await.unwrap();
-            let after_exit = start.elapsed();
+            let getter = tokio::spawn(async move {
+                let r = q.get_async().await;
+                (r, Instant::now())
+            });
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            assert!(
+                !getter.is_finished(),
+                "the get did not wait for the live producer"
+            );
+            let told = Instant::now();
+            go.set();
+            let (end, at) = tokio::time::timeout(WAIT, getter).await.unwrap().unwrap();
             assert!(end.as_ref().is_err_and(|e| e.is_disconnected()), "{end:?}");
+            let after = at.saturating_duration_since(told);
             assert!(
                 tokio::time::timeout(WAIT, producer.join_async())
                     .await
@@ -354,8 +366,10 @@ fn disconnected_reaches_an_awaiting_task_when_the_only_producer_leaves() {
                     .success()
             );
             eprintln!(
-                "disconnect after a producer's exit reached the awaiting get after {after_exit:?}"
+                "disconnect after a producer's return reached the awaiting get after {after:?}"
             );
+            // The producer's dropped handle rang the queue: no wait for the re-check.
+            assert!(after < Duration::from_millis(800), "{after:?}");
 
             // The producer is SIGKILLed while the get is parked.
             let q = Queue::<u32>::new().unwrap();
