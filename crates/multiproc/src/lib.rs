@@ -305,6 +305,39 @@
 //! ([`prefetch_to`](data::DataLoaderBuilder::prefetch_to)). See the [`cuda`] module.
 //! Without the feature the same API builds and answers [`Error::CudaUnavailable`].
 //!
+//! ## Async (feature `async`)
+//!
+//! Async services (tokio, axum, tonic) await multiproc's waits without a blocked
+//! thread per wait: `Queue::get_async` / `put_async`, `SimpleQueue::get_async`,
+//! `JoinableQueue::get_async` / `join_async`, `Event::wait_async`,
+//! `Semaphore::acquire_async` and `Process::join_async`. They work on any executor
+//! (the crate has no runtime dependency). Producers wake consumers with a futex on a
+//! shared word, which epoll cannot watch, so one reactor thread per process sleeps in
+//! `futex_waitv` on every word a parked future waits on (and a second one `poll`s the
+//! pidfds and sockets that `join_async` and a `put_async` on a full socket wait for):
+//! a parked future costs no CPU, apart from a parked get's look every second (which is
+//! when it hears of a producer that was SIGKILLed; one that drops its handle wakes it at
+//! once). Every future is cancel-safe: it takes a message (or a bounded queue's place,
+//! or a permit) only in a synchronous step whose result it returns at once, so a future
+//! dropped at any point loses nothing and leaks nothing. Kernels before 5.16 (no
+//! `futex_waitv`) fall back to looking every 10 ms.
+//!
+//! ```
+//! # #[cfg(feature = "async")]
+//! # fn main() -> multiproc::Result<()> {
+//! let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+//! rt.block_on(async {
+//!     let q = multiproc::Queue::<u32>::with_capacity(1)?;
+//!     let producer = q.clone(); // in practice another process's handle
+//!     producer.put_async(7).await?;
+//!     assert_eq!(q.get_async().await?, 7);
+//!     Ok(())
+//! })
+//! # }
+//! # #[cfg(not(feature = "async"))]
+//! # fn main() {}
+//! ```
+//!
 //! ## Data loading
 //!
 //! [`data`] is torch's `DataLoader`: a [`data::Dataset`] or [`data::IterableDataset`]
