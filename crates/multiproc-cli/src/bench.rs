@@ -11,6 +11,7 @@
 //! | `spawn` | `multiproc::spawn` of 4 no-op workers and their join, after one warm-up | 4 workers (median of 10) | seconds |
 //! | `memory` | 8 workers each `put` 50 fresh 64 MiB tensors (scaled) on one queue and exit; the parent `get`s and drops each, then holds the queue, idle | 8 × 50 × 64 MiB | the machine's committed shared memory (`Shmem`) before, at the end of the burst, and every 100 ms for 2 s after (one row each) |
 //! | `stopped` | 8 producers and 8 consumers of plain numbers on one `SimpleQueue`; one of them is stopped (SIGSTOP, as a debugger or Ctrl-Z does) at whatever point it is at, for 2 s, then continued; a producer, then a consumer (runs only when named) | 16 processes, 3 s before, 2 s stopped, 2 s after, per victim | the others' messages/s in each window; the run fails if a message was lost or duplicated or a `get` without deadline returned |
+//! | `--async` (not a scenario: its own run) | a worker `get`s a go, sleeps 1 ms (so the parent is asleep, past its spin) and `put`s the `CLOCK_MONOTONIC` time; the parent takes it with a blocking `get` and, on alternate rounds, an awaited `get_async` (on a one-thread `block_on`, no runtime): the time from the worker's `put` to the parent holding the item. Then `disconnect` with the get awaited | 2,000 rounds (half each); median of 20 | µs, median and p99, blocking beside async; seconds |
 //! | `disconnect` | a worker holds the parent's queue; the parent waits in `get` on it, empty; the worker drops the queue, says so through a pipe, and exits; the time from that word to the parent's `Error::Disconnected` | median of 20 | seconds |
 //!
 //! Every scenario but `spawn` starts its worker first and waits for it to say it is
@@ -54,6 +55,11 @@ pub struct Figure {
     #[serde(skip_serializing_if = "Option::is_none")]
     us_per_roundtrip: Option<f64>,
     seconds: f64,
+    /// Of `wake`: the median and 99th percentile wake-up, in microseconds.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    p50_us: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    p99_us: Option<f64>,
     #[serde(rename = "impl")]
     implementation: &'static str,
 }
@@ -82,6 +88,8 @@ impl Figure {
             us_per_roundtrip,
             seconds,
             implementation: "floor",
+            p50_us: None,
+            p99_us: None,
         }
     }
 }
@@ -178,6 +186,8 @@ fn fresh(
         us_per_roundtrip: None,
         seconds,
         implementation: "multiproc",
+        p50_us: None,
+        p99_us: None,
     })
 }
 
@@ -217,6 +227,8 @@ fn ping(strategy: SharingStrategy, bytes: u64, count: u64) -> multiproc::Result<
         us_per_roundtrip: Some(seconds * 1e6 / count as f64),
         seconds,
         implementation: "multiproc",
+        p50_us: None,
+        p99_us: None,
     })
 }
 
@@ -240,6 +252,8 @@ fn spawn4(runs: u64) -> multiproc::Result<Figure> {
         us_per_roundtrip: None,
         seconds: median,
         implementation: "multiproc",
+        p50_us: None,
+        p99_us: None,
     })
 }
 
@@ -280,6 +294,8 @@ fn memory(strategy: SharingStrategy, per_worker: u64) -> multiproc::Result<Vec<F
         us_per_roundtrip: None,
         seconds,
         implementation: "multiproc",
+        p50_us: None,
+        p99_us: None,
     };
     let mut curve = vec![sample(-1.0, 0)];
     let q = Queue::<Msg>::with_capacity(4)?;
@@ -348,6 +364,8 @@ fn disconnect(runs: u64) -> multiproc::Result<Figure> {
         us_per_roundtrip: None,
         seconds: times[times.len() / 2],
         implementation: "multiproc",
+        p50_us: None,
+        p99_us: None,
     })
 }
 
@@ -461,6 +479,8 @@ fn stopped(scale: f64) -> multiproc::Result<Vec<Figure>> {
                 us_per_roundtrip: None,
                 seconds: length.as_secs_f64(),
                 implementation: "multiproc",
+                p50_us: None,
+                p99_us: None,
             });
             Ok(())
         };
@@ -638,6 +658,8 @@ pub fn collectives(scale: f64) -> multiproc::Result<Vec<Figure>> {
         us_per_roundtrip: None,
         seconds,
         implementation: "multiproc",
+        p50_us: None,
+        p99_us: None,
     };
     Ok(vec![reduce, crate::floor::memcpy(bytes, count)])
 }
@@ -657,7 +679,12 @@ pub fn row(f: &Figure) -> String {
     } else {
         f.bytes.map_or("-".to_string(), human)
     };
-    let value = if let Some(us) = f.us_per_roundtrip {
+    let value = if let (Some(p50), Some(p99)) = (f.p50_us, f.p99_us) {
+        format!(
+            "{p50:>9.1} us median, {p99:.1} us p99 wake-up ({})",
+            f.implementation
+        )
+    } else if let Some(us) = f.us_per_roundtrip {
         format!("{us:>12.2} us/roundtrip")
     } else if f.scenario == "spawn" {
         format!("{:>12.1} ms for 4", f.seconds * 1e3)
@@ -671,7 +698,11 @@ pub fn row(f: &Figure) -> String {
     } else if f.scenario == "stopped" {
         format!("{:>12.0} messages/s", f.per_s.unwrap_or(0.0))
     } else if f.scenario == "disconnect" {
-        format!("{:>12.1} ms after the last holder left", f.seconds * 1e3)
+        format!(
+            "{:>12.1} ms after the last holder left ({})",
+            f.seconds * 1e3,
+            f.implementation
+        )
     } else {
         format!(
             "{:>12.0} /s  {:>7.2} GB/s",
@@ -694,4 +725,151 @@ fn human(b: u64) -> String {
         b if b >= 1 << 10 => format!("{} KiB", b >> 10),
         b => format!("{b} B"),
     }
+}
+
+/// `CLOCK_MONOTONIC` in nanoseconds: one clock for every process of the machine.
+fn monotonic_ns() -> u64 {
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
+    t.tv_sec as u64 * 1_000_000_000 + t.tv_nsec as u64
+}
+
+/// Worker of `--async`: for each go, sleeps 1 ms (the parent's get is asleep by then,
+/// past its spin) and puts the time of its put.
+fn stamper(
+    _rank: usize,
+    (go, back, count): (Queue<u64>, Queue<u64>, u64),
+) -> multiproc::Result<()> {
+    back.put(0)?;
+    for _ in 0..count {
+        go.get()?;
+        std::thread::sleep(Duration::from_millis(1));
+        back.put(monotonic_ns())?;
+    }
+    Ok(())
+}
+
+/// Wakes the thread that [`block_on`] runs on.
+struct Unpark(std::thread::Thread);
+
+impl std::task::Wake for Unpark {
+    fn wake(self: std::sync::Arc<Self>) {
+        self.0.unpark();
+    }
+
+    fn wake_by_ref(self: &std::sync::Arc<Self>) {
+        self.0.unpark();
+    }
+}
+
+/// Runs `f` to completion on this thread, parking while it waits: the smallest
+/// executor, so that the figure is multiproc's wake-up path and a thread unpark.
+fn block_on<F: std::future::Future>(f: F) -> F::Output {
+    use std::task::{Context, Poll, Waker};
+    let mut f = std::pin::pin!(f);
+    let waker = Waker::from(std::sync::Arc::new(Unpark(std::thread::current())));
+    let mut cx = Context::from_waker(&waker);
+    loop {
+        if let Poll::Ready(v) = f.as_mut().poll(&mut cx) {
+            return v;
+        }
+        std::thread::park();
+    }
+}
+
+/// `multiproc bench --async`: the wake-up of an awaited `get` beside a blocking one, in
+/// one run (alternate rounds), and `disconnect` with the get awaited.
+pub fn wake(scale: f64) -> multiproc::Result<Vec<Figure>> {
+    let count = ((2000.0 * scale).round() as u64).max(4);
+    let go = Queue::<u64>::new()?;
+    let back = Queue::<u64>::new()?;
+    let mut ctx = multiproc::start_processes(
+        stamper,
+        (go.clone(), back.clone(), count),
+        1,
+        StartMethod::Spawn,
+    )?;
+    back.get_timeout(Duration::from_secs(60))?;
+    let (mut blocking, mut awaited) = (Vec::new(), Vec::new());
+    let start = Instant::now();
+    for i in 0..count {
+        go.put(i).map_err(multiproc::Error::from)?;
+        let (put_at, now) = if i % 2 == 0 {
+            let put_at = back.get_timeout(Duration::from_secs(60))?;
+            (put_at, monotonic_ns())
+        } else {
+            let put_at = block_on(back.get_async())?;
+            (put_at, monotonic_ns())
+        };
+        let us = now.saturating_sub(put_at) as f64 / 1e3;
+        if i % 2 == 0 {
+            blocking.push(us);
+        } else {
+            awaited.push(us);
+        }
+    }
+    let seconds = start.elapsed().as_secs_f64();
+    ctx.join(Some(Duration::from_secs(60)))?;
+    let figure = |mut us: Vec<f64>, implementation: &'static str| {
+        us.sort_by(f64::total_cmp);
+        let at = |q: f64| us[((us.len() - 1) as f64 * q).round() as usize];
+        Figure {
+            scenario: "wake",
+            strategy: None,
+            bytes: None,
+            count: us.len() as u64,
+            per_s: None,
+            gb_s: None,
+            us_per_roundtrip: None,
+            seconds,
+            p50_us: Some(at(0.5)),
+            p99_us: Some(at(0.99)),
+            implementation,
+        }
+    };
+    let mut figures = vec![figure(blocking, "blocking"), figure(awaited, "async")];
+    // Disconnect, awaited: the time from the worker's word to the parked get's error.
+    let runs = ((20.0 * scale).round() as u64).max(2);
+    let mut times = Vec::new();
+    for _ in 0..runs {
+        let q = Queue::<Msg>::new()?;
+        let (said, told) = multiproc::pipe::<u8>()?;
+        let worker_q = q.clone();
+        let waiter = std::thread::spawn(move || {
+            let got = block_on(q.get_async());
+            (
+                Instant::now(),
+                got.err().is_some_and(|e| e.is_disconnected()),
+            )
+        });
+        let mut ctx = multiproc::start_processes(let_go, (worker_q, told), 1, StartMethod::Spawn)?;
+        said.recv()?;
+        let let_go_at = Instant::now();
+        let (ended_at, disconnected) = waiter
+            .join()
+            .map_err(|_| multiproc::Error::InvalidArgument("the waiting thread panicked".into()))?;
+        ctx.join(Some(Duration::from_secs(30)))?;
+        if !disconnected {
+            return Err(multiproc::Error::InvalidArgument(
+                "an awaited get on a queue whose last other holder left did not end with \
+                 Disconnected"
+                    .into(),
+            ));
+        }
+        times.push(ended_at.saturating_duration_since(let_go_at).as_secs_f64());
+    }
+    times.sort_by(f64::total_cmp);
+    figures.push(Figure {
+        scenario: "disconnect",
+        strategy: None,
+        bytes: None,
+        count: runs,
+        per_s: None,
+        gb_s: None,
+        us_per_roundtrip: None,
+        seconds: times[times.len() / 2],
+        p50_us: None,
+        p99_us: None,
+        implementation: "async",
+    });
+    Ok(figures)
 }

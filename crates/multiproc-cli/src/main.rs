@@ -50,6 +50,10 @@ enum Command {
         /// bandwidth floor (memcpy of 64 MiB), measured in the same run.
         #[arg(long)]
         collectives: bool,
+        /// Instead: the wake-up latency of an awaited `get` (feature `async`) beside a
+        /// blocking one, in the same run, and `disconnect` with the get awaited.
+        #[arg(long = "async")]
+        async_wake: bool,
     },
     /// Measure the raw floor: a SEQPACKET + SCM_RIGHTS ping-pong, a futex and a spinning
     /// ping-pong over one shared word, and an in-process fill+sum on a reused buffer
@@ -76,10 +80,35 @@ fn main() {
         Command::Bench {
             json,
             scale,
+            async_wake: true,
+            ..
+        } => match bench::wake(scale) {
+            Ok(figures) => {
+                if !json {
+                    println!("{}", bench::header());
+                }
+                for f in &figures {
+                    if json {
+                        println!("{}", serde_json::to_string(f).unwrap_or_default());
+                    } else {
+                        println!("{}", bench::row(f));
+                    }
+                }
+                0
+            }
+            Err(e) => {
+                eprintln!("benchmark failed: {e}");
+                1
+            }
+        },
+        Command::Bench {
+            json,
+            scale,
             only,
             strategy,
             sizes,
             collectives: true,
+            ..
         } => match bench::collectives(scale) {
             Ok(figures) => {
                 for f in &figures {
@@ -109,6 +138,7 @@ fn main() {
             strategy,
             sizes,
             collectives: false,
+            ..
         } => {
             let plan = bench::Plan {
                 scale,
