@@ -29,8 +29,19 @@ use super::simple::SimpleQueue;
 use crate::error::{Error, PutError, Result};
 use crate::sys::reactor::{self, Parked, Ready, Step, WordWait};
 
-/// The step of an awaited get: `wait` read before `try_get`.
-fn get_step<'a, T>(wait: WordWait, got: Result<Option<T>>) -> Step<'a, Result<T>> {
+/// The step of an awaited get: `wait` read before the tries; `try_get(fresh)` takes the
+/// next item, asking afresh about other holders only when `fresh`. The first try
+/// trusts a recent sighting of other holders (no system call when a message is there);
+/// a get that finds nothing asks afresh before it parks, so `Disconnected` is never
+/// missed.
+fn get_step<'a, T>(
+    wait: WordWait,
+    mut try_get: impl FnMut(bool) -> Result<Option<T>>,
+) -> Step<'a, Result<T>> {
+    let got = match try_get(false) {
+        Ok(None) => try_get(true),
+        other => other,
+    };
     match got {
         Ok(Some(item)) => Step::Done(Ok(item)),
         Ok(None) => Step::Word(wait),
@@ -53,7 +64,11 @@ impl<T: Serialize + DeserializeOwned> Queue<T> {
             reactor::poll_step(
                 cx,
                 &mut parked,
-                || get_step(self.shared.channel.get_wait(), self.try_get()),
+                || {
+                    get_step(self.shared.channel.get_wait(), |fresh| {
+                        self.shared.try_get_as(&|| self.others_here(), fresh)
+                    })
+                },
                 Err,
             )
         })
@@ -133,7 +148,11 @@ impl<T: Serialize + DeserializeOwned> SimpleQueue<T> {
             reactor::poll_step(
                 cx,
                 &mut parked,
-                || get_step(self.channel.get_wait(), self.try_get()),
+                || {
+                    get_step(self.channel.get_wait(), |fresh| {
+                        self.channel.try_get_as(&|| self.others_here(), fresh)
+                    })
+                },
                 Err,
             )
         })

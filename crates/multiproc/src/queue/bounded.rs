@@ -159,7 +159,7 @@ impl<T: Serialize + DeserializeOwned> Queue<T> {
 
     /// Whether another handle of this queue (or of the joinable queue around it) exists
     /// in this process.
-    fn others_here(&self) -> bool {
+    pub(super) fn others_here(&self) -> bool {
         Arc::strong_count(&self.shared) > 1
     }
 

@@ -171,7 +171,22 @@ impl Channel {
         &self,
         others_here: OthersHere<'_>,
     ) -> Result<Option<T>> {
-        match self.try_recv(others_here)?.map(|p| self.decode(p)) {
+        self.try_get_as(others_here, true)
+    }
+
+    /// [`try_get`](Self::try_get), asking afresh whether other holders are left only
+    /// when `fresh` (otherwise trusting a sighting for [`HOLDERS_RECHECK`], as a waiting
+    /// get does: an awaited get's first try after a wake-up, which saves the question's
+    /// system call when a message is there; it asks afresh before it parks again).
+    pub(crate) fn try_get_as<T: DeserializeOwned>(
+        &self,
+        others_here: OthersHere<'_>,
+        fresh: bool,
+    ) -> Result<Option<T>> {
+        match self
+            .try_recv_as(others_here, fresh)?
+            .map(|p| self.decode(p))
+        {
             // Kept for the next get: nothing is ready now.
             Some(Err(Error::Timeout { .. })) => Ok(None),
             other => other.transpose(),
@@ -245,15 +260,20 @@ impl Channel {
         })
     }
 
-    /// Receives one packet if one is waiting, without decoding it.
-    pub(crate) fn try_recv(&self, others_here: OthersHere<'_>) -> Result<Option<Packet>> {
+    /// Receives one packet if one is waiting, without decoding it, asking afresh whether
+    /// other holders are left only when `fresh` (see [`try_get_as`](Self::try_get_as)).
+    pub(crate) fn try_recv_as(
+        &self,
+        others_here: OthersHere<'_>,
+        fresh: bool,
+    ) -> Result<Option<Packet>> {
         self.check_open("get")?;
         if let Some(packet) = self.take_pending() {
             return Ok(Some(packet));
         }
-        // Asked afresh: a caller that polls wants the answer of now.
+        // Asked afresh unless told: a caller that polls wants the answer of now.
         self.ring
-            .try_recv(self.rx.as_fd(), &|| self.disconnected(others_here, true))
+            .try_recv(self.rx.as_fd(), &|| self.disconnected(others_here, fresh))
     }
 
     /// Whether a message is waiting right now.

@@ -229,7 +229,17 @@ impl Shared {
         &self,
         others_here: OthersHere<'_>,
     ) -> Result<Option<T>> {
-        let packet = self.channel.try_recv(others_here);
+        self.try_get_as(others_here, true)
+    }
+
+    /// [`try_get`](Self::try_get), asking afresh about other holders only when `fresh`
+    /// (see `Channel::try_get_as`).
+    pub(super) fn try_get_as<T: DeserializeOwned>(
+        &self,
+        others_here: OthersHere<'_>,
+        fresh: bool,
+    ) -> Result<Option<T>> {
+        let packet = self.channel.try_recv_as(others_here, fresh);
         let taken = self.taken(&packet);
         match self.finish_get(packet, taken) {
             // Kept for the next get: nothing is ready now.

@@ -105,7 +105,7 @@ impl<T: Serialize + DeserializeOwned> SimpleQueue<T> {
     }
 
     /// Whether another handle of this queue exists in this process.
-    fn others_here(&self) -> bool {
+    pub(super) fn others_here(&self) -> bool {
         Arc::strong_count(&self.channel) > 1
     }
 
