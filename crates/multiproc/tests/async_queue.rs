@@ -495,3 +495,73 @@ fn event_wait_async_and_process_join_async_across_processes() {
         drop(rt);
     });
 }
+
+/// Takes every item of `jobs` (marking each done), then answers on `answer` and exits.
+fn work_then_answer(
+    _rank: usize,
+    (jobs, answer, count): (
+        multiproc::JoinableQueue<u32>,
+        multiproc::Connection<String>,
+        u32,
+    ),
+) -> multiproc::Result<()> {
+    for _ in 0..count {
+        jobs.get_timeout(WAIT)?;
+        std::thread::sleep(Duration::from_millis(20));
+        jobs.task_done()?;
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    answer.send("done".to_string())?;
+    Ok(())
+}
+
+#[test]
+fn pipes_joinable_queues_and_process_contexts_are_awaitable() {
+    warm_up();
+    common::run(DEADLINE, || {
+        let rt = runtime();
+        rt.block_on(async {
+            let jobs = multiproc::JoinableQueue::<u32>::new().unwrap();
+            for i in 0..5 {
+                jobs.put(i).unwrap();
+            }
+            let (mine, theirs) = multiproc::pipe::<String>().unwrap();
+            let joiner = {
+                let jobs = jobs.clone();
+                tokio::spawn(async move {
+                    jobs.join_async().await.unwrap();
+                    Instant::now()
+                })
+            };
+            let start = Instant::now();
+            let mut ctx = start_processes(
+                work_then_answer,
+                (jobs.clone(), theirs, 5),
+                1,
+                StartMethod::Spawn,
+            )
+            .unwrap();
+            // Dropped receives in between take nothing.
+            for _ in 0..50 {
+                let dropped =
+                    tokio::time::timeout(Duration::from_micros(100), mine.recv_async()).await;
+                assert!(dropped.is_err());
+            }
+            let answer = tokio::time::timeout(WAIT, mine.recv_async())
+                .await
+                .unwrap()
+                .unwrap();
+            assert_eq!(answer, "done");
+            let joined_at = tokio::time::timeout(WAIT, joiner).await.unwrap().unwrap();
+            assert!(joined_at.saturating_duration_since(start) >= Duration::from_millis(100));
+            tokio::time::timeout(WAIT, ctx.join_async())
+                .await
+                .unwrap()
+                .unwrap();
+            // The worker's end is gone with it: the pipe reports the end of the stream.
+            let end = tokio::time::timeout(WAIT, mine.recv_async()).await.unwrap();
+            assert!(end.as_ref().is_err_and(|e| e.is_disconnected()), "{end:?}");
+        });
+        drop(rt);
+    });
+}

@@ -190,6 +190,20 @@ impl Child {
         self.status.is_none() && !sys::has_exited(self.pidfd.as_fd())
     }
 
+    /// Duplicates of [`watch_fds`](Self::watch_fds), for the async reactor to watch
+    /// (feature `async`).
+    #[cfg(feature = "async")]
+    pub(crate) fn watch_fds_owned(&self) -> Result<Vec<std::os::fd::OwnedFd>> {
+        let mut fds = Vec::new();
+        self.watch_fds(&mut fds);
+        fds.into_iter()
+            .map(|fd| {
+                fd.try_clone_to_owned()
+                    .map_err(|e| Error::os("duplicating a worker's fd to wait on it", e))
+            })
+            .collect()
+    }
+
     /// The fds whose readiness means news about this worker: its report, its exit.
     pub(crate) fn watch_fds<'a>(&'a self, out: &mut Vec<BorrowedFd<'a>>) {
         if self.report.is_none() {

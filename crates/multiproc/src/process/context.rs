@@ -435,6 +435,45 @@ impl ProcessContext {
         }
     }
 
+    /// Waits for the workers as [`join`](Self::join) without a timeout does, without
+    /// blocking a thread while they run (feature `async`; any executor): the fd reactor
+    /// watches their pidfds and reports. Cancel-safe.
+    ///
+    /// A worker's failure tears the others down as `join` does, inside the poll that
+    /// notices it: that poll blocks its thread for the tear-down (the grace periods),
+    /// so give an executor that must stay responsive a short grace.
+    ///
+    /// # Errors
+    /// As [`join`](Self::join), and when the fd reactor cannot be started.
+    #[cfg(feature = "async")]
+    pub async fn join_async(&mut self) -> Result<()> {
+        use crate::sys::reactor::{self, Parked, Ready, Step};
+        let mut parked: Option<Parked> = None;
+        std::future::poll_fn(|cx| {
+            reactor::poll_step(
+                cx,
+                &mut parked,
+                || match self.join(Some(Duration::ZERO)) {
+                    Err(e) if e.is_timeout() => {
+                        let fds: Result<Vec<_>> = self
+                            .children
+                            .iter()
+                            .map(Child::watch_fds_owned)
+                            .collect::<Result<Vec<_>>>()
+                            .map(|v| v.into_iter().flatten().collect());
+                        match fds {
+                            Ok(fds) => Step::Fds(fds, Ready::Readable),
+                            Err(e) => Step::Done(Err(e)),
+                        }
+                    }
+                    done => Step::Done(done),
+                },
+                Err,
+            )
+        })
+        .await
+    }
+
     /// Takes in every worker's news and records new failures.
     fn collect(&mut self) -> Result<()> {
         for (i, child) in self.children.iter_mut().enumerate() {

@@ -182,8 +182,8 @@ impl Process {
     }
 
     /// Waits until it exits, as [`join`](Self::join) without a timeout does, without
-    /// blocking a thread (feature `async`; any executor): the reactor watches its
-    /// pidfd. Cancel-safe.
+    /// blocking a thread (feature `async`; any executor): the fd reactor watches its
+    /// pidfd (and its report). Cancel-safe.
     ///
     /// # Errors
     /// As [`join`](Self::join), and when the fd reactor cannot be started.
@@ -191,25 +191,24 @@ impl Process {
     pub async fn join_async(&mut self) -> Result<ExitStatus> {
         use crate::sys::reactor::{self, Parked, Ready, Step};
         self.started_mut("join")?;
-        // The future's own copy of the pidfd: the steps below reap through `self`.
-        let pidfd = match self.sentinel() {
-            Some(fd) => fd
-                .try_clone_to_owned()
-                .map_err(|e| Error::os("duplicating a process's pidfd", e))?,
-            None => {
-                return Err(Error::InvalidArgument(
-                    "join of a process not started".into(),
-                ));
-            }
-        };
         let mut parked: Option<Parked> = None;
         std::future::poll_fn(|cx| {
             reactor::poll_step(
                 cx,
                 &mut parked,
-                || match self.exit_status() {
-                    Some(status) => Step::Done(Ok(status)),
-                    None => Step::Fd(std::os::fd::AsFd::as_fd(&pidfd), Ready::Readable),
+                || {
+                    if let Some(status) = self.exit_status() {
+                        return Step::Done(Ok(status));
+                    }
+                    // Its report and its exit (the future's own copies: the next
+                    // step reaps through `self`).
+                    match self.child.as_ref().map(Child::watch_fds_owned) {
+                        Some(Ok(fds)) => Step::Fds(fds, Ready::Readable),
+                        Some(Err(e)) => Step::Done(Err(e)),
+                        None => Step::Done(Err(Error::InvalidArgument(
+                            "join of a process not started".into(),
+                        ))),
+                    }
                 },
                 Err,
             )

@@ -155,6 +155,31 @@ impl<T: Serialize + DeserializeOwned> Connection<T> {
         }
     }
 
+    /// Receives the next item, as [`recv`](Self::recv) does, without blocking a thread
+    /// (feature `async`; any executor): the fd reactor watches the socket. Cancel-safe:
+    /// an item is only taken by the synchronous receive that returns it.
+    ///
+    /// # Errors
+    /// As [`recv`](Self::recv), and when the fd reactor cannot be started.
+    #[cfg(feature = "async")]
+    pub async fn recv_async(&self) -> Result<T> {
+        use crate::sys::reactor::{self, Parked, Ready, Step};
+        let mut parked: Option<Parked> = None;
+        std::future::poll_fn(|cx| {
+            reactor::poll_step(
+                cx,
+                &mut parked,
+                || match self.try_recv() {
+                    Ok(Some(item)) => Step::Done(Ok(item)),
+                    Ok(None) => Step::Fd(self.sock.as_fd(), Ready::Readable),
+                    Err(e) => Step::Done(Err(e)),
+                },
+                Err,
+            )
+        })
+        .await
+    }
+
     fn recv_until(&self, deadline: Deadline) -> Result<Option<T>> {
         let _span = tracing::trace_span!("multiproc::get", queue = "Connection").entered();
         match wire::recv_packet(self.sock.as_fd(), deadline).map_err(disconnected_at_end)? {

@@ -449,7 +449,8 @@ pub(crate) enum Ready {
 }
 
 struct FdRegistration {
-    fd: Arc<OwnedFd>,
+    /// Any of these ready wakes the future.
+    fds: Vec<Arc<OwnedFd>>,
     flags: PollFlags,
     waker: Waker,
 }
@@ -476,7 +477,7 @@ impl FdReactor {
             let watched: Vec<(u64, Arc<OwnedFd>, PollFlags)> = lock(&self.registrations)
                 .entries
                 .iter()
-                .map(|(k, r)| (*k, Arc::clone(&r.fd), r.flags))
+                .flat_map(|(k, r)| r.fds.iter().map(|fd| (*k, Arc::clone(fd), r.flags)))
                 .collect();
             let mut fds = vec![PollFd::new(&self.doorbell, PollFlags::IN)];
             fds.extend(
@@ -523,6 +524,18 @@ static FD_REACTOR: ForkLocal<Option<Arc<FdReactor>>> = ForkLocal::new();
 /// # Errors
 /// When the fd cannot be duplicated or the fd reactor cannot be started.
 pub(crate) fn park_fd(fd: BorrowedFd<'_>, ready: Ready, waker: &Waker) -> Result<Parked> {
+    let fd = fd
+        .try_clone_to_owned()
+        .map_err(|e| Error::os("duplicating an fd to wait on it", e))?;
+    park_fds(vec![fd], ready, waker)
+}
+
+/// Registers `fds` with the fd reactor, to wake `waker` when any of them is ready (or
+/// hung up); the registration owns them until it is woken or dropped.
+///
+/// # Errors
+/// When the fd reactor cannot be started.
+pub(crate) fn park_fds(fds: Vec<OwnedFd>, ready: Ready, waker: &Waker) -> Result<Parked> {
     let reactor = {
         let mut slot = FD_REACTOR.lock();
         match &*slot {
@@ -545,9 +558,6 @@ pub(crate) fn park_fd(fd: BorrowedFd<'_>, ready: Ready, waker: &Waker) -> Result
             }
         }
     };
-    let fd = fd
-        .try_clone_to_owned()
-        .map_err(|e| Error::os("duplicating an fd to wait on it", e))?;
     let flags = match ready {
         Ready::Readable => PollFlags::IN,
         Ready::Writable => PollFlags::OUT,
@@ -559,7 +569,7 @@ pub(crate) fn park_fd(fd: BorrowedFd<'_>, ready: Ready, waker: &Waker) -> Result
         regs.entries.insert(
             key,
             FdRegistration {
-                fd: Arc::new(fd),
+                fds: fds.into_iter().map(Arc::new).collect(),
                 flags,
                 waker: waker.clone(),
             },
@@ -581,6 +591,8 @@ pub(crate) enum Step<'a, R> {
     Word(WordWait),
     /// Nothing yet: park until this fd is ready (readiness is a level: no race).
     Fd(BorrowedFd<'a>, Ready),
+    /// Nothing yet: park until any of these fds is ready.
+    Fds(Vec<OwnedFd>, Ready),
 }
 
 /// Tries before giving the executor back, when every try finds its word changed again.
@@ -603,6 +615,7 @@ pub(crate) fn poll_step<'a, R>(
             Step::Done(r) => return Poll::Ready(r),
             Step::Word(wait) => park_word(wait, cx.waker()),
             Step::Fd(fd, ready) => park_fd(fd, ready, cx.waker()).map(Some),
+            Step::Fds(fds, ready) => park_fds(fds, ready, cx.waker()).map(Some),
         };
         match registered {
             Ok(Some(p)) => {
