@@ -87,6 +87,9 @@ impl<T: Serialize + DeserializeOwned> Queue<T> {
         let mut item = Some(item);
         let mut parked: Option<Parked> = None;
         poll_fn(|cx| {
+            if parked.as_ref().is_some_and(|p| p.still_waiting(cx.waker())) {
+                return Poll::Pending;
+            }
             if let Some(p) = parked.take() {
                 p.settle();
             }

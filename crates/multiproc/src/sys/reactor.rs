@@ -60,8 +60,9 @@ use rustix::thread::futex;
 use super::fork_local::ForkLocal;
 use crate::error::{Error, Result};
 
-/// How long a registration that asks for it waits before its future looks again even
-/// though its word did not change (see the module docs).
+/// How long, about, a registration that asks for it waits before its future looks
+/// again even though its word did not change (see the module docs, and
+/// `recheck_due`).
 pub(crate) const RECHECK: Duration = Duration::from_secs(1);
 
 /// How often the word reactor looks at its words without `futex_waitv`.
@@ -300,6 +301,19 @@ fn monotonic_after(d: Duration) -> rustix::time::Timespec {
     }
 }
 
+/// When a registration made now is re-checked: between a half and one and a half
+/// [`RECHECK`] from now, on a grid of whole `RECHECK`s, so that all of a process's
+/// parked gets are looked at in one wake-up of the reactor, not one each.
+fn recheck_due() -> Instant {
+    static EPOCH: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    let epoch = *EPOCH.get_or_init(Instant::now);
+    let period = RECHECK.as_nanos();
+    let at = (epoch.elapsed() + RECHECK / 2).as_nanos();
+    let ticks = at.div_ceil(period);
+    let nanos = u64::try_from(ticks.saturating_mul(period)).unwrap_or(u64::MAX);
+    epoch + Duration::from_nanos(nanos)
+}
+
 /// This process's word-reactor shards (a `fork` child starts with none).
 static SHARDS: ForkLocal<Vec<Arc<Shard>>> = ForkLocal::new();
 
@@ -325,6 +339,43 @@ enum ParkedKind {
 }
 
 impl Parked {
+    /// Whether the registration still waits (the reactor has not woken it): then the
+    /// future was polled for another reason (a `select!` sibling, a spurious wake-up),
+    /// nothing it waits on has been seen to change, and it stays parked, with `waker`
+    /// as the one to wake. A change the reactor has not looked at yet wakes `waker`.
+    pub(crate) fn still_waiting(&self, waker: &Waker) -> bool {
+        fn rearm(waker: &Waker, slot: Option<&mut Waker>) -> bool {
+            match slot {
+                Some(w) => {
+                    if !w.will_wake(waker) {
+                        w.clone_from(waker);
+                    }
+                    true
+                }
+                None => false,
+            }
+        }
+        if self.done {
+            return false;
+        }
+        match &self.kind {
+            ParkedKind::Word { shard, key, .. } => rearm(
+                waker,
+                lock(&shard.registrations)
+                    .entries
+                    .get_mut(key)
+                    .map(|r| &mut r.waker),
+            ),
+            ParkedKind::Fd { reactor, key } => rearm(
+                waker,
+                lock(&reactor.registrations)
+                    .entries
+                    .get_mut(key)
+                    .map(|r| &mut r.waker),
+            ),
+        }
+    }
+
     /// Deregisters without passing anything on: the future is running again and
     /// tries for itself.
     pub(crate) fn settle(mut self) {
@@ -418,7 +469,7 @@ pub(crate) fn park_word(wait: WordWait, waker: &Waker) -> Result<Option<Parked>>
         let mut regs = lock(&shard.registrations);
         let key = regs.next_key;
         regs.next_key += 1;
-        let due = wait.recheck.then(|| Instant::now() + RECHECK);
+        let due = wait.recheck.then(recheck_due);
         regs.entries.insert(
             key,
             Registration {
@@ -598,8 +649,9 @@ pub(crate) enum Step<'a, R> {
 /// Tries before giving the executor back, when every try finds its word changed again.
 const TRIES_PER_POLL: usize = 64;
 
-/// The poll of an awaited operation: settles the last registration, then tries
-/// (`step`), parking when it finds nothing, until it is done. Cancel-safe as far as
+/// The poll of an awaited operation: stays parked when its registration still waits
+/// (see [`Parked::still_waiting`]); otherwise settles it, then tries (`step`), parking
+/// when it finds nothing, until it is done. Cancel-safe as far as
 /// `step` is: a dropped future leaves only a registration, which its drop removes.
 pub(crate) fn poll_step<'a, R>(
     cx: &mut Context<'_>,
@@ -607,6 +659,9 @@ pub(crate) fn poll_step<'a, R>(
     mut step: impl FnMut() -> Step<'a, R>,
     failed: impl FnOnce(Error) -> R,
 ) -> Poll<R> {
+    if parked.as_ref().is_some_and(|p| p.still_waiting(cx.waker())) {
+        return Poll::Pending;
+    }
     if let Some(p) = parked.take() {
         p.settle();
     }
