@@ -565,3 +565,62 @@ fn pipes_joinable_queues_and_process_contexts_are_awaitable() {
         drop(rt);
     });
 }
+
+/// The threads of this process named `name`.
+fn threads_named(name: &str) -> usize {
+    std::fs::read_dir("/proc/self/task")
+        .map(|tasks| {
+            tasks
+                .filter_map(|t| t.ok())
+                .filter(|t| {
+                    std::fs::read_to_string(t.path().join("comm"))
+                        .is_ok_and(|c| c.trim_end() == name)
+                })
+                .count()
+        })
+        .unwrap_or(0)
+}
+
+#[test]
+fn more_words_than_one_futex_waitv_takes_are_shared_among_reactor_threads() {
+    warm_up();
+    common::run(DEADLINE, || {
+        const EVENTS: usize = 300;
+        let events: Vec<Event> = (0..EVENTS).map(|_| Event::new().unwrap()).collect();
+        let rt = runtime();
+        rt.block_on(async {
+            let tasks: Vec<_> = events
+                .iter()
+                .map(|e| {
+                    let e = e.clone();
+                    tokio::spawn(async move { e.wait_async().await })
+                })
+                .collect();
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            assert!(tasks.iter().all(|t| !t.is_finished()));
+            // 128 words per futex_waitv, the control word included.
+            let reactors = threads_named("multiproc-react");
+            assert!(
+                reactors >= EVENTS.div_ceil(127),
+                "{reactors} reactor threads"
+            );
+            // Set in an order unlike the registrations'.
+            for e in events
+                .iter()
+                .rev()
+                .step_by(2)
+                .chain(events.iter().step_by(2))
+            {
+                e.set();
+            }
+            for t in tasks {
+                tokio::time::timeout(WAIT, t)
+                    .await
+                    .unwrap()
+                    .unwrap()
+                    .unwrap();
+            }
+        });
+        drop(rt);
+    });
+}
