@@ -309,12 +309,14 @@
 //!
 //! Async services (tokio, axum, tonic) await multiproc's waits without a blocked
 //! thread per wait: `Queue::get_async` / `put_async`, `SimpleQueue::get_async`,
-//! `JoinableQueue::get_async` / `join_async`, `Event::wait_async`,
-//! `Semaphore::acquire_async` and `Process::join_async`. They work on any executor
+//! `JoinableQueue::get_async` / `join_async`, `Connection::recv_async`,
+//! `Event::wait_async`, `Semaphore::acquire_async`, `Process::join_async` and
+//! `ProcessContext::join_async`. They work on any executor
 //! (the crate has no runtime dependency). Producers wake consumers with a futex on a
 //! shared word, which epoll cannot watch, so one reactor thread per process sleeps in
 //! `futex_waitv` on every word a parked future waits on (and a second one `poll`s the
-//! pidfds and sockets that `join_async` and a `put_async` on a full socket wait for):
+//! pidfds and sockets that the joins, `recv_async` and a `put_async` on a full socket
+//! wait for):
 //! a parked future costs no CPU, apart from a parked get's look every second (which is
 //! when it hears of a producer that was SIGKILLed; one that drops its handle wakes it at
 //! once). Every future is cancel-safe: it takes a message (or a bounded queue's place,
