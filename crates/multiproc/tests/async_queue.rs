@@ -624,3 +624,58 @@ fn more_words_than_one_futex_waitv_takes_are_shared_among_reactor_threads() {
         drop(rt);
     });
 }
+
+/// Awaits `go` and the item 42 on its own runtime (a `fork` child of a parent whose
+/// reactor threads run: the child starts its own).
+fn await_in_a_fork_child(_rank: usize, (go, q): (Event, Queue<u32>)) -> multiproc::Result<()> {
+    let late = |what: &str| multiproc::Error::InvalidArgument(format!("{what} never came"));
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| multiproc::Error::InvalidArgument(format!("a runtime: {e}")))?;
+    rt.block_on(async {
+        tokio::time::timeout(WAIT, go.wait_async())
+            .await
+            .map_err(|_| late("go"))??;
+        let item = tokio::time::timeout(WAIT, q.get_async())
+            .await
+            .map_err(|_| late("the item"))??;
+        if item == 42 {
+            Ok(())
+        } else {
+            Err(multiproc::Error::InvalidArgument(format!("got {item}")))
+        }
+    })
+}
+
+#[test]
+fn a_fork_child_awaits_on_reactors_of_its_own() {
+    warm_up();
+    common::run(DEADLINE, || {
+        let (go, q) = (Event::new().unwrap(), Queue::<u32>::new().unwrap());
+        let rt = runtime();
+        rt.block_on(async {
+            // The parent's reactor threads are busy with a parked wait of its own.
+            let never = Event::new().unwrap();
+            let parked = {
+                let never = never.clone();
+                tokio::spawn(async move { never.wait_async().await })
+            };
+            let mut child = Process::new(await_in_a_fork_child, 0, (go.clone(), q.clone()))
+                .start_method(StartMethod::Fork);
+            child.start().unwrap();
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            go.set();
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            q.put(42).unwrap();
+            let status = tokio::time::timeout(WAIT, child.join_async())
+                .await
+                .unwrap()
+                .unwrap();
+            assert!(status.success(), "{status:?} {:?}", child.error());
+            never.set();
+            parked.await.unwrap().unwrap();
+        });
+        drop(rt);
+    });
+}
