@@ -699,7 +699,7 @@ pub fn row(f: &Figure) -> String {
         format!("{:>12.0} messages/s", f.per_s.unwrap_or(0.0))
     } else if f.scenario == "disconnect" {
         format!(
-            "{:>12.1} ms after the last holder left ({})",
+            "{:>12.2} ms after the last holder left ({})",
             f.seconds * 1e3,
             f.implementation
         )
