@@ -43,8 +43,24 @@
 //! within `RECHECK` (the blocking `get` looks every 20 ms). That costs one wake-up of
 //! the reactor per `RECHECK` while such futures are parked, and one try per future.
 //!
+//! Re-checks fall on a process-wide grid of whole `RECHECK`s, so however many gets are
+//! parked the reactor wakes once per `RECHECK`. A future polled while its registration
+//! still waits (a `select!` sibling woke the task) only swaps its waker in: nothing is
+//! deregistered, tried or re-registered.
+//!
+//! **Lost wake-ups.** Every registration carries the value its future saw, and the
+//! reactor compares before it sleeps, so a change is never missed, whoever's futex wake
+//! it was. A wake that carries no change (a hand-over) can miss a reactor that is
+//! between two sleeps; that happens only when the word went back to the value seen,
+//! i.e. someone else took what the wake announced.
+//!
+//! **Lifetime.** The threads, once started, live as long as the process (asleep when
+//! nothing is parked); the fd reactor keeps one eventfd. A `fork` child starts its own
+//! when it first parks (the parent's are the parent's, as `ForkLocal` says).
+//!
 //! Without `futex_waitv` (`ENOSYS`: kernels before 5.16) the word reactor falls back to
-//! looking at its words every [`FALLBACK_POLL`]: correct, but not free when idle.
+//! looking at its words every [`FALLBACK_POLL`]: correct, but not free when idle (that
+//! path is not exercised by the tests, which run on newer kernels).
 
 use std::collections::HashMap;
 use std::os::fd::{BorrowedFd, OwnedFd};
