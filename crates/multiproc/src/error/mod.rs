@@ -171,7 +171,8 @@ pub enum Error {
     /// guard in the [`LockError`](crate::LockError) (through `lock`).
     #[error("{message}")]
     OwnerDied {
-        /// The process id of the holder that died.
+        /// The process id of the holder that died; 0 when no longer known (the lock's
+        /// page remembers the pids of its 64 most recent holders).
         pid: u32,
         /// What was held, who holds it now, and what to check.
         message: String,

@@ -59,8 +59,9 @@ pub(super) const LENGTH_AT: usize = 8;
 pub(super) const RECORD_AT: usize = 16;
 
 // Every word is on the page, and the slots' fields are in their slot.
-const _: () =
-    assert!(PLACE_DEBT < crate::shm::WORDS && SHELF_BASE[1] + SHELF_BYTES + 1 < FREE_PLACES);
+const _: () = assert!(
+    PLACE_DEBT < crate::shm::FIRST_RESERVED_WORD && SHELF_BASE[1] + SHELF_BYTES + 1 < FREE_PLACES
+);
 const _: () = assert!(LENGTH_AT >= 8 && LENGTH_AT + 4 <= RECORD_AT && RECORD_AT < SLOT_BYTES);
 
 #[cfg(test)]
@@ -78,6 +79,11 @@ mod tests {
             assert!(first + words <= crate::shm::WORDS, "{who} is past the page");
         };
         claim(0, 1, "kind");
+        claim(
+            crate::shm::FIRST_RESERVED_WORD,
+            crate::shm::WORDS - crate::shm::FIRST_RESERVED_WORD,
+            "the page's holder ids",
+        );
         claim(HEAD, 2, "HEAD");
         claim(TAIL, 2, "TAIL");
         claim(SEQ, 1, "SEQ");

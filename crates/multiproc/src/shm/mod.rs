@@ -113,7 +113,9 @@ pub(crate) use reference::{BlockUse, InFlightUse, Returns};
 #[cfg(any(test, feature = "fuzzing"))]
 pub(crate) use segment::BLOCK_MAGIC_BYTES;
 pub(crate) use segment::{BLOCK_HEADER_LEN, Segment};
-pub(crate) use words::{SharedWords, WORDS};
+#[cfg(test)]
+pub(crate) use words::WORDS;
+pub(crate) use words::{FIRST_RESERVED_WORD, SharedWords};
 
 use self::strategy::SharingStrategy;
 use crate::error::{Error, Result};

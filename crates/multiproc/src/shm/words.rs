@@ -15,8 +15,9 @@
 //! write it at any moment, so it is only copied in and out, and what is copied out is
 //! untrusted bytes that the caller validates.
 
+use std::collections::HashMap;
 use std::os::fd::{AsFd, OwnedFd};
-use std::sync::atomic::{AtomicU32, AtomicU64};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
@@ -31,6 +32,35 @@ const BLOCK_BYTES: usize = 4096;
 pub(crate) const WORDS: usize = BLOCK_BYTES / 4;
 /// First word: identifies the block's kind so a handle of one kind is never taken for another.
 const KIND_WORD: usize = 0;
+/// The last word: the next *holder id* of the page (see [`SharedWords::holder_id`]).
+const NEXT_HOLDER: usize = WORDS - 1;
+/// Entries of the table of recent holder ids and their pids (two words each), below
+/// [`NEXT_HOLDER`]: for the error that names a dead lock holder.
+const HOLDER_PIDS: usize = 64;
+/// The first word of the holder table; every owner of the page's words stays below it.
+pub(crate) const FIRST_RESERVED_WORD: usize = NEXT_HOLDER - 2 * HOLDER_PIDS;
+
+/// This process's mark on a page (see [`SharedWords::holder_id`]): a second mapping of
+/// the page through a description of its own that carries an open-file-description
+/// lock on byte `id`, so that the mark lasts exactly as long as this process maps it.
+#[derive(Default)]
+struct Marker {
+    /// The holder id (0: none made yet).
+    id: u32,
+    /// The values of the page in this process (the mark goes with the last: a lock
+    /// taken through one value stays held through the others).
+    values: usize,
+    /// The mapping that keeps the mark.
+    mapping: Option<SharedMapping>,
+}
+
+type Markers = Option<HashMap<(u64, u64), Marker>>;
+
+/// The markers of this process, by the page's file identity (a page received twice is
+/// two values but one holder, so a lock held through one is held through the other);
+/// rebuilt in a `fork` child (its parent's marks are its parent's).
+static MARKERS: crate::sys::fork_local::ForkLocal<Markers> =
+    crate::sys::fork_local::ForkLocal::new();
 
 /// One page of process-shared atomic words, backed by a sealed memfd.
 ///
@@ -42,6 +72,14 @@ pub(crate) struct SharedWords {
     map: SharedMapping,
     /// Bytes of the byte area after the page of words.
     bytes: usize,
+    /// The page's file identity (`dev`, `ino`): the same for every value of the page.
+    identity: (u64, u64),
+    /// The pid of the process that counts this value among the page's values in its
+    /// marks (0: none yet; a `fork` child sees its parent's and counts it again).
+    counted_by: AtomicU32,
+    /// This process's holder id on the page, tagged with its pid (`pid << 32 | id`; 0
+    /// for none yet): a `fork` child sees its parent's pid and makes its own.
+    holder: AtomicU64,
 }
 
 impl SharedWords {
@@ -57,7 +95,8 @@ impl SharedWords {
         let fd = memfd::create("multiproc-sync", total as u64)?;
         memfd::seal_size(fd.as_fd())?;
         let map = SharedMapping::map(fd.as_fd(), total)?;
-        let block = Self { fd, map, bytes };
+        let st = crate::sys::fs::status(fd.as_fd(), "a new page of shared words")?;
+        let block = Self::counted(fd, map, bytes, (st.dev, st.ino));
         block
             .word(KIND_WORD)
             .store(kind, std::sync::atomic::Ordering::Release);
@@ -73,14 +112,15 @@ impl SharedWords {
             )));
         }
         let total = BLOCK_BYTES + bytes;
-        let size = memfd::file_size(fd.as_fd())?;
+        let st = crate::sys::fs::status(fd.as_fd(), &format!("the received {what}"))?;
+        let size = st.size;
         if size < total as u64 {
             return Err(Error::InvalidMessage(format!(
                 "the {what} segment holds {size} bytes, fewer than the {total} it needs"
             )));
         }
         let map = SharedMapping::map(fd.as_fd(), total)?;
-        let block = Self { fd, map, bytes };
+        let block = Self::counted(fd, map, bytes, (st.dev, st.ino));
         let found = block
             .word(KIND_WORD)
             .load(std::sync::atomic::Ordering::Acquire);
@@ -90,6 +130,115 @@ impl SharedWords {
             )));
         }
         Ok(block)
+    }
+
+    /// The value, counted among this process's values of the page (see [`Marker`]).
+    fn counted(fd: OwnedFd, map: SharedMapping, bytes: usize, identity: (u64, u64)) -> Self {
+        let block = Self {
+            fd,
+            map,
+            bytes,
+            identity,
+            counted_by: AtomicU32::new(0),
+            holder: AtomicU64::new(0),
+        };
+        block.count_in(&mut MARKERS.lock());
+        block
+    }
+
+    /// This process's *holder id* on the page: a number no other process of the page
+    /// ever had, which a lock word holds while this process holds the lock, and which
+    /// the kernel vouches for (see `sys::lease`, marks): this process marks byte `id` of
+    /// the page's file for as long as it lives and holds a value of the page, so
+    /// [`holder_lives`] tells a dead holder without a pid, which could have been reused.
+    /// Every value of one page in a process has the same id. The first ask in a process
+    /// costs an `open`, an `fcntl` and an `mmap`; later ones none.
+    ///
+    /// [`holder_lives`]: Self::holder_lives
+    pub(crate) fn holder_id(&self) -> Result<u32> {
+        if let Some(id) = self.cached_id() {
+            return Ok(id);
+        }
+        let mut markers = MARKERS.lock();
+        let mark = self.count_in(&mut markers);
+        if mark.id == 0 {
+            // Never 0 (a free lock word); a page that hands out 2^32 ids wraps.
+            let id = match self.word(NEXT_HOLDER).fetch_add(1, Ordering::AcqRel) {
+                u32::MAX => self.word(NEXT_HOLDER).fetch_add(1, Ordering::AcqRel),
+                n => n,
+            } + 1;
+            let entry = FIRST_RESERVED_WORD + 2 * (id as usize % HOLDER_PIDS);
+            self.word(entry + 1)
+                .store(crate::sys::process::cached_pid(), Ordering::Release);
+            self.word(entry).store(id, Ordering::Release);
+            let marked =
+                crate::sys::lease::marked_description(self.fd.as_fd(), i64::from(id), false)?;
+            let mapping = SharedMapping::map(marked.as_fd(), BLOCK_BYTES)?;
+            // A fork child would keep the mark alive after this process died.
+            mapping.exclude_from_fork()?;
+            mark.id = id;
+            mark.mapping = Some(mapping);
+        }
+        let id = mark.id;
+        self.cache_id(id);
+        Ok(id)
+    }
+
+    /// This process's holder id on the page, if it has one (without making it).
+    pub(crate) fn holder_id_if_any(&self) -> Option<u32> {
+        if let Some(id) = self.cached_id() {
+            return Some(id);
+        }
+        let mut markers = MARKERS.lock();
+        let id = self.count_in(&mut markers).id;
+        (id != 0).then(|| {
+            self.cache_id(id);
+            id
+        })
+    }
+
+    /// The holder id this value remembers from this process, if any.
+    fn cached_id(&self) -> Option<u32> {
+        let tagged = self.holder.load(Ordering::Acquire);
+        (tagged >> 32 == u64::from(crate::sys::process::cached_pid()) && tagged as u32 != 0)
+            .then_some(tagged as u32)
+    }
+
+    fn cache_id(&self, id: u32) {
+        let pid = u64::from(crate::sys::process::cached_pid());
+        self.holder
+            .store(pid << 32 | u64::from(id), Ordering::Release);
+    }
+
+    /// This process's mark entry for the page, with this value counted in it (once per
+    /// process: a value a `fork` child inherited is counted there on its first use).
+    fn count_in<'m>(&self, markers: &'m mut Markers) -> &'m mut Marker {
+        let pid = crate::sys::process::cached_pid();
+        let mark = markers
+            .get_or_insert_with(HashMap::new)
+            .entry(self.identity)
+            .or_default();
+        if self.counted_by.swap(pid, Ordering::AcqRel) != pid {
+            mark.values += 1;
+        }
+        mark
+    }
+
+    /// Whether the process with holder id `id` on this page still lives (and maps the
+    /// page): its mark is held. `true` when the kernel cannot tell.
+    pub(crate) fn holder_lives(&self, id: u32) -> bool {
+        // The page's fd is the one messages carry: nobody marks it.
+        crate::sys::lease::is_marked(self.fd.as_fd(), i64::from(id))
+    }
+
+    /// The pid of holder `id`, when the page's table still has it (0: unknown).
+    pub(crate) fn holder_pid(&self, id: u32) -> u32 {
+        let entry = FIRST_RESERVED_WORD + 2 * (id as usize % HOLDER_PIDS);
+        if self.word(entry).load(Ordering::Acquire) == id {
+            self.word(entry + 1).load(Ordering::Acquire)
+        } else {
+            0
+        }
     }
 
     /// Word `index` of the block (`1..WORDS`; word 0 is the kind tag).
@@ -221,5 +370,27 @@ impl SharedWords {
         Decoder::current(what)
             .and_then(|dec| Self::open_received(&dec, index, kind, 0))
             .map_err(serde::de::Error::custom)
+    }
+}
+
+impl Drop for SharedWords {
+    fn drop(&mut self) {
+        if *self.counted_by.get_mut() != crate::sys::process::cached_pid() {
+            return;
+        }
+        let gone = {
+            let mut markers = MARKERS.lock();
+            let markers = markers.get_or_insert_with(HashMap::new);
+            match markers.get_mut(&self.identity) {
+                Some(mark) if mark.values > 1 => {
+                    mark.values -= 1;
+                    None
+                }
+                Some(_) => markers.remove(&self.identity),
+                None => None,
+            }
+        };
+        // Unmapped outside the lock.
+        drop(gone);
     }
 }

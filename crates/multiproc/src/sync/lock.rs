@@ -1,13 +1,15 @@
 //! [`Lock`] and [`RLock`]: process-shared mutual exclusion that survives its holder's
 //! death.
 //!
-//! The lock word holds the holder's pid (0 when free). A waiter sleeps on the word with
-//! a futex and, every [`LIVENESS_CHECK`], checks that the holder still lives; if it has
-//! died (gone, or a zombie), the waiter takes the lock over and reports
-//! [`Error::OwnerDied`] — as a robust mutex reports `EOWNERDEAD` — instead of waiting
-//! forever. A pid reused by an unrelated process before anyone notices would look
-//! alive; the check runs often enough that this needs a pid wrap-around within one
-//! interval.
+//! The lock word holds the holder's *holder id* on the lock's page (0 when free; see
+//! `SharedWords::holder_id`): a number no other process of the page ever had, which
+//! the kernel vouches for — the holder marks that byte of the page's file with an
+//! open-file-description lock for as long as it lives. A waiter sleeps on the word with
+//! a futex and, every [`LIVENESS_CHECK`], asks the kernel whether the holder's mark is
+//! still there; if it is gone (the holder died, or unmapped the lock), the waiter takes
+//! the lock over and reports [`Error::OwnerDied`] — as a robust mutex reports
+//! `EOWNERDEAD` — instead of waiting forever. No pid is involved, so a reused pid
+//! cannot make a dead holder look alive.
 
 use std::cell::Cell;
 use std::fmt;
@@ -21,7 +23,6 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use super::word::Word;
 use crate::error::{Error, LockError, Result};
 use crate::shm::SharedWords;
-use crate::sys::process::process_is_dead;
 use crate::sys::{Deadline, deadline_after};
 
 /// How often a waiter checks that the holder still lives.
@@ -95,13 +96,29 @@ impl RawLock {
     }
 
     pub(crate) fn acquire(&self, deadline: Deadline) -> Result<Acquired> {
-        acquire(
-            self.word(OWNER),
-            self.word(WAITERS),
-            my_pid(),
-            deadline,
-            process_is_dead,
-        )
+        let me = self.block.holder_id()?;
+        let got = acquire(self.word(OWNER), self.word(WAITERS), me, deadline, |id| {
+            !self.block.holder_lives(id)
+        })?;
+        // The dead holder's pid, for the error that names it.
+        Ok(match got {
+            Acquired::FromDeadOwner(id) => Acquired::FromDeadOwner(self.block.holder_pid(id)),
+            other => other,
+        })
+    }
+
+    /// Whether this process holds the lock.
+    pub(crate) fn is_held_by_this_process(&self) -> bool {
+        let holder = self.holder();
+        holder != 0 && self.block.holder_id_if_any() == Some(holder)
+    }
+
+    /// The pid of the holder (0: free, or unknown).
+    pub(crate) fn holder_pid(&self) -> u32 {
+        match self.holder() {
+            0 => 0,
+            id => self.block.holder_pid(id),
+        }
     }
 
     /// Releases the lock. Any process may release a [`Lock`] (as in Python); the caller
@@ -115,6 +132,7 @@ impl RawLock {
         self.word(OWNER)
     }
 
+    /// The holder's id on the page (0: free).
     pub(crate) fn holder(&self) -> u32 {
         self.word(OWNER).load(Ordering::Acquire)
     }
@@ -206,10 +224,14 @@ fn spin_until_free<W: Word>(owner: &W) -> bool {
 }
 
 pub(crate) fn owner_died(what: &str, pid: u32) -> Error {
+    let who = match pid {
+        0 => "pid unknown".to_string(),
+        pid => format!("pid {pid}"),
+    };
     Error::OwnerDied {
         pid,
         message: format!(
-            "the previous holder of this {what} (pid {pid}) died while holding it; the {what} is \
+            "the previous holder of this {what} ({who}) died while holding it; the {what} is \
              now held by pid {} — the state it protects may be half-updated, check it before going on",
             my_pid()
         ),
@@ -324,7 +346,8 @@ impl Lock {
     /// # Ok::<(), multiproc::Error>(())
     /// ```
     pub fn is_owned_by_current_thread(&self) -> bool {
-        self.raw.holder() == my_pid() && self.raw.word(THREAD).load(Ordering::Acquire) == my_tid()
+        self.raw.is_held_by_this_process()
+            && self.raw.word(THREAD).load(Ordering::Acquire) == my_tid()
     }
 
     /// Acquires the lock, waiting at most `timeout` (`None`: as long as it takes).
@@ -430,7 +453,7 @@ impl Drop for LockGuard<'_> {
 impl fmt::Debug for Lock {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Lock")
-            .field("holder_pid", &self.raw.holder())
+            .field("holder_pid", &self.raw.holder_pid())
             .finish()
     }
 }
@@ -487,7 +510,8 @@ impl RLock {
     }
 
     fn held_by_me(&self) -> bool {
-        self.raw.holder() == my_pid() && self.raw.word(THREAD).load(Ordering::Acquire) == my_tid()
+        self.raw.is_held_by_this_process()
+            && self.raw.word(THREAD).load(Ordering::Acquire) == my_tid()
     }
 
     /// Acquires the lock (again, if this thread holds it), waiting at most `timeout`.
@@ -608,7 +632,7 @@ impl fmt::Debug for RLockGuard<'_> {
 impl fmt::Debug for RLock {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RLock")
-            .field("holder_pid", &self.raw.holder())
+            .field("holder_pid", &self.raw.holder_pid())
             .finish()
     }
 }

@@ -77,13 +77,19 @@ mod tests {
     #[test]
     fn a_dead_holder_is_reported_not_waited_for() {
         let lock = Lock::new().unwrap();
-        let mut child = std::process::Command::new("true").spawn().unwrap();
-        let dead_pid = child.id();
-        child.wait().unwrap();
-        // Pretend the child took the lock and died holding it.
-        lock.raw_for_tests()
-            .block_word_owner()
-            .store(dead_pid, Ordering::Release);
+        // A child takes the lock and dies holding it.
+        let holder = lock.clone();
+        let dead_pid = crate::sys::process::fork_child(move || {
+            std::mem::forget(holder.lock().unwrap());
+            0
+        })
+        .unwrap() as u32;
+        rustix::process::waitpid(
+            rustix::process::Pid::from_raw(dead_pid as i32),
+            rustix::process::WaitOptions::empty(),
+        )
+        .unwrap();
+        assert!(lock.is_locked());
         let err = lock.acquire(Some(Duration::from_secs(5))).unwrap_err();
         assert!(
             matches!(err, Error::OwnerDied { pid, .. } if pid == dead_pid),
@@ -95,6 +101,85 @@ mod tests {
             "the caller holds the lock after OwnerDied"
         );
         lock.release().unwrap();
+
+        // A lock word naming a holder id nobody marks (written by a process that lies,
+        // or corrupt) is a dead holder too, whose pid is unknown.
+        lock.raw_for_tests()
+            .block_word_owner()
+            .store(u32::MAX - 7, Ordering::Release);
+        let err = lock.acquire(Some(Duration::from_secs(5))).unwrap_err();
+        assert!(matches!(err, Error::OwnerDied { pid: 0, .. }), "{err}");
+        assert!(err.to_string().contains("pid unknown"), "{err}");
+        lock.release().unwrap();
+    }
+
+    #[test]
+    fn a_holder_that_died_is_dead_though_its_fork_child_lives() {
+        // A child takes the lock, forks a grandchild that outlives it, and dies holding
+        // the lock: the grandchild inherits the child's memory but not its mark.
+        let lock = Lock::new().unwrap();
+        let (forked, release) = (super::Event::new().unwrap(), super::Event::new().unwrap());
+        let (holder, forked_c, release_c) = (lock.clone(), forked.clone(), release.clone());
+        let dead_pid = crate::sys::process::fork_child(move || {
+            std::mem::forget(holder.lock().unwrap());
+            let forked_gc = forked_c.clone();
+            let grandchild = crate::sys::process::fork_child(move || {
+                // Outlives its parent (`fork_child` asks for its parent's death signal).
+                if rustix::process::set_parent_process_death_signal(None).is_err() {
+                    return 1;
+                }
+                forked_gc.set();
+                // Lives until the test is done with it (at most 20 s).
+                i32::from(release_c.wait(Some(Duration::from_secs(20))).is_err())
+            });
+            // Dies only once the grandchild has settled in.
+            let settled = forked_c.wait(Some(Duration::from_secs(10)));
+            i32::from(grandchild.is_err() || settled.is_err())
+        })
+        .unwrap() as u32;
+        let status = rustix::process::waitpid(
+            rustix::process::Pid::from_raw(dead_pid as i32),
+            rustix::process::WaitOptions::empty(),
+        )
+        .unwrap()
+        .unwrap()
+        .1;
+        assert_eq!(status.exit_status(), Some(0));
+        forked.wait(Some(Duration::from_secs(10))).unwrap();
+        let err = lock.acquire(Some(Duration::from_secs(5))).unwrap_err();
+        release.set();
+        assert!(
+            matches!(err, Error::OwnerDied { pid, .. } if pid == dead_pid),
+            "{err}"
+        );
+        lock.release().unwrap();
+    }
+
+    #[test]
+    fn a_lock_received_twice_is_one_lock_to_its_process() {
+        // Two values of one lock in one process (received twice): what one holds, the
+        // other holds too, so an RLock re-enters through either and waits for no one.
+        let q = crate::Queue::new().unwrap();
+        let rlock = super::RLock::new().unwrap();
+        q.put(rlock.clone()).unwrap();
+        q.put(rlock.clone()).unwrap();
+        let (a, b): (super::RLock, super::RLock) = (q.get().unwrap(), q.get().unwrap());
+        drop(rlock);
+        a.acquire(Some(Duration::from_secs(5))).unwrap();
+        assert!(b.is_owned_by_current_thread());
+        b.acquire(Some(Duration::from_secs(5))).unwrap();
+        b.release().unwrap();
+        a.release().unwrap();
+        assert!(!a.is_owned_by_current_thread());
+        // And a lock taken through a value since dropped is still this process's.
+        let lock = Lock::new().unwrap();
+        let locks = crate::Queue::new().unwrap();
+        locks.put(lock.clone()).unwrap();
+        let other: Lock = locks.get().unwrap();
+        lock.acquire(None).unwrap();
+        drop(lock);
+        assert!(other.is_owned_by_current_thread());
+        other.release().unwrap();
     }
 
     #[test]

@@ -79,6 +79,21 @@ impl SharedMapping {
         };
     }
 
+    /// Leaves the mapping out of a `fork` child's address space (`MADV_DONTFORK`): for a
+    /// mapping whose only job is to keep this process's mark alive (see `sys::lease`),
+    /// which a child must not keep alive after this process dies.
+    pub(crate) fn exclude_from_fork(&self) -> Result<()> {
+        // SAFETY: the range is exactly this mapping; the advice changes no contents.
+        unsafe {
+            rustix::mm::madvise(
+                self.ptr.as_ptr().cast(),
+                self.len,
+                rustix::mm::Advice::LinuxDontFork,
+            )
+        }
+        .map_err(|e| Error::os("madvise(MADV_DONTFORK) of a mark's mapping", e))
+    }
+
     /// The start of the mapping.
     pub(crate) fn as_ptr(&self) -> *mut u8 {
         self.ptr.as_ptr()

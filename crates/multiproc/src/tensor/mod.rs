@@ -15,7 +15,8 @@
 //!   received message), and every kernel re-checks it once, up front.
 //! - Tensor memory is never exposed as `&[T]`/`&mut [T]` by a safe function unless no
 //!   one else can write it (the `ndarray` feature's `array_view` on the only handle of a
-//!   private tensor, or on a read-only file; the `burn` feature's `into_burn`, which takes
+//!   private tensor — never on a read-only file, which any process that can open it may
+//!   write; the `burn` feature's `into_burn`, which takes
 //!   the only handle of a private tensor): other threads and processes may write it at
 //!   any time.
 //! - A read-only storage (a `safetensors` file's pages) is never written: every

@@ -1,7 +1,7 @@
 //! The custody's protocol under the model checker (loom, preemption bound 2): the same
 //! `rotate` and `find` as the real custody, over shelves whose every operation is one
 //! step — a loom mutex around a queue of packets stands for a socket's queue (each
-//! system call is atomic in the kernel), a loom atomic holding the holder's pid for a
+//! system call is atomic in the kernel), a loom atomic holding the holder's id for a
 //! shelf's lock (whose own protocol, takeover from a dead holder included, is
 //! model-checked in `sync::lock`). A participant stops for good, or dies, at a chosen
 //! step by answering `false` to its `go_on` there; a stopped one keeps its lock, a dead
