@@ -360,21 +360,16 @@ impl Parked {
     /// nothing it waits on has been seen to change, and it stays parked, with `waker`
     /// as the one to wake. A change the reactor has not looked at yet wakes `waker`.
     pub(crate) fn still_waiting(&self, waker: &Waker) -> bool {
-        fn rearm(waker: &Waker, slot: Option<&mut Waker>) -> bool {
-            match slot {
-                Some(w) => {
-                    if !w.will_wake(waker) {
-                        w.clone_from(waker);
-                    }
-                    true
-                }
-                None => false,
-            }
+        /// The waker to drop once the lock is let go (dropping a waker may drop a task,
+        /// whose futures deregister under the same lock), if the slot holds one.
+        fn rearm(waker: &Waker, slot: Option<&mut Waker>) -> Option<Option<Waker>> {
+            let w = slot?;
+            Some((!w.will_wake(waker)).then(|| std::mem::replace(w, waker.clone())))
         }
         if self.done {
             return false;
         }
-        match &self.kind {
+        let old = match &self.kind {
             ParkedKind::Word { shard, key, .. } => rearm(
                 waker,
                 lock(&shard.registrations)
@@ -389,7 +384,8 @@ impl Parked {
                     .get_mut(key)
                     .map(|r| &mut r.waker),
             ),
-        }
+        };
+        old.is_some()
     }
 
     /// Deregisters without passing anything on: the future is running again and
