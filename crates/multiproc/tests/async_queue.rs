@@ -485,12 +485,26 @@ fn event_wait_async_and_process_join_async_across_processes() {
             };
             tokio::time::sleep(Duration::from_millis(50)).await;
             assert!(!acquirer.is_finished());
-            sem.release().unwrap();
+            // Futures dropped unfinished take no permit: one given meanwhile goes to
+            // exactly one of them or the parked acquirer.
+            let mut taken = 0;
+            for i in 0..100 {
+                if i == 50 {
+                    sem.release().unwrap();
+                }
+                let r = tokio::time::timeout(Duration::from_micros(50), sem.acquire_async()).await;
+                taken += usize::from(r.is_ok_and(|r| r.is_ok()));
+            }
+            assert!(taken <= 1, "{taken} permits out of one");
+            if taken == 1 {
+                sem.release().unwrap(); // the acquirer's
+            }
             tokio::time::timeout(WAIT, acquirer)
                 .await
                 .unwrap()
                 .unwrap()
                 .unwrap();
+            assert!(sem.try_permit().unwrap().is_none(), "a permit too many");
         });
         drop(rt);
     });
