@@ -5,7 +5,9 @@
 //! with [`multiproc::safetensors::load`]: the file's pages, mapped read-only and shared.
 //! It starts N worker processes, each receiving the weights *by handle* and serving
 //! requests from a queue of its own; answers come back on one queue to a router that
-//! hands each to the HTTP request waiting for it.
+//! hands each to the HTTP request waiting for it. Nothing blocks a thread: the router
+//! awaits the answers (`Queue::get_async`) and each worker's supervisor its exit
+//! (`Process::join_async`), all on the server's tokio runtime.
 //!
 //! A worker that dies — SIGKILLed by an operator, OOM-killed, crashed — costs exactly
 //! the request it was computing: that request gets `503 Service Unavailable` (saying
@@ -18,9 +20,9 @@
 //! 1 worker, N workers, and N workers with one of them SIGKILLed mid-request.
 //!
 //! ```text
-//! cargo run --release -p multiproc --features safetensors,ndarray --example inference_service
-//! cargo run --release -p multiproc --features safetensors,ndarray --example inference_service -- --workers 4 --seconds 5
-//! cargo run --release -p multiproc --features safetensors,ndarray --example inference_service -- --serve 127.0.0.1:8080
+//! cargo run --release -p multiproc --features safetensors,ndarray,async --example inference_service
+//! cargo run --release -p multiproc --features safetensors,ndarray,async --example inference_service -- --workers 4 --seconds 5
+//! cargo run --release -p multiproc --features safetensors,ndarray,async --example inference_service -- --serve 127.0.0.1:8080
 //! ```
 //!
 //! With `--serve ADDR` it only serves, until Ctrl-C: `POST /predict` with a JSON array
@@ -54,8 +56,8 @@ const ANSWER_TIMEOUT: Duration = Duration::from_secs(10);
 type Weights = BTreeMap<String, Tensor>;
 /// A job for a worker: request id and input; `None` asks the worker to stop.
 type Job = Option<(u64, Vec<f32>)>;
-/// An answer: request id, the worker's pid, the predicted class; `None` stops the router.
-type Answer = Option<(u64, u32, usize)>;
+/// An answer: request id, the worker's pid, the predicted class.
+type Answer = (u64, u32, usize);
 
 /// The names of the model's tensors, in the order [`Mlp`] takes them.
 const NAMES: [&str; 4] = ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"];
@@ -128,7 +130,7 @@ fn worker(
     let model = Mlp::new(&mut shared)?;
     let pid = std::process::id();
     while let Some((id, x)) = jobs.get()? {
-        answers.put(Some((id, pid, model.predict(&x))))?;
+        answers.put((id, pid, model.predict(&x)))?;
     }
     Ok(())
 }
@@ -228,23 +230,29 @@ impl Service {
         Ok(rx)
     }
 
-    /// The router: hands each answer to the request waiting for it.
-    fn route(&self) -> multiproc::Result<()> {
-        while let Some((id, pid, class)) = self.answers.get()? {
+    /// The router: hands each answer to the request waiting for it, until the last
+    /// worker has stopped (the answers queue is then `Disconnected`: no other handle of
+    /// it is left, and nothing can arrive any more).
+    async fn route(&self) -> multiproc::Result<()> {
+        loop {
+            let (id, pid, class) = match self.answers.get_async().await {
+                Ok(answer) => answer,
+                Err(multiproc::Error::Disconnected(_)) => return Ok(()),
+                Err(e) => return Err(e),
+            };
             let mut books = self.books();
             if let Some(w) = books.waiting.remove(&id) {
                 books.slots[w.slot].in_flight.retain(|&i| i != id);
                 let _ = w.reply.send(Reply::Class { class, worker: pid });
             }
         }
-        Ok(())
     }
 
     /// Watches slot `slot`'s worker; when it dies, fails the request it was computing,
     /// starts a replacement and sends it the requests queued behind.
-    fn supervise(&self, slot: usize, mut process: Process) -> multiproc::Result<()> {
+    async fn supervise(&self, slot: usize, mut process: Process) -> multiproc::Result<()> {
         loop {
-            let status = process.join(None)?;
+            let status = process.join_async().await?;
             if self.stopping.load(Ordering::Acquire) {
                 return Ok(());
             }
@@ -309,11 +317,12 @@ async fn workers(State(service): State<Arc<Service>>) -> Json<Vec<u32>> {
     Json(service.books().slots.iter().map(|s| s.pid).collect())
 }
 
-/// A running service: its HTTP address and the threads that route and supervise.
+/// A running service: its HTTP address and the tasks that route and supervise.
 struct Running {
     service: Arc<Service>,
     addr: std::net::SocketAddr,
-    threads: Vec<std::thread::JoinHandle<multiproc::Result<()>>>,
+    supervisors: Vec<tokio::task::JoinHandle<multiproc::Result<()>>>,
+    router: tokio::task::JoinHandle<multiproc::Result<()>>,
     server: tokio::task::JoinHandle<()>,
     shutdown: oneshot::Sender<()>,
 }
@@ -325,7 +334,7 @@ async fn start(weights: &Weights, n: usize, addr: &str) -> multiproc::Result<Run
         answers: Queue::new()?,
         stopping: AtomicBool::new(false),
     });
-    let mut threads = Vec::new();
+    let mut supervisors = Vec::new();
     for slot in 0..n {
         let (process, jobs) = service.start_worker()?;
         service.books().slots.push(Slot {
@@ -334,10 +343,12 @@ async fn start(weights: &Weights, n: usize, addr: &str) -> multiproc::Result<Run
             in_flight: VecDeque::new(),
         });
         let s = Arc::clone(&service);
-        threads.push(std::thread::spawn(move || s.supervise(slot, process)));
+        supervisors.push(tokio::spawn(
+            async move { s.supervise(slot, process).await },
+        ));
     }
     let s = Arc::clone(&service);
-    threads.push(std::thread::spawn(move || s.route()));
+    let router = tokio::spawn(async move { s.route().await });
     let app = axum::Router::new()
         .route("/predict", post(predict))
         .route("/workers", get(workers))
@@ -359,7 +370,8 @@ async fn start(weights: &Weights, n: usize, addr: &str) -> multiproc::Result<Run
     Ok(Running {
         service,
         addr,
-        threads,
+        supervisors,
+        router,
         server,
         shutdown,
     })
@@ -375,23 +387,15 @@ impl Running {
         for slot in &self.service.books().slots {
             slot.jobs.put(None).map_err(multiproc::Error::from)?;
         }
-        let (routers, supervisors): (Vec<_>, Vec<_>) = {
-            let mut threads = self.threads;
-            let router = threads.pop().into_iter().collect::<Vec<_>>();
-            (router, threads)
+        let gone = |what: &'static str| {
+            move |e: tokio::task::JoinError| {
+                multiproc::Error::Tensor(format!("the {what} task failed: {e}"))
+            }
         };
-        for t in supervisors {
-            t.join()
-                .map_err(|_| multiproc::Error::Tensor("a supervisor panicked".into()))??;
+        for t in self.supervisors {
+            t.await.map_err(gone("supervisor"))??;
         }
-        self.service
-            .answers
-            .put(None)
-            .map_err(multiproc::Error::from)?;
-        for t in routers {
-            t.join()
-                .map_err(|_| multiproc::Error::Tensor("the router panicked".into()))??;
-        }
+        self.router.await.map_err(gone("router"))??;
         let replaced = self.service.books().replaced;
         Ok(replaced)
     }
