@@ -6,12 +6,13 @@ use std::time::Duration;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use super::state::{ChunkOutcome, dispatcher_gone};
+use super::outcomes::{ChunkOutcome, OutcomeReceiver};
+use super::state::dispatcher_gone;
 use crate::error::{Error, Result};
 
 /// The result of [`Pool::apply_async`](super::Pool::apply_async).
 pub struct AsyncResult<R> {
-    pub(super) rx: mpsc::Receiver<ChunkOutcome>,
+    pub(super) rx: OutcomeReceiver,
     pub(super) value: Option<Result<R>>,
     pub(super) _r: std::marker::PhantomData<R>,
 }
@@ -46,6 +47,29 @@ impl<R: Serialize + DeserializeOwned> AsyncResult<R> {
                 Err(mpsc::RecvTimeoutError::Disconnected) => return Err(dispatcher_gone()),
             },
         };
+        first_result(outcome)
+    }
+
+    /// Waits for the result, as [`get(None)`](Self::get) does, without blocking a
+    /// thread (feature `async`; any executor). The dispatcher's hand-over of the
+    /// outcome wakes the task: no thread per wait, no timer.
+    ///
+    /// Cancel-safe: a future dropped before it completes has taken nothing, so a later
+    /// [`get`](Self::get) or `get_async` still returns the result.
+    ///
+    /// # Errors
+    /// As [`get`](Self::get) (there is no timeout here: wrap the future in your
+    /// runtime's timeout).
+    #[cfg(feature = "async")]
+    pub async fn get_async(&mut self) -> Result<R> {
+        if let Some(v) = self.value.take() {
+            return v;
+        }
+        // `poll_recv` takes an outcome only in the poll that returns it, and nothing is
+        // awaited after that: the outcome is never left in a dropped future.
+        let outcome = std::future::poll_fn(|cx| self.rx.poll_recv(cx))
+            .await
+            .map_err(|_| dispatcher_gone())?;
         first_result(outcome)
     }
 }

@@ -304,7 +304,7 @@ impl Dispatcher {
 
     pub(super) fn route(&self, job: u64, first: usize, results: Vec<Result<Opaque>>) {
         if let Some(tx) = self.lock().jobs.get(&job) {
-            let _ = tx.send((first, results));
+            tx.send((first, results));
         }
     }
 

@@ -14,8 +14,9 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use super::handle::Pool;
+use super::outcomes::{ChunkOutcome, OutcomeReceiver};
 use super::protocol::{ChunkInput, Report};
-use super::state::{ChunkOutcome, dispatcher_gone, with_index};
+use super::state::{dispatcher_gone, with_index};
 use super::worker::run_task;
 use crate::error::{Error, Result};
 use crate::process::code::CodeCall;
@@ -137,7 +138,7 @@ where
 
 /// The results of [`Pool::map_async`], in the order of the items.
 pub struct MapResult<R> {
-    rx: mpsc::Receiver<ChunkOutcome>,
+    rx: OutcomeReceiver,
     results: Vec<Option<Result<Opaque>>>,
     total: usize,
     /// Whether [`get`](Self::get) has handed the results out.
@@ -175,11 +176,7 @@ impl<R: DeserializeOwned> MapResult<R> {
     /// waiting; what arrived is kept); [`Error::InvalidArgument`] when an earlier call
     /// already returned the results.
     pub fn get(&mut self, timeout: Option<Duration>) -> Result<Vec<R>> {
-        if self.taken {
-            return Err(Error::InvalidArgument(
-                "the results of this map_async were already taken by an earlier get".into(),
-            ));
-        }
+        self.not_taken()?;
         let deadline = timeout.map(|t| Instant::now() + t);
         while self.arrived < self.results.len() {
             let outcome = match deadline {
@@ -204,6 +201,43 @@ impl<R: DeserializeOwned> MapResult<R> {
             };
             self.take_in(outcome);
         }
+        self.take_all()
+    }
+
+    /// Waits for every result, as [`get(None)`](Self::get) does, without blocking a
+    /// thread (feature `async`; any executor), and returns them in order.
+    ///
+    /// Cancel-safe: what arrived before the future was dropped is kept in the
+    /// `MapResult`, so a later [`get`](Self::get) or `get_async` returns every result.
+    ///
+    /// # Errors
+    /// As [`get`](Self::get) (there is no timeout here: wrap the future in your
+    /// runtime's timeout).
+    #[cfg(feature = "async")]
+    pub async fn get_async(&mut self) -> Result<Vec<R>> {
+        self.not_taken()?;
+        while self.arrived < self.results.len() {
+            // The outcome goes into `self` in the same poll that received it (nothing
+            // is awaited in between), so a dropped future holds none.
+            let outcome = std::future::poll_fn(|cx| self.rx.poll_recv(cx))
+                .await
+                .map_err(|_| dispatcher_gone())?;
+            self.take_in(outcome);
+        }
+        self.take_all()
+    }
+
+    fn not_taken(&self) -> Result<()> {
+        if self.taken {
+            return Err(Error::InvalidArgument(
+                "the results of this map_async were already taken by an earlier get".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Hands out every result, decoded, in order (all have arrived).
+    fn take_all(&mut self) -> Result<Vec<R>> {
         self.taken = true;
         std::mem::take(&mut self.results)
             .into_iter()

@@ -3,7 +3,6 @@
 
 use std::fmt::{self, Display};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -15,8 +14,9 @@ use super::async_result::AsyncResult;
 use super::builder::PoolBuilder;
 use super::dispatcher::Dispatcher;
 use super::dispatcher::Worker;
+use super::outcomes::{self, OutcomeReceiver};
 use super::protocol::ChunkCall;
-use super::state::{ChunkOutcome, Pending, Shared, State, dispatcher_gone, with_index};
+use super::state::{Pending, Shared, State, dispatcher_gone, with_index};
 use super::worker::run_chunk;
 use crate::error::{Error, Result};
 use crate::process::StartMethod;
@@ -111,9 +111,9 @@ impl Pool {
     }
 
     /// Registers a new job; its chunk outcomes arrive on the receiver.
-    pub(super) fn new_job(&self) -> Result<(u64, mpsc::Receiver<ChunkOutcome>)> {
+    pub(super) fn new_job(&self) -> Result<(u64, OutcomeReceiver)> {
         let job = self.shared.next_job.fetch_add(1, Ordering::Relaxed);
-        let (tx, rx) = mpsc::channel();
+        let (tx, rx) = outcomes::channel();
         let mut state = self.lock();
         if state.closed || state.terminate {
             return Err(Error::Closed(
@@ -233,7 +233,7 @@ impl Pool {
 
     pub(super) fn collect_all<R: DeserializeOwned>(
         &self,
-        rx: &mpsc::Receiver<ChunkOutcome>,
+        rx: &OutcomeReceiver,
         n: usize,
     ) -> Result<Vec<R>> {
         let mut out: Vec<Option<Result<R>>> = (0..n).map(|_| None).collect();

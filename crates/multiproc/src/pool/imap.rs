@@ -4,13 +4,13 @@
 use std::collections::BTreeMap;
 use std::fmt::{self, Display};
 use std::marker::PhantomData;
-use std::sync::mpsc;
 
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use super::handle::Pool;
-use super::state::{ChunkOutcome, dispatcher_gone, with_index};
+use super::outcomes::{ChunkOutcome, OutcomeReceiver};
+use super::state::{dispatcher_gone, with_index};
 use crate::error::{Error, Result};
 use crate::wire::Opaque;
 
@@ -28,7 +28,7 @@ pub struct Imap<'p, R> {
     pool: &'p Pool,
     submit: Submit<'p>,
     ordered: bool,
-    job: Option<(u64, mpsc::Receiver<ChunkOutcome>)>,
+    job: Option<(u64, OutcomeReceiver)>,
     submitted: usize,
     yielded: usize,
     /// Results that arrived, by index, not yet yielded.
@@ -99,37 +99,92 @@ impl<R: DeserializeOwned> Iterator for Imap<'_, R> {
             return Some(Err(e));
         }
         loop {
-            if self.yielded == self.submitted {
-                return None;
-            }
-            let pick = if self.ordered {
-                self.ready
-                    .contains_key(&self.yielded)
-                    .then_some(self.yielded)
-            } else {
-                self.ready.keys().next().copied()
-            };
-            if let Some(index) = pick {
-                let r = self
-                    .ready
-                    .remove(&index)
-                    .unwrap_or_else(|| Err(dispatcher_gone()));
-                self.yielded += 1;
-                return Some(
-                    r.and_then(|o| o.decode::<R>(&crate::shm::Returns::plain()))
-                        .map_err(|e| with_index(e, index)),
-                );
+            if let Some(item) = self.take_next() {
+                return item;
             }
             let rx = &self.job.as_ref()?.1;
             match rx.recv() {
-                Ok((first, results)) => {
-                    for (k, r) in results.into_iter().enumerate() {
-                        self.ready.insert(first + k, r);
-                    }
-                }
+                Ok(outcome) => self.take_in(outcome),
                 Err(_) => return Some(Err(dispatcher_gone())),
             }
         }
+    }
+}
+
+impl<R: DeserializeOwned> Imap<'_, R> {
+    /// The next result, as [`Iterator::next`] gives it, without blocking a thread while
+    /// it is on its way (feature `async`; any executor): `while let Some(r) =
+    /// imap.next_async().await`. The dispatcher's hand-over wakes the task: no thread
+    /// per wait, no timer.
+    ///
+    /// Cancel-safe: a future dropped before it completes has taken nothing; what
+    /// arrived meanwhile is kept in the `Imap` for the next call. (Like the `Imap`
+    /// itself, the future is not `Send`: await it on the thread that made the `Imap`,
+    /// e.g. in a current-thread runtime or a `LocalSet`.)
+    ///
+    /// # Errors
+    /// Per item, as [`Pool::imap`].
+    #[cfg(feature = "async")]
+    pub async fn next_async(&mut self) -> Option<Result<R>> {
+        if let Some(e) = self.failed.take() {
+            return Some(Err(e));
+        }
+        let job = self.job.as_ref()?.0;
+        if let Err(e) = self.top_up(job) {
+            return Some(Err(e));
+        }
+        loop {
+            if let Some(item) = self.take_next() {
+                return item;
+            }
+            // The outcome goes into `self` in the poll that received it (nothing is
+            // awaited in between), so a dropped future holds none.
+            let got = std::future::poll_fn(|cx| match &self.job {
+                Some((_, rx)) => rx.poll_recv(cx),
+                None => std::task::Poll::Ready(Err(std::sync::mpsc::RecvError)),
+            })
+            .await;
+            match got {
+                Ok(outcome) => self.take_in(outcome),
+                Err(_) => return Some(Err(dispatcher_gone())),
+            }
+        }
+    }
+
+    /// Files a chunk's results by task index.
+    fn take_in(&mut self, (first, results): ChunkOutcome) {
+        for (k, r) in results.into_iter().enumerate() {
+            self.ready.insert(first + k, r);
+        }
+    }
+
+    /// What `next` returns when it need not wait: `Some(None)` when every submitted
+    /// task was yielded (the items are exhausted, `top_up` having run), `Some(item)`
+    /// when the next result (in order, or any when unordered) has arrived; `None` when
+    /// it has to wait for an outcome.
+    fn take_next(&mut self) -> Option<Option<Result<R>>> {
+        if self.yielded == self.submitted {
+            return Some(None);
+        }
+        let pick = if self.ordered {
+            self.ready
+                .contains_key(&self.yielded)
+                .then_some(self.yielded)
+        } else {
+            self.ready.keys().next().copied()
+        };
+        if let Some(index) = pick {
+            let r = self
+                .ready
+                .remove(&index)
+                .unwrap_or_else(|| Err(dispatcher_gone()));
+            self.yielded += 1;
+            return Some(Some(
+                r.and_then(|o| o.decode::<R>(&crate::shm::Returns::plain()))
+                    .map_err(|e| with_index(e, index)),
+            ));
+        }
+        None
     }
 }
 

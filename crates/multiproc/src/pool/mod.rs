@@ -41,6 +41,7 @@ mod forms;
 mod handle;
 mod imap;
 mod init_call;
+mod outcomes;
 mod protocol;
 mod state;
 mod worker;

@@ -4,12 +4,12 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::AtomicU64;
-use std::sync::mpsc;
 use std::sync::{Condvar, Mutex};
 use std::time::Duration;
 
+use super::outcomes::OutcomeSender;
 use super::protocol::ChunkCall;
-use crate::error::{Error, Result};
+use crate::error::Error;
 use crate::queue::Connection;
 use crate::wire::Opaque;
 
@@ -25,13 +25,10 @@ pub(super) struct Pending {
     pub(super) args: Opaque,
 }
 
-/// A chunk's outcome on its way to the caller: `(first index, per-task results)`.
-pub(super) type ChunkOutcome = (usize, Vec<Result<Opaque>>);
-
 #[derive(Default)]
 pub(super) struct State {
     pub(super) queue: VecDeque<Pending>,
-    pub(super) jobs: HashMap<u64, mpsc::Sender<ChunkOutcome>>,
+    pub(super) jobs: HashMap<u64, OutcomeSender>,
     pub(super) closed: bool,
     pub(super) terminate: bool,
     /// Set by the dispatcher when it has stopped every worker and exited.
