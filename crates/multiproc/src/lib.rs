@@ -324,6 +324,14 @@
 //! dropped at any point loses nothing and leaks nothing. Kernels before 5.16 (no
 //! `futex_waitv`) fall back to looking every 10 ms.
 //!
+//! A [`Pool`]'s results are awaitable too: `AsyncResult::get_async` (of
+//! [`Pool::apply_async`]), `MapResult::get_async` (of [`Pool::map_async`]) and
+//! `Imap::next_async` (of [`Pool::imap`] / [`Pool::imap_unordered`]: `while let
+//! Some(r) = it.next_async().await`). Those need no reactor: the pool's dispatcher
+//! thread wakes the awaiting task itself when it hands a result over. They are
+//! cancel-safe in the same way: a dropped future took nothing, and a later `get` or
+//! `get_async` returns the result; errors are those of the blocking `get`.
+//!
 //! ```
 //! # #[cfg(feature = "async")]
 //! # fn main() -> multiproc::Result<()> {
