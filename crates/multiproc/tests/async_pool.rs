@@ -129,8 +129,8 @@ fn a_dropped_future_loses_no_result() {
             let mut two = pool.apply_async(slow_square, (5, 200)).unwrap();
             let early = tokio::time::timeout(Duration::from_millis(20), two.get_async()).await;
             assert!(early.is_err());
+            // (Most likely arrived by then; `ready` is not asked, as it would take it.)
             tokio::time::sleep(Duration::from_millis(400)).await;
-            assert!(two.ready());
             let got = tokio::time::timeout(WAIT, two.get_async()).await.unwrap();
             assert_eq!(got.unwrap(), 25);
 

@@ -199,3 +199,78 @@ impl OutcomeReceiver {
         Poll::Pending
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn outcome(first: usize) -> ChunkOutcome {
+        (first, Vec::new())
+    }
+
+    #[test]
+    fn in_order_then_disconnected_only_when_drained() {
+        let (tx, rx) = channel();
+        tx.send(outcome(1));
+        tx.send(outcome(2));
+        drop(tx);
+        assert_eq!(rx.try_recv().map(|o| o.0), Ok(1));
+        assert_eq!(rx.recv().map(|o| o.0), Ok(2));
+        assert_eq!(rx.try_recv().map(|o| o.0), Err(TryRecvError::Disconnected));
+        assert_eq!(rx.recv().map(|o| o.0), Err(RecvError));
+        assert_eq!(
+            rx.recv_timeout(Duration::from_secs(5)).map(|o| o.0),
+            Err(RecvTimeoutError::Disconnected)
+        );
+    }
+
+    #[test]
+    fn blocking_waits_time_out_and_wake_on_send_and_on_drop() {
+        let (tx, rx) = channel();
+        assert_eq!(rx.try_recv().map(|o| o.0), Err(TryRecvError::Empty));
+        assert_eq!(
+            rx.recv_timeout(Duration::from_millis(20)).map(|o| o.0),
+            Err(RecvTimeoutError::Timeout)
+        );
+        let sender = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(20));
+            tx.send(outcome(7));
+            std::thread::sleep(Duration::from_millis(20));
+            drop(tx);
+        });
+        assert_eq!(rx.recv_timeout(Duration::from_secs(30)).map(|o| o.0), Ok(7));
+        assert_eq!(
+            rx.recv_timeout(Duration::from_secs(30)).map(|o| o.0),
+            Err(RecvTimeoutError::Disconnected)
+        );
+        sender.join().unwrap();
+    }
+
+    #[cfg(feature = "async")]
+    #[test]
+    fn poll_recv_registers_and_is_woken_by_send_and_by_drop() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        use std::task::Wake;
+
+        struct Count(AtomicUsize);
+        impl Wake for Count {
+            fn wake(self: Arc<Self>) {
+                self.0.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+        let count = Arc::new(Count(AtomicUsize::new(0)));
+        let waker = Waker::from(Arc::clone(&count));
+        let mut cx = Context::from_waker(&waker);
+        let (tx, rx) = channel();
+        assert!(rx.poll_recv(&mut cx).is_pending());
+        // Polled again before anything came: one registration, woken once.
+        assert!(rx.poll_recv(&mut cx).is_pending());
+        tx.send(outcome(3));
+        assert_eq!(count.0.load(Ordering::SeqCst), 1);
+        assert!(matches!(rx.poll_recv(&mut cx), Poll::Ready(Ok((3, _)))));
+        assert!(rx.poll_recv(&mut cx).is_pending());
+        drop(tx);
+        assert_eq!(count.0.load(Ordering::SeqCst), 2);
+        assert!(matches!(rx.poll_recv(&mut cx), Poll::Ready(Err(RecvError))));
+    }
+}
