@@ -18,7 +18,9 @@
 //!
 //! The files, lowest first (each uses only files above it): [`init_call`] (an
 //! initializer with an argument, as it travels), [`protocol`] (what travels between
-//! the dispatcher and a worker), [`state`] (what `Pool` and the dispatcher share),
+//! the dispatcher and a worker), [`outcomes`] (the channel that carries a job's
+//! outcomes from the dispatcher to its result handle, awaitable under feature
+//! `async`), [`state`] (what `Pool` and the dispatcher share),
 //! [`worker`] (the worker process's body), [`builder`] ([`PoolBuilder`]),
 //! [`dispatcher`] (the parent's thread that owns the workers), [`async_result`]
 //! ([`AsyncResult`]), [`handle`] ([`Pool`], and [`PoolBuilder::build`]), [`imap`]
