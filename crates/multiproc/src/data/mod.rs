@@ -167,6 +167,8 @@ pub use builder::DataLoaderBuilder;
 pub use collate::{Collate, DefaultCollate, Stack};
 pub use dataset::{Dataset, IterableDataset, WorkerInfo, worker_info};
 pub use epoch::Epoch;
+#[cfg(feature = "async")]
+pub use epoch::EpochStream;
 pub use from_fn::FromFn;
 #[cfg(feature = "image")]
 pub use image_folder::ImageFolder;
