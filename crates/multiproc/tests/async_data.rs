@@ -7,7 +7,9 @@
 //! - the loader's timeout fires on a stream parked on a hung worker;
 //! - dropping a stream mid-epoch stops the workers, and the next epoch (streamed)
 //!   is whole;
-//! - several loaders' streams polled concurrently on one task all complete.
+//! - several loaders' streams polled concurrently on one task all complete;
+//! - an `IterableDataLoader`'s stream yields what its iterator yields, and a stream's
+//!   failing record reaches it naming the worker.
 //!
 //! Every test runs under `common::run` (a deadline, and /dev/shm, fd and child counts
 //! unchanged at its end), and every await under a timeout.
@@ -359,5 +361,99 @@ fn several_loaders_streamed_on_one_task_all_complete() {
                 .concat();
             assert_eq!(got, (0..(12 + 4 * k as i64)).collect::<Vec<_>>());
         }
+    });
+}
+
+/// A stream of `0..n`; worker k of m yields k, k + m, …; `fail_at` yields an `Err`.
+#[derive(Clone, Serialize, Deserialize)]
+struct Records {
+    n: usize,
+    fail_at: Option<usize>,
+}
+
+impl multiproc::data::IterableDataset for Records {
+    type Item = i64;
+    type Iter = Box<dyn Iterator<Item = multiproc::Result<i64>>>;
+
+    fn iter(&self, _epoch: u64) -> Self::Iter {
+        let (k, m) = multiproc::data::worker_info().map_or((0, 1), |w| (w.id, w.num_workers));
+        let fail_at = self.fail_at;
+        Box::new((k..self.n).step_by(m).map(move |i| {
+            if Some(i) == fail_at {
+                Err(Error::InvalidArgument(format!("record {i} is truncated")))
+            } else {
+                Ok(i as i64)
+            }
+        }))
+    }
+}
+
+fn iterable_loader(
+    records: Records,
+) -> multiproc::data::IterableDataLoader<Records, multiproc::data::DefaultCollate> {
+    multiproc::data::DataLoaderBuilder::new(records)
+        .batch_size(2)
+        .num_workers(2)
+        .build_iterable()
+        .unwrap()
+}
+
+#[test]
+fn an_iterable_loader_streams_what_it_iterates() {
+    warm_up();
+    common::run(secs(90), || {
+        let records = Records {
+            n: 11,
+            fail_at: None,
+        };
+        let mut loader = iterable_loader(records.clone());
+        let iterated: Vec<Vec<i64>> = loader
+            .iter()
+            .map(|b| b.unwrap().to_vec::<i64>().unwrap())
+            .collect();
+        let mut loader = iterable_loader(records);
+        let streamed = runtime().block_on(async {
+            let mut stream = loader.stream();
+            let mut out = Vec::new();
+            while let Some(b) =
+                tokio::time::timeout(WAIT, poll_fn(|cx| Pin::new(&mut stream).poll_next(cx)))
+                    .await
+                    .expect("a batch within the deadline")
+            {
+                out.push(b.unwrap().to_vec::<i64>().unwrap());
+            }
+            out
+        });
+        assert_eq!(streamed, iterated);
+        // Worker 0 streams 0, 2, 4, … and worker 1 streams 1, 3, 5, …: torch's order.
+        assert_eq!(streamed[..2], [vec![0, 2], vec![1, 3]]);
+        assert_eq!(streamed.concat().len(), 11);
+
+        let mut failing = iterable_loader(Records {
+            n: 11,
+            fail_at: Some(5),
+        });
+        let results = runtime().block_on(async {
+            let mut stream = failing.stream();
+            let mut out = Vec::new();
+            while let Some(b) =
+                tokio::time::timeout(WAIT, poll_fn(|cx| Pin::new(&mut stream).poll_next(cx)))
+                    .await
+                    .expect("a batch within the deadline")
+            {
+                out.push(b.map(|t| t.to_vec::<i64>().unwrap()));
+            }
+            out
+        });
+        let last = results.last().expect("some items");
+        match last {
+            Err(Error::LoaderFailed {
+                worker: Some(1),
+                message,
+                ..
+            }) => assert!(message.contains("record 5 is truncated"), "{message}"),
+            other => panic!("expected worker 1's failure, got {other:?}"),
+        }
+        assert!(failing.worker_pids().is_empty());
     });
 }

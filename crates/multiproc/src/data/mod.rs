@@ -184,6 +184,8 @@ pub use epoch::EpochStream;
 pub use from_fn::FromFn;
 #[cfg(feature = "image")]
 pub use image_folder::ImageFolder;
+#[cfg(feature = "async")]
+pub use iterable_loader::IterableEpochStream;
 pub use iterable_loader::{IterableDataLoader, IterableEpoch};
 pub use loader::DataLoader;
 pub use sampler::{
