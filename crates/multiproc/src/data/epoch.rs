@@ -431,7 +431,7 @@ where
 
     /// A batch `next_inner` produced, through a pinning stage (`pin_memory` without
     /// copies ahead): a failure to pin ends the epoch like a worker's.
-    pub(super) fn pinned(
+    fn pinned(
         &mut self,
         stage: &DeviceStage<C::Batch>,
         next: Option<Result<C::Batch>>,
@@ -462,10 +462,7 @@ where
     /// accounting), waiting for the workers through `wait`. `Pending` only when `wait`
     /// is: nothing is lost then, and the next call goes on where this one stopped
     /// (sending is bounded by what is in flight, arrivals are kept in `ready`).
-    pub(super) fn next_inner(
-        &mut self,
-        wait: &mut WaitFn<'_, C::Batch>,
-    ) -> Poll<Option<Result<C::Batch>>> {
+    fn next_inner(&mut self, wait: &mut WaitFn<'_, C::Batch>) -> Poll<Option<Result<C::Batch>>> {
         if self.finished || self.yielded == self.todo.len() {
             self.finished = true;
             return Poll::Ready(None);
