@@ -332,6 +332,13 @@
 //! cancel-safe in the same way: a dropped future took nothing, and a later `get` or
 //! `get_async` returns the result; errors are those of the blocking `get`.
 //!
+//! A [`DataLoader`](data::DataLoader)'s epoch is also a `futures_core::Stream` of
+//! batches: `DataLoader::stream` yields what [`iter`](data::DataLoader::iter) does
+//! (same order, failures naming the worker, timeout), parking on the workers' results
+//! queue instead of blocking a thread; see `data::EpochStream` for what it notices
+//! later than the iterator (a worker killed without a reply, the timeout: within the
+//! parked get's one-second look) and what it refuses (`prefetch_to`).
+//!
 //! ```
 //! # #[cfg(feature = "async")]
 //! # fn main() -> multiproc::Result<()> {

@@ -15,6 +15,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::Instant;
 
 use serde::Serialize;
@@ -67,9 +68,19 @@ where
     stage: Option<Arc<DeviceStage<C::Batch>>>,
     staged: Staged<C::Batch>,
     last_pulled: Option<usize>,
+    /// When the wait for the next arrival times out: kept across the polls of a
+    /// stream that found nothing (so a re-poll does not push the timeout back), and
+    /// cleared by each arrival, as the iterator's wait restarts its timeout then.
+    deadline: Option<Option<Instant>>,
     #[cfg(feature = "progress")]
     bar: Option<super::progress::Bar>,
 }
+
+/// How [`Epoch::next_inner`] waits for the workers: blocking (the iterator, always
+/// `Ready`) or polled (the stream, `Pending` while parked). Everything else about an
+/// epoch is the one code path both share.
+pub(super) type WaitFn<'w, B> =
+    dyn FnMut(&mut WorkerSet<B>, u64, Option<Instant>) -> Poll<Result<Option<Arrival<B>>>> + 'w;
 
 impl<'a, D, C> Epoch<'a, D, C>
 where
@@ -102,6 +113,7 @@ where
             stage,
             staged: Staged::new(),
             last_pulled: None,
+            deadline: None,
             #[cfg(feature = "progress")]
             bar,
         }
@@ -369,7 +381,7 @@ where
     fn next(&mut self) -> Option<Result<C::Batch>> {
         let start = Instant::now();
         let next = match self.stage.clone() {
-            None => self.next_inner(),
+            None => self.next_blocking(),
             Some(stage) => self.next_staged(&stage),
         };
         self.loader.stats.waiting += start.elapsed();
@@ -396,17 +408,12 @@ where
     /// ends the epoch like a worker's.
     fn next_staged(&mut self, stage: &DeviceStage<C::Batch>) -> Option<Result<C::Batch>> {
         if stage.ahead() == 0 {
-            return match self.next_inner()? {
-                Ok(mut batch) => match stage.pin(&mut batch) {
-                    Ok(()) => Some(Ok(batch)),
-                    Err(e) => self.fail(e),
-                },
-                Err(e) => Some(Err(e)),
-            };
+            let next = self.next_blocking();
+            return self.pinned(stage, next);
         }
         let mut staged = std::mem::take(&mut self.staged);
         let next = stage.next(&mut staged, || {
-            let batch = self.next_inner()?;
+            let batch = self.next_blocking()?;
             Some((self.last_pulled.take(), batch))
         });
         self.staged = staged;
@@ -422,33 +429,65 @@ where
         }
     }
 
-    /// The next batch (the iterator's `next`, less its accounting).
-    fn next_inner(&mut self) -> Option<Result<C::Batch>> {
+    /// A batch `next_inner` produced, through a pinning stage (`pin_memory` without
+    /// copies ahead): a failure to pin ends the epoch like a worker's.
+    fn pinned(
+        &mut self,
+        stage: &DeviceStage<C::Batch>,
+        next: Option<Result<C::Batch>>,
+    ) -> Option<Result<C::Batch>> {
+        match next? {
+            Ok(mut batch) => match stage.pin(&mut batch) {
+                Ok(()) => Some(Ok(batch)),
+                Err(e) => self.fail(e),
+            },
+            Err(e) => Some(Err(e)),
+        }
+    }
+
+    /// `next_inner` waiting on the workers' replies in this thread.
+    fn next_blocking(&mut self) -> Option<Result<C::Batch>> {
+        let mut wait =
+            |set: &mut WorkerSet<C::Batch>, run, deadline| Poll::Ready(set.wait(run, deadline));
+        match self.next_inner(&mut wait) {
+            Poll::Ready(next) => next,
+            // The blocking wait is always ready.
+            Poll::Pending => self.fail(Error::Closed(
+                "data loader: a blocking wait came back empty (this is a multiproc bug)".into(),
+            )),
+        }
+    }
+
+    /// The next batch (the iterator's `next` and the stream's `poll_next`, less their
+    /// accounting), waiting for the workers through `wait`. `Pending` only when `wait`
+    /// is: nothing is lost then, and the next call goes on where this one stopped
+    /// (sending is bounded by what is in flight, arrivals are kept in `ready`).
+    fn next_inner(&mut self, wait: &mut WaitFn<'_, C::Batch>) -> Poll<Option<Result<C::Batch>>> {
         if self.finished || self.yielded == self.todo.len() {
             self.finished = true;
-            return None;
+            return Poll::Ready(None);
         }
         if self.loader.options.num_workers == 0 {
-            return self.next_in_process();
+            return Poll::Ready(self.next_in_process());
         }
         loop {
             if let Err(e) = self.fill() {
-                return self.fail(e);
+                return Poll::Ready(self.fail(e));
             }
             if self.loader.options.in_order {
                 let next = self.todo[self.next_yield];
                 if let Some(data) = self.ready.remove(&next) {
                     self.next_yield += 1;
-                    return self.yield_batch(next, data);
+                    return Poll::Ready(self.yield_batch(next, data));
                 }
                 if let Some((_, e)) = self.failed.take_if(|(b, _)| *b == next) {
-                    return self.fail(e);
+                    return Poll::Ready(self.fail(e));
                 }
             }
             let Some(set) = self.loader.workers.as_mut() else {
-                return self.fail(Error::Closed(
+                return Poll::Ready(self.fail(Error::Closed(
                     "data loader: the workers are gone (this is a multiproc bug)".into(),
-                ));
+                )));
             };
             // While workers are still to start, only look at what has arrived, and go
             // on starting them.
@@ -457,20 +496,29 @@ where
             let deadline = if starting {
                 Some(Instant::now())
             } else {
-                self.loader.options.timeout.map(|t| Instant::now() + t)
+                let timeout = self.loader.options.timeout;
+                *self
+                    .deadline
+                    .get_or_insert_with(|| timeout.map(|t| Instant::now() + t))
             };
-            let arrival = set.wait(self.run, deadline);
+            let arrival = match wait(set, self.run, deadline) {
+                Poll::Ready(arrival) => arrival,
+                Poll::Pending => return Poll::Pending,
+            };
+            if !starting {
+                self.deadline = None;
+            }
             match arrival {
-                Err(e) => return self.fail(e),
+                Err(e) => return Poll::Ready(self.fail(e)),
                 Ok(None) if starting => {}
                 Ok(None) => {
                     let e = self.timeout_error();
-                    return self.fail(e);
+                    return Poll::Ready(self.fail(e));
                 }
                 Ok(Some(Arrival::Exhausted { .. })) => {
-                    return self.fail(Error::InvalidMessage(
+                    return Poll::Ready(self.fail(Error::InvalidMessage(
                         "data loader: a map-style worker reported an exhausted iterator".into(),
-                    ));
+                    )));
                 }
                 Ok(Some(Arrival::Loaded {
                     batch,
@@ -482,7 +530,7 @@ where
                     if self.loader.options.in_order {
                         self.ready.insert(batch, data);
                     } else {
-                        return self.yield_batch(batch, data);
+                        return Poll::Ready(self.yield_batch(batch, data));
                     }
                 }
                 Ok(Some(Arrival::Failed {
@@ -494,7 +542,7 @@ where
                     let batch = sent.task.batch;
                     if let Some(e) = self.on_failure(worker, pid, sent, what) {
                         if !self.loader.options.in_order {
-                            return self.fail(e);
+                            return Poll::Ready(self.fail(e));
                         }
                         // Yield the batches before it first, as torch does.
                         if self.failed.as_ref().is_none_or(|(b, _)| batch < *b) {
@@ -592,5 +640,174 @@ where
 
     fn into_iter(self) -> Epoch<'a, D, C> {
         self.iter()
+    }
+}
+
+#[cfg(feature = "async")]
+pub use stream::EpochStream;
+
+/// The epoch as a `futures_core::Stream` (feature `async`).
+#[cfg(feature = "async")]
+mod stream {
+    use std::pin::Pin;
+    use std::task::{Context, Poll};
+    use std::time::Instant;
+
+    use serde::Serialize;
+    use serde::de::DeserializeOwned;
+
+    use super::{DataLoader, Epoch};
+    use crate::data::collate::Collate;
+    use crate::data::dataset::Dataset;
+    use crate::data::worker_set::WorkerSet;
+    use crate::error::{Error, Result};
+    use crate::sys::reactor::Parked;
+
+    /// One epoch of a [`DataLoader`] as a [`futures_core::Stream`] of
+    /// `Result<Batch>` (feature `async`), made by [`DataLoader::stream`] or
+    /// [`Epoch::into_stream`]: the same batches, in the same order, with the same
+    /// failures and timeout as the [`Epoch`] iterator, but where `next` blocks the
+    /// thread on the workers' replies, `poll_next` parks on the results queue with the
+    /// async reactor and returns `Pending`.
+    ///
+    /// - Worker deaths that send no reply, and the loader's
+    ///   [`timeout`](crate::data::DataLoaderBuilder::timeout), are noticed at the
+    ///   parked get's re-check, once a second: up to a second later than the iterator
+    ///   does (it looks every 10 ms). A worker's `Err` or panic arrives as a reply and
+    ///   wakes the stream at once.
+    /// - With `num_workers(0)` batches are loaded in `poll_next` itself, on the
+    ///   executor's thread, as the iterator loads them in `next`.
+    /// - `pin_memory` is applied as by the iterator; `prefetch_to` (copies ahead on a
+    ///   device stream) is not supported: the stream's first item is an
+    ///   [`Error::InvalidArgument`] saying so, and the epoch ends.
+    /// - Cancel-safe: dropping the stream (mid-epoch, or while a poll is pending) is
+    ///   dropping the `Epoch`: its workers stop unless persistent, and a later epoch
+    ///   starts afresh. A batch that arrived and was not yet yielded is dropped with it.
+    pub struct EpochStream<'a, D, C>
+    where
+        D: Dataset + Serialize + DeserializeOwned + Clone + 'static,
+        C: Collate<D::Item> + 'static,
+    {
+        /// The registration while a poll is pending (dropped first: it only passes on a
+        /// wake-up it did not use).
+        parked: Option<Parked>,
+        epoch: Epoch<'a, D, C>,
+        /// When the caller started waiting for the item being polled (the
+        /// `waiting` of [`LoaderStats`](crate::data::LoaderStats)).
+        since: Option<Instant>,
+    }
+
+    // Nothing in the stream is pinned in place: the epoch's state and the reactor
+    // registration may move between polls.
+    impl<D, C> Unpin for EpochStream<'_, D, C>
+    where
+        D: Dataset + Serialize + DeserializeOwned + Clone + 'static,
+        C: Collate<D::Item> + 'static,
+    {
+    }
+
+    impl<'a, D, C> Epoch<'a, D, C>
+    where
+        D: Dataset + Serialize + DeserializeOwned + Clone + 'static,
+        C: Collate<D::Item> + 'static,
+    {
+        /// This epoch as a [`futures_core::Stream`] (feature `async`): see
+        /// [`EpochStream`]. The batches it has yielded so far stay yielded.
+        pub fn into_stream(self) -> EpochStream<'a, D, C> {
+            EpochStream {
+                parked: None,
+                epoch: self,
+                since: None,
+            }
+        }
+    }
+
+    impl<'a, D, C> EpochStream<'a, D, C>
+    where
+        D: Dataset + Serialize + DeserializeOwned + Clone + 'static,
+        C: Collate<D::Item> + 'static,
+    {
+        /// The epoch behind the stream (its number, state, workers' pids).
+        pub fn epoch(&self) -> &Epoch<'a, D, C> {
+            &self.epoch
+        }
+    }
+
+    impl<D, C> futures_core::Stream for EpochStream<'_, D, C>
+    where
+        D: Dataset + Serialize + DeserializeOwned + Clone + 'static,
+        C: Collate<D::Item> + 'static,
+    {
+        type Item = Result<C::Batch>;
+
+        fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+            let this = self.get_mut();
+            let start = *this.since.get_or_insert_with(Instant::now);
+            let epoch = &mut this.epoch;
+            let stage = epoch.stage.clone();
+            let next = if stage.as_ref().is_some_and(|s| s.ahead() > 0) {
+                if epoch.finished {
+                    None
+                } else {
+                    epoch.fail(Error::InvalidArgument(
+                        "data loader: prefetch_to (copies ahead on a device stream) is not \
+                         supported by the async stream; use the Epoch iterator, or \
+                         pin_memory alone"
+                            .into(),
+                    ))
+                }
+            } else {
+                let parked = &mut this.parked;
+                let mut wait = |set: &mut WorkerSet<C::Batch>, run, deadline| {
+                    set.poll_wait(cx, parked, run, deadline)
+                };
+                let next = match epoch.next_inner(&mut wait) {
+                    Poll::Ready(next) => next,
+                    Poll::Pending => return Poll::Pending,
+                };
+                match stage {
+                    Some(stage) => epoch.pinned(&stage, next),
+                    None => next,
+                }
+            };
+            this.since = None;
+            epoch.loader.stats.waiting += start.elapsed();
+            Poll::Ready(next)
+        }
+
+        fn size_hint(&self) -> (usize, Option<usize>) {
+            Iterator::size_hint(&self.epoch)
+        }
+    }
+
+    impl<D, C> DataLoader<D, C>
+    where
+        D: Dataset + Serialize + DeserializeOwned + Clone + 'static,
+        C: Collate<D::Item> + 'static,
+    {
+        /// One epoch as a [`futures_core::Stream`] of batches (feature `async`): what
+        /// [`iter`](Self::iter) yields, awaited without blocking a thread (see
+        /// [`EpochStream`]).
+        ///
+        /// ```no_run
+        /// # async fn run<D, C>(loader: &mut multiproc::data::DataLoader<D, C>) -> multiproc::Result<()>
+        /// # where
+        /// #     D: multiproc::data::Dataset + serde::Serialize + serde::de::DeserializeOwned + Clone + 'static,
+        /// #     C: multiproc::data::Collate<D::Item> + 'static,
+        /// # {
+        /// use std::future::poll_fn;
+        /// use std::pin::Pin;
+        /// use futures_core::Stream;
+        ///
+        /// let mut batches = loader.stream();
+        /// while let Some(batch) = poll_fn(|cx| Pin::new(&mut batches).poll_next(cx)).await {
+        ///     let _batch = batch?;
+        /// }
+        /// # Ok(())
+        /// # }
+        /// ```
+        pub fn stream(&mut self) -> EpochStream<'_, D, C> {
+            self.iter().into_stream()
+        }
     }
 }

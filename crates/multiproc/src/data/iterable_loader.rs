@@ -22,6 +22,7 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
+use std::task::Poll;
 use std::time::Instant;
 
 use serde::Serialize;
@@ -29,7 +30,7 @@ use serde::de::DeserializeOwned;
 
 use super::collate::Collate;
 use super::dataset::IterableDataset;
-use super::epoch::may_start;
+use super::epoch::{WaitFn, may_start};
 use super::options::Options;
 use super::state::{Cursor, EpochState, LoaderState, StreamEpochState, StreamState};
 use super::stats::LoaderStats;
@@ -273,6 +274,7 @@ where
             in_process,
             open_error,
             resume_from,
+            deadline: None,
         }
     }
 }
@@ -339,6 +341,9 @@ where
     open_error: Option<Error>,
     /// By worker id: where its stream resumes, until its first task is sent.
     resume_from: Vec<Option<StreamState>>,
+    /// When the wait for the next arrival times out, kept across a stream's polls
+    /// that found nothing (as `Epoch`'s).
+    deadline: Option<Option<Instant>>,
 }
 
 impl<D, C> IterableEpoch<'_, D, C>
@@ -533,7 +538,15 @@ where
 
     fn next(&mut self) -> Option<Result<C::Batch>> {
         let start = Instant::now();
-        let next = self.next_inner();
+        let mut wait =
+            |set: &mut WorkerSet<C::Batch>, run, deadline| Poll::Ready(set.wait(run, deadline));
+        let next = match self.next_inner(&mut wait) {
+            Poll::Ready(next) => next,
+            // The blocking wait is always ready.
+            Poll::Pending => self.fail(Error::Closed(
+                "data loader: a blocking wait came back empty (this is a multiproc bug)".into(),
+            )),
+        };
         self.loader.stats.waiting += start.elapsed();
         next
     }
@@ -544,18 +557,28 @@ where
     D: IterableDataset + Serialize + DeserializeOwned + Clone + 'static,
     C: Collate<D::Item> + 'static,
 {
-    /// The next batch (the iterator's `next`, less its accounting).
-    fn next_inner(&mut self) -> Option<Result<C::Batch>> {
+    /// The next batch (the iterator's `next` and the stream's `poll_next`, less their
+    /// accounting), waiting for the workers through `wait`; `Pending` only when `wait`
+    /// is (as `Epoch::next_inner`).
+    fn next_inner(&mut self, wait: &mut WaitFn<'_, C::Batch>) -> Poll<Option<Result<C::Batch>>> {
+        Poll::Ready(match self.next_loop(wait) {
+            Some(next) => next,
+            None => return Poll::Pending,
+        })
+    }
+
+    /// `next_inner`'s body: `None` when `wait` is pending.
+    fn next_loop(&mut self, wait: &mut WaitFn<'_, C::Batch>) -> Option<Option<Result<C::Batch>>> {
         if self.finished {
-            return None;
+            return Some(None);
         }
         if self.loader.options.num_workers == 0 {
-            return self.next_in_process();
+            return Some(self.next_in_process());
         }
         let in_order = self.loader.options.in_order;
         loop {
             if let Err(e) = self.fill() {
-                return self.fail(e);
+                return Some(self.fail(e));
             }
             if in_order {
                 while let Some((worker, answer, cursor)) = self.ready.remove(&self.next_yield) {
@@ -564,20 +587,20 @@ where
                     if let Some(batch) = answer {
                         self.loader.stats.batches += 1;
                         self.delivered = true;
-                        return Some(Ok(batch));
+                        return Some(Some(Ok(batch)));
                     }
                 }
                 let next = self.next_yield;
                 if let Some((_, e)) = self.failed.take_if(|(b, _)| *b == next) {
-                    return self.fail(e);
+                    return Some(self.fail(e));
                 }
             }
             if self.all_done() {
-                return self.ended();
+                return Some(self.ended());
             }
             let epoch = self.run;
             let Some(set) = self.loader.workers.as_mut() else {
-                return self.fail(Error::Closed("data loader: the workers are gone".into()));
+                return Some(self.fail(Error::Closed("data loader: the workers are gone".into())));
             };
             // While workers are still to start, only look at what has arrived, and go
             // on starting them.
@@ -586,11 +609,20 @@ where
             let deadline = if starting {
                 Some(Instant::now())
             } else {
-                self.loader.options.timeout.map(|t| Instant::now() + t)
+                let timeout = self.loader.options.timeout;
+                *self
+                    .deadline
+                    .get_or_insert_with(|| timeout.map(|t| Instant::now() + t))
             };
-            let arrival = set.wait(epoch, deadline);
+            let arrival = match wait(set, epoch, deadline) {
+                Poll::Ready(arrival) => arrival,
+                Poll::Pending => return None,
+            };
+            if !starting {
+                self.deadline = None;
+            }
             match arrival {
-                Err(e) => return self.fail(e),
+                Err(e) => return Some(self.fail(e)),
                 Ok(None) if starting => {}
                 Ok(None) => {
                     let timeout = self.loader.options.timeout.unwrap_or_default();
@@ -604,10 +636,10 @@ where
                             )
                         })
                         .unwrap_or_default();
-                    return self.fail(Error::timeout(
+                    return Some(self.fail(Error::timeout(
                         format!("data loader: the next batch{who}"),
                         Some(timeout),
-                    ));
+                    )));
                 }
                 Ok(Some(Arrival::Loaded {
                     worker,
@@ -622,7 +654,7 @@ where
                         self.passed(worker, cursor);
                         self.loader.stats.batches += 1;
                         self.delivered = true;
-                        return Some(Ok(data));
+                        return Some(Some(Ok(data)));
                     }
                     self.ready.insert(batch, (worker, Some(data), cursor));
                 }
@@ -655,7 +687,7 @@ where
                         ),
                     };
                     if !in_order {
-                        return self.fail(error);
+                        return Some(self.fail(error));
                     }
                     if self.failed.as_ref().is_none_or(|(b, _)| batch < *b) {
                         self.failed = Some((batch, error));
@@ -674,6 +706,119 @@ where
     fn drop(&mut self) {
         if !self.loader.options.persistent_workers {
             self.loader.stop_workers();
+        }
+    }
+}
+
+#[cfg(feature = "async")]
+pub use stream::IterableEpochStream;
+
+/// The iterable epoch as a `futures_core::Stream` (feature `async`).
+#[cfg(feature = "async")]
+mod stream {
+    use std::pin::Pin;
+    use std::task::{Context, Poll};
+    use std::time::Instant;
+
+    use serde::Serialize;
+    use serde::de::DeserializeOwned;
+
+    use super::{IterableDataLoader, IterableEpoch};
+    use crate::data::collate::Collate;
+    use crate::data::dataset::IterableDataset;
+    use crate::data::worker_set::WorkerSet;
+    use crate::error::Result;
+    use crate::sys::reactor::Parked;
+
+    /// One epoch of an [`IterableDataLoader`] as a [`futures_core::Stream`] of
+    /// `Result<Batch>` (feature `async`), made by [`IterableDataLoader::stream`] or
+    /// [`IterableEpoch::into_stream`]: what the iterator yields, parking on the
+    /// workers' results queue where the iterator blocks. As
+    /// [`EpochStream`](crate::data::EpochStream): deaths without a reply and the
+    /// timeout are noticed within the parked get's one-second re-check, `num_workers(0)`
+    /// loads in `poll_next`, and dropping the stream is dropping the epoch.
+    pub struct IterableEpochStream<'a, D, C>
+    where
+        D: IterableDataset + Serialize + DeserializeOwned + Clone + 'static,
+        C: Collate<D::Item> + 'static,
+    {
+        /// The registration while a poll is pending.
+        parked: Option<Parked>,
+        epoch: IterableEpoch<'a, D, C>,
+        /// When the caller started waiting for the item being polled.
+        since: Option<Instant>,
+    }
+
+    // Nothing in the stream is pinned in place: the epoch's state and the reactor
+    // registration may move between polls.
+    impl<D, C> Unpin for IterableEpochStream<'_, D, C>
+    where
+        D: IterableDataset + Serialize + DeserializeOwned + Clone + 'static,
+        C: Collate<D::Item> + 'static,
+    {
+    }
+
+    impl<'a, D, C> IterableEpoch<'a, D, C>
+    where
+        D: IterableDataset + Serialize + DeserializeOwned + Clone + 'static,
+        C: Collate<D::Item> + 'static,
+    {
+        /// This epoch as a [`futures_core::Stream`] (feature `async`): see
+        /// [`IterableEpochStream`].
+        pub fn into_stream(self) -> IterableEpochStream<'a, D, C> {
+            IterableEpochStream {
+                parked: None,
+                epoch: self,
+                since: None,
+            }
+        }
+    }
+
+    impl<'a, D, C> IterableEpochStream<'a, D, C>
+    where
+        D: IterableDataset + Serialize + DeserializeOwned + Clone + 'static,
+        C: Collate<D::Item> + 'static,
+    {
+        /// The epoch behind the stream (its number, state, workers' pids).
+        pub fn epoch(&self) -> &IterableEpoch<'a, D, C> {
+            &self.epoch
+        }
+    }
+
+    impl<D, C> futures_core::Stream for IterableEpochStream<'_, D, C>
+    where
+        D: IterableDataset + Serialize + DeserializeOwned + Clone + 'static,
+        C: Collate<D::Item> + 'static,
+    {
+        type Item = Result<C::Batch>;
+
+        fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+            let this = self.get_mut();
+            let start = *this.since.get_or_insert_with(Instant::now);
+            let parked = &mut this.parked;
+            let mut wait = |set: &mut WorkerSet<C::Batch>, run, deadline| {
+                set.poll_wait(cx, parked, run, deadline)
+            };
+            let next = match this.epoch.next_inner(&mut wait) {
+                Poll::Ready(next) => next,
+                Poll::Pending => return Poll::Pending,
+            };
+            this.since = None;
+            this.epoch.loader.stats.waiting += start.elapsed();
+            Poll::Ready(next)
+        }
+    }
+
+    impl<D, C> IterableDataLoader<D, C>
+    where
+        D: IterableDataset + Serialize + DeserializeOwned + Clone + 'static,
+        C: Collate<D::Item> + 'static,
+    {
+        /// One epoch as a [`futures_core::Stream`] of batches (feature `async`): what
+        /// [`iter`](Self::iter) yields, awaited without blocking a thread (see
+        /// [`IterableEpochStream`]).
+        pub fn stream(&mut self) -> IterableEpochStream<'_, D, C> {
+            self.iter().into_stream()
         }
     }
 }

@@ -9,6 +9,8 @@
 //!   tensors made directly in shared memory.
 //! - `builder` — [`DataLoaderBuilder`], torch's keyword arguments.
 //! - `loader` — [`DataLoader`] and its per-epoch iterator [`Epoch`].
+//! - `epoch` — [`Epoch`], one pass over the batch plan (and, feature `async`,
+//!   `EpochStream`, the same pass as a `Stream`).
 //! - `iterable_loader` — [`IterableDataLoader`] and [`IterableEpoch`], for streams.
 //! - `worker` — the worker process: its messages and its body.
 //! - `worker_kind` — [`WorkerKind`]: processes or threads, behind one handle.
@@ -94,6 +96,16 @@
 //! [`DataLoader::stats`] says where an epoch's time went: the caller waiting, the
 //! workers loading and collating, the hand-over.
 //!
+//! # Async (feature `async`)
+//!
+//! `DataLoader::stream` (or `Epoch::into_stream`) is an epoch as a
+//! `futures_core::Stream<Item = Result<Batch>>`, for a loader fed from an async
+//! service: the same batches, order, failures and timeout as the iterator, through the
+//! same code (`Epoch::next_inner`); only the wait differs — where `next` blocks on
+//! the workers' results queue, `poll_next` parks on it with the crate's reactor
+//! (`Queue::get_async`'s machinery). Dropping the stream is dropping the epoch. See
+//! `EpochStream` for its limits (documented with the feature on).
+//!
 //! # Batches for a GPU (feature `cuda`)
 //!
 //! [`pin_memory`](DataLoaderBuilder::pin_memory) page-locks the shared blocks batches
@@ -167,9 +179,13 @@ pub use builder::DataLoaderBuilder;
 pub use collate::{Collate, DefaultCollate, Stack};
 pub use dataset::{Dataset, IterableDataset, WorkerInfo, worker_info};
 pub use epoch::Epoch;
+#[cfg(feature = "async")]
+pub use epoch::EpochStream;
 pub use from_fn::FromFn;
 #[cfg(feature = "image")]
 pub use image_folder::ImageFolder;
+#[cfg(feature = "async")]
+pub use iterable_loader::IterableEpochStream;
 pub use iterable_loader::{IterableDataLoader, IterableEpoch};
 pub use loader::DataLoader;
 pub use sampler::{

@@ -253,6 +253,39 @@ impl<B: Serialize + DeserializeOwned> WorkerSet<B> {
         }
     }
 
+    /// [`wait`](Self::wait) without blocking a thread (the data loader's stream):
+    /// `Poll::Ready` with what `wait` would return, `Poll::Pending` with `parked`
+    /// registered on the results queue until a reply comes. Each try is `wait` with a
+    /// deadline of now (everything queued taken in, dead workers looked for); the
+    /// queue's registration asks for a re-check every `reactor::RECHECK`, which is when
+    /// a death that sent no reply and a passed `deadline` are noticed.
+    #[cfg(feature = "async")]
+    pub(crate) fn poll_wait(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+        parked: &mut Option<crate::sys::reactor::Parked>,
+        run: u64,
+        deadline: Option<Instant>,
+    ) -> std::task::Poll<Result<Option<Arrival<B>>>> {
+        use crate::sys::reactor::{self, Step};
+        reactor::poll_step(
+            cx,
+            parked,
+            || {
+                // Read before the try: a reply put after it changes the word.
+                let word = self.results.get_wait();
+                let now = Instant::now();
+                match self.wait(run, Some(now)) {
+                    Ok(Some(arrival)) => Step::Done(Ok(Some(arrival))),
+                    Ok(None) if deadline.is_some_and(|d| d <= now) => Step::Done(Ok(None)),
+                    Ok(None) => Step::Word(word),
+                    Err(e) => Step::Done(Err(e)),
+                }
+            },
+            Err,
+        )
+    }
+
     /// Takes in one reply: an arrival if it answers a task of run `run`, nothing if it is
     /// stale (an abandoned run, or a replaced worker).
     fn accept(&mut self, mut reply: Reply<B>, run: u64) {

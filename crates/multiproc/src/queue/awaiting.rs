@@ -163,6 +163,15 @@ impl<T: Serialize + DeserializeOwned> SimpleQueue<T> {
     }
 }
 
+impl<T> SimpleQueue<T> {
+    /// The word an awaited get parks on, to be read *before* a try (`try_get`) that
+    /// found nothing: the data loader's stream takes its workers' replies through its
+    /// own tries (which also look for dead workers) and parks here in between.
+    pub(crate) fn get_wait(&self) -> WordWait {
+        self.channel.get_wait()
+    }
+}
+
 impl<T: Serialize + DeserializeOwned> JoinableQueue<T> {
     /// Takes the next item, as [`Queue::get_async`] does.
     ///
