@@ -64,7 +64,7 @@
 
 use std::collections::HashMap;
 use std::os::fd::{BorrowedFd, OwnedFd};
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
@@ -130,6 +130,10 @@ struct Registration {
     wait: WordWait,
     waker: Waker,
     due: Option<Instant>,
+    /// Set by the reactor once it has removed (and uncounted) this registration, so
+    /// that the woken future looks without taking the registrations' lock, which the
+    /// reactor takes again at once to sleep anew.
+    fired: Arc<AtomicBool>,
 }
 
 #[derive(Default)]
@@ -252,8 +256,9 @@ impl Shard {
             .map(|(_, r)| r)
             .collect();
         for r in drained {
-            r.wait.uncount();
+            r.fired.store(true, Ordering::SeqCst);
             r.waker.wake();
+            r.wait.uncount();
         }
     }
 
@@ -261,7 +266,7 @@ impl Shard {
     /// was aimed at, or whose re-check is due.
     fn fire(&self, woken: Option<usize>) {
         let now = Instant::now();
-        let mut wakers = Vec::new();
+        let mut fired = Vec::new();
         {
             let mut regs = lock(&self.registrations);
             let keys: Vec<u64> = regs
@@ -276,13 +281,18 @@ impl Shard {
                 .collect();
             for key in keys {
                 if let Some(r) = regs.entries.remove(&key) {
-                    r.wait.uncount();
-                    wakers.push(r.waker);
+                    r.fired.store(true, Ordering::SeqCst);
+                    fired.push(r);
                 }
             }
         }
-        for waker in wakers {
-            waker.wake();
+        // The wake-ups first: the counts are bookkeeping (a producer that still sees
+        // this waiter counted wakes the word once more, which costs nothing here).
+        for r in &fired {
+            r.waker.wake_by_ref();
+        }
+        for r in fired {
+            r.wait.uncount();
         }
     }
 }
@@ -347,6 +357,7 @@ enum ParkedKind {
         key: u64,
         host: Arc<dyn WordHost>,
         index: usize,
+        fired: Arc<AtomicBool>,
     },
     Fd {
         reactor: Arc<FdReactor>,
@@ -370,6 +381,7 @@ impl Parked {
             return false;
         }
         let old = match &self.kind {
+            ParkedKind::Word { fired, .. } if fired.load(Ordering::SeqCst) => None,
             ParkedKind::Word { shard, key, .. } => rearm(
                 waker,
                 lock(&shard.registrations)
@@ -404,8 +416,13 @@ impl Parked {
                 key,
                 host,
                 index,
+                fired,
             } => {
-                let removed = lock(&shard.registrations).entries.remove(key);
+                let removed = if fired.load(Ordering::SeqCst) {
+                    None // the reactor removed it (and uncounted it)
+                } else {
+                    lock(&shard.registrations).entries.remove(key)
+                };
                 match removed {
                     Some(r) => {
                         r.wait.uncount();
@@ -477,6 +494,7 @@ pub(crate) fn park_word(wait: WordWait, waker: &Waker) -> Result<Option<Parked>>
     };
     let host = Arc::clone(&wait.host);
     let index = wait.index;
+    let fired = Arc::new(AtomicBool::new(false));
     let key = {
         let mut regs = lock(&shard.registrations);
         let key = regs.next_key;
@@ -488,6 +506,7 @@ pub(crate) fn park_word(wait: WordWait, waker: &Waker) -> Result<Option<Parked>>
                 wait,
                 waker: waker.clone(),
                 due,
+                fired: Arc::clone(&fired),
             },
         );
         key
@@ -499,6 +518,7 @@ pub(crate) fn park_word(wait: WordWait, waker: &Waker) -> Result<Option<Parked>>
             key,
             host,
             index,
+            fired,
         },
         done: false,
     }))
