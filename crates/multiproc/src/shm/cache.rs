@@ -14,8 +14,9 @@
 //! — since the producer recycles its blocks (see `recycler`) — map, fault in and unmap
 //! the same large block for every large one. A retained block that can never come
 //! back (no uses, and its creator no longer pools it or has exited) is let go when the
-//! worker that made it is joined (`release_dead_retained`), or else as soon as the
-//! retention list next changes. Mappings are let go outside the cache lock: freeing a
+//! worker that made it is joined (`release_dead_retained`), or else at the idle
+//! thread's next tick (see `decay_job`, which also lets a quiet receiver's other kept
+//! segments go). Mappings are let go outside the cache lock: freeing a
 //! large block's pages takes milliseconds, which no receiving thread should wait for.
 //! Plain named segments are never retained (the
 //! mapping holds a reference, and their name must go away with their last tensor); a
@@ -70,32 +71,45 @@ struct MapCache {
 }
 
 /// Ticks of the idle thread without a received segment after which the kept ones are
-/// let go.
+/// let go (but for blocks their creator still pools, see [`decay_job`]).
 const QUIET_TICKS: u32 = 2;
 
-/// The idle job of the retention list: lets every kept segment go once no segment has
-/// been received for [`QUIET_TICKS`] ticks; runs as long as the list holds any.
+/// The idle job of the retention list, run as long as the list holds any segment. Each
+/// tick it lets go of the blocks that can never come back (no uses, and their creator
+/// stopped pooling them or exited): the creator's own pool decays, and the memory
+/// comes back a tick later. Once no segment has been received for [`QUIET_TICKS`]
+/// ticks it also lets go of everything else but blocks their creator still pools:
+/// those pages stay committed by the creator whatever this process does, so unmapping
+/// them frees nothing, and would cost a consumer whose steps take longer than the
+/// quiet period (a slow training step behind a data loader) a fresh map, fault-in and
+/// — with `pin_memory` — a CUDA registration for every batch.
 fn decay_job() -> Box<dyn FnMut() -> bool + Send> {
     let (mut seen, mut quiet) = (u64::MAX, 0u32);
     Box::new(move || {
-        let flushed: Vec<Arc<Segment>> = {
+        let (released, more) = {
             let mut cache = CACHE.lock();
             if cache.recent.is_empty() {
                 return false;
             }
+            let mut released = cache.take_dead();
             if cache.retained != seen {
                 (seen, quiet) = (cache.retained, 0);
-                return true;
+            } else {
+                quiet = quiet.saturating_add(1);
             }
-            quiet += 1;
-            if quiet < QUIET_TICKS {
-                return true;
+            if quiet >= QUIET_TICKS {
+                let (kept, gone): (Vec<_>, Vec<_>) = cache
+                    .recent
+                    .drain(..)
+                    .partition(|s| s.is_block() && !s.is_dead_block());
+                cache.recent = kept.into();
+                released.extend(gone);
             }
-            cache.recent.drain(..).collect()
+            (released, !cache.recent.is_empty())
         };
         // Dropped outside the cache lock: the last reference unmaps and closes.
-        drop(flushed);
-        false
+        drop(released);
+        more
     })
 }
 
