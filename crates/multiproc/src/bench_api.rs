@@ -25,8 +25,8 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use crate::error::{Error, Result};
-use crate::sys::socket::{self, Attempt};
 use crate::shm::SharedWords;
+use crate::sys::socket::{self, Attempt};
 use crate::{shm, wire};
 
 /// A connected pair of `SOCK_SEQPACKET` sockets, as under every queue.

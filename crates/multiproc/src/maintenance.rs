@@ -376,8 +376,8 @@ mod tests {
         let me = std::process::id();
         let start = crate::sys::process::start_time(me).unwrap();
         let random = "ab".repeat(16);
-        let live = Segment::parse(&format!("{PREFIX}1_{random}_{me}_{start}_0123456789abcdef"))
-            .unwrap();
+        let live =
+            Segment::parse(&format!("{PREFIX}1_{random}_{me}_{start}_0123456789abcdef")).unwrap();
         // The same pid with another start time is another process: the root is gone.
         let gone = Segment::parse(&format!(
             "{PREFIX}{me}_{random}_{me}_{}_0123456789abcdef",
@@ -391,7 +391,11 @@ mod tests {
             unanswering: Vec::new(),
         };
         assert_eq!(check.verdict(&live), Verdict::InUse);
-        assert_eq!(check.verdict(&gone), Verdict::Stale, "its creator runs, its root does not");
+        assert_eq!(
+            check.verdict(&gone),
+            Verdict::Stale,
+            "its creator runs, its root does not"
+        );
         assert_eq!(check.verdict(&untagged_live), Verdict::InUse);
         assert!(check.unanswering().is_empty());
     }
