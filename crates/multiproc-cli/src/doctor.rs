@@ -243,8 +243,8 @@ const THROWAWAY_GRACE_MS: &str = "100";
 
 /// Whether an shm manager (which the file_system strategy needs) can start here:
 /// starts one for a throwaway address, the way the library does (this program run
-/// again as `multiproc shm-manager`), connects to it and checks who answers. The
-/// manager exits by itself 0.1 s after doctor disconnects.
+/// again as `multiproc shm-manager`), and asks it a query (which checks that it is this
+/// user's). The manager exits by itself 0.1 s after doctor disconnects.
 fn manager() -> Check {
     let advice = |why: &str| {
         Some(format!(
@@ -283,20 +283,17 @@ fn manager() -> Check {
             "starting it failed",
         );
     }
-    match connect(&addr) {
-        Ok((_, peer)) if peer == uid.as_raw() => Check {
+    let answered = multiproc::maintenance::ShmManager::at(&addr).and_then(|m| m.answers());
+    match answered {
+        Ok(()) => Check {
             name: "shm manager",
             ok: true,
-            detail: format!("started one at @{addr} and connected to it (it exits by itself)"),
+            detail: format!("started one at @{addr} and it answered a query (it exits by itself)"),
             advice: None,
         },
-        Ok((pid, peer)) => fail(
-            format!("@{addr} is answered by pid {pid} of uid {peer}, not by this user"),
-            "another user holds the address",
-        ),
         Err(e) => fail(
-            format!("started one at @{addr} but cannot connect: {e}"),
-            "connecting failed",
+            format!("started one at @{addr} but it does not answer: {e}"),
+            "asking it failed (another user may hold the address)",
         ),
     }
 }
@@ -338,24 +335,8 @@ fn start_manager(addr: &str) -> Result<String, String> {
     Ok(line)
 }
 
-/// Connects to the abstract socket `addr`; returns the listener's pid and uid.
-fn connect(addr: &str) -> Result<(i32, u32), String> {
-    use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
-    let sock = rustix::net::socket_with(
-        AddressFamily::UNIX,
-        SocketType::SEQPACKET,
-        SocketFlags::CLOEXEC,
-        None,
-    )
-    .map_err(|e| e.to_string())?;
-    let sa = SocketAddrUnix::new_abstract_name(addr.as_bytes()).map_err(|e| e.to_string())?;
-    rustix::net::connect(&sock, &sa).map_err(|e| e.to_string())?;
-    let cred = rustix::net::sockopt::socket_peercred(&sock).map_err(|e| e.to_string())?;
-    Ok((cred.pid.as_raw_nonzero().get(), cred.uid.as_raw()))
-}
-
 fn leftovers() -> Check {
-    let stale = crate::gc::stale_segments();
+    let stale = crate::gc::scan().stale;
     let bytes: u64 = stale.iter().map(|s| s.bytes).sum();
     Check {
         name: "leftovers",

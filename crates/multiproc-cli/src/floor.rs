@@ -16,22 +16,22 @@
 //! - `memcpy`: copy a reused 64 MiB buffer into another in one process — the memory
 //!   bandwidth a shared-memory collective is measured against.
 //!
-//! The ping children are this binary re-executed: [`serve_child_if_asked`] runs first in
-//! `main` and finds its inherited fd (the socket, or the memfd) in an environment
-//! variable. Neither child outlives its parent: the socket child ends when the socket
-//! hangs up, the word child when the parent says stop or, checked at least every
-//! [`WAIT_SLICE`], when its parent is no longer the process that started it. A waiter
-//! never waits unboundedly: the spinner falls back to `FUTEX_WAIT` after [`SPIN_LIMIT`],
-//! and every `FUTEX_WAIT` is a [`WAIT_SLICE`] after which the parent checks that its
-//! child still runs (and gives up after [`ANSWER_LIMIT`] without an answer). The memfd
-//! has no name, so nothing is left in `/dev/shm`; each side closes it once mapped.
+//! The ping children are this binary re-executed as `multiproc bench-floor-child <kind>
+//! <parent pid>` ([`serve_child`]), with what they share on their stdin: the socket, or
+//! the shared word's page (`multiproc::__bench::SharedWord`, a page of the library's
+//! shared words, whose mapping is the library's). No fd number travels. Neither child
+//! outlives its parent: the socket child ends when the socket hangs up, the word child
+//! when the parent says stop or, checked at least every [`WAIT_SLICE`], when its parent
+//! is no longer the process that started it. A waiter never waits unboundedly: the
+//! spinner falls back to `FUTEX_WAIT` after [`SPIN_LIMIT`], and every `FUTEX_WAIT` is a
+//! [`WAIT_SLICE`] after which the parent checks that its child still runs (and gives up
+//! after [`ANSWER_LIMIT`] without an answer). The page has no name, so nothing is left
+//! in `/dev/shm`.
 
-use std::ffi::c_void;
 use std::io::{IoSlice, IoSliceMut};
 use std::mem::MaybeUninit;
-use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
-use std::process::Child;
-use std::ptr::NonNull;
+use std::os::fd::{AsFd, OwnedFd};
+use std::process::{Child, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
@@ -43,14 +43,15 @@ use rustix::net::{
     SendAncillaryMessage, SendFlags, SocketFlags, SocketType, recvmsg, sendmsg, socketpair,
 };
 
+use multiproc::__bench::SharedWord;
+
 use crate::bench::Figure;
 
-/// The environment variable that tells a re-executed `multiproc` to be the ping child.
-const CHILD_FD_ENV: &str = "MULTIPROC_FLOOR_CHILD_FD";
+/// The hidden subcommand that makes a re-executed `multiproc` a ping child.
+pub const CHILD_COMMAND: &str = "bench-floor-child";
 
-/// The environment variable that tells a re-executed `multiproc` to be the futex (or
-/// spin) ping child: `"<memfd> <futex|spin> <parent pid>"`.
-const WORD_CHILD_ENV: &str = "MULTIPROC_FLOOR_WORD_CHILD";
+/// The kind of ping child that serves the socket ping (the others are [`Waiting`]'s).
+const SOCKET_CHILD: &str = "socket";
 
 fn send_with_fd(sock: &OwnedFd, payload: &[u8], fd: &OwnedFd) -> std::io::Result<()> {
     let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(1))];
@@ -87,34 +88,34 @@ fn recv_with_fd(sock: &OwnedFd, buf: &mut [u8]) -> std::io::Result<Option<OwnedF
     Ok(got)
 }
 
-/// Serves as a ping child when this process was started as one (see the module doc).
-/// Returns `true` when it was: the caller then exits.
-pub fn serve_child_if_asked() -> bool {
-    if let Ok(spec) = std::env::var(WORD_CHILD_ENV) {
-        if let Err(e) = serve_word_child(&spec) {
-            eprintln!(
-                "multiproc bench-floor: the word ping child ({WORD_CHILD_ENV}={spec}) failed: {e}"
-            );
-            // The parent reads the exit status.
-            std::process::exit(1);
+/// Serves as the ping child of kind `kind` (`socket`, `futex` or `spin`) for the
+/// `multiproc bench-floor` run `parent`, with what it shares on this process's stdin.
+pub fn serve_child(kind: &str, parent: i32) -> std::io::Result<()> {
+    // A copy of stdin: what the parent gave us, adopted without an fd number.
+    let shared = std::io::stdin().as_fd().try_clone_to_owned()?;
+    if kind == SOCKET_CHILD {
+        let mut buf = [0u8; 64];
+        while let Ok(Some(fd)) = recv_with_fd(&shared, &mut buf) {
+            if send_with_fd(&shared, &buf[..16], &fd).is_err() {
+                break;
+            }
         }
-        return true;
+        return Ok(());
     }
-    let Ok(raw) = std::env::var(CHILD_FD_ENV) else {
-        return false;
-    };
-    let Ok(raw) = raw.parse::<i32>() else {
-        return true;
-    };
-    // SAFETY: the parent passed us this fd, open and ours alone, in the environment.
-    let sock = unsafe { OwnedFd::from_raw_fd(raw) };
-    let mut buf = [0u8; 64];
-    while let Ok(Some(fd)) = recv_with_fd(&sock, &mut buf) {
-        if send_with_fd(&sock, &buf[..16], &fd).is_err() {
-            break;
-        }
-    }
-    true
+    let how = Waiting::parse(kind).ok_or_else(|| {
+        std::io::Error::other(format!(
+            "{kind:?} is no ping child's kind (expected {SOCKET_CHILD}, futex or spin)"
+        ))
+    })?;
+    serve_word_child(shared, how, parent)
+}
+
+/// Starts this binary as the ping child of kind `kind`, `shared` on its stdin.
+fn start_child(kind: &str, shared: OwnedFd) -> std::io::Result<Child> {
+    std::process::Command::new(std::env::current_exe()?)
+        .args([CHILD_COMMAND, kind, &std::process::id().to_string()])
+        .stdin(Stdio::from(shared))
+        .spawn()
 }
 
 fn ping(count: u64) -> std::io::Result<Figure> {
@@ -124,12 +125,8 @@ fn ping(count: u64) -> std::io::Result<Figure> {
         SocketFlags::CLOEXEC,
         None,
     )?;
-    // The child's end must survive exec.
-    rustix::io::fcntl_setfd(&there, rustix::io::FdFlags::empty())?;
-    let mut child = std::process::Command::new(std::env::current_exe()?)
-        .env(CHILD_FD_ENV, there.as_raw_fd().to_string())
-        .spawn()?;
-    drop(there);
+    // The child's stdin; our copy closes with the spawn.
+    let mut child = start_child(SOCKET_CHILD, there)?;
     let seg = rustix::fs::memfd_create("floor", rustix::fs::MemfdFlags::CLOEXEC)?;
     rustix::fs::ftruncate(&seg, 4096)?;
     let mut buf = [0u8; 64];
@@ -202,58 +199,6 @@ impl Waiting {
     }
 }
 
-const PAGE: usize = 4096;
-
-/// One page of a memfd mapped `MAP_SHARED`, of which the first 4 bytes are the word
-/// both processes turn on. Unmapped on drop.
-struct SharedWord {
-    page: NonNull<c_void>,
-}
-
-impl SharedWord {
-    /// Maps the first page of `memfd`, which must be at least a page long (a shorter
-    /// file would fault with `SIGBUS` on access instead of failing here).
-    fn map(memfd: &OwnedFd) -> std::io::Result<Self> {
-        let len = rustix::fs::fstat(memfd)?.st_size;
-        if len < PAGE as i64 {
-            return Err(std::io::Error::other(format!(
-                "the shared word's memfd is {len} bytes, less than the page it must hold"
-            )));
-        }
-        // SAFETY: a fresh mapping at an address the kernel chooses overlaps nothing of
-        // ours; the file is a page long (checked above) and neither side truncates it.
-        let addr = unsafe {
-            rustix::mm::mmap(
-                std::ptr::null_mut(),
-                PAGE,
-                rustix::mm::ProtFlags::READ | rustix::mm::ProtFlags::WRITE,
-                rustix::mm::MapFlags::SHARED,
-                memfd,
-                0,
-            )?
-        };
-        let page = NonNull::new(addr)
-            .ok_or_else(|| std::io::Error::other("mmap of the shared word returned null"))?;
-        Ok(SharedWord { page })
-    }
-
-    fn word(&self) -> &AtomicU32 {
-        // SAFETY: the page is mapped readable and writable for as long as `self` lives
-        // (the borrow ties the reference to it), page-aligned (so aligned for a u32),
-        // and 4 bytes fit in it. The other process writes it, so it is only ever read
-        // and written atomically, never through a plain `&u32`.
-        unsafe { &*self.page.as_ptr().cast::<AtomicU32>() }
-    }
-}
-
-impl Drop for SharedWord {
-    fn drop(&mut self) {
-        // SAFETY: `page` is our mapping of PAGE bytes; no reference to it outlives
-        // `self` (`word` borrows `self`).
-        let _ = unsafe { rustix::mm::munmap(self.page.as_ptr(), PAGE) };
-    }
-}
-
 /// Sets `word` to `value` and, when the peer may sleep, wakes it.
 fn hand_over(word: &AtomicU32, value: u32, how: Waiting) -> std::io::Result<()> {
     word.store(value, Ordering::Release);
@@ -309,16 +254,8 @@ fn wait_for(
 
 /// The futex (or spin) ping child: answers every [`PARENT_SENT`] with [`CHILD_SENT`]
 /// until the parent says [`STOP`] or is gone.
-fn serve_word_child(spec: &str) -> std::io::Result<()> {
-    let bad = || std::io::Error::other("expected \"<memfd> <futex|spin> <parent pid>\"");
-    let mut parts = spec.split(' ');
-    let fd: i32 = parts.next().and_then(|p| p.parse().ok()).ok_or_else(bad)?;
-    let how = parts.next().and_then(Waiting::parse).ok_or_else(bad)?;
-    let parent: i32 = parts.next().and_then(|p| p.parse().ok()).ok_or_else(bad)?;
-    // SAFETY: the parent passed us this fd, open and ours alone, in the environment.
-    let memfd = unsafe { OwnedFd::from_raw_fd(fd) };
-    let shared = SharedWord::map(&memfd)?;
-    drop(memfd); // the mapping keeps the memory
+fn serve_word_child(page: OwnedFd, how: Waiting, parent: i32) -> std::io::Result<()> {
+    let shared = SharedWord::open(page).map_err(std::io::Error::other)?;
     let word = shared.word();
     // Reparented (to init or a subreaper) means the parent has gone.
     let mut parent_alive = || match rustix::process::getppid() {
@@ -349,26 +286,9 @@ impl Drop for WordChild {
 /// `futex-ping` or `spin-ping`: `count` round trips parent → child → parent over one
 /// shared word (fewer if [`TIME_BUDGET`] runs out first; the figure says how many).
 fn word_ping(how: Waiting, count: u64) -> std::io::Result<Figure> {
-    let memfd = rustix::fs::memfd_create("multiproc-floor-word", rustix::fs::MemfdFlags::CLOEXEC)?;
-    rustix::fs::ftruncate(&memfd, PAGE as u64)?;
-    let shared = SharedWord::map(&memfd)?;
+    let shared = SharedWord::new().map_err(std::io::Error::other)?;
     let word = shared.word();
-    // The child's fd must survive exec; ours closes right after the spawn (the parent
-    // is single-threaded here, so no other spawn can inherit it meanwhile).
-    rustix::io::fcntl_setfd(&memfd, rustix::io::FdFlags::empty())?;
-    let spawned = std::process::Command::new(std::env::current_exe()?)
-        .env(
-            WORD_CHILD_ENV,
-            format!(
-                "{} {} {}",
-                memfd.as_raw_fd(),
-                how.name(),
-                std::process::id()
-            ),
-        )
-        .spawn();
-    drop(memfd);
-    let mut child = WordChild(spawned?);
+    let mut child = WordChild(start_child(how.name(), shared.fd().try_clone_to_owned()?)?);
     let mut answers = 0u64;
     let mut asked_at = Instant::now();
     let mut round_trip = |child: &mut WordChild| -> std::io::Result<()> {

@@ -1,4 +1,7 @@
-//! The `multiproc` command: tools around the multiproc library.
+//! The `multiproc` command: tools around the multiproc library. Safe code only: what
+//! needs `unsafe` (mappings, fds) is the library's.
+
+#![deny(unsafe_code)]
 
 mod bench;
 mod doctor;
@@ -68,13 +71,18 @@ enum Command {
     },
     /// Run the shm manager daemon in the foreground (normally started for you).
     ShmManager,
+    /// A ping child of `bench-floor` (what it shares with its parent is on its stdin).
+    #[command(name = floor::CHILD_COMMAND, hide = true)]
+    BenchFloorChild {
+        /// socket, futex or spin.
+        kind: String,
+        /// The pid of the `bench-floor` run that started it.
+        parent: i32,
+    },
 }
 
 fn main() {
     multiproc::init();
-    if floor::serve_child_if_asked() {
-        return;
-    }
     let cli = Cli::parse();
     let code = match cli.command {
         Command::Bench {
@@ -187,6 +195,14 @@ fn main() {
             Ok(_) => 0,
             Err(e) => {
                 eprintln!("shm manager: {e}");
+                1
+            }
+        },
+        Command::BenchFloorChild { kind, parent } => match floor::serve_child(&kind, parent) {
+            Ok(()) => 0,
+            Err(e) => {
+                eprintln!("multiproc bench-floor: the {kind} ping child failed: {e}");
+                // The parent reads the exit status.
                 1
             }
         },

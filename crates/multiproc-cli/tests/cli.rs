@@ -2,7 +2,8 @@
 //! matches its verdict) and reports the memory limit; two `gc` runs at once remove each
 //! stale segment once, whether or not shm managers of this user run meanwhile;
 //! `bench-floor --json` reports every floor, the futex and spin ping-pongs among them,
-//! and leaves no child behind.
+//! and leaves no child behind. Which files in /dev/shm are multiproc's, and whose, is
+//! `multiproc::maintenance`'s to say.
 
 use std::collections::BTreeSet;
 use std::path::PathBuf;
@@ -29,11 +30,6 @@ fn text(out: &Output) -> String {
 
 /// Pids of live processes whose environment contains `needle`.
 fn processes_with_env(needle: &str) -> Vec<u32> {
-    processes_with_env_var(|v| v == needle.as_bytes())
-}
-
-/// Pids of live processes with an environment entry (`NAME=value`) that `matches`.
-fn processes_with_env_var(matches: impl Fn(&[u8]) -> bool) -> Vec<u32> {
     let mut out = Vec::new();
     for e in std::fs::read_dir("/proc").unwrap().flatten() {
         let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
@@ -42,12 +38,7 @@ fn processes_with_env_var(matches: impl Fn(&[u8]) -> bool) -> Vec<u32> {
         let Ok(env) = std::fs::read(e.path().join("environ")) else {
             continue;
         };
-        let alive = std::fs::read_to_string(e.path().join("stat")).is_ok_and(|s| {
-            s.rfind(')')
-                .and_then(|i| s[i + 1..].trim_start().chars().next())
-                .is_some_and(|c| c != 'Z' && c != 'X')
-        });
-        if alive && env.split(|&b| b == 0).any(&matches) {
+        if alive(pid) && env.split(|&b| b == 0).any(|v| v == needle.as_bytes()) {
             out.push(pid);
         }
     }
@@ -281,17 +272,38 @@ fn bench_floor_reports_the_futex_and_spin_round_trips_and_leaves_no_child() {
         assert!(f["count"].as_u64().unwrap_or(0) > 0, "{scenario}: {f}");
     }
     // Every child was reaped before bench-floor exited, and nothing is left in /dev/shm.
-    let suffix = format!(" {pid}");
-    let children = processes_with_env_var(|v| {
-        v.starts_with(b"MULTIPROC_FLOOR_WORD_CHILD=") && v.ends_with(suffix.as_bytes())
-    });
+    let children = floor_children_of(pid);
     assert!(children.is_empty(), "children left: {children:?}");
-    let prefix = format!("multiproc_{pid}_");
-    let left: Vec<_> = std::fs::read_dir("/dev/shm")
-        .unwrap()
-        .flatten()
-        .filter(|e| e.file_name().to_string_lossy().starts_with(&prefix))
-        .map(|e| e.path())
+    let left: Vec<_> = multiproc::maintenance::segments()
+        .into_iter()
+        .filter(|s| s.creator() == pid)
+        .map(|s| s.path())
         .collect();
     assert!(left.is_empty(), "left in /dev/shm: {left:?}");
+}
+
+/// Live ping children of the `bench-floor` run `parent`: `multiproc bench-floor-child
+/// <kind> <parent>`, whoever their parent is now.
+fn floor_children_of(parent: u32) -> Vec<u32> {
+    let tail = "\0bench-floor-child\0";
+    let parent = format!("\0{parent}\0");
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| {
+            let pid = e.file_name().to_string_lossy().parse::<u32>().ok()?;
+            let cmdline = std::fs::read(e.path().join("cmdline")).ok()?;
+            let cmdline = format!("\0{}", String::from_utf8_lossy(&cmdline));
+            (cmdline.contains(tail) && cmdline.ends_with(&parent) && alive(pid)).then_some(pid)
+        })
+        .collect()
+}
+
+/// Whether `pid` runs (not gone, not a zombie).
+fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+        s.rfind(')')
+            .and_then(|i| s[i + 1..].trim_start().chars().next())
+            .is_some_and(|c| c != 'Z' && c != 'X')
+    })
 }

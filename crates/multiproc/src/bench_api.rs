@@ -12,15 +12,20 @@
 //! segment's identity, so a second tensor on the same storage is a cache hit). The
 //! steps timed: encoding and decoding a message, making and mapping a segment, passing
 //! an fd over a socket, a map-cache hit.
+//!
+//! `multiproc bench-floor` takes its shared word from here too ([`SharedWord`]): the
+//! floor turns raw futexes over it, and the page's mapping stays the library's.
 
 #![allow(missing_docs)]
 
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::sync::atomic::AtomicU32;
 
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use crate::error::{Error, Result};
+use crate::shm::SharedWords;
 use crate::sys::socket::{self, Attempt};
 use crate::{shm, wire};
 
@@ -107,4 +112,39 @@ pub fn fd_round_trip(pair: &SocketPair, memfd: &Memfd) -> Result<()> {
 /// calls hits.
 pub fn map_cache_lookup(memfd: &Memfd) -> Result<impl Drop> {
     shm::receive_fd_for_bench(memfd.fd.as_fd(), memfd.len as u64)
+}
+
+/// One process-shared 32-bit word, on a page of shared words of its own (a sealed
+/// memfd, the page every lock and queue keeps its state in), for `multiproc
+/// bench-floor`'s futex and spin ping-pongs between two processes. One process makes
+/// it and hands [`fd`](Self::fd) to a process it starts (as its stdin, say); that one
+/// [`open`](Self::open)s it.
+pub struct SharedWord(SharedWords);
+
+/// The page's kind tag ("FLOR"), so that a child never takes another page for it.
+const FLOOR_KIND: u32 = 0x464c_4f52;
+/// The word both processes turn on (word 0 is the page's kind tag).
+const FLOOR_WORD: usize = 1;
+
+impl SharedWord {
+    /// A new page, its word 0.
+    pub fn new() -> Result<SharedWord> {
+        SharedWords::new(FLOOR_KIND).map(SharedWord)
+    }
+
+    /// Maps the page made by [`new`](Self::new) in another process, whose fd this
+    /// process inherited; refused unless it is a sealed memfd of one page of this kind.
+    pub fn open(fd: OwnedFd) -> Result<SharedWord> {
+        SharedWords::open_inherited(fd, FLOOR_KIND, "bench-floor shared word").map(SharedWord)
+    }
+
+    /// The page's fd, to hand to another process.
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.0.fd()
+    }
+
+    /// The word, for atomics and process-shared (not `PRIVATE`) futex calls.
+    pub fn word(&self) -> &AtomicU32 {
+        self.0.word(FLOOR_WORD)
+    }
 }

@@ -126,7 +126,8 @@
 //!   that holds it (small ones share 1 MiB arenas); `multiproc doctor` shows the limit.
 //! - `file_system`: a named segment `/dev/shm/multiproc_<pid>_<random>_<tree>` with a
 //!   cross-process refcount, so a process holds no fd per storage; a shm manager daemon
-//!   removes whatever a crashed process tree left behind.
+//!   removes whatever a crashed process tree left behind (and `multiproc gc`, built on
+//!   [`maintenance`], what even the daemon could not).
 //!
 //! The strategy is read when a storage moves to shared memory; storages already shared
 //! keep theirs, and a receiver accepts both. Unlike torch, a process started by
@@ -583,6 +584,8 @@ mod error;
 mod identity_cache;
 #[cfg(target_os = "linux")]
 mod idle;
+#[cfg(target_os = "linux")]
+pub mod maintenance;
 #[cfg(target_os = "linux")]
 mod manager;
 #[cfg(target_os = "linux")]

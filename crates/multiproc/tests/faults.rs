@@ -116,12 +116,9 @@ fn tagged_processes(tag: &str) -> BTreeSet<u32> {
 }
 
 fn creator_of(segment: &str) -> Option<u32> {
-    segment
-        .strip_prefix("multiproc_")?
-        .split('_')
-        .next()?
-        .parse()
+    multiproc::maintenance::Segment::parse(segment)
         .ok()
+        .map(|s| s.creator())
 }
 
 /// Runs `scenario` (an `#[ignore]`d test of this file) as the root of a new process

@@ -40,17 +40,15 @@ fn segment_names_carry_128_random_bits_and_files_are_private() {
                 t
             })
             .collect();
-        let prefix = format!("multiproc_{}_", std::process::id());
         let mut randoms = BTreeSet::new();
         let mut seen_per_digit = vec![BTreeSet::new(); 32];
         let me = rustix::process::geteuid().as_raw();
         for t in &tensors {
             let name = t.storage().shm_name().unwrap();
-            // multiproc_<pid>_<random>_<root pid>_<root start time>_<tree random>
-            let random = name
-                .strip_prefix(&prefix)
-                .and_then(|rest| rest.split('_').next())
-                .expect("multiproc_<pid>_<random>_<tree>");
+            let segment = multiproc::maintenance::Segment::parse(&name).unwrap();
+            assert_eq!(segment.creator(), std::process::id(), "{name}");
+            assert!(segment.tree().is_some(), "{name} carries its tree");
+            let random = segment.random();
             assert_eq!(random.len(), 32, "128 bits are 32 hex digits: {name}");
             assert!(random.bytes().all(|b| b.is_ascii_hexdigit()), "{name}");
             for (i, c) in random.chars().enumerate() {
@@ -60,7 +58,7 @@ fn segment_names_carry_128_random_bits_and_files_are_private() {
                 randoms.insert(random.to_owned()),
                 "a name came twice: {name}"
             );
-            let st = rustix::fs::lstat(format!("/dev/shm/{name}")).unwrap();
+            let st = rustix::fs::lstat(segment.path()).unwrap();
             assert_eq!(
                 rustix::fs::FileType::from_raw_mode(st.st_mode),
                 rustix::fs::FileType::RegularFile

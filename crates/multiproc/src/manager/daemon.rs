@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use super::grace;
 use crate::error::{Error, Result};
 use crate::shm::name::remove_names_of;
-use crate::shm::registry::Request;
+use crate::shm::registry::{DOES_NOT_HOLD, HOLDS, Request};
 use crate::shm::tree::{ADDRESS_ENV, Tree, is_valid_address};
 use crate::sys::abstract_socket::{self, AbstractAddress, Errno, IoMode};
 use crate::sys::daemon::{Forked, fork_single_threaded, redirect_stdio_to_null, start_new_session};
@@ -260,7 +260,11 @@ fn drain(sock: BorrowedFd<'_>, registry: &mut Registry, buf: &mut [u8]) -> bool 
         match try_recv_packet(sock, buf) {
             Ok(Attempt::Done(packet)) => match Request::decode(&packet.bytes) {
                 Some(Request::Query(name)) => {
-                    let answer: &[u8] = if registry.holds(&name) { b"Y" } else { b"N" };
+                    let answer = if registry.holds(&name) {
+                        HOLDS
+                    } else {
+                        DOES_NOT_HOLD
+                    };
                     // Best effort and never blocking: one loop serves every client,
                     // and one that cannot take its answer must not stall the others.
                     let _ = try_send_packet(sock, answer, &[], &[]);

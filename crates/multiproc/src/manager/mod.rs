@@ -38,9 +38,10 @@
 //! `shm::tree`): when the tree's root has exited, the manager's cleanup removes every name
 //! of the tree, registered or not; when no manager is left (it was SIGKILLed and nobody
 //! restarted it), the root removes them as it exits; and `multiproc gc` removes them
-//! once the root is gone. `gc` also asks live managers (`Q`) whether they hold a
-//! name of a dead creator, instead of leaving all such names alone while any manager
-//! of the user runs. Left for gc: a root killed by SIGKILL while its manager was dead
+//! once the root is gone (`crate::maintenance` makes that judgement). `gc` also asks
+//! live managers (`Q`, `shm::registry::query`) whether they hold a name of a dead
+//! creator, instead of leaving all such names alone while any manager of the user
+//! runs. Left for gc: a root killed by SIGKILL while its manager was dead
 //! too.
 
 mod daemon;

@@ -148,6 +148,14 @@ fn the_serve_loop_unlinks_leftovers_after_its_clients_hang_up() {
     for (name, held) in [(&gone, b'Y'), (&kept, b'N')] {
         assert_eq!(query(&b, name), [held], "{name}");
     }
+    // And on a connection of its own, as `maintenance` asks it.
+    for (name, held) in [(&gone, true), (&kept, false), (&left, true)] {
+        assert_eq!(
+            crate::shm::registry::query(&addr, name).unwrap(),
+            held,
+            "{name}"
+        );
+    }
     drop(a);
     // One client remains, so nothing is cleaned up even after the grace period: past
     // it, the server still answers `b` and still counts `left` as held (an answer on

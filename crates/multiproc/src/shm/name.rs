@@ -7,6 +7,10 @@
 //! component (no `/`, no `..`) and can only ever name one of our own segments; names that
 //! arrive from other processes are parsed, never trusted. The 128 random bits come from
 //! `getrandom`, so names are unguessable and never reused.
+//!
+//! Reading a name's parts, listing the names in `/dev/shm` and removing one are here
+//! too; `crate::maintenance` is their public face (for `multiproc gc`, `doctor` and the
+//! tests).
 
 use std::fmt;
 
@@ -14,7 +18,7 @@ use super::tree::{Tree, this_tree};
 use crate::error::{Error, Result};
 use crate::sys;
 
-/// The prefix of every segment we name (also what `multiproc gc` looks for).
+/// The prefix of every segment we name.
 pub(crate) const PREFIX: &str = "multiproc_";
 const RANDOM_HEX: usize = 32;
 
@@ -87,6 +91,31 @@ impl SegmentName {
     pub(crate) fn as_str(&self) -> &str {
         &self.0
     }
+
+    /// The pid of the process that made the name.
+    pub(crate) fn creator(&self) -> u32 {
+        // `is_valid` checked: at most 10 digits; one above u32::MAX names no process.
+        self.parts().0.parse().unwrap_or(0)
+    }
+
+    /// The 32 hex digits of the name's random part.
+    pub(crate) fn random(&self) -> &str {
+        self.parts().1
+    }
+
+    /// The tree the name was made in, if it carries one.
+    pub(crate) fn tree(&self) -> Option<Tree> {
+        tree_of_name(&self.0)
+    }
+
+    /// `<pid>` and `<random>` of a valid name.
+    fn parts(&self) -> (&str, &str) {
+        let mut parts = self.0.strip_prefix(PREFIX).unwrap_or_default().split('_');
+        (
+            parts.next().unwrap_or_default(),
+            parts.next().unwrap_or_default(),
+        )
+    }
 }
 
 impl fmt::Display for SegmentName {
@@ -109,24 +138,35 @@ pub(crate) fn tree_of_name(name: &str) -> Option<Tree> {
     Tree::from_parts(root, start, random)
 }
 
+/// Every segment name in `/dev/shm` (of any process, tree or user), in no particular
+/// order; other files there are skipped. Empty when `/dev/shm` cannot be read.
+pub(crate) fn names_in_dev_shm() -> impl Iterator<Item = SegmentName> {
+    std::fs::read_dir("/dev/shm")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|entry| entry.file_name().into_string().ok())
+        .filter(|name| SegmentName::is_valid(name))
+        .map(SegmentName)
+}
+
+/// Removes the name `/dev/shm/<name>`: `Ok(false)` when it was gone already (someone
+/// else removed it first).
+pub(crate) fn remove(name: &SegmentName) -> Result<bool> {
+    sys::fs::unlink_if_present(shm_path(name))
+        .map_err(|e| Error::os(format!("unlink of {}", shm_path(name)), e))
+}
+
 /// Removes every `/dev/shm` name of `tree`; returns how many. Only sound once the
 /// tree's root is gone (see `tree`).
 pub(crate) fn remove_names_of(tree: &Tree) -> usize {
-    let Ok(dir) = std::fs::read_dir("/dev/shm") else {
-        return 0;
-    };
     let mut removed = 0;
-    for entry in dir.flatten() {
-        let name = entry.file_name();
-        let Some(name) = name.to_str() else { continue };
-        if !SegmentName::is_valid(name) || tree_of_name(name).as_ref() != Some(tree) {
-            continue;
-        }
-        match sys::fs::unlink_if_present(format!("/dev/shm/{name}")) {
+    for name in names_in_dev_shm().filter(|n| n.tree().as_ref() == Some(tree)) {
+        match remove(&name) {
             Ok(true) => removed += 1,
             Ok(false) => {}
             Err(e) => tracing::warn!(
-                segment = name,
+                segment = name.as_str(),
                 "cannot unlink a segment of a dead tree: {e}"
             ),
         }
@@ -136,17 +176,9 @@ pub(crate) fn remove_names_of(tree: &Tree) -> usize {
 
 /// The names in `/dev/shm` that process `pid` of this process's tree made.
 pub(crate) fn names_made_by(pid: u32) -> Vec<SegmentName> {
-    let Ok(dir) = std::fs::read_dir("/dev/shm") else {
-        return Vec::new();
-    };
-    let prefix = format!("{PREFIX}{pid}_");
     let tree = this_tree();
-    dir.flatten()
-        .filter_map(|entry| entry.file_name().into_string().ok())
-        .filter(|name| {
-            name.starts_with(&prefix) && SegmentName::is_valid(name) && tree_of_name(name) == tree
-        })
-        .map(SegmentName)
+    names_in_dev_shm()
+        .filter(|name| name.creator() == pid && name.tree() == tree)
         .collect()
 }
 

@@ -1,7 +1,9 @@
 //! The registry client: how a process tells its tree's shm manager (`crate::manager`,
 //! the daemon) which named segments it holds — one connection per process, the names
 //! this process holds, the request codec both sides speak, and starting (or
-//! restarting) the daemon by re-executing this binary.
+//! restarting) the daemon by re-executing this binary; and, for `crate::maintenance`,
+//! asking a manager whether it holds a name ([`query`]) and finding the live managers
+//! of this user.
 //!
 //! Invariant: `live` holds every named segment this process maps (created or
 //! received); after any (re)connection all of them are registered again, so a manager
@@ -18,7 +20,7 @@ use std::os::fd::{AsFd, OwnedFd};
 use std::time::{Duration, Instant};
 
 use super::name::{SegmentName, remove_names_of};
-use super::tree::{ADDRESS_ENV, Tree, address, address_if_used};
+use super::tree::{ADDRESS_ENV, Tree, address, address_if_used, is_valid_address};
 use crate::error::{Error, Result};
 use crate::role::{ROLE_VAR, Role};
 use crate::sys::abstract_socket::{self, AbstractAddress, IoMode};
@@ -363,8 +365,8 @@ pub(crate) fn interpret_status_line(line: &str, exe: &str) -> Result<()> {
 }
 
 /// A client request: one packet, `R`, `U` or `Q` followed by the segment name. `Q`
-/// (query, used by `multiproc gc`) is answered with one packet on the same
-/// connection: `Y` when the manager holds the name, `N` when not.
+/// (query, [`query`]'s, for `multiproc gc`) is answered with one packet on the same
+/// connection: [`HOLDS`] when the manager holds the name, [`DOES_NOT_HOLD`] when not.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) enum Request {
     Register(String),
@@ -400,6 +402,84 @@ impl Request {
             _ => None,
         }
     }
+}
+
+/// The manager's answer to a query for a name it holds.
+pub(crate) const HOLDS: &[u8] = b"Y";
+/// The manager's answer to a query for a name it does not hold.
+pub(crate) const DOES_NOT_HOLD: &[u8] = b"N";
+/// How long [`query`] waits for the manager's answer.
+const QUERY_TIMEOUT: Duration = Duration::from_millis(500);
+
+/// Asks the manager at `addr` whether it holds `name` (a `Query` on a connection of
+/// its own, answered at once: the daemon never blocks on a client). An error when
+/// nobody listens there, the listener is another user's, or no clear answer came
+/// within [`QUERY_TIMEOUT`] (a manager of an older multiproc ignores queries).
+pub(crate) fn query(addr: &str, name: &SegmentName) -> Result<bool> {
+    let sock = connect_to(addr)?.ok_or_else(|| {
+        Error::Manager(format!("nobody listens at @{addr}: the manager has gone"))
+    })?;
+    let deadline = deadline_after(Some(QUERY_TIMEOUT));
+    send_packet(
+        sock.as_fd(),
+        &Request::Query(name.as_str().to_owned()).encode(),
+        &[],
+        &[],
+        deadline,
+    )
+    .map_err(|e| Error::Manager(format!("cannot ask the shm manager at @{addr}: {e}")))?;
+    let mut answer = [0u8; 8];
+    match crate::sys::socket::recv_packet(sock.as_fd(), &mut answer, deadline) {
+        Ok(Some(p)) if p.bytes == HOLDS => Ok(true),
+        Ok(Some(p)) if p.bytes == DOES_NOT_HOLD => Ok(false),
+        Ok(Some(p)) => Err(Error::Manager(format!(
+            "the shm manager at @{addr} answered {:?} to a query, not Y or N",
+            String::from_utf8_lossy(&p.bytes)
+        ))),
+        Ok(None) => Err(Error::timeout(
+            format!("the shm manager at @{addr} to answer a query (an older multiproc?)"),
+            Some(QUERY_TIMEOUT),
+        )),
+        Err(e) => Err(Error::Manager(format!(
+            "no answer to a query from the shm manager at @{addr}: {e}"
+        ))),
+    }
+}
+
+/// The addresses of the live shm managers of this user: the processes whose
+/// environment has the role and the address [`start`] gives a manager
+/// (`MULTIPROC_ROLE=shm-manager`, `MULTIPROC_SHM_MANAGER=<address>`). Another user's
+/// manager cannot remove our files, so it is not listed.
+pub(crate) fn live_manager_addresses() -> Vec<String> {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    let me = crate::sys::fs::effective_uid();
+    let role = format!("{ROLE_VAR}={ROLE}");
+    let address = format!("{ADDRESS_ENV}=");
+    dir.flatten()
+        .filter(|e| {
+            e.file_name()
+                .to_str()
+                .and_then(|p| p.parse().ok())
+                .is_some_and(|pid| !crate::sys::process::process_is_dead(pid))
+                && std::fs::metadata(e.path()).is_ok_and(|m| m.uid() == me)
+        })
+        .filter_map(|e| {
+            let env = std::fs::read(e.path().join("environ")).ok()?;
+            let vars: Vec<&[u8]> = env.split(|&b| b == 0).collect();
+            if !vars.contains(&role.as_bytes()) {
+                return None;
+            }
+            vars.iter().find_map(|v| {
+                v.strip_prefix(address.as_bytes())
+                    .and_then(|a| std::str::from_utf8(a).ok())
+                    .filter(|a| is_valid_address(a))
+                    .map(str::to_owned)
+            })
+        })
+        .collect()
 }
 
 /// Run as this process exits (registered by `init` in a process that is not one

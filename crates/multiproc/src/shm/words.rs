@@ -132,6 +132,19 @@ impl SharedWords {
         Ok(block)
     }
 
+    /// Maps a block whose fd came another way than in a message (a benchmark's child
+    /// inherits it), checked as a received one is: a sealed memfd of a page, of `kind`.
+    #[cfg(feature = "bench-internals")]
+    pub(crate) fn open_inherited(fd: OwnedFd, kind: u32, what: &str) -> Result<Self> {
+        Self::open(fd, kind, 0, what)
+    }
+
+    /// The block's fd, to hand to a process another way than in a message.
+    #[cfg(feature = "bench-internals")]
+    pub(crate) fn fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+
     /// The value, counted among this process's values of the page (see [`Marker`]).
     fn counted(fd: OwnedFd, map: SharedMapping, bytes: usize, identity: (u64, u64)) -> Self {
         let block = Self {

@@ -118,23 +118,14 @@ fn warm_up() {
 /// binary running at the same time) are not ours to judge.
 pub fn our_segments() -> BTreeSet<String> {
     let me = std::process::id();
-    std::fs::read_dir("/dev/shm")
-        .map(|d| {
-            d.filter_map(|e| e.ok())
-                .map(|e| e.file_name().to_string_lossy().into_owned())
-                .filter(|n| {
-                    let creator = n
-                        .strip_prefix("multiproc_")
-                        .and_then(|rest| rest.split('_').next())
-                        .and_then(|pid| pid.parse::<u32>().ok());
-                    match creator {
-                        None => false,
-                        Some(pid) => pid == me || !alive(pid) || descends_from(pid, me),
-                    }
-                })
-                .collect()
+    multiproc::maintenance::segments()
+        .into_iter()
+        .filter(|s| {
+            let pid = s.creator();
+            pid == me || !alive(pid) || descends_from(pid, me)
         })
-        .unwrap_or_default()
+        .map(|s| s.name().to_owned())
+        .collect()
 }
 
 /// Whether `pid` is a descendant of `ancestor`.
