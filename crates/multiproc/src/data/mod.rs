@@ -115,7 +115,7 @@
 //! device, copied on a side stream `n` batches ahead, complete when handed over. Both
 //! reach a batch's tensors through [`Collate::batch_tensors`]: the default collate's
 //! batches (tensors, tuples of them) say how; a batch type of your own implements
-//! [`Tensors`]. Both are for map-style data sets for now.
+//! [`Tensors`]. Both are for map-style data sets only.
 //!
 //! # Seeds
 //!

@@ -1,7 +1,9 @@
 //! The transport under every queue: a shared-memory [`Ring`] plus a socket pair. What
 //! goes in comes out once, whole, to exactly one reader, whichever process it is in,
-//! first in first out; a message without fds goes through the ring with no system
-//! call, one with fds through the socket in its place behind a marker (see `ring`).
+//! first in first out for each producer; a message without fds that fits a slot goes
+//! through the ring with no system call, one with fds (or too large, or meeting a full
+//! ring) through the socket, and the lane's flag keeps each producer's order across the
+//! two (see `ring`).
 //!
 //! **Who still holds the queue.** Every channel value holds a peer lease (see
 //! `sys::lease`): the creator's, or the one a received message brought, which the

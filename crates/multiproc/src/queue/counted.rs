@@ -25,8 +25,9 @@
 //! the ring the window is the few instructions between moving the ring's head and
 //! giving the place back; for one on the socket it is the `recvmsg` itself (the kernel
 //! has dequeued the packet and the process dies on the way back to user space). The
-//! soak in `tests/faults.rs` loses about one place in 100 kills of a busy consumer
-//! (it lost two before the ring). The loss is bounded and reported: a later `put`
+//! soak (`cargo test -p multiproc --test faults -- --ignored soak`, the `slots_lost`
+//! count of `scenario_consumer_mid_get`) loses about one place per 100 kills of a busy
+//! consumer. The loss is bounded and reported: a later `put`
 //! waits for room and a `put_timeout` says it timed out. (Closing the ring's window
 //! would mean giving the place back in the same compare-and-swap as the take, which the
 //! ring's slot protocol does not couple to the count.)
@@ -153,8 +154,8 @@ impl Shared {
     /// is off the socket, before decoding it, so that a getter killed while decoding
     /// (mapping segments, registering names) leaks no place. A SIGKILL that lands
     /// while `recvmsg` itself runs (the packet is dequeued, the process dies on the way
-    /// back from the kernel) still loses one place — about 2 kills in 100 in
-    /// `tests/faults.rs` — as in Python's `multiprocessing.Queue`, whose getter frees
+    /// back from the kernel) still loses one place (how often: the module docs), as in
+    /// Python's `multiprocessing.Queue`, whose getter frees
     /// its semaphore after receiving. A later `put` then waits for room (and a
     /// `put_timeout` says it timed out); nothing hangs without a deadline the caller
     /// chose.

@@ -5,13 +5,15 @@
 //! queue holds, which makes queues multi-producer multi-consumer across processes with
 //! no feeder thread, and tells a getter when nobody is left to put:
 //!
-//! - a **ring** (`ring`): a shared-memory buffer of [`wire`](crate::wire) packets under
-//!   a process-shared lock. A message without fds goes from `put` to `get` through it
-//!   with no system call at all; a getter spins briefly and then sleeps on a futex,
-//!   woken only when it sleeps;
-//! - a `SOCK_SEQPACKET` **socket pair** for messages that carry fds (queues, events,
-//!   payloads over 16 KiB, tensors whose block could not be kept in custody), each
-//!   keeping its place in the order as a marker in the ring, and for overflow;
+//! - a **ring** (`ring`): 1,024 slots of [`wire`](crate::wire) packets in shared
+//!   memory, claimed and published by compare-and-swap, with no lock. A message without
+//!   fds that fits a slot goes from `put` to `get` through it with no system call at
+//!   all; a getter spins briefly and then sleeps on a futex, woken only when it sleeps;
+//! - a `SOCK_SEQPACKET` **socket pair**, the *lane*, for what the ring cannot take:
+//!   messages that carry fds (queues, events, locks, tensors whose block could not be
+//!   kept in custody), messages larger than a slot, any message while the ring is full,
+//!   and every message while the lane is flagged, which keeps each producer's order
+//!   (see `ring`);
 //! - a **custody** (`custody`): a second socket pair whose queued packets hold the fds
 //!   of the tensor blocks sent through the queue, so that a message names a block by
 //!   inode alone and a receiver that already maps it (the common case: blocks are
@@ -24,8 +26,8 @@
 //!   instead of a wait that never ends.
 //!
 //! The counters a `Queue` needs (capacity, size, unfinished tasks) live in the ring's
-//! block of atomics. A [`pipe`] is a plain socket pair (one reader per end, and hang-up
-//! detection).
+//! block of atomics. A [`pipe`] is a plain socket pair with no ring: each message is one
+//! packet with its fds attached (one reader per end, and hang-up detection).
 //!
 //! One tensor from `put` to `get`: `Queue::put` encodes the item with the channel's
 //! custody lent to the encode (`wire::encode_in`, `wire::Custody`); the tensor's `Storage` moves to shared memory if it

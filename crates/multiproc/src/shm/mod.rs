@@ -46,11 +46,9 @@
 //! arena blocks, so a handle names a segment *and* an offset in it; a large storage has
 //! a block of its own. A handle to a block (`HandleWire::Block`) carries one use, as a
 //! [`InFlightUse`] the message holds (see `reference`), which the receiving storage adopts
-//! and keeps as long as it lives. (Segments used to be made fresh for every large
-//! storage and arenas thrown away when full, so every large tensor paid for zeroing,
-//! faulting in and unmapping its pages on both sides; a recycled block that both sides
-//! keep mapped pays for none of that.) `file_system` storages live in named blocks,
-//! alike (see `segment::block`).
+//! and keeps as long as it lives. A recycled block that both sides keep mapped costs a
+//! tensor no zeroing, faulting in or unmapping of its pages on either side.
+//! `file_system` storages live in named blocks, alike (see `segment::block`).
 //!
 //! Invariant of the map cache: a process maps each segment at most once while it is
 //! alive (keyed by device+inode for memfds, by name for named segments), so the same
@@ -122,8 +120,8 @@ use crate::error::{Error, Result};
 use crate::wire::{Custody, Decoder, Encoder, KeptBlock, Reference};
 
 /// Creates a plain segment (not a block) of `len > 0` bytes with `strategy`, already in
-/// this process's map cache. Storages live in blocks (see `recycler`); plain segments
-/// are made only by tests now, and still accepted from the wire.
+/// this process's map cache. Storages live in blocks (see `recycler`); only tests make
+/// plain segments, and the wire accepts them.
 #[cfg(test)]
 pub(crate) fn create(strategy: SharingStrategy, len: usize) -> Result<Arc<Segment>> {
     let segment = match strategy {

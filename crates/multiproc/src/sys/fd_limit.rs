@@ -5,8 +5,10 @@
 //!
 //! No unsafe code: `getrlimit` and `setrlimit` through rustix, on this process only.
 //!
-//! Every tensor in flight holds an fd, so the default soft limit (often 1,024) is what a
-//! busy program meets first; the hard limit is as far as an unprivileged process may go.
+//! Every memfd block a process maps holds an fd (the blocks it pools, and each received
+//! one while a tensor on it lives or while it is kept mapped for reuse), so the default
+//! soft limit (often 1,024) is what a program holding many large tensors meets first;
+//! the hard limit is as far as an unprivileged process may go.
 
 use rustix::process::{Resource, Rlimit};
 

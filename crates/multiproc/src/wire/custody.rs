@@ -19,7 +19,7 @@
 //! its fds live in a socket buffer that every holder of the channel shares, so the
 //! sender may exit (or be killed) right after `put` returns and the receiver still
 //! finds the block. A block that cannot go into custody (its buffer is full, the fd
-//! limit) travels with its fd as before.
+//! limit) travels with its fd attached to the message, which then goes on the socket.
 //!
 //! The codec knows custodies only by this trait, and blocks only by what the trait
 //! takes ([`KeptBlock`]); the layer that owns blocks and the layer that owns channels

@@ -1,4 +1,5 @@
-//! The wire: how a value becomes one packet on a socket, and back.
+//! The wire: how a value becomes one packet — a record in a queue's ring or a packet on
+//! a socket — and back.
 //!
 //! A message is a serde value encoded with postcard. Values that stand for kernel
 //! objects — tensors' shared segments, queues, events, locks — do not serialize their
@@ -10,9 +11,10 @@
 //! lent). Tensors' segments use the cheap forms on both sides —
 //! [`Encoder::attach_shared_fd`] keeps the segment's `Arc`'d fd instead of a `dup`, and
 //! a received segment that is already mapped needs only an `fstat` of the lent fd — so
-//! a tensor costs no `dup`/`close` pair per message on either side. The table travels as
-//! `SCM_RIGHTS` in the same `sendmsg` as the bytes, so a message and its handles arrive
-//! together or not at all, and the sender may exit as soon as the send returns.
+//! a tensor costs no `dup`/`close` pair per message on either side. On a socket the
+//! table travels as `SCM_RIGHTS` in the same `sendmsg` as the bytes, so a message and
+//! its handles arrive together or not at all, and the sender may exit as soon as the
+//! send returns.
 //!
 //! Packet layout (all little-endian):
 //!
