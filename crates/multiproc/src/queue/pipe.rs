@@ -24,7 +24,7 @@ use crate::wire::{self, Decoder, Encoder};
 ///
 /// ```
 /// let (a, b) = multiproc::pipe::<String>()?;
-/// a.send("hello".to_string()).map_err(multiproc::Error::from)?;
+/// a.send("hello".to_string())?;
 /// assert_eq!(b.recv()?, "hello");
 /// # Ok::<(), multiproc::Error>(())
 /// ```
@@ -50,7 +50,7 @@ pub fn pipe<T: Serialize + DeserializeOwned>() -> Result<(Connection<T>, Connect
 /// use std::time::Duration;
 /// let (a, a_peer) = multiproc::pipe::<u8>()?;
 /// let (b, b_peer) = multiproc::pipe::<String>()?;
-/// b_peer.send("ready".into()).map_err(multiproc::Error::from)?;
+/// b_peer.send("ready".into())?;
 /// let ready = multiproc::connection::wait(&[&a as &dyn AsFd, &b], Some(Duration::from_secs(5)))?;
 /// assert_eq!(ready, [1]);
 /// # drop((a_peer, a));
