@@ -15,7 +15,8 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use common::secs;
-use multiproc::{Error, Event, Process, Queue, StartMethod};
+use multiproc::connection::{Waitable, wait};
+use multiproc::{Error, Event, Process, Queue, SimpleQueue, StartMethod};
 
 // ---------------------------------------------------------------------------------------
 // Workers (functions of this executable, found again by the spawned copies).
@@ -34,6 +35,23 @@ fn exit_with(_rank: usize, code: i32) {
 fn put_two(_rank: usize, q: Queue<u32>) -> multiproc::Result<()> {
     q.put(1)?;
     q.put(2)?;
+    Ok(())
+}
+
+/// Waits for `go`, then puts `item` on `q` and waits for `done` before it ends.
+fn put_on_go(
+    _rank: usize,
+    (go, q, item, done): (Event, Queue<u32>, u32, Event),
+) -> multiproc::Result<()> {
+    go.wait(Some(secs(60)))?;
+    q.put(item)?;
+    done.wait(Some(secs(60)))?;
+    Ok(())
+}
+
+/// Waits for `go`, then ends.
+fn end_on_go(_rank: usize, go: Event) -> multiproc::Result<()> {
+    go.wait(Some(secs(60)))?;
     Ok(())
 }
 
@@ -210,5 +228,90 @@ fn a_drop_that_waits_says_for_what() {
             let status = child.wait().unwrap();
             assert!(status.success(), "{owner}: {status}");
         }
+    });
+}
+
+// ---------------------------------------------------------------------------------------
+// Item: one wait on queues and processes together.
+
+#[test]
+fn wait_wakes_for_an_item_on_one_of_several_queues_and_takes_nothing() {
+    common::run(secs(60), || {
+        let (idle, busy) = (
+            Queue::<u32>::new().unwrap(),
+            Queue::<u32>::with_capacity(2).unwrap(),
+        );
+        // Another handle of each: neither is disconnected (which would make it ready).
+        let keep = (idle.clone(), busy.clone());
+        let (go, done) = (Event::new().unwrap(), Event::new().unwrap());
+        let mut p = Process::new(put_on_go, 0, (go.clone(), busy.clone(), 7, done.clone()));
+        p.start().unwrap();
+        let setter = std::thread::spawn(move || go.set());
+        let ready = wait(&[&idle as &dyn Waitable, &busy, &p], Some(secs(30))).unwrap();
+        assert_eq!(ready, [1], "only the queue with an item is ready");
+        setter.join().unwrap();
+        assert_eq!(busy.qsize(), 1, "the wait took nothing");
+        assert_eq!(busy.try_get().unwrap(), Some(7));
+        done.set();
+        assert!(p.join(None).unwrap().success(), "{:?}", p.error());
+        drop(keep);
+    });
+}
+
+#[test]
+fn wait_wakes_when_a_process_exits() {
+    common::run(secs(60), || {
+        let q = SimpleQueue::<u32>::new().unwrap();
+        let keep = q.clone(); // another handle: the queue stays connected
+        let go = Event::new().unwrap();
+        let mut p = Process::new(end_on_go, 3, go.clone()).with_name("transformer-3");
+        p.start().unwrap();
+        let setter = std::thread::spawn(move || go.set());
+        let ready = wait(&[&q as &dyn Waitable, &p], Some(secs(30))).unwrap();
+        assert_eq!(ready, [1]);
+        setter.join().unwrap();
+        assert!(!p.is_alive());
+        assert!(p.join(None).unwrap().success());
+        assert_eq!(q.try_get().unwrap(), None);
+        drop(keep);
+    });
+}
+
+#[test]
+fn wait_times_out_when_nothing_happens() {
+    common::run(secs(60), || {
+        let (a, b) = (
+            Queue::<u32>::new().unwrap(),
+            SimpleQueue::<u32>::new().unwrap(),
+        );
+        let keep = (a.clone(), b.clone());
+        let (reader, writer) = multiproc::pipe::<u8>().unwrap();
+        let go = Event::new().unwrap();
+        let mut p = Process::new(end_on_go, 0, go.clone());
+        p.start().unwrap();
+        let start = Instant::now();
+        let err = wait(
+            &[&a as &dyn Waitable, &b, &p, &reader],
+            Some(Duration::from_millis(100)),
+        )
+        .unwrap_err();
+        assert!(err.is_timeout(), "{err}");
+        assert!(start.elapsed() >= Duration::from_millis(100));
+        // A queue whose last other handle goes is ready: its get says Disconnected.
+        drop(keep);
+        assert_eq!(
+            wait(&[&a as &dyn Waitable, &b, &p], Some(secs(10))).unwrap(),
+            [0, 1]
+        );
+        assert!(a.get().unwrap_err().is_disconnected());
+        // A pipe end is ready when an item waits; a process once it ends.
+        writer.send(1).unwrap();
+        assert_eq!(
+            wait(&[&p as &dyn Waitable, &reader], Some(secs(10))).unwrap(),
+            [1]
+        );
+        go.set();
+        p.join(None).unwrap();
+        assert_eq!(wait(&[&p], Some(secs(10))).unwrap(), [0]);
     });
 }

@@ -14,6 +14,7 @@ use super::job::{JobHeader, default_name};
 use super::start_method::StartMethod;
 use super::worker_outcome::IntoWorkerOutcome;
 use crate::error::{Error, Result};
+use crate::queue::WaitSource;
 use crate::sys::deadline_after;
 use crate::wire::{self, Encoded};
 
@@ -163,8 +164,9 @@ impl Process {
 
     /// Python's `Process.sentinel`: once started, a descriptor (its pidfd) that becomes
     /// readable when the process exits, to wait on together with pipes through
-    /// [`connection::wait`](crate::connection::wait). Waiting on it does not reap the
-    /// process: [`join`](Self::join) does.
+    /// [`connection::wait`](crate::connection::wait) (which also takes the `Process`
+    /// itself, beside queues). Waiting on it does not reap the process:
+    /// [`join`](Self::join) does.
     pub fn sentinel(&self) -> Option<BorrowedFd<'_>> {
         self.child.as_ref().map(|c| c.pidfd())
     }
@@ -282,6 +284,17 @@ impl Process {
             Some(child) => child.describe(),
             None if self.name == default_name(self.rank) => format!("process {}", self.rank),
             None => format!("{} (rank {})", self.name, self.rank),
+        }
+    }
+}
+
+impl crate::queue::Waitable for Process {
+    /// Ready once it has exited (its [`sentinel`](Process::sentinel)); never, before it
+    /// is started.
+    fn wait_source(&self) -> WaitSource<'_> {
+        match &self.child {
+            Some(child) => WaitSource::fd(child.pidfd()),
+            None => WaitSource::never(),
         }
     }
 }
