@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use common::secs;
 use multiproc::connection::{Waitable, wait};
-use multiproc::{Error, Event, Process, Queue, SimpleQueue, StartMethod};
+use multiproc::{Error, Event, Pool, Process, Queue, SimpleQueue, StartMethod};
 
 // ---------------------------------------------------------------------------------------
 // Workers (functions of this executable, found again by the spawned copies).
@@ -313,5 +313,47 @@ fn wait_times_out_when_nothing_happens() {
         go.set();
         p.join(None).unwrap();
         assert_eq!(wait(&[&p], Some(secs(10))).unwrap(), [0]);
+    });
+}
+
+// ---------------------------------------------------------------------------------------
+// Item: imap with a chunk size.
+
+fn square_unless_13(x: u64) -> Result<u64, String> {
+    if x == 13 {
+        Err("13 is unlucky".into())
+    } else {
+        Ok(x * x)
+    }
+}
+
+#[test]
+fn imap_chunked_yields_every_result_in_order() {
+    common::run(secs(60), || {
+        let mut pool = Pool::new(2).unwrap();
+        for chunksize in [0, 1, 7, 64, 1000] {
+            let got: Vec<_> = pool
+                .imap_chunked(square_unless_13, 0..500u64, chunksize)
+                .collect();
+            assert_eq!(got.len(), 500, "chunksize {chunksize}");
+            for (x, r) in got.into_iter().enumerate() {
+                match r {
+                    Ok(v) => assert_eq!(v, (x * x) as u64, "chunksize {chunksize}"),
+                    Err(e) => assert!(
+                        x == 13 && matches!(e, Error::TaskFailed { index: 13, .. }),
+                        "chunksize {chunksize}, item {x}: {e}"
+                    ),
+                }
+            }
+            let mut unordered: Vec<u64> = pool
+                .imap_unordered_chunked(square_unless_13, 0..500u64, chunksize)
+                .filter_map(Result::ok)
+                .collect();
+            unordered.sort_unstable();
+            let expected: Vec<u64> = (0..500u64).filter(|&x| x != 13).map(|x| x * x).collect();
+            assert_eq!(unordered, expected, "chunksize {chunksize}");
+        }
+        pool.close();
+        pool.join(None).unwrap();
     });
 }
