@@ -205,7 +205,7 @@ fn ping(strategy: SharingStrategy, bytes: u64, count: u64) -> multiproc::Result<
     t.share_memory_()?;
     let start = Instant::now();
     for _ in 0..count {
-        there.put(Msg::Tensor(t)).map_err(multiproc::Error::from)?;
+        there.put(Msg::Tensor(t))?;
         t = match back.get_timeout(Duration::from_secs(60))? {
             Msg::Tensor(t) => t,
             Msg::Ready => {
@@ -792,7 +792,7 @@ pub fn wake(scale: f64) -> multiproc::Result<Vec<Figure>> {
     let (mut blocking, mut awaited) = (Vec::new(), Vec::new());
     let start = Instant::now();
     for i in 0..count {
-        go.put(i).map_err(multiproc::Error::from)?;
+        go.put(i)?;
         let (put_at, now) = if i % 2 == 0 {
             let put_at = back.get_timeout(Duration::from_secs(60))?;
             (put_at, monotonic_ns())

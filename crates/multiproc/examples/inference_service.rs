@@ -385,7 +385,7 @@ impl Running {
         let _ = self.server.await;
         self.service.stopping.store(true, Ordering::Release);
         for slot in &self.service.books().slots {
-            slot.jobs.put(None).map_err(multiproc::Error::from)?;
+            slot.jobs.put(None)?;
         }
         let gone = |what: &'static str| {
             move |e: tokio::task::JoinError| {

@@ -226,7 +226,8 @@
 //! ```
 //!
 //! A [`pipe`] gives two [`Connection`] ends; [`connection::wait`] waits on several at
-//! once, as Python's `multiprocessing.connection.wait` does.
+//! once — pipe ends, queues and processes mixed, until one has an item or has exited —
+//! as Python's `multiprocessing.connection.wait` does.
 //!
 //! ## The pool
 //!
@@ -637,9 +638,9 @@ pub use queue::{Connection, JoinableQueue, Queue, QueueIter, QueueTryIter, Simpl
 
 #[cfg(target_os = "linux")]
 /// Python's `multiprocessing.connection`: [`Connection`] and [`wait`](connection::wait)
-/// on several at once.
+/// on several queues, pipe ends and processes at once.
 pub mod connection {
-    pub use crate::queue::{Connection, wait};
+    pub use crate::queue::{Connection, Waitable, wait};
 }
 #[cfg(target_os = "linux")]
 pub use sharing::{

@@ -239,7 +239,7 @@ fn exception_in_one_process_while_the_other_sleeps() {
                     "{message}"
                 );
                 assert!(
-                    message.starts_with(&format!("process {target} raised: ")),
+                    message.starts_with(&format!("process {target} (pid {pid}) raised: ")),
                     "{message}"
                 );
                 assert!(
@@ -334,7 +334,8 @@ fn abort_is_reported_with_its_signal_name() {
             assert_eq!(*exit_code, None);
             assert_eq!(signal_name.as_deref(), Some("SIGABRT"), "{method}");
             assert!(
-                message.starts_with("process 0 terminated with signal SIGABRT"),
+                message.starts_with("process 0 (pid ")
+                    && message.contains(") terminated with signal SIGABRT"),
                 "{message}"
             );
         }
@@ -364,7 +365,10 @@ fn exit_code_is_reported_long_before_the_sleeper_ends() {
             };
             assert_eq!((*error_index, *exit_code), (0, Some(123)), "{method}");
             assert_eq!(*signal_name, None);
-            assert_eq!(message, "process 0 terminated with exit code 123");
+            assert_eq!(
+                *message,
+                format!("process 0 (pid {}) terminated with exit code 123", pids[0])
+            );
             assert!(others.is_empty(), "{others:?}");
             // Reported well before the sleeper's 4 s were up: it was terminated.
             assert!(elapsed < secs(4), "{method}: took {elapsed:?}");
@@ -475,7 +479,10 @@ fn sigterm_to_a_worker_is_reported() {
             };
             assert_eq!((*error_index, *failed_pid), (1, pid));
             assert_eq!(signal_name.as_deref(), Some("SIGTERM"));
-            assert_eq!(message, "process 1 terminated with signal SIGTERM");
+            assert_eq!(
+                *message,
+                format!("process 1 (pid {pid}) terminated with signal SIGTERM")
+            );
         }
     });
 }

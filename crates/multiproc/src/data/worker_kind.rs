@@ -203,8 +203,8 @@ impl Worker {
 
     /// Why it failed, once it has ended failing: the error it returned, its panic, or
     /// (a process) the signal or exit code.
-    pub(crate) fn error(&self) -> Option<String> {
-        match &self.handle {
+    pub(crate) fn error(&mut self) -> Option<String> {
+        match &mut self.handle {
             Handle::Process(p) => p.error().map(|e| e.to_string()),
             Handle::Thread(t) => t.outcome().and_then(|o| o.err()),
         }

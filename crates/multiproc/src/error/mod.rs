@@ -72,8 +72,10 @@ pub enum Error {
         error_index: usize,
         /// Its process id.
         pid: i32,
-        /// What it raised: rank, panic text and location (and the backtrace when
-        /// `RUST_BACKTRACE` is set), or the `Display` of the returned error.
+        /// What it raised, after who raised it ("transformer-1 (rank 1, pid 4242)
+        /// raised: …", or "process 1 (pid 4242) raised: …" for a process without a
+        /// name): the panic text and location (and the backtrace when `RUST_BACKTRACE`
+        /// is set), or the `Display` of the returned error.
         message: String,
         /// Every other rank that failed, in the order their failures were seen.
         others: Vec<Failure>,
@@ -90,7 +92,9 @@ pub enum Error {
         exit_code: Option<i32>,
         /// The signal's name (`SIGKILL`), when a signal ended it.
         signal_name: Option<String>,
-        /// "process 0 terminated with exit code 123" and advice where there is some.
+        /// "process 0 (pid 4242) terminated with exit code 123" (a named process:
+        /// "transformer-1 (rank 1, pid 4242) terminated …") and advice where there is
+        /// some.
         message: String,
         /// Every other rank that failed, in the order their failures were seen.
         others: Vec<Failure>,
@@ -283,19 +287,51 @@ impl Error {
 
     /// Wraps a user's own error as [`Error::User`], so that a function returning
     /// [`multiproc::Result`](Result) can use `?` on it: `parse(s).map_err(Error::user)?`.
+    /// Anything that converts into a boxed error works: every error type (kept as it
+    /// is, to downcast through [`UserError::get_ref`]), a `Box<dyn Error>`, a `String`
+    /// or a `&str` (see also [`Error::msg`]).
     ///
     /// # Examples
     ///
     /// ```
+    /// use multiproc::Error;
+    ///
     /// fn width(s: &str) -> multiproc::Result<usize> {
-    ///     Ok(s.parse::<usize>().map_err(multiproc::Error::user)?)
+    ///     let w = s.parse::<usize>().map_err(Error::user)?;
+    ///     if w > 80 {
+    ///         return Err(Error::user(format!("width {w} is over 80")));
+    ///     }
+    ///     Ok(w)
     /// }
     /// let err = width("wide").unwrap_err();
-    /// assert!(matches!(err, multiproc::Error::User(_)));
+    /// assert!(matches!(err, Error::User(_)));
     /// assert_eq!(err.to_string(), "invalid digit found in string");
+    /// assert_eq!(width("81").unwrap_err().to_string(), "width 81 is over 80");
     /// ```
-    pub fn user(err: impl std::error::Error + Send + Sync + 'static) -> Self {
-        Error::User(UserError::new(Arc::new(err)))
+    pub fn user(err: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
+        Error::User(UserError::new(Arc::from(err.into())))
+    }
+
+    /// An [`Error::User`] that says `message`: anything [`Display`](std::fmt::Display),
+    /// like `anyhow!`. `Error::msg(format!(..))` is `Error::user(format!(..))`; `msg`
+    /// also takes a value that is `Display` without being an error.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use multiproc::Error;
+    ///
+    /// fn check(rows: usize) -> multiproc::Result<()> {
+    ///     if rows == 0 {
+    ///         return Err(Error::msg(format!("shard has {rows} rows")));
+    ///     }
+    ///     Ok(())
+    /// }
+    /// assert_eq!(check(0).unwrap_err().to_string(), "shard has 0 rows");
+    /// assert_eq!(Error::msg(42).to_string(), "42");
+    /// ```
+    pub fn msg(message: impl std::fmt::Display) -> Self {
+        Error::user(message.to_string())
     }
 
     /// Whether this is an [`Error::Timeout`]: a wait ran past the deadline its caller
@@ -401,6 +437,15 @@ mod tests {
         assert_eq!(again.to_string(), std::fmt::Error.to_string());
         let boxed: Box<dyn std::error::Error + Send + Sync> = "bad shard".into();
         assert_eq!(Error::from(boxed).to_string(), "bad shard");
+        // Text and boxed errors are user errors too, without a wrapper of their own.
+        assert_eq!(Error::user("bad row").to_string(), "bad row");
+        assert_eq!(Error::user(format!("row {}", 3)).to_string(), "row 3");
+        let boxed: Box<dyn std::error::Error + Send + Sync> = Box::new(std::fmt::Error);
+        let Error::User(inner) = Error::user(boxed) else {
+            panic!()
+        };
+        assert!(inner.get_ref().downcast_ref::<std::fmt::Error>().is_some());
+        assert_eq!(Error::msg(7).to_string(), "7");
     }
 
     #[test]

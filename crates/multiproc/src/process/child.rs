@@ -44,6 +44,10 @@ enum ExitSource {
 pub(crate) struct Child {
     pub rank: usize,
     pub pid: i32,
+    /// Its name (`Process-RANK` unless it was given one).
+    name: String,
+    /// What holds it, for the message of a drop that waits for it.
+    pub owner: Owner,
     pidfd: OwnedFd,
     exit_source: ExitSource,
     /// The parent end of the job socket, while a report may still arrive on it.
@@ -58,6 +62,21 @@ pub(crate) struct Child {
     /// How it was started: says why a worker may exit 0 without a report.
     method: StartMethod,
 }
+
+/// What holds a [`Child`]: the handle a user drops, named in the message of a drop that
+/// has to wait.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Owner {
+    /// A [`Process`](crate::Process).
+    Process,
+    /// A [`ProcessContext`](crate::ProcessContext).
+    Context,
+}
+
+/// How long dropping a running non-daemon worker waits before it says what it waits
+/// for, and then how often it says so again.
+const DROP_WARN_AFTER: Duration = Duration::from_secs(3);
+const DROP_WARN_EVERY: Duration = Duration::from_secs(30);
 
 /// What a worker needs to start.
 pub(crate) struct JobSpec {
@@ -157,9 +176,11 @@ impl Child {
         let span = tracing::debug_span!("multiproc::spawn", rank, pid, %method, name = %name);
         span.in_scope(|| tracing::debug!("worker started"));
         Ok(Child {
-            registration: super::current::register(rank, pid, name),
+            registration: super::current::register(rank, pid, name.clone()),
             rank,
             pid,
+            name,
+            owner: Owner::Process,
             pidfd,
             exit_source,
             channel: Some(channel),
@@ -273,7 +294,7 @@ impl Child {
                     match wire::decode::<Report>(packet, &crate::shm::Returns::plain()) {
                         Ok(report) => report,
                         Err(e) => Report::Raised {
-                            message: format!("process {} sent a malformed report: {e}", self.rank),
+                            message: format!("{} sent a malformed report: {e}", self.describe()),
                         },
                     },
                 );
@@ -359,18 +380,21 @@ impl Child {
         })
     }
 
+    /// The worker as messages name it: `transformer-1 (rank 1, pid 4242)`, or
+    /// `process 1 (pid 4242)` without a name of its own.
+    pub(crate) fn describe(&self) -> String {
+        super::job::describe(self.rank, &self.name, self.pid)
+    }
+
     fn exit_message(&self, status: ExitStatus) -> String {
-        let rank = self.rank;
+        let who = self.describe();
         if self.exited_without_report(status) {
             return self.unreported_exit_message();
         }
         match (status.code(), status.signal()) {
-            (Some(code), _) => format!("process {rank} terminated with exit code {code}"),
+            (Some(code), _) => format!("{who} terminated with exit code {code}"),
             (None, Some(sig)) => {
-                let mut m = format!(
-                    "process {rank} terminated with signal {}",
-                    sys::signal_name(sig)
-                );
+                let mut m = format!("{who} terminated with signal {}", sys::signal_name(sig));
                 if status.core_dumped() {
                     m.push_str(" (core dumped)");
                 }
@@ -385,7 +409,7 @@ impl Child {
                 m
             }
             (None, None) => format!(
-                "process {rank} terminated with an unknown status (it was reaped outside \
+                "{who} terminated with an unknown status (it was reaped outside \
                  multiproc, or the fork server died)"
             ),
         }
@@ -393,10 +417,10 @@ impl Child {
 
     /// Why a worker exited 0 without reporting, by start method.
     fn unreported_exit_message(&self) -> String {
-        let rank = self.rank;
+        let who = self.describe();
         match self.method {
             StartMethod::Spawn => format!(
-                "process {rank} exited with code 0 without reporting a result: the program \
+                "{who} exited with code 0 without reporting a result: the program \
                  {} ran its main again instead of the worker's job, so its main does not call \
                  multiproc::init() first thing (in integration tests, put \
                  `multiproc::test_init!();` at the top of the test file); or the job called \
@@ -404,7 +428,7 @@ impl Child {
                 current::program_name()
             ),
             StartMethod::Fork | StartMethod::Forkserver => format!(
-                "process {rank} exited with code 0 without reporting a result: its job called \
+                "{who} exited with code 0 without reporting a result: its job called \
                  std::process::exit (or exited another way) before returning"
             ),
         }
@@ -440,7 +464,7 @@ impl Drop for Child {
         if self.daemon {
             let _ = self.signal(libc::SIGKILL);
         }
-        match self.wait(None) {
+        match self.wait_saying_why() {
             Ok(_) => {}
             Err(e) => {
                 // Cannot wait (should not happen): make sure it dies, and try once more.
@@ -452,5 +476,51 @@ impl Drop for Child {
                 let _ = self.wait(None);
             }
         }
+    }
+}
+
+impl Child {
+    /// Waits for a dropped worker without limit, as Python joins a non-daemon child,
+    /// but not silently: after [`DROP_WARN_AFTER`], and every [`DROP_WARN_EVERY`]
+    /// after that, says on stderr and through `tracing` which worker it waits for and
+    /// how not to (a worker blocked for good, say on a full queue whose readers are
+    /// gone, would otherwise hang its parent's exit without a word).
+    fn wait_saying_why(&mut self) -> Result<bool> {
+        let started = std::time::Instant::now();
+        let mut slice = DROP_WARN_AFTER;
+        loop {
+            if self.wait(deadline_after(Some(slice)))? {
+                return Ok(true);
+            }
+            let message = self.drop_wait_message(started.elapsed());
+            tracing::warn!(pid = self.pid, rank = self.rank, name = %self.name, "{message}");
+            eprintln!("{message}");
+            slice = DROP_WARN_EVERY;
+        }
+    }
+
+    fn drop_wait_message(&self, waited: Duration) -> String {
+        let who = self.describe();
+        let waited = waited.as_secs();
+        let advice = match self.owner {
+            Owner::Process => {
+                "to not wait, join it with a timeout (`join(Some(..))`) and then \
+                 `terminate()` or `kill()` it, or make it a daemon (`.daemon(true)`), \
+                 which dropping kills"
+            }
+            Owner::Context => {
+                "to not wait, join the context with a timeout (`join(Some(..))`), or start \
+                 it with `SpawnOptions::daemon(true)`, whose workers dropping kills"
+            }
+        };
+        let holder = match self.owner {
+            Owner::Process => "its Process",
+            Owner::Context => "its ProcessContext",
+        };
+        format!(
+            "multiproc: {holder} was dropped while {who} still runs; waiting for it to \
+             exit (it is not a daemon), {waited} s so far. If it is blocked (on a full \
+             queue whose readers are gone, say), this waits forever: {advice}"
+        )
     }
 }

@@ -17,7 +17,7 @@ use std::time::Duration;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use super::child::{Child, JobSpec, worker_env};
+use super::child::{Child, JobSpec, Owner, worker_env};
 use super::job::JobHeader;
 use super::worker_outcome::IntoWorkerOutcome;
 use super::{ExitStatus, StartMethod};
@@ -234,7 +234,10 @@ impl SpawnOptions {
                 })
             });
             match started {
-                Ok(child) => children.push(child),
+                Ok(mut child) => {
+                    child.owner = Owner::Context;
+                    children.push(child);
+                }
                 Err(e) => {
                     for child in &mut children {
                         child.daemon = true; // dropping kills and reaps

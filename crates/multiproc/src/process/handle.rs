@@ -10,10 +10,11 @@ use serde::de::DeserializeOwned;
 
 use super::child::{Child, JobSpec, worker_env};
 use super::exit_status::ExitStatus;
-use super::job::JobHeader;
+use super::job::{JobHeader, default_name};
 use super::start_method::StartMethod;
 use super::worker_outcome::IntoWorkerOutcome;
 use crate::error::{Error, Result};
+use crate::queue::WaitSource;
 use crate::sys::deadline_after;
 use crate::wire::{self, Encoded};
 
@@ -39,10 +40,24 @@ use crate::wire::{self, Encoded};
 /// }
 /// ```
 ///
+/// # Dropping a running process
+///
 /// Dropping a `Process` that still runs: a daemon is killed (SIGKILL); a non-daemon is
 /// waited for, as Python joins non-daemonic children at exit. Either way it is reaped:
 /// no zombie remains. Whatever happens to the parent, the worker dies with it (its
 /// parent-death signal is SIGKILL).
+///
+/// A non-daemon that never ends — a reader blocked on a full queue whose consumers
+/// died, say — makes that drop wait forever, and with it an early `return Err(..)`
+/// from `main`. So the drop does not wait silently: after 3 s, and every 30 s after
+/// that, it says on stderr (and as a `tracing` warning) which process it waits for, by
+/// name and pid. To not wait at all, end what you start before you drop it:
+///
+/// - [`join`](Self::join) it with a timeout, and [`terminate`](Self::terminate) or
+///   [`kill`](Self::kill) it when the timeout passes;
+/// - or make it a [`daemon`](Self::daemon), which dropping kills.
+///
+/// A [`ProcessContext`](crate::ProcessContext) drops its workers the same way.
 pub struct Process {
     rank: usize,
     method: StartMethod,
@@ -69,7 +84,7 @@ impl Process {
             method: StartMethod::default(),
             daemon: false,
             world_size: None,
-            name: format!("Process-{rank}"),
+            name: default_name(rank),
             pending: Some((JobHeader::new(worker, rank), wire::encode(&args))),
             child: None,
         }
@@ -118,8 +133,8 @@ impl Process {
     pub fn start(&mut self) -> Result<()> {
         let Some((header, args)) = self.pending.take() else {
             return Err(Error::InvalidArgument(format!(
-                "process {} was already started; a Process starts once",
-                self.rank
+                "{} was already started; a Process starts once",
+                self.describe()
             )));
         };
         self.child = Some(Child::start(JobSpec {
@@ -149,8 +164,9 @@ impl Process {
 
     /// Python's `Process.sentinel`: once started, a descriptor (its pidfd) that becomes
     /// readable when the process exits, to wait on together with pipes through
-    /// [`connection::wait`](crate::connection::wait). Waiting on it does not reap the
-    /// process: [`join`](Self::join) does.
+    /// [`connection::wait`](crate::connection::wait) (which also takes the `Process`
+    /// itself, beside queues). Waiting on it does not reap the process:
+    /// [`join`](Self::join) does.
     pub fn sentinel(&self) -> Option<BorrowedFd<'_>> {
         self.child.as_ref().map(|c| c.pidfd())
     }
@@ -167,15 +183,11 @@ impl Process {
     /// [`Error::Timeout`] when it still runs at the deadline; [`Error::InvalidArgument`]
     /// when it was never started; an [`Error::Os`] when waiting failed.
     pub fn join(&mut self, timeout: Option<Duration>) -> Result<ExitStatus> {
-        let rank = self.rank;
         let child = self.started_mut("join")?;
         child.wait(deadline_after(timeout))?;
         child.status().ok_or_else(|| {
             Error::timeout(
-                format!(
-                    "a join of process {rank} (pid {}), which still runs",
-                    child.pid
-                ),
+                format!("a join of {}, which still runs", child.describe()),
                 timeout,
             )
         })
@@ -243,8 +255,13 @@ impl Process {
 
     /// Once it has exited: `None` if it succeeded, else the error that says how it
     /// failed ([`Error::ProcessRaised`] with its panic message, or
-    /// [`Error::ProcessExited`] with its exit code or signal).
-    pub fn error(&self) -> Option<Error> {
+    /// [`Error::ProcessExited`] with its exit code or signal). `None` while it runs.
+    ///
+    /// It looks for the exit itself, without waiting (reaping the process as
+    /// [`exit_status`](Self::exit_status) does), so a loop that polls `error()` sees a
+    /// failure as soon as [`is_alive`](Self::is_alive) would.
+    pub fn error(&mut self) -> Option<Error> {
+        self.exit_status();
         let child = self.child.as_ref()?;
         if !child.has_exited() || !child.failed() {
             return None;
@@ -253,12 +270,32 @@ impl Process {
     }
 
     fn started_mut(&mut self, what: &str) -> Result<&mut Child> {
-        let rank = self.rank;
+        let who = self.describe();
         self.child.as_mut().ok_or_else(|| {
             Error::InvalidArgument(format!(
-                "cannot {what} process {rank}: it was not started (call start first)"
+                "cannot {what} {who}: it was not started (call start first)"
             ))
         })
+    }
+
+    /// It as messages name it (see `job::describe`): with its pid once started.
+    fn describe(&self) -> String {
+        match &self.child {
+            Some(child) => child.describe(),
+            None if self.name == default_name(self.rank) => format!("process {}", self.rank),
+            None => format!("{} (rank {})", self.name, self.rank),
+        }
+    }
+}
+
+impl crate::queue::Waitable for Process {
+    /// Ready once it has exited (its [`sentinel`](Process::sentinel)); never, before it
+    /// is started.
+    fn wait_source(&self) -> WaitSource<'_> {
+        match &self.child {
+            Some(child) => WaitSource::fd(child.pidfd()),
+            None => WaitSource::never(),
+        }
     }
 }
 

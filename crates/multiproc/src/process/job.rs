@@ -61,6 +61,22 @@ pub(crate) struct JobHeader {
     args_type: String,
 }
 
+/// The name of a worker that was not given one: `Process-RANK`, as Python's.
+pub(crate) fn default_name(rank: usize) -> String {
+    format!("Process-{rank}")
+}
+
+/// How messages name a worker: `transformer-1 (rank 1, pid 4242)` when it was given a
+/// name, `process 1 (pid 4242)` when it has its default one (which says no more than
+/// the rank).
+pub(crate) fn describe(rank: usize, name: &str, pid: i32) -> String {
+    if name == default_name(rank) {
+        format!("process {rank} (pid {pid})")
+    } else {
+        format!("{name} (rank {rank}, pid {pid})")
+    }
+}
+
 impl JobHeader {
     /// The header for running `worker` as `rank`.
     pub(crate) fn new<A, R>(worker: fn(usize, A) -> R, rank: usize) -> Self
@@ -72,7 +88,7 @@ impl JobHeader {
             rank,
             call: CodeCall::new(worker, trampoline::<A, R>),
             args_type: type_name::<A>().to_string(),
-            name: format!("Process-{rank}"),
+            name: default_name(rank),
             log: None,
         }
     }
@@ -143,6 +159,16 @@ mod tests {
             Err(Failed::Returned(m)) => assert_eq!(m, "5 is not twice 3"),
             _ => panic!("expected the worker's error"),
         }
+    }
+
+    #[test]
+    fn a_worker_is_described_by_its_name_when_it_has_one() {
+        assert_eq!(
+            describe(1, "transformer-1", 42),
+            "transformer-1 (rank 1, pid 42)"
+        );
+        assert_eq!(describe(1, "Process-1", 42), "process 1 (pid 42)");
+        assert_eq!(describe(2, "Process-1", 42), "Process-1 (rank 2, pid 42)");
     }
 
     #[test]

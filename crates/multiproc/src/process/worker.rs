@@ -47,9 +47,11 @@ pub(crate) enum Report {
     /// The function returned normally.
     Ok,
     /// It panicked, returned `Err`, or could not start: the full message for the user,
-    /// starting with "process RANK".
+    /// starting with the worker as `job::describe` names it.
     Raised {
-        /// "process 1 raised: ..." with location and backtrace when there are some.
+        /// "transformer-1 (rank 1, pid 4242) raised: ..." (or "process 1 (pid 4242)
+        /// raised: ..." for a worker without a name) with location and backtrace when
+        /// there are some.
         message: String,
     },
 }
@@ -71,6 +73,7 @@ pub(crate) fn run_worker(sock: OwnedFd) -> i32 {
         }
     };
     let rank = header.rank;
+    let who = super::job::describe(rank, &header.name, sys::current_pid());
     super::current::set_identity(rank, header.name.clone());
     let _forwarding = header
         .log
@@ -85,15 +88,15 @@ pub(crate) fn run_worker(sock: OwnedFd) -> i32 {
     let report = match outcome {
         Ok(Ok(())) => Report::Ok,
         Ok(Err(Failed::Returned(text))) => Report::Raised {
-            message: format!("process {rank} returned an error: {text}"),
+            message: format!("{who} returned an error: {text}"),
         },
         Ok(Err(Failed::Setup(text))) => Report::Raised {
-            message: format!("process {rank} could not start its job: {text}"),
+            message: format!("{who} could not start its job: {text}"),
         },
         Err(payload) => {
             let text = take_recorded_panic().unwrap_or_else(|| payload_text(&*payload));
             Report::Raised {
-                message: format!("process {rank} raised: {text}"),
+                message: format!("{who} raised: {text}"),
             }
         }
     };

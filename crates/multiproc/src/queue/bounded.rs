@@ -28,7 +28,7 @@ use crate::sys::deadline_after;
 ///
 /// ```
 /// let q = multiproc::Queue::with_capacity(2)?;
-/// q.put(vec![1u8, 2, 3]).map_err(multiproc::Error::from)?;
+/// q.put(vec![1u8, 2, 3])?;
 /// assert_eq!(q.get()?, vec![1, 2, 3]);
 /// # Ok::<(), multiproc::Error>(())
 /// ```
@@ -98,7 +98,7 @@ impl<T: Serialize + DeserializeOwned> Queue<T> {
     ///
     /// ```
     /// let q = multiproc::Queue::with_capacity(1)?;
-    /// q.try_put(1u8).map_err(multiproc::Error::from)?;
+    /// q.try_put(1u8)?;
     /// let full = q.try_put(2).unwrap_err();
     /// assert!(matches!(full.error, multiproc::Error::Full(_)));
     /// assert_eq!(full.into_inner(), 2);
@@ -181,7 +181,7 @@ impl<T: Serialize + DeserializeOwned> Queue<T> {
     /// ```
     /// let q = multiproc::Queue::new()?;
     /// for i in 0..3u32 {
-    ///     q.put(i).map_err(multiproc::Error::from)?;
+    ///     q.put(i)?;
     /// }
     /// let got: Vec<u32> = q.iter().take(3).collect::<multiproc::Result<_>>()?;
     /// assert_eq!(got, [0, 1, 2]);

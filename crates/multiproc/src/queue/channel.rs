@@ -278,6 +278,23 @@ impl Channel {
             .try_recv(self.rx.as_fd(), &|| self.disconnected(others_here, fresh))
     }
 
+    /// Whether a get would not wait now: a message is waiting, nothing can ever arrive
+    /// (a get says [`Error::Disconnected`]), or this handle was closed (a get says
+    /// [`Error::Closed`]). Asks afresh whether other holders are left.
+    pub(crate) fn get_would_not_wait(&self, others_here: OthersHere<'_>) -> bool {
+        self.closed.load(Ordering::Acquire)
+            || self.has_waiting()
+            || self.disconnected(others_here, true)
+    }
+
+    /// See [`Ring::get_words`]: read `SEQ` *before* asking
+    /// [`get_would_not_wait`](Self::get_would_not_wait), then sleep on the value read.
+    pub(crate) fn get_words(
+        &self,
+    ) -> (&std::sync::atomic::AtomicU32, &std::sync::atomic::AtomicU32) {
+        self.ring.get_words()
+    }
+
     /// Whether a message is waiting right now.
     pub(crate) fn has_waiting(&self) -> bool {
         self.pending

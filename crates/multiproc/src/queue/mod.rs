@@ -25,6 +25,9 @@
 //!   lease and no other handle in this process, is [`Error::Disconnected`](crate::Error::Disconnected)
 //!   instead of a wait that never ends.
 //!
+//! [`wait`] (`wait`) waits on queues, pipe ends and processes together without taking
+//! anything: on the queues' futex words and the fds at once.
+//!
 //! The counters a `Queue` needs (capacity, size, unfinished tasks) live in the ring's
 //! block of atomics. A [`pipe`] is a plain socket pair with no ring: each message is one
 //! packet with its fds attached (one reader per end, and hang-up detection).
@@ -54,11 +57,14 @@ mod ring;
 #[cfg(feature = "fuzzing")]
 pub(crate) use ring::KIND as RING_KIND;
 mod simple;
+mod wait;
 
 pub use bounded::{Queue, QueueIter, QueueTryIter};
 pub use joinable::JoinableQueue;
-pub use pipe::{Connection, pipe, wait};
+pub use pipe::{Connection, pipe};
 pub use simple::SimpleQueue;
+pub(crate) use wait::source::Source as WaitSource;
+pub use wait::{Waitable, wait};
 
 #[cfg(test)]
 use crate::sync::Event;

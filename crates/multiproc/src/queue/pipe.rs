@@ -10,7 +10,7 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use super::channel::check_seqpacket;
 use crate::error::{Error, PutError, Result};
-use crate::sys::socket::{poll_readable, seqpacket_pair};
+use crate::sys::socket::seqpacket_pair;
 use crate::sys::{Deadline, Readiness, deadline_after, wait_fd};
 use crate::wire::{self, Decoder, Encoder};
 
@@ -24,49 +24,13 @@ use crate::wire::{self, Decoder, Encoder};
 ///
 /// ```
 /// let (a, b) = multiproc::pipe::<String>()?;
-/// a.send("hello".to_string()).map_err(multiproc::Error::from)?;
+/// a.send("hello".to_string())?;
 /// assert_eq!(b.recv()?, "hello");
 /// # Ok::<(), multiproc::Error>(())
 /// ```
 pub fn pipe<T: Serialize + DeserializeOwned>() -> Result<(Connection<T>, Connection<T>)> {
     let (a, b) = seqpacket_pair()?;
     Ok((Connection::from_fd(a), Connection::from_fd(b)))
-}
-
-/// Waits until at least one of `objects` can be received from (an item is waiting or
-/// the other end hung up), at most `timeout` (`None`: as long as it takes), like
-/// Python's `multiprocessing.connection.wait`. Returns the indices of the ready ones,
-/// in order. Any [`AsFd`] works: [`Connection`]s of different item types can be mixed
-/// as `&[&a as &dyn AsFd, &b]`.
-///
-/// # Errors
-/// [`Error::Timeout`] when none was ready in time; an [`Error::Os`] when the kernel
-/// refuses the wait.
-///
-/// # Examples
-///
-/// ```
-/// use std::os::fd::AsFd;
-/// use std::time::Duration;
-/// let (a, a_peer) = multiproc::pipe::<u8>()?;
-/// let (b, b_peer) = multiproc::pipe::<String>()?;
-/// b_peer.send("ready".into()).map_err(multiproc::Error::from)?;
-/// let ready = multiproc::connection::wait(&[&a as &dyn AsFd, &b], Some(Duration::from_secs(5)))?;
-/// assert_eq!(ready, [1]);
-/// # drop((a_peer, a));
-/// # Ok::<(), multiproc::Error>(())
-/// ```
-pub fn wait<C: AsFd>(objects: &[C], timeout: Option<Duration>) -> Result<Vec<usize>> {
-    let fds: Vec<_> = objects.iter().map(|o| o.as_fd()).collect();
-    let ready = poll_readable(&fds, deadline_after(timeout))?;
-    let ready: Vec<usize> = (0..ready.len()).filter(|&i| ready[i]).collect();
-    if ready.is_empty() {
-        return Err(Error::timeout(
-            format!("a wait on {} connections", objects.len()),
-            timeout,
-        ));
-    }
-    Ok(ready)
 }
 
 /// One end of a [`pipe`]. Send it to another process as a worker argument or through a

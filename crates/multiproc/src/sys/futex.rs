@@ -2,7 +2,9 @@
 //!
 //! # Safety
 //!
-//! No unsafe code: rustix's futex calls take `&AtomicU32`. The words live in memory
+//! No unsafe code: rustix's futex calls take `&AtomicU32` (`futex_waitv` takes the
+//! words' addresses as integers, which the kernel reads while the call borrows the
+//! words; Rust never dereferences them). The words live in memory
 //! other processes share, so every wait is `FUTEX_WAIT` without `FUTEX_PRIVATE`, and a
 //! waiter re-checks its condition after every return.
 
@@ -38,6 +40,95 @@ pub(crate) fn wait(word: &AtomicU32, expected: u32, deadline: Deadline) -> Resul
         Ok(()) | Err(Errno::AGAIN) | Err(Errno::INTR) => Ok(true),
         Err(Errno::TIMEDOUT) => Ok(deadline.is_none_or(|d| Instant::now() < d)),
         Err(e) => Err(Error::os("futex wait on a process-shared word", e)),
+    }
+}
+
+/// One word [`wait_any`] sleeps on, and the value seen there. Waited on as a shared
+/// futex (the words live in memory other processes map; a word private to this
+/// process works the same, as long as its wakers use [`wake`]).
+pub(crate) struct WaitOn<'a> {
+    pub word: &'a AtomicU32,
+    pub expected: u32,
+}
+
+/// Sleeps while every word holds the value seen, until one changes, a wake-up aimed at
+/// one of them, or the deadline (`futex_waitv`, Linux 5.16+; at most 128 words).
+/// Returns at once when a word already differs. Callers re-check their conditions
+/// after every return: wake-ups may be spurious.
+///
+/// Without `futex_waitv` (`ENOSYS`) it sleeps on the first word alone for at most
+/// [`WAIT_ANY_FALLBACK`], so that a change of another word is seen that late at most.
+pub(crate) fn wait_any(words: &[WaitOn<'_>], deadline: Deadline) -> Result<()> {
+    if words.len() > WAITV_MAX {
+        return Err(Error::InvalidArgument(format!(
+            "a wait on {} queues and wake-up words: at most {WAITV_MAX} can be waited on \
+             together",
+            words.len()
+        )));
+    }
+    let Some(first) = words.first() else {
+        if let Some(d) = deadline {
+            std::thread::sleep(d.saturating_duration_since(Instant::now()));
+        }
+        return Ok(());
+    };
+    let waits: Vec<futex::Wait> = words
+        .iter()
+        .map(|w| {
+            let mut wait = futex::Wait::new();
+            wait.val = u64::from(w.expected);
+            wait.uaddr = futex::WaitPtr::new(w.word.as_ptr().cast());
+            wait.flags = futex::WaitFlags::SIZE_U32;
+            wait
+        })
+        .collect();
+    let timeout = deadline.map(|d| monotonic_after(d.saturating_duration_since(Instant::now())));
+    match futex::waitv(
+        &waits,
+        futex::WaitvFlags::empty(),
+        timeout.as_ref(),
+        rustix::time::ClockId::Monotonic,
+    ) {
+        Ok(_) | Err(Errno::AGAIN | Errno::TIMEDOUT | Errno::INTR) => Ok(()),
+        Err(Errno::NOSYS) => {
+            let slice = Instant::now() + WAIT_ANY_FALLBACK;
+            let until = deadline.map_or(slice, |d| d.min(slice));
+            let left = until.saturating_duration_since(Instant::now());
+            let left = futex::Timespec {
+                tv_sec: left.as_secs() as i64,
+                tv_nsec: left.subsec_nanos() as _,
+            };
+            match futex::wait(
+                first.word,
+                futex::Flags::empty(),
+                first.expected,
+                Some(&left),
+            ) {
+                Ok(()) | Err(Errno::AGAIN | Errno::TIMEDOUT | Errno::INTR) => Ok(()),
+                Err(e) => Err(Error::os("futex wait on a process-shared word", e)),
+            }
+        }
+        Err(e) => Err(Error::os(
+            format!("futex_waitv on {} words", words.len()),
+            e,
+        )),
+    }
+}
+
+/// The most words one `futex_waitv` takes (the kernel's `FUTEX_WAITV_MAX`).
+pub(crate) const WAITV_MAX: usize = 128;
+
+/// How long [`wait_any`] sleeps on one word without `futex_waitv` before it looks at
+/// the others.
+pub(crate) const WAIT_ANY_FALLBACK: Duration = Duration::from_millis(10);
+
+/// The absolute `CLOCK_MONOTONIC` time `d` from now (`futex_waitv` takes one).
+pub(crate) fn monotonic_after(d: Duration) -> rustix::time::Timespec {
+    let now = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
+    let nanos = now.tv_nsec as u64 + u64::from(d.subsec_nanos());
+    rustix::time::Timespec {
+        tv_sec: now.tv_sec + d.as_secs() as i64 + (nanos / 1_000_000_000) as i64,
+        tv_nsec: (nanos % 1_000_000_000) as _,
     }
 }
 

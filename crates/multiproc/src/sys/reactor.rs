@@ -74,6 +74,7 @@ use rustix::io::Errno;
 use rustix::thread::futex;
 
 use super::fork_local::ForkLocal;
+use super::futex::{WAITV_MAX, monotonic_after};
 use crate::error::{Error, Result};
 
 /// How long, about, a registration that asks for it waits before its future looks
@@ -83,10 +84,6 @@ pub(crate) const RECHECK: Duration = Duration::from_secs(1);
 
 /// How often the word reactor looks at its words without `futex_waitv`.
 const FALLBACK_POLL: Duration = Duration::from_millis(10);
-
-/// The most words one `futex_waitv` takes (the kernel's `FUTEX_WAITV_MAX`), the
-/// control word included.
-const WAITV_MAX: usize = 128;
 
 /// Where the words a future waits on live: a shared block of 32-bit words.
 pub(crate) trait WordHost: Send + Sync + 'static {
@@ -314,16 +311,6 @@ fn timespec(d: Duration) -> rustix::time::Timespec {
     rustix::time::Timespec {
         tv_sec: d.as_secs() as i64,
         tv_nsec: d.subsec_nanos() as _,
-    }
-}
-
-/// The absolute `CLOCK_MONOTONIC` time `d` from now (`futex_waitv` takes one).
-fn monotonic_after(d: Duration) -> rustix::time::Timespec {
-    let now = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
-    let nanos = now.tv_nsec as u64 + u64::from(d.subsec_nanos());
-    rustix::time::Timespec {
-        tv_sec: now.tv_sec + d.as_secs() as i64 + (nanos / 1_000_000_000) as i64,
-        tv_nsec: (nanos % 1_000_000_000) as _,
     }
 }
 

@@ -135,7 +135,11 @@ impl Tensor {
         })
     }
 
-    /// A tensor that takes `data` as its elements, in row-major order.
+    /// A tensor with the elements of `data`, in row-major order: one copy into the
+    /// tensor's own storage (a storage is memory multiproc allocates so that it can be
+    /// shared, never a `Vec`'s), after which `data` is dropped. The same as
+    /// [`from_slice`](Self::from_slice)`(&data, shape)`; to make a shared tensor in one
+    /// copy, use [`from_slice_shared`](Self::from_slice_shared).
     ///
     /// # Errors
     ///

@@ -99,6 +99,14 @@ use crate::wire::Decoder;
 /// when other processes write the same memory — no `&[T]`, relaxed atomics, Hogwild —
 /// and how scalars convert: [the crate docs](crate#the-rules-for-memory-other-processes-write).
 ///
+/// Making one: [`zeros`](Self::zeros), [`ones`](Self::ones), [`full`](Self::full),
+/// [`arange`](Self::arange), from your data [`from_slice`](Self::from_slice) and
+/// [`from_vec`](Self::from_vec) (both copy once), over a storage
+/// [`from_storage`](Self::from_storage). Straight into shared memory, to send to other
+/// processes without a second copy: [`zeros_shared`](Self::zeros_shared),
+/// [`empty_shared`](Self::empty_shared) and [`from_slice_shared`](Self::from_slice_shared)
+/// (where `from_slice` then [`share_memory_`](Self::share_memory_) copies twice).
+///
 /// ```
 /// # fn main() -> multiproc::Result<()> {
 /// use multiproc::{DType, Tensor};

@@ -64,7 +64,7 @@ pub(crate) const KIND: u32 = 0x524e_4733; // "RNG3"
 const RECORD_MAX: usize = SLOT_BYTES - RECORD_AT;
 
 /// How long a sleeping getter waits before it looks at the socket again.
-const SOCKET_RECHECK: Duration = Duration::from_millis(20);
+pub(crate) const SOCKET_RECHECK: Duration = Duration::from_millis(20);
 /// How long a getter waits for a record being written at the head before it revokes
 /// the writer (which writes it again when it runs: a writer that is merely slow loses
 /// nothing but its place).
@@ -193,6 +193,14 @@ impl Ring {
         if self.word(GET_WAITERS).load(Ordering::SeqCst) > 0 {
             futex::wake_all(self.word(SEQ));
         }
+    }
+
+    /// The word a getter sleeps on (`SEQ`, which every publication and every holder
+    /// that leaves bumps) and the count of sleepers a publication wakes only when it is
+    /// above 0 (`GET_WAITERS`): what `connection::wait` sleeps on, counted in like a
+    /// sleeping get.
+    pub(crate) fn get_words(&self) -> (&AtomicU32, &AtomicU32) {
+        (self.word(SEQ), self.word(GET_WAITERS))
     }
 
     /// What an awaited get parks on (feature `async`): `SEQ` as it is now, read before
