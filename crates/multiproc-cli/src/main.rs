@@ -191,7 +191,7 @@ fn main() {
                 1
             }
         },
-        Command::ShmManager => match multiproc::run_shm_manager_from_env() {
+        Command::ShmManager => match multiproc::maintenance::run_shm_manager_from_env() {
             Ok(_) => 0,
             Err(e) => {
                 eprintln!("shm manager: {e}");

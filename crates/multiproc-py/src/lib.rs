@@ -100,10 +100,10 @@ fn set_sharing_strategy(name: &str) -> PyResult<()> {
 
 /// The environment variable and value that put a process this package starts through
 /// Python's `multiprocessing` into this process tree (the address of its shm manager,
-/// inherited or chosen now): `multiproc::shm_manager_env`.
+/// inherited or chosen now): `multiproc::maintenance::shm_manager_env`.
 #[pyfunction]
 fn shm_manager_env() -> (&'static str, &'static str) {
-    multiproc::shm_manager_env()
+    multiproc::maintenance::shm_manager_env()
 }
 
 /// For a process about to end without finalizing (a `fork` or `forkserver` child of
@@ -121,7 +121,7 @@ fn _give_back_at_exit() -> usize {
 /// interpreter.
 #[pyfunction]
 fn _run_shm_manager() -> PyResult<bool> {
-    multiproc::run_shm_manager_from_env().map_err(to_py)
+    multiproc::maintenance::run_shm_manager_from_env().map_err(to_py)
 }
 
 #[pymodule]
@@ -134,7 +134,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // received from another tree. The package starts no manager of its own.
     let executable: String = py.import("sys")?.getattr("executable")?.extract()?;
     if !executable.is_empty() {
-        multiproc::set_shm_manager_command(
+        multiproc::maintenance::set_shm_manager_command(
             &executable,
             &[
                 "-c",

@@ -623,18 +623,23 @@ pub use dynamic::Dynamic;
 #[cfg(target_os = "linux")]
 pub use error::{Error, Failure, LockError, OsError, PutError, Result, UserError};
 #[cfg(target_os = "linux")]
-pub use manager::run_shm_manager_from_env;
-#[cfg(target_os = "linux")]
 pub use pool::{AsyncResult, Imap, MapResult, Pool, PoolBuilder};
 #[cfg(target_os = "linux")]
 pub use process::{ChildProcess, CurrentProcess, active_children, cpu_count, current_process};
 #[cfg(target_os = "linux")]
 pub use process::{
-    ExitStatus, IntoWorkerOutcome, Process, ProcessContext, SpawnOptions, StartMethod,
-    ensure_forkserver_running, init, spawn, start_processes,
+    ExitStatus, IntoWorkerOutcome, Process, ProcessContext, SpawnOptions, StartMethod, init, spawn,
+    start_processes,
 };
 #[cfg(target_os = "linux")]
 pub use queue::{Connection, JoinableQueue, Queue, QueueIter, QueueTryIter, SimpleQueue, pipe};
+
+/// Python's `multiprocessing.forkserver`: [`ensure_running`](forkserver::ensure_running)
+/// starts this program's fork server ahead of its first use.
+#[cfg(target_os = "linux")]
+pub mod forkserver {
+    pub use crate::process::ensure_running;
+}
 
 #[cfg(target_os = "linux")]
 /// Python's `multiprocessing.connection`: [`Connection`] and [`wait`](connection::wait)
@@ -645,7 +650,6 @@ pub mod connection {
 #[cfg(target_os = "linux")]
 pub use sharing::{
     SharingStrategy, get_all_sharing_strategies, get_sharing_strategy, set_sharing_strategy,
-    set_shm_manager_command, shm_manager_env,
 };
 #[cfg(target_os = "linux")]
 pub use sync::{
@@ -654,6 +658,3 @@ pub use sync::{
 };
 #[cfg(target_os = "linux")]
 pub use tensor::{DType, Element, Storage, Tensor};
-#[cfg(target_os = "linux")]
-#[allow(deprecated)]
-pub use {process::WorkerResult, sync::SharedValue};

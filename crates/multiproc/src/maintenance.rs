@@ -13,6 +13,11 @@
 //! run: a name this module parses is exactly one the library accepts, and a query is
 //! the manager's own protocol.
 //!
+//! The shm manager's own entry points live here too: [`run_shm_manager_from_env`] is
+//! what a manager process runs, and a host that is not a Rust binary of its own (the
+//! Python package) names the command that starts one with
+//! [`set_shm_manager_command`] and passes [`shm_manager_env`] to its children.
+//!
 //! Guarantees:
 //!
 //! - A [`Segment`] always holds a valid name (a single path component under
@@ -46,6 +51,8 @@ use std::fmt;
 use std::path::PathBuf;
 
 use crate::error::{Error, Result};
+pub use crate::manager::run_shm_manager_from_env;
+pub use crate::sharing::{set_shm_manager_command, shm_manager_env};
 use crate::shm::name::{self, SegmentName};
 use crate::shm::registry;
 use crate::shm::tree::{Tree, is_valid_address};

@@ -73,7 +73,7 @@ pub fn set_sharing_strategy(strategy: SharingStrategy) {
 /// strategy's daemon), for a host whose own program cannot serve as it: by default the
 /// library runs this program again in manager mode, which works for any Rust `main`
 /// that calls [`init`](crate::init) first, but not for, say, a Python interpreter. The
-/// command must call [`run_shm_manager_from_env`](crate::run_shm_manager_from_env) (it
+/// command must call [`run_shm_manager_from_env`](crate::maintenance::run_shm_manager_from_env) (it
 /// finds its address and role in the environment the library gives it).
 ///
 /// Set it once per process, before the first `file_system` storage; setting the same
@@ -101,7 +101,7 @@ where
 /// environment, or in this process's own before the child starts.
 ///
 /// ```
-/// let (name, value) = multiproc::shm_manager_env();
+/// let (name, value) = multiproc::maintenance::shm_manager_env();
 /// assert_eq!(name, "MULTIPROC_SHM_MANAGER");
 /// let child = std::process::Command::new("true").env(name, value).status().unwrap();
 /// assert!(child.success());

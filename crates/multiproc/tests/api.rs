@@ -503,27 +503,3 @@ fn user_and_os_errors_cross_a_queue_and_a_worker_returns_its_own() {
         );
     });
 }
-
-// ----- renamed traits: the old names still compile (deprecated) -----
-
-/// A worker returning `Result`, for a bound written with the old trait name.
-fn ok_worker(_rank: usize, _: ()) -> Result<(), String> {
-    Ok(())
-}
-
-#[test]
-#[allow(deprecated)]
-fn renamed_traits_keep_their_old_names_as_bounds() {
-    fn hold<T: multiproc::SharedValue>(v: T) -> multiproc::Result<Value<T>> {
-        Value::new(v)
-    }
-    fn start<R: multiproc::WorkerResult>(f: fn(usize, ()) -> R) -> multiproc::Result<()> {
-        multiproc::spawn(f, (), 1)
-    }
-    common::run(DEADLINE, || {
-        let v = hold(7u32).expect("value");
-        v.set(8);
-        assert_eq!(v.get(), 8);
-        start(ok_worker).expect("a worker bounded by the old name");
-    });
-}

@@ -157,7 +157,7 @@ def _join_shm_tree():
     tree's root.
 
     The library starts the manager itself (the native module told it how at import:
-    ``multiproc::set_shm_manager_command``, this interpreter on
+    ``multiproc::maintenance::set_shm_manager_command``, this interpreter on
     ``multiproc._native._run_shm_manager()``), and starts it again if it was killed."""
     name, address = _native.shm_manager_env()
     root = os.environ.get(name) != address

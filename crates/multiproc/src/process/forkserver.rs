@@ -122,7 +122,7 @@ const REPLY_TIMEOUT: Duration = Duration::from_secs(60);
 ///
 /// # Errors
 /// When the server cannot be started (see [`Error::Os`]).
-pub fn ensure_forkserver_running() -> Result<()> {
+pub fn ensure_running() -> Result<()> {
     connect().map(|_| ())
 }
 

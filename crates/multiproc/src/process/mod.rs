@@ -69,11 +69,9 @@ pub(crate) use context::LAUNCHER_VAR;
 pub use context::{ProcessContext, SpawnOptions, spawn, start_processes};
 pub use current::{ChildProcess, CurrentProcess, active_children, cpu_count, current_process};
 pub use exit_status::ExitStatus;
-pub use forkserver::ensure_forkserver_running;
+pub use forkserver::ensure_running;
 pub use handle::Process;
 pub use init::init;
 pub(crate) use panic_hook::panic_text;
 pub use start_method::StartMethod;
 pub use worker_outcome::IntoWorkerOutcome;
-#[allow(deprecated)]
-pub use worker_outcome::WorkerResult;

@@ -26,7 +26,7 @@ use crate::error::Error;
 /// and `Forkserver` have neither problem; the worker function and its arguments are the
 /// same for all three.
 ///
-/// The fork server is started on first use (or by [`ensure_forkserver_running`](crate::ensure_forkserver_running)) and
+/// The fork server is started on first use (or by [`forkserver::ensure_running`](crate::forkserver::ensure_running)) and
 /// lives as long as this process; `ps` shows it as `multiproc-fsrv`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum StartMethod {

@@ -33,7 +33,6 @@ macro_rules! test_init {
                 $crate::init();
             }
             #[used]
-            #[allow(unsafe_code)]
             #[unsafe(link_section = ".init_array")]
             static __MULTIPROC_TEST_INIT: extern "C" fn() = __multiproc_test_init;
         };

@@ -32,14 +32,3 @@ impl<E: Display> IntoWorkerOutcome for Result<(), E> {
         self.map_err(|e| e.to_string())
     }
 }
-
-/// The former name of [`IntoWorkerOutcome`], kept so that bounds written with it still
-/// compile: every `IntoWorkerOutcome` type is a `WorkerResult`.
-#[deprecated(
-    since = "0.1.0",
-    note = "renamed to `IntoWorkerOutcome` (a trait, not a result type)"
-)]
-pub trait WorkerResult: IntoWorkerOutcome {}
-
-#[allow(deprecated)]
-impl<T: IntoWorkerOutcome> WorkerResult for T {}

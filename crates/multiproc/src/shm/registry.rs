@@ -225,7 +225,7 @@ fn connect_after_start(addr: &str) -> Result<OwnedFd> {
 
 /// The command that starts a manager in place of this program run again, for hosts
 /// whose program cannot serve (a Python interpreter): set once, before the first
-/// `file_system` storage (see `crate::set_shm_manager_command`).
+/// `file_system` storage (see `crate::maintenance::set_shm_manager_command`).
 static COMMAND: std::sync::OnceLock<(std::ffi::OsString, Vec<std::ffi::OsString>)> =
     std::sync::OnceLock::new();
 

@@ -42,8 +42,6 @@ pub use condition::{Condition, ConditionGuard};
 pub use event::Event;
 pub use lock::{Lock, LockGuard, RLock, RLockGuard};
 pub use semaphore::{Semaphore, SemaphoreGuard};
-#[allow(deprecated)]
-pub use value::SharedValue;
 pub use value::{Bits64, Value};
 
 #[cfg(test)]

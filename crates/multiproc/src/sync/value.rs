@@ -59,17 +59,6 @@ impl Bits64 for f64 {
     }
 }
 
-/// The former name of [`Bits64`], kept so that bounds written with it still compile:
-/// every `Bits64` type is a `SharedValue`.
-#[deprecated(
-    since = "0.1.0",
-    note = "renamed to `Bits64` (plain data that fits in 64 bits)"
-)]
-pub trait SharedValue: Bits64 {}
-
-#[allow(deprecated)]
-impl<T: Bits64> SharedValue for T {}
-
 const VALUE_KIND: u32 = 0x5641_4c55; // "VALU"
 const VALUE_LOCK: usize = 1;
 const VALUE_BITS: usize = 8;

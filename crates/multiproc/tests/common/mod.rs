@@ -102,7 +102,7 @@ impl Guard {
 /// manager. Cheap after the first call.
 fn warm_up() {
     use multiproc::{DType, SharingStrategy, Tensor, set_sharing_strategy};
-    multiproc::ensure_forkserver_running().expect("fork server");
+    multiproc::forkserver::ensure_running().expect("fork server");
     let before = multiproc::get_sharing_strategy();
     for strategy in [SharingStrategy::FileDescriptor, SharingStrategy::FileSystem] {
         set_sharing_strategy(strategy);
