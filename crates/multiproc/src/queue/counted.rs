@@ -25,7 +25,7 @@
 //! the ring the window is the few instructions between moving the ring's head and
 //! giving the place back; for one on the socket it is the `recvmsg` itself (the kernel
 //! has dequeued the packet and the process dies on the way back to user space). The
-//! soak in `tests/faults.rs` loses about one place in 100 kills of a busy consumer
+//! soak in `tests/faults_queue.rs` loses about one place in 100 kills of a busy consumer
 //! (it lost two before the ring). The loss is bounded and reported: a later `put`
 //! waits for room and a `put_timeout` says it timed out. (Closing the ring's window
 //! would mean giving the place back in the same compare-and-swap as the take, which the
@@ -154,7 +154,7 @@ impl Shared {
     /// (mapping segments, registering names) leaks no place. A SIGKILL that lands
     /// while `recvmsg` itself runs (the packet is dequeued, the process dies on the way
     /// back from the kernel) still loses one place — about 2 kills in 100 in
-    /// `tests/faults.rs` — as in Python's `multiprocessing.Queue`, whose getter frees
+    /// `tests/faults_queue.rs` — as in Python's `multiprocessing.Queue`, whose getter frees
     /// its semaphore after receiving. A later `put` then waits for room (and a
     /// `put_timeout` says it timed out); nothing hangs without a deadline the caller
     /// chose.

@@ -9,6 +9,13 @@
 
 #![allow(dead_code)]
 
+#[cfg(feature = "async")]
+pub mod async_rt;
+pub mod cuda;
+pub mod data;
+pub mod faults;
+pub mod hostile;
+
 use std::collections::BTreeSet;
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
