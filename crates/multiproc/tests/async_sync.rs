@@ -17,7 +17,9 @@ use std::time::{Duration, Instant};
 use common::async_rt::*;
 use multiproc::{Event, Process, Queue, StartMethod, start_processes};
 
-/// Waits for `go`, sleeps, sets `done`, sleeps again and exits.
+/// Waits for `go`, sleeps, sets `done`, sleeps again and exits: a slow peer (the sleeps
+/// are not a synchronisation), so that `done` is set at least 200 ms after `go` and the
+/// exit comes 200 ms after that, lower bounds the test checks.
 fn set_later(_rank: usize, (go, done): (Event, Event)) -> multiproc::Result<()> {
     go.wait(Some(WAIT))?;
     std::thread::sleep(Duration::from_millis(200));
@@ -107,13 +109,15 @@ fn event_wait_async_and_process_join_async_across_processes() {
     });
 }
 
-/// Takes every item of `jobs` (marking each done), then answers on `answer` and exits.
+/// Takes every item of `jobs` (marking each done; each takes 20 ms of work, not a
+/// synchronisation), then, once `go` is set, answers on `answer` and exits.
 fn work_then_answer(
     _rank: usize,
-    (jobs, answer, count): (
+    (jobs, answer, count, go): (
         multiproc::JoinableQueue<u32>,
         multiproc::Connection<String>,
         u32,
+        Event,
     ),
 ) -> multiproc::Result<()> {
     for _ in 0..count {
@@ -121,7 +125,7 @@ fn work_then_answer(
         std::thread::sleep(Duration::from_millis(20));
         jobs.task_done()?;
     }
-    std::thread::sleep(Duration::from_millis(100));
+    go.wait(Some(WAIT))?;
     answer.send("done".to_string())?;
     Ok(())
 }
@@ -144,20 +148,22 @@ fn pipes_joinable_queues_and_process_contexts_are_awaitable() {
                     Instant::now()
                 })
             };
+            let go = Event::new().unwrap();
             let start = Instant::now();
             let mut ctx = start_processes(
                 work_then_answer,
-                (jobs.clone(), theirs, 5),
+                (jobs.clone(), theirs, 5, go.clone()),
                 1,
                 StartMethod::Spawn,
             )
             .unwrap();
-            // Dropped receives in between take nothing.
+            // Dropped receives in between take nothing (nothing is sent before `go`).
             for _ in 0..50 {
                 let dropped =
                     tokio::time::timeout(Duration::from_micros(100), mine.recv_async()).await;
                 assert!(dropped.is_err());
             }
+            go.set();
             let answer = tokio::time::timeout(WAIT, mine.recv_async())
                 .await
                 .unwrap()

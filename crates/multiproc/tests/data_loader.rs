@@ -305,6 +305,7 @@ fn every_start_method_loads_the_same_batches() {
 #[cfg(feature = "image")]
 mod image_folder {
     use super::*;
+    use multiproc::Tensor;
     use multiproc::data::ImageFolder;
 
     /// A temporary image folder that removes itself.

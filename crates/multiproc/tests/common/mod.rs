@@ -58,6 +58,7 @@ pub fn run(deadline: Duration, body: impl FnOnce() + Send + 'static) {
 /// every process below this one (the fork server and the workers it started included)
 /// and aborts.
 fn hung(deadline: Duration) -> ! {
+    use std::io::Write as _;
     let test = std::thread::current()
         .name()
         .unwrap_or("<unnamed test>")
@@ -67,7 +68,10 @@ fn hung(deadline: Duration) -> ! {
         .iter()
         .map(|&pid| format!("{pid} ({})", comm(pid).unwrap_or_default()))
         .collect();
-    eprintln!(
+    // Straight to fd 2: the test harness captures `eprintln!` of a test's thread and
+    // shows it only when the test ends, which an abort never reaches.
+    let _ = writeln!(
+        std::io::stderr(),
         "test {test} exceeded its deadline of {deadline:?} (a hang is a bug): killing its \
          processes [{}] and aborting the test binary",
         named.join(", ")
