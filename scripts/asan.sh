@@ -10,7 +10,7 @@
 # differ from std's (-Cunsafe-allow-abi-mismatch=sanitizer), and --target keeps the
 # flags off build scripts and proc-macros. Output goes to target/asan (its own build).
 #
-# Usage: scripts/asan.sh [extra cargo test arguments, e.g. --test hostile]
+# Usage: scripts/asan.sh [extra cargo test arguments, e.g. --test hostile_packets]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -9,7 +9,8 @@
  * mapping more than the allocation fails).
  *
  *     cc -shared -fPIC -o target/fake-cuda/libcuda.so.1 scripts/fake_libcuda.c
- *     LD_LIBRARY_PATH=target/fake-cuda cargo test -p multiproc --features cuda --test cuda -- --include-ignored
+ *     LD_LIBRARY_PATH=target/fake-cuda cargo test -p multiproc --features cuda \
+ *       --test cuda_tensors --test cuda_sharing --test cuda_loader -- --include-ignored
  *
  * See scripts/cuda_fake_check.sh, which does both. "Free memory" is 64 GiB less every
  * fake allocation that some process still holds (an fd or a mapping), so a test that

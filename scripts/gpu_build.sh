@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds the bundle that scripts/gpu_check.sh runs on a GPU machine with no Rust
-# toolchain: the CUDA test binary (tests/cuda.rs, feature `cuda`), the CUDA benchmark
+# toolchain: the CUDA test binaries (tests/cuda_*.rs, feature `cuda`), the CUDA benchmark
 # (examples/cuda_bench.rs, release), the prefetch example (examples/prefetch_overlap.rs,
 # release) and the torch comparison script.
 #
@@ -14,16 +14,21 @@ out=${1:-target/gpu-bundle}
 rm -rf "$out"
 mkdir -p "$out"
 
-echo "== test binary (tests/cuda.rs, --features cuda)"
-tests=$(cargo test -p multiproc --features cuda --test cuda --no-run --message-format=json \
-  | python3 -c '
+# Every test target of tests/cuda_*.rs, as cuda_tests/<target>: scripts/gpu_check.sh runs
+# them all.
+cuda_targets=$(cd crates/multiproc/tests && ls cuda_*.rs | sed 's/\.rs$//')
+echo "== test binaries ($(echo $cuda_targets | tr ' ' ','), --features cuda)"
+tests=$(cargo test -p multiproc --features cuda $(printf -- '--test %s ' $cuda_targets) --no-run \
+  --message-format=json | python3 -c '
 import json, sys
 for line in sys.stdin:
     m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "cuda":
-        print(m["executable"])')
-[ -n "$tests" ] || { echo "no test executable found" >&2; exit 1; }
-cp "$tests" "$out/cuda_tests"
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"].startswith("cuda_"):
+        print(m["target"]["name"], m["executable"])')
+mkdir -p "$out/cuda_tests"
+while read -r name exe; do cp "$exe" "$out/cuda_tests/$name"; done <<<"$tests"
+[ "$(ls "$out/cuda_tests" | wc -l)" = "$(echo $cuda_targets | wc -w)" ] \
+  || { echo "test executables missing: got $(ls "$out/cuda_tests")" >&2; exit 1; }
 
 echo "== benchmark and example (examples/cuda_bench.rs, prefetch_overlap.rs, release, --features cuda)"
 cargo build -p multiproc --features cuda --release --example cuda_bench --example prefetch_overlap
@@ -32,7 +37,7 @@ cp target/release/examples/prefetch_overlap "$out/prefetch_overlap"
 
 cp scripts/compare_torch_cuda.py "$out/"
 # Debug info is most of a test binary's size; the bundle travels (64 MiB at most).
-strip --strip-debug "$out/cuda_tests" "$out/cuda_bench" "$out/prefetch_overlap"
+strip --strip-debug "$out"/cuda_tests/* "$out/cuda_bench" "$out/prefetch_overlap"
 git rev-parse HEAD >"$out/COMMIT"
 git status --porcelain --untracked-files=no | grep -q . && echo "(with uncommitted changes)" >>"$out/COMMIT"
 ls -la "$out"

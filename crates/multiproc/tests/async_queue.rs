@@ -6,12 +6,14 @@
 //! - idle costs nothing: 100 tasks parked on empty queues use (almost) no CPU, read
 //!   from the process's own CPU time (`CLOCK_PROCESS_CPUTIME_ID`), not from the wall clock;
 //! - `Disconnected` reaches an awaiting task when the only producer exits, and when it
-//!   is SIGKILLed;
-//! - `Event::wait_async` and `Process::join_async` across processes.
+//!   is SIGKILLed.
+//!
+//! Events, joins, pipes, joinable queues, process contexts and the reactor threads are
+//! tests/async_sync.rs; the runtime and warm-up they share are in tests/common/async_rt.rs.
 //!
 //! Every test runs under `common::run` (a deadline, and /dev/shm, fd and child counts
 //! unchanged at its end). The reactor threads and the fd reactor's eventfd live as long
-//! as the process: `warm_up` makes them exist before a test counts fds.
+//! as the process: `common::async_rt::warm_up` makes them exist before a test counts fds.
 
 multiproc::test_init!();
 
@@ -22,10 +24,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use common::async_rt::*;
 use multiproc::{Event, Process, Queue, SimpleQueue, StartMethod, start_processes};
-
-const DEADLINE: Duration = Duration::from_secs(120);
-const WAIT: Duration = Duration::from_secs(30);
 
 fn checksum(rank: u32, i: u32) -> u64 {
     (u64::from(rank) << 32 | u64::from(i)).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0xA5A5
@@ -40,41 +40,6 @@ fn produce(rank: usize, (q, count): (Queue<(u32, u32, u64)>, u32)) -> multiproc:
         std::thread::sleep(Duration::from_micros(300));
     }
     Ok(())
-}
-
-fn sleep_then_exit(_rank: usize, ms: u64) -> multiproc::Result<()> {
-    std::thread::sleep(Duration::from_millis(ms));
-    Ok(())
-}
-
-/// Starts the reactor threads and the fd reactor (which keep an eventfd for the life of
-/// the process) before a test counts fds.
-fn warm_up() {
-    let rt = runtime();
-    rt.block_on(async {
-        let e = Event::new().unwrap();
-        let waiter = {
-            let e = e.clone();
-            tokio::spawn(async move { e.wait_async().await })
-        };
-        tokio::time::sleep(Duration::from_millis(20)).await;
-        e.set();
-        waiter.await.unwrap().unwrap();
-        let mut p = Process::new(sleep_then_exit, 0, 50u64);
-        p.start().unwrap();
-        tokio::time::timeout(WAIT, p.join_async())
-            .await
-            .unwrap()
-            .unwrap();
-    });
-}
-
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap()
 }
 
 /// The CPU time (user + system, all threads) this process has used so far
@@ -415,280 +380,6 @@ fn disconnected_reaches_an_awaiting_task_when_the_only_producer_leaves() {
                 "disconnect after a producer's SIGKILL reached the awaiting get after {:?}",
                 at.saturating_duration_since(killed)
             );
-        });
-        drop(rt);
-    });
-}
-
-/// Waits for `go`, sleeps, sets `done`, sleeps again and exits.
-fn set_later(_rank: usize, (go, done): (Event, Event)) -> multiproc::Result<()> {
-    go.wait(Some(WAIT))?;
-    std::thread::sleep(Duration::from_millis(200));
-    done.set();
-    std::thread::sleep(Duration::from_millis(200));
-    Ok(())
-}
-
-#[test]
-fn event_wait_async_and_process_join_async_across_processes() {
-    warm_up();
-    common::run(DEADLINE, || {
-        let rt = runtime();
-        rt.block_on(async {
-            let (go, done) = (Event::new().unwrap(), Event::new().unwrap());
-            let mut child = Process::new(set_later, 0, (go.clone(), done.clone()));
-            child.start().unwrap();
-            // Many tasks wait on one event; dropped waits in between change nothing.
-            let waiters: Vec<_> = (0..10)
-                .map(|_| {
-                    let done = done.clone();
-                    tokio::spawn(async move { done.wait_async().await })
-                })
-                .collect();
-            for _ in 0..100 {
-                let dropped =
-                    tokio::time::timeout(Duration::from_micros(50), done.wait_async()).await;
-                assert!(dropped.is_err());
-            }
-            let start = Instant::now();
-            go.set();
-            for w in waiters {
-                tokio::time::timeout(WAIT, w)
-                    .await
-                    .unwrap()
-                    .unwrap()
-                    .unwrap();
-            }
-            assert!(done.is_set());
-            assert!(
-                start.elapsed() >= Duration::from_millis(150),
-                "woken before the set"
-            );
-            assert!(child.is_alive() || start.elapsed() >= Duration::from_millis(350));
-            let status = tokio::time::timeout(WAIT, child.join_async())
-                .await
-                .unwrap()
-                .unwrap();
-            assert!(status.success(), "{status:?}");
-            assert!(
-                start.elapsed() >= Duration::from_millis(350),
-                "joined before the exit"
-            );
-            // Joining again returns the same status at once.
-            assert!(child.join_async().await.unwrap().success());
-
-            // A semaphore's permit, given in another task.
-            let sem = multiproc::Semaphore::new(0).unwrap();
-            let acquirer = {
-                let sem = sem.clone();
-                tokio::spawn(async move { sem.acquire_async().await })
-            };
-            tokio::time::sleep(Duration::from_millis(50)).await;
-            assert!(!acquirer.is_finished());
-            // Futures dropped unfinished take no permit: one given meanwhile goes to
-            // exactly one of them or the parked acquirer.
-            let mut taken = 0;
-            for i in 0..100 {
-                if i == 50 {
-                    sem.release().unwrap();
-                }
-                let r = tokio::time::timeout(Duration::from_micros(50), sem.acquire_async()).await;
-                taken += usize::from(r.is_ok_and(|r| r.is_ok()));
-            }
-            assert!(taken <= 1, "{taken} permits out of one");
-            if taken == 1 {
-                sem.release().unwrap(); // the acquirer's
-            }
-            tokio::time::timeout(WAIT, acquirer)
-                .await
-                .unwrap()
-                .unwrap()
-                .unwrap();
-            assert!(sem.try_permit().unwrap().is_none(), "a permit too many");
-        });
-        drop(rt);
-    });
-}
-
-/// Takes every item of `jobs` (marking each done), then answers on `answer` and exits.
-fn work_then_answer(
-    _rank: usize,
-    (jobs, answer, count): (
-        multiproc::JoinableQueue<u32>,
-        multiproc::Connection<String>,
-        u32,
-    ),
-) -> multiproc::Result<()> {
-    for _ in 0..count {
-        jobs.get_timeout(WAIT)?;
-        std::thread::sleep(Duration::from_millis(20));
-        jobs.task_done()?;
-    }
-    std::thread::sleep(Duration::from_millis(100));
-    answer.send("done".to_string())?;
-    Ok(())
-}
-
-#[test]
-fn pipes_joinable_queues_and_process_contexts_are_awaitable() {
-    warm_up();
-    common::run(DEADLINE, || {
-        let rt = runtime();
-        rt.block_on(async {
-            let jobs = multiproc::JoinableQueue::<u32>::new().unwrap();
-            for i in 0..5 {
-                jobs.put(i).unwrap();
-            }
-            let (mine, theirs) = multiproc::pipe::<String>().unwrap();
-            let joiner = {
-                let jobs = jobs.clone();
-                tokio::spawn(async move {
-                    jobs.join_async().await.unwrap();
-                    Instant::now()
-                })
-            };
-            let start = Instant::now();
-            let mut ctx = start_processes(
-                work_then_answer,
-                (jobs.clone(), theirs, 5),
-                1,
-                StartMethod::Spawn,
-            )
-            .unwrap();
-            // Dropped receives in between take nothing.
-            for _ in 0..50 {
-                let dropped =
-                    tokio::time::timeout(Duration::from_micros(100), mine.recv_async()).await;
-                assert!(dropped.is_err());
-            }
-            let answer = tokio::time::timeout(WAIT, mine.recv_async())
-                .await
-                .unwrap()
-                .unwrap();
-            assert_eq!(answer, "done");
-            let joined_at = tokio::time::timeout(WAIT, joiner).await.unwrap().unwrap();
-            assert!(joined_at.saturating_duration_since(start) >= Duration::from_millis(100));
-            tokio::time::timeout(WAIT, ctx.join_async())
-                .await
-                .unwrap()
-                .unwrap();
-            // The worker's end is gone with it: the pipe reports the end of the stream.
-            let end = tokio::time::timeout(WAIT, mine.recv_async()).await.unwrap();
-            assert!(end.as_ref().is_err_and(|e| e.is_disconnected()), "{end:?}");
-        });
-        drop(rt);
-    });
-}
-
-/// The threads of this process named `name`.
-fn threads_named(name: &str) -> usize {
-    std::fs::read_dir("/proc/self/task")
-        .map(|tasks| {
-            tasks
-                .filter_map(|t| t.ok())
-                .filter(|t| {
-                    std::fs::read_to_string(t.path().join("comm"))
-                        .is_ok_and(|c| c.trim_end() == name)
-                })
-                .count()
-        })
-        .unwrap_or(0)
-}
-
-#[test]
-fn more_words_than_one_futex_waitv_takes_are_shared_among_reactor_threads() {
-    warm_up();
-    common::run(DEADLINE, || {
-        const EVENTS: usize = 300;
-        let events: Vec<Event> = (0..EVENTS).map(|_| Event::new().unwrap()).collect();
-        let rt = runtime();
-        rt.block_on(async {
-            let tasks: Vec<_> = events
-                .iter()
-                .map(|e| {
-                    let e = e.clone();
-                    tokio::spawn(async move { e.wait_async().await })
-                })
-                .collect();
-            tokio::time::sleep(Duration::from_millis(200)).await;
-            assert!(tasks.iter().all(|t| !t.is_finished()));
-            // 128 words per futex_waitv, the control word included.
-            let reactors = threads_named("multiproc-react");
-            assert!(
-                reactors >= EVENTS.div_ceil(127),
-                "{reactors} reactor threads"
-            );
-            // Set in an order unlike the registrations'.
-            for e in events
-                .iter()
-                .rev()
-                .step_by(2)
-                .chain(events.iter().step_by(2))
-            {
-                e.set();
-            }
-            for t in tasks {
-                tokio::time::timeout(WAIT, t)
-                    .await
-                    .unwrap()
-                    .unwrap()
-                    .unwrap();
-            }
-        });
-        drop(rt);
-    });
-}
-
-/// Awaits `go` and the item 42 on its own runtime (a `fork` child of a parent whose
-/// reactor threads run: the child starts its own).
-fn await_in_a_fork_child(_rank: usize, (go, q): (Event, Queue<u32>)) -> multiproc::Result<()> {
-    let late = |what: &str| multiproc::Error::InvalidArgument(format!("{what} never came"));
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .map_err(|e| multiproc::Error::InvalidArgument(format!("a runtime: {e}")))?;
-    rt.block_on(async {
-        tokio::time::timeout(WAIT, go.wait_async())
-            .await
-            .map_err(|_| late("go"))??;
-        let item = tokio::time::timeout(WAIT, q.get_async())
-            .await
-            .map_err(|_| late("the item"))??;
-        if item == 42 {
-            Ok(())
-        } else {
-            Err(multiproc::Error::InvalidArgument(format!("got {item}")))
-        }
-    })
-}
-
-#[test]
-fn a_fork_child_awaits_on_reactors_of_its_own() {
-    warm_up();
-    common::run(DEADLINE, || {
-        let (go, q) = (Event::new().unwrap(), Queue::<u32>::new().unwrap());
-        let rt = runtime();
-        rt.block_on(async {
-            // The parent's reactor threads are busy with a parked wait of its own.
-            let never = Event::new().unwrap();
-            let parked = {
-                let never = never.clone();
-                tokio::spawn(async move { never.wait_async().await })
-            };
-            let mut child = Process::new(await_in_a_fork_child, 0, (go.clone(), q.clone()))
-                .start_method(StartMethod::Fork);
-            child.start().unwrap();
-            tokio::time::sleep(Duration::from_millis(100)).await;
-            go.set();
-            tokio::time::sleep(Duration::from_millis(100)).await;
-            q.put(42).unwrap();
-            let status = tokio::time::timeout(WAIT, child.join_async())
-                .await
-                .unwrap()
-                .unwrap();
-            assert!(status.success(), "{status:?} {:?}", child.error());
-            never.set();
-            parked.await.unwrap().unwrap();
         });
         drop(rt);
     });

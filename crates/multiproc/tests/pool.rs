@@ -1,5 +1,6 @@
 //! Pool across real processes: ordering, failures that stay local, dead workers that
-//! are replaced, recycling.
+//! are replaced, recycling, the other call forms (starmap, apply, map_async,
+//! initializer arguments), join with a timeout.
 
 multiproc::test_init!();
 
@@ -10,6 +11,7 @@ use std::time::{Duration, Instant};
 use multiproc::{Error, Pool, StartMethod};
 
 const DEADLINE: Duration = Duration::from_secs(90);
+const WAIT: Duration = Duration::from_secs(30);
 
 fn square(x: u64) -> Result<u64, String> {
     Ok(x * x)
@@ -246,5 +248,91 @@ fn a_worker_killed_mid_chunk_fails_only_the_running_task() {
         std::fs::remove_dir_all(&dir).unwrap();
         let expected: Vec<(u64, usize)> = (0..12).filter(|&x| x != 7).map(|x| (x, 1)).collect();
         assert_eq!(ran, expected, "every task but 7 ran, exactly once");
+    });
+}
+
+// ----- the pool's other call forms -----
+
+fn power(base: u64, exp: u32) -> Result<u64, String> {
+    base.checked_pow(exp)
+        .ok_or_else(|| format!("{base}^{exp} overflows"))
+}
+
+/// A task that takes 300 ms of work (not a synchronisation): a wait of 10 ms on it
+/// cannot see it finished.
+fn slow_square(x: u64) -> Result<u64, String> {
+    std::thread::sleep(Duration::from_millis(300));
+    Ok(x * x)
+}
+
+static GREETING: std::sync::Mutex<String> = std::sync::Mutex::new(String::new());
+
+fn remember(greeting: (String, u32)) {
+    *GREETING.lock().unwrap() = format!("{} x{}", greeting.0, greeting.1);
+}
+
+fn greeting_and_name(_: ()) -> Result<(String, String), String> {
+    Ok((
+        GREETING.lock().unwrap().clone(),
+        multiproc::current_process().name,
+    ))
+}
+
+#[test]
+fn starmap_apply_map_async_and_initializer_arguments() {
+    common::run(DEADLINE, || {
+        let pool = Pool::builder()
+            .processes(2)
+            .initializer_with(remember, ("hello".to_string(), 3))
+            .build()
+            .unwrap();
+        assert_eq!(
+            pool.starmap(power, [(2, 10), (3, 3), (10, 0)]).unwrap(),
+            vec![1024, 27, 1]
+        );
+        let err = pool.starmap(power, [(2, 1), (2, 64)]).unwrap_err();
+        assert!(
+            matches!(&err, Error::TaskFailed { index: 1, message } if message.contains("2^64 overflows")),
+            "{err}"
+        );
+        assert_eq!(pool.apply(square, 12).unwrap(), 144);
+        let (greeting, name) = pool.apply(greeting_and_name, ()).unwrap();
+        assert_eq!(
+            greeting, "hello x3",
+            "the initializer ran with its argument"
+        );
+        assert!(name.starts_with("PoolWorker-"), "{name}");
+
+        let mut pending = pool.map_async(slow_square, 0..4u64).unwrap();
+        let err = pending.get(Some(Duration::from_millis(10))).unwrap_err();
+        assert!(err.is_timeout(), "{err}");
+        assert_eq!(pending.get(Some(WAIT)).unwrap(), vec![0, 1, 4, 9]);
+        let mut quick = pool.map_async(square, 0..50u64).unwrap();
+        assert_eq!(
+            quick.get(None).unwrap(),
+            (0..50).map(|x| x * x).collect::<Vec<_>>()
+        );
+        assert!(quick.ready());
+        assert!(matches!(quick.get(None), Err(Error::InvalidArgument(_))));
+    });
+}
+
+#[test]
+fn pool_join_times_out_while_a_task_runs_then_joins() {
+    common::run(DEADLINE, || {
+        let mut pool = Pool::new(1).unwrap();
+        let mut running = pool.apply_async(slow_square, 3).unwrap();
+        pool.close();
+        let err = pool.join(Some(Duration::from_millis(10))).unwrap_err();
+        assert!(
+            matches!(&err, Error::Timeout { after: Some(t), .. } if *t == Duration::from_millis(10)),
+            "{err}"
+        );
+        pool.join(Some(WAIT)).unwrap();
+        assert_eq!(
+            running.get(Some(WAIT)).unwrap(),
+            9,
+            "a closed pool finishes its tasks"
+        );
     });
 }

@@ -1,5 +1,6 @@
 //! Queues across real processes: bounded back-pressure, joinable task accounting, a
-//! queue handed over through another queue, tensors in nested values.
+//! queue handed over through another queue, tensors in nested values, `try_put` on a
+//! full queue, iterators that drain or end on close.
 
 multiproc::test_init!();
 
@@ -15,6 +16,7 @@ use multiproc::{
 use serde::{Deserialize, Serialize};
 
 const DEADLINE: Duration = Duration::from_secs(60);
+const WAIT: Duration = Duration::from_secs(30);
 
 /// Takes six items, slowly; counts each take in `takes` before making it.
 fn consume_slowly(
@@ -22,6 +24,7 @@ fn consume_slowly(
     (q, taken, takes): (Queue<u32>, Queue<u32>, Value<u32>),
 ) -> multiproc::Result<()> {
     for _ in 0..6 {
+        // A slow consumer (not a synchronisation): the producer's puts meet a full queue.
         std::thread::sleep(Duration::from_millis(50));
         takes.update(|n| n + 1)?;
         let v = q.get()?;
@@ -148,5 +151,77 @@ fn tensors_at_any_depth_and_a_queue_inside_a_message() {
         assert_eq!(&all[0..4], &[5.0; 4]);
         assert_eq!(&all[4..8], &[7.0; 4]);
         assert_eq!(&all[8..12], &[5.0; 4]);
+    });
+}
+
+// ----- try_put, iter, len/capacity -----
+
+fn fill_then_try(
+    _rank: usize,
+    (q, out): (Queue<u32>, SimpleQueue<String>),
+) -> multiproc::Result<()> {
+    q.put(1).map_err(Error::from)?;
+    q.put(2).map_err(Error::from)?;
+    let back = q.try_put(3).unwrap_err();
+    out.put(format!("{:?} {}", back.error.is_timeout(), back.error))
+        .map_err(Error::from)?;
+    assert_eq!(back.into_inner(), 3);
+    q.put_nowait(4).map_err(|e| e.error).unwrap_err();
+    Ok(())
+}
+
+#[test]
+fn try_put_on_a_full_queue_hands_the_item_back_and_iter_drains() {
+    common::run(DEADLINE, || {
+        let q = Queue::with_capacity(2).unwrap();
+        let out = SimpleQueue::new().unwrap();
+        assert_eq!(q.capacity(), Some(2));
+        assert_eq!(Queue::<u8>::new().unwrap().capacity(), None);
+        let mut ctx = start_processes(
+            fill_then_try,
+            (q.clone(), out.clone()),
+            1,
+            StartMethod::Spawn,
+        )
+        .unwrap();
+        let said = out.get_timeout(WAIT).unwrap();
+        assert!(
+            said.starts_with("false no room in a full queue (capacity 2)"),
+            "{said}"
+        );
+        ctx.join(Some(WAIT)).unwrap();
+        assert_eq!((q.len(), q.is_empty()), (2, false));
+        let got: Vec<u32> = q.try_iter().collect::<multiproc::Result<_>>().unwrap();
+        assert_eq!(got, [1, 2]);
+        assert!(q.is_empty());
+        let _producer = q.clone();
+        assert_eq!(q.try_get().unwrap(), None, "empty is not a timeout");
+    });
+}
+
+fn produce(_rank: usize, q: Queue<u64>) -> multiproc::Result<()> {
+    for i in 0..100 {
+        q.put(i).map_err(Error::from)?;
+    }
+    Ok(())
+}
+
+#[test]
+fn iter_takes_from_another_process_and_ends_on_close() {
+    common::run(DEADLINE, || {
+        let q = Queue::new().unwrap();
+        let mut ctx = start_processes(produce, q.clone(), 1, StartMethod::Spawn).unwrap();
+        let got: Vec<u64> = q
+            .iter()
+            .take(100)
+            .collect::<multiproc::Result<_>>()
+            .unwrap();
+        assert_eq!(got, (0..100).collect::<Vec<_>>());
+        ctx.join(Some(WAIT)).unwrap();
+        q.close();
+        assert!(
+            q.iter().next().is_none(),
+            "a closed handle ends the iterator"
+        );
     });
 }

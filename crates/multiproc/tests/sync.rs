@@ -1,4 +1,5 @@
-//! Process-shared synchronisation across real processes.
+//! Process-shared synchronisation across real processes: locks, barriers, semaphores,
+//! conditions and events, their guards and the timeout convention, a holder that died.
 
 multiproc::test_init!();
 
@@ -7,10 +8,12 @@ mod common;
 use std::time::{Duration, Instant};
 
 use multiproc::{
-    Barrier, Error, Event, Lock, RLock, Semaphore, SimpleQueue, StartMethod, Value, start_processes,
+    Barrier, Condition, Error, Event, Lock, Process, RLock, Semaphore, SimpleQueue, StartMethod,
+    Value, start_processes,
 };
 
 const DEADLINE: Duration = Duration::from_secs(60);
+const WAIT: Duration = Duration::from_secs(30);
 
 fn increment(_rank: usize, (lock, counter): (Lock, Value<u64>)) {
     for _ in 0..10_000 {
@@ -33,16 +36,28 @@ fn lock_excludes_four_processes() {
     });
 }
 
-fn wait_at_barrier(rank: usize, (barrier, arrived, passed): (Barrier, Value<u32>, Value<u32>)) {
-    arrived.update(|n| n + 1).expect("update");
+/// Ranks 1..4 say they are at the barrier (`at`), then wait there; rank 0 arrives last,
+/// only once all three are blocked, and first checks for a bounded time that none of them
+/// got through (`passed` is set by whoever passes: it must not be, before rank 0 waits).
+fn wait_at_barrier(
+    rank: usize,
+    (barrier, at, arrived, passed): (Barrier, SimpleQueue<usize>, Value<u32>, Event),
+) {
     if rank == 0 {
-        // Arrive late: nobody may pass before this party has arrived.
-        std::thread::sleep(Duration::from_millis(200));
-        assert_eq!(
-            passed.get(),
-            0,
-            "a party passed the barrier before all arrived"
+        for _ in 1..4 {
+            at.get().expect("a party at the barrier");
+        }
+        // All three are in (or about to enter) their wait. A barrier that let them through
+        // early would set `passed` at once; 300 ms of nothing is the bounded look.
+        let early = passed.wait(Some(Duration::from_millis(300)));
+        assert!(
+            early.as_ref().is_err_and(Error::is_timeout),
+            "a party passed the barrier before all arrived: {early:?}"
         );
+    }
+    arrived.update(|n| n + 1).expect("update");
+    if rank != 0 {
+        at.put(rank).expect("put");
     }
     barrier
         .wait(Some(Duration::from_secs(30)))
@@ -53,19 +68,21 @@ fn wait_at_barrier(rank: usize, (barrier, arrived, passed): (Barrier, Value<u32>
         "passed the barrier with {} of 4 arrived",
         arrived.get()
     );
-    passed.update(|n| n + 1).expect("update");
+    passed.set();
 }
 
 #[test]
-fn barrier_of_four() {
+fn barrier_of_four_lets_nobody_through_before_the_last_arrives() {
     common::run(DEADLINE, || {
         let barrier = Barrier::new(4).unwrap();
+        let at = SimpleQueue::new().unwrap();
         let arrived = Value::new(0u32).unwrap();
-        let passed = Value::new(0u32).unwrap();
-        let args = (barrier, arrived, passed.clone());
+        let passed = Event::new().unwrap();
+        let args = (barrier, at, arrived.clone(), passed.clone());
         let mut ctx = start_processes(wait_at_barrier, args, 4, StartMethod::Spawn).unwrap();
         ctx.join(Some(Duration::from_secs(50))).unwrap();
-        assert_eq!(passed.get(), 4);
+        assert_eq!(arrived.get(), 4);
+        assert!(passed.is_set());
     });
 }
 
@@ -93,6 +110,7 @@ fn bounded_work(
         sem.acquire(Some(Duration::from_secs(30))).expect("acquire");
         let now = inside.update(|n| n + 1).expect("update");
         most.update(|m| m.max(now)).expect("update");
+        // A little work inside (not a synchronisation): time for others to try.
         std::thread::sleep(Duration::from_millis(2));
         inside.update(|n| n - 1).expect("update");
         sem.release().expect("release");
@@ -140,7 +158,8 @@ fn semaphore_bounds_concurrency() {
 fn take_lock_and_die(_rank: usize, (lock, taken): (Lock, multiproc::Event)) {
     let _held = lock.lock().expect("lock");
     taken.set();
-    std::thread::sleep(Duration::from_secs(60)); // killed long before this ends
+    // A holder that never lets go on its own: the test SIGKILLs it long before this ends.
+    std::thread::sleep(Duration::from_secs(60));
 }
 
 #[test]
@@ -252,5 +271,148 @@ fn is_owned_by_current_thread_tells_this_thread_from_other_threads_and_processes
             ctx.join(Some(Duration::from_secs(30))).unwrap();
             assert!(!lock.is_locked());
         }
+    });
+}
+
+// ----- the timeout convention and the guards, across processes -----
+
+fn hold_lock_until(_rank: usize, (lock, held, release): (Lock, Event, Event)) {
+    let _guard = lock.lock().expect("lock");
+    held.set();
+    release.wait(Some(WAIT)).expect("release");
+}
+
+#[test]
+fn lock_guards_and_timeouts_against_another_process() {
+    common::run(DEADLINE, || {
+        let (lock, held, release) = (
+            Lock::new().unwrap(),
+            Event::new().unwrap(),
+            Event::new().unwrap(),
+        );
+        let mut ctx = start_processes(
+            hold_lock_until,
+            (lock.clone(), held.clone(), release.clone()),
+            1,
+            StartMethod::Spawn,
+        )
+        .unwrap();
+        held.wait(Some(WAIT)).unwrap();
+        assert!(lock.try_lock().unwrap().is_none(), "held by the worker");
+        let start = Instant::now();
+        let err = lock.lock_timeout(Duration::from_millis(50)).unwrap_err();
+        assert!(start.elapsed() >= Duration::from_millis(50));
+        assert!(err.guard.is_none());
+        assert!(
+            matches!(&err.error, Error::Timeout { after: Some(t), .. } if *t == Duration::from_millis(50)),
+            "{err}"
+        );
+        let err = lock.acquire(Some(Duration::ZERO)).unwrap_err();
+        assert!(err.is_timeout(), "{err}");
+        release.set();
+        {
+            let _mine = lock
+                .lock_timeout(WAIT)
+                .expect("the worker's guard released it");
+            assert!(lock.is_locked());
+        }
+        assert!(!lock.is_locked(), "dropping the guard released it");
+        ctx.join(Some(WAIT)).unwrap();
+    });
+}
+
+fn lock_and_hang(_rank: usize, (lock, held): (Lock, Event)) {
+    let _guard = lock.lock().expect("lock");
+    held.set();
+    // A holder that never lets go on its own: the test kills it.
+    std::thread::sleep(Duration::from_secs(600));
+}
+
+#[test]
+fn a_guard_after_owner_died_holds_the_lock_and_releases_it() {
+    common::run(DEADLINE, || {
+        let (lock, held) = (Lock::new().unwrap(), Event::new().unwrap());
+        let mut p = Process::new(lock_and_hang, 0, (lock.clone(), held.clone())).daemon(true);
+        p.start().unwrap();
+        held.wait(Some(WAIT)).unwrap();
+        let dead = p.pid().unwrap();
+        p.kill().unwrap();
+        p.join(Some(WAIT)).unwrap();
+        let err = lock.lock().unwrap_err();
+        assert!(
+            matches!(&err.error, Error::OwnerDied { pid, .. } if *pid as i32 == dead),
+            "{err}"
+        );
+        let guard = err.into_guard().expect("the lock is ours after OwnerDied");
+        assert!(lock.is_locked());
+        drop(guard);
+        assert!(!lock.is_locked(), "the recovered guard releases the lock");
+        let clean = lock.try_lock().unwrap().expect("a clean lock again");
+        drop(clean);
+    });
+}
+
+fn take_permit(_rank: usize, (sem, took, release): (Semaphore, Event, Event)) {
+    let _permit = sem.permit().expect("permit");
+    took.set();
+    release.wait(Some(WAIT)).expect("release");
+}
+
+#[test]
+fn semaphore_permits_across_processes() {
+    common::run(DEADLINE, || {
+        let (sem, took, release) = (
+            Semaphore::new(1).unwrap(),
+            Event::new().unwrap(),
+            Event::new().unwrap(),
+        );
+        let mut ctx = start_processes(
+            take_permit,
+            (sem.clone(), took.clone(), release.clone()),
+            1,
+            StartMethod::Spawn,
+        )
+        .unwrap();
+        took.wait(Some(WAIT)).unwrap();
+        assert!(sem.try_permit().unwrap().is_none());
+        assert!(
+            sem.permit_timeout(Duration::from_millis(20))
+                .unwrap_err()
+                .is_timeout()
+        );
+        release.set();
+        let permit = sem.permit_timeout(WAIT).expect("the worker gave it back");
+        assert_eq!(sem.value(), 0);
+        drop(permit);
+        assert_eq!(sem.value(), 1);
+        ctx.join(Some(WAIT)).unwrap();
+    });
+}
+
+fn set_and_notify(_rank: usize, (cond, flag): (Condition, Value<u32>)) {
+    let guard = cond.lock().expect("lock");
+    flag.set(42);
+    guard.notify_all();
+}
+
+#[test]
+fn condition_guard_waits_for_another_process() {
+    common::run(DEADLINE, || {
+        let (cond, flag) = (Condition::new().unwrap(), Value::new(0u32).unwrap());
+        let mut guard = cond.lock().unwrap();
+        let err = guard
+            .wait_for(|| flag.get() == 42, Some(Duration::from_millis(20)))
+            .unwrap_err();
+        assert!(err.is_timeout(), "{err}");
+        let mut ctx = start_processes(
+            set_and_notify,
+            (cond.clone(), flag.clone()),
+            1,
+            StartMethod::Spawn,
+        )
+        .unwrap();
+        guard.wait_for(|| flag.get() == 42, Some(WAIT)).unwrap();
+        drop(guard);
+        ctx.join(Some(WAIT)).unwrap();
     });
 }

@@ -25,7 +25,7 @@
 //! the ring the window is the few instructions between moving the ring's head and
 //! giving the place back; for one on the socket it is the `recvmsg` itself (the kernel
 //! has dequeued the packet and the process dies on the way back to user space). The
-//! soak (`cargo test -p multiproc --test faults -- --ignored soak`, the `slots_lost`
+//! soak (`cargo test -p multiproc --test faults_queue -- --ignored soak`, the `slots_lost`
 //! count of `scenario_consumer_mid_get`) loses about one place per 100 kills of a busy
 //! consumer. The loss is bounded and reported: a later `put`
 //! waits for room and a `put_timeout` says it timed out. (Closing the ring's window

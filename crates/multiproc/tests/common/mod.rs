@@ -1,5 +1,7 @@
 //! Test support shared by the integration tests: a watchdog deadline for every test,
 //! and a leak check (segments in /dev/shm, open fds, child processes) at its end.
+//! A test that runs past its deadline aborts the whole test binary (see [`run`]): its
+//! body cannot be stopped, and left running it would poison the tests after it.
 //!
 //! Tests in one binary run on parallel threads of one process, so the fd and child
 //! counts are only meaningful when leak-checked tests run one at a time: [`Guard::new`]
@@ -7,13 +9,22 @@
 
 #![allow(dead_code)]
 
+#[cfg(feature = "async")]
+pub mod async_rt;
+pub mod cuda;
+pub mod data;
+pub mod faults;
+pub mod hostile;
+
 use std::collections::BTreeSet;
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 static SERIAL: Mutex<()> = Mutex::new(());
 
-/// Runs `body` with a deadline and a leak check; fails the test if either is broken.
+/// Runs `body` with a deadline and a leak check. A leak fails the test; a body still
+/// running at the deadline aborts the test binary after naming the test and killing its
+/// processes (a hung body cannot be stopped, and would run on into the next test).
 pub fn run(deadline: Duration, body: impl FnOnce() + Send + 'static) {
     let guard = Guard::new();
     let (tx, rx) = std::sync::mpsc::channel();
@@ -36,11 +47,63 @@ pub fn run(deadline: Duration, body: impl FnOnce() + Send + 'static) {
                 std::panic::resume_unwind(p);
             }
         }
-        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
-            panic!("test exceeded its deadline of {deadline:?} (a hang is a bug)");
-        }
+        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => hung(deadline),
     }
     guard.check();
+}
+
+/// A test body ran past its deadline: a hang is a bug. A panic here would fail this test
+/// but leave its body and its processes running into the next test's leak baseline, so
+/// the whole test binary ends instead, loudly: it names the test and the deadline, kills
+/// every process below this one (the fork server and the workers it started included)
+/// and aborts.
+fn hung(deadline: Duration) -> ! {
+    use std::io::Write as _;
+    let test = std::thread::current()
+        .name()
+        .unwrap_or("<unnamed test>")
+        .to_owned();
+    let live = descendants();
+    let named: Vec<String> = live
+        .iter()
+        .map(|&pid| format!("{pid} ({})", comm(pid).unwrap_or_default()))
+        .collect();
+    // Straight to fd 2: the test harness captures `eprintln!` of a test's thread and
+    // shows it only when the test ends, which an abort never reaches.
+    let _ = writeln!(
+        std::io::stderr(),
+        "test {test} exceeded its deadline of {deadline:?} (a hang is a bug): killing its \
+         processes [{}] and aborting the test binary",
+        named.join(", ")
+    );
+    for pid in live {
+        // SAFETY: kill(2) sends a signal; no memory is involved. A pid that has gone
+        // since the scan gets ESRCH, which is fine: it is gone.
+        unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+    }
+    std::process::abort();
+}
+
+/// Every live process below this one, children first.
+pub fn descendants() -> Vec<u32> {
+    let me = std::process::id();
+    let mut out: Vec<u32> = std::fs::read_dir("/proc")
+        .map(|d| {
+            d.flatten()
+                .filter_map(|e| e.file_name().to_string_lossy().parse::<u32>().ok())
+                .filter(|&pid| pid != me && descends_from(pid, me))
+                .collect()
+        })
+        .unwrap_or_default();
+    out.sort_by_key(|&pid| (parent_of(pid) != Some(me), pid));
+    out
+}
+
+/// The command name of process `pid`.
+fn comm(pid: u32) -> Option<String> {
+    std::fs::read_to_string(format!("/proc/{pid}/comm"))
+        .ok()
+        .map(|c| c.trim_end().to_owned())
 }
 
 /// What a test started with, to compare at its end.

@@ -1,0 +1,390 @@
+//! CUDA and the data loader (feature `cuda`): `pin_memory` and `prefetch_to`, their
+//! refusals at build, pinned blocks registered once and unregistered when freed,
+//! prefetched batches on the device in order, an epoch dropped with copies in flight.
+//!
+//! The tests marked `#[ignore = "needs a CUDA device"]` need a GPU and run with
+//! `scripts/gpu_check.sh` (built by `scripts/gpu_build.sh`), or by hand with
+//! `cargo test -p multiproc --features cuda --test cuda_tensors --test cuda_sharing
+//! --test cuda_loader -- --include-ignored`. The others run everywhere: without a
+//! driver, a device or the feature, every CUDA operation and every forged CUDA handle
+//! must be a clean `CudaUnavailable`, never a panic. What they share is in
+//! tests/common/cuda.rs.
+
+multiproc::test_init!();
+
+mod common;
+
+use std::time::Instant;
+
+use common::cuda::*;
+use common::secs;
+use multiproc::data::{
+    Collate, DataLoader, DataLoaderBuilder, Dataset, IterableDataset, WorkerKind,
+};
+use multiproc::{DType, Device, Error, StartMethod, Tensor, cuda};
+
+/// Sample `i` is `len` elements equal to `i`, labelled `i`.
+#[derive(Clone, serde::Serialize, serde::Deserialize)]
+struct Ramp {
+    n: usize,
+    width: usize,
+}
+
+impl Dataset for Ramp {
+    type Item = (Tensor, i64);
+
+    fn len(&self) -> usize {
+        self.n
+    }
+
+    fn get(&self, i: usize) -> multiproc::Result<(Tensor, i64)> {
+        Ok((Tensor::full(&[self.width], i as f64, DType::F32)?, i as i64))
+    }
+}
+
+/// A stream of `0..n`.
+#[derive(Clone, serde::Serialize, serde::Deserialize)]
+struct Count(i64);
+
+impl IterableDataset for Count {
+    type Item = i64;
+    type Iter = std::vec::IntoIter<multiproc::Result<i64>>;
+
+    fn iter(&self, _epoch: u64) -> Self::Iter {
+        (0..self.0).map(Ok).collect::<Vec<_>>().into_iter()
+    }
+}
+
+/// A collate that does not say how to reach its batch's tensors.
+#[derive(Clone, serde::Serialize, serde::Deserialize)]
+struct Opaque;
+
+impl Collate<(Tensor, i64)> for Opaque {
+    type Batch = Vec<(Tensor, i64)>;
+
+    fn collate(&self, items: Vec<(Tensor, i64)>) -> multiproc::Result<Self::Batch> {
+        Ok(items)
+    }
+}
+
+fn invalid(r: multiproc::Result<impl Sized>, needles: &[&str]) {
+    match r {
+        Err(Error::InvalidArgument(text)) => {
+            for needle in needles {
+                assert!(text.contains(needle), "{needle:?} not in {text:?}");
+            }
+        }
+        Err(other) => panic!("expected InvalidArgument with {needles:?}, got {other:?}"),
+        Ok(_) => panic!("expected InvalidArgument with {needles:?}, got a loader"),
+    }
+}
+
+#[test]
+fn pin_memory_and_prefetch_to_refuse_bad_arguments_at_build() {
+    common::run(DEADLINE, || {
+        let data = Ramp { n: 8, width: 4 };
+        invalid(
+            DataLoader::builder(data.clone())
+                .prefetch_to(GPU, 0)
+                .build(),
+            &["prefetch_to", "at least 1"],
+        );
+        invalid(
+            DataLoader::builder(data.clone())
+                .prefetch_to(Device::Cpu, 2)
+                .build(),
+            &["Device::Cpu", "CUDA device"],
+        );
+        invalid(
+            DataLoaderBuilder::new(data.clone())
+                .collate(Opaque)
+                .pin_memory(true)
+                .build(),
+            &["pin_memory(true)", "Collate::batch_tensors"],
+        );
+        invalid(
+            DataLoader::builder(data.clone())
+                .num_workers(1)
+                .start_method(StartMethod::Fork)
+                .prefetch_to(GPU, 1)
+                .build(),
+            &["Fork", "StartMethod::Spawn"],
+        );
+        invalid(
+            DataLoaderBuilder::new(Count(8))
+                .pin_memory(true)
+                .build_iterable(),
+            &["iterable"],
+        );
+        // Thread workers may be combined with either: no fork involved.
+        let threads = DataLoader::builder(data.clone())
+            .num_workers(1)
+            .workers(WorkerKind::Thread)
+            .start_method(StartMethod::Fork)
+            .pin_memory(true)
+            .build();
+        // Without CUDA (no feature, no driver, no device) both options are
+        // CudaUnavailable, saying which option needs it; never a silent no-op.
+        if !cuda::is_available() {
+            for (what, r) in [
+                ("pin_memory(true)", threads.map(drop)),
+                (
+                    "prefetch_to",
+                    DataLoader::builder(data.clone())
+                        .prefetch_to(GPU, 2)
+                        .build()
+                        .map(drop),
+                ),
+            ] {
+                match r {
+                    Err(Error::CudaUnavailable { reason }) => {
+                        assert!(reason.contains(what), "{reason}")
+                    }
+                    other => panic!("{what} without CUDA: {other:?}"),
+                }
+            }
+        } else {
+            threads.unwrap();
+        }
+        // Off is off, everywhere.
+        DataLoader::builder(data).pin_memory(false).build().unwrap();
+    });
+}
+
+// ----- on a GPU -----
+
+/// The stand-in libcuda's counters of page-locked host memory (scripts/fake_libcuda.c):
+/// registrations made, undone, refused as registered already, undone after their
+/// memory was unmapped, and registered now. `None` on a real driver, which has no such
+/// symbol.
+fn fake_host_counts() -> Option<[i64; 5]> {
+    for name in [c"libcuda.so.1", c"libcuda.so"] {
+        // SAFETY: RTLD_NOLOAD only finds a library already loaded (by the driver
+        // loader); the handle is closed below.
+        let lib = unsafe { libc::dlopen(name.as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD) };
+        if lib.is_null() {
+            continue;
+        }
+        // SAFETY: a live handle; looking a symbol up calls nothing.
+        let sym = unsafe { libc::dlsym(lib, c"fake_cuda_host_counts".as_ptr()) };
+        let mut out = [0i64; 5];
+        if !sym.is_null() {
+            // SAFETY: the stand-in defines `void fake_cuda_host_counts(long long[5])`.
+            let f: extern "C" fn(*mut i64) = unsafe { std::mem::transmute(sym) };
+            f(out.as_mut_ptr());
+        }
+        // SAFETY: the handle from dlopen above, closed once.
+        unsafe { libc::dlclose(lib) };
+        return (!sym.is_null()).then_some(out);
+    }
+    None
+}
+
+/// Checks batch `(x, y)` of `rows` samples of `len` elements is samples `first..`.
+fn check_ramp_batch(x: &Tensor, y: &Tensor, first: usize, rows: usize, len: usize) {
+    assert_eq!(x.shape(), [rows, len]);
+    let xs = x.to(Device::Cpu).unwrap().to_vec::<f32>().unwrap();
+    let ys = y.to(Device::Cpu).unwrap().to_vec::<i64>().unwrap();
+    for r in 0..rows {
+        let want = (first + r) as f32;
+        assert_eq!(ys[r], want as i64, "label of row {r}");
+        assert!(
+            xs[r * len..(r + 1) * len].iter().all(|&v| v == want),
+            "row {r} of the batch from sample {first} is not all {want}"
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn pinned_batches_register_each_block_once_and_unregister_when_freed() {
+    warm_up_cuda();
+    common::run(DEADLINE, || {
+        let before = fake_host_counts();
+        const LEN: usize = 256 << 10; // 1 MiB a sample: every batch is a block of its own
+        const BATCHES: usize = 24;
+        let mut loader = DataLoader::builder(Ramp {
+            n: BATCHES * 4,
+            width: LEN,
+        })
+        .batch_size(4)
+        .num_workers(1)
+        .prefetch_factor(1)
+        .persistent_workers(true)
+        .pin_memory(true)
+        .build()
+        .unwrap();
+        let mut blocks = std::collections::BTreeSet::new();
+        for epoch in 0..2 {
+            let mut n = 0;
+            for (b, batch) in loader.iter().enumerate() {
+                let (x, y) = batch.unwrap();
+                assert!(x.is_pinned() && y.is_pinned(), "batch {b} of epoch {epoch}");
+                check_ramp_batch(&x, &y, b * 4, 4, LEN);
+                blocks.insert(x.data_ptr() as usize);
+                n += 1;
+            }
+            assert_eq!(n, BATCHES);
+        }
+        // The worker recycles its blocks and this process keeps them mapped: a handful
+        // of blocks carried all 48 batches, each registered once.
+        eprintln!("48 batches in {} blocks", blocks.len());
+        assert!(blocks.len() <= 6, "{} blocks", blocks.len());
+        if let (Some(b), Some(a)) = (before, fake_host_counts()) {
+            let made = a[0] - b[0];
+            eprintln!("registrations: {made} made, counts before {b:?} after {a:?}");
+            assert!(made >= 1, "no registration was made");
+            assert!(
+                made as usize <= blocks.len() + 1,
+                "{made} registrations for {} blocks (the x and y blocks)",
+                blocks.len()
+            );
+            assert_eq!(a[2], b[2], "a block was registered twice");
+        }
+        drop(loader);
+        multiproc::__testing::flush_retained_segments();
+        multiproc::__testing::release_idle_blocks();
+        if let (Some(b), Some(a)) = (before, fake_host_counts()) {
+            assert_eq!(
+                a[4], b[4],
+                "registrations outlived their blocks: {b:?} -> {a:?}"
+            );
+            assert_eq!(a[0] - b[0], a[1] - b[1], "every registration undone once");
+            assert_eq!(
+                a[3], b[3],
+                "a block was unmapped before it was unregistered"
+            );
+        }
+    });
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn pin_memory_pins_batches_made_in_this_process_and_by_thread_workers() {
+    warm_up_cuda();
+    common::run(DEADLINE, || {
+        let before = fake_host_counts();
+        for (workers, kind) in [(0, WorkerKind::Process), (2, WorkerKind::Thread)] {
+            let mut loader = DataLoader::builder(Ramp { n: 40, width: 1000 })
+                .batch_size(5)
+                .num_workers(workers)
+                .workers(kind)
+                .pin_memory(true)
+                .build()
+                .unwrap();
+            let mut n = 0;
+            for (b, batch) in loader.iter().enumerate() {
+                let (x, y) = batch.unwrap();
+                assert!(x.is_pinned() && y.is_pinned(), "{kind:?}: batch {b}");
+                check_ramp_batch(&x, &y, b * 5, 5, 1000);
+                n += 1;
+            }
+            assert_eq!(n, 8);
+        }
+        let plain = Tensor::full(&[1000], 1.0, DType::F32).unwrap();
+        assert!(!plain.is_pinned(), "a private tensor is not pinned");
+        assert!(!arange_on_gpu(4).is_pinned(), "a CUDA tensor is not pinned");
+        multiproc::__testing::flush_retained_segments();
+        multiproc::__testing::release_idle_blocks();
+        if let (Some(b), Some(a)) = (before, fake_host_counts()) {
+            assert!(a[0] > b[0], "no registration was made");
+            assert_eq!(a[2], b[2], "a block was registered twice");
+            assert_eq!(
+                a[3], b[3],
+                "a block was unmapped before it was unregistered"
+            );
+        }
+    });
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn prefetched_batches_are_on_the_device_and_equal_the_cpu_batches_in_order() {
+    warm_up_cuda();
+    common::run(DEADLINE, || {
+        let data = Ramp { n: 90, width: 3000 };
+        let build =
+            |b: DataLoaderBuilder<Ramp>| b.batch_size(6).shuffle(7).num_workers(2).build().unwrap();
+        let mut cpu = build(DataLoader::builder(data.clone()));
+        let mut gpu = build(DataLoader::builder(data).prefetch_to(GPU, 3));
+        for epoch in 0..2 {
+            let mut n = 0;
+            let mut on_gpu = gpu.iter();
+            for (b, want) in cpu.iter().enumerate() {
+                let (wx, wy) = want.unwrap();
+                let (x, y) = on_gpu.next().expect("as many batches").unwrap();
+                assert_eq!((x.device(), y.device()), (GPU, GPU), "batch {b}");
+                assert_eq!((x.shape(), y.shape()), (wx.shape(), wy.shape()));
+                let (hx, hy) = (x.to(Device::Cpu).unwrap(), y.to(Device::Cpu).unwrap());
+                assert_eq!(
+                    hx.to_vec::<f32>().unwrap(),
+                    wx.to_vec::<f32>().unwrap(),
+                    "x of batch {b} of epoch {epoch}"
+                );
+                assert_eq!(
+                    hy.to_vec::<i64>().unwrap(),
+                    wy.to_vec::<i64>().unwrap(),
+                    "y of batch {b} of epoch {epoch}"
+                );
+                // Batches pulled ahead are not counted as yielded.
+                if b + 1 < 15 {
+                    assert_eq!(
+                        on_gpu.state_dict().position(),
+                        Some((b + 1) * 6),
+                        "state after batch {b}"
+                    );
+                }
+                n += 1;
+            }
+            assert_eq!(n, 15);
+            assert!(on_gpu.next().is_none(), "no batch past the end");
+        }
+    });
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn an_epoch_dropped_with_copies_in_flight_waits_for_them_and_leaks_nothing() {
+    warm_up_cuda();
+    common::run(DEADLINE, || {
+        let mut loader = DataLoader::builder(Ramp {
+            n: 64,
+            width: 1 << 16,
+        })
+        .batch_size(4)
+        .num_workers(2)
+        .prefetch_to(GPU, 4)
+        .build()
+        .unwrap();
+        let started = Instant::now();
+        let mut epoch = loader.iter();
+        let (x, _) = epoch.next().unwrap().unwrap();
+        check_ramp_batch(
+            &x,
+            &Tensor::arange(0.0, 4.0, 1.0, DType::I64).unwrap(),
+            0,
+            4,
+            1 << 16,
+        );
+        drop(epoch); // four batches still staged, their copies issued
+        drop(x);
+        // The next epoch starts where it should and is correct.
+        let (x, y) = loader.iter().next().unwrap().unwrap();
+        check_ramp_batch(&x, &y, 0, 4, 1 << 16);
+        drop((x, y, loader));
+        cuda::empty_cache();
+        assert!(started.elapsed() < secs(60));
+    });
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn prefetch_to_a_device_this_process_does_not_see_is_an_error() {
+    warm_up_cuda();
+    common::run(DEADLINE, || {
+        let r = DataLoader::builder(Ramp { n: 4, width: 4 })
+            .prefetch_to(Device::Cuda(99), 2)
+            .build();
+        invalid(r, &["cuda:99", "prefetch_to"]);
+    });
+}
