@@ -58,6 +58,13 @@ pub struct Counters {
 /// Runs `f` while this process holds the lock of shelf `shelf` (0 or 1) of `queue`'s
 /// block custody: a test makes a holder that stops (SIGSTOP) inside it. Built with the
 /// `fuzzing` feature only.
+/// How many awaited waits (`get_async` and the like) are parked on a shared word in
+/// this process: a test waits for its tasks to park by this count, not by a sleep.
+#[cfg(feature = "async")]
+pub fn parked_word_waits() -> usize {
+    crate::sys::reactor::word_registrations()
+}
+
 #[cfg(feature = "fuzzing")]
 pub fn while_custody_locked<T: serde::Serialize + serde::de::DeserializeOwned, R>(
     queue: &crate::Queue<T>,

@@ -41,7 +41,9 @@
 //! SIGKILLed (a holder that drops the queue rings `SEQ`, see `queue::channel`), and a
 //! packet written on the socket by something other than a `put`. Those are noticed
 //! within `RECHECK` (the blocking `get` looks every 20 ms). That costs one wake-up of
-//! the reactor per `RECHECK` while such futures are parked, and one try per future.
+//! the reactor per `RECHECK` while such futures are parked, and one try per future:
+//! a re-checked registration stays in place, so a try that finds nothing again
+//! re-registers nothing and rebuilds no `futex_waitv`.
 //!
 //! Re-checks fall on a process-wide grid of whole `RECHECK`s, so however many gets are
 //! parked the reactor wakes once per `RECHECK`. A future polled while its registration
@@ -64,7 +66,7 @@
 
 use std::collections::HashMap;
 use std::os::fd::{BorrowedFd, OwnedFd};
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
@@ -127,11 +129,22 @@ struct Registration {
     wait: WordWait,
     waker: Waker,
     due: Option<Instant>,
-    /// Set by the reactor once it has removed (and uncounted) this registration, so
+    /// What the reactor last did with it ([`WAITING`], [`RECHECKED`], [`FIRED`]), so
     /// that the woken future looks without taking the registrations' lock, which the
     /// reactor takes again at once to sleep anew.
-    fired: Arc<AtomicBool>,
+    state: Arc<AtomicU8>,
 }
+
+/// A registration's state: the reactor waits on it.
+const WAITING: u8 = 0;
+/// Its re-check came: its future was woken to try once, and the registration stays in
+/// place (with its next re-check due), so that a try that finds nothing again costs
+/// no re-registration and no rebuilt `futex_waitv` — a hundred idle gets cost a
+/// hundred tries a second, nothing more.
+const RECHECKED: u8 = 1;
+/// Its word changed or a wake-up was aimed at it: the reactor removed (and uncounted)
+/// it and woke its future.
+const FIRED: u8 = 2;
 
 #[derive(Default)]
 struct Registrations {
@@ -253,32 +266,33 @@ impl Shard {
             .map(|(_, r)| r)
             .collect();
         for r in drained {
-            r.fired.store(true, Ordering::SeqCst);
+            r.state.store(FIRED, Ordering::SeqCst);
             r.waker.wake();
             r.wait.uncount();
         }
     }
 
-    /// Wakes (and removes) every registration whose word changed, that the wake-up
-    /// was aimed at, or whose re-check is due.
+    /// Wakes (and removes) every registration whose word changed or that the wake-up
+    /// was aimed at; wakes (and keeps, see [`RECHECKED`]) those whose re-check is due.
     fn fire(&self, woken: Option<usize>) {
         let now = Instant::now();
         let mut fired = Vec::new();
+        let mut rechecked = Vec::new();
         {
             let mut regs = lock(&self.registrations);
-            let keys: Vec<u64> = regs
-                .entries
-                .iter()
-                .filter(|(_, r)| {
-                    r.wait.changed()
-                        || woken == Some(address(r.wait.word()))
-                        || r.due.is_some_and(|d| d <= now)
-                })
-                .map(|(k, _)| *k)
-                .collect();
+            let mut keys = Vec::new();
+            for (key, r) in regs.entries.iter_mut() {
+                if r.wait.changed() || woken == Some(address(r.wait.word())) {
+                    keys.push(*key);
+                } else if r.due.is_some_and(|d| d <= now) {
+                    r.due = Some(recheck_due());
+                    r.state.store(RECHECKED, Ordering::SeqCst);
+                    rechecked.push(r.waker.clone());
+                }
+            }
             for key in keys {
                 if let Some(r) = regs.entries.remove(&key) {
-                    r.fired.store(true, Ordering::SeqCst);
+                    r.state.store(FIRED, Ordering::SeqCst);
                     fired.push(r);
                 }
             }
@@ -287,6 +301,9 @@ impl Shard {
         // this waiter counted wakes the word once more, which costs nothing here).
         for r in &fired {
             r.waker.wake_by_ref();
+        }
+        for waker in rechecked {
+            waker.wake();
         }
         for r in fired {
             r.wait.uncount();
@@ -344,7 +361,9 @@ enum ParkedKind {
         key: u64,
         host: Arc<dyn WordHost>,
         index: usize,
-        fired: Arc<AtomicBool>,
+        /// The value registered (a re-check that sees it again keeps the registration).
+        expected: u32,
+        state: Arc<AtomicU8>,
     },
     Fd {
         reactor: Arc<FdReactor>,
@@ -368,7 +387,7 @@ impl Parked {
             return false;
         }
         let old = match &self.kind {
-            ParkedKind::Word { fired, .. } if fired.load(Ordering::SeqCst) => None,
+            ParkedKind::Word { state, .. } if state.load(Ordering::SeqCst) != WAITING => None,
             ParkedKind::Word { shard, key, .. } => rearm(
                 waker,
                 lock(&shard.registrations)
@@ -387,6 +406,48 @@ impl Parked {
         old.is_some()
     }
 
+    /// Whether the reactor woke this registration for its re-check (and kept it): then
+    /// it waits again from now on, with `waker` as the one to wake, and the future
+    /// tries once (see [`poll_step`]).
+    fn take_recheck(&self, waker: &Waker) -> bool {
+        let ParkedKind::Word {
+            shard, key, state, ..
+        } = &self.kind
+        else {
+            return false;
+        };
+        if self.done
+            || state
+                .compare_exchange(RECHECKED, WAITING, Ordering::SeqCst, Ordering::SeqCst)
+                .is_err()
+        {
+            return false;
+        }
+        let old = lock(&shard.registrations)
+            .entries
+            .get_mut(key)
+            .filter(|r| !r.waker.will_wake(waker))
+            .map(|r| std::mem::replace(&mut r.waker, waker.clone()));
+        drop(old); // outside the lock: dropping a waker may drop a task
+        true
+    }
+
+    /// Whether this registration waits on `wait`'s word for `wait`'s value.
+    fn waits_for(&self, wait: &WordWait) -> bool {
+        match &self.kind {
+            ParkedKind::Word {
+                host,
+                index,
+                expected,
+                ..
+            } => {
+                address(host.host_word(*index)) == address(wait.word())
+                    && *expected == wait.expected
+            }
+            ParkedKind::Fd { .. } => false,
+        }
+    }
+
     /// Deregisters without passing anything on: the future is running again and
     /// tries for itself.
     pub(crate) fn settle(mut self) {
@@ -403,9 +464,10 @@ impl Parked {
                 key,
                 host,
                 index,
-                fired,
+                state,
+                ..
             } => {
-                let removed = if fired.load(Ordering::SeqCst) {
+                let removed = if state.load(Ordering::SeqCst) == FIRED {
                     None // the reactor removed it (and uncounted it)
                 } else {
                     lock(&shard.registrations).entries.remove(key)
@@ -434,6 +496,15 @@ impl Drop for Parked {
     fn drop(&mut self) {
         self.release(true);
     }
+}
+
+/// How many word registrations this process's reactors hold (parked futures; tests).
+pub(crate) fn word_registrations() -> usize {
+    SHARDS
+        .lock()
+        .iter()
+        .map(|s| lock(&s.registrations).entries.len())
+        .sum()
 }
 
 /// Registers `wait` with a word reactor, to wake `waker` when its word changes;
@@ -481,7 +552,8 @@ pub(crate) fn park_word(wait: WordWait, waker: &Waker) -> Result<Option<Parked>>
     };
     let host = Arc::clone(&wait.host);
     let index = wait.index;
-    let fired = Arc::new(AtomicBool::new(false));
+    let state = Arc::new(AtomicU8::new(WAITING));
+    let expected = wait.expected;
     let key = {
         let mut regs = lock(&shard.registrations);
         let key = regs.next_key;
@@ -493,7 +565,7 @@ pub(crate) fn park_word(wait: WordWait, waker: &Waker) -> Result<Option<Parked>>
                 wait,
                 waker: waker.clone(),
                 due,
-                fired: Arc::clone(&fired),
+                state: Arc::clone(&state),
             },
         );
         key
@@ -505,7 +577,8 @@ pub(crate) fn park_word(wait: WordWait, waker: &Waker) -> Result<Option<Parked>>
             key,
             host,
             index,
-            fired,
+            expected,
+            state,
         },
         done: false,
     }))
@@ -678,14 +751,29 @@ pub(crate) fn poll_step<'a, R>(
     mut step: impl FnMut() -> Step<'a, R>,
     failed: impl FnOnce(Error) -> R,
 ) -> Poll<R> {
-    if parked.as_ref().is_some_and(|p| p.still_waiting(cx.waker())) {
-        return Poll::Pending;
+    let mut first = None;
+    if let Some(p) = parked.as_ref() {
+        if p.still_waiting(cx.waker()) {
+            return Poll::Pending;
+        }
+        if p.take_recheck(cx.waker()) {
+            match step() {
+                Step::Done(r) => {
+                    *parked = None; // deregisters
+                    return Poll::Ready(r);
+                }
+                // Nothing, and the word as registered: the registration goes on.
+                // (`wait` counts nowhere until it is parked: dropping it is all.)
+                Step::Word(wait) if p.waits_for(&wait) => return Poll::Pending,
+                other => first = Some(other),
+            }
+        }
     }
     if let Some(p) = parked.take() {
         p.settle();
     }
     for _ in 0..TRIES_PER_POLL {
-        let registered = match step() {
+        let registered = match first.take().unwrap_or_else(&mut step) {
             Step::Done(r) => return Poll::Ready(r),
             Step::Word(wait) => park_word(wait, cx.waker()),
             Step::Fd(fd, ready) => park_fd(fd, ready, cx.waker()).map(Some),

@@ -1,0 +1,75 @@
+//! Feature `async` (issue 23): idle costs nothing. 100 tasks parked on empty queues
+//! for 10 s use (almost) no CPU, read from the process's own CPU time
+//! (`CLOCK_PROCESS_CPUTIME_ID`: every thread of it, the reactor's included), not from
+//! the wall clock. The test is alone in its binary, so that no other test's work is
+//! counted.
+
+multiproc::test_init!();
+
+mod common;
+
+use std::time::Duration;
+
+use common::async_rt::*;
+use multiproc::SimpleQueue;
+
+/// The CPU time (user + system, all threads) this process has used so far
+/// (`CLOCK_PROCESS_CPUTIME_ID`: what `getrusage` sums, in nanoseconds).
+fn cpu_time() -> Duration {
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::ProcessCPUTime);
+    Duration::new(t.tv_sec as u64, t.tv_nsec as u32)
+}
+
+#[test]
+fn a_hundred_idle_awaiting_tasks_cost_no_cpu() {
+    warm_up();
+    common::run(DEADLINE, || {
+        const TASKS: usize = 100;
+        const WINDOW: Duration = Duration::from_secs(10);
+        let queues: Vec<SimpleQueue<u32>> =
+            (0..TASKS).map(|_| SimpleQueue::new().unwrap()).collect();
+        let rt = runtime();
+        let (used, parked_all) = rt.block_on(async {
+            let tasks: Vec<_> = queues
+                .iter()
+                .map(|q| {
+                    // The clone stays here: the queue has another holder, so the get
+                    // waits instead of reporting Disconnected.
+                    let q = q.clone();
+                    tokio::spawn(async move { q.get_async().await })
+                })
+                .collect();
+            // Every task parked (each registration is one parked get).
+            let parking = std::time::Instant::now();
+            while multiproc::__testing::parked_word_waits() < TASKS {
+                assert!(parking.elapsed() < WAIT, "the tasks did not all park");
+                tokio::task::yield_now().await;
+            }
+            let before = cpu_time();
+            tokio::time::sleep(WINDOW).await;
+            let used = cpu_time() - before;
+            let parked_all = tasks.iter().all(|t| !t.is_finished());
+            // And they were waiting, not dead: each takes its item.
+            for (i, q) in queues.iter().enumerate() {
+                q.put(i as u32).unwrap();
+            }
+            for (i, t) in tasks.into_iter().enumerate() {
+                let got = tokio::time::timeout(WAIT, t)
+                    .await
+                    .unwrap()
+                    .unwrap()
+                    .unwrap();
+                assert_eq!(got, i as u32);
+            }
+            (used, parked_all)
+        });
+        drop(rt);
+        eprintln!("idle: {TASKS} tasks parked on empty queues for {WINDOW:?} used {used:?} of CPU");
+        assert!(parked_all, "a task returned from a get on an empty queue");
+        // One re-check per second per parked get (see sys::reactor), nothing else.
+        assert!(
+            used < Duration::from_millis(50),
+            "idle tasks used {used:?} of CPU"
+        );
+    });
+}
