@@ -19,7 +19,7 @@ const WAIT: Duration = Duration::from_secs(30);
 
 // ----- identity: current_process, Process::name, active_children, cpu_count -----
 
-fn report_identity(_rank: usize, out: SimpleQueue<(Option<usize>, i32, String)>) {
+fn report_identity(_rank: usize, out: SimpleQueue<(Option<usize>, u32, String)>) {
     let me = multiproc::current_process();
     out.put((me.rank, me.pid, me.name)).expect("put");
 }
@@ -44,7 +44,7 @@ fn a_worker_knows_its_rank_pid_and_name() {
                 ],
                 "{method}"
             );
-            ctx.join(Some(WAIT)).unwrap();
+            ctx.join_timeout(WAIT).unwrap();
 
             let mut p = Process::new(report_identity, 7, out.clone())
                 .with_name("loader")
@@ -56,7 +56,7 @@ fn a_worker_knows_its_rank_pid_and_name() {
                 (rank, Some(pid), name.as_str()),
                 (Some(7), p.pid(), "loader")
             );
-            assert!(p.join(Some(WAIT)).unwrap().success());
+            assert!(p.join_timeout(WAIT).unwrap().success());
         }
         let me = multiproc::current_process();
         assert_eq!((me.rank, me.name.as_str()), (None, "MainProcess"));
@@ -64,7 +64,7 @@ fn a_worker_knows_its_rank_pid_and_name() {
 }
 
 fn wait_for_go(_rank: usize, go: Event) -> multiproc::Result<()> {
-    go.wait(Some(WAIT))
+    go.wait_timeout(WAIT)
 }
 
 #[test]
@@ -81,7 +81,7 @@ fn active_children_lists_running_workers_only() {
             (3, p.pid(), "sleeper")
         );
         go.set();
-        assert!(p.join(Some(WAIT)).unwrap().success());
+        assert!(p.join_timeout(WAIT).unwrap().success());
         assert!(
             multiproc::active_children().is_empty(),
             "a joined worker is not active"
@@ -97,7 +97,7 @@ fn active_children_lists_running_workers_only() {
 fn hold_lock_until(_rank: usize, (lock, held, release): (Lock, Event, Event)) {
     let _guard = lock.lock().expect("lock");
     held.set();
-    release.wait(Some(WAIT)).expect("release");
+    release.wait_timeout(WAIT).expect("release");
 }
 
 #[test]
@@ -115,7 +115,7 @@ fn lock_guards_and_timeouts_against_another_process() {
             StartMethod::Spawn,
         )
         .unwrap();
-        held.wait(Some(WAIT)).unwrap();
+        held.wait_timeout(WAIT).unwrap();
         assert!(lock.try_lock().unwrap().is_none(), "held by the worker");
         let start = Instant::now();
         let err = lock.lock_timeout(Duration::from_millis(50)).unwrap_err();
@@ -125,7 +125,7 @@ fn lock_guards_and_timeouts_against_another_process() {
             matches!(&err.error, Error::Timeout { after: Some(t), .. } if *t == Duration::from_millis(50)),
             "{err}"
         );
-        let err = lock.acquire(Some(Duration::ZERO)).unwrap_err();
+        let err = lock.acquire_timeout(Duration::ZERO).unwrap_err();
         assert!(err.is_timeout(), "{err}");
         release.set();
         {
@@ -135,7 +135,7 @@ fn lock_guards_and_timeouts_against_another_process() {
             assert!(lock.is_locked());
         }
         assert!(!lock.is_locked(), "dropping the guard released it");
-        ctx.join(Some(WAIT)).unwrap();
+        ctx.join_timeout(WAIT).unwrap();
     });
 }
 
@@ -151,13 +151,13 @@ fn a_guard_after_owner_died_holds_the_lock_and_releases_it() {
         let (lock, held) = (Lock::new().unwrap(), Event::new().unwrap());
         let mut p = Process::new(lock_and_hang, 0, (lock.clone(), held.clone())).daemon(true);
         p.start().unwrap();
-        held.wait(Some(WAIT)).unwrap();
+        held.wait_timeout(WAIT).unwrap();
         let dead = p.pid().unwrap();
         p.kill().unwrap();
-        p.join(Some(WAIT)).unwrap();
+        p.join_timeout(WAIT).unwrap();
         let err = lock.lock().unwrap_err();
         assert!(
-            matches!(&err.error, Error::OwnerDied { pid, .. } if *pid as i32 == dead),
+            matches!(&err.error, Error::OwnerDied { pid, .. } if *pid == dead),
             "{err}"
         );
         let guard = err.into_guard().expect("the lock is ours after OwnerDied");
@@ -172,7 +172,7 @@ fn a_guard_after_owner_died_holds_the_lock_and_releases_it() {
 fn take_permit(_rank: usize, (sem, took, release): (Semaphore, Event, Event)) {
     let _permit = sem.permit().expect("permit");
     took.set();
-    release.wait(Some(WAIT)).expect("release");
+    release.wait_timeout(WAIT).expect("release");
 }
 
 #[test]
@@ -190,7 +190,7 @@ fn semaphore_permits_across_processes() {
             StartMethod::Spawn,
         )
         .unwrap();
-        took.wait(Some(WAIT)).unwrap();
+        took.wait_timeout(WAIT).unwrap();
         assert!(sem.try_permit().unwrap().is_none());
         assert!(
             sem.permit_timeout(Duration::from_millis(20))
@@ -202,7 +202,7 @@ fn semaphore_permits_across_processes() {
         assert_eq!(sem.value(), 0);
         drop(permit);
         assert_eq!(sem.value(), 1);
-        ctx.join(Some(WAIT)).unwrap();
+        ctx.join_timeout(WAIT).unwrap();
     });
 }
 
@@ -218,7 +218,7 @@ fn condition_guard_waits_for_another_process() {
         let (cond, flag) = (Condition::new().unwrap(), Value::new(0u32).unwrap());
         let mut guard = cond.lock().unwrap();
         let err = guard
-            .wait_for(|| flag.get() == 42, Some(Duration::from_millis(20)))
+            .wait_for_timeout(|| flag.get() == 42, Duration::from_millis(20))
             .unwrap_err();
         assert!(err.is_timeout(), "{err}");
         let mut ctx = start_processes(
@@ -228,9 +228,9 @@ fn condition_guard_waits_for_another_process() {
             StartMethod::Spawn,
         )
         .unwrap();
-        guard.wait_for(|| flag.get() == 42, Some(WAIT)).unwrap();
+        guard.wait_for_timeout(|| flag.get() == 42, WAIT).unwrap();
         drop(guard);
-        ctx.join(Some(WAIT)).unwrap();
+        ctx.join_timeout(WAIT).unwrap();
     });
 }
 
@@ -246,7 +246,7 @@ fn fill_then_try(
     out.put(format!("{:?} {}", back.error.is_timeout(), back.error))
         .map_err(Error::from)?;
     assert_eq!(back.into_inner(), 3);
-    q.put_nowait(4).map_err(|e| e.error).unwrap_err();
+    q.try_put(4).map_err(|e| e.error).unwrap_err();
     Ok(())
 }
 
@@ -269,7 +269,7 @@ fn try_put_on_a_full_queue_hands_the_item_back_and_iter_drains() {
             said.starts_with("false no room in a full queue (capacity 2)"),
             "{said}"
         );
-        ctx.join(Some(WAIT)).unwrap();
+        ctx.join_timeout(WAIT).unwrap();
         assert_eq!((q.len(), q.is_empty()), (2, false));
         let got: Vec<u32> = q.try_iter().collect::<multiproc::Result<_>>().unwrap();
         assert_eq!(got, [1, 2]);
@@ -297,7 +297,7 @@ fn iter_takes_from_another_process_and_ends_on_close() {
             .collect::<multiproc::Result<_>>()
             .unwrap();
         assert_eq!(got, (0..100).collect::<Vec<_>>());
-        ctx.join(Some(WAIT)).unwrap();
+        ctx.join_timeout(WAIT).unwrap();
         q.close();
         assert!(
             q.iter().next().is_none(),
@@ -334,7 +334,7 @@ fn connection_wait_reports_which_pipe_is_ready() {
         assert_eq!(ready, [1]);
         assert_eq!(b_here.recv_timeout(WAIT).unwrap(), "second");
         a_here.send(0).unwrap();
-        ctx.join(Some(WAIT)).unwrap();
+        ctx.join_timeout(WAIT).unwrap();
     });
 }
 
@@ -357,7 +357,7 @@ fn connection_wait_on_a_process_sentinel_and_a_pipe() {
         let ready =
             multiproc::connection::wait(&[&sentinel as &dyn AsFd, &here], Some(WAIT)).unwrap();
         assert_eq!(ready, [0], "the sentinel is ready once the worker exits");
-        assert!(p.join(Some(WAIT)).unwrap().success());
+        assert!(p.join_timeout(WAIT).unwrap().success());
     });
 }
 
@@ -416,16 +416,16 @@ fn starmap_apply_map_async_and_initializer_arguments() {
         assert!(name.starts_with("PoolWorker-"), "{name}");
 
         let mut pending = pool.map_async(slow_square, 0..4u64).unwrap();
-        let err = pending.get(Some(Duration::from_millis(10))).unwrap_err();
+        let err = pending.get_timeout(Duration::from_millis(10)).unwrap_err();
         assert!(err.is_timeout(), "{err}");
-        assert_eq!(pending.get(Some(WAIT)).unwrap(), vec![0, 1, 4, 9]);
+        assert_eq!(pending.get_timeout(WAIT).unwrap(), vec![0, 1, 4, 9]);
         let mut quick = pool.map_async(square, 0..50u64).unwrap();
         assert_eq!(
-            quick.get(None).unwrap(),
+            quick.get().unwrap(),
             (0..50).map(|x| x * x).collect::<Vec<_>>()
         );
         assert!(quick.ready());
-        assert!(matches!(quick.get(None), Err(Error::InvalidArgument(_))));
+        assert!(matches!(quick.get(), Err(Error::InvalidArgument(_))));
     });
 }
 
@@ -435,14 +435,14 @@ fn pool_join_times_out_while_a_task_runs_then_joins() {
         let mut pool = Pool::new(1).unwrap();
         let mut running = pool.apply_async(slow_square, 3).unwrap();
         pool.close();
-        let err = pool.join(Some(Duration::from_millis(10))).unwrap_err();
+        let err = pool.join_timeout(Duration::from_millis(10)).unwrap_err();
         assert!(
             matches!(&err, Error::Timeout { after: Some(t), .. } if *t == Duration::from_millis(10)),
             "{err}"
         );
-        pool.join(Some(WAIT)).unwrap();
+        pool.join_timeout(WAIT).unwrap();
         assert_eq!(
-            running.get(Some(WAIT)).unwrap(),
+            running.get_timeout(WAIT).unwrap(),
             9,
             "a closed pool finishes its tasks"
         );
@@ -489,7 +489,7 @@ fn user_and_os_errors_cross_a_queue_and_a_worker_returns_its_own() {
         let user = out.get_timeout(WAIT).unwrap();
         assert!(matches!(user, Error::User(_)), "{user:?}");
         assert_eq!(user.to_string(), "layer 3 has no weights");
-        let err = ctx.join(Some(WAIT)).unwrap_err();
+        let err = ctx.join_timeout(WAIT).unwrap_err();
         assert!(
             matches!(&err, Error::ProcessRaised { message, .. } if message.contains("layer 4 has no weights")),
             "{err}"

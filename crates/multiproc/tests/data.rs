@@ -106,18 +106,18 @@ impl Dataset for Samples {
             if i == 0 {
                 for _ in 0..self.hold_first {
                     // A timeout here is an error: the other samples never finished.
-                    sem.acquire(Some(GATE_WAIT))?;
+                    sem.acquire_timeout(GATE_WAIT)?;
                 }
             } else {
                 sem.release()?;
             }
         }
         if let (0, Some(event)) = (i, &self.first_waits) {
-            event.wait(Some(GATE_WAIT))?;
+            event.wait_timeout(GATE_WAIT)?;
         }
         if let Some((from, event)) = &self.gate {
             if i >= *from {
-                event.wait(Some(GATE_WAIT))?;
+                event.wait_timeout(GATE_WAIT)?;
             }
         }
         Ok((Tensor::full(&[4], i as f64, DType::F32)?, i as i64))
@@ -193,7 +193,7 @@ fn at_most_workers_times_prefetch_batches_are_in_flight() {
         data.finished = Some(loaded.clone());
         data.first_waits = Some(release_first.clone());
         let (workers, prefetch) = (2, 3);
-        let window = (workers * prefetch) as u32;
+        let window = workers * prefetch;
         let mut loader = DataLoader::builder(data)
             .num_workers(workers)
             .prefetch_factor(prefetch)
@@ -334,14 +334,14 @@ fn distributed_sampler_reads_rank_and_world_size_from_the_environment() {
         // A lone Process gets RANK but no WORLD_SIZE: a clear error, not a guess.
         let mut p = Process::new(sampler_from_env_without_world_size, 0, ());
         p.start().unwrap();
-        let status = p.join(None).unwrap();
+        let status = p.join().unwrap();
         assert!(status.success(), "{:?}", p.error());
     });
 }
 
 /// Runs an epoch of a loader of 8 samples in batches of 2 whose sample 5 (batch 2,
 /// worker 0) misbehaves; returns what happened.
-fn epoch_with_fault(data: Samples, restart: bool) -> (Vec<multiproc::Result<Vec<i64>>>, Vec<i32>) {
+fn epoch_with_fault(data: Samples, restart: bool) -> (Vec<multiproc::Result<Vec<i64>>>, Vec<u32>) {
     let mut loader = DataLoader::builder(data)
         .batch_size(2)
         .num_workers(2)
@@ -362,7 +362,7 @@ fn epoch_with_fault(data: Samples, restart: bool) -> (Vec<multiproc::Result<Vec<
 
 /// Batch 2 failed, named with the worker that held it (whichever it was: which worker
 /// gets a batch depends on which is free first) and that worker's pid.
-fn assert_named_failure(result: &multiproc::Result<Vec<i64>>, pids: &[i32], what: &str) {
+fn assert_named_failure(result: &multiproc::Result<Vec<i64>>, pids: &[u32], what: &str) {
     match result {
         Err(Error::LoaderFailed {
             worker,
@@ -451,7 +451,7 @@ fn a_restarted_worker_has_a_new_pid() {
             1,
             "one worker replaced: {before:?} -> {after:?}"
         );
-        assert!(!alive(before[replaced[0]] as u32));
+        assert!(!alive(before[replaced[0]]));
     });
 }
 
@@ -488,7 +488,7 @@ fn a_batch_past_its_timeout_is_an_error_naming_the_worker() {
         assert!(epoch.next().is_none(), "the epoch ended");
         drop(epoch);
         assert!(loader.worker_pids().is_empty());
-        assert!(!alive(pids[0] as u32), "the hung worker was stopped");
+        assert!(!alive(pids[0]), "the hung worker was stopped");
     });
 }
 
@@ -512,7 +512,7 @@ fn dropping_the_loader_mid_epoch_stops_the_workers_at_once() {
             // Without persistent workers the epoch's end stops them; with them, the
             // loader's drop does. Check the loader's own drop too:
             assert!(
-                pids.iter().all(|&p| !alive(p as u32)),
+                pids.iter().all(|&p| !alive(p)),
                 "{strategy}: {pids:?}"
             );
             let mut loader = DataLoader::builder(Samples {
@@ -529,7 +529,7 @@ fn dropping_the_loader_mid_epoch_stops_the_workers_at_once() {
             drop(epoch);
             let pids = loader.worker_pids();
             assert!(
-                pids.iter().all(|&p| alive(p as u32)),
+                pids.iter().all(|&p| alive(p)),
                 "persistent workers stay"
             );
             let started = Instant::now();
@@ -537,7 +537,7 @@ fn dropping_the_loader_mid_epoch_stops_the_workers_at_once() {
             let took = started.elapsed();
             eprintln!("{strategy}: the loader and its 2 busy workers stopped in {took:?}");
             assert!(
-                pids.iter().all(|&p| !alive(p as u32)),
+                pids.iter().all(|&p| !alive(p)),
                 "{strategy}: {pids:?}"
             );
             // 50 ms of grace, then SIGKILL; generous for a loaded machine.
@@ -595,7 +595,7 @@ fn persistent_workers_are_reused_across_epochs() {
             loader.worker_pids().is_empty(),
             "stopped at the end of the epoch"
         );
-        assert!(pids.iter().all(|&p| !alive(p as u32)));
+        assert!(pids.iter().all(|&p| !alive(p)));
     });
 }
 
@@ -627,7 +627,7 @@ fn num_workers_0_loads_in_this_process() {
                 message,
                 ..
             }) => {
-                assert_eq!(*pid, std::process::id() as i32);
+                assert_eq!(*pid, std::process::id());
                 assert!(message.contains("sample 4 is corrupt"), "{message}");
             }
             other => panic!("{other:?}"),
@@ -1012,9 +1012,9 @@ fn a_persistent_worker_killed_between_epochs_is_named_or_replaced() {
             assert_eq!(labels_of_epoch(&mut loader).len(), 4);
             let pids = loader.worker_pids();
             // SAFETY: kill(2) on a worker's pid, which is alive (not yet reaped).
-            assert_eq!(unsafe { libc::kill(pids[0], libc::SIGKILL) }, 0);
+            assert_eq!(unsafe { libc::kill(pids[0] as i32, libc::SIGKILL) }, 0);
             let until = Instant::now() + secs(20);
-            while alive(pids[0] as u32) && Instant::now() < until {
+            while alive(pids[0]) && Instant::now() < until {
                 std::thread::sleep(Duration::from_millis(5));
             }
             let epoch: Vec<_> = loader.iter().collect();

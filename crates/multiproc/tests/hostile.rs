@@ -865,7 +865,7 @@ fn queue_event_and_lock_handles_whose_fd_is_of_the_wrong_kind() {
         assert_says(&refused(&here), &["sent as a Lock", "another kind"]);
         send_raw(there.as_fd(), &packet(1, &idx), &[lock_fds[0].as_fd()]);
         let l = here.recv_timeout(WAIT).unwrap();
-        l.acquire(Some(Duration::ZERO)).unwrap();
+        l.acquire_timeout(Duration::ZERO).unwrap();
         assert!(lock.is_locked(), "the received lock is the real one");
         l.release().unwrap();
     });
@@ -889,7 +889,7 @@ fn receive_and_report(
         u32,
     ),
 ) -> Result<(), String> {
-    go.wait(Some(WAIT))
+    go.wait_timeout(WAIT)
         .map_err(|e| format!("never told to go: {e}"))?;
     for _ in 0..count {
         let r = match conn.recv_timeout(WAIT) {
@@ -981,7 +981,7 @@ fn named_segments_that_lie_or_shrank_after_they_were_sent() {
         for _ in 0..8 {
             got.push(results.get_timeout(WAIT).expect("a result"));
         }
-        ctx.join(Some(WAIT))
+        ctx.join_timeout(WAIT)
             .expect("the receiver did not finish cleanly");
         let err = |i: usize| got[i].clone().expect_err("a hostile handle was accepted");
         assert_says(&err(0), &["claims 2097216 bytes", "holds 1048576"]);
@@ -1136,7 +1136,7 @@ fn random_packets_then_a_valid_message(seed: u64) {
             "every packet had one outcome"
         );
         eprintln!("random packets: {refused} refused, {accepted} accepted, 0 crashes");
-        ctx.join(Some(WAIT)).unwrap();
+        ctx.join_timeout(WAIT).unwrap();
     });
 }
 
@@ -1190,12 +1190,12 @@ fn forged_packets_never_give_a_bounded_queue_extra_places() {
             accepted, CAPACITY,
             "a queue of capacity {CAPACITY} accepted {accepted} puts after 20 forged packets"
         );
-        assert!(q.full());
-        assert_eq!(q.qsize(), CAPACITY as usize);
+        assert!(q.is_full());
+        assert_eq!(q.len(), CAPACITY as usize);
         for v in 0..CAPACITY {
             assert_eq!(q.get_timeout(WAIT).unwrap(), v);
         }
-        assert_eq!(q.qsize(), 0);
+        assert_eq!(q.len(), 0);
     });
 }
 

@@ -188,13 +188,13 @@ fn initializer_apply_async_close_join_and_fork() {
             .build()
             .unwrap();
         let mut r = pool.apply_async(was_initialized, 0).unwrap();
-        assert!(r.get(Some(Duration::from_secs(30))).unwrap());
+        assert!(r.get_timeout(Duration::from_secs(30)).unwrap());
         pool.close();
         assert!(matches!(
             pool.apply_async(was_initialized, 0),
             Err(Error::Closed(_))
         ));
-        pool.join(Some(Duration::from_secs(30))).unwrap();
+        pool.join_timeout(Duration::from_secs(30)).unwrap();
     });
 }
 

@@ -22,7 +22,7 @@ fn secs(s: u64) -> Duration {
     Duration::from_secs(s)
 }
 
-fn process_is_gone(pid: i32) -> bool {
+fn process_is_gone(pid: u32) -> bool {
     !std::path::Path::new(&format!("/proc/{pid}")).exists()
 }
 
@@ -164,7 +164,7 @@ fn join_without_joining_until_true() {
             assert_eq!(ctx.pids().len(), 2);
             let mut rounds = 0;
             loop {
-                match ctx.join(Some(Duration::from_millis(10))) {
+                match ctx.join_timeout(Duration::from_millis(10)) {
                     Ok(()) => break,
                     Err(e) if e.is_timeout() => rounds += 1,
                     Err(e) => panic!("{method}: {e}"),
@@ -174,8 +174,8 @@ fn join_without_joining_until_true() {
                 rounds > 0,
                 "{method}: the workers sleep 50 ms, a 10 ms join times out first"
             );
-            ctx.join(None).expect("repeated join stays true");
-            ctx.join(Some(Duration::ZERO)).unwrap();
+            ctx.join().expect("repeated join stays true");
+            ctx.join_timeout(Duration::ZERO).unwrap();
             assert!(
                 ctx.exit_statuses()
                     .iter()
@@ -222,7 +222,7 @@ fn exception_in_one_process_while_the_other_sleeps() {
         for method in StartMethod::ALL {
             for target in [0usize, 1] {
                 let mut ctx = start_processes(raise_in, target, 2, method).unwrap();
-                let err = ctx.join(None).expect_err("a worker raises");
+                let err = ctx.join().expect_err("a worker raises");
                 let Error::ProcessRaised {
                     error_index,
                     pid,
@@ -349,7 +349,7 @@ fn exit_code_is_reported_long_before_the_sleeper_ends() {
             let start = Instant::now();
             let mut ctx = start_processes(exit_rank0, (123, 4000u64), 2, method).unwrap();
             let pids = ctx.pids();
-            let err = ctx.join(None).expect_err("rank 0 exits 123");
+            let err = ctx.join().expect_err("rank 0 exits 123");
             let elapsed = start.elapsed();
             let Error::ProcessExited {
                 error_index,
@@ -378,7 +378,7 @@ fn exit_code_is_reported_long_before_the_sleeper_ends() {
                 assert!(process_is_gone(pid), "{method}: worker {pid} still exists");
             }
             // The error stays.
-            assert_eq!(ctx.join(None).unwrap_err(), err);
+            assert_eq!(ctx.join().unwrap_err(), err);
         }
     });
 }
@@ -411,7 +411,7 @@ fn a_job_that_exits_0_without_returning_is_a_failure() {
         for method in StartMethod::ALL {
             let err = start_processes(exit_rank0, (0, 0u64), 2, method)
                 .unwrap()
-                .join(None)
+                .join()
                 .expect_err("rank 0 never returned from its job");
             let Error::ProcessExited {
                 error_index,
@@ -440,7 +440,7 @@ fn join_with_a_short_timeout_returns_false() {
             .start(sleep_then_ok, 5000u64, 1)
             .unwrap();
         let start = Instant::now();
-        let err = ctx.join(Some(Duration::from_millis(100))).unwrap_err();
+        let err = ctx.join_timeout(Duration::from_millis(100)).unwrap_err();
         assert!(
             matches!(&err, Error::Timeout { after: Some(t), .. } if *t == Duration::from_millis(100)),
             "{err}"
@@ -461,8 +461,10 @@ fn sigterm_to_a_worker_is_reported() {
             let mut ctx = start_processes(sleep_then_ok, 30_000u64, 2, method).unwrap();
             let pid = ctx.pids()[1];
             // SAFETY: kill has no memory-safety preconditions.
-            assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
-            let err = ctx.join(Some(secs(20))).expect_err("rank 1 was terminated");
+            assert_eq!(unsafe { libc::kill(pid as i32, libc::SIGTERM) }, 0);
+            let err = ctx
+                .join_timeout(secs(20))
+                .expect_err("rank 1 was terminated");
             let Error::ProcessExited {
                 error_index,
                 pid: failed_pid,
@@ -489,7 +491,7 @@ fn a_worker_ignoring_sigterm_is_killed_after_the_grace_period() {
             .grace_period(grace)
             .start(raise_while_one_ignores_sigterm, ready, 2)
             .unwrap();
-        let err = ctx.join(Some(secs(20))).expect_err("rank 0 raises");
+        let err = ctx.join_timeout(secs(20)).expect_err("rank 0 raises");
         assert!(
             matches!(err, Error::ProcessRaised { error_index: 0, .. }),
             "{err:?}"
@@ -566,20 +568,20 @@ fn single_process_lifecycle() {
             let mut p = Process::new(sleep_then_ok, 0, 30_000u64).start_method(method);
             assert!(p.pid().is_none() && !p.is_alive());
             assert!(
-                p.join(None).is_err(),
+                p.join().is_err(),
                 "joining an unstarted process is an error"
             );
             p.start().unwrap();
             assert!(p.start().is_err(), "a process starts once");
             assert!(p.is_alive());
             assert!(
-                p.join(Some(Duration::from_millis(20)))
+                p.join_timeout(Duration::from_millis(20))
                     .unwrap_err()
                     .is_timeout()
             );
             assert_eq!(p.exit_status(), None);
             p.terminate().unwrap();
-            let status = p.join(Some(secs(20))).expect("exited");
+            let status = p.join_timeout(secs(20)).expect("exited");
             assert_eq!(status.signal_name().as_deref(), Some("SIGTERM"), "{method}");
             assert!(!p.is_alive());
             assert_eq!(p.exit_status(), Some(status));
@@ -589,12 +591,12 @@ fn single_process_lifecycle() {
 
             let mut ok = Process::new(noop, 3, ()).start_method(method).world_size(4);
             ok.start().unwrap();
-            assert!(ok.join(None).unwrap().success());
+            assert!(ok.join().unwrap().success());
             assert!(ok.error().is_none());
 
             let mut bad = Process::new(raise_in, 2, 2usize).start_method(method);
             bad.start().unwrap();
-            assert_eq!(bad.join(None).unwrap().code(), Some(1));
+            assert_eq!(bad.join().unwrap().code(), Some(1));
             let err = bad.error().unwrap();
             assert!(
                 err.to_string()
@@ -628,7 +630,7 @@ fn workers_started_from_a_short_lived_thread_survive_it() {
                 .join()
                 .unwrap();
             let mut ctx = ctx.unwrap();
-            ctx.join(Some(secs(20)))
+            ctx.join_timeout(secs(20))
                 .expect("{method}: the worker was killed");
         }
     });
@@ -659,11 +661,11 @@ fn the_fork_server_serves_several_threads_at_once() {
 #[test]
 fn a_dead_fork_server_is_replaced() {
     common::run(secs(120), || {
-        let me = std::process::id() as i32;
+        let me = std::process::id();
         let server = std::fs::read_dir("/proc")
             .unwrap()
             .flatten()
-            .filter_map(|e| e.file_name().to_string_lossy().parse::<i32>().ok())
+            .filter_map(|e| e.file_name().to_string_lossy().parse::<u32>().ok())
             .find(|pid| {
                 std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
                     stat.contains("(multiproc-fsrv)")
@@ -680,7 +682,7 @@ fn a_dead_fork_server_is_replaced() {
         let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, server, 0) } as i32;
         assert!(pidfd >= 0);
         // SAFETY: kill has no memory-safety preconditions.
-        assert_eq!(unsafe { libc::kill(server, libc::SIGKILL) }, 0);
+        assert_eq!(unsafe { libc::kill(server as i32, libc::SIGKILL) }, 0);
         let mut poll = libc::pollfd {
             fd: pidfd,
             events: libc::POLLIN,

@@ -28,7 +28,7 @@ fn lock_excludes_four_processes() {
         let counter = Value::new(0u64).unwrap();
         let mut ctx =
             start_processes(increment, (lock, counter.clone()), 4, StartMethod::Spawn).unwrap();
-        ctx.join(Some(Duration::from_secs(50))).unwrap();
+        ctx.join_timeout(Duration::from_secs(50)).unwrap();
         assert_eq!(counter.get(), 40_000);
     });
 }
@@ -45,7 +45,7 @@ fn wait_at_barrier(rank: usize, (barrier, arrived, passed): (Barrier, Value<u32>
         );
     }
     barrier
-        .wait(Some(Duration::from_secs(30)))
+        .wait_timeout(Duration::from_secs(30))
         .expect("barrier");
     assert_eq!(
         arrived.get(),
@@ -64,7 +64,7 @@ fn barrier_of_four() {
         let passed = Value::new(0u32).unwrap();
         let args = (barrier, arrived, passed.clone());
         let mut ctx = start_processes(wait_at_barrier, args, 4, StartMethod::Spawn).unwrap();
-        ctx.join(Some(Duration::from_secs(50))).unwrap();
+        ctx.join_timeout(Duration::from_secs(50)).unwrap();
         assert_eq!(passed.get(), 4);
     });
 }
@@ -81,16 +81,18 @@ fn bounded_work(
         Event,
     ),
 ) {
-    sem.acquire(Some(Duration::from_secs(30))).expect("acquire");
+    sem.acquire_timeout(Duration::from_secs(30))
+        .expect("acquire");
     let now = inside.update(|n| n + 1).expect("update");
     most.update(|m| m.max(now)).expect("update");
     entered.put(rank).expect("put");
-    go.wait(Some(Duration::from_secs(30)))
+    go.wait_timeout(Duration::from_secs(30))
         .expect("go never came");
     inside.update(|n| n - 1).expect("update");
     sem.release().expect("release");
     for _ in 0..20 {
-        sem.acquire(Some(Duration::from_secs(30))).expect("acquire");
+        sem.acquire_timeout(Duration::from_secs(30))
+            .expect("acquire");
         let now = inside.update(|n| n + 1).expect("update");
         most.update(|m| m.max(now)).expect("update");
         std::thread::sleep(Duration::from_millis(2));
@@ -127,7 +129,7 @@ fn semaphore_bounds_concurrency() {
         for _ in 2..5 {
             entered.get().unwrap();
         }
-        ctx.join(Some(Duration::from_secs(50))).unwrap();
+        ctx.join_timeout(Duration::from_secs(50)).unwrap();
         assert_eq!(
             most.get(),
             2,
@@ -155,10 +157,10 @@ fn a_lock_holder_killed_while_holding_is_reported() {
             StartMethod::Spawn,
         )
         .unwrap();
-        taken.wait(Some(Duration::from_secs(30))).unwrap();
+        taken.wait_timeout(Duration::from_secs(30)).unwrap();
         let holder = ctx.pids()[0];
         assert!(
-            lock.acquire(Some(Duration::from_millis(50)))
+            lock.acquire_timeout(Duration::from_millis(50))
                 .unwrap_err()
                 .is_timeout(),
             "the holder is alive"
@@ -168,9 +170,9 @@ fn a_lock_holder_killed_while_holding_is_reported() {
             .status();
         assert!(status.unwrap().success());
         let start = Instant::now();
-        let err = lock.acquire(Some(Duration::from_secs(20))).unwrap_err();
+        let err = lock.acquire_timeout(Duration::from_secs(20)).unwrap_err();
         assert!(
-            matches!(err, Error::OwnerDied { pid, .. } if pid as i32 == holder),
+            matches!(err, Error::OwnerDied { pid, .. } if pid == holder),
             "{err}"
         );
         assert!(err.to_string().contains(&holder.to_string()), "{err}");
@@ -181,7 +183,7 @@ fn a_lock_holder_killed_while_holding_is_reported() {
         );
         lock.release().unwrap();
         assert!(!lock.is_owned_by_current_thread());
-        let err = ctx.join(Some(Duration::from_secs(20))).unwrap_err();
+        let err = ctx.join_timeout(Duration::from_secs(20)).unwrap_err();
         assert!(matches!(err, Error::ProcessExited { .. }), "{err}");
     });
 }
@@ -196,10 +198,10 @@ fn check_ownership(_rank: usize, (lock, rlock, seen, [reported, go, held, done])
         bit(lock.is_owned_by_current_thread(), 0)
             | bit(rlock.is_owned_by_current_thread(), 1)
             | bit(lock.is_locked(), 2)
-            | bit(rlock.acquire(Some(Duration::ZERO)).is_err(), 3),
+            | bit(rlock.acquire_timeout(Duration::ZERO).is_err(), 3),
     );
     reported.set();
-    go.wait(Some(Duration::from_secs(30))).expect("go");
+    go.wait_timeout(Duration::from_secs(30)).expect("go");
     let _l = lock.lock().expect("lock");
     let _r = rlock.lock().expect("rlock");
     seen.update(|v| {
@@ -207,7 +209,7 @@ fn check_ownership(_rank: usize, (lock, rlock, seen, [reported, go, held, done])
     })
     .expect("update");
     held.set();
-    done.wait(Some(Duration::from_secs(30))).expect("done");
+    done.wait_timeout(Duration::from_secs(30)).expect("done");
 }
 
 #[test]
@@ -216,9 +218,9 @@ fn is_owned_by_current_thread_tells_this_thread_from_other_threads_and_processes
         for method in [StartMethod::Fork, StartMethod::Spawn] {
             let (lock, rlock) = (Lock::new().unwrap(), RLock::new().unwrap());
             assert!(!lock.is_owned_by_current_thread() && !rlock.is_owned_by_current_thread());
-            lock.acquire(None).unwrap();
-            rlock.acquire(None).unwrap();
-            rlock.acquire(None).unwrap();
+            lock.acquire().unwrap();
+            rlock.acquire().unwrap();
+            rlock.acquire().unwrap();
             assert!(lock.is_owned_by_current_thread() && rlock.is_owned_by_current_thread());
             std::thread::scope(|s| {
                 s.spawn(|| {
@@ -232,7 +234,7 @@ fn is_owned_by_current_thread_tells_this_thread_from_other_threads_and_processes
             let [reported, go, held, done] = events.clone();
             let args = (lock.clone(), rlock.clone(), seen.clone(), events);
             let mut ctx = start_processes(check_ownership, args, 1, method).unwrap();
-            reported.wait(Some(Duration::from_secs(30))).unwrap();
+            reported.wait_timeout(Duration::from_secs(30)).unwrap();
             assert_eq!(seen.get(), 0b1100, "{method:?}: the parent's locks, held");
             lock.release().unwrap();
             rlock.release().unwrap();
@@ -240,7 +242,7 @@ fn is_owned_by_current_thread_tells_this_thread_from_other_threads_and_processes
             rlock.release().unwrap();
             assert!(!lock.is_owned_by_current_thread() && !rlock.is_owned_by_current_thread());
             go.set();
-            held.wait(Some(Duration::from_secs(30))).unwrap();
+            held.wait_timeout(Duration::from_secs(30)).unwrap();
             assert_eq!(
                 seen.get(),
                 0b11_1100,
@@ -249,7 +251,7 @@ fn is_owned_by_current_thread_tells_this_thread_from_other_threads_and_processes
             assert!(lock.is_locked() && !lock.is_owned_by_current_thread());
             assert!(!rlock.is_owned_by_current_thread());
             done.set();
-            ctx.join(Some(Duration::from_secs(30))).unwrap();
+            ctx.join_timeout(Duration::from_secs(30)).unwrap();
             assert!(!lock.is_locked());
         }
     });
