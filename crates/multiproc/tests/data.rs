@@ -511,10 +511,7 @@ fn dropping_the_loader_mid_epoch_stops_the_workers_at_once() {
             drop(epoch);
             // Without persistent workers the epoch's end stops them; with them, the
             // loader's drop does. Check the loader's own drop too:
-            assert!(
-                pids.iter().all(|&p| !alive(p)),
-                "{strategy}: {pids:?}"
-            );
+            assert!(pids.iter().all(|&p| !alive(p)), "{strategy}: {pids:?}");
             let mut loader = DataLoader::builder(Samples {
                 gate: Some((8, Event::new().unwrap())),
                 ..Samples::new(64)
@@ -528,18 +525,12 @@ fn dropping_the_loader_mid_epoch_stops_the_workers_at_once() {
             epoch.next().unwrap().unwrap();
             drop(epoch);
             let pids = loader.worker_pids();
-            assert!(
-                pids.iter().all(|&p| alive(p)),
-                "persistent workers stay"
-            );
+            assert!(pids.iter().all(|&p| alive(p)), "persistent workers stay");
             let started = Instant::now();
             drop(loader);
             let took = started.elapsed();
             eprintln!("{strategy}: the loader and its 2 busy workers stopped in {took:?}");
-            assert!(
-                pids.iter().all(|&p| !alive(p)),
-                "{strategy}: {pids:?}"
-            );
+            assert!(pids.iter().all(|&p| !alive(p)), "{strategy}: {pids:?}");
             // 50 ms of grace, then SIGKILL; generous for a loaded machine.
             assert!(
                 took < Duration::from_secs(2),

@@ -89,9 +89,11 @@ impl<T: Serialize + DeserializeOwned> SimpleQueue<T> {
     /// claimed and not yet written (it may be stopped) is "nothing ready now"; once the
     /// head has stayed so for half a millisecond, counted across calls, the next try
     /// passes it, so a caller that only ever tries still gets the later items. Whether
-    /// any other holder is left (for [`Error::Disconnected`]) is asked only when the
-    /// queue is found empty, and answered from the last sighting of other holders when
-    /// that is under 10 ms old; otherwise it costs one system call.
+    /// any other holder is left (for [`Error::Disconnected`]; with none left, a claimed
+    /// record's writer is dead and is passed at once) is asked only when nothing is
+    /// ready, and answered without the kernel while another handle lives in this
+    /// process, or from the last sighting of other holders when that is under 10 ms old
+    /// and no handle was dropped since; otherwise it costs one system call.
     ///
     /// # Errors
     /// As [`get`](Self::get).

@@ -459,10 +459,11 @@ impl Ring {
     /// [`Error::Disconnected`] when there is none and no other holder is left (as in
     /// [`recv`](Self::recv)). `how`: see [`TryLook`] and the module docs.
     ///
-    /// `disconnected()` is asked only when the first look found nothing, and the end is
-    /// declared only after a second look, at the ring and the socket, that follows the
-    /// answer: a holder that put and then left is gone before its messages are looked
-    /// for, so they are found.
+    /// `disconnected()` is asked only when a look found nothing ready (nothing, or a
+    /// record being written at the head: with no other holder left its writer is dead,
+    /// and it is passed at once), and the end is declared only after a later look, at
+    /// the ring and the socket, that follows the answer: a holder that put and then left
+    /// is gone before its messages are looked for, so they are found.
     pub(crate) fn try_recv(
         &self,
         rx: BorrowedFd<'_>,
@@ -486,6 +487,13 @@ impl Ring {
                     }
                     if how == TryLook::Thorough {
                         self.wait_out_busy(pos);
+                        revoke = Some(pos);
+                        continue;
+                    }
+                    // With no other holder left, its writer is dead (a stopped one
+                    // still holds the queue): pass it now, and the end can be told.
+                    if !alone && disconnected() {
+                        alone = true;
                         revoke = Some(pos);
                         continue;
                     }
@@ -726,6 +734,49 @@ mod tests {
             (pos / SLOTS as u64) << 2 | 1,
             (pos / SLOTS as u64) << 2 | 2
         ));
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore = "memfds and sockets")]
+    fn a_try_passes_a_stalled_writer_after_a_while_or_at_once_when_alone() {
+        let ring = Ring::new().unwrap();
+        let (tx, rx) = seqpacket_pair().unwrap();
+        let stall = |ring: &Ring| {
+            let record = wire::encode(&0u8).unwrap();
+            let (h, p) = record.as_plain_bytes().unwrap();
+            assert_eq!(slots::push(ring, &[h, p], || false), Pushed::Stopped);
+        };
+        let put = |ring: &Ring, v: u8| {
+            let mut msg = wire::encode(&v).unwrap();
+            ring.send(&mut msg, tx.as_fd(), None).unwrap();
+        };
+        let value =
+            |packet: Packet| -> u8 { wire::decode(packet, &crate::shm::Returns::plain()).unwrap() };
+        stall(&ring);
+        put(&ring, 1);
+        // Other holders left: nothing ready now, until the claim has been seen for
+        // REVOKE_AFTER; then a try passes it (tries only, no blocking get).
+        let others = &|| false;
+        assert!(
+            ring.try_recv(rx.as_fd(), others, TryLook::Quick)
+                .unwrap()
+                .is_none()
+        );
+        let got = loop {
+            if let Some(packet) = ring.try_recv(rx.as_fd(), others, TryLook::Quick).unwrap() {
+                break value(packet);
+            }
+            std::thread::yield_now();
+        };
+        assert_eq!(got, 1);
+        // No other holder left: the writer is dead, passed at once, and then the end.
+        stall(&ring);
+        put(&ring, 2);
+        let alone = &|| true;
+        let packet = ring.try_recv(rx.as_fd(), alone, TryLook::Quick).unwrap();
+        assert_eq!(packet.map(value), Some(2));
+        let end = ring.try_recv(rx.as_fd(), alone, TryLook::Quick);
+        assert!(matches!(end, Err(Error::Disconnected(_))), "{end:?}");
     }
 
     #[test]
