@@ -175,7 +175,7 @@ fn fresh(
     }
     let seconds = start.elapsed().as_secs_f64();
     std::hint::black_box(total);
-    ctx.join(Some(Duration::from_secs(60)))?;
+    ctx.join_timeout(Duration::from_secs(60))?;
     Ok(Figure {
         scenario,
         strategy: Some(strategy.to_string()),
@@ -216,7 +216,7 @@ fn ping(strategy: SharingStrategy, bytes: u64, count: u64) -> multiproc::Result<
         };
     }
     let seconds = start.elapsed().as_secs_f64();
-    ctx.join(Some(Duration::from_secs(60)))?;
+    ctx.join_timeout(Duration::from_secs(60))?;
     Ok(Figure {
         scenario: "ping",
         strategy: Some(strategy.to_string()),
@@ -311,7 +311,7 @@ fn memory(strategy: SharingStrategy, per_worker: u64) -> multiproc::Result<Vec<F
             drop(t);
         }
     }
-    ctx.join(Some(Duration::from_secs(60)))?;
+    ctx.join_timeout(Duration::from_secs(60))?;
     let end = Instant::now();
     curve.push(sample(0.0, total));
     for i in 1..=20u32 {
@@ -344,7 +344,7 @@ fn disconnect(runs: u64) -> multiproc::Result<Figure> {
         let (ended_at, disconnected) = waiter
             .join()
             .map_err(|_| multiproc::Error::InvalidArgument("the waiting thread panicked".into()))?;
-        ctx.join(Some(Duration::from_secs(30)))?;
+        ctx.join_timeout(Duration::from_secs(30))?;
         if !disconnected {
             return Err(multiproc::Error::InvalidArgument(
                 "a get on a queue whose last other holder left did not end with Disconnected"
@@ -493,7 +493,7 @@ fn stopped(scale: f64) -> multiproc::Result<Vec<Figure>> {
         stopped_row?;
         row("after", window(2.0))?;
         stop.set();
-        made.join(Some(Duration::from_secs(60)))?;
+        made.join_timeout(Duration::from_secs(60))?;
         let mut put = vec![0u64; producers];
         for _ in 0..producers {
             let (rank, n) = put_counts.get_timeout(Duration::from_secs(10))?;
@@ -503,7 +503,7 @@ fn stopped(scale: f64) -> multiproc::Result<Vec<Figure>> {
             q.put(u64::MAX)?;
         }
         // A consumer's error (a gap, a repeat, a get that returned) fails the join.
-        taken.join(Some(Duration::from_secs(60)))?;
+        taken.join_timeout(Duration::from_secs(60))?;
         let mut got = vec![0u64; producers];
         for _ in 0..consumers {
             for (rank, n) in got_counts
@@ -808,7 +808,7 @@ pub fn wake(scale: f64) -> multiproc::Result<Vec<Figure>> {
         }
     }
     let seconds = start.elapsed().as_secs_f64();
-    ctx.join(Some(Duration::from_secs(60)))?;
+    ctx.join_timeout(Duration::from_secs(60))?;
     let figure = |mut us: Vec<f64>, implementation: &'static str| {
         us.sort_by(f64::total_cmp);
         let at = |q: f64| us[((us.len() - 1) as f64 * q).round() as usize];
@@ -847,7 +847,7 @@ pub fn wake(scale: f64) -> multiproc::Result<Vec<Figure>> {
         let (ended_at, disconnected) = waiter
             .join()
             .map_err(|_| multiproc::Error::InvalidArgument("the waiting thread panicked".into()))?;
-        ctx.join(Some(Duration::from_secs(30)))?;
+        ctx.join_timeout(Duration::from_secs(30))?;
         if !disconnected {
             return Err(multiproc::Error::InvalidArgument(
                 "an awaited get on a queue whose last other holder left did not end with \

@@ -181,24 +181,24 @@ impl NativeQueue {
 
     fn qsize(&self) -> usize {
         match &self.flavor {
-            Flavor::Queue(q) => q.qsize(),
-            Flavor::Joinable(q) => q.qsize(),
-            Flavor::Simple(q) => usize::from(!q.empty()),
+            Flavor::Queue(q) => q.len(),
+            Flavor::Joinable(q) => q.len(),
+            Flavor::Simple(q) => usize::from(!q.is_empty()),
         }
     }
 
     fn empty(&self) -> bool {
         match &self.flavor {
-            Flavor::Queue(q) => q.empty(),
-            Flavor::Joinable(q) => q.empty(),
-            Flavor::Simple(q) => q.empty(),
+            Flavor::Queue(q) => q.is_empty(),
+            Flavor::Joinable(q) => q.is_empty(),
+            Flavor::Simple(q) => q.is_empty(),
         }
     }
 
     fn full(&self) -> bool {
         match &self.flavor {
-            Flavor::Queue(q) => q.full(),
-            Flavor::Joinable(q) => q.full(),
+            Flavor::Queue(q) => q.is_full(),
+            Flavor::Joinable(q) => q.is_full(),
             Flavor::Simple(_) => false,
         }
     }
@@ -223,7 +223,7 @@ impl NativeQueue {
         let Flavor::Joinable(q) = &self.flavor else {
             return Err(PyValueError::new_err("join is a JoinableQueue's"));
         };
-        let done = wait_in_slices(py, deadline(timeout)?, |slice| match q.join(Some(slice)) {
+        let done = wait_in_slices(py, deadline(timeout)?, |slice| match q.join_timeout(slice) {
             Err(e) if e.is_timeout() => Slice::Again,
             other => Slice::Done(other),
         })?;
@@ -302,14 +302,14 @@ impl NativeConnection {
     fn poll(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
         let conn = self.get()?;
         if timeout.is_some_and(|t| t <= 0.0) {
-            return match conn.poll(Some(Duration::ZERO)) {
+            return match conn.poll_timeout(Duration::ZERO) {
                 Ok(()) => Ok(true),
                 Err(e) if e.is_timeout() => Ok(false),
                 Err(e) => Err(to_py(e)),
             };
         }
         let ready = wait_in_slices(py, deadline(timeout)?, |slice| {
-            match conn.poll(Some(slice)) {
+            match conn.poll_timeout(slice) {
                 Err(e) if e.is_timeout() => Slice::Again,
                 other => Slice::Done(other),
             }

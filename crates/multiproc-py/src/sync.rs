@@ -15,16 +15,16 @@ fn timed(
     py: Python<'_>,
     block: bool,
     timeout: Option<f64>,
-    op: impl Fn(Option<Duration>) -> multiproc::Result<()> + Sync,
+    op: impl Fn(Duration) -> multiproc::Result<()> + Sync,
 ) -> PyResult<bool> {
     if !block {
-        return match op(Some(Duration::ZERO)) {
+        return match op(Duration::ZERO) {
             Ok(()) => Ok(true),
             Err(e) if e.is_timeout() => Ok(false),
             Err(e) => Err(to_py(e)),
         };
     }
-    let done = wait_in_slices(py, deadline(timeout)?, |slice| match op(Some(slice)) {
+    let done = wait_in_slices(py, deadline(timeout)?, |slice| match op(slice) {
         Err(e) if e.is_timeout() => Slice::Again,
         other => Slice::Done(other),
     })?;
@@ -59,7 +59,7 @@ impl PyEvent {
     /// True when the flag is set, False when `timeout` seconds passed first.
     #[pyo3(signature = (timeout=None))]
     fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
-        timed(py, true, timeout, |t| self.inner.wait(t))
+        timed(py, true, timeout, |t| self.inner.wait_timeout(t))
     }
 }
 
@@ -74,7 +74,7 @@ macro_rules! lock_methods {
         impl $ty {
             #[pyo3(signature = (block=true, timeout=None))]
             fn acquire(&self, py: Python<'_>, block: bool, timeout: Option<f64>) -> PyResult<bool> {
-                timed(py, block, timeout, |t| self.inner.acquire(t))
+                timed(py, block, timeout, |t| self.inner.acquire_timeout(t))
             }
             fn release(&self) -> PyResult<()> {
                 self.inner.release().map_err(to_py)
@@ -142,11 +142,11 @@ impl PyCondition {
     #[pyo3(signature = (timeout=None))]
     fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
         self.check_owned("wait")?;
-        timed(py, true, timeout, |t| self.inner.wait(t))
+        timed(py, true, timeout, |t| self.inner.wait_timeout(t))
     }
 
     #[pyo3(signature = (n=1))]
-    fn notify(&self, n: u32) -> PyResult<()> {
+    fn notify(&self, n: usize) -> PyResult<()> {
         self.check_owned("notify")?;
         self.inner.notify(n);
         Ok(())
@@ -188,19 +188,19 @@ pub struct PySemaphore {
 impl PySemaphore {
     #[new]
     #[pyo3(signature = (value=1))]
-    fn new(value: u32) -> PyResult<Self> {
+    fn new(value: usize) -> PyResult<Self> {
         Ok(Self {
             inner: Semaphore::new(value).map_err(to_py)?,
         })
     }
     #[pyo3(signature = (block=true, timeout=None))]
     fn acquire(&self, py: Python<'_>, block: bool, timeout: Option<f64>) -> PyResult<bool> {
-        timed(py, block, timeout, |t| self.inner.acquire(t))
+        timed(py, block, timeout, |t| self.inner.acquire_timeout(t))
     }
     fn release(&self) -> PyResult<()> {
         self.inner.release().map_err(to_py)
     }
-    fn get_value(&self) -> u32 {
+    fn get_value(&self) -> usize {
         self.inner.value()
     }
     fn __enter__(&self, py: Python<'_>) -> PyResult<bool> {
@@ -220,7 +220,7 @@ pub struct PyBarrier {
 #[pymethods]
 impl PyBarrier {
     #[new]
-    fn new(parties: u32) -> PyResult<Self> {
+    fn new(parties: usize) -> PyResult<Self> {
         Ok(Self {
             inner: Barrier::new(parties).map_err(to_py)?,
         })
@@ -229,12 +229,16 @@ impl PyBarrier {
     /// GIL released: a barrier that timed out is broken, so it is not waited on in
     /// slices, and Ctrl-C is seen when the wait returns.
     #[pyo3(signature = (timeout=None))]
-    fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<u32> {
+    fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<usize> {
         let timeout = timeout.filter(|t| *t >= 0.0).map(Duration::from_secs_f64);
-        py.allow_threads(|| self.inner.wait(timeout)).map_err(to_py)
+        py.allow_threads(|| match timeout {
+            Some(t) => self.inner.wait_timeout(t),
+            None => self.inner.wait(),
+        })
+        .map_err(to_py)
     }
     #[getter]
-    fn parties(&self) -> u32 {
+    fn parties(&self) -> usize {
         self.inner.parties()
     }
 }

@@ -154,7 +154,7 @@ fn run(weights: &Weights, reference: &[TensorData], inputs: &[Tensor], borrow: b
         requests.put(None).unwrap();
     }
     let mut rows: Vec<Report> = (0..WORKERS).map(|_| reports.get().unwrap()).collect();
-    ctx.join(None).unwrap();
+    ctx.join().unwrap();
     rows.sort();
     let how = if borrow {
         "weights borrowed (as_burn)"

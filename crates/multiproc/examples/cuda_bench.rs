@@ -212,7 +212,7 @@ fn main() -> multiproc::Result<()> {
         .print(json);
     }
     q.put(None)?;
-    consumer.join(Some(Duration::from_secs(60)))?;
+    consumer.join_timeout(Duration::from_secs(60))?;
 
     // ping: one tensor there and back
     let (inbox, outbox) = (Queue::new()?, Queue::new()?);
@@ -238,7 +238,7 @@ fn main() -> multiproc::Result<()> {
         .print(json);
     }
     inbox.put(None)?;
-    ponger.join(Some(Duration::from_secs(60)))?;
+    ponger.join_timeout(Duration::from_secs(60))?;
 
     // the floor: one device-to-device copy of the same size
     for &(bytes, count) in &SIZES {

@@ -104,7 +104,7 @@ fn worker(rank: usize, job: Job) {
         job.reports.put((epoch, rank, loss, seen)).expect("report");
         // Epochs stay in step so the parent's per-epoch figures mean something.
         job.epoch_done
-            .wait(Some(Duration::from_secs(300)))
+            .wait_timeout(Duration::from_secs(300))
             .expect("epoch barrier");
     }
 }
@@ -125,7 +125,7 @@ fn main() -> multiproc::Result<()> {
     let job = Job {
         params: params.clone(),
         reports: reports.clone(),
-        epoch_done: Barrier::new(args.workers as u32)?,
+        epoch_done: Barrier::new(args.workers)?,
         args: args.clone(),
     };
     let start = Instant::now();
@@ -143,7 +143,7 @@ fn main() -> multiproc::Result<()> {
                 }
                 // A worker that failed is reported with its rank, not waited for; a
                 // timeout here only says that they all still run.
-                match ctx.join(Some(Duration::ZERO)) {
+                match ctx.join_timeout(Duration::ZERO) {
                     Err(e) if !e.is_timeout() => return Err(e),
                     _ => {}
                 }
@@ -162,7 +162,7 @@ fn main() -> multiproc::Result<()> {
             acc * 100.0
         );
     }
-    ctx.join(Some(Duration::from_secs(60)))?;
+    ctx.join_timeout(Duration::from_secs(60))?;
     let elapsed = start.elapsed().as_secs_f64();
     let (loss, acc) = evaluate(&params.to_vec::<f32>()?, &test);
 

@@ -257,7 +257,7 @@ impl Service {
                 return Ok(());
             }
             let (replacement, jobs) = self.start_worker()?;
-            let new_pid = replacement.pid().unwrap_or(0) as u32;
+            let new_pid = replacement.pid().unwrap_or(0);
             let mut books = self.books();
             let dead_pid = books.slots[slot].pid;
             let orphans: Vec<u64> = books.slots[slot].in_flight.drain(..).collect();
@@ -339,7 +339,7 @@ async fn start(weights: &Weights, n: usize, addr: &str) -> multiproc::Result<Run
         let (process, jobs) = service.start_worker()?;
         service.books().slots.push(Slot {
             jobs,
-            pid: process.pid().unwrap_or(0) as u32,
+            pid: process.pid().unwrap_or(0),
             in_flight: VecDeque::new(),
         });
         let s = Arc::clone(&service);

@@ -229,7 +229,7 @@ fn serve(
         .map(|_| reports.get())
         .collect::<multiproc::Result<_>>()?;
     rows.sort_by_key(|r| r.0);
-    ctx.join(None)?;
+    ctx.join()?;
     let label = if private_copy {
         "private copy (baseline)"
     } else {

@@ -57,7 +57,7 @@ fn main() -> multiproc::Result<()> {
     } else {
         get_all(&q)?;
     }
-    ctx.join(None)?;
+    ctx.join()?;
     println!(
         "{TRIPS} trips, the parent {}",
         if parent_puts { "putting" } else { "getting" }

@@ -125,7 +125,7 @@ fn run(fail: bool) -> multiproc::Result<u64> {
         }
     }
     for stage in &mut stages {
-        stage.join(None)?;
+        stage.join()?;
         if let Some(err) = stage.error() {
             return Err(err);
         }
@@ -141,7 +141,7 @@ fn stop(stages: &mut [Process]) {
         }
     }
     for stage in stages.iter_mut() {
-        if let Err(e) = stage.join(Some(Duration::from_secs(10))) {
+        if let Err(e) = stage.join_timeout(Duration::from_secs(10)) {
             eprintln!(
                 "{} did not end after SIGTERM ({e}): killing it",
                 stage.name()

@@ -22,7 +22,7 @@ fn producer(_rank: usize, (q, done): (Queue<Tensor>, multiproc::Event)) -> multi
     q.put(t)?;
     // Keep the sender's mapping while the parent measures (as a producer that goes on
     // working would).
-    done.wait(Some(Duration::from_secs(120)))?;
+    done.wait_timeout(Duration::from_secs(120))?;
     Ok(())
 }
 
@@ -59,7 +59,7 @@ fn main() -> multiproc::Result<()> {
     let mut ctx =
         multiproc::start_processes(producer, (q.clone(), done.clone()), 1, StartMethod::Spawn)?;
     // Wait for the tensor to be queued before measuring the baseline.
-    while q.qsize() == 0 {
+    while q.is_empty() {
         std::thread::sleep(Duration::from_millis(10));
     }
     let before = rollup();
@@ -75,6 +75,6 @@ fn main() -> multiproc::Result<()> {
     show("after sum (every page read)", &read, &before);
     drop(t);
     done.set();
-    ctx.join(Some(Duration::from_secs(60)))?;
+    ctx.join_timeout(Duration::from_secs(60))?;
     Ok(())
 }

@@ -74,7 +74,7 @@ impl Dataset for Copied {
 }
 
 /// `Rss`, `Pss` and private (clean + dirty) memory of `pid`, in MiB.
-fn memory(pid: i32) -> (f64, f64, f64) {
+fn memory(pid: u32) -> (f64, f64, f64) {
     let text = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).unwrap_or_default();
     let field = |name: &str| -> f64 {
         text.lines()

@@ -13,7 +13,7 @@
 //! steps timed: encoding and decoding a message, making and mapping a segment, passing
 //! an fd over a socket, a map-cache hit.
 //!
-//! `multiproc bench-floor` takes its shared word from here too ([`SharedWord`]): the
+//! `multiproc bench-floor` takes its shared word from here too (`SharedWord`): the
 //! floor turns raw futexes over it, and the page's mapping stays the library's.
 
 #![allow(missing_docs)]

@@ -129,10 +129,10 @@ fn exercise(m: FuzzMessage, depth: usize) -> Result<String> {
         }
     }
     if let Some(q) = &m.queue {
-        let _ = q.qsize();
+        let _ = q.len();
     }
     if let Some(c) = &m.conn {
-        let _ = c.poll(Some(Duration::ZERO));
+        let _ = c.poll_timeout(Duration::ZERO);
     }
     let inner = match m.inner {
         Some(inner) if depth < MAX_DEPTH => Some(exercise(

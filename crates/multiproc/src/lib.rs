@@ -180,7 +180,7 @@
 //!     multiproc::init();
 //!     let mut ctx = multiproc::start_processes(shard, 4, 4, StartMethod::Spawn)?;
 //!     loop {
-//!         match ctx.join(Some(Duration::from_secs(1))) {
+//!         match ctx.join_timeout(Duration::from_secs(1)) {
 //!             Ok(()) => break,
 //!             Err(e) if e.is_timeout() => println!("{} still running", multiproc::active_children().len()),
 //!             Err(Error::ProcessRaised { error_index, message, .. }) => {
@@ -199,9 +199,12 @@
 //! [`Queue`], [`SimpleQueue`], [`JoinableQueue`] and [`pipe`] carry any
 //! `Serialize + DeserializeOwned` value; tensors, queues, events and locks inside it,
 //! at any depth, travel as handles. A message is one packet, so a producer may exit
-//! right after `put`. torch's and Python's names are there (`put`, `get`,
-//! `get_timeout`, `put_nowait`, `qsize`, `empty`, `full`), and so are the Rust ones
-//! (`try_put`, `try_get`, `iter`, `try_iter`, `len`, `is_empty`, `capacity`).
+//! right after `put`. Each operation has one spelling per way of waiting: `put`/`get`
+//! wait as long as it takes, `put_timeout`/`get_timeout` at most a `Duration`, and
+//! `try_put`/`try_get` not at all (`try_get` on an empty queue makes no system call);
+//! `iter`, `try_iter`, `len`, `is_empty`, `is_full` and `capacity` look. Python's names
+//! (`put_nowait`, `get_nowait`, `qsize`, `empty`, `full`) find the Rust method when
+//! searched for in these docs.
 //!
 //! ```
 //! use std::time::Duration;
@@ -388,7 +391,7 @@
 //! ```
 //! use std::time::Duration;
 //! let ready = multiproc::Event::new()?;
-//! match ready.wait(Some(Duration::from_millis(1))) {
+//! match ready.wait_timeout(Duration::from_millis(1)) {
 //!     Ok(()) => unreachable!("nobody set it"),
 //!     Err(e) if e.is_timeout() => assert_eq!(e.to_string(), "a wait on an event timed out after 1ms"),
 //!     Err(e) => return Err(e),

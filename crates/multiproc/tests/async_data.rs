@@ -86,7 +86,7 @@ impl Dataset for Samples {
         if let Some(sem) = &self.finished {
             if i == 0 {
                 for _ in 0..self.hold_first {
-                    sem.acquire(Some(GATE_WAIT))?;
+                    sem.acquire_timeout(GATE_WAIT)?;
                 }
             } else {
                 sem.release()?;
@@ -283,7 +283,7 @@ fn the_timeout_fires_on_a_parked_stream() {
             pids
         });
         assert!(loader.worker_pids().is_empty());
-        assert!(!alive(pids[0] as u32), "the hung worker was stopped");
+        assert!(!alive(pids[0]), "the hung worker was stopped");
     });
 }
 
@@ -317,10 +317,10 @@ fn dropping_a_stream_mid_epoch_then_a_new_epoch_is_whole() {
             "dropping the stream stopped the workers"
         );
         let until = Instant::now() + Duration::from_secs(10);
-        while pids.iter().any(|&p| alive(p as u32)) && Instant::now() < until {
+        while pids.iter().any(|&p| alive(p)) && Instant::now() < until {
             std::thread::sleep(Duration::from_millis(10));
         }
-        assert!(pids.iter().all(|&p| !alive(p as u32)), "the workers ended");
+        assert!(pids.iter().all(|&p| !alive(p)), "the workers ended");
         let whole: Vec<i64> = rt
             .block_on(stream_epoch(&mut loader))
             .into_iter()

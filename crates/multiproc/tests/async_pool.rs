@@ -80,7 +80,7 @@ fn awaited_results_are_the_blocking_ones() {
             // As with `get`, the results are handed out once.
             let again = tokio::time::timeout(WAIT, many.get_async()).await.unwrap();
             assert!(matches!(again, Err(Error::InvalidArgument(_))), "{again:?}");
-            assert!(matches!(many.get(None), Err(Error::InvalidArgument(_))));
+            assert!(matches!(many.get(), Err(Error::InvalidArgument(_))));
 
             // An empty map is ready at once.
             let mut none = pool.map_async(square, Vec::<u64>::new()).unwrap();
@@ -122,7 +122,7 @@ fn a_dropped_future_loses_no_result() {
             let mut one = pool.apply_async(slow_square, (6, 400)).unwrap();
             let early = tokio::time::timeout(Duration::from_millis(20), one.get_async()).await;
             assert!(early.is_err(), "the result came too early: {early:?}");
-            assert_eq!(one.get(Some(WAIT)).unwrap(), 36);
+            assert_eq!(one.get_timeout(WAIT).unwrap(), 36);
 
             // Dropped while parked, then the result arrives with no future to wake (the
             // stale waker is woken and ignored); a fresh `get_async` finds it waiting.
@@ -140,7 +140,7 @@ fn a_dropped_future_loses_no_result() {
             let early = tokio::time::timeout(Duration::from_millis(60), many.get_async()).await;
             assert!(early.is_err());
             assert_eq!(
-                many.get(Some(WAIT)).unwrap(),
+                many.get_timeout(WAIT).unwrap(),
                 (0..8).map(|x| x * x).collect::<Vec<_>>()
             );
 
@@ -183,7 +183,7 @@ fn failures_read_the_same_through_get_async_and_get() {
                     .await
                     .unwrap()
                     .unwrap_err();
-                let b = blocking.get(Some(WAIT)).unwrap_err();
+                let b = blocking.get_timeout(WAIT).unwrap_err();
                 assert!(matches!(a, Error::TaskFailed { .. }), "{a:?}");
                 assert_eq!(a.to_string(), b.to_string());
             }
@@ -194,7 +194,7 @@ fn failures_read_the_same_through_get_async_and_get() {
                 .await
                 .unwrap()
                 .unwrap_err();
-            let b = blocking.get(Some(WAIT)).unwrap_err();
+            let b = blocking.get_timeout(WAIT).unwrap_err();
             assert!(matches!(a, Error::TaskFailed { index: 37, .. }), "{a:?}");
             assert_eq!(a.to_string(), b.to_string());
 
@@ -231,8 +231,8 @@ fn failures_read_the_same_through_get_async_and_get() {
                 .unwrap();
             a.unwrap_err()
         });
-        pool.join(Some(WAIT)).unwrap();
-        let b = blocking.get(Some(WAIT)).unwrap_err();
+        pool.join_timeout(WAIT).unwrap();
+        let b = blocking.get_timeout(WAIT).unwrap_err();
         assert!(
             matches!(a, Error::Closed(_) | Error::TaskFailed { .. }),
             "{a:?}"
@@ -247,7 +247,7 @@ fn failures_read_the_same_through_get_async_and_get() {
             .block_on(async { tokio::time::timeout(WAIT, awaited.get_async()).await })
             .unwrap()
             .unwrap_err();
-        let b = blocking.get(Some(WAIT)).unwrap_err();
+        let b = blocking.get_timeout(WAIT).unwrap_err();
         assert_eq!(a.to_string(), b.to_string());
     });
 }

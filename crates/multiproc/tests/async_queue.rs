@@ -103,7 +103,7 @@ fn dropped_get_futures_lose_nothing_and_leak_no_place() {
                 c.await.unwrap();
             }
         });
-        producers.join(Some(WAIT)).unwrap();
+        producers.join_timeout(WAIT).unwrap();
         let received = received.lock().unwrap().clone();
         let dropped = dropped.load(Ordering::Relaxed);
         eprintln!(
@@ -129,7 +129,7 @@ fn dropped_get_futures_lose_nothing_and_leak_no_place() {
             for i in 0..CAPACITY as u32 {
                 q.try_put((9, i, 0)).unwrap();
             }
-            assert!(q.full());
+            assert!(q.is_full());
             // put_async parks on the full queue; dropped ones leave no trace ...
             for _ in 0..200 {
                 let cancelled =
@@ -217,7 +217,7 @@ fn put_three_and_leave(_rank: usize, (q, go): (Queue<u32>, Event)) -> multiproc:
     for i in 0..3 {
         q.put(i)?;
     }
-    go.wait(Some(WAIT))
+    go.wait_timeout(WAIT)
 }
 
 /// Puts three items, says so, and waits to be killed.

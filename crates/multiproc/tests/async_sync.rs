@@ -21,7 +21,7 @@ use multiproc::{Event, Process, Queue, StartMethod, start_processes};
 /// are not a synchronisation), so that `done` is set at least 200 ms after `go` and the
 /// exit comes 200 ms after that, lower bounds the test checks.
 fn set_later(_rank: usize, (go, done): (Event, Event)) -> multiproc::Result<()> {
-    go.wait(Some(WAIT))?;
+    go.wait_timeout(WAIT)?;
     std::thread::sleep(Duration::from_millis(200));
     done.set();
     std::thread::sleep(Duration::from_millis(200));
@@ -125,7 +125,7 @@ fn work_then_answer(
         std::thread::sleep(Duration::from_millis(20));
         jobs.task_done()?;
     }
-    go.wait(Some(WAIT))?;
+    go.wait_timeout(WAIT)?;
     answer.send("done".to_string())?;
     Ok(())
 }

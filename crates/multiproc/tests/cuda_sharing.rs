@@ -85,7 +85,7 @@ fn a_cuda_tensor_crosses_a_queue_by_handle_with_views_and_identity() {
         .unwrap();
         inbox.put((t.clone(), view, t.clone())).unwrap();
         let back: Tensor = outbox.get_timeout(secs(60)).expect("the worker's reply");
-        ctx.join(Some(secs(60))).unwrap();
+        ctx.join_timeout(secs(60)).unwrap();
         assert!(
             Storage::ptr_eq(back.storage(), t.storage()),
             "the tensor came home to the same storage"
@@ -133,7 +133,7 @@ fn a_received_cuda_tensor_can_be_sent_on_to_a_third_process() {
         inbox.put(t.clone()).unwrap();
         let sum = done.get_timeout(secs(60)).expect("the third process's sum");
         assert_eq!(sum, 4950.0 + 1000.0, "it saw the values and its own write");
-        ctx.join(Some(secs(60))).unwrap();
+        ctx.join_timeout(secs(60)).unwrap();
         // The write landed in this process's memory.
         let first = t.narrow(0, 0, 1).unwrap().to(Device::Cpu).unwrap();
         assert_eq!(first.to_vec::<f32>().unwrap(), [1000.0]);
@@ -184,14 +184,14 @@ fn cuda_tensors_cross_simple_and_joinable_queues_pipes_and_the_pool() {
         simple.put(t.clone()).unwrap();
         let back: Tensor = joinable.get().unwrap();
         joinable.task_done().unwrap();
-        ctx.join(Some(secs(60))).unwrap();
+        ctx.join_timeout(secs(60)).unwrap();
         assert!(Storage::ptr_eq(back.storage(), t.storage()));
 
         let (here, there) = pipe::<Tensor>().unwrap();
         let mut ctx = start_processes(echo_pipe, there, 1, StartMethod::Forkserver).unwrap();
         here.send(t.clone()).unwrap();
         let back = here.recv().unwrap();
-        ctx.join(Some(secs(60))).unwrap();
+        ctx.join_timeout(secs(60)).unwrap();
         assert!(Storage::ptr_eq(back.storage(), t.storage()));
         let seen = t.to(Device::Cpu).unwrap().to_vec::<f32>().unwrap();
         assert_eq!(seen, [-1., -2., 2., 3., 4., 5., 6., 7.]);
@@ -206,7 +206,7 @@ fn cuda_tensors_cross_simple_and_joinable_queues_pipes_and_the_pool() {
         }
         drop((out, inputs, t, back));
         pool.close();
-        pool.join(Some(secs(60))).unwrap();
+        pool.join_timeout(secs(60)).unwrap();
         cuda::empty_cache(); // the pool's idle allocations hold an fd or two each
     });
 }
@@ -224,7 +224,7 @@ fn the_producer_may_exit_right_after_put() {
     common::run(DEADLINE, || {
         let q = Queue::new().unwrap();
         let mut ctx = start_processes(put_and_exit, q.clone(), 1, StartMethod::Spawn).unwrap();
-        ctx.join(Some(secs(60))).unwrap();
+        ctx.join_timeout(secs(60)).unwrap();
         let t: Tensor = q.get().unwrap();
         let host = t.to(Device::Cpu).unwrap();
         let n = 16 * MIB / 4;
@@ -249,7 +249,7 @@ fn hold_until_killed(
     let first = t.narrow(0, 0, 1)?.to(Device::Cpu)?.to_vec::<u8>()?[0];
     ensure!(first == 7, "first byte {first}");
     holding.put(t.numel())?;
-    never.wait(None)?; // until SIGKILL
+    never.wait()?; // until SIGKILL
     drop(t);
     Ok(())
 }
@@ -270,7 +270,7 @@ fn a_killed_consumer_gives_its_gib_back_within_a_second() {
         )
         .unwrap();
         let mut producer = start_processes(produce_gib, q.clone(), 1, StartMethod::Spawn).unwrap();
-        producer.join(Some(secs(60))).unwrap();
+        producer.join_timeout(secs(60)).unwrap();
         assert_eq!(holding.get_timeout(secs(60)).unwrap(), 1 << 30);
         let held = free_device_memory();
         assert!(
@@ -279,7 +279,7 @@ fn a_killed_consumer_gives_its_gib_back_within_a_second() {
         );
         let pid = consumer.pids()[0];
         // SAFETY: plain kill(2) of our own child.
-        assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
+        assert_eq!(unsafe { libc::kill(pid as i32, libc::SIGKILL) }, 0);
         let killed = Instant::now();
         let slack = 64 * MIB;
         let mut free = free_device_memory();
@@ -293,7 +293,7 @@ fn a_killed_consumer_gives_its_gib_back_within_a_second() {
             free + slack >= before,
             "1 s after the consumer's death free memory is {free}, was {before}"
         );
-        let err = consumer.join(Some(secs(30))).unwrap_err();
+        let err = consumer.join_timeout(secs(30)).unwrap_err();
         assert!(matches!(err, Error::ProcessExited { .. }), "{err}");
     });
 }
@@ -347,7 +347,7 @@ fn a_thousand_put_get_cycles_of_64_mib_grow_neither_memory_nor_fds() {
             "device memory grew: {free0} -> {free1}"
         );
         assert_eq!(fds1, fds0, "fds grew");
-        ctx.join(Some(secs(60))).unwrap();
+        ctx.join_timeout(secs(60)).unwrap();
         cuda::empty_cache();
     });
 }

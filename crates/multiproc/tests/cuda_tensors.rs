@@ -121,7 +121,7 @@ fn fork_is_refused_once_cuda_is_initialised() {
         };
         assert!(err.to_string().contains("initialised CUDA"), "{err}");
         let mut ctx = start_processes(noop, (), 1, StartMethod::Forkserver).unwrap();
-        ctx.join(Some(secs(60))).unwrap();
+        ctx.join_timeout(secs(60)).unwrap();
     });
 }
 

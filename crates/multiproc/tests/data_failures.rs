@@ -14,7 +14,7 @@ use common::{alive, our_segments, secs};
 use multiproc::data::DataLoader;
 use multiproc::{Error, Event};
 
-fn epoch_with_fault(data: Samples, restart: bool) -> (Vec<multiproc::Result<Vec<i64>>>, Vec<i32>) {
+fn epoch_with_fault(data: Samples, restart: bool) -> (Vec<multiproc::Result<Vec<i64>>>, Vec<u32>) {
     let mut loader = DataLoader::builder(data)
         .batch_size(2)
         .num_workers(2)
@@ -35,7 +35,7 @@ fn epoch_with_fault(data: Samples, restart: bool) -> (Vec<multiproc::Result<Vec<
 
 /// Batch 2 failed, named with the worker that held it (whichever it was: which worker
 /// gets a batch depends on which is free first) and that worker's pid.
-fn assert_named_failure(result: &multiproc::Result<Vec<i64>>, pids: &[i32], what: &str) {
+fn assert_named_failure(result: &multiproc::Result<Vec<i64>>, pids: &[u32], what: &str) {
     match result {
         Err(Error::LoaderFailed {
             worker,
@@ -124,7 +124,7 @@ fn a_restarted_worker_has_a_new_pid() {
             1,
             "one worker replaced: {before:?} -> {after:?}"
         );
-        assert!(!alive(before[replaced[0]] as u32));
+        assert!(!alive(before[replaced[0]]));
     });
 }
 
@@ -161,7 +161,7 @@ fn a_batch_past_its_timeout_is_an_error_naming_the_worker() {
         assert!(epoch.next().is_none(), "the epoch ended");
         drop(epoch);
         assert!(loader.worker_pids().is_empty());
-        assert!(!alive(pids[0] as u32), "the hung worker was stopped");
+        assert!(!alive(pids[0]), "the hung worker was stopped");
     });
 }
 
@@ -184,10 +184,7 @@ fn dropping_the_loader_mid_epoch_stops_the_workers_at_once() {
             drop(epoch);
             // Without persistent workers the epoch's end stops them; with them, the
             // loader's drop does. Check the loader's own drop too:
-            assert!(
-                pids.iter().all(|&p| !alive(p as u32)),
-                "{strategy}: {pids:?}"
-            );
+            assert!(pids.iter().all(|&p| !alive(p)), "{strategy}: {pids:?}");
             let mut loader = DataLoader::builder(Samples {
                 gate: Some((8, Event::new().unwrap())),
                 ..Samples::new(64)
@@ -201,18 +198,12 @@ fn dropping_the_loader_mid_epoch_stops_the_workers_at_once() {
             epoch.next().unwrap().unwrap();
             drop(epoch);
             let pids = loader.worker_pids();
-            assert!(
-                pids.iter().all(|&p| alive(p as u32)),
-                "persistent workers stay"
-            );
+            assert!(pids.iter().all(|&p| alive(p)), "persistent workers stay");
             let started = Instant::now();
             drop(loader);
             let took = started.elapsed();
             eprintln!("{strategy}: the loader and its 2 busy workers stopped in {took:?}");
-            assert!(
-                pids.iter().all(|&p| !alive(p as u32)),
-                "{strategy}: {pids:?}"
-            );
+            assert!(pids.iter().all(|&p| !alive(p)), "{strategy}: {pids:?}");
             // 50 ms of grace, then SIGKILL; generous for a loaded machine.
             assert!(
                 took < Duration::from_secs(2),
@@ -295,9 +286,9 @@ fn a_persistent_worker_killed_between_epochs_is_named_or_replaced() {
             assert_eq!(labels_of_epoch(&mut loader).len(), 4);
             let pids = loader.worker_pids();
             // SAFETY: kill(2) on a worker's pid, which is alive (not yet reaped).
-            assert_eq!(unsafe { libc::kill(pids[0], libc::SIGKILL) }, 0);
+            assert_eq!(unsafe { libc::kill(pids[0] as i32, libc::SIGKILL) }, 0);
             let until = Instant::now() + secs(20);
-            while alive(pids[0] as u32) && Instant::now() < until {
+            while alive(pids[0]) && Instant::now() < until {
                 std::thread::sleep(Duration::from_millis(5));
             }
             let epoch: Vec<_> = loader.iter().collect();

@@ -69,7 +69,7 @@ fn at_most_workers_times_prefetch_batches_are_in_flight() {
         data.finished = Some(loaded.clone());
         data.first_waits = Some(release_first.clone());
         let (workers, prefetch) = (2, 3);
-        let window = (workers * prefetch) as u32;
+        let window = workers * prefetch;
         let mut loader = DataLoader::builder(data)
             .num_workers(workers)
             .prefetch_factor(prefetch)
@@ -85,7 +85,7 @@ fn at_most_workers_times_prefetch_batches_are_in_flight() {
                 // two more queued behind it): the window of 6 is full.
                 for n in 0..3 {
                     loaded
-                        .acquire(Some(secs(30)))
+                        .acquire_timeout(secs(30))
                         .unwrap_or_else(|e| panic!("{n} of 3 batches loaded: {e}"));
                 }
                 // If the bound were broken, the workers would go on loading: each further
@@ -93,7 +93,7 @@ fn at_most_workers_times_prefetch_batches_are_in_flight() {
                 // stopped for good, so it cannot pass by a slow count).
                 let mut settled = 3;
                 while settled < window {
-                    match loaded.acquire(Some(Duration::from_millis(300))) {
+                    match loaded.acquire_timeout(Duration::from_millis(300)) {
                         Ok(()) => settled += 1,
                         Err(e) if e.is_timeout() => break,
                         Err(e) => panic!("counting loads: {e}"),
@@ -153,7 +153,7 @@ fn persistent_workers_are_reused_across_epochs() {
             loader.worker_pids().is_empty(),
             "stopped at the end of the epoch"
         );
-        assert!(pids.iter().all(|&p| !alive(p as u32)));
+        assert!(pids.iter().all(|&p| !alive(p)));
     });
 }
 
@@ -185,7 +185,7 @@ fn num_workers_0_loads_in_this_process() {
                 message,
                 ..
             }) => {
-                assert_eq!(*pid, std::process::id() as i32);
+                assert_eq!(*pid, std::process::id());
                 assert!(message.contains("sample 4 is corrupt"), "{message}");
             }
             other => panic!("{other:?}"),

@@ -118,7 +118,7 @@ fn distributed_sampler_reads_rank_and_world_size_from_the_environment() {
         // A lone Process gets RANK but no WORLD_SIZE: a clear error, not a guess.
         let mut p = Process::new(sampler_from_env_without_world_size, 0, ());
         p.start().unwrap();
-        let status = p.join(None).unwrap();
+        let status = p.join().unwrap();
         assert!(status.success(), "{:?}", p.error());
     });
 }

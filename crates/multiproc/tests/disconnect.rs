@@ -135,7 +135,7 @@ fn a_consumer_whose_producers_all_exited_gets_every_message_then_disconnected() 
             }
         }
         assert_eq!(seen, vec![EACH; WORKERS], "nothing lost before the end");
-        ctx.join(Some(WAIT)).unwrap();
+        ctx.join_timeout(WAIT).unwrap();
     });
 }
 
@@ -146,10 +146,10 @@ fn a_killed_producer_disconnects_its_queue() {
         let put = Event::new().unwrap();
         let mut p = Process::new(put_then_wait, 0, (q.clone(), put.clone()));
         p.start().unwrap();
-        put.wait(Some(WAIT)).unwrap();
+        put.wait_timeout(WAIT).unwrap();
         drop(put);
         p.kill().unwrap();
-        p.join(Some(WAIT)).unwrap();
+        p.join_timeout(WAIT).unwrap();
         assert_eq!(q.get().unwrap(), 7, "what it put before it died arrives");
         assert!(q.get().unwrap_err().is_disconnected());
     });
@@ -186,7 +186,7 @@ fn a_pipe_whose_other_end_exited_is_disconnected_after_its_messages() {
     common::run(DEADLINE, || {
         let (here, there) = pipe::<u32>().unwrap();
         let mut ctx = start_processes(send_and_exit, (there, 3), 1, StartMethod::Spawn).unwrap();
-        ctx.join(Some(WAIT)).unwrap();
+        ctx.join_timeout(WAIT).unwrap();
         assert_eq!(
             (0..3).map(|_| here.recv().unwrap()).collect::<Vec<_>>(),
             [0, 1, 2]

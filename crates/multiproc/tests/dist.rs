@@ -384,7 +384,7 @@ fn a_rank_killed_mid_all_reduce_is_named_by_the_others() {
         let victim = ctx.pids()[1];
         let killed_at = std::time::Instant::now();
         // SAFETY: kill(2) takes plain integers; the pid is our unreaped child.
-        assert_eq!(unsafe { libc::kill(victim, libc::SIGKILL) }, 0);
+        assert_eq!(unsafe { libc::kill(victim as i32, libc::SIGKILL) }, 0);
         let reported = q.get().unwrap().unwrap_err();
         let took = killed_at.elapsed();
         assert!(reported.contains("rank 1"), "{reported}");
@@ -393,7 +393,7 @@ fn a_rank_killed_mid_all_reduce_is_named_by_the_others() {
             "names the pid: {reported}"
         );
         assert!(took < secs(20), "the survivor learned it after {took:?}");
-        let err = ctx.join(Some(secs(60))).unwrap_err();
+        let err = ctx.join_timeout(secs(60)).unwrap_err();
         match err {
             Error::ProcessExited {
                 error_index,

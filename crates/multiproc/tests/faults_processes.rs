@@ -114,7 +114,7 @@ fn scenario_pool_worker_mid_task() {
                 (0..8).map(|x| 2 * x).collect::<Vec<_>>()
             );
             pool.close();
-            pool.join(Some(WAIT)).expect("the pool did not wind down");
+            pool.join_timeout(WAIT).expect("the pool did not wind down");
             drop(pool);
             if let Some(v) = killed {
                 assert!(!common::alive(v), "the killed worker {v} survived");
@@ -168,12 +168,12 @@ fn scenario_lock_holder() {
             let pid = p.pid().unwrap();
             stats.pid(Some(pid));
             if cfg.rng.chance(3, 4) {
-                started.wait(Some(WAIT)).expect("the holder never ran");
+                started.wait_timeout(WAIT).expect("the holder never ran");
             }
             std::thread::sleep(cfg.rng.delay(20));
             kill_and_reap(&mut p, stats);
             let asked = Instant::now();
-            let outcome = match lock.acquire(Some(WAIT)) {
+            let outcome = match lock.acquire_timeout(WAIT) {
                 Ok(()) => {
                     assert_eq!(a.get(), b.get(), "a clean acquire sees consistent state");
                     "clean"
@@ -199,7 +199,7 @@ fn scenario_lock_holder() {
             );
             lock.release().unwrap();
             // The survivor carries on: the lock works as before.
-            lock.acquire(Some(Duration::from_secs(5))).unwrap();
+            lock.acquire_timeout(Duration::from_secs(5)).unwrap();
             lock.release().unwrap();
             drop(p);
             assert_no_children_left();
@@ -346,7 +346,7 @@ fn scenario_shm_manager() {
                 take(item, &mut received, stats);
             }
             stop.set();
-            let status = p.join(Some(WAIT)).expect("the worker did not stop");
+            let status = p.join_timeout(WAIT).expect("the worker did not stop");
             assert!(status.success(), "worker: {:?}", p.error());
             while let Some(item) = still_queued(q.try_get(), "a get after the worker stopped") {
                 take(item, &mut received, stats);

@@ -71,7 +71,7 @@ fn scenario_producer_mid_put() {
             p.start().unwrap();
             stats.pid(p.pid());
             if cfg.rng.chance(3, 4) {
-                started.wait(Some(WAIT)).expect("the producer never put");
+                started.wait_timeout(WAIT).expect("the producer never put");
             }
             let until = Instant::now() + cfg.rng.delay(40);
             let mut next = 0u64;
@@ -148,7 +148,7 @@ fn scenario_consumer_mid_get() {
             p.start().unwrap();
             stats.pid(p.pid());
             if cfg.rng.chance(3, 4) {
-                started.wait(Some(WAIT)).expect("the consumer never ran");
+                started.wait_timeout(WAIT).expect("the consumer never ran");
             }
             std::thread::sleep(cfg.rng.delay(15));
             kill_and_reap(&mut p, stats);

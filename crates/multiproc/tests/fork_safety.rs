@@ -81,7 +81,7 @@ fn fork_from_a_parent_whose_threads_keep_putting_and_getting() {
                 .get_timeout(WAIT)
                 .unwrap_or_else(|e| panic!("fork child {i} did not answer (hung?): {e}"));
             assert_eq!(reply.sum().unwrap(), value * 16.0 * 1024.0);
-            ctx.join(Some(WAIT))
+            ctx.join_timeout(WAIT)
                 .unwrap_or_else(|e| panic!("fork child {i}: {e}"));
         }
         stop.store(true, Ordering::Relaxed);

@@ -23,7 +23,7 @@ use multiproc::{Error, Event, Pool, Process, Queue, SimpleQueue, StartMethod};
 
 /// Waits for `go`, then fails with an error of its own.
 fn fail_after(_rank: usize, go: Event) -> Result<(), String> {
-    go.wait(Some(secs(60))).map_err(|e| e.to_string())?;
+    go.wait_timeout(secs(60)).map_err(|e| e.to_string())?;
     Err("the shard is corrupt".into())
 }
 
@@ -43,15 +43,15 @@ fn put_on_go(
     _rank: usize,
     (go, q, item, done): (Event, Queue<u32>, u32, Event),
 ) -> multiproc::Result<()> {
-    go.wait(Some(secs(60)))?;
+    go.wait_timeout(secs(60))?;
     q.put(item)?;
-    done.wait(Some(secs(60)))?;
+    done.wait_timeout(secs(60))?;
     Ok(())
 }
 
 /// Waits for `go`, then ends.
 fn end_on_go(_rank: usize, go: Event) -> multiproc::Result<()> {
-    go.wait(Some(secs(60)))?;
+    go.wait_timeout(secs(60))?;
     Ok(())
 }
 
@@ -85,7 +85,7 @@ fn error_alone_notices_a_failed_process() {
             format!("transformer-1 (rank 1, pid {pid}) returned an error: the shard is corrupt")
         );
         assert!(!p.is_alive());
-        assert!(!p.join(None).unwrap().success());
+        assert!(!p.join().unwrap().success());
     });
 }
 
@@ -97,7 +97,7 @@ fn failures_name_the_process_and_its_pid() {
                 .with_name("reader")
                 .start_method(method);
             named.start().unwrap();
-            named.join(None).unwrap();
+            named.join().unwrap();
             let pid = named.pid().unwrap();
             assert_eq!(
                 named.error().unwrap().to_string(),
@@ -106,7 +106,7 @@ fn failures_name_the_process_and_its_pid() {
             );
             let mut unnamed = Process::new(exit_with, 2, 4).start_method(method);
             unnamed.start().unwrap();
-            unnamed.join(None).unwrap();
+            unnamed.join().unwrap();
             let pid = unnamed.pid().unwrap();
             assert_eq!(
                 unnamed.error().unwrap().to_string(),
@@ -250,10 +250,10 @@ fn wait_wakes_for_an_item_on_one_of_several_queues_and_takes_nothing() {
         let ready = wait(&[&idle as &dyn Waitable, &busy, &p], Some(secs(30))).unwrap();
         assert_eq!(ready, [1], "only the queue with an item is ready");
         setter.join().unwrap();
-        assert_eq!(busy.qsize(), 1, "the wait took nothing");
+        assert_eq!(busy.len(), 1, "the wait took nothing");
         assert_eq!(busy.try_get().unwrap(), Some(7));
         done.set();
-        assert!(p.join(None).unwrap().success(), "{:?}", p.error());
+        assert!(p.join().unwrap().success(), "{:?}", p.error());
         drop(keep);
     });
 }
@@ -271,7 +271,7 @@ fn wait_wakes_when_a_process_exits() {
         assert_eq!(ready, [1]);
         setter.join().unwrap();
         assert!(!p.is_alive());
-        assert!(p.join(None).unwrap().success());
+        assert!(p.join().unwrap().success());
         assert_eq!(q.try_get().unwrap(), None);
         drop(keep);
     });
@@ -311,7 +311,7 @@ fn wait_times_out_when_nothing_happens() {
             [1]
         );
         go.set();
-        p.join(None).unwrap();
+        p.join().unwrap();
         assert_eq!(wait(&[&p], Some(secs(10))).unwrap(), [0]);
     });
 }
@@ -354,6 +354,6 @@ fn imap_chunked_yields_every_result_in_order() {
             assert_eq!(unordered, expected, "chunksize {chunksize}");
         }
         pool.close();
-        pool.join(None).unwrap();
+        pool.join().unwrap();
     });
 }

@@ -322,7 +322,7 @@ fn queue_event_and_lock_handles_whose_fd_is_of_the_wrong_kind() {
         assert_says(&refused(&here), &["sent as a Lock", "another kind"]);
         send_raw(there.as_fd(), &packet(1, &idx), &[lock_fds[0].as_fd()]);
         let l = here.recv_timeout(WAIT).unwrap();
-        l.acquire(Some(Duration::ZERO)).unwrap();
+        l.acquire_timeout(Duration::ZERO).unwrap();
         assert!(lock.is_locked(), "the received lock is the real one");
         l.release().unwrap();
     });
@@ -461,7 +461,7 @@ fn random_packets_then_a_valid_message(seed: u64) {
             "every packet had one outcome"
         );
         eprintln!("random packets: {refused} refused, {accepted} accepted, 0 crashes");
-        ctx.join(Some(WAIT)).unwrap();
+        ctx.join_timeout(WAIT).unwrap();
     });
 }
 
@@ -515,11 +515,11 @@ fn forged_packets_never_give_a_bounded_queue_extra_places() {
             accepted, CAPACITY,
             "a queue of capacity {CAPACITY} accepted {accepted} puts after 20 forged packets"
         );
-        assert!(q.full());
-        assert_eq!(q.qsize(), CAPACITY as usize);
+        assert!(q.is_full());
+        assert_eq!(q.len(), CAPACITY as usize);
         for v in 0..CAPACITY {
             assert_eq!(q.get_timeout(WAIT).unwrap(), v);
         }
-        assert_eq!(q.qsize(), 0);
+        assert_eq!(q.len(), 0);
     });
 }

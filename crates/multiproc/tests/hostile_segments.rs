@@ -288,7 +288,7 @@ fn receive_and_report(
         u32,
     ),
 ) -> Result<(), String> {
-    go.wait(Some(WAIT))
+    go.wait_timeout(WAIT)
         .map_err(|e| format!("never told to go: {e}"))?;
     for _ in 0..count {
         let r = match conn.recv_timeout(WAIT) {
@@ -380,7 +380,7 @@ fn named_segments_that_lie_or_shrank_after_they_were_sent() {
         for _ in 0..8 {
             got.push(results.get_timeout(WAIT).expect("a result"));
         }
-        ctx.join(Some(WAIT))
+        ctx.join_timeout(WAIT)
             .expect("the receiver did not finish cleanly");
         let err = |i: usize| got[i].clone().expect_err("a hostile handle was accepted");
         assert_says(&err(0), &["claims 2097216 bytes", "holds 1048576"]);

@@ -84,7 +84,7 @@ fn a_holder_killed_with_tensors_pins_no_block_and_no_name() {
             }
             assert_eq!(told.get_timeout(WAIT).unwrap(), 1, "{strategy}");
             holder.kill().unwrap();
-            holder.join(Some(WAIT)).unwrap();
+            holder.join_timeout(WAIT).unwrap();
             // Every block the holder held uses of is back: idle, let go, its memory
             // freed and (named) its name unlinked. Without taking the dead holder's uses
             // back, they stay pinned for as long as this process lives.
@@ -140,7 +140,7 @@ fn a_live_holder_and_a_queued_message_keep_their_bytes_while_the_creator_recycle
                 1,
                 "{strategy}: a live holder's tensors were overwritten"
             );
-            holder.join(Some(WAIT)).unwrap();
+            holder.join_timeout(WAIT).unwrap();
             drop(decoys);
         });
     });

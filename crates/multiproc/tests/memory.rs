@@ -41,7 +41,7 @@ fn burst(
         ))?;
     }
     if linger {
-        go.wait(Some(WAIT))?;
+        go.wait_timeout(WAIT)?;
     }
     Ok(())
 }
@@ -100,7 +100,7 @@ fn burst_then_idle(strategy: SharingStrategy, linger: bool) {
         if linger { "alive and idle" } else { "exited" }
     );
     go.set();
-    ctx.join(Some(WAIT)).unwrap();
+    ctx.join_timeout(WAIT).unwrap();
     // The parent still holds the queue (and so its custody) here.
     drop(q);
 }

@@ -52,14 +52,14 @@ fn main() {
     // start_processes + join
     let mut ctx = start_processes(noop, (), 1, StartMethod::Spawn).unwrap();
     let e = ctx
-        .join(None)
+        .join()
         .expect_err("start_processes: join returned Ok without init");
     assert_names_init("start_processes", &e);
 
     // Process
     let mut p = Process::new(noop, 0, ());
     p.start().unwrap();
-    p.join(None).unwrap();
+    p.join().unwrap();
     let e = p
         .error()
         .expect("Process::error after an exit without a report");

@@ -95,7 +95,7 @@ fn a_workers_events_reach_the_parents_subscriber() {
             SEEN.lock().unwrap().clear();
             let mut ctx = start_processes(log_something, 42u32, 2, method).unwrap();
             let pids = ctx.pids();
-            ctx.join(Some(Duration::from_secs(30))).unwrap();
+            ctx.join_timeout(Duration::from_secs(30)).unwrap();
             let hello = wait_for_events(
                 2,
                 |e| e.contains("hello from rank"),

@@ -14,7 +14,7 @@ const DEADLINE: Duration = Duration::from_secs(90);
 const WAIT: Duration = Duration::from_secs(30);
 
 fn wait_for_go(_rank: usize, go: Event) -> multiproc::Result<()> {
-    go.wait(Some(WAIT))
+    go.wait_timeout(WAIT)
 }
 
 fn answer_on_second(
@@ -45,7 +45,7 @@ fn connection_wait_reports_which_pipe_is_ready() {
         assert_eq!(ready, [1]);
         assert_eq!(b_here.recv_timeout(WAIT).unwrap(), "second");
         a_here.send(0).unwrap();
-        ctx.join(Some(WAIT)).unwrap();
+        ctx.join_timeout(WAIT).unwrap();
     });
 }
 
@@ -68,6 +68,6 @@ fn connection_wait_on_a_process_sentinel_and_a_pipe() {
         let ready =
             multiproc::connection::wait(&[&sentinel as &dyn AsFd, &here], Some(WAIT)).unwrap();
         assert_eq!(ready, [0], "the sentinel is ready once the worker exits");
-        assert!(p.join(Some(WAIT)).unwrap().success());
+        assert!(p.join_timeout(WAIT).unwrap().success());
     });
 }

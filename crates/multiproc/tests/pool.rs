@@ -190,13 +190,13 @@ fn initializer_apply_async_close_join_and_fork() {
             .build()
             .unwrap();
         let mut r = pool.apply_async(was_initialized, 0).unwrap();
-        assert!(r.get(Some(Duration::from_secs(30))).unwrap());
+        assert!(r.get_timeout(Duration::from_secs(30)).unwrap());
         pool.close();
         assert!(matches!(
             pool.apply_async(was_initialized, 0),
             Err(Error::Closed(_))
         ));
-        pool.join(Some(Duration::from_secs(30))).unwrap();
+        pool.join_timeout(Duration::from_secs(30)).unwrap();
     });
 }
 
@@ -304,16 +304,16 @@ fn starmap_apply_map_async_and_initializer_arguments() {
         assert!(name.starts_with("PoolWorker-"), "{name}");
 
         let mut pending = pool.map_async(slow_square, 0..4u64).unwrap();
-        let err = pending.get(Some(Duration::from_millis(10))).unwrap_err();
+        let err = pending.get_timeout(Duration::from_millis(10)).unwrap_err();
         assert!(err.is_timeout(), "{err}");
-        assert_eq!(pending.get(Some(WAIT)).unwrap(), vec![0, 1, 4, 9]);
+        assert_eq!(pending.get_timeout(WAIT).unwrap(), vec![0, 1, 4, 9]);
         let mut quick = pool.map_async(square, 0..50u64).unwrap();
         assert_eq!(
-            quick.get(None).unwrap(),
+            quick.get().unwrap(),
             (0..50).map(|x| x * x).collect::<Vec<_>>()
         );
         assert!(quick.ready());
-        assert!(matches!(quick.get(None), Err(Error::InvalidArgument(_))));
+        assert!(matches!(quick.get(), Err(Error::InvalidArgument(_))));
     });
 }
 
@@ -323,14 +323,14 @@ fn pool_join_times_out_while_a_task_runs_then_joins() {
         let mut pool = Pool::new(1).unwrap();
         let mut running = pool.apply_async(slow_square, 3).unwrap();
         pool.close();
-        let err = pool.join(Some(Duration::from_millis(10))).unwrap_err();
+        let err = pool.join_timeout(Duration::from_millis(10)).unwrap_err();
         assert!(
             matches!(&err, Error::Timeout { after: Some(t), .. } if *t == Duration::from_millis(10)),
             "{err}"
         );
-        pool.join(Some(WAIT)).unwrap();
+        pool.join_timeout(WAIT).unwrap();
         assert_eq!(
-            running.get(Some(WAIT)).unwrap(),
+            running.get_timeout(WAIT).unwrap(),
             9,
             "a closed pool finishes its tasks"
         );

@@ -18,7 +18,7 @@ fn secs(s: u64) -> Duration {
     Duration::from_secs(s)
 }
 
-fn process_is_gone(pid: i32) -> bool {
+fn process_is_gone(pid: u32) -> bool {
     !std::path::Path::new(&format!("/proc/{pid}")).exists()
 }
 
@@ -51,20 +51,20 @@ fn single_process_lifecycle() {
             let mut p = Process::new(sleep_then_ok, 0, 30_000u64).start_method(method);
             assert!(p.pid().is_none() && !p.is_alive());
             assert!(
-                p.join(None).is_err(),
+                p.join().is_err(),
                 "joining an unstarted process is an error"
             );
             p.start().unwrap();
             assert!(p.start().is_err(), "a process starts once");
             assert!(p.is_alive());
             assert!(
-                p.join(Some(Duration::from_millis(20)))
+                p.join_timeout(Duration::from_millis(20))
                     .unwrap_err()
                     .is_timeout()
             );
             assert_eq!(p.exit_status(), None);
             p.terminate().unwrap();
-            let status = p.join(Some(secs(20))).expect("exited");
+            let status = p.join_timeout(secs(20)).expect("exited");
             assert_eq!(status.signal_name().as_deref(), Some("SIGTERM"), "{method}");
             assert!(!p.is_alive());
             assert_eq!(p.exit_status(), Some(status));
@@ -74,12 +74,12 @@ fn single_process_lifecycle() {
 
             let mut ok = Process::new(noop, 3, ()).start_method(method).world_size(4);
             ok.start().unwrap();
-            assert!(ok.join(None).unwrap().success());
+            assert!(ok.join().unwrap().success());
             assert!(ok.error().is_none());
 
             let mut bad = Process::new(raise_in, 2, 2usize).start_method(method);
             bad.start().unwrap();
-            assert_eq!(bad.join(None).unwrap().code(), Some(1));
+            assert_eq!(bad.join().unwrap().code(), Some(1));
             let err = bad.error().unwrap();
             assert!(
                 err.to_string()
@@ -113,7 +113,7 @@ fn workers_started_from_a_short_lived_thread_survive_it() {
                 .join()
                 .unwrap();
             let mut ctx = ctx.unwrap();
-            ctx.join(Some(secs(20)))
+            ctx.join_timeout(secs(20))
                 .expect("{method}: the worker was killed");
         }
     });
@@ -179,7 +179,7 @@ fn a_dead_fork_server_is_replaced() {
             .start_method(StartMethod::Forkserver)
             .spawn(noop, (), 2)
             .unwrap();
-        assert!(process_is_gone(server), "the dead server was reaped");
+        assert!(process_is_gone(server as u32), "the dead server was reaped");
     });
 }
 
@@ -209,7 +209,7 @@ fn init_refuses_a_worker_role_without_its_socket() {
 
 // ----- identity: current_process, Process::name, active_children, cpu_count -----
 
-fn report_identity(_rank: usize, out: SimpleQueue<(Option<usize>, i32, String)>) {
+fn report_identity(_rank: usize, out: SimpleQueue<(Option<usize>, u32, String)>) {
     let me = multiproc::current_process();
     out.put((me.rank, me.pid, me.name)).expect("put");
 }
@@ -234,7 +234,7 @@ fn a_worker_knows_its_rank_pid_and_name() {
                 ],
                 "{method}"
             );
-            ctx.join(Some(WAIT)).unwrap();
+            ctx.join_timeout(WAIT).unwrap();
 
             let mut p = Process::new(report_identity, 7, out.clone())
                 .with_name("loader")
@@ -246,7 +246,7 @@ fn a_worker_knows_its_rank_pid_and_name() {
                 (rank, Some(pid), name.as_str()),
                 (Some(7), p.pid(), "loader")
             );
-            assert!(p.join(Some(WAIT)).unwrap().success());
+            assert!(p.join_timeout(WAIT).unwrap().success());
         }
         let me = multiproc::current_process();
         assert_eq!((me.rank, me.name.as_str()), (None, "MainProcess"));
@@ -254,7 +254,7 @@ fn a_worker_knows_its_rank_pid_and_name() {
 }
 
 fn wait_for_go(_rank: usize, go: Event) -> multiproc::Result<()> {
-    go.wait(Some(WAIT))
+    go.wait_timeout(WAIT)
 }
 
 #[test]
@@ -271,7 +271,7 @@ fn active_children_lists_running_workers_only() {
             (3, p.pid(), "sleeper")
         );
         go.set();
-        assert!(p.join(Some(WAIT)).unwrap().success());
+        assert!(p.join_timeout(WAIT).unwrap().success());
         assert!(
             multiproc::active_children().is_empty(),
             "a joined worker is not active"
@@ -322,7 +322,7 @@ fn user_and_os_errors_cross_a_queue_and_a_worker_returns_its_own() {
         let user = out.get_timeout(WAIT).unwrap();
         assert!(matches!(user, Error::User(_)), "{user:?}");
         assert_eq!(user.to_string(), "layer 3 has no weights");
-        let err = ctx.join(Some(WAIT)).unwrap_err();
+        let err = ctx.join_timeout(WAIT).unwrap_err();
         assert!(
             matches!(&err, Error::ProcessRaised { message, .. } if message.contains("layer 4 has no weights")),
             "{err}"

@@ -41,7 +41,7 @@ fn a_full_bounded_queue_holds_the_producer_back() {
         for v in 0..2 {
             q.put(v).unwrap();
         }
-        assert!(q.full());
+        assert!(q.is_full());
         // Nobody takes yet: a put with a deadline times out and hands the item back.
         let back = q.put_timeout(99, Duration::from_millis(50)).unwrap_err();
         assert!(matches!(back.error, Error::Timeout { .. }));
@@ -63,14 +63,14 @@ fn a_full_bounded_queue_holds_the_producer_back() {
                 "put {v} returned after only {} takes: the producer was not held back",
                 takes.get()
             );
-            assert!(q.qsize() <= 2, "a queue of capacity 2 holds {}", q.qsize());
+            assert!(q.len() <= 2, "a queue of capacity 2 holds {}", q.len());
         }
         let got: Vec<u32> = (0..6)
             .map(|_| taken.get_timeout(secs(30)).unwrap())
             .collect();
         assert_eq!(got, (0..6).collect::<Vec<_>>(), "FIFO across processes");
-        ctx.join(Some(secs(30))).unwrap();
-        assert_eq!(q.qsize(), 0);
+        ctx.join_timeout(secs(30)).unwrap();
+        assert_eq!(q.len(), 0);
     });
 }
 
@@ -90,14 +90,15 @@ fn joinable_queue_join_waits_for_every_task_done_in_workers() {
         for v in 0..200u64 {
             q.put(v).unwrap();
         }
-        let err = q.join(Some(Duration::from_millis(1))).unwrap_err();
+        let err = q.join_timeout(Duration::from_millis(1)).unwrap_err();
         assert!(err.is_timeout(), "nothing is done yet: {err}");
         assert!(err.to_string().contains("200 unfinished tasks"), "{err}");
         let mut ctx = start_processes(work_then_done, q.clone(), 2, StartMethod::Spawn).unwrap();
         let start = Instant::now();
-        q.join(Some(secs(30))).expect("every task was marked done");
+        q.join_timeout(secs(30))
+            .expect("every task was marked done");
         assert!(start.elapsed() < secs(30));
-        ctx.join(Some(secs(30))).unwrap();
+        ctx.join_timeout(secs(30)).unwrap();
         assert!(q.task_done().is_err(), "one task_done too many");
     });
 }
@@ -143,7 +144,7 @@ fn tensors_at_any_depth_and_a_queue_inside_a_message() {
         let mut ctx =
             start_processes(reply_through_a_received_queue, inbox, 1, StartMethod::Spawn).unwrap();
         assert_eq!(reply.get_timeout(secs(30)).unwrap(), 42);
-        ctx.join(Some(secs(30))).unwrap();
+        ctx.join_timeout(secs(30)).unwrap();
         assert_eq!(inner.to_vec::<f64>().unwrap(), vec![6.0, 6.0]);
         assert_eq!(list[0].to_vec::<i32>().unwrap(), vec![7; 5]);
         // Row 1 was filled with 7 through the view, after the whole tensor got 5.
@@ -166,7 +167,7 @@ fn fill_then_try(
     out.put(format!("{:?} {}", back.error.is_timeout(), back.error))
         .map_err(Error::from)?;
     assert_eq!(back.into_inner(), 3);
-    q.put_nowait(4).map_err(|e| e.error).unwrap_err();
+    q.try_put(4).map_err(|e| e.error).unwrap_err();
     Ok(())
 }
 
@@ -189,7 +190,7 @@ fn try_put_on_a_full_queue_hands_the_item_back_and_iter_drains() {
             said.starts_with("false no room in a full queue (capacity 2)"),
             "{said}"
         );
-        ctx.join(Some(WAIT)).unwrap();
+        ctx.join_timeout(WAIT).unwrap();
         assert_eq!((q.len(), q.is_empty()), (2, false));
         let got: Vec<u32> = q.try_iter().collect::<multiproc::Result<_>>().unwrap();
         assert_eq!(got, [1, 2]);
@@ -217,11 +218,105 @@ fn iter_takes_from_another_process_and_ends_on_close() {
             .collect::<multiproc::Result<_>>()
             .unwrap();
         assert_eq!(got, (0..100).collect::<Vec<_>>());
-        ctx.join(Some(WAIT)).unwrap();
+        ctx.join_timeout(WAIT).unwrap();
         q.close();
         assert!(
             q.iter().next().is_none(),
             "a closed handle ends the iterator"
         );
+    });
+}
+
+/// `try_get` on an empty queue never enters the kernel. A thread locked down with
+/// seccomp's strict mode — any system call but `read`, `write`, `exit` and
+/// `sigreturn` ends it — tries each kind of queue many times, then reports through a
+/// pipe and exits; a forbidden call would end it before it reports. One queue's lane
+/// was used and emptied before, so its flag is clear again. A clone of each queue
+/// stays in this process, so whether other holders are left needs no kernel either
+/// (without one, a try asks the kernel at most once per 10 ms).
+#[test]
+fn try_get_on_an_empty_queue_makes_no_system_call() {
+    common::run(DEADLINE, || {
+        let simple = SimpleQueue::<u64>::new().unwrap();
+        let bounded = Queue::<u64>::with_capacity(4).unwrap();
+        let joinable = JoinableQueue::<u64>::new().unwrap();
+        let lane = Queue::<Option<multiproc::Event>>::new().unwrap();
+        let clones = (
+            simple.clone(),
+            bounded.clone(),
+            joinable.clone(),
+            lane.clone(),
+        );
+        // An fd travels on the socket: the lane is flagged until a try finds it empty.
+        lane.put(Some(multiproc::Event::new().unwrap())).unwrap();
+        let (report_rx, report_tx) = rustix::pipe::pipe().unwrap();
+        const TRIES: u32 = 10_000;
+        let tries = || {
+            use std::os::fd::AsRawFd;
+            let empty = |n: &mut u32| {
+                *n += u32::from(matches!(simple.try_get(), Ok(None)));
+                *n += u32::from(matches!(bounded.try_get(), Ok(None)));
+                *n += u32::from(matches!(joinable.try_get(), Ok(None)));
+                *n += u32::from(matches!(lane.try_get(), Ok(None)));
+            };
+            // Whatever is made on first use (this thread's locals, the lane's clearing)
+            // is made before the lock-down.
+            let lane_item = matches!(lane.try_get(), Ok(Some(Some(_))));
+            let mut warm = 0;
+            empty(&mut warm);
+            let fd = report_tx.as_raw_fd();
+            // SAFETY: prctl with integer arguments; from here on this thread makes no
+            // system call but the write and the exit below.
+            let locked = unsafe { libc::prctl(libc::PR_SET_SECCOMP, libc::SECCOMP_MODE_STRICT) };
+            let mut nothing = 0u32;
+            if locked == 0 {
+                for _ in 0..TRIES {
+                    empty(&mut nothing);
+                }
+            }
+            let report = [
+                u32::from(lane_item),
+                warm,
+                u32::try_from(locked).unwrap_or(u32::MAX),
+                nothing,
+            ];
+            // SAFETY: `report` is 16 readable bytes; `fd` is the pipe's open write end,
+            // kept by the test until it has read the report.
+            unsafe { libc::write(fd, report.as_ptr().cast(), 16) };
+            // A strict thread may not unwind or free anything (those are system calls
+            // it no longer may make): it ends here, owning nothing.
+            // SAFETY: exit(2) of this thread alone; it holds no lock and owns nothing.
+            unsafe { libc::syscall(libc::SYS_exit, 0) };
+            unreachable!("exit(2) returned");
+        };
+        // SAFETY: the thread borrows the queues and the pipe, which this test keeps
+        // until the thread has reported; after that it only exits (it is never joined).
+        let thread = unsafe { std::thread::Builder::new().spawn_unchecked(tries) }.unwrap();
+        let mut polled = [rustix::event::PollFd::new(
+            &report_rx,
+            rustix::event::PollFlags::IN,
+        )];
+        let ten_s = rustix::event::Timespec {
+            tv_sec: 10,
+            tv_nsec: 0,
+        };
+        let ready = rustix::event::poll(&mut polled, Some(&ten_s)).unwrap();
+        assert_eq!(
+            ready, 1,
+            "the locked-down thread never reported: a try made a system call"
+        );
+        let mut report = [0u8; 16];
+        assert_eq!(rustix::io::read(&report_rx, &mut report).unwrap(), 16);
+        let word = |i: usize| u32::from_ne_bytes(report[4 * i..4 * i + 4].try_into().unwrap());
+        assert_eq!(word(0), 1, "the item on the lane came first");
+        assert_eq!(word(1), 4, "each warm-up try found its queue empty");
+        if word(2) != 0 {
+            eprintln!("SKIPPED: seccomp's strict mode is not available here");
+            return;
+        }
+        assert_eq!(word(3), 4 * TRIES, "every try found its queue empty");
+        // The thread is gone or going (its last act is exit(2)); it is never joined.
+        drop(thread);
+        drop((clones, report_rx, report_tx));
     });
 }

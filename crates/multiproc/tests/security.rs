@@ -188,7 +188,7 @@ fn the_manager_refuses_a_client_of_another_uid() {
         )
         .unwrap();
         let (other, same) = results.get_timeout(WAIT).expect("the probes ran");
-        ctx.join(Some(WAIT)).unwrap();
+        ctx.join_timeout(WAIT).unwrap();
         assert_ne!(other, NO_SETUID, "could not become uid {OTHER_UID}");
         assert!(
             [CLOSED_BY_PEER, CONNECT_REFUSED, SEND_REFUSED].contains(&other),
@@ -247,7 +247,7 @@ fn squat_manager_address(
     }
     listening.set();
     let stopped = stop
-        .wait(Some(Duration::from_secs(60)))
+        .wait_timeout(Duration::from_secs(60))
         .map_err(|e| e.to_string());
     drop(hold_w);
     let mut status = 0;
@@ -303,7 +303,7 @@ fn a_client_refuses_a_manager_of_another_uid() {
         )
         .unwrap();
         listening
-            .wait(Some(WAIT))
+            .wait_timeout(WAIT)
             .expect("the squatter never listened");
         let out = Command::new(std::env::current_exe().unwrap())
             .args([
@@ -318,7 +318,7 @@ fn a_client_refuses_a_manager_of_another_uid() {
             .output()
             .unwrap();
         stop.set();
-        ctx.join(Some(WAIT)).expect("the squatter worker failed");
+        ctx.join_timeout(WAIT).expect("the squatter worker failed");
         let text = format!(
             "{}{}",
             String::from_utf8_lossy(&out.stdout),
@@ -331,13 +331,13 @@ fn a_client_refuses_a_manager_of_another_uid() {
 // ----- a worker's job -----
 
 fn wait_for(_rank: usize, go: Event) -> Result<(), String> {
-    go.wait(Some(Duration::from_secs(60)))
+    go.wait_timeout(Duration::from_secs(60))
         .map_err(|e| e.to_string())
         .map(|_| ())
 }
 
 /// The inodes of the unix sockets `pid` holds.
-fn socket_inodes(pid: i32) -> Vec<u64> {
+fn socket_inodes(pid: u32) -> Vec<u64> {
     std::fs::read_dir(format!("/proc/{pid}/fd"))
         .unwrap()
         .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
@@ -380,7 +380,7 @@ fn a_worker_takes_its_job_only_from_the_socket_its_parent_handed_it() {
                 }
             }
             go.set();
-            ctx.join(Some(WAIT)).unwrap();
+            ctx.join_timeout(WAIT).unwrap();
         }
     });
 }

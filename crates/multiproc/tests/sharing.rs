@@ -280,7 +280,7 @@ fn a_get_at_the_fd_limit_is_fd_limit_and_loses_nothing() {
              {got} of {COUNT} then received in order"
         );
         assert_eq!(got, COUNT);
-        ctx.join(Some(secs(30))).unwrap();
+        ctx.join_timeout(secs(30)).unwrap();
     });
 }
 
@@ -328,7 +328,7 @@ fn a_shared_tensor_beyond_the_memory_limit_is_out_of_shared_memory() {
 fn spawning_past_the_fd_limit_is_fd_limit() {
     common::run(secs(120), || {
         let mut ctx = start_processes(spawn_100_under_64_fds, (), 1, StartMethod::Spawn).unwrap();
-        if let Err(e) = ctx.join(Some(secs(60))) {
+        if let Err(e) = ctx.join_timeout(secs(60)) {
             panic!("{e}");
         }
     });
@@ -351,7 +351,7 @@ fn a_consumer_under_a_256_fd_limit_keeps_2000_received_tensors() {
                 inbox.put_timeout(t, secs(60)).unwrap();
             }
             assert_eq!(done.get_timeout(secs(60)).unwrap(), 2000, "{strategy}");
-            ctx.join(Some(secs(30))).expect("{strategy}");
+            ctx.join_timeout(secs(30)).expect("{strategy}");
         });
     });
 }
@@ -374,7 +374,7 @@ fn the_blocks_of_a_joined_worker_are_let_go_when_it_is_joined() {
                 assert!(all_equal(&t, i as f64), "{strategy}: tensor {i}");
             }
             drop(queue);
-            ctx.join(Some(secs(30))).expect("the producer");
+            ctx.join_timeout(secs(30)).expect("the producer");
             drop(ctx);
             assert_eq!(
                 common::open_fds(),
@@ -407,7 +407,7 @@ fn a_message_retried_after_the_fd_limit_gives_each_block_back_once() {
         let second = Tensor::full(&[64 << 10], 2.0, DType::F32).unwrap();
         inbox.put((kept.clone(), None)).unwrap();
         inbox.put((kept.clone(), Some(second))).unwrap();
-        ctx.join(Some(secs(30))).expect("the getter");
+        ctx.join_timeout(secs(30)).expect("the getter");
         assert!(done.get_timeout(secs(5)).expect("the getter's report"));
         // New tensors of the same size reuse idle blocks: never the one `kept` is on.
         let fresh: Vec<Tensor> = (0..4)
@@ -432,7 +432,8 @@ fn a_tensor_outlives_the_producer_that_put_it() {
             let queue = SimpleQueue::new().unwrap();
             let mut ctx =
                 start_processes(put_and_exit, (queue.clone(), 2.5), 1, StartMethod::Spawn).unwrap();
-            ctx.join(Some(secs(30))).expect("the producer exited first");
+            ctx.join_timeout(secs(30))
+                .expect("the producer exited first");
             let t: Tensor = queue.get_timeout(secs(5)).expect("a tensor");
             assert_eq!(t.shape(), [20]);
             assert_eq!(t.storage_offset(), 10);
@@ -502,7 +503,7 @@ fn empty_tensors_of_every_dtype_cross_processes() {
                 }
             }
             inbox.put(None).unwrap();
-            ctx.join(Some(secs(30))).unwrap();
+            ctx.join_timeout(secs(30)).unwrap();
         });
     });
 }
@@ -515,7 +516,7 @@ fn hogwild_workers_update_one_shared_tensor() {
             let t = Tensor::zeros(&[4, 256], DType::F32).unwrap();
             let mut ctx =
                 start_processes(add_to_row, (t.clone(), steps), 4, StartMethod::Spawn).unwrap();
-            ctx.join(Some(secs(60))).unwrap();
+            ctx.join_timeout(secs(60)).unwrap();
             assert!(t.is_shared(), "sending shared it in place");
             assert!(all_equal(&t, steps as f64), "{strategy}: {t:?}");
         });
@@ -537,9 +538,9 @@ fn a_large_tensor_is_shared_not_copied() {
             )
             .unwrap();
             q.put(vec![t.clone()]).unwrap();
-            event.wait(Some(secs(30))).unwrap();
+            event.wait_timeout(secs(30)).unwrap();
             assert_eq!(t.sum().unwrap(), 4.0 * (16 << 20) as f64, "{strategy}");
-            ctx.join(Some(secs(30))).unwrap();
+            ctx.join_timeout(secs(30)).unwrap();
         });
     });
 }
@@ -548,7 +549,7 @@ fn a_large_tensor_is_shared_not_copied() {
 fn the_fd_limit_is_a_clear_error() {
     common::run(secs(60), || {
         let mut ctx = start_processes(hit_the_fd_limit, (), 1, StartMethod::Spawn).unwrap();
-        ctx.join(Some(secs(30))).unwrap();
+        ctx.join_timeout(secs(30)).unwrap();
     });
 }
 
@@ -585,7 +586,7 @@ fn a_received_tensor_can_be_sent_on() {
                 all_equal(&small, 2.0),
                 "{strategy}: what came back aliases what was sent"
             );
-            ctx.join(Some(secs(30))).unwrap();
+            ctx.join_timeout(secs(30)).unwrap();
         });
     });
 }

@@ -24,7 +24,7 @@ fn secs(s: u64) -> Duration {
     Duration::from_secs(s)
 }
 
-fn process_is_gone(pid: i32) -> bool {
+fn process_is_gone(pid: u32) -> bool {
     !std::path::Path::new(&format!("/proc/{pid}")).exists()
 }
 
@@ -170,7 +170,7 @@ fn join_without_joining_until_true() {
             assert_eq!(ctx.pids().len(), 2);
             let mut rounds = 0;
             loop {
-                match ctx.join(Some(Duration::from_millis(10))) {
+                match ctx.join_timeout(Duration::from_millis(10)) {
                     Ok(()) => break,
                     Err(e) if e.is_timeout() => rounds += 1,
                     Err(e) => panic!("{method}: {e}"),
@@ -180,8 +180,8 @@ fn join_without_joining_until_true() {
                 rounds > 0,
                 "{method}: the workers sleep 50 ms, a 10 ms join times out first"
             );
-            ctx.join(None).expect("repeated join stays true");
-            ctx.join(Some(Duration::ZERO)).unwrap();
+            ctx.join().expect("repeated join stays true");
+            ctx.join_timeout(Duration::ZERO).unwrap();
             assert!(
                 ctx.exit_statuses()
                     .iter()
@@ -228,7 +228,7 @@ fn exception_in_one_process_while_the_other_sleeps() {
         for method in StartMethod::ALL {
             for target in [0usize, 1] {
                 let mut ctx = start_processes(raise_in, target, 2, method).unwrap();
-                let err = ctx.join(None).expect_err("a worker raises");
+                let err = ctx.join().expect_err("a worker raises");
                 let Error::ProcessRaised {
                     error_index,
                     pid,
@@ -357,7 +357,7 @@ fn exit_code_is_reported_long_before_the_sleeper_ends() {
             let start = Instant::now();
             let mut ctx = start_processes(exit_rank0, (123, 4000u64), 2, method).unwrap();
             let pids = ctx.pids();
-            let err = ctx.join(None).expect_err("rank 0 exits 123");
+            let err = ctx.join().expect_err("rank 0 exits 123");
             let elapsed = start.elapsed();
             let Error::ProcessExited {
                 error_index,
@@ -389,7 +389,7 @@ fn exit_code_is_reported_long_before_the_sleeper_ends() {
                 assert!(process_is_gone(pid), "{method}: worker {pid} still exists");
             }
             // The error stays.
-            assert_eq!(ctx.join(None).unwrap_err(), err);
+            assert_eq!(ctx.join().unwrap_err(), err);
         }
     });
 }
@@ -422,7 +422,7 @@ fn a_job_that_exits_0_without_returning_is_a_failure() {
         for method in StartMethod::ALL {
             let err = start_processes(exit_rank0, (0, 0u64), 2, method)
                 .unwrap()
-                .join(None)
+                .join()
                 .expect_err("rank 0 never returned from its job");
             let Error::ProcessExited {
                 error_index,
@@ -451,7 +451,7 @@ fn join_with_a_short_timeout_returns_false() {
             .start(sleep_then_ok, 5000u64, 1)
             .unwrap();
         let start = Instant::now();
-        let err = ctx.join(Some(Duration::from_millis(100))).unwrap_err();
+        let err = ctx.join_timeout(Duration::from_millis(100)).unwrap_err();
         assert!(
             matches!(&err, Error::Timeout { after: Some(t), .. } if *t == Duration::from_millis(100)),
             "{err}"
@@ -472,8 +472,10 @@ fn sigterm_to_a_worker_is_reported() {
             let mut ctx = start_processes(sleep_then_ok, 30_000u64, 2, method).unwrap();
             let pid = ctx.pids()[1];
             // SAFETY: kill has no memory-safety preconditions.
-            assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
-            let err = ctx.join(Some(secs(20))).expect_err("rank 1 was terminated");
+            assert_eq!(unsafe { libc::kill(pid as i32, libc::SIGTERM) }, 0);
+            let err = ctx
+                .join_timeout(secs(20))
+                .expect_err("rank 1 was terminated");
             let Error::ProcessExited {
                 error_index,
                 pid: failed_pid,
@@ -503,7 +505,7 @@ fn a_worker_ignoring_sigterm_is_killed_after_the_grace_period() {
             .grace_period(grace)
             .start(raise_while_one_ignores_sigterm, ready, 2)
             .unwrap();
-        let err = ctx.join(Some(secs(20))).expect_err("rank 0 raises");
+        let err = ctx.join_timeout(secs(20)).expect_err("rank 0 raises");
         assert!(
             matches!(err, Error::ProcessRaised { error_index: 0, .. }),
             "{err:?}"

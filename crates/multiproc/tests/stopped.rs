@@ -45,7 +45,7 @@ fn put_tensors(rank: usize, (q, count): (Queue<Tensor>, usize)) -> multiproc::Re
 }
 
 /// Whether process `pid` is stopped (`T` in /proc/pid/stat).
-fn is_stopped(pid: i32) -> bool {
+fn is_stopped(pid: u32) -> bool {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
     // The state follows the command's closing parenthesis.
     stat.rsplit(')')
@@ -67,10 +67,10 @@ fn a_stopped_custody_holder_holds_nobody_up(shelf: usize) {
             (q.clone(), shelf, holding.clone()),
         );
         holder.start().unwrap();
-        holding.wait(Some(WAIT)).unwrap();
+        holding.wait_timeout(WAIT).unwrap();
         let mut producers =
             start_processes(put_tensors, (q.clone(), 3), 1, StartMethod::Spawn).unwrap();
-        producers.join(Some(WAIT)).unwrap();
+        producers.join_timeout(WAIT).unwrap();
         // The parent maps none of the producer's blocks: each get looks one up in the
         // custody, one of whose shelves the stopped process holds.
         let (got_tx, got_rx) = std::sync::mpsc::channel();
@@ -107,7 +107,7 @@ fn a_stopped_custody_holder_holds_nobody_up(shelf: usize) {
         sums.sort_by(f64::total_cmp);
         assert_eq!(sums, [0.0, 65536.0, 131072.0]);
         getter.join().unwrap();
-        holder.join(Some(WAIT)).unwrap();
+        holder.join_timeout(WAIT).unwrap();
     });
 }
 
@@ -176,7 +176,7 @@ fn continue_process(process: &Process) {
         );
         std::thread::yield_now();
     }
-    let pid = rustix::process::Pid::from_raw(pid).unwrap();
+    let pid = rustix::process::Pid::from_raw(pid as i32).unwrap();
     rustix::process::kill_process(pid, rustix::process::Signal::CONT).unwrap();
 }
 
@@ -224,7 +224,7 @@ fn a_writer_stopped_inside_a_put_holds_nobody_up_and_loses_nothing() {
         let holding = Event::new().unwrap();
         let mut writer = Process::new(stop_inside_a_put, 0, (q.clone(), holding.clone()));
         writer.start().unwrap();
-        holding.wait(Some(WAIT)).unwrap();
+        holding.wait_timeout(WAIT).unwrap();
         // While the writer is stopped with a slot of the ring claimed, three producers
         // put more than the ring holds, and every item reaches the getter in order.
         let (producers, per_producer) = (3, 1500);
@@ -239,7 +239,7 @@ fn a_writer_stopped_inside_a_put_holds_nobody_up_and_loses_nothing() {
             .join()
             .unwrap();
         continue_process(&writer);
-        ps.join(Some(WAIT)).unwrap();
+        ps.join_timeout(WAIT).unwrap();
         assert_eq!(
             got.len(),
             producers * per_producer as usize,
@@ -258,7 +258,52 @@ fn a_writer_stopped_inside_a_put_holds_nobody_up_and_loses_nothing() {
             );
         }
         // Continued, the writer finishes its put: its item comes once.
-        writer.join(Some(WAIT)).unwrap();
+        writer.join_timeout(WAIT).unwrap();
+        assert_eq!(q.get_timeout(WAIT).unwrap(), STOPPED_ITEM);
+        assert_drained(&q);
+    });
+}
+
+/// A consumer that only ever tries (`try_get`, never a blocking get) is not held up by
+/// a writer stopped for good with the head's slot claimed: a try finds nothing ready
+/// *now* and returns at once, and once the claim has been seen for a while a later
+/// try passes it and takes the items behind it, in order.
+#[test]
+fn a_consumer_that_only_tries_gets_past_a_writer_stopped_inside_a_put() {
+    common::run(DEADLINE, || {
+        let q = SimpleQueue::<u64>::new().unwrap();
+        let holding = Event::new().unwrap();
+        let mut writer = Process::new(stop_inside_a_put, 0, (q.clone(), holding.clone()));
+        writer.start().unwrap();
+        holding.wait_timeout(WAIT).unwrap();
+        for v in 1..=3 {
+            q.put(v).unwrap();
+        }
+        // The head is the stopped writer's claimed slot: nothing is ready yet, and the
+        // try says so instead of waiting for the writer.
+        let first = q.try_get();
+        // Tries alone reach the items behind it (the watchdog fails a try that blocks,
+        // or tries that never get there).
+        let mut got = Vec::new();
+        while got.len() < 3 {
+            match q.try_get() {
+                Ok(Some(v)) => got.push(v),
+                Ok(None) => std::thread::yield_now(),
+                Err(e) => {
+                    got.push(u64::MAX - 1);
+                    eprintln!("a try failed: {e}");
+                    break;
+                }
+            }
+        }
+        continue_process(&writer);
+        writer.join_timeout(WAIT).unwrap();
+        assert!(
+            matches!(first, Ok(None)),
+            "the first try, at the stopped writer's slot: {first:?}"
+        );
+        assert_eq!(got, [1, 2, 3], "the items behind the stopped writer");
+        // Continued, the writer finds its slot revoked and puts its item again.
         assert_eq!(q.get_timeout(WAIT).unwrap(), STOPPED_ITEM);
         assert_drained(&q);
     });
@@ -277,7 +322,7 @@ fn a_reader_stopped_inside_a_get_holds_nobody_up_and_takes_nothing() {
             (q.clone(), holding.clone(), out.clone()),
         );
         reader.start().unwrap();
-        holding.wait(Some(WAIT)).unwrap();
+        holding.wait_timeout(WAIT).unwrap();
         // The stopped reader has copied item 1 but not taken it: it is still ours to
         // get, and the queue carries on.
         let first = get_on_a_thread(&q, 1).join().unwrap();
@@ -297,7 +342,7 @@ fn a_reader_stopped_inside_a_get_holds_nobody_up_and_takes_nothing() {
         // Continued, the reader finds its copy taken and gets the next item instead.
         q.put(4).unwrap();
         assert_eq!(out.get_timeout(WAIT).unwrap(), 4);
-        reader.join(Some(WAIT)).unwrap();
+        reader.join_timeout(WAIT).unwrap();
         assert_drained(&q);
     });
 }

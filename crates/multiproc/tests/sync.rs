@@ -31,7 +31,7 @@ fn lock_excludes_four_processes() {
         let counter = Value::new(0u64).unwrap();
         let mut ctx =
             start_processes(increment, (lock, counter.clone()), 4, StartMethod::Spawn).unwrap();
-        ctx.join(Some(Duration::from_secs(50))).unwrap();
+        ctx.join_timeout(Duration::from_secs(50)).unwrap();
         assert_eq!(counter.get(), 40_000);
     });
 }
@@ -49,7 +49,7 @@ fn wait_at_barrier(
         }
         // All three are in (or about to enter) their wait. A barrier that let them through
         // early would set `passed` at once; 300 ms of nothing is the bounded look.
-        let early = passed.wait(Some(Duration::from_millis(300)));
+        let early = passed.wait_timeout(Duration::from_millis(300));
         assert!(
             early.as_ref().is_err_and(Error::is_timeout),
             "a party passed the barrier before all arrived: {early:?}"
@@ -60,7 +60,7 @@ fn wait_at_barrier(
         at.put(rank).expect("put");
     }
     barrier
-        .wait(Some(Duration::from_secs(30)))
+        .wait_timeout(Duration::from_secs(30))
         .expect("barrier");
     assert_eq!(
         arrived.get(),
@@ -80,7 +80,7 @@ fn barrier_of_four_lets_nobody_through_before_the_last_arrives() {
         let passed = Event::new().unwrap();
         let args = (barrier, at, arrived.clone(), passed.clone());
         let mut ctx = start_processes(wait_at_barrier, args, 4, StartMethod::Spawn).unwrap();
-        ctx.join(Some(Duration::from_secs(50))).unwrap();
+        ctx.join_timeout(Duration::from_secs(50)).unwrap();
         assert_eq!(arrived.get(), 4);
         assert!(passed.is_set());
     });
@@ -98,16 +98,18 @@ fn bounded_work(
         Event,
     ),
 ) {
-    sem.acquire(Some(Duration::from_secs(30))).expect("acquire");
+    sem.acquire_timeout(Duration::from_secs(30))
+        .expect("acquire");
     let now = inside.update(|n| n + 1).expect("update");
     most.update(|m| m.max(now)).expect("update");
     entered.put(rank).expect("put");
-    go.wait(Some(Duration::from_secs(30)))
+    go.wait_timeout(Duration::from_secs(30))
         .expect("go never came");
     inside.update(|n| n - 1).expect("update");
     sem.release().expect("release");
     for _ in 0..20 {
-        sem.acquire(Some(Duration::from_secs(30))).expect("acquire");
+        sem.acquire_timeout(Duration::from_secs(30))
+            .expect("acquire");
         let now = inside.update(|n| n + 1).expect("update");
         most.update(|m| m.max(now)).expect("update");
         // A little work inside (not a synchronisation): time for others to try.
@@ -145,7 +147,7 @@ fn semaphore_bounds_concurrency() {
         for _ in 2..5 {
             entered.get().unwrap();
         }
-        ctx.join(Some(Duration::from_secs(50))).unwrap();
+        ctx.join_timeout(Duration::from_secs(50)).unwrap();
         assert_eq!(
             most.get(),
             2,
@@ -174,10 +176,10 @@ fn a_lock_holder_killed_while_holding_is_reported() {
             StartMethod::Spawn,
         )
         .unwrap();
-        taken.wait(Some(Duration::from_secs(30))).unwrap();
+        taken.wait_timeout(Duration::from_secs(30)).unwrap();
         let holder = ctx.pids()[0];
         assert!(
-            lock.acquire(Some(Duration::from_millis(50)))
+            lock.acquire_timeout(Duration::from_millis(50))
                 .unwrap_err()
                 .is_timeout(),
             "the holder is alive"
@@ -187,9 +189,9 @@ fn a_lock_holder_killed_while_holding_is_reported() {
             .status();
         assert!(status.unwrap().success());
         let start = Instant::now();
-        let err = lock.acquire(Some(Duration::from_secs(20))).unwrap_err();
+        let err = lock.acquire_timeout(Duration::from_secs(20)).unwrap_err();
         assert!(
-            matches!(err, Error::OwnerDied { pid, .. } if pid as i32 == holder),
+            matches!(err, Error::OwnerDied { pid, .. } if pid == holder),
             "{err}"
         );
         assert!(err.to_string().contains(&holder.to_string()), "{err}");
@@ -200,7 +202,7 @@ fn a_lock_holder_killed_while_holding_is_reported() {
         );
         lock.release().unwrap();
         assert!(!lock.is_owned_by_current_thread());
-        let err = ctx.join(Some(Duration::from_secs(20))).unwrap_err();
+        let err = ctx.join_timeout(Duration::from_secs(20)).unwrap_err();
         assert!(matches!(err, Error::ProcessExited { .. }), "{err}");
     });
 }
@@ -215,10 +217,10 @@ fn check_ownership(_rank: usize, (lock, rlock, seen, [reported, go, held, done])
         bit(lock.is_owned_by_current_thread(), 0)
             | bit(rlock.is_owned_by_current_thread(), 1)
             | bit(lock.is_locked(), 2)
-            | bit(rlock.acquire(Some(Duration::ZERO)).is_err(), 3),
+            | bit(rlock.acquire_timeout(Duration::ZERO).is_err(), 3),
     );
     reported.set();
-    go.wait(Some(Duration::from_secs(30))).expect("go");
+    go.wait_timeout(Duration::from_secs(30)).expect("go");
     let _l = lock.lock().expect("lock");
     let _r = rlock.lock().expect("rlock");
     seen.update(|v| {
@@ -226,7 +228,7 @@ fn check_ownership(_rank: usize, (lock, rlock, seen, [reported, go, held, done])
     })
     .expect("update");
     held.set();
-    done.wait(Some(Duration::from_secs(30))).expect("done");
+    done.wait_timeout(Duration::from_secs(30)).expect("done");
 }
 
 #[test]
@@ -235,9 +237,9 @@ fn is_owned_by_current_thread_tells_this_thread_from_other_threads_and_processes
         for method in [StartMethod::Fork, StartMethod::Spawn] {
             let (lock, rlock) = (Lock::new().unwrap(), RLock::new().unwrap());
             assert!(!lock.is_owned_by_current_thread() && !rlock.is_owned_by_current_thread());
-            lock.acquire(None).unwrap();
-            rlock.acquire(None).unwrap();
-            rlock.acquire(None).unwrap();
+            lock.acquire().unwrap();
+            rlock.acquire().unwrap();
+            rlock.acquire().unwrap();
             assert!(lock.is_owned_by_current_thread() && rlock.is_owned_by_current_thread());
             std::thread::scope(|s| {
                 s.spawn(|| {
@@ -251,7 +253,7 @@ fn is_owned_by_current_thread_tells_this_thread_from_other_threads_and_processes
             let [reported, go, held, done] = events.clone();
             let args = (lock.clone(), rlock.clone(), seen.clone(), events);
             let mut ctx = start_processes(check_ownership, args, 1, method).unwrap();
-            reported.wait(Some(Duration::from_secs(30))).unwrap();
+            reported.wait_timeout(Duration::from_secs(30)).unwrap();
             assert_eq!(seen.get(), 0b1100, "{method:?}: the parent's locks, held");
             lock.release().unwrap();
             rlock.release().unwrap();
@@ -259,7 +261,7 @@ fn is_owned_by_current_thread_tells_this_thread_from_other_threads_and_processes
             rlock.release().unwrap();
             assert!(!lock.is_owned_by_current_thread() && !rlock.is_owned_by_current_thread());
             go.set();
-            held.wait(Some(Duration::from_secs(30))).unwrap();
+            held.wait_timeout(Duration::from_secs(30)).unwrap();
             assert_eq!(
                 seen.get(),
                 0b11_1100,
@@ -268,7 +270,7 @@ fn is_owned_by_current_thread_tells_this_thread_from_other_threads_and_processes
             assert!(lock.is_locked() && !lock.is_owned_by_current_thread());
             assert!(!rlock.is_owned_by_current_thread());
             done.set();
-            ctx.join(Some(Duration::from_secs(30))).unwrap();
+            ctx.join_timeout(Duration::from_secs(30)).unwrap();
             assert!(!lock.is_locked());
         }
     });
@@ -279,7 +281,7 @@ fn is_owned_by_current_thread_tells_this_thread_from_other_threads_and_processes
 fn hold_lock_until(_rank: usize, (lock, held, release): (Lock, Event, Event)) {
     let _guard = lock.lock().expect("lock");
     held.set();
-    release.wait(Some(WAIT)).expect("release");
+    release.wait_timeout(WAIT).expect("release");
 }
 
 #[test]
@@ -297,7 +299,7 @@ fn lock_guards_and_timeouts_against_another_process() {
             StartMethod::Spawn,
         )
         .unwrap();
-        held.wait(Some(WAIT)).unwrap();
+        held.wait_timeout(WAIT).unwrap();
         assert!(lock.try_lock().unwrap().is_none(), "held by the worker");
         let start = Instant::now();
         let err = lock.lock_timeout(Duration::from_millis(50)).unwrap_err();
@@ -307,7 +309,7 @@ fn lock_guards_and_timeouts_against_another_process() {
             matches!(&err.error, Error::Timeout { after: Some(t), .. } if *t == Duration::from_millis(50)),
             "{err}"
         );
-        let err = lock.acquire(Some(Duration::ZERO)).unwrap_err();
+        let err = lock.acquire_timeout(Duration::ZERO).unwrap_err();
         assert!(err.is_timeout(), "{err}");
         release.set();
         {
@@ -317,7 +319,7 @@ fn lock_guards_and_timeouts_against_another_process() {
             assert!(lock.is_locked());
         }
         assert!(!lock.is_locked(), "dropping the guard released it");
-        ctx.join(Some(WAIT)).unwrap();
+        ctx.join_timeout(WAIT).unwrap();
     });
 }
 
@@ -334,13 +336,13 @@ fn a_guard_after_owner_died_holds_the_lock_and_releases_it() {
         let (lock, held) = (Lock::new().unwrap(), Event::new().unwrap());
         let mut p = Process::new(lock_and_hang, 0, (lock.clone(), held.clone())).daemon(true);
         p.start().unwrap();
-        held.wait(Some(WAIT)).unwrap();
+        held.wait_timeout(WAIT).unwrap();
         let dead = p.pid().unwrap();
         p.kill().unwrap();
-        p.join(Some(WAIT)).unwrap();
+        p.join_timeout(WAIT).unwrap();
         let err = lock.lock().unwrap_err();
         assert!(
-            matches!(&err.error, Error::OwnerDied { pid, .. } if *pid as i32 == dead),
+            matches!(&err.error, Error::OwnerDied { pid, .. } if *pid == dead),
             "{err}"
         );
         let guard = err.into_guard().expect("the lock is ours after OwnerDied");
@@ -355,7 +357,7 @@ fn a_guard_after_owner_died_holds_the_lock_and_releases_it() {
 fn take_permit(_rank: usize, (sem, took, release): (Semaphore, Event, Event)) {
     let _permit = sem.permit().expect("permit");
     took.set();
-    release.wait(Some(WAIT)).expect("release");
+    release.wait_timeout(WAIT).expect("release");
 }
 
 #[test]
@@ -373,7 +375,7 @@ fn semaphore_permits_across_processes() {
             StartMethod::Spawn,
         )
         .unwrap();
-        took.wait(Some(WAIT)).unwrap();
+        took.wait_timeout(WAIT).unwrap();
         assert!(sem.try_permit().unwrap().is_none());
         assert!(
             sem.permit_timeout(Duration::from_millis(20))
@@ -385,7 +387,7 @@ fn semaphore_permits_across_processes() {
         assert_eq!(sem.value(), 0);
         drop(permit);
         assert_eq!(sem.value(), 1);
-        ctx.join(Some(WAIT)).unwrap();
+        ctx.join_timeout(WAIT).unwrap();
     });
 }
 
@@ -401,7 +403,7 @@ fn condition_guard_waits_for_another_process() {
         let (cond, flag) = (Condition::new().unwrap(), Value::new(0u32).unwrap());
         let mut guard = cond.lock().unwrap();
         let err = guard
-            .wait_for(|| flag.get() == 42, Some(Duration::from_millis(20)))
+            .wait_for_timeout(|| flag.get() == 42, Duration::from_millis(20))
             .unwrap_err();
         assert!(err.is_timeout(), "{err}");
         let mut ctx = start_processes(
@@ -411,8 +413,8 @@ fn condition_guard_waits_for_another_process() {
             StartMethod::Spawn,
         )
         .unwrap();
-        guard.wait_for(|| flag.get() == 42, Some(WAIT)).unwrap();
+        guard.wait_for_timeout(|| flag.get() == 42, WAIT).unwrap();
         drop(guard);
-        ctx.join(Some(WAIT)).unwrap();
+        ctx.join_timeout(WAIT).unwrap();
     });
 }

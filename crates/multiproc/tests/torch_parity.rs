@@ -56,7 +56,7 @@ fn send_tensor(_rank: usize, (queue, event): (Queue<Tensor>, Event)) -> multipro
     let t = Tensor::ones(&[5, 5], DType::F64)?;
     queue.put(t.clone())?;
     queue.put(t)?;
-    event.wait(Some(secs(30)))?;
+    event.wait_timeout(secs(30))?;
     Ok(())
 }
 
@@ -78,7 +78,7 @@ fn test_fill() {
                 let mut ctx =
                     start_processes(simple_fill, (queue, event.clone()), 1, method).unwrap();
                 event
-                    .wait(Some(secs(30)))
+                    .wait_timeout(secs(30))
                     .expect("{strategy}/{method}: the child did not fill in time");
                 assert!(
                     all_equal(&data[0], 4.0),
@@ -90,7 +90,7 @@ fn test_fill() {
                     "{strategy}/{method}: {:?}",
                     data[1]
                 );
-                ctx.join(Some(secs(30))).unwrap();
+                ctx.join_timeout(secs(30)).unwrap();
             }
         });
     });
@@ -125,7 +125,7 @@ fn test_receive() {
                 // here: the producer may exit first).
                 drop((t1, t2));
                 event.set();
-                ctx.join(Some(secs(30))).unwrap();
+                ctx.join_timeout(secs(30)).unwrap();
             }
         });
     });
@@ -186,7 +186,7 @@ fn test_inherit_tensor() {
             t.share_memory_().unwrap();
             let mut p = Process::new(add_three, 0, t.clone()).start_method(StartMethod::Fork);
             p.start().unwrap();
-            let status = p.join(Some(secs(30))).expect("the child exited");
+            let status = p.join_timeout(secs(30)).expect("the child exited");
             assert!(status.success(), "{strategy}: {status:?} {:?}", p.error());
             assert!(all_equal(&t, 3.0), "{strategy}: {t:?}");
         });

@@ -76,7 +76,7 @@ fn pins_nothing(what: &'static str, case: fn(SharingStrategy)) {
 /// Waits until `pool`'s workers have all exited (so every result they sent is in).
 fn close_and_join(mut pool: Pool) {
     pool.close();
-    pool.join(Some(WAIT)).unwrap();
+    pool.join_timeout(WAIT).unwrap();
 }
 
 #[test]
@@ -118,8 +118,8 @@ fn a_queue_dropped_with_messages_in_it_pins_nothing() {
     pins_nothing("a queue dropped full", |_| {
         let q = Queue::<Tensor>::new().unwrap();
         let mut producers = start_processes(put_big, q.clone(), 2, StartMethod::Spawn).unwrap();
-        producers.join(Some(WAIT)).unwrap();
-        assert_eq!(q.qsize(), RESULTS as usize, "every message is queued");
+        producers.join_timeout(WAIT).unwrap();
+        assert_eq!(q.len(), RESULTS as usize, "every message is queued");
         drop(q);
     });
 }

@@ -24,7 +24,7 @@ fn producer_exits_before_the_consumer_reads() {
         let q = SimpleQueue::new().unwrap();
         let mut ctx =
             start_processes(put_three_mib_and_exit, q.clone(), 1, StartMethod::Spawn).unwrap();
-        ctx.join(Some(Duration::from_secs(30)))
+        ctx.join_timeout(Duration::from_secs(30))
             .expect("producer did not finish");
         for i in 0..3u8 {
             let got = q
@@ -50,7 +50,7 @@ fn sixteen_mib_message_through_a_pipe() {
         here.send(big.clone()).unwrap();
         let back = here.recv_timeout(Duration::from_secs(30)).expect("no echo");
         assert_eq!(back, big);
-        ctx.join(Some(Duration::from_secs(30))).unwrap();
+        ctx.join_timeout(Duration::from_secs(30)).unwrap();
     });
 }
 
@@ -103,7 +103,7 @@ fn two_putters_two_getters_lose_and_duplicate_nothing() {
         }
         work.put(u32::MAX).unwrap();
         work.put(u32::MAX).unwrap();
-        ctx.join(Some(Duration::from_secs(30))).unwrap();
+        ctx.join_timeout(Duration::from_secs(30)).unwrap();
         assert_eq!(seen.len(), 20_000);
         assert_eq!(by_consumer[2] + by_consumer[3], 20_000);
         // No duplicate left over: empty, and (every worker gone) disconnected.
@@ -136,6 +136,6 @@ fn a_forged_message_is_an_error_and_the_pipe_stays_usable() {
             assert!(matches!(err, Error::InvalidMessage(_)), "{err}");
         }
         assert_eq!(here.recv_timeout(Duration::from_secs(30)).unwrap(), 42);
-        ctx.join(Some(Duration::from_secs(30))).unwrap();
+        ctx.join_timeout(Duration::from_secs(30)).unwrap();
     });
 }

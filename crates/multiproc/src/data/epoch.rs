@@ -125,7 +125,7 @@ where
     }
 
     /// The pids of the running workers, by worker id (as [`DataLoader::worker_pids`]).
-    pub fn worker_pids(&self) -> Vec<i32> {
+    pub fn worker_pids(&self) -> Vec<u32> {
         self.loader.worker_pids_inner()
     }
 
@@ -182,7 +182,7 @@ where
             Err(e) => {
                 let error = Error::LoaderFailed {
                     worker: None,
-                    pid: std::process::id() as i32,
+                    pid: std::process::id(),
                     batch,
                     indices: indices.clone(),
                     message: format!(
@@ -271,7 +271,7 @@ where
     }
 
     /// What to do about a failed batch: retry it on a fresh worker, or end with it.
-    fn on_failure(&mut self, worker: usize, pid: i32, sent: Sent, what: String) -> Option<Error> {
+    fn on_failure(&mut self, worker: usize, pid: u32, sent: Sent, what: String) -> Option<Error> {
         let batch = sent.task.batch;
         let indices = sent.task.indices.clone();
         let again = if sent.retried {

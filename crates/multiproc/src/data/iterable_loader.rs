@@ -103,7 +103,7 @@ where
     }
 
     /// The pids of the running workers, by worker id (thread workers: their thread ids).
-    pub fn worker_pids(&self) -> Vec<i32> {
+    pub fn worker_pids(&self) -> Vec<u32> {
         self.workers
             .as_ref()
             .map(WorkerSet::pids)
@@ -352,7 +352,7 @@ where
     C: Collate<D::Item> + 'static,
 {
     /// The pids of the running workers, by worker id.
-    pub fn worker_pids(&self) -> Vec<i32> {
+    pub fn worker_pids(&self) -> Vec<u32> {
         self.loader.worker_pids()
     }
 
@@ -414,7 +414,7 @@ where
             }
             Outcome::Exhausted => self.ended(),
             Outcome::Failed(what) => {
-                let pid = std::process::id() as i32;
+                let pid = std::process::id();
                 self.fail(Error::LoaderFailed {
                     worker: None,
                     pid,

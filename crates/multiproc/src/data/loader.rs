@@ -129,7 +129,7 @@ where
 
     /// The pids of the running workers, by worker id (empty when none run; thread
     /// workers give their thread ids).
-    pub fn worker_pids(&self) -> Vec<i32> {
+    pub fn worker_pids(&self) -> Vec<u32> {
         self.workers
             .as_ref()
             .map(WorkerSet::pids)
@@ -323,7 +323,7 @@ impl<D: Dataset, C: Collate<D::Item>> fmt::Debug for DataLoader<D, C> {
 
 impl<D: Dataset, C: Collate<D::Item>> DataLoader<D, C> {
     /// The pids of the running workers (for `Debug` and [`Epoch::worker_pids`]).
-    pub(super) fn worker_pids_inner(&self) -> Vec<i32> {
+    pub(super) fn worker_pids_inner(&self) -> Vec<u32> {
         self.workers
             .as_ref()
             .map(WorkerSet::pids)

@@ -118,9 +118,9 @@ impl Worker {
     }
 
     /// Its pid (a process) or tid (a thread).
-    pub(crate) fn id(&self) -> i32 {
+    pub(crate) fn id(&self) -> u32 {
         match &self.handle {
-            Handle::Process(p) => p.pid().unwrap_or(-1),
+            Handle::Process(p) => p.pid().unwrap_or(0),
             Handle::Thread(t) => t.tid,
         }
     }
@@ -221,7 +221,7 @@ impl Worker {
     pub(crate) fn wait(&mut self, grace: Duration) {
         match &mut self.handle {
             Handle::Process(p) => {
-                if let Err(e) = p.join(Some(grace)) {
+                if let Err(e) = p.join_timeout(grace) {
                     if !e.is_timeout() {
                         tracing::warn!("multiproc: waiting for a data loader worker: {e}");
                     }
@@ -263,7 +263,7 @@ struct Ending {
 
 /// A worker thread.
 pub(crate) struct ThreadWorker {
-    tid: i32,
+    tid: u32,
     ending: Arc<Ending>,
     handle: Option<JoinHandle<()>>,
 }
@@ -287,7 +287,7 @@ impl ThreadWorker {
         let handle = std::thread::Builder::new()
             .name(format!("{THREAD_NAME_PREFIX}{id}"))
             .spawn(move || {
-                let _ = tid_tx.send(crate::sys::process::current_tid() as i32);
+                let _ = tid_tx.send(crate::sys::process::current_tid());
                 let outcome = match theirs.recv() {
                     Ok(args) => match catch_unwind(AssertUnwindSafe(|| body(id, args))) {
                         Ok(r) => r,
@@ -309,7 +309,7 @@ impl ThreadWorker {
                 theirs_ending.ended.notify_all();
             })
             .map_err(|e| Error::os(format!("starting data loader worker thread {id}"), e))?;
-        let tid = tid_rx.recv().unwrap_or(-1);
+        let tid = tid_rx.recv().unwrap_or(0);
         let worker = ThreadWorker {
             tid,
             ending,
@@ -427,7 +427,7 @@ pub(crate) fn oom_kill_count(text: &str) -> Option<u64> {
 }
 
 /// A process's resident memory (`/proc/<pid>/statm`), in bytes.
-fn resident_bytes(pid: i32) -> Option<u64> {
+fn resident_bytes(pid: u32) -> Option<u64> {
     let statm = std::fs::read_to_string(format!("/proc/{pid}/statm")).ok()?;
     let pages: u64 = statm.split_whitespace().nth(1)?.parse().ok()?;
     Some(pages * crate::sys::mmap::page_size() as u64)
@@ -496,7 +496,7 @@ mod tests {
 
     #[test]
     fn this_process_has_a_resident_size() {
-        let me = std::process::id() as i32;
+        let me = std::process::id();
         assert!(resident_bytes(me).is_some_and(|b| b > 0));
     }
 }

@@ -69,7 +69,7 @@ pub(crate) enum Arrival<B> {
     /// A task of the current run failed: the worker returned `Err`, panicked or died.
     Failed {
         worker: usize,
-        pid: i32,
+        pid: u32,
         sent: Sent,
         what: String,
     },
@@ -77,7 +77,7 @@ pub(crate) enum Arrival<B> {
 
 struct Slot {
     process: Worker,
-    pid: i32,
+    pid: u32,
     tasks: Connection<Task>,
     generation: u64,
     outstanding: VecDeque<Sent>,
@@ -124,7 +124,7 @@ impl<B: Serialize + DeserializeOwned> WorkerSet<B> {
     }
 
     /// The workers' pids, by id.
-    pub(crate) fn pids(&self) -> Vec<i32> {
+    pub(crate) fn pids(&self) -> Vec<u32> {
         self.slots.iter().map(|s| s.pid).collect()
     }
 
@@ -165,7 +165,7 @@ impl<B: Serialize + DeserializeOwned> WorkerSet<B> {
     }
 
     /// The worker that holds task `batch` of run `run`, with its pid.
-    pub(crate) fn holder(&self, run: u64, batch: usize) -> Option<(usize, i32)> {
+    pub(crate) fn holder(&self, run: u64, batch: usize) -> Option<(usize, u32)> {
         self.slots.iter().enumerate().find_map(|(id, s)| {
             s.outstanding
                 .iter()
@@ -175,7 +175,7 @@ impl<B: Serialize + DeserializeOwned> WorkerSet<B> {
     }
 
     /// The oldest outstanding task of run `run` on any worker, with the worker and pid.
-    pub(crate) fn oldest(&self, run: u64) -> Option<(usize, i32, &Sent)> {
+    pub(crate) fn oldest(&self, run: u64) -> Option<(usize, u32, &Sent)> {
         self.slots
             .iter()
             .enumerate()

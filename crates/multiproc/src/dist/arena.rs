@@ -367,7 +367,7 @@ impl Arena {
         let pid = self.pid(rank);
         Error::RankDied {
             rank,
-            pid: (pid != 0).then_some(pid as i32),
+            pid: (pid != 0).then_some(pid),
             message: format!(
                 "rank {rank} (pid {pid}) of the process group is gone ({how}) while the \
                  others waited for it in a collective: the group cannot continue; see \

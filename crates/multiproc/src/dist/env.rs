@@ -82,7 +82,7 @@ pub struct Env {
     pub master_port: Option<u16>,
     /// How many times the launcher restarted the job (`TORCHELASTIC_RESTART_COUNT`,
     /// `SLURM_RESTART_COUNT`; 0 otherwise).
-    pub restart_count: u32,
+    pub restart_count: usize,
     /// An identifier of this run of the job shared by all its ranks, when the launcher
     /// gives one (`TORCHELASTIC_RUN_ID`, the MPI job id, `SLURM_JOB_ID.SLURM_STEP_ID`).
     pub run_id: Option<String>,

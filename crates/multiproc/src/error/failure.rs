@@ -16,7 +16,7 @@ pub struct Failure {
     /// [`Error::ProcessRaised`]: super::Error::ProcessRaised
     pub error_index: usize,
     /// Its process id.
-    pub pid: i32,
+    pub pid: u32,
     /// The exit code, when it exited.
     pub exit_code: Option<i32>,
     /// The signal's name, when a signal ended it.

@@ -32,20 +32,28 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 ///
 /// # One timeout convention
 ///
-/// Modelled on crossbeam-channel's `RecvTimeoutError`/`SendTimeoutError`:
+/// Modelled on `std::sync::Condvar::wait_timeout` and crossbeam-channel's
+/// `recv_timeout`, every operation that can wait comes in one spelling per way of
+/// waiting:
 ///
-/// - A wait that runs past its deadline is always an `Err` whose error is
-///   [`Error::Timeout`] ([`Error::is_timeout`] says so), never `Ok(None)` or
-///   `Ok(false)`: `get_timeout`, `recv_timeout`, `poll`, `acquire(Some(..))`,
-///   `Event::wait`, `Condition::wait`, `Barrier::wait`, the `join`s, `lock_timeout`,
-///   [`connection::wait`](crate::connection::wait). With a timeout of `None` they wait as
-///   long as it takes and never return `Timeout`.
+/// - `op()` waits as long as it takes and never returns `Timeout`: `get`, `recv`,
+///   `poll`, `acquire`, `wait`, `wait_for`, `join`, `lock`, `permit`.
+/// - `op_timeout(d: Duration)` waits at most `d`; one that runs past its deadline is
+///   always an `Err` whose error is [`Error::Timeout`] ([`Error::is_timeout`] says so),
+///   never `Ok(None)` or `Ok(false)`: `get_timeout`, `recv_timeout`, `poll_timeout`,
+///   `acquire_timeout`, `wait_timeout`, `wait_for_timeout`, `join_timeout`,
+///   `lock_timeout`, `permit_timeout`, and
+///   [`connection::wait`](crate::connection::wait) with a timeout.
 /// - A put or send with a deadline that runs out hands the item back:
 ///   `Err(PutError { error: Error::Timeout { .. }, item })`.
-/// - The non-blocking forms do not wait, so they never time out: `try_get`/`try_recv`
-///   answer `Ok(None)` when nothing is waiting, `try_lock`/`try_permit` answer `Ok(None)`
-///   when the lock or permit is taken, and `try_put` fails with [`Error::Full`] (the
-///   item handed back) when there is no room.
+/// - `try_op()` never waits (no sleep, no spin) and so never times out: `try_get` and
+///   `try_recv` answer `Ok(None)` when nothing is waiting, `try_lock`/`try_permit`
+///   `Ok(None)` and `try_acquire` `Ok(false)` when the lock or permit is taken,
+///   `try_poll` `Ok(false)` when nothing can be received, and `try_put` fails with
+///   [`Error::Full`] (the item handed back) when there is no room. (`Event::is_set`
+///   and `AsyncResult::ready` are the looks of their kind.)
+/// - Python's and torch's names (`put_nowait`, `qsize`, `empty`, `acquire(timeout=…)`)
+///   are search aliases of the Rust method in these docs.
 /// - A get or recv on an empty queue or pipe that no other handle can ever feed (none
 ///   left in any process, thread or message in flight) is [`Error::Disconnected`], from
 ///   the blocking and the non-blocking forms alike, instead of a wait that never ends.
@@ -71,7 +79,7 @@ pub enum Error {
         /// (the first argument its function got).
         error_index: usize,
         /// Its process id.
-        pid: i32,
+        pid: u32,
         /// What it raised, after who raised it ("transformer-1 (rank 1, pid 4242)
         /// raised: …", or "process 1 (pid 4242) raised: …" for a process without a
         /// name): the panic text and location (and the backtrace when `RUST_BACKTRACE`
@@ -87,7 +95,7 @@ pub enum Error {
         /// (the first argument its function got).
         error_index: usize,
         /// Its process id.
-        pid: i32,
+        pid: u32,
         /// The exit code, when it exited.
         exit_code: Option<i32>,
         /// The signal's name (`SIGKILL`), when a signal ended it.
@@ -208,7 +216,7 @@ pub enum Error {
         /// calling process (`num_workers(0)`).
         worker: Option<usize>,
         /// The process that loaded it.
-        pid: i32,
+        pid: u32,
         /// The batch's index in the epoch (sampler order).
         batch: usize,
         /// The data set indices of the batch's samples.
@@ -239,7 +247,7 @@ pub enum Error {
         /// The rank that is gone.
         rank: usize,
         /// Its process id, when known.
-        pid: Option<i32>,
+        pid: Option<u32>,
         /// What the caller was doing and what to do.
         message: String,
     },

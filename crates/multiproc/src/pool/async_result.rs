@@ -28,12 +28,25 @@ impl<R: Serialize + DeserializeOwned> AsyncResult<R> {
         self.value.is_some()
     }
 
-    /// Waits at most `timeout` (`None`: as long as it takes) for the result.
+    /// Waits for the result, as long as it takes. [`ready`](Self::ready) is the look
+    /// that never waits.
     ///
     /// # Errors
-    /// [`Error::TaskFailed`] when the task panicked, returned `Err` or its worker died;
-    /// [`Error::Timeout`] when it did not finish in time (call again to keep waiting).
-    pub fn get(&mut self, timeout: Option<Duration>) -> Result<R> {
+    /// [`Error::TaskFailed`] when the task panicked, returned `Err` or its worker died.
+    pub fn get(&mut self) -> Result<R> {
+        self.get_within(None)
+    }
+
+    /// Waits at most `timeout` for the result.
+    ///
+    /// # Errors
+    /// [`Error::Timeout`] when it did not finish in time (call again to keep waiting);
+    /// otherwise as [`get`](Self::get).
+    pub fn get_timeout(&mut self, timeout: Duration) -> Result<R> {
+        self.get_within(Some(timeout))
+    }
+
+    fn get_within(&mut self, timeout: Option<Duration>) -> Result<R> {
         if let Some(v) = self.value.take() {
             return v;
         }
@@ -50,7 +63,7 @@ impl<R: Serialize + DeserializeOwned> AsyncResult<R> {
         first_result(outcome)
     }
 
-    /// Waits for the result, as [`get(None)`](Self::get) does, without blocking a
+    /// Waits for the result, as [`get`](Self::get) does, without blocking a
     /// thread (feature `async`; any executor). The dispatcher's hand-over of the
     /// outcome wakes the task: no thread per wait, no timer.
     ///

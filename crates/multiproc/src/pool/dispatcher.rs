@@ -69,7 +69,7 @@ impl Worker {
     /// Why the worker ended, for the error of the chunk it was running.
     pub(super) fn death_cause(&mut self) -> String {
         let pid = self.process.pid().unwrap_or(0);
-        match self.process.join(Some(Duration::from_secs(5))) {
+        match self.process.join_timeout(Duration::from_secs(5)) {
             Ok(status) => match self.process.error() {
                 // It exited 0 without a report: say why (a missing `init`).
                 Some(e) if status.success() => format!("pool worker (pid {pid}): {e}"),
@@ -77,7 +77,7 @@ impl Worker {
             },
             Err(e) if e.is_timeout() => {
                 let _ = self.process.kill();
-                let _ = self.process.join(Some(Duration::from_secs(5)));
+                let _ = self.process.join_timeout(Duration::from_secs(5));
                 format!("pool worker (pid {pid}) stopped answering while running it and was killed")
             }
             Err(e) => format!("pool worker (pid {pid}) was lost while running it: {e}"),
@@ -265,7 +265,7 @@ impl Dispatcher {
                         .is_some_and(|m| self.workers[i].chunks_done >= m)
                     {
                         // It exits by itself after this chunk; start its successor.
-                        let _ = self.workers[i].process.join(Some(Duration::from_secs(5)));
+                        let _ = self.workers[i].process.join_timeout(Duration::from_secs(5));
                         self.replace(i, None);
                         return;
                     }
@@ -351,7 +351,7 @@ impl Dispatcher {
             }
         }
         let _ = self.workers[i].process.kill();
-        let _ = self.workers[i].process.join(Some(Duration::from_secs(5)));
+        let _ = self.workers[i].process.join_timeout(Duration::from_secs(5));
         if self.lock().terminate {
             return;
         }
@@ -372,14 +372,14 @@ impl Dispatcher {
             let deadline = Instant::now() + Duration::from_secs(5);
             for w in &mut self.workers {
                 let left = deadline.saturating_duration_since(Instant::now());
-                let _ = w.process.join(Some(left));
+                let _ = w.process.join_timeout(left);
             }
         }
         for w in &mut self.workers {
             if w.process.is_alive() {
                 let _ = w.process.kill();
             }
-            let _ = w.process.join(Some(Duration::from_secs(5)));
+            let _ = w.process.join_timeout(Duration::from_secs(5));
         }
     }
 }

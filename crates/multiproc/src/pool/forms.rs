@@ -35,7 +35,7 @@ impl Pool {
         R: Serialize + DeserializeOwned,
         E: Display,
     {
-        self.apply_async(f, arg)?.get(None)
+        self.apply_async(f, arg)?.get()
     }
 
     /// Runs `f(a, b)` for every pair and returns the results in order, like Python's
@@ -167,15 +167,25 @@ impl<R: DeserializeOwned> MapResult<R> {
         self.arrived == self.total
     }
 
-    /// Waits at most `timeout` (`None`: as long as it takes) for every result and
-    /// returns them in order.
+    /// Waits for every result, as long as it takes, and returns them in order.
     ///
     /// # Errors
     /// The first failed task, as [`Error::TaskFailed`] with its index;
+    /// [`Error::InvalidArgument`] when an earlier call already returned the results.
+    pub fn get(&mut self) -> Result<Vec<R>> {
+        self.get_within(None)
+    }
+
+    /// Waits at most `timeout` for every result and returns them in order.
+    ///
+    /// # Errors
     /// [`Error::Timeout`] when some had not finished in time (call again to keep
-    /// waiting; what arrived is kept); [`Error::InvalidArgument`] when an earlier call
-    /// already returned the results.
-    pub fn get(&mut self, timeout: Option<Duration>) -> Result<Vec<R>> {
+    /// waiting; what arrived is kept); otherwise as [`get`](Self::get).
+    pub fn get_timeout(&mut self, timeout: Duration) -> Result<Vec<R>> {
+        self.get_within(Some(timeout))
+    }
+
+    fn get_within(&mut self, timeout: Option<Duration>) -> Result<Vec<R>> {
         self.not_taken()?;
         let deadline = timeout.map(|t| Instant::now() + t);
         while self.arrived < self.results.len() {

@@ -295,12 +295,24 @@ impl Pool {
     }
 
     /// Waits until the workers have exited, after [`close`](Self::close) or
-    /// [`terminate`](Self::terminate), at most `timeout` (`None`: as long as it takes).
+    /// [`terminate`](Self::terminate), as long as it takes.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] when the pool is still open; [`Error::Timeout`] when
-    /// workers still run at the deadline.
-    pub fn join(&mut self, timeout: Option<Duration>) -> Result<()> {
+    /// [`Error::InvalidArgument`] when the pool is still open.
+    pub fn join(&mut self) -> Result<()> {
+        self.join_within(None)
+    }
+
+    /// Waits until the workers have exited, at most `timeout`.
+    ///
+    /// # Errors
+    /// [`Error::Timeout`] when workers still run at the deadline; otherwise as
+    /// [`join`](Self::join).
+    pub fn join_timeout(&mut self, timeout: Duration) -> Result<()> {
+        self.join_within(Some(timeout))
+    }
+
+    fn join_within(&mut self, timeout: Option<Duration>) -> Result<()> {
         {
             let state = self.lock();
             if !state.closed && !state.terminate {

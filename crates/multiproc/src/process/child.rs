@@ -43,7 +43,7 @@ enum ExitSource {
 #[derive(Debug)]
 pub(crate) struct Child {
     pub rank: usize,
-    pub pid: i32,
+    pub pid: u32,
     /// Its name (`Process-RANK` unless it was given one).
     name: String,
     /// What holds it, for the message of a drop that waits for it.
@@ -173,6 +173,7 @@ impl Child {
                 (c.pid, c.pidfd, ExitSource::Server(Some(c.status)))
             }
         };
+        let pid = sys::public_pid(pid);
         let span = tracing::debug_span!("multiproc::spawn", rank, pid, %method, name = %name);
         span.in_scope(|| tracing::debug!("worker started"));
         Ok(Child {
@@ -274,7 +275,7 @@ impl Child {
             if was_running {
                 // A worker that reports has given its shared memory back; one that
                 // ended without a report has not.
-                crate::shm::worker_ended(self.pid as u32, self.report.is_some());
+                crate::shm::worker_ended(self.pid, self.report.is_some());
             }
         }
         Ok(())

@@ -266,7 +266,7 @@ impl SpawnOptions {
         R: IntoWorkerOutcome,
     {
         let mut context = self.start(worker, args, nprocs)?;
-        context.join(None)
+        context.join()
     }
 }
 
@@ -377,7 +377,7 @@ pub struct ProcessContext {
 
 impl ProcessContext {
     /// The workers' process ids, by rank.
-    pub fn pids(&self) -> Vec<i32> {
+    pub fn pids(&self) -> Vec<u32> {
         self.children.iter().map(|c| c.pid).collect()
     }
 
@@ -392,22 +392,35 @@ impl ProcessContext {
         self.children.len()
     }
 
-    /// Waits for the workers, at most `timeout` (`None`: without limit).
+    /// Waits for the workers, as long as it takes.
     ///
     /// - `Ok(())`: every worker has exited successfully (and stays so: later calls
     ///   return `Ok(())` at once).
-    /// - `Err(Error::Timeout { .. })`: the timeout passed and some still run; join
-    ///   again later (torch's `join()` returning `False`).
-    /// - any other `Err(..)`: a worker failed. The others were torn down (pre-termination grace if
+    /// - `Err(..)`: a worker failed. The others were torn down (pre-termination grace if
     ///   set, SIGTERM, the grace period, SIGKILL) and all are reaped; later calls return
-    ///   the same error. The tear-down is not bounded by `timeout`.
+    ///   the same error.
     ///
     /// # Errors
     /// [`Error::ProcessRaised`] when the first failed worker panicked or returned `Err`,
     /// with its message; [`Error::ProcessExited`] when it exited non-zero or was killed
     /// by a signal. Both carry every other rank that failed on its own in `others`.
-    /// [`Error::Timeout`] when the workers still run at the deadline.
-    pub fn join(&mut self, timeout: Option<Duration>) -> Result<()> {
+    pub fn join(&mut self) -> Result<()> {
+        self.join_within(None)
+    }
+
+    /// Waits for the workers, at most `timeout` (torch's `join(timeout)`), as
+    /// [`join`](Self::join) does; `Err(Error::Timeout { .. })` when the timeout passed
+    /// and some still run: join again later (torch's `join()` returning `False`). The
+    /// tear-down after a failure is not bounded by `timeout`.
+    ///
+    /// # Errors
+    /// [`Error::Timeout`] when the workers still run at the deadline; otherwise as
+    /// [`join`](Self::join).
+    pub fn join_timeout(&mut self, timeout: Duration) -> Result<()> {
+        self.join_within(Some(timeout))
+    }
+
+    fn join_within(&mut self, timeout: Option<Duration>) -> Result<()> {
         match &self.state {
             State::Joined => return Ok(()),
             State::Failed(e) => return Err(e.clone()),
@@ -438,7 +451,7 @@ impl ProcessContext {
         }
     }
 
-    /// Waits for the workers as [`join`](Self::join) without a timeout does, without
+    /// Waits for the workers as [`join`](Self::join) does, without
     /// blocking a thread while they run (feature `async`; any executor): the fd reactor
     /// watches their pidfds and reports. Cancel-safe.
     ///
@@ -456,7 +469,7 @@ impl ProcessContext {
             reactor::poll_step(
                 cx,
                 &mut parked,
-                || match self.join(Some(Duration::ZERO)) {
+                || match self.join_within(Some(Duration::ZERO)) {
                     Err(e) if e.is_timeout() => {
                         let fds: Result<Vec<_>> = self
                             .children

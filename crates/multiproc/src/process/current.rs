@@ -19,7 +19,7 @@ pub struct CurrentProcess {
     /// process.
     pub rank: Option<usize>,
     /// Its process id.
-    pub pid: i32,
+    pub pid: u32,
     /// Its name: `MainProcess` in the main process; in a worker, the name its
     /// [`Process`](crate::Process) was given ([`Process::with_name`](crate::Process::with_name)),
     /// else `Process-RANK` (`PoolWorker-RANK` in a [`Pool`](crate::Pool)).
@@ -32,7 +32,7 @@ pub struct ChildProcess {
     /// Its rank.
     pub rank: usize,
     /// Its process id.
-    pub pid: i32,
+    pub pid: u32,
     /// Its name.
     pub name: String,
 }
@@ -53,7 +53,7 @@ pub(crate) fn set_identity(rank: usize, name: String) {
 /// ```
 /// let me = multiproc::current_process();
 /// assert_eq!((me.rank, me.name.as_str()), (None, "MainProcess"));
-/// assert_eq!(me.pid, std::process::id() as i32);
+/// assert_eq!(me.pid, std::process::id());
 /// ```
 pub fn current_process() -> CurrentProcess {
     let identity = IDENTITY.lock().clone();
@@ -63,7 +63,7 @@ pub fn current_process() -> CurrentProcess {
     };
     CurrentProcess {
         rank,
-        pid: sys::current_pid(),
+        pid: std::process::id(),
         name,
     }
 }
@@ -80,7 +80,7 @@ pub fn cpu_count() -> usize {
 #[derive(Debug)]
 pub(crate) struct Registration {
     rank: usize,
-    pid: i32,
+    pid: u32,
     name: String,
     exited: AtomicBool,
 }
@@ -97,7 +97,7 @@ static CHILDREN: crate::sys::fork_local::ForkLocal<Vec<Weak<Registration>>> =
 
 /// Registers a started child; it stays listed while the returned record lives and is
 /// not marked exited.
-pub(crate) fn register(rank: usize, pid: i32, name: String) -> Arc<Registration> {
+pub(crate) fn register(rank: usize, pid: u32, name: String) -> Arc<Registration> {
     let entry = Arc::new(Registration {
         rank,
         pid,
@@ -121,7 +121,7 @@ pub fn active_children() -> Vec<ChildProcess> {
         .iter()
         .filter_map(Weak::upgrade)
         .filter(|c| !c.exited.load(Ordering::Acquire))
-        .filter(|c| !sys::process_is_dead(c.pid as u32))
+        .filter(|c| !sys::process_is_dead(c.pid))
         .map(|c| ChildProcess {
             rank: c.rank,
             pid: c.pid,

@@ -34,7 +34,7 @@ use crate::wire::{self, Encoded};
 ///     multiproc::init();
 ///     let mut p = Process::new(work, 0, "worker".to_string()).start_method(StartMethod::Spawn);
 ///     p.start()?;
-///     let status = p.join(None)?;
+///     let status = p.join()?;
 ///     assert!(status.success());
 ///     Ok(())
 /// }
@@ -158,7 +158,7 @@ impl Process {
     }
 
     /// Its process id, once started.
-    pub fn pid(&self) -> Option<i32> {
+    pub fn pid(&self) -> Option<u32> {
         self.child.as_ref().map(|c| c.pid)
     }
 
@@ -176,13 +176,28 @@ impl Process {
         self.child.as_ref().is_some_and(Child::is_alive)
     }
 
-    /// Waits until it exits, at most `timeout` (`None`: without limit), and returns its
-    /// exit status. Joining an exited process again returns the same status.
+    /// Waits until it exits, as long as it takes, and returns its exit status. Joining
+    /// an exited process again returns the same status.
     ///
     /// # Errors
-    /// [`Error::Timeout`] when it still runs at the deadline; [`Error::InvalidArgument`]
-    /// when it was never started; an [`Error::Os`] when waiting failed.
-    pub fn join(&mut self, timeout: Option<Duration>) -> Result<ExitStatus> {
+    /// [`Error::InvalidArgument`] when it was never started; an [`Error::Os`] when
+    /// waiting failed.
+    pub fn join(&mut self) -> Result<ExitStatus> {
+        self.join_within(None)
+    }
+
+    /// Waits until it exits, at most `timeout`, and returns its exit status (Python's
+    /// `join(timeout)`, which returns with the process still running where this is an
+    /// error).
+    ///
+    /// # Errors
+    /// [`Error::Timeout`] when it still runs at the deadline; otherwise as
+    /// [`join`](Self::join).
+    pub fn join_timeout(&mut self, timeout: Duration) -> Result<ExitStatus> {
+        self.join_within(Some(timeout))
+    }
+
+    fn join_within(&mut self, timeout: Option<Duration>) -> Result<ExitStatus> {
         let child = self.started_mut("join")?;
         child.wait(deadline_after(timeout))?;
         child.status().ok_or_else(|| {
@@ -193,7 +208,7 @@ impl Process {
         })
     }
 
-    /// Waits until it exits, as [`join`](Self::join) without a timeout does, without
+    /// Waits until it exits, as [`join`](Self::join) does, without
     /// blocking a thread (feature `async`; any executor): the fd reactor watches its
     /// pidfd (and its report). Cancel-safe.
     ///

@@ -69,7 +69,7 @@ pub(crate) fn default_name(rank: usize) -> String {
 /// How messages name a worker: `transformer-1 (rank 1, pid 4242)` when it was given a
 /// name, `process 1 (pid 4242)` when it has its default one (which says no more than
 /// the rank).
-pub(crate) fn describe(rank: usize, name: &str, pid: i32) -> String {
+pub(crate) fn describe(rank: usize, name: &str, pid: u32) -> String {
     if name == default_name(rank) {
         format!("process {rank} (pid {pid})")
     } else {

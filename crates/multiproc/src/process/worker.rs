@@ -73,7 +73,7 @@ pub(crate) fn run_worker(sock: OwnedFd) -> i32 {
         }
     };
     let rank = header.rank;
-    let who = super::job::describe(rank, &header.name, sys::current_pid());
+    let who = super::job::describe(rank, &header.name, std::process::id());
     super::current::set_identity(rank, header.name.clone());
     let _forwarding = header
         .log

@@ -29,11 +29,12 @@ use super::simple::SimpleQueue;
 use crate::error::{Error, PutError, Result};
 use crate::sys::reactor::{self, Parked, Ready, Step, WordWait};
 
-/// The step of an awaited get: `wait` read before the tries; `try_get(fresh)` takes the
-/// next item, asking afresh about other holders only when `fresh`. The first try
-/// trusts a recent sighting of other holders (no system call when a message is there);
-/// a get that finds nothing asks afresh before it parks, so `Disconnected` is never
-/// missed.
+/// The step of an awaited get: `wait` read before the tries; `try_get(thorough)` takes
+/// the next item. The first try is a plain `try_get` (no system call when a message is
+/// in the ring); a get that finds nothing tries once more thoroughly before it parks
+/// (the socket whatever the lane says, other holders asked afresh), so neither
+/// `Disconnected` nor a packet written on the socket without a `put` is missed past
+/// the next re-check.
 fn get_step<'a, T>(
     wait: WordWait,
     mut try_get: impl FnMut(bool) -> Result<Option<T>>,
@@ -65,8 +66,8 @@ impl<T: Serialize + DeserializeOwned> Queue<T> {
                 cx,
                 &mut parked,
                 || {
-                    get_step(self.shared.channel.get_wait(), |fresh| {
-                        self.shared.try_get_as(&|| self.others_here(), fresh)
+                    get_step(self.shared.channel.get_wait(), |thorough| {
+                        self.shared.try_get_as(&|| self.others_here(), thorough)
                     })
                 },
                 Err,
@@ -152,8 +153,8 @@ impl<T: Serialize + DeserializeOwned> SimpleQueue<T> {
                 cx,
                 &mut parked,
                 || {
-                    get_step(self.channel.get_wait(), |fresh| {
-                        self.channel.try_get_as(&|| self.others_here(), fresh)
+                    get_step(self.channel.get_wait(), |thorough| {
+                        self.channel.try_get_as(&|| self.others_here(), thorough)
                     })
                 },
                 Err,

@@ -104,16 +104,9 @@ impl<T: Serialize + DeserializeOwned> Queue<T> {
     /// assert_eq!(full.into_inner(), 2);
     /// # Ok::<(), multiproc::Error>(())
     /// ```
+    #[doc(alias = "put_nowait")]
     pub fn try_put(&self, item: T) -> Result<(), PutError<T>> {
         self.shared.put(item, Wait::Never, false)
-    }
-
-    /// Python's name for [`try_put`](Self::try_put).
-    ///
-    /// # Errors
-    /// As [`try_put`](Self::try_put).
-    pub fn put_nowait(&self, item: T) -> Result<(), PutError<T>> {
-        self.try_put(item)
     }
 
     /// Takes the next item, waiting as long as it takes.
@@ -142,10 +135,12 @@ impl<T: Serialize + DeserializeOwned> Queue<T> {
     }
 
     /// Takes the next item if one is waiting: `Ok(None)` when none is (not a timeout:
-    /// nothing waited).
+    /// nothing waited). It never waits, and when nothing is there it makes no system
+    /// call (see [`SimpleQueue::try_get`](crate::SimpleQueue::try_get)).
     ///
     /// # Errors
     /// As [`get`](Self::get).
+    #[doc(alias = "get_nowait")]
     pub fn try_get(&self) -> Result<Option<T>> {
         self.shared.try_get(&|| self.others_here())
     }
@@ -161,14 +156,6 @@ impl<T: Serialize + DeserializeOwned> Queue<T> {
     /// in this process.
     pub(super) fn others_here(&self) -> bool {
         Arc::strong_count(&self.shared) > 1
-    }
-
-    /// Python's name for [`try_get`](Self::try_get).
-    ///
-    /// # Errors
-    /// As [`try_get`](Self::try_get).
-    pub fn get_nowait(&self) -> Result<Option<T>> {
-        self.try_get()
     }
 
     /// A blocking iterator over the items: each `next` waits for one, as
@@ -197,14 +184,18 @@ impl<T: Serialize + DeserializeOwned> Queue<T> {
         QueueTryIter { queue: self }
     }
 
-    /// The number of items put and not yet taken: [`qsize`](Self::qsize).
+    /// The number of items put and not yet taken, across all processes. Approximate:
+    /// others may put or get at the same moment.
+    #[doc(alias = "qsize")]
     pub fn len(&self) -> usize {
-        self.qsize()
+        self.shared.block.word(ITEMS).load(Ordering::Acquire) as usize
     }
 
-    /// Whether no item is waiting right now: [`empty`](Self::empty).
+    /// Whether no item is waiting right now: `len() == 0` (approximate, like
+    /// [`len`](Self::len): others may put or get at the same moment).
+    #[doc(alias = "empty")]
     pub fn is_empty(&self) -> bool {
-        self.empty()
+        self.len() == 0
     }
 
     /// The most items the queue holds (`None` for an unbounded queue).
@@ -215,21 +206,9 @@ impl<T: Serialize + DeserializeOwned> Queue<T> {
         }
     }
 
-    /// The number of items put and not yet taken, across all processes. Approximate:
-    /// others may put or get at the same moment.
-    pub fn qsize(&self) -> usize {
-        self.shared.block.word(ITEMS).load(Ordering::Acquire) as usize
-    }
-
-    /// Whether no item is waiting right now: `qsize() == 0`, one notion of emptiness
-    /// (approximate, like [`qsize`](Self::qsize): others may put or get at the same
-    /// moment).
-    pub fn empty(&self) -> bool {
-        self.qsize() == 0
-    }
-
     /// Whether the queue holds its capacity (never for an unbounded queue).
-    pub fn full(&self) -> bool {
+    #[doc(alias = "full")]
+    pub fn is_full(&self) -> bool {
         self.shared.bounded() && self.shared.block.word(FREE_PLACES).load(Ordering::Acquire) == 0
     }
 
@@ -288,7 +267,7 @@ impl<T> fmt::Debug for Queue<T> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Queue")
             .field(
-                "qsize",
+                "len",
                 &self.shared.block.word(ITEMS).load(Ordering::Relaxed),
             )
             .field(

@@ -13,14 +13,18 @@
 //! Handles in this process share one channel value; the queue types say whether
 //! another exists (`others_here`). A get that finds the queue empty with neither is
 //! [`Error::Disconnected`]: nothing can ever arrive. The holders are asked before the
-//! ring and the socket are looked at (a holder that put and left is gone before its
-//! messages are looked for, so they are found): by every `try_get`, and by a waiting
-//! get on its first look and once per sleep, trusting a sighting of other holders for
-//! [`HOLDERS_RECHECK`] (the answer costs a system call, and a get that finds the queue
-//! empty is on the hot path).
+//! ring and the socket are looked at for the last time (a holder that put and left is
+//! gone before its messages are looked for, so they are found): by a `try_get` that
+//! found nothing, and by a waiting get on its first look and once per sleep. Both
+//! trust a sighting of other holders for [`HOLDERS_RECHECK`] (the answer costs a
+//! system call, and a get that finds the queue empty is on the hot path) unless a
+//! channel value was dropped since (the ring's `LEFT` word): so a `try_get` on an
+//! empty queue asks the kernel at most once per 10 ms, and hears of a holder that
+//! dropped its handle at once, of one that was killed within 10 ms. An awaited get
+//! asks afresh before it parks.
 
 use std::os::fd::{AsFd, OwnedFd};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use serde::de::DeserializeOwned;
@@ -29,7 +33,7 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use super::custody::Custody;
-use super::ring::Ring;
+use super::ring::{Ring, TryLook};
 use crate::error::{Error, PutError, Result};
 use crate::sys::Deadline;
 use crate::sys::lease;
@@ -66,6 +70,8 @@ pub(crate) struct Channel {
     holder: OwnedFd,
     /// When other holders were last seen, in nanoseconds after [`epoch`] (0: never).
     others_seen_at: AtomicU64,
+    /// The ring's count of departures when other holders were last seen.
+    others_seen_left: AtomicU32,
 }
 
 /// Whether a decode failed only because the channel's custody stayed busy (its packet
@@ -96,12 +102,14 @@ impl Channel {
             closed: AtomicBool::new(false),
             holder: lease::create_peer("multiproc-queue-holders")?,
             others_seen_at: AtomicU64::new(0),
+            others_seen_left: AtomicU32::new(0),
         })
     }
 
     /// Whether nothing can ever arrive: no other handle here (`others_here`), none in
     /// another process and none in a message in flight (no other peer lease). Trusts a
-    /// sighting of other holders for [`HOLDERS_RECHECK`] unless `fresh`.
+    /// sighting of other holders for [`HOLDERS_RECHECK`], unless `fresh` or a channel
+    /// value was dropped since.
     fn disconnected(&self, others_here: OthersHere<'_>, fresh: bool) -> bool {
         if others_here() {
             return false;
@@ -109,11 +117,18 @@ impl Channel {
         let now = u64::try_from(epoch().elapsed().as_nanos())
             .unwrap_or(u64::MAX)
             .max(1);
+        // Read before the kernel is asked: a holder that leaves after this changes it.
+        let left = self.ring.departures();
         let seen = self.others_seen_at.load(Ordering::Relaxed);
-        if !fresh && seen != 0 && now.saturating_sub(seen) < HOLDERS_RECHECK.as_nanos() as u64 {
+        if !fresh
+            && seen != 0
+            && now.saturating_sub(seen) < HOLDERS_RECHECK.as_nanos() as u64
+            && self.others_seen_left.load(Ordering::Relaxed) == left
+        {
             return false;
         }
         if lease::others_hold(self.holder.as_fd()) {
+            self.others_seen_left.store(left, Ordering::Relaxed);
             self.others_seen_at.store(now, Ordering::Relaxed);
             return false;
         }
@@ -168,25 +183,27 @@ impl Channel {
         }
     }
 
-    /// Receives one message if one is waiting.
+    /// Receives one message if one is waiting, without waiting and, when none is,
+    /// without a system call (see `ring`'s module docs, "Tries").
     pub(crate) fn try_get<T: DeserializeOwned>(
         &self,
         others_here: OthersHere<'_>,
     ) -> Result<Option<T>> {
-        self.try_get_as(others_here, true)
+        self.try_get_as(others_here, false)
     }
 
-    /// [`try_get`](Self::try_get), asking afresh whether other holders are left only
-    /// when `fresh` (otherwise trusting a sighting for [`HOLDERS_RECHECK`], as a waiting
-    /// get does: an awaited get's first try after a wake-up, which saves the question's
-    /// system call when a message is there; it asks afresh before it parks again).
+    /// [`try_get`](Self::try_get), or, when `thorough`, a try that also looks at the
+    /// socket whatever the lane says and asks afresh whether other holders are left:
+    /// an awaited get's last try before it parks (and so its re-check every
+    /// `reactor::RECHECK`), which is how it hears of a packet written on the socket
+    /// without a `put` and of a last other holder that was killed.
     pub(crate) fn try_get_as<T: DeserializeOwned>(
         &self,
         others_here: OthersHere<'_>,
-        fresh: bool,
+        thorough: bool,
     ) -> Result<Option<T>> {
         match self
-            .try_recv_as(others_here, fresh)?
+            .try_recv_as(others_here, thorough)?
             .map(|p| self.decode(p))
         {
             // Kept for the next get: nothing is ready now.
@@ -262,20 +279,27 @@ impl Channel {
         })
     }
 
-    /// Receives one packet if one is waiting, without decoding it, asking afresh whether
-    /// other holders are left only when `fresh` (see [`try_get_as`](Self::try_get_as)).
+    /// Receives one packet if one is waiting, without decoding it; `thorough`: see
+    /// [`try_get_as`](Self::try_get_as).
     pub(crate) fn try_recv_as(
         &self,
         others_here: OthersHere<'_>,
-        fresh: bool,
+        thorough: bool,
     ) -> Result<Option<Packet>> {
         self.check_open("get")?;
         if let Some(packet) = self.take_pending() {
             return Ok(Some(packet));
         }
-        // Asked afresh unless told: a caller that polls wants the answer of now.
-        self.ring
-            .try_recv(self.rx.as_fd(), &|| self.disconnected(others_here, fresh))
+        let how = if thorough {
+            TryLook::Thorough
+        } else {
+            TryLook::Quick
+        };
+        self.ring.try_recv(
+            self.rx.as_fd(),
+            &|| self.disconnected(others_here, thorough),
+            how,
+        )
     }
 
     /// Whether a get would not wait now: a message is waiting, nothing can ever arrive
@@ -391,7 +415,7 @@ impl Drop for Channel {
             return;
         }
         for _ in 0..GIVE_BACK_AT_MOST {
-            let packet = match self.ring.try_recv(self.rx.as_fd(), &|| true) {
+            let packet = match self.ring.try_recv(self.rx.as_fd(), &|| true, TryLook::Last) {
                 Ok(Some(packet)) => packet,
                 _ => match wire::try_recv_packet(self.rx.as_fd()) {
                     Ok(Some(packet)) => packet,
@@ -458,6 +482,7 @@ impl<'de> Deserialize<'de> for Channel {
             closed: AtomicBool::new(false),
             holder,
             others_seen_at: AtomicU64::new(0),
+            others_seen_left: AtomicU32::new(0),
         })
     }
 }

@@ -2,7 +2,7 @@
 //! ring (words 32 and up, which the ring and the custody leave free).
 //!
 //! Words (their offsets in `layout`): `FREE_PLACES` — free places left (a semaphore; only when bounded),
-//! `ITEMS` — messages put and not yet taken (approximate `qsize`), `UNFINISHED` — items
+//! `ITEMS` — messages put and not yet taken (approximate: `len`), `UNFINISHED` — items
 //! put and not yet marked done (for `JoinableQueue::join`), `CAPACITY` (0 = unbounded),
 //! `PLACE_DEBT` — places given back for packets that turned out not to have taken one.
 //!
@@ -230,17 +230,16 @@ impl Shared {
         &self,
         others_here: OthersHere<'_>,
     ) -> Result<Option<T>> {
-        self.try_get_as(others_here, true)
+        self.try_get_as(others_here, false)
     }
 
-    /// [`try_get`](Self::try_get), asking afresh about other holders only when `fresh`
-    /// (see `Channel::try_get_as`).
+    /// [`try_get`](Self::try_get), or a thorough try (see `Channel::try_get_as`).
     pub(super) fn try_get_as<T: DeserializeOwned>(
         &self,
         others_here: OthersHere<'_>,
-        fresh: bool,
+        thorough: bool,
     ) -> Result<Option<T>> {
-        let packet = self.channel.try_recv_as(others_here, fresh);
+        let packet = self.channel.try_recv_as(others_here, thorough);
         let taken = self.taken(&packet);
         match self.finish_get(packet, taken) {
             // Kept for the next get: nothing is ready now.

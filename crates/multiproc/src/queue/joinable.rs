@@ -36,20 +36,14 @@ impl<T: Serialize + DeserializeOwned> JoinableQueue<T> {
         self.queue.get_timeout(timeout)
     }
 
-    /// Takes the next item if one is waiting: `Ok(None)` when none is.
+    /// Takes the next item if one is waiting: `Ok(None)` when none is. It never waits,
+    /// as [`Queue::try_get`](super::Queue::try_get).
     ///
     /// # Errors
     /// As [`Queue::try_get`](super::Queue::try_get).
+    #[doc(alias = "get_nowait")]
     pub fn try_get(&self) -> Result<Option<T>> {
         self.queue.try_get()
-    }
-
-    /// Python's name for [`try_get`](Self::try_get).
-    ///
-    /// # Errors
-    /// As [`Queue::try_get`](super::Queue::try_get).
-    pub fn get_nowait(&self) -> Result<Option<T>> {
-        self.queue.get_nowait()
     }
 
     /// A blocking iterator over the items, as [`Queue::iter`](super::Queue::iter).
@@ -63,12 +57,17 @@ impl<T: Serialize + DeserializeOwned> JoinableQueue<T> {
         self.queue.try_iter()
     }
 
-    /// The number of items put and not yet taken: [`qsize`](Self::qsize).
+    /// The number of items put and not yet taken, as [`Queue::len`](super::Queue::len).
+    /// Not the number of unfinished tasks: an item taken but not yet marked done is not
+    /// counted here.
+    #[doc(alias = "qsize")]
     pub fn len(&self) -> usize {
         self.queue.len()
     }
 
-    /// Whether no item is waiting right now: [`empty`](Self::empty).
+    /// Whether no item is waiting right now, as
+    /// [`Queue::is_empty`](super::Queue::is_empty).
+    #[doc(alias = "empty")]
     pub fn is_empty(&self) -> bool {
         self.queue.is_empty()
     }
@@ -78,20 +77,10 @@ impl<T: Serialize + DeserializeOwned> JoinableQueue<T> {
         self.queue.capacity()
     }
 
-    /// The number of items put and not yet taken, as [`Queue::qsize`](super::Queue::qsize). Not the number
-    /// of unfinished tasks: an item taken but not yet marked done is not counted here.
-    pub fn qsize(&self) -> usize {
-        self.queue.qsize()
-    }
-
-    /// Whether no item is waiting right now, as [`Queue::empty`](super::Queue::empty).
-    pub fn empty(&self) -> bool {
-        self.queue.empty()
-    }
-
     /// Whether the queue holds its capacity (never for an unbounded queue).
-    pub fn full(&self) -> bool {
-        self.queue.full()
+    #[doc(alias = "full")]
+    pub fn is_full(&self) -> bool {
+        self.queue.is_full()
     }
 
     /// Closes this process's handles, as [`Queue::close`](super::Queue::close).
@@ -104,7 +93,7 @@ impl<T: Serialize + DeserializeOwned> JoinableQueue<T> {
 /// every `put` adds one, every [`task_done`](Self::task_done) takes one away, and
 /// [`join`](Self::join) waits until none is left.
 pub struct JoinableQueue<T> {
-    /// The queue the forwarded operations (`get`, `qsize`, `close`, ...: `joinable`)
+    /// The queue the forwarded operations (`get`, `len`, `close`, ...: `joinable`)
     /// act on.
     pub(super) queue: Queue<T>,
 }
@@ -158,16 +147,9 @@ impl<T: Serialize + DeserializeOwned> JoinableQueue<T> {
     ///
     /// # Errors
     /// As [`Queue::try_put`].
+    #[doc(alias = "put_nowait")]
     pub fn try_put(&self, item: T) -> Result<(), PutError<T>> {
         self.queue.shared.put(item, Wait::Never, true)
-    }
-
-    /// Python's name for [`try_put`](Self::try_put).
-    ///
-    /// # Errors
-    /// As [`Queue::try_put`].
-    pub fn put_nowait(&self, item: T) -> Result<(), PutError<T>> {
-        self.try_put(item)
     }
 
     /// Marks one task taken from the queue as done.
@@ -188,12 +170,23 @@ impl<T: Serialize + DeserializeOwned> JoinableQueue<T> {
         }
     }
 
-    /// Waits until every item put has been marked done, at most `timeout` (`None`:
-    /// forever).
+    /// Waits until every item put has been marked done, as long as it takes.
+    ///
+    /// # Errors
+    /// An [`Error::Os`] only when the kernel refuses the wait.
+    pub fn join(&self) -> Result<()> {
+        self.join_within(None)
+    }
+
+    /// Waits until every item put has been marked done, at most `timeout`.
     ///
     /// # Errors
     /// [`Error::Timeout`] (with the number of tasks left) when the timeout passed first.
-    pub fn join(&self, timeout: Option<Duration>) -> Result<()> {
+    pub fn join_timeout(&self, timeout: Duration) -> Result<()> {
+        self.join_within(Some(timeout))
+    }
+
+    fn join_within(&self, timeout: Option<Duration>) -> Result<()> {
         let deadline = deadline_after(timeout);
         let unfinished = self.queue.shared.block.word(UNFINISHED);
         loop {
@@ -255,21 +248,21 @@ mod tests {
     fn forwarded_operations_see_the_same_queue() {
         let q = JoinableQueue::with_capacity(2).unwrap();
         let _producer = q.clone();
-        assert!(q.empty() && q.is_empty());
+        assert!(q.is_empty() && q.is_empty());
         assert_eq!(q.capacity(), Some(2));
         q.put(1u32).unwrap();
         q.put(2u32).unwrap();
-        assert!(q.full());
-        assert_eq!((q.qsize(), q.len()), (2, 2));
+        assert!(q.is_full());
+        assert_eq!((q.len(), q.len()), (2, 2));
         assert_eq!(q.get_timeout(Duration::from_secs(30)).unwrap(), 1);
         assert_eq!(q.try_get().unwrap(), Some(2));
-        assert_eq!(q.get_nowait().unwrap(), None);
-        assert_eq!(q.qsize(), 0);
+        assert_eq!(q.try_get().unwrap(), None);
+        assert_eq!(q.len(), 0);
         // Both items were taken but neither is done: the join still waits.
-        assert!(q.join(Some(Duration::ZERO)).unwrap_err().is_timeout());
+        assert!(q.join_timeout(Duration::ZERO).unwrap_err().is_timeout());
         q.task_done().unwrap();
         q.task_done().unwrap();
-        q.join(Some(Duration::ZERO)).unwrap();
+        q.join_timeout(Duration::ZERO).unwrap();
         q.close();
         assert!(q.get().is_err());
     }

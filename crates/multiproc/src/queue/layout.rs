@@ -16,13 +16,14 @@
 //! | 16–23 | `custody` | shelf 0: its lock (4 words), `ENTRIES` (+4), `BYTES` (+6, 64 bits) |
 //! | 24–31 | `custody` | shelf 1, the same |
 //! | 33 | `counted` | `FREE_PLACES`: places a bounded queue has free |
-//! | 34 | `counted` | `ITEMS`: messages put and not yet taken (`qsize`) |
+//! | 34 | `counted` | `ITEMS`: messages put and not yet taken (`len`) |
 //! | 35 | `counted` | `UNFINISHED`: a joinable queue's tasks not yet done |
 //! | 36 | `counted` | `CAPACITY`: a bounded queue's `maxsize` (0: unbounded) |
 //! | 37 | `counted` | `PLACE_WAITERS`: putters asleep on `FREE_PLACES` |
 //! | 38 | `counted` | `PLACE_DEBT`: places taken back from putters that timed out |
+//! | 39 | `ring` | `LEFT`: bumped by every channel value dropped (a holder leaving) |
 //!
-//! Words 1–7, 32 and 39 up are unused. The byte area after the page is [`SLOTS`] slots
+//! Words 1–7, 32 and 40 up are unused. The byte area after the page is [`SLOTS`] slots
 //! of [`SLOT_BYTES`] each: a 64-bit state word (`ring::slots`' protocol), a 32-bit
 //! length at [`LENGTH_AT`], and from [`RECORD_AT`] the record (a whole packet).
 
@@ -32,6 +33,7 @@ pub(super) const TAIL: usize = 10;
 pub(super) const SEQ: usize = 12;
 pub(super) const GET_WAITERS: usize = 13;
 pub(super) const LANE: usize = 14;
+pub(super) const LEFT: usize = 39;
 
 /// The first word of each custody shelf's words: its lock (4 words, a
 /// `sync::lock::RawLock`), then [`SHELF_ENTRIES`] and [`SHELF_BYTES`].
@@ -60,7 +62,9 @@ pub(super) const RECORD_AT: usize = 16;
 
 // Every word is on the page, and the slots' fields are in their slot.
 const _: () = assert!(
-    PLACE_DEBT < crate::shm::FIRST_RESERVED_WORD && SHELF_BASE[1] + SHELF_BYTES + 1 < FREE_PLACES
+    PLACE_DEBT < crate::shm::FIRST_RESERVED_WORD
+        && LEFT < crate::shm::FIRST_RESERVED_WORD
+        && SHELF_BASE[1] + SHELF_BYTES + 1 < FREE_PLACES
 );
 const _: () = assert!(LENGTH_AT >= 8 && LENGTH_AT + 4 <= RECORD_AT && RECORD_AT < SLOT_BYTES);
 
@@ -89,6 +93,7 @@ mod tests {
         claim(SEQ, 1, "SEQ");
         claim(GET_WAITERS, 1, "GET_WAITERS");
         claim(LANE, 2, "LANE");
+        claim(LEFT, 1, "LEFT");
         for base in SHELF_BASE {
             claim(base, crate::sync::lock::RAW_LOCK_WORDS, "a shelf's lock");
             claim(base + SHELF_ENTRIES, 1, "a shelf's ENTRIES");

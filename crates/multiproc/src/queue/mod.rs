@@ -86,8 +86,8 @@ mod tests {
         for i in 0..4u32 {
             q.put(i).unwrap();
         }
-        assert_eq!(q.qsize(), 4);
-        assert!(q.full());
+        assert_eq!(q.len(), 4);
+        assert!(q.is_full());
         let start = Instant::now();
         let back = q.put_timeout(9, Duration::from_millis(50)).unwrap_err();
         assert!(start.elapsed() >= Duration::from_millis(50));
@@ -97,7 +97,7 @@ mod tests {
             (0..4).map(|_| q.get().unwrap()).collect::<Vec<_>>(),
             [0, 1, 2, 3]
         );
-        assert!(q.empty());
+        assert!(q.is_empty());
         assert_eq!(q.try_get().unwrap(), None);
         let err = q.get_timeout(Duration::from_millis(10)).unwrap_err();
         assert!(
@@ -131,7 +131,7 @@ mod tests {
         let received = outer.get().unwrap();
         received.put("through".to_string()).unwrap();
         assert_eq!(inner.get().unwrap(), "through");
-        assert_eq!(inner.qsize(), 0);
+        assert_eq!(inner.len(), 0);
     }
 
     #[test]
@@ -167,7 +167,7 @@ mod tests {
         q.put(1u8).unwrap();
         q.put(2u8).unwrap();
         assert!(
-            q.join(Some(Duration::from_millis(10)))
+            q.join_timeout(Duration::from_millis(10))
                 .unwrap_err()
                 .is_timeout()
         );
@@ -175,7 +175,7 @@ mod tests {
         q.task_done().unwrap();
         q.get().unwrap();
         q.task_done().unwrap();
-        q.join(Some(Duration::from_millis(10))).unwrap();
+        q.join_timeout(Duration::from_millis(10)).unwrap();
         assert!(q.task_done().is_err(), "one task_done too many is an error");
     }
 
@@ -183,9 +183,9 @@ mod tests {
     fn pipe_carries_16_mib_and_reports_a_closed_peer() {
         let (a, b) = pipe::<Vec<u8>>().unwrap();
         let big: Vec<u8> = (0..16 << 20).map(|i: u32| (i % 251) as u8).collect();
-        assert!(b.poll(Some(Duration::ZERO)).unwrap_err().is_timeout());
+        assert!(b.poll_timeout(Duration::ZERO).unwrap_err().is_timeout());
         a.send(big.clone()).unwrap();
-        b.poll(Some(Duration::from_secs(5))).unwrap();
+        b.poll_timeout(Duration::from_secs(5)).unwrap();
         assert_eq!(b.recv().unwrap(), big);
         assert_eq!(b.try_recv().unwrap(), None);
         b.send(vec![1]).unwrap();
@@ -209,7 +209,7 @@ mod tests {
     fn event_set_wakes_a_waiting_thread() {
         let ev = Event::new().unwrap();
         let ev2 = ev.clone();
-        let waiter = std::thread::spawn(move || ev2.wait(Some(Duration::from_secs(10))));
+        let waiter = std::thread::spawn(move || ev2.wait_timeout(Duration::from_secs(10)));
         ev.set();
         waiter.join().unwrap().unwrap();
         ev.clear();

@@ -152,16 +152,54 @@ impl<T: Serialize + DeserializeOwned> Connection<T> {
         }
     }
 
-    /// Waits until an item (or the end of the stream) can be received, at most
-    /// `timeout` (`None`: as long as it takes). `poll(Some(Duration::ZERO)).is_ok()`
-    /// asks whether something is waiting right now.
+    /// Waits until an item (or the end of the stream) can be received, as long as it
+    /// takes.
+    ///
+    /// Python's `poll()` without a timeout looks without waiting: that is
+    /// [`try_poll`](Self::try_poll); its `poll(timeout)` is
+    /// [`poll_timeout`](Self::poll_timeout), and its `poll(None)` is this.
     ///
     /// # Errors
-    /// [`Error::Timeout`] when nothing came in time; an [`Error::Os`] when the kernel
-    /// refuses the wait.
-    pub fn poll(&self, timeout: Option<Duration>) -> Result<()> {
-        let deadline = timeout.map(|t| Instant::now() + t);
-        if wait_fd(self.sock.as_fd(), Readiness::Readable, deadline)? {
+    /// An [`Error::Os`] when the kernel refuses the wait.
+    pub fn poll(&self) -> Result<()> {
+        self.poll_within(None)
+    }
+
+    /// Waits until an item (or the end of the stream) can be received, at most
+    /// `timeout`.
+    ///
+    /// # Errors
+    /// [`Error::Timeout`] when nothing came in time; otherwise as [`poll`](Self::poll).
+    pub fn poll_timeout(&self, timeout: Duration) -> Result<()> {
+        self.poll_within(Some(timeout))
+    }
+
+    /// Whether an item (or the end of the stream) can be received right now, without
+    /// waiting: `Ok(false)` when nothing is there (Python's `poll()`). One `poll(2)`
+    /// with a zero timeout: a pipe's items live in the kernel's socket buffer.
+    ///
+    /// # Errors
+    /// An [`Error::Os`] when the kernel refuses the look.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// let (a, b) = multiproc::pipe::<u8>()?;
+    /// assert!(!b.try_poll()?);
+    /// a.send(1).map_err(multiproc::Error::from)?;
+    /// assert!(b.try_poll()?);
+    /// # Ok::<(), multiproc::Error>(())
+    /// ```
+    pub fn try_poll(&self) -> Result<bool> {
+        wait_fd(self.sock.as_fd(), Readiness::Readable, Some(Instant::now()))
+    }
+
+    fn poll_within(&self, timeout: Option<Duration>) -> Result<()> {
+        if wait_fd(
+            self.sock.as_fd(),
+            Readiness::Readable,
+            deadline_after(timeout),
+        )? {
             Ok(())
         } else {
             Err(Error::timeout("a poll on a pipe", timeout))

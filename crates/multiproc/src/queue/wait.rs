@@ -192,7 +192,7 @@ impl<T: Serialize + DeserializeOwned> Waitable for JoinableQueue<T> {
 ///     if ready.contains(&0) {
 ///         assert_eq!(q.get()?, 7); // still there: wait took nothing
 ///     }
-///     p.join(None)?;
+///     p.join()?;
 ///     Ok(())
 /// }
 /// ```

@@ -22,6 +22,14 @@ const BAR_BROKEN: usize = 4;
 
 /// A process-shared barrier for a fixed number of parties, like
 /// `multiprocessing.Barrier`: each [`wait`](Self::wait) blocks until all parties wait.
+///
+/// # Examples
+///
+/// ```
+/// let barrier = multiproc::Barrier::new(1)?;
+/// assert_eq!(barrier.wait()?, 0); // the only party is the last to arrive
+/// # Ok::<(), multiproc::Error>(())
+/// ```
 #[derive(Clone)]
 pub struct Barrier {
     block: Arc<SharedWords>,
@@ -31,13 +39,21 @@ impl Barrier {
     /// A barrier for `parties` processes (or threads).
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] for 0 parties; when the shared page cannot be made.
-    pub fn new(parties: u32) -> Result<Self> {
+    /// [`Error::InvalidArgument`] for 0 parties or more than `u32::MAX`; when the
+    /// shared page cannot be made.
+    pub fn new(parties: usize) -> Result<Self> {
         if parties == 0 {
             return Err(Error::InvalidArgument(
                 "a barrier needs at least 1 party".into(),
             ));
         }
+        let parties = u32::try_from(parties).map_err(|_| {
+            Error::InvalidArgument(format!(
+                "a barrier holds at most {} parties (its count is a shared 32-bit word), \
+                 got {parties}",
+                u32::MAX
+            ))
+        })?;
         let block = SharedWords::new(BARRIER_KIND)?;
         block.word(BAR_PARTIES).store(parties, Ordering::Release);
         Ok(Self {
@@ -46,17 +62,35 @@ impl Barrier {
     }
 
     /// The number of parties.
-    pub fn parties(&self) -> u32 {
+    pub fn parties(&self) -> usize {
+        self.parties_word() as usize
+    }
+
+    fn parties_word(&self) -> u32 {
         self.block.word(BAR_PARTIES).load(Ordering::Acquire)
     }
 
-    /// Waits until every party has called `wait`, at most `timeout`. Returns this
+    /// Waits until every party has called `wait`, as long as it takes. Returns this
     /// party's arrival index (`0..parties`, the last to arrive gets `parties - 1`).
     ///
     /// # Errors
+    /// [`Error::Closed`] when the barrier is broken (a party's
+    /// [`wait_timeout`](Self::wait_timeout) timed out).
+    pub fn wait(&self) -> Result<usize> {
+        self.wait_until(None)
+    }
+
+    /// Waits until every party has called `wait`, at most `timeout`; returns this
+    /// party's arrival index as [`wait`](Self::wait) does.
+    ///
+    /// # Errors
     /// [`Error::Timeout`] when the timeout passed; the barrier is then broken and every
-    /// later or current `wait` fails with [`Error::Closed`], as in Python.
-    pub fn wait(&self, timeout: Option<Duration>) -> Result<u32> {
+    /// later or current wait fails with [`Error::Closed`], as in Python.
+    pub fn wait_timeout(&self, timeout: Duration) -> Result<usize> {
+        self.wait_until(Some(timeout))
+    }
+
+    fn wait_until(&self, timeout: Option<Duration>) -> Result<usize> {
         let deadline = deadline_after(timeout);
         let broken = self.block.word(BAR_BROKEN);
         let generation = self.block.word(BAR_GENERATION);
@@ -72,21 +106,22 @@ impl Barrier {
         check_broken()?;
         let gen_now = generation.load(Ordering::Acquire);
         let index = self.block.word(BAR_ARRIVED).fetch_add(1, Ordering::AcqRel);
-        let parties = self.parties();
-        if index + 1 == parties {
+        let parties = self.parties_word();
+        let arrived = index as usize;
+        if index.wrapping_add(1) == parties {
             self.block.word(BAR_ARRIVED).store(0, Ordering::Release);
             generation.fetch_add(1, Ordering::AcqRel);
             futex::wake_all(generation);
-            return Ok(index);
+            return Ok(arrived);
         }
         loop {
             if generation.load(Ordering::Acquire) != gen_now {
-                return Ok(index);
+                return Ok(arrived);
             }
             check_broken()?;
             if !futex::wait(generation, gen_now, deadline)? {
                 if generation.load(Ordering::Acquire) != gen_now {
-                    return Ok(index);
+                    return Ok(arrived);
                 }
                 broken.store(1, Ordering::Release);
                 futex::wake_all(generation);

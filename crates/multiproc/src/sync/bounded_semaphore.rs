@@ -17,18 +17,36 @@ impl BoundedSemaphore {
     ///
     /// # Errors
     /// As [`Semaphore::new`].
-    pub fn new(value: u32) -> Result<Self> {
+    pub fn new(value: usize) -> Result<Self> {
         Ok(Self(Semaphore::build(value, true)?))
     }
 
-    /// Takes one permit, waiting at most `timeout` (`None`: as long as it takes).
-    /// Give it back with [`release`](Self::release), or use [`permit`](Self::permit)
-    /// for a guard that does.
+    /// Takes one permit, waiting as long as it takes. Give it back with
+    /// [`release`](Self::release), or use [`permit`](Self::permit) for a guard that
+    /// does.
+    ///
+    /// # Errors
+    /// As [`Semaphore::acquire`].
+    pub fn acquire(&self) -> Result<()> {
+        self.0.acquire()
+    }
+
+    /// Takes one permit, waiting at most `timeout`.
     ///
     /// # Errors
     /// [`Error::Timeout`](crate::Error::Timeout) when no permit came in time.
-    pub fn acquire(&self, timeout: Option<Duration>) -> Result<()> {
-        self.0.acquire(timeout)
+    pub fn acquire_timeout(&self, timeout: Duration) -> Result<()> {
+        self.0.acquire_timeout(timeout)
+    }
+
+    /// Takes one permit if one is free, without waiting or a system call: `Ok(false)`
+    /// when none is.
+    ///
+    /// # Errors
+    /// As [`Semaphore::try_acquire`].
+    #[doc(alias = "acquire_nowait")]
+    pub fn try_acquire(&self) -> Result<bool> {
+        self.0.try_acquire()
     }
 
     /// Takes one permit, waiting as long as it takes, and returns a guard that gives it
@@ -67,7 +85,7 @@ impl BoundedSemaphore {
     }
 
     /// The number of permits free right now (approximate).
-    pub fn value(&self) -> u32 {
+    pub fn value(&self) -> usize {
         self.0.value()
     }
 }

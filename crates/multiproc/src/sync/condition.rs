@@ -45,12 +45,29 @@ impl Condition {
         Self { block, lock }
     }
 
-    /// Acquires the condition's lock.
+    /// Acquires the condition's lock, waiting as long as it takes.
     ///
     /// # Errors
     /// As [`Lock::acquire`].
-    pub fn acquire(&self, timeout: Option<Duration>) -> Result<()> {
-        self.lock.acquire(timeout)
+    pub fn acquire(&self) -> Result<()> {
+        self.lock.acquire()
+    }
+
+    /// Acquires the condition's lock, waiting at most `timeout`.
+    ///
+    /// # Errors
+    /// As [`Lock::acquire_timeout`].
+    pub fn acquire_timeout(&self, timeout: Duration) -> Result<()> {
+        self.lock.acquire_timeout(timeout)
+    }
+
+    /// Acquires the condition's lock if it is free, without waiting: `Ok(false)` when
+    /// it is held.
+    ///
+    /// # Errors
+    /// As [`Lock::try_acquire`].
+    pub fn try_acquire(&self) -> Result<bool> {
+        self.lock.try_acquire()
     }
 
     fn guard(&self) -> ConditionGuard<'_> {
@@ -69,7 +86,7 @@ impl Condition {
     /// use std::time::Duration;
     /// let ready = multiproc::Condition::new()?;
     /// let mut held = ready.lock()?;
-    /// let err = held.wait(Some(Duration::from_millis(1))).unwrap_err();
+    /// let err = held.wait_timeout(Duration::from_millis(1)).unwrap_err();
     /// assert!(err.is_timeout()); // nobody notified; the lock is held again
     /// # Ok::<(), multiproc::Error>(())
     /// ```
@@ -124,16 +141,29 @@ impl Condition {
         self.lock.release()
     }
 
-    /// Releases the lock, waits for a notification or the timeout, and re-acquires the
-    /// lock (also when it times out). A wake-up may come without a notification.
+    /// Releases the lock, waits for a notification, and re-acquires the lock. A wake-up
+    /// may come without a notification.
     ///
     /// # Errors
-    /// [`Error::Timeout`] when the timeout passed (the lock is held again);
     /// [`Error::InvalidArgument`] when this thread does not hold the lock (it is free,
     /// or another thread or process holds it: nothing is released then);
     /// [`Error::OwnerDied`] when re-acquiring took the lock over from a dead holder (the
     /// lock is held).
-    pub fn wait(&self, timeout: Option<Duration>) -> Result<()> {
+    pub fn wait(&self) -> Result<()> {
+        self.wait_within(None)
+    }
+
+    /// Releases the lock, waits for a notification or the timeout, and re-acquires the
+    /// lock (also when it times out).
+    ///
+    /// # Errors
+    /// [`Error::Timeout`] when the timeout passed (the lock is held again); otherwise as
+    /// [`wait`](Self::wait).
+    pub fn wait_timeout(&self, timeout: Duration) -> Result<()> {
+        self.wait_within(Some(timeout))
+    }
+
+    fn wait_within(&self, timeout: Option<Duration>) -> Result<()> {
         if !self.lock.is_owned_by_current_thread() {
             return Err(Error::InvalidArgument(
                 "a wait on a condition whose lock this thread does not hold (it is free, or \
@@ -146,12 +176,21 @@ impl Condition {
         let seen = seq.load(Ordering::Acquire);
         self.lock.release()?;
         let woke = futex::wait(seq, seen, deadline);
-        self.lock.acquire(None)?;
+        self.lock.acquire()?;
         if woke? {
             Ok(())
         } else {
             Err(Error::timeout("a wait on a condition", timeout))
         }
+    }
+
+    /// Waits until `predicate()` holds, as long as it takes; the lock is held when
+    /// `predicate` runs and when this returns.
+    ///
+    /// # Errors
+    /// As [`wait`](Self::wait).
+    pub fn wait_for(&self, predicate: impl FnMut() -> bool) -> Result<()> {
+        self.wait_for_within(predicate, None)
     }
 
     /// Waits until `predicate()` holds, at most `timeout`; the lock is held when
@@ -160,7 +199,15 @@ impl Condition {
     /// # Errors
     /// [`Error::Timeout`] when the timeout passed with `predicate()` still false;
     /// otherwise as [`wait`](Self::wait).
-    pub fn wait_for(
+    pub fn wait_for_timeout(
+        &self,
+        predicate: impl FnMut() -> bool,
+        timeout: Duration,
+    ) -> Result<()> {
+        self.wait_for_within(predicate, Some(timeout))
+    }
+
+    fn wait_for_within(
         &self,
         mut predicate: impl FnMut() -> bool,
         timeout: Option<Duration>,
@@ -180,7 +227,7 @@ impl Condition {
                     Some(d - now)
                 }
             };
-            match self.wait(left) {
+            match self.wait_within(left) {
                 Err(e) if e.is_timeout() => {}
                 other => other?,
             }
@@ -188,11 +235,13 @@ impl Condition {
         Ok(())
     }
 
-    /// Wakes up to `n` waiters.
-    pub fn notify(&self, n: u32) {
+    /// Wakes up to `n` waiters (`usize::MAX`: every one, as
+    /// [`notify_all`](Self::notify_all)).
+    pub fn notify(&self, n: usize) {
         let seq = self.block.word(COND_SEQ);
         seq.fetch_add(1, Ordering::AcqRel);
-        futex::wake(seq, n);
+        // The kernel takes a signed count: anything above its largest wakes all.
+        futex::wake(seq, n.min(i32::MAX as usize) as u32);
     }
 
     /// Wakes every waiter.
@@ -227,24 +276,40 @@ impl ConditionGuard<'_> {
     ///
     /// # Errors
     /// As [`Condition::wait`].
-    pub fn wait(&mut self, timeout: Option<Duration>) -> Result<()> {
-        self.condition.wait(timeout)
+    pub fn wait(&mut self) -> Result<()> {
+        self.condition.wait()
+    }
+
+    /// [`Condition::wait_timeout`] with the lock this guard holds.
+    ///
+    /// # Errors
+    /// As [`Condition::wait_timeout`].
+    pub fn wait_timeout(&mut self, timeout: Duration) -> Result<()> {
+        self.condition.wait_timeout(timeout)
     }
 
     /// [`Condition::wait_for`] with the lock this guard holds.
     ///
     /// # Errors
     /// As [`Condition::wait_for`].
-    pub fn wait_for(
+    pub fn wait_for(&mut self, predicate: impl FnMut() -> bool) -> Result<()> {
+        self.condition.wait_for(predicate)
+    }
+
+    /// [`Condition::wait_for_timeout`] with the lock this guard holds.
+    ///
+    /// # Errors
+    /// As [`Condition::wait_for_timeout`].
+    pub fn wait_for_timeout(
         &mut self,
         predicate: impl FnMut() -> bool,
-        timeout: Option<Duration>,
+        timeout: Duration,
     ) -> Result<()> {
-        self.condition.wait_for(predicate, timeout)
+        self.condition.wait_for_timeout(predicate, timeout)
     }
 
     /// [`Condition::notify`].
-    pub fn notify(&self, n: u32) {
+    pub fn notify(&self, n: usize) {
         self.condition.notify(n);
     }
 
@@ -276,7 +341,7 @@ mod tests {
     fn a_wait_without_the_lock_is_refused_and_releases_nothing() {
         let cond = Condition::new().unwrap();
         // Free: refused.
-        let err = cond.wait(Some(Duration::from_millis(1))).unwrap_err();
+        let err = cond.wait_timeout(Duration::from_millis(1)).unwrap_err();
         assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
         // Held by another thread (through a guard, which records its holder too).
         let (held_tx, held_rx) = std::sync::mpsc::channel();
@@ -292,7 +357,7 @@ mod tests {
             });
             held_rx.recv_timeout(Duration::from_secs(30)).unwrap();
             assert!(!cond.is_owned_by_current_thread());
-            let err = cond.wait(Some(Duration::from_millis(1))).unwrap_err();
+            let err = cond.wait_timeout(Duration::from_millis(1)).unwrap_err();
             assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
             assert!(
                 cond.lock.is_locked(),
@@ -301,10 +366,10 @@ mod tests {
             done_tx.send(()).unwrap();
         });
         // Held by this thread: waits (and times out, holding the lock again).
-        cond.acquire(None).unwrap();
+        cond.acquire().unwrap();
         assert!(cond.is_owned_by_current_thread());
         assert!(
-            cond.wait(Some(Duration::from_millis(1)))
+            cond.wait_timeout(Duration::from_millis(1))
                 .unwrap_err()
                 .is_timeout()
         );

@@ -25,10 +25,10 @@ const FLAG: usize = 1;
 ///
 /// ```
 /// let done = multiproc::Event::new()?;
-/// let err = done.wait(Some(std::time::Duration::from_millis(1))).unwrap_err();
+/// let err = done.wait_timeout(std::time::Duration::from_millis(1)).unwrap_err();
 /// assert!(err.is_timeout());
 /// done.set();
-/// done.wait(None)?;
+/// done.wait()?;
 /// assert!(done.is_set());
 /// # Ok::<(), multiproc::Error>(())
 /// ```
@@ -66,11 +66,24 @@ impl Event {
         self.block.word(FLAG).load(Ordering::Acquire) != 0
     }
 
-    /// Waits until the flag is set, at most `timeout` (`None`: as long as it takes).
+    /// Waits until the flag is set, as long as it takes. [`is_set`](Self::is_set) is
+    /// the look that never waits.
+    ///
+    /// # Errors
+    /// An [`Error::Os`] only when the kernel refuses the wait.
+    pub fn wait(&self) -> Result<()> {
+        self.wait_until(None)
+    }
+
+    /// Waits until the flag is set, at most `timeout` (Python's `wait(timeout)`).
     ///
     /// # Errors
     /// [`Error::Timeout`] when the flag was still clear at the deadline.
-    pub fn wait(&self, timeout: Option<Duration>) -> Result<()> {
+    pub fn wait_timeout(&self, timeout: Duration) -> Result<()> {
+        self.wait_until(Some(timeout))
+    }
+
+    fn wait_until(&self, timeout: Option<Duration>) -> Result<()> {
         let deadline = deadline_after(timeout);
         let flag = self.block.word(FLAG);
         loop {

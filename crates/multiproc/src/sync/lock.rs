@@ -292,9 +292,10 @@ pub(crate) fn expect_guard<G>(
 /// {
 ///     let _held = lock.lock()?;
 ///     assert!(lock.try_lock()?.is_none(), "held by the guard");
-///     assert!(lock.acquire(Some(std::time::Duration::ZERO)).unwrap_err().is_timeout());
+///     assert!(!lock.try_acquire()?);
+///     assert!(lock.acquire_timeout(std::time::Duration::ZERO).unwrap_err().is_timeout());
 /// } // the guard released it
-/// lock.acquire(None)?;
+/// lock.acquire()?;
 /// lock.release()?;
 /// # Ok::<(), multiproc::Error>(())
 /// ```
@@ -350,14 +351,42 @@ impl Lock {
             && self.raw.word(THREAD).load(Ordering::Acquire) == my_tid()
     }
 
-    /// Acquires the lock, waiting at most `timeout` (`None`: as long as it takes).
-    /// Release it with [`release`](Self::release), or use [`lock`](Self::lock) for a
-    /// guard that releases it.
+    /// Acquires the lock, waiting as long as it takes. Release it with
+    /// [`release`](Self::release), or use [`lock`](Self::lock) for a guard that
+    /// releases it.
     ///
     /// # Errors
-    /// [`Error::Timeout`] when it was not acquired in time; [`Error::OwnerDied`] when
-    /// the lock was taken over from a dead holder (the caller now holds it).
-    pub fn acquire(&self, timeout: Option<Duration>) -> Result<()> {
+    /// [`Error::OwnerDied`] when the lock was taken over from a dead holder (the caller
+    /// now holds it).
+    pub fn acquire(&self) -> Result<()> {
+        self.acquire_within(None)
+    }
+
+    /// Acquires the lock, waiting at most `timeout` (Python's `acquire(timeout=…)`).
+    ///
+    /// # Errors
+    /// [`Error::Timeout`] when it was not acquired in time; otherwise as
+    /// [`acquire`](Self::acquire).
+    pub fn acquire_timeout(&self, timeout: Duration) -> Result<()> {
+        self.acquire_within(Some(timeout))
+    }
+
+    /// Acquires the lock if it is free, without waiting: `Ok(false)` when another
+    /// holder has it (Python's `acquire(block=False)`).
+    ///
+    /// # Errors
+    /// As [`acquire`](Self::acquire) (a dead holder's lock is taken over and
+    /// reported).
+    #[doc(alias = "acquire_nowait")]
+    pub fn try_acquire(&self) -> Result<bool> {
+        match self.acquire_within(Some(Duration::ZERO)) {
+            Ok(()) => Ok(true),
+            Err(Error::Timeout { .. }) => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
+    fn acquire_within(&self, timeout: Option<Duration>) -> Result<()> {
         match self.acquire_raw(deadline_after(timeout))? {
             Acquired::Yes => Ok(()),
             Acquired::TimedOut => Err(Error::timeout("an acquire of a lock", timeout)),
@@ -514,11 +543,37 @@ impl RLock {
             && self.raw.word(THREAD).load(Ordering::Acquire) == my_tid()
     }
 
+    /// Acquires the lock (again, if this thread holds it), waiting as long as it takes.
+    ///
+    /// # Errors
+    /// [`Error::OwnerDied`] as for [`Lock::acquire`].
+    pub fn acquire(&self) -> Result<()> {
+        self.acquire_within(None)
+    }
+
     /// Acquires the lock (again, if this thread holds it), waiting at most `timeout`.
     ///
     /// # Errors
-    /// [`Error::Timeout`] and [`Error::OwnerDied`] as for [`Lock::acquire`].
-    pub fn acquire(&self, timeout: Option<Duration>) -> Result<()> {
+    /// [`Error::Timeout`] and [`Error::OwnerDied`] as for [`Lock::acquire_timeout`].
+    pub fn acquire_timeout(&self, timeout: Duration) -> Result<()> {
+        self.acquire_within(Some(timeout))
+    }
+
+    /// Acquires the lock if it is free or held by this thread, without waiting:
+    /// `Ok(false)` when another thread or process holds it.
+    ///
+    /// # Errors
+    /// [`Error::OwnerDied`] as for [`Lock::acquire`].
+    #[doc(alias = "acquire_nowait")]
+    pub fn try_acquire(&self) -> Result<bool> {
+        match self.acquire_within(Some(Duration::ZERO)) {
+            Ok(()) => Ok(true),
+            Err(Error::Timeout { .. }) => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
+    fn acquire_within(&self, timeout: Option<Duration>) -> Result<()> {
         match self.acquire_raw(deadline_after(timeout))? {
             Acquired::Yes => Ok(()),
             Acquired::TimedOut => Err(Error::timeout("an acquire of a reentrant lock", timeout)),

@@ -88,7 +88,7 @@ mod tests {
         )
         .unwrap();
         assert!(lock.is_locked());
-        let err = lock.acquire(Some(Duration::from_secs(5))).unwrap_err();
+        let err = lock.acquire_timeout(Duration::from_secs(5)).unwrap_err();
         assert!(
             matches!(err, Error::OwnerDied { pid, .. } if pid == dead_pid),
             "{err}"
@@ -105,7 +105,7 @@ mod tests {
         lock.raw_for_tests()
             .block_word_owner()
             .store(u32::MAX - 7, Ordering::Release);
-        let err = lock.acquire(Some(Duration::from_secs(5))).unwrap_err();
+        let err = lock.acquire_timeout(Duration::from_secs(5)).unwrap_err();
         assert!(matches!(err, Error::OwnerDied { pid: 0, .. }), "{err}");
         assert!(err.to_string().contains("pid unknown"), "{err}");
         lock.release().unwrap();
@@ -128,10 +128,10 @@ mod tests {
                 }
                 forked_gc.set();
                 // Lives until the test is done with it (at most 20 s).
-                i32::from(release_c.wait(Some(Duration::from_secs(20))).is_err())
+                i32::from(release_c.wait_timeout(Duration::from_secs(20)).is_err())
             });
             // Dies only once the grandchild has settled in.
-            let settled = forked_c.wait(Some(Duration::from_secs(10)));
+            let settled = forked_c.wait_timeout(Duration::from_secs(10));
             i32::from(grandchild.is_err() || settled.is_err())
         })
         .unwrap() as u32;
@@ -143,8 +143,8 @@ mod tests {
         .unwrap()
         .1;
         assert_eq!(status.exit_status(), Some(0));
-        forked.wait(Some(Duration::from_secs(10))).unwrap();
-        let err = lock.acquire(Some(Duration::from_secs(5))).unwrap_err();
+        forked.wait_timeout(Duration::from_secs(10)).unwrap();
+        let err = lock.acquire_timeout(Duration::from_secs(5)).unwrap_err();
         release.set();
         assert!(
             matches!(err, Error::OwnerDied { pid, .. } if pid == dead_pid),
@@ -163,9 +163,9 @@ mod tests {
         q.put(rlock.clone()).unwrap();
         let (a, b): (super::RLock, super::RLock) = (q.get().unwrap(), q.get().unwrap());
         drop(rlock);
-        a.acquire(Some(Duration::from_secs(5))).unwrap();
+        a.acquire_timeout(Duration::from_secs(5)).unwrap();
         assert!(b.is_owned_by_current_thread());
-        b.acquire(Some(Duration::from_secs(5))).unwrap();
+        b.acquire_timeout(Duration::from_secs(5)).unwrap();
         b.release().unwrap();
         a.release().unwrap();
         assert!(!a.is_owned_by_current_thread());
@@ -174,7 +174,7 @@ mod tests {
         let locks = crate::Queue::new().unwrap();
         locks.put(lock.clone()).unwrap();
         let other: Lock = locks.get().unwrap();
-        lock.acquire(None).unwrap();
+        lock.acquire().unwrap();
         drop(lock);
         assert!(other.is_owned_by_current_thread());
         other.release().unwrap();
@@ -183,10 +183,10 @@ mod tests {
     #[test]
     fn bounded_semaphore_refuses_extra_release() {
         let s = BoundedSemaphore::new(2).unwrap();
-        s.acquire(None).unwrap();
-        s.acquire(None).unwrap();
+        s.acquire().unwrap();
+        s.acquire().unwrap();
         assert!(
-            s.acquire(Some(Duration::from_millis(10)))
+            s.acquire_timeout(Duration::from_millis(10))
                 .unwrap_err()
                 .is_timeout()
         );
@@ -198,8 +198,8 @@ mod tests {
     #[test]
     fn rlock_reenters_and_barrier_releases_all() {
         let r = RLock::new().unwrap();
-        r.acquire(None).unwrap();
-        r.acquire(None).unwrap();
+        r.acquire().unwrap();
+        r.acquire().unwrap();
         r.release().unwrap();
         r.release().unwrap();
         assert!(r.release().is_err());
@@ -208,10 +208,10 @@ mod tests {
         let hs: Vec<_> = (0..3)
             .map(|_| {
                 let b = b.clone();
-                std::thread::spawn(move || b.wait(Some(Duration::from_secs(10))).unwrap())
+                std::thread::spawn(move || b.wait_timeout(Duration::from_secs(10)).unwrap())
             })
             .collect();
-        let mut idx: Vec<u32> = hs.into_iter().map(|h| h.join().unwrap()).collect();
+        let mut idx: Vec<usize> = hs.into_iter().map(|h| h.join().unwrap()).collect();
         idx.sort();
         assert_eq!(idx, [0, 1, 2]);
     }
@@ -222,12 +222,12 @@ mod tests {
         let flag = Value::new(false).unwrap();
         let (c2, f2) = (c.clone(), flag.clone());
         let waiter = std::thread::spawn(move || {
-            c2.acquire(None).unwrap();
-            let ok = c2.wait_for(|| f2.get(), Some(Duration::from_secs(10)));
+            c2.acquire().unwrap();
+            let ok = c2.wait_for_timeout(|| f2.get(), Duration::from_secs(10));
             c2.release().unwrap();
             ok
         });
-        c.acquire(None).unwrap();
+        c.acquire().unwrap();
         flag.set(true);
         c.notify_all();
         c.release().unwrap();
@@ -274,7 +274,7 @@ mod tests {
         assert_eq!(s.value(), 2);
 
         let ev = Event::new().unwrap();
-        let err = ev.wait(Some(Duration::from_millis(5))).unwrap_err();
+        let err = ev.wait_timeout(Duration::from_millis(5)).unwrap_err();
         assert!(
             matches!(err, Error::Timeout { after: Some(t), .. } if t == Duration::from_millis(5))
         );

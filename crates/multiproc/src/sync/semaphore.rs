@@ -30,17 +30,23 @@ impl Semaphore {
     /// A semaphore with `value` permits.
     ///
     /// # Errors
-    /// When the shared page cannot be made, or `value` does not fit in 31 bits.
-    pub fn new(value: u32) -> Result<Self> {
+    /// [`Error::InvalidArgument`] when `value` is 2^31 or more (the count is a shared
+    /// 32-bit word the kernel's futex reads as signed); when the shared page cannot be
+    /// made.
+    pub fn new(value: usize) -> Result<Self> {
         Self::build(value, false)
     }
 
-    pub(super) fn build(value: u32, bounded: bool) -> Result<Self> {
-        if value > i32::MAX as u32 {
-            return Err(Error::InvalidArgument(format!(
-                "a semaphore's value must be below 2^31, got {value}"
-            )));
-        }
+    pub(super) fn build(value: usize, bounded: bool) -> Result<Self> {
+        let value = u32::try_from(value)
+            .ok()
+            .filter(|&v| v <= i32::MAX as u32)
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "a semaphore's value must be below 2^31 (a shared 32-bit count), got \
+                     {value}"
+                ))
+            })?;
         let block = SharedWords::new(SEM_KIND)?;
         block.word(SEM_VALUE).store(value, Ordering::Release);
         if bounded {
@@ -51,13 +57,35 @@ impl Semaphore {
         })
     }
 
-    /// Takes one permit, waiting at most `timeout` (`None`: as long as it takes).
-    /// Give it back with [`release`](Self::release), or use [`permit`](Self::permit)
-    /// for a guard that does.
+    /// Takes one permit, waiting as long as it takes. Give it back with
+    /// [`release`](Self::release), or use [`permit`](Self::permit) for a guard that
+    /// does.
+    ///
+    /// # Errors
+    /// An [`Error::Os`] only when the kernel refuses the wait.
+    pub fn acquire(&self) -> Result<()> {
+        self.acquire_within(None)
+    }
+
+    /// Takes one permit, waiting at most `timeout` (Python's `acquire(timeout=…)`).
     ///
     /// # Errors
     /// [`Error::Timeout`] when no permit came in time.
-    pub fn acquire(&self, timeout: Option<Duration>) -> Result<()> {
+    pub fn acquire_timeout(&self, timeout: Duration) -> Result<()> {
+        self.acquire_within(Some(timeout))
+    }
+
+    /// Takes one permit if one is free, without waiting or a system call: `Ok(false)`
+    /// when none is (Python's `acquire(block=False)`).
+    ///
+    /// # Errors
+    /// Never, today: a `Result` so that every `try_acquire` reads alike.
+    #[doc(alias = "acquire_nowait")]
+    pub fn try_acquire(&self) -> Result<bool> {
+        Ok(self.count().try_take())
+    }
+
+    fn acquire_within(&self, timeout: Option<Duration>) -> Result<()> {
         if self.acquire_until(deadline_after(timeout))? {
             Ok(())
         } else {
@@ -83,7 +111,7 @@ impl Semaphore {
     /// # Ok::<(), multiproc::Error>(())
     /// ```
     pub fn permit(&self) -> Result<SemaphoreGuard<'_>> {
-        self.acquire(None)?;
+        self.acquire()?;
         Ok(SemaphoreGuard { semaphore: self })
     }
 
@@ -92,7 +120,7 @@ impl Semaphore {
     /// # Errors
     /// As [`permit`](Self::permit).
     pub fn try_permit(&self) -> Result<Option<SemaphoreGuard<'_>>> {
-        let got = self.acquire_until(Some(std::time::Instant::now()))?;
+        let got = self.try_acquire()?;
         // `then`, not `then_some`: a guard made and dropped would give back a permit
         // that was never taken.
         Ok(got.then(|| SemaphoreGuard { semaphore: self }))
@@ -103,11 +131,11 @@ impl Semaphore {
     /// # Errors
     /// [`Error::Timeout`] when no permit came in time.
     pub fn permit_timeout(&self, timeout: Duration) -> Result<SemaphoreGuard<'_>> {
-        self.acquire(Some(timeout))?;
+        self.acquire_timeout(timeout)?;
         Ok(SemaphoreGuard { semaphore: self })
     }
 
-    /// Takes one permit, as [`acquire`](Self::acquire) without a timeout does, without
+    /// Takes one permit, as [`acquire`](Self::acquire) does, without
     /// blocking a thread (feature `async`; any executor). Cancel-safe: a future
     /// dropped before it completes has taken no permit.
     ///
@@ -165,8 +193,8 @@ impl Semaphore {
     }
 
     /// The number of permits free right now (approximate).
-    pub fn value(&self) -> u32 {
-        self.count().value()
+    pub fn value(&self) -> usize {
+        self.count().value() as usize
     }
 }
 

@@ -138,7 +138,7 @@ impl<T: Bits64> Value<T> {
     /// [`Error::OwnerDied`] when the lock was taken over from a dead holder; the update
     /// is still made.
     pub fn update(&self, f: impl FnOnce(T) -> T) -> Result<T> {
-        let died = match self.lock.acquire(None) {
+        let died = match self.lock.acquire() {
             Ok(_) => None,
             Err(e @ Error::OwnerDied { .. }) => Some(e),
             Err(e) => return Err(e),

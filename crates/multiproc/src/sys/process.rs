@@ -297,6 +297,12 @@ pub(crate) fn signal_name(sig: i32) -> String {
     name.to_string()
 }
 
+/// A pid as the public API carries it: `u32`, as `std::process::Child::id` (the
+/// kernel's pids are positive, so nothing is lost).
+pub(crate) fn public_pid(pid: i32) -> u32 {
+    pid.unsigned_abs()
+}
+
 /// The pid of this process.
 pub(crate) fn current_pid() -> i32 {
     rustix::process::getpid().as_raw_nonzero().get()

@@ -97,18 +97,18 @@ impl Dataset for Samples {
             if i == 0 {
                 for _ in 0..self.hold_first {
                     // A timeout here is an error: the other samples never finished.
-                    sem.acquire(Some(GATE_WAIT))?;
+                    sem.acquire_timeout(GATE_WAIT)?;
                 }
             } else {
                 sem.release()?;
             }
         }
         if let (0, Some(event)) = (i, &self.first_waits) {
-            event.wait(Some(GATE_WAIT))?;
+            event.wait_timeout(GATE_WAIT)?;
         }
         if let Some((from, event)) = &self.gate {
             if i >= *from {
-                event.wait(Some(GATE_WAIT))?;
+                event.wait_timeout(GATE_WAIT)?;
             }
         }
         Ok((Tensor::full(&[4], i as f64, DType::F32)?, i as i64))

@@ -349,9 +349,9 @@ impl Stats {
         }
     }
 
-    pub fn pid(&mut self, pid: Option<i32>) {
+    pub fn pid(&mut self, pid: Option<u32>) {
         if let Some(p) = pid {
-            self.pids.insert(p as u32);
+            self.pids.insert(p);
         }
     }
 }
@@ -396,7 +396,7 @@ pub fn kill_and_reap(p: &mut Process, stats: &mut Stats) {
     p.kill().expect("SIGKILL the worker");
     stats.kills += 1;
     let status = p
-        .join(Some(WAIT))
+        .join_timeout(WAIT)
         .unwrap_or_else(|e| panic!("worker {:?} was not joined after SIGKILL: {e}", p.pid()));
     assert_eq!(
         status.signal_name().as_deref(),

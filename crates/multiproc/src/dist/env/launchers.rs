@@ -72,7 +72,7 @@ pub(super) fn torchrun(v: &Vars<'_>) -> Result<Env> {
         node_rank,
         master_addr: None,
         master_port: None,
-        restart_count: u32::try_from(restart_count).unwrap_or(u32::MAX),
+        restart_count,
         run_id: v.get("TORCHELASTIC_RUN_ID").map(str::to_string),
         launcher,
     })
@@ -168,8 +168,7 @@ pub(super) fn slurm(v: &Vars<'_>) -> Result<Env> {
         node_rank,
         master_addr: None,
         master_port: None,
-        restart_count: u32::try_from(v.num("SLURM_RESTART_COUNT")?.unwrap_or(0))
-            .unwrap_or(u32::MAX),
+        restart_count: v.num("SLURM_RESTART_COUNT")?.unwrap_or(0),
         run_id,
         launcher: l,
     })

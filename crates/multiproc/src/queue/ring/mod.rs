@@ -38,18 +38,30 @@
 //! when `GET_WAITERS` says there is one: a hand-over to a spinning getter costs no
 //! system call on either side. A sleeping getter also looks at the socket every
 //! [`SOCKET_RECHECK`], because a packet that did not come through a `put` wakes nobody.
-//! A channel value that is dropped wakes every sleeper ([`Ring::holder_left`]), so a
-//! getter left alone hears of it (an awaited get at once, see `sys::reactor`).
+//! A channel value that is dropped wakes every sleeper ([`Ring::holder_left`], which
+//! also bumps `LEFT`), so a getter left alone hears of it (an awaited get at once, see
+//! `sys::reactor`).
+//!
+//! **Tries.** [`Ring::try_recv`] never waits and, when nothing is there, makes no
+//! system call: it reads the ring, and looks at the socket only when the lane's flag
+//! says a producer used it, or (thorough tries, see [`TryLook`]) when told to — and
+//! always once more, socket included, before it declares the end. A record being
+//! written at the head is nothing ready *now*; each channel value remembers since
+//! when its head has been busy, and the first try after [`REVOKE_AFTER`] of that
+//! revokes the writer, so a consumer that only ever tries gets past a producer
+//! stopped for good.
 
 pub(crate) mod slots;
 
 use std::os::fd::BorrowedFd;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use self::slots::{Popped, Pushed, SlotMemory};
-use super::layout::{GET_WAITERS, HEAD, LANE, LENGTH_AT, RECORD_AT, SEQ, SLOT_BYTES, SLOTS, TAIL};
+use super::layout::{
+    GET_WAITERS, HEAD, LANE, LEFT, LENGTH_AT, RECORD_AT, SEQ, SLOT_BYTES, SLOTS, TAIL,
+};
 use crate::error::{Error, Result};
 use crate::shm::SharedWords;
 use crate::sys::futex;
@@ -73,6 +85,27 @@ const REVOKE_AFTER: Duration = Duration::from_micros(500);
 /// The ring of one channel (see the module docs).
 pub(crate) struct Ring {
     block: Arc<SharedWords>,
+    /// The position a try last found being written at the head, and since when (see
+    /// [`Ring::try_recv`]); this process's own, shared by its handles of the channel.
+    busy_head: Mutex<Option<(u64, Instant)>>,
+}
+
+/// How thoroughly [`Ring::try_recv`] looks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum TryLook {
+    /// A `try_get`: no system call when nothing is there (the socket only when the
+    /// lane is flagged, or before the end is declared); a busy head is revoked once it
+    /// has stayed busy for [`REVOKE_AFTER`] across tries.
+    Quick,
+    /// An awaited get about to park (and its re-checks): the socket too, for packets
+    /// written on it without a `put`, which flag nothing; and a busy head is waited
+    /// for (yielding) until [`REVOKE_AFTER`] and revoked, as a blocking get does: the
+    /// future would otherwise park on a word a stopped writer never changes until its
+    /// next re-check.
+    Thorough,
+    /// The last holder giving back what is queued: the socket too, and a busy head is
+    /// revoked at once (no holder is left to write it).
+    Last,
 }
 
 impl std::fmt::Debug for Ring {
@@ -153,6 +186,7 @@ impl Ring {
     fn from_block(block: SharedWords) -> Self {
         Self {
             block: Arc::new(block),
+            busy_head: Mutex::new(None),
         }
     }
 
@@ -189,6 +223,7 @@ impl Ring {
     /// Wakes every sleeping getter (a holder of the channel is leaving: a getter left
     /// alone asks again whether anything can still arrive, see `channel`).
     pub(crate) fn holder_left(&self) {
+        self.word(LEFT).fetch_add(1, Ordering::SeqCst);
         self.word(SEQ).fetch_add(1, Ordering::SeqCst);
         if self.word(GET_WAITERS).load(Ordering::SeqCst) > 0 {
             futex::wake_all(self.word(SEQ));
@@ -201,6 +236,12 @@ impl Ring {
     /// sleeping get.
     pub(crate) fn get_words(&self) -> (&AtomicU32, &AtomicU32) {
         (self.word(SEQ), self.word(GET_WAITERS))
+    }
+
+    /// How many channel values have been dropped, anywhere: a sighting of other holders
+    /// made before this changed may be out of date (see `channel`).
+    pub(crate) fn departures(&self) -> u32 {
+        self.word(LEFT).load(Ordering::SeqCst)
     }
 
     /// What an awaited get parks on (feature `async`): `SEQ` as it is now, read before
@@ -422,31 +463,86 @@ impl Ring {
         }
     }
 
-    /// Receives the oldest message if one is there now; [`Error::Disconnected`] when
-    /// there is none and no other holder is left (as in [`recv`](Self::recv)). A record
-    /// being written at the head is waited for at most [`REVOKE_AFTER`].
+    /// Receives the oldest message if one is there now, without waiting;
+    /// [`Error::Disconnected`] when there is none and no other holder is left (as in
+    /// [`recv`](Self::recv)). `how`: see [`TryLook`] and the module docs.
+    ///
+    /// `disconnected()` is asked only when a look found nothing ready (nothing, or a
+    /// record being written at the head: with no other holder left its writer is dead,
+    /// and it is passed at once), and the end is declared only after a later look, at
+    /// the ring and the socket, that follows the answer: a holder that put and then left
+    /// is gone before its messages are looked for, so they are found.
     pub(crate) fn try_recv(
         &self,
         rx: BorrowedFd<'_>,
         disconnected: &dyn Fn() -> bool,
+        how: TryLook,
     ) -> Result<Option<Packet>> {
-        let alone = disconnected();
         let mut revoke = None;
-        let mut since = None;
-        loop {
-            match self.look(rx, true, revoke.take(), &mut || true)? {
+        let mut alone = false;
+        // Each round returns, or revokes a busy head (which moves the head on), or
+        // learns that no other holder is left (once): a try ends within a few rounds
+        // unless a last holder passes many dead writers, and a forged ring that keeps
+        // one busy costs a bounded number.
+        for _ in 0..64 {
+            let at_socket = alone || how != TryLook::Quick;
+            match self.look(rx, at_socket, revoke.take(), &mut || true)? {
                 Look::Packet(packet) => return Ok(Some(packet)),
-                Look::Nothing if alone => return Err(disconnected_error()),
-                Look::Nothing => return Ok(None),
                 Look::Busy(pos) => {
-                    let since = *since.get_or_insert_with(Instant::now);
-                    if since.elapsed() >= REVOKE_AFTER {
+                    if how == TryLook::Last || self.busy_for_long(pos) {
                         revoke = Some(pos);
-                    } else {
-                        std::hint::spin_loop();
-                        std::thread::yield_now();
+                        continue;
                     }
+                    if how == TryLook::Thorough {
+                        self.wait_out_busy(pos);
+                        revoke = Some(pos);
+                        continue;
+                    }
+                    // With no other holder left, its writer is dead (a stopped one
+                    // still holds the queue): pass it now, and the end can be told.
+                    if !alone && disconnected() {
+                        alone = true;
+                        revoke = Some(pos);
+                        continue;
+                    }
+                    return Ok(None);
                 }
+                Look::Nothing if alone => return Err(disconnected_error()),
+                Look::Nothing => {
+                    if !disconnected() {
+                        return Ok(None);
+                    }
+                    alone = true;
+                }
+            }
+        }
+        Ok(None)
+    }
+
+    /// Yields until the head has been busy at `pos` for [`REVOKE_AFTER`] (or is not
+    /// busy there any more).
+    fn wait_out_busy(&self, pos: u64) {
+        while !self.busy_for_long(pos) {
+            if !slots::is_writing(self, pos) {
+                return;
+            }
+            std::hint::spin_loop();
+            std::thread::yield_now();
+        }
+    }
+
+    /// Whether the head has been busy at `pos` for [`REVOKE_AFTER`], as this process's
+    /// tries saw it; a head busy at another position starts the count again.
+    fn busy_for_long(&self, pos: u64) -> bool {
+        let mut busy = self
+            .busy_head
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        match *busy {
+            Some((p, since)) if p == pos => since.elapsed() >= REVOKE_AFTER,
+            _ => {
+                *busy = Some((pos, Instant::now()));
+                false
             }
         }
     }
@@ -541,7 +637,11 @@ mod tests {
                 Item::WithFd(j, _) => assert_eq!((j, i % 100), (i, 0)),
             }
         }
-        assert!(ring.try_recv(rx.as_fd(), &|| false).unwrap().is_none());
+        assert!(
+            ring.try_recv(rx.as_fd(), &|| false, TryLook::Quick)
+                .unwrap()
+                .is_none()
+        );
         assert!(!lane_flagged(&ring), "an empty queue clears the lane");
         // With the lane clear, the ring is used again.
         let mut msg = wire::encode(&Item::Plain(7)).unwrap();
@@ -642,6 +742,49 @@ mod tests {
             (pos / SLOTS as u64) << 2 | 1,
             (pos / SLOTS as u64) << 2 | 2
         ));
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore = "memfds and sockets")]
+    fn a_try_passes_a_stalled_writer_after_a_while_or_at_once_when_alone() {
+        let ring = Ring::new().unwrap();
+        let (tx, rx) = seqpacket_pair().unwrap();
+        let stall = |ring: &Ring| {
+            let record = wire::encode(&0u8).unwrap();
+            let (h, p) = record.as_plain_bytes().unwrap();
+            assert_eq!(slots::push(ring, &[h, p], || false), Pushed::Stopped);
+        };
+        let put = |ring: &Ring, v: u8| {
+            let mut msg = wire::encode(&v).unwrap();
+            ring.send(&mut msg, tx.as_fd(), None).unwrap();
+        };
+        let value =
+            |packet: Packet| -> u8 { wire::decode(packet, &crate::shm::Returns::plain()).unwrap() };
+        stall(&ring);
+        put(&ring, 1);
+        // Other holders left: nothing ready now, until the claim has been seen for
+        // REVOKE_AFTER; then a try passes it (tries only, no blocking get).
+        let others = &|| false;
+        assert!(
+            ring.try_recv(rx.as_fd(), others, TryLook::Quick)
+                .unwrap()
+                .is_none()
+        );
+        let got = loop {
+            if let Some(packet) = ring.try_recv(rx.as_fd(), others, TryLook::Quick).unwrap() {
+                break value(packet);
+            }
+            std::thread::yield_now();
+        };
+        assert_eq!(got, 1);
+        // No other holder left: the writer is dead, passed at once, and then the end.
+        stall(&ring);
+        put(&ring, 2);
+        let alone = &|| true;
+        let packet = ring.try_recv(rx.as_fd(), alone, TryLook::Quick).unwrap();
+        assert_eq!(packet.map(value), Some(2));
+        let end = ring.try_recv(rx.as_fd(), alone, TryLook::Quick);
+        assert!(matches!(end, Err(Error::Disconnected(_))), "{end:?}");
     }
 
     #[test]

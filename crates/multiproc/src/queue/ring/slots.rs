@@ -285,6 +285,12 @@ fn starts_over<M: SlotMemory>(m: &M, pos: u64, w: u64) -> bool {
     false
 }
 
+/// Whether position `pos` is still claimed by a writer that has not published it.
+pub(crate) fn is_writing<M: SlotMemory>(m: &M, pos: u64) -> bool {
+    let n = m.slots() as u64;
+    m.state((pos % n) as usize).load() == at(pos / n, WRITING)
+}
+
 /// Whether a record is published or being written at the consumers' position (moving
 /// the head past taken and dead positions on the way).
 pub(crate) fn holds_records<M: SlotMemory>(m: &M) -> bool {
