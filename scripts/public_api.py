@@ -7,7 +7,8 @@ Read from rustdoc's HTML rather than its JSON because the HTML comes from the st
 toolchain that CI already documents the crate with (`cargo doc --all-features`); the
 JSON needs a nightly whose format changes. Items hidden with `#[doc(hidden)]` have no
 page and are left out; auto-trait and blanket impls are left out (they follow from the
-rest).
+rest). rustdoc leaves the pages of removed items behind: bless from a fresh
+`target/doc` (`rm -rf target/doc` first).
 
 Usage:
     scripts/public_api.py [DOC_DIR]              print the snapshot (default target/doc/multiproc)
@@ -115,7 +116,7 @@ def main(argv: list[str]) -> int:
     )
     print(
         f"\nThe public API differs from {target}. If the change is meant, review the diff "
-        f"above and run: python3 scripts/public_api.py --bless {target} {doc_dir}",
+        f"above and run (on a fresh target/doc): python3 scripts/public_api.py --bless {target} {doc_dir}",
         file=sys.stderr,
     )
     return 1

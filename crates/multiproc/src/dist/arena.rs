@@ -300,6 +300,12 @@ impl Arena {
                 return Err(self.died(rank, "its failure ended the group"));
             }
             if let Some(rank) = dead_peer() {
+                // A peer that ended this wait (the last to arrive at a barrier) may exit
+                // at once: it changed the word before it exited, so a look after its
+                // exit was seen tells a finished wait from a peer that died in it.
+                if passed() {
+                    return Ok(());
+                }
                 self.abort(rank);
                 return Err(self.died(rank, "it exited"));
             }
