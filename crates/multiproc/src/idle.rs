@@ -62,6 +62,7 @@ pub(crate) fn wake(key: usize, make: impl FnOnce() -> Job) {
 /// Waits until the idle thread is between ticks, so that whatever a job held during
 /// the tick that was running has been let go (a leak check counts fds after it).
 /// Jobs never wait, so this returns within one tick's work.
+#[cfg(feature = "testing-internals")]
 pub(crate) fn wait_for_tick() {
     drop(TICK_RUNNING.lock());
 }

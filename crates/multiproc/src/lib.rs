@@ -569,8 +569,9 @@ pub mod __bench;
 #[path = "fuzzing.rs"]
 pub mod __fuzz;
 #[cfg(target_os = "linux")]
-/// Not public API: hooks for the integration tests' leak checks. May change or vanish
-/// in any release.
+/// Not public API: hooks for the integration tests' leak checks, behind the
+/// `testing-internals` feature. May change or vanish in any release.
+#[cfg(feature = "testing-internals")]
 #[doc(hidden)]
 #[path = "testing.rs"]
 pub mod __testing;

@@ -99,11 +99,12 @@ use std::sync::Arc;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 pub(crate) use area::SharedArea;
-pub(crate) use cache::{
-    CacheKey, MAPPED_ON_RECEIPT, flush_retained, lookup as cached, release_before_exit,
-};
+pub(crate) use cache::{CacheKey, lookup as cached, release_before_exit};
+#[cfg(feature = "testing-internals")]
+pub(crate) use cache::{MAPPED_ON_RECEIPT, flush_retained};
 pub(crate) use name::SegmentName;
 pub(crate) use recycler::allocate;
+#[cfg(feature = "testing-internals")]
 pub(crate) use recycler::release_idle as release_idle_blocks;
 #[cfg(test)]
 pub(crate) use recycler::small_max as allocate_small_max;

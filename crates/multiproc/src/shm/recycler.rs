@@ -223,6 +223,7 @@ fn decay_job() -> Box<dyn FnMut() -> bool + Send> {
 /// Lets go of this process's idle blocks: arenas and large blocks nobody uses; for
 /// leak checks that count fds and names exactly, and to make room in a full
 /// `/dev/shm`. Returns how many were let go.
+#[cfg(feature = "testing-internals")]
 pub(crate) fn release_idle() -> usize {
     release_idle_of(SharingStrategy::FileDescriptor) + release_idle_of(SharingStrategy::FileSystem)
 }

@@ -499,6 +499,7 @@ impl Drop for Parked {
 }
 
 /// How many word registrations this process's reactors hold (parked futures; tests).
+#[cfg(feature = "testing-internals")]
 pub(crate) fn word_registrations() -> usize {
     SHARDS
         .lock()
