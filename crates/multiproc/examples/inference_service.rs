@@ -198,14 +198,14 @@ impl Service {
     /// Starts a worker process on a fresh job queue.
     fn start_worker(&self) -> multiproc::Result<(Process, Queue<Job>)> {
         let jobs = Queue::new()?;
-        let mut p = Process::new(
+        let p = Process::builder(
             worker,
             0,
             (self.weights.clone(), jobs.clone(), self.answers.clone()),
         )
         .start_method(StartMethod::Spawn)
-        .with_name("inference-worker");
-        p.start()?;
+        .name("inference-worker")
+        .start()?;
         Ok((p, jobs))
     }
 
@@ -257,7 +257,7 @@ impl Service {
                 return Ok(());
             }
             let (replacement, jobs) = self.start_worker()?;
-            let new_pid = replacement.pid().unwrap_or(0);
+            let new_pid = replacement.pid();
             let mut books = self.books();
             let dead_pid = books.slots[slot].pid;
             let orphans: Vec<u64> = books.slots[slot].in_flight.drain(..).collect();
@@ -339,7 +339,7 @@ async fn start(weights: &Weights, n: usize, addr: &str) -> multiproc::Result<Run
         let (process, jobs) = service.start_worker()?;
         service.books().slots.push(Slot {
             jobs,
-            pid: process.pid().unwrap_or(0),
+            pid: process.pid(),
             in_flight: VecDeque::new(),
         });
         let s = Arc::clone(&service);

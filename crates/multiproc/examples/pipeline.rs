@@ -82,15 +82,17 @@ fn main() -> ExitCode {
 fn run(fail: bool) -> multiproc::Result<u64> {
     let raw = Queue::with_capacity(64)?;
     let cooked = Queue::with_capacity(64)?;
-    let mut stages = vec![Process::new(reader, 0, raw.clone()).with_name("reader")];
+    let mut stages = vec![
+        Process::builder(reader, 0, raw.clone())
+            .name("reader")
+            .start()?,
+    ];
     for rank in 1..=TRANSFORMERS {
         stages.push(
-            Process::new(transformer, rank, (raw.clone(), cooked.clone(), fail))
-                .with_name(format!("transformer-{rank}")),
+            Process::builder(transformer, rank, (raw.clone(), cooked.clone(), fail))
+                .name(format!("transformer-{rank}"))
+                .start()?,
         );
-    }
-    for stage in &mut stages {
-        stage.start()?;
     }
     let mut ended = vec![false; stages.len()];
     let (mut sum, mut ends) = (0u64, 0);

@@ -632,8 +632,8 @@ pub use pool::{AsyncResult, Imap, MapResult, Pool, PoolBuilder};
 pub use process::{ChildProcess, CurrentProcess, active_children, cpu_count, current_process};
 #[cfg(target_os = "linux")]
 pub use process::{
-    ExitStatus, IntoWorkerOutcome, Process, ProcessContext, SpawnOptions, StartMethod, init, spawn,
-    start_processes,
+    ExitStatus, IntoWorkerOutcome, Process, ProcessBuilder, ProcessContext, SpawnOptions,
+    StartMethod, init, spawn, start_processes,
 };
 #[cfg(target_os = "linux")]
 pub use queue::{Connection, JoinableQueue, Queue, QueueIter, QueueTryIter, SimpleQueue, pipe};

@@ -239,8 +239,9 @@ fn disconnected_reaches_an_awaiting_task_when_the_only_producer_leaves() {
             // The producer returns (and drops its handle).
             let q = Queue::<u32>::new().unwrap();
             let go = Event::new().unwrap();
-            let mut producer = Process::new(put_three_and_leave, 0, (q.clone(), go.clone()));
-            producer.start().unwrap();
+            let mut producer = Process::builder(put_three_and_leave, 0, (q.clone(), go.clone()))
+                .start()
+                .unwrap();
             let mut got = Vec::new();
             for _ in 0..3 {
                 got.push(
@@ -281,8 +282,9 @@ fn disconnected_reaches_an_awaiting_task_when_the_only_producer_leaves() {
             // The producer is SIGKILLed while the get is parked.
             let q = Queue::<u32>::new().unwrap();
             let ready = Event::new().unwrap();
-            let mut producer = Process::new(put_three_and_hang, 0, (q.clone(), ready.clone()));
-            producer.start().unwrap();
+            let mut producer = Process::builder(put_three_and_hang, 0, (q.clone(), ready.clone()))
+                .start()
+                .unwrap();
             tokio::time::timeout(WAIT, ready.wait_async())
                 .await
                 .unwrap()

@@ -35,8 +35,9 @@ fn event_wait_async_and_process_join_async_across_processes() {
         let rt = runtime();
         rt.block_on(async {
             let (go, done) = (Event::new().unwrap(), Event::new().unwrap());
-            let mut child = Process::new(set_later, 0, (go.clone(), done.clone()));
-            child.start().unwrap();
+            let mut child = Process::builder(set_later, 0, (go.clone(), done.clone()))
+                .start()
+                .unwrap();
             // Many tasks wait on one event; dropped waits in between change nothing.
             let waiters: Vec<_> = (0..10)
                 .map(|_| {
@@ -278,9 +279,10 @@ fn a_fork_child_awaits_on_reactors_of_its_own() {
                 let never = never.clone();
                 tokio::spawn(async move { never.wait_async().await })
             };
-            let mut child = Process::new(await_in_a_fork_child, 0, (go.clone(), q.clone()))
-                .start_method(StartMethod::Fork);
-            child.start().unwrap();
+            let mut child = Process::builder(await_in_a_fork_child, 0, (go.clone(), q.clone()))
+                .start_method(StartMethod::Fork)
+                .start()
+                .unwrap();
             tokio::time::sleep(Duration::from_millis(100)).await;
             go.set();
             tokio::time::sleep(Duration::from_millis(100)).await;

@@ -116,8 +116,9 @@ fn distributed_sampler_reads_rank_and_world_size_from_the_environment() {
     common::run(secs(60), || {
         multiproc::spawn(sampler_from_env, 3usize, 3).unwrap();
         // A lone Process gets RANK but no WORLD_SIZE: a clear error, not a guess.
-        let mut p = Process::new(sampler_from_env_without_world_size, 0, ());
-        p.start().unwrap();
+        let mut p = Process::builder(sampler_from_env_without_world_size, 0, ())
+            .start()
+            .unwrap();
         let status = p.join().unwrap();
         assert!(status.success(), "{:?}", p.error());
     });

@@ -144,8 +144,9 @@ fn a_killed_producer_disconnects_its_queue() {
     common::run(DEADLINE, || {
         let q = SimpleQueue::<u32>::new().unwrap();
         let put = Event::new().unwrap();
-        let mut p = Process::new(put_then_wait, 0, (q.clone(), put.clone()));
-        p.start().unwrap();
+        let mut p = Process::builder(put_then_wait, 0, (q.clone(), put.clone()))
+            .start()
+            .unwrap();
         put.wait_timeout(WAIT).unwrap();
         drop(put);
         p.kill().unwrap();

@@ -158,15 +158,16 @@ fn scenario_lock_holder() {
             let a = Value::new(0u64).unwrap();
             let b = Value::new(0u64).unwrap();
             let started = Event::new().unwrap();
-            let mut p = Process::new(
+            let mut p = Process::builder(
                 hold_lock_until_killed,
                 0,
                 (lock.clone(), a.clone(), b.clone(), started.clone()),
             )
-            .daemon(true);
-            p.start().unwrap();
-            let pid = p.pid().unwrap();
-            stats.pid(Some(pid));
+            .daemon(true)
+            .start()
+            .unwrap();
+            let pid = p.pid();
+            stats.pid(pid);
             if cfg.rng.chance(3, 4) {
                 started.wait_timeout(WAIT).expect("the holder never ran");
             }
@@ -297,13 +298,14 @@ fn scenario_shm_manager() {
             stats.pids.insert(manager);
             let q = SimpleQueue::new().unwrap();
             let stop = Event::new().unwrap();
-            let mut p = Process::new(
+            let mut p = Process::builder(
                 produce_file_system_tensors,
                 0,
                 (q.clone(), stop.clone(), cfg.rng.next_u64()),
             )
-            .daemon(true);
-            p.start().unwrap();
+            .daemon(true)
+            .start()
+            .unwrap();
             stats.pid(p.pid());
             let mut received = 0u64;
             let take = |item: Produced, received: &mut u64, stats: &mut Stats| {

@@ -62,13 +62,14 @@ fn scenario_producer_mid_put() {
         for i in 0..cfg.iterations {
             let q = SimpleQueue::<(u64, Tensor)>::new().unwrap();
             let started = Event::new().unwrap();
-            let mut p = Process::new(
+            let mut p = Process::builder(
                 produce_until_killed,
                 0,
                 (q.clone(), started.clone(), cfg.rng.next_u64()),
             )
-            .daemon(true);
-            p.start().unwrap();
+            .daemon(true)
+            .start()
+            .unwrap();
             stats.pid(p.pid());
             if cfg.rng.chance(3, 4) {
                 started.wait_timeout(WAIT).expect("the producer never put");
@@ -139,13 +140,14 @@ fn scenario_consumer_mid_get() {
                     .map_err(|e| e.error)
                     .unwrap();
             }
-            let mut p = Process::new(
+            let mut p = Process::builder(
                 consume_until_killed,
                 0,
                 (work.clone(), acks.clone(), started.clone()),
             )
-            .daemon(true);
-            p.start().unwrap();
+            .daemon(true)
+            .start()
+            .unwrap();
             stats.pid(p.pid());
             if cfg.rng.chance(3, 4) {
                 started.wait_timeout(WAIT).expect("the consumer never ran");

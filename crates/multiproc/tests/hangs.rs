@@ -62,9 +62,11 @@ fn end_on_go(_rank: usize, go: Event) -> multiproc::Result<()> {
 fn error_alone_notices_a_failed_process() {
     common::run(secs(60), || {
         let go = Event::new().unwrap();
-        let mut p = Process::new(fail_after, 1, go.clone()).with_name("transformer-1");
-        p.start().unwrap();
-        let pid = p.pid().unwrap();
+        let mut p = Process::builder(fail_after, 1, go.clone())
+            .name("transformer-1")
+            .start()
+            .unwrap();
+        let pid = p.pid();
         assert!(p.error().is_none(), "it still runs");
         go.set();
         // Poll only `error()`, as a pipeline's supervisor loop does.
@@ -93,21 +95,24 @@ fn error_alone_notices_a_failed_process() {
 fn failures_name_the_process_and_its_pid() {
     common::run(secs(60), || {
         for method in [StartMethod::Spawn, StartMethod::Forkserver] {
-            let mut named = Process::new(exit_with, 2, 3)
-                .with_name("reader")
-                .start_method(method);
-            named.start().unwrap();
+            let mut named = Process::builder(exit_with, 2, 3)
+                .name("reader")
+                .start_method(method)
+                .start()
+                .unwrap();
             named.join().unwrap();
-            let pid = named.pid().unwrap();
+            let pid = named.pid();
             assert_eq!(
                 named.error().unwrap().to_string(),
                 format!("reader (rank 2, pid {pid}) terminated with exit code 3"),
                 "{method}"
             );
-            let mut unnamed = Process::new(exit_with, 2, 4).start_method(method);
-            unnamed.start().unwrap();
+            let mut unnamed = Process::builder(exit_with, 2, 4)
+                .start_method(method)
+                .start()
+                .unwrap();
             unnamed.join().unwrap();
-            let pid = unnamed.pid().unwrap();
+            let pid = unnamed.pid();
             assert_eq!(
                 unnamed.error().unwrap().to_string(),
                 format!("process 2 (pid {pid}) terminated with exit code 4"),
@@ -145,9 +150,11 @@ fn scenario_drop_a_blocked_worker() {
         println!("PID {}", ctx.pids()[0]);
         drop(ctx);
     } else {
-        let mut p = Process::new(put_two, 0, q).with_name("stuck-reader");
-        p.start().unwrap();
-        println!("PID {}", p.pid().unwrap());
+        let p = Process::builder(put_two, 0, q)
+            .name("stuck-reader")
+            .start()
+            .unwrap();
+        println!("PID {}", p.pid());
         drop(p);
     }
     println!("DROPPED");
@@ -244,8 +251,9 @@ fn wait_wakes_for_an_item_on_one_of_several_queues_and_takes_nothing() {
         // Another handle of each: neither is disconnected (which would make it ready).
         let keep = (idle.clone(), busy.clone());
         let (go, done) = (Event::new().unwrap(), Event::new().unwrap());
-        let mut p = Process::new(put_on_go, 0, (go.clone(), busy.clone(), 7, done.clone()));
-        p.start().unwrap();
+        let mut p = Process::builder(put_on_go, 0, (go.clone(), busy.clone(), 7, done.clone()))
+            .start()
+            .unwrap();
         let setter = std::thread::spawn(move || go.set());
         let ready = wait(&[&idle as &dyn Waitable, &busy, &p], Some(secs(30))).unwrap();
         assert_eq!(ready, [1], "only the queue with an item is ready");
@@ -264,8 +272,10 @@ fn wait_wakes_when_a_process_exits() {
         let q = SimpleQueue::<u32>::new().unwrap();
         let keep = q.clone(); // another handle: the queue stays connected
         let go = Event::new().unwrap();
-        let mut p = Process::new(end_on_go, 3, go.clone()).with_name("transformer-3");
-        p.start().unwrap();
+        let mut p = Process::builder(end_on_go, 3, go.clone())
+            .name("transformer-3")
+            .start()
+            .unwrap();
         let setter = std::thread::spawn(move || go.set());
         let ready = wait(&[&q as &dyn Waitable, &p], Some(secs(30))).unwrap();
         assert_eq!(ready, [1]);
@@ -287,8 +297,7 @@ fn wait_times_out_when_nothing_happens() {
         let keep = (a.clone(), b.clone());
         let (reader, writer) = multiproc::pipe::<u8>().unwrap();
         let go = Event::new().unwrap();
-        let mut p = Process::new(end_on_go, 0, go.clone());
-        p.start().unwrap();
+        let mut p = Process::builder(end_on_go, 0, go.clone()).start().unwrap();
         let start = Instant::now();
         let err = wait(
             &[&a as &dyn Waitable, &b, &p, &reader],

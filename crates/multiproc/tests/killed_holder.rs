@@ -49,9 +49,9 @@ fn hold(_rank: usize, (tensors, told): (Queue<Tensor>, Queue<u32>)) -> multiproc
 }
 
 fn start_holder(tensors: &Queue<Tensor>, told: &Queue<u32>) -> Process {
-    let mut p = Process::new(hold, 0, (tensors.clone(), told.clone()));
-    p.start().unwrap();
-    p
+    Process::builder(hold, 0, (tensors.clone(), told.clone()))
+        .start()
+        .unwrap()
 }
 
 /// Lets this process's idle blocks go until `done` says so, or fails after [`WAIT`]

@@ -57,8 +57,7 @@ fn main() {
     assert_names_init("start_processes", &e);
 
     // Process
-    let mut p = Process::new(noop, 0, ());
-    p.start().unwrap();
+    let mut p = Process::builder(noop, 0, ()).start().unwrap();
     p.join().unwrap();
     let e = p
         .error()

@@ -54,10 +54,12 @@ fn connection_wait_on_a_process_sentinel_and_a_pipe() {
     common::run(DEADLINE, || {
         let go = Event::new().unwrap();
         let (here, _there) = pipe::<u8>().unwrap();
-        let mut p = Process::new(wait_for_go, 0, go.clone());
-        assert!(p.sentinel().is_none(), "no sentinel before start");
-        p.start().unwrap();
-        let sentinel = p.sentinel().unwrap();
+        // A `Process` is always started (its builder starts it), so it always has a
+        // sentinel: "no sentinel before start" cannot be written.
+        let mut p = Process::builder(wait_for_go, 0, go.clone())
+            .start()
+            .unwrap();
+        let sentinel = p.sentinel();
         let err = multiproc::connection::wait(
             &[&sentinel as &dyn AsFd, &here],
             Some(Duration::from_millis(20)),

@@ -48,14 +48,12 @@ const WAIT: Duration = Duration::from_secs(30);
 fn single_process_lifecycle() {
     common::run(secs(120), || {
         for method in StartMethod::ALL {
-            let mut p = Process::new(sleep_then_ok, 0, 30_000u64).start_method(method);
-            assert!(p.pid().is_none() && !p.is_alive());
-            assert!(
-                p.join().is_err(),
-                "joining an unstarted process is an error"
-            );
-            p.start().unwrap();
-            assert!(p.start().is_err(), "a process starts once");
+            // Joining an unstarted process, or starting one twice, cannot be written:
+            // `ProcessBuilder::start` consumes the builder and returns the `Process`.
+            let mut p = Process::builder(sleep_then_ok, 0, 30_000u64)
+                .start_method(method)
+                .start()
+                .unwrap();
             assert!(p.is_alive());
             assert!(
                 p.join_timeout(Duration::from_millis(20))
@@ -72,13 +70,18 @@ fn single_process_lifecycle() {
             assert!(matches!(err, Error::ProcessExited { .. }), "{err:?}");
             p.kill().unwrap(); // a no-op once exited
 
-            let mut ok = Process::new(noop, 3, ()).start_method(method).world_size(4);
-            ok.start().unwrap();
+            let mut ok = Process::builder(noop, 3, ())
+                .start_method(method)
+                .world_size(4)
+                .start()
+                .unwrap();
             assert!(ok.join().unwrap().success());
             assert!(ok.error().is_none());
 
-            let mut bad = Process::new(raise_in, 2, 2usize).start_method(method);
-            bad.start().unwrap();
+            let mut bad = Process::builder(raise_in, 2, 2usize)
+                .start_method(method)
+                .start()
+                .unwrap();
             assert_eq!(bad.join().unwrap().code(), Some(1));
             let err = bad.error().unwrap();
             assert!(
@@ -93,9 +96,11 @@ fn single_process_lifecycle() {
 #[test]
 fn dropping_a_daemon_process_kills_it() {
     common::run(secs(120), || {
-        let mut p = Process::new(sleep_then_ok, 0, 30_000u64).daemon(true);
-        p.start().unwrap();
-        let pid = p.pid().unwrap();
+        let p = Process::builder(sleep_then_ok, 0, 30_000u64)
+            .daemon(true)
+            .start()
+            .unwrap();
+        let pid = p.pid();
         let start = Instant::now();
         drop(p);
         assert!(start.elapsed() < secs(5));
@@ -236,16 +241,14 @@ fn a_worker_knows_its_rank_pid_and_name() {
             );
             ctx.join_timeout(WAIT).unwrap();
 
-            let mut p = Process::new(report_identity, 7, out.clone())
-                .with_name("loader")
-                .start_method(method);
+            let mut p = Process::builder(report_identity, 7, out.clone())
+                .name("loader")
+                .start_method(method)
+                .start()
+                .unwrap();
             assert_eq!(p.name(), "loader");
-            p.start().unwrap();
             let (rank, pid, name) = out.get_timeout(WAIT).unwrap();
-            assert_eq!(
-                (rank, Some(pid), name.as_str()),
-                (Some(7), p.pid(), "loader")
-            );
+            assert_eq!((rank, pid, name.as_str()), (Some(7), p.pid(), "loader"));
             assert!(p.join_timeout(WAIT).unwrap().success());
         }
         let me = multiproc::current_process();
@@ -262,12 +265,14 @@ fn active_children_lists_running_workers_only() {
     common::run(secs(90), || {
         assert!(multiproc::active_children().is_empty());
         let go = Event::new().unwrap();
-        let mut p = Process::new(wait_for_go, 3, go.clone()).with_name("sleeper");
-        p.start().unwrap();
+        let mut p = Process::builder(wait_for_go, 3, go.clone())
+            .name("sleeper")
+            .start()
+            .unwrap();
         let kids = multiproc::active_children();
         assert_eq!(kids.len(), 1, "{kids:?}");
         assert_eq!(
-            (kids[0].rank, Some(kids[0].pid), kids[0].name.as_str()),
+            (kids[0].rank, kids[0].pid, kids[0].name.as_str()),
             (3, p.pid(), "sleeper")
         );
         go.set();

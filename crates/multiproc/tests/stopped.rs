@@ -61,12 +61,13 @@ fn a_stopped_custody_holder_holds_nobody_up(shelf: usize) {
     common::run(DEADLINE, move || {
         let q = Queue::<Tensor>::new().unwrap();
         let holding = Event::new().unwrap();
-        let mut holder = Process::new(
+        let mut holder = Process::builder(
             stop_inside_the_custody_lock,
             0,
             (q.clone(), shelf, holding.clone()),
-        );
-        holder.start().unwrap();
+        )
+        .start()
+        .unwrap();
         holding.wait_timeout(WAIT).unwrap();
         let mut producers =
             start_processes(put_tensors, (q.clone(), 3), 1, StartMethod::Spawn).unwrap();
@@ -88,7 +89,7 @@ fn a_stopped_custody_holder_holds_nobody_up(shelf: usize) {
             })
         };
         let got: Vec<_> = (0..3).map(|_| got_rx.recv_timeout(WAIT)).collect();
-        let pid = holder.pid().unwrap();
+        let pid = holder.pid();
         let still_stopped = is_stopped(pid);
         // Continued before anything is judged, so that a failure leaves no stopped
         // process behind.
@@ -161,7 +162,7 @@ fn put_numbers(rank: usize, (q, count): (SimpleQueue<u64>, u64)) -> multiproc::R
 /// Continues a stopped process, once it has stopped: it sets its event just before it
 /// stops itself, and a SIGCONT sent in between would be lost, leaving it stopped.
 fn continue_process(process: &Process) {
-    let pid = process.pid().unwrap();
+    let pid = process.pid();
     let deadline = std::time::Instant::now() + WAIT;
     loop {
         let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
@@ -222,8 +223,9 @@ fn a_writer_stopped_inside_a_put_holds_nobody_up_and_loses_nothing() {
     common::run(DEADLINE, || {
         let q = SimpleQueue::<u64>::new().unwrap();
         let holding = Event::new().unwrap();
-        let mut writer = Process::new(stop_inside_a_put, 0, (q.clone(), holding.clone()));
-        writer.start().unwrap();
+        let mut writer = Process::builder(stop_inside_a_put, 0, (q.clone(), holding.clone()))
+            .start()
+            .unwrap();
         holding.wait_timeout(WAIT).unwrap();
         // While the writer is stopped with a slot of the ring claimed, three producers
         // put more than the ring holds, and every item reaches the getter in order.
@@ -273,8 +275,9 @@ fn a_consumer_that_only_tries_gets_past_a_writer_stopped_inside_a_put() {
     common::run(DEADLINE, || {
         let q = SimpleQueue::<u64>::new().unwrap();
         let holding = Event::new().unwrap();
-        let mut writer = Process::new(stop_inside_a_put, 0, (q.clone(), holding.clone()));
-        writer.start().unwrap();
+        let mut writer = Process::builder(stop_inside_a_put, 0, (q.clone(), holding.clone()))
+            .start()
+            .unwrap();
         holding.wait_timeout(WAIT).unwrap();
         for v in 1..=3 {
             q.put(v).unwrap();
@@ -316,12 +319,13 @@ fn a_reader_stopped_inside_a_get_holds_nobody_up_and_takes_nothing() {
         let out = SimpleQueue::<u64>::new().unwrap();
         let holding = Event::new().unwrap();
         q.put(1).unwrap();
-        let mut reader = Process::new(
+        let mut reader = Process::builder(
             stop_inside_a_get,
             0,
             (q.clone(), holding.clone(), out.clone()),
-        );
-        reader.start().unwrap();
+        )
+        .start()
+        .unwrap();
         holding.wait_timeout(WAIT).unwrap();
         // The stopped reader has copied item 1 but not taken it: it is still ours to
         // get, and the queue carries on.

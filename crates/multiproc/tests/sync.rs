@@ -334,10 +334,12 @@ fn lock_and_hang(_rank: usize, (lock, held): (Lock, Event)) {
 fn a_guard_after_owner_died_holds_the_lock_and_releases_it() {
     common::run(DEADLINE, || {
         let (lock, held) = (Lock::new().unwrap(), Event::new().unwrap());
-        let mut p = Process::new(lock_and_hang, 0, (lock.clone(), held.clone())).daemon(true);
-        p.start().unwrap();
+        let mut p = Process::builder(lock_and_hang, 0, (lock.clone(), held.clone()))
+            .daemon(true)
+            .start()
+            .unwrap();
         held.wait_timeout(WAIT).unwrap();
-        let dead = p.pid().unwrap();
+        let dead = p.pid();
         p.kill().unwrap();
         p.join_timeout(WAIT).unwrap();
         let err = lock.lock().unwrap_err();

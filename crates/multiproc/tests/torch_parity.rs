@@ -184,8 +184,10 @@ fn test_inherit_tensor() {
         for_each_strategy(|strategy| {
             let t = Tensor::zeros(&[5, 5], DType::F32).unwrap();
             t.share_memory_().unwrap();
-            let mut p = Process::new(add_three, 0, t.clone()).start_method(StartMethod::Fork);
-            p.start().unwrap();
+            let mut p = Process::builder(add_three, 0, t.clone())
+                .start_method(StartMethod::Fork)
+                .start()
+                .unwrap();
             let status = p.join_timeout(secs(30)).expect("the child exited");
             assert!(status.success(), "{strategy}: {status:?} {:?}", p.error());
             assert!(all_equal(&t, 3.0), "{strategy}: {t:?}");

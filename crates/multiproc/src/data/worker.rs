@@ -200,11 +200,11 @@ where
             Some(loading),
         ));
     }
-    let mut process = crate::process::Process::new(body, id, args)
+    let process = crate::process::Process::builder(body, id, args)
         .start_method(options.start_method)
         .world_size(options.num_workers)
-        .daemon(true);
-    process.start()?;
+        .daemon(true)
+        .start()?;
     Ok(Worker::process(process, Some(loading)))
 }
 

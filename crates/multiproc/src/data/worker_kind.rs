@@ -120,7 +120,7 @@ impl Worker {
     /// Its pid (a process) or tid (a thread).
     pub(crate) fn id(&self) -> u32 {
         match &self.handle {
-            Handle::Process(p) => p.pid().unwrap_or(0),
+            Handle::Process(p) => p.pid(),
             Handle::Thread(t) => t.tid,
         }
     }
@@ -133,9 +133,7 @@ impl Worker {
         if self.rss.is_some_and(|(_, at)| at.elapsed() < RSS_INTERVAL) {
             return;
         }
-        let Some(pid) = p.pid() else {
-            return;
-        };
+        let pid = p.pid();
         // A dying process reads as 0: keep what it had.
         if let Some(bytes) = resident_bytes(pid).filter(|&b| b > 0) {
             self.rss = Some((bytes, Instant::now()));

@@ -50,12 +50,12 @@ impl Worker {
             init_with: options.init_with.as_ref().map(|i| i.call()).transpose()?,
             max_tasks: options.max_tasks_per_child,
         };
-        let mut process = Process::new(pool_worker, rank, args)
-            .with_name(format!("PoolWorker-{rank}"))
+        let process = Process::builder(pool_worker, rank, args)
+            .name(format!("PoolWorker-{rank}"))
             .start_method(options.start_method)
-            .daemon(true);
-        process.start()?;
-        // `process` dropped its copy of the worker's end when it started, so the pipe
+            .daemon(true)
+            .start()?;
+        // The builder dropped its copy of the worker's end when it started, so the pipe
         // closes the moment the worker dies.
         Ok(Self {
             process,
@@ -68,7 +68,7 @@ impl Worker {
 
     /// Why the worker ended, for the error of the chunk it was running.
     pub(super) fn death_cause(&mut self) -> String {
-        let pid = self.process.pid().unwrap_or(0);
+        let pid = self.process.pid();
         match self.process.join_timeout(Duration::from_secs(5)) {
             Ok(status) => match self.process.error() {
                 // It exited 0 without a report: say why (a missing `init`).

@@ -21,7 +21,7 @@ pub struct CurrentProcess {
     /// Its process id.
     pub pid: u32,
     /// Its name: `MainProcess` in the main process; in a worker, the name its
-    /// [`Process`](crate::Process) was given ([`Process::with_name`](crate::Process::with_name)),
+    /// [`Process`](crate::Process) was given ([`ProcessBuilder::name`](crate::ProcessBuilder::name)),
     /// else `Process-RANK` (`PoolWorker-RANK` in a [`Pool`](crate::Pool)).
     pub name: String,
 }

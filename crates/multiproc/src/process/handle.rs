@@ -1,5 +1,5 @@
-//! [`Process`]: one worker process, like `multiprocessing.Process` — the public handle
-//! over a [`Child`] once started.
+//! [`Process`]: one worker process, like `multiprocessing.Process` — made by its
+//! [`ProcessBuilder`], which starts it, so a `Process` is always a started worker.
 
 use std::fmt;
 use std::os::fd::BorrowedFd;
@@ -10,7 +10,7 @@ use serde::de::DeserializeOwned;
 
 use super::child::{Child, JobSpec, worker_env};
 use super::exit_status::ExitStatus;
-use super::job::{JobHeader, default_name};
+use super::job::JobHeader;
 use super::start_method::StartMethod;
 use super::worker_outcome::IntoWorkerOutcome;
 use crate::error::{Error, Result};
@@ -18,10 +18,94 @@ use crate::queue::WaitSource;
 use crate::sys::deadline_after;
 use crate::wire::{self, Encoded};
 
+/// The settings of one worker process, ending in [`start`](Self::start), which makes
+/// the [`Process`]; from [`Process::builder`].
+#[must_use = "a ProcessBuilder starts nothing until `.start()` is called"]
+pub struct ProcessBuilder {
+    header: JobHeader,
+    args: Result<Encoded>,
+    method: StartMethod,
+    daemon: bool,
+    world_size: Option<usize>,
+}
+
+impl ProcessBuilder {
+    /// Names the process (default `Process-RANK`); the worker sees it as
+    /// [`current_process().name`](crate::current_process), and
+    /// [`active_children`](crate::active_children) lists it under it.
+    pub fn name(mut self, name: impl Into<String>) -> Self {
+        self.header.name = name.into();
+        self
+    }
+
+    /// Makes it a daemon: killed when its `Process` is dropped (default: waited for).
+    pub fn daemon(mut self, daemon: bool) -> Self {
+        self.daemon = daemon;
+        self
+    }
+
+    /// Sets the start method (default [`StartMethod::Spawn`]).
+    pub fn start_method(mut self, method: StartMethod) -> Self {
+        self.method = method;
+        self
+    }
+
+    /// Sets `WORLD_SIZE` in the worker's environment (`RANK` and `LOCAL_RANK` are always
+    /// set to its rank).
+    pub fn world_size(mut self, world_size: usize) -> Self {
+        self.world_size = Some(world_size);
+        self
+    }
+
+    /// Starts the worker and returns its [`Process`].
+    ///
+    /// # Errors
+    /// When the arguments could not be encoded, or the process could not be created (fd
+    /// or process limits).
+    pub fn start(self) -> Result<Process> {
+        let ProcessBuilder {
+            header,
+            args,
+            method,
+            daemon,
+            world_size,
+        } = self;
+        let rank = header.rank;
+        let name = header.name.clone();
+        let child = Child::start(JobSpec {
+            header,
+            args: args?,
+            method,
+            env: worker_env(rank, world_size),
+            daemon,
+        })?;
+        Ok(Process {
+            rank,
+            method,
+            daemon,
+            name,
+            child,
+        })
+    }
+}
+
+impl fmt::Debug for ProcessBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ProcessBuilder")
+            .field("rank", &self.header.rank)
+            .field("name", &self.header.name)
+            .field("start_method", &self.method)
+            .field("daemon", &self.daemon)
+            .field("world_size", &self.world_size)
+            .finish_non_exhaustive()
+    }
+}
+
 /// One worker process, like `multiprocessing.Process`.
 ///
-/// Build it with [`Process::new`], choose a [`StartMethod`] and whether it is a daemon,
-/// then [`start`](Process::start) it and [`join`](Process::join) it:
+/// [`Process::builder`] sets it up — its name, whether it is a daemon, its
+/// [`StartMethod`] — and [`start`](ProcessBuilder::start)s it; then
+/// [`join`](Process::join) it:
 ///
 /// ```no_run
 /// use multiproc::{Process, StartMethod};
@@ -32,8 +116,9 @@ use crate::wire::{self, Encoded};
 ///
 /// fn main() -> multiproc::Result<()> {
 ///     multiproc::init();
-///     let mut p = Process::new(work, 0, "worker".to_string()).start_method(StartMethod::Spawn);
-///     p.start()?;
+///     let mut p = Process::builder(work, 0, "worker".to_string())
+///         .start_method(StartMethod::Spawn)
+///         .start()?;
 ///     let status = p.join()?;
 ///     assert!(status.success());
 ///     Ok(())
@@ -55,96 +140,40 @@ use crate::wire::{self, Encoded};
 ///
 /// - [`join`](Self::join) it with a timeout, and [`terminate`](Self::terminate) or
 ///   [`kill`](Self::kill) it when the timeout passes;
-/// - or make it a [`daemon`](Self::daemon), which dropping kills.
+/// - or make it a [`daemon`](ProcessBuilder::daemon), which dropping kills.
 ///
 /// A [`ProcessContext`](crate::ProcessContext) drops its workers the same way.
 pub struct Process {
     rank: usize,
     method: StartMethod,
     daemon: bool,
-    world_size: Option<usize>,
     name: String,
-    pending: Option<(JobHeader, Result<Encoded>)>,
-    child: Option<Child>,
+    child: Child,
 }
 
 impl Process {
-    /// A process that will run `worker(rank, args)`. The arguments are encoded now (any
-    /// queue, event or tensor inside travels as a handle); an encoding error is returned
-    /// by [`start`](Self::start).
+    /// The builder of a process that will run `worker(rank, args)`. The arguments are
+    /// encoded now (any queue, event or tensor inside travels as a handle); an encoding
+    /// error is returned by [`start`](ProcessBuilder::start).
     ///
     /// `worker` must be a function (or a closure capturing nothing) of this executable.
-    pub fn new<A, R>(worker: fn(usize, A) -> R, rank: usize, args: A) -> Process
+    pub fn builder<A, R>(worker: fn(usize, A) -> R, rank: usize, args: A) -> ProcessBuilder
     where
         A: Serialize + DeserializeOwned,
         R: IntoWorkerOutcome,
     {
-        Process {
-            rank,
+        ProcessBuilder {
+            header: JobHeader::new(worker, rank),
+            args: wire::encode(&args),
             method: StartMethod::default(),
             daemon: false,
             world_size: None,
-            name: default_name(rank),
-            pending: Some((JobHeader::new(worker, rank), wire::encode(&args))),
-            child: None,
         }
     }
 
-    /// Sets the start method (default [`StartMethod::Spawn`]).
-    pub fn start_method(mut self, method: StartMethod) -> Self {
-        self.method = method;
-        self
-    }
-
-    /// Makes it a daemon: killed when its `Process` is dropped (default: waited for).
-    pub fn daemon(mut self, daemon: bool) -> Self {
-        self.daemon = daemon;
-        self
-    }
-
-    /// Names the process (default `Process-RANK`); the worker sees it as
-    /// [`current_process().name`](crate::current_process), and
-    /// [`active_children`](crate::active_children) lists it under it.
-    pub fn with_name(mut self, name: impl Into<String>) -> Self {
-        self.name = name.into();
-        if let Some((header, _)) = &mut self.pending {
-            header.name.clone_from(&self.name);
-        }
-        self
-    }
-
-    /// Its name (see [`with_name`](Self::with_name)).
+    /// Its name (see [`ProcessBuilder::name`]).
     pub fn name(&self) -> &str {
         &self.name
-    }
-
-    /// Sets `WORLD_SIZE` in the worker's environment (`RANK` and `LOCAL_RANK` are always
-    /// set to its rank).
-    pub fn world_size(mut self, world_size: usize) -> Self {
-        self.world_size = Some(world_size);
-        self
-    }
-
-    /// Starts the worker.
-    ///
-    /// # Errors
-    /// When the arguments could not be encoded, the process could not be created (fd or
-    /// process limits), or it was already started ([`Error::InvalidArgument`]).
-    pub fn start(&mut self) -> Result<()> {
-        let Some((header, args)) = self.pending.take() else {
-            return Err(Error::InvalidArgument(format!(
-                "{} was already started; a Process starts once",
-                self.describe()
-            )));
-        };
-        self.child = Some(Child::start(JobSpec {
-            header,
-            args: args?,
-            method: self.method,
-            env: worker_env(self.rank, self.world_size),
-            daemon: self.daemon,
-        })?);
-        Ok(())
     }
 
     /// Its rank (the worker's first argument).
@@ -157,31 +186,30 @@ impl Process {
         self.daemon
     }
 
-    /// Its process id, once started.
-    pub fn pid(&self) -> Option<u32> {
-        self.child.as_ref().map(|c| c.pid)
+    /// Its process id.
+    pub fn pid(&self) -> u32 {
+        self.child.pid
     }
 
-    /// Python's `Process.sentinel`: once started, a descriptor (its pidfd) that becomes
-    /// readable when the process exits, to wait on together with pipes through
+    /// Python's `Process.sentinel`: a descriptor (its pidfd) that becomes readable when
+    /// the process exits, to wait on together with pipes through
     /// [`connection::wait`](crate::connection::wait) (which also takes the `Process`
     /// itself, beside queues). Waiting on it does not reap the process:
     /// [`join`](Self::join) does.
-    pub fn sentinel(&self) -> Option<BorrowedFd<'_>> {
-        self.child.as_ref().map(|c| c.pidfd())
+    pub fn sentinel(&self) -> BorrowedFd<'_> {
+        self.child.pidfd()
     }
 
-    /// Whether it has been started and has not exited yet.
+    /// Whether it has not exited yet.
     pub fn is_alive(&self) -> bool {
-        self.child.as_ref().is_some_and(Child::is_alive)
+        self.child.is_alive()
     }
 
     /// Waits until it exits, as long as it takes, and returns its exit status. Joining
     /// an exited process again returns the same status.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] when it was never started; an [`Error::Os`] when
-    /// waiting failed.
+    /// An [`Error::Os`] when waiting failed.
     pub fn join(&mut self) -> Result<ExitStatus> {
         self.join_within(None)
     }
@@ -198,7 +226,7 @@ impl Process {
     }
 
     fn join_within(&mut self, timeout: Option<Duration>) -> Result<ExitStatus> {
-        let child = self.started_mut("join")?;
+        let child = &mut self.child;
         child.wait(deadline_after(timeout))?;
         child.status().ok_or_else(|| {
             Error::timeout(
@@ -217,7 +245,6 @@ impl Process {
     #[cfg(feature = "async")]
     pub async fn join_async(&mut self) -> Result<ExitStatus> {
         use crate::sys::reactor::{self, Parked, Ready, Step};
-        self.started_mut("join")?;
         let mut parked: Option<Parked> = None;
         std::future::poll_fn(|cx| {
             reactor::poll_step(
@@ -229,12 +256,9 @@ impl Process {
                     }
                     // Its report and its exit (the future's own copies: the next
                     // step reaps through `self`).
-                    match self.child.as_ref().map(Child::watch_fds_owned) {
-                        Some(Ok(fds)) => Step::Fds(fds, Ready::Readable),
-                        Some(Err(e)) => Step::Done(Err(e)),
-                        None => Step::Done(Err(Error::InvalidArgument(
-                            "join of a process not started".into(),
-                        ))),
+                    match self.child.watch_fds_owned() {
+                        Ok(fds) => Step::Fds(fds, Ready::Readable),
+                        Err(e) => Step::Done(Err(e)),
                     }
                 },
                 Err,
@@ -245,19 +269,21 @@ impl Process {
 
     /// Its exit status if it has exited (reaping it), without waiting.
     pub fn exit_status(&mut self) -> Option<ExitStatus> {
-        let child = self.child.as_mut()?;
-        if let Err(e) = child.collect() {
-            tracing::warn!(pid = child.pid, "multiproc: checking a worker failed: {e}");
+        if let Err(e) = self.child.collect() {
+            tracing::warn!(
+                pid = self.child.pid,
+                "multiproc: checking a worker failed: {e}"
+            );
         }
-        child.status()
+        self.child.status()
     }
 
     /// Sends SIGTERM (a no-op once it has exited).
     ///
     /// # Errors
-    /// When it was never started, or the signal could not be sent.
+    /// When the signal could not be sent.
     pub fn terminate(&mut self) -> Result<()> {
-        self.started_mut("terminate")?.signal(libc::SIGTERM)
+        self.child.signal(libc::SIGTERM)
     }
 
     /// Sends SIGKILL (a no-op once it has exited).
@@ -265,7 +291,7 @@ impl Process {
     /// # Errors
     /// As [`terminate`](Self::terminate).
     pub fn kill(&mut self) -> Result<()> {
-        self.started_mut("kill")?.signal(libc::SIGKILL)
+        self.child.signal(libc::SIGKILL)
     }
 
     /// Once it has exited: `None` if it succeeded, else the error that says how it
@@ -277,40 +303,17 @@ impl Process {
     /// failure as soon as [`is_alive`](Self::is_alive) would.
     pub fn error(&mut self) -> Option<Error> {
         self.exit_status();
-        let child = self.child.as_ref()?;
-        if !child.has_exited() || !child.failed() {
+        if !self.child.has_exited() || !self.child.failed() {
             return None;
         }
-        child.error(Vec::new())
-    }
-
-    fn started_mut(&mut self, what: &str) -> Result<&mut Child> {
-        let who = self.describe();
-        self.child.as_mut().ok_or_else(|| {
-            Error::InvalidArgument(format!(
-                "cannot {what} {who}: it was not started (call start first)"
-            ))
-        })
-    }
-
-    /// It as messages name it (see `job::describe`): with its pid once started.
-    fn describe(&self) -> String {
-        match &self.child {
-            Some(child) => child.describe(),
-            None if self.name == default_name(self.rank) => format!("process {}", self.rank),
-            None => format!("{} (rank {})", self.name, self.rank),
-        }
+        self.child.error(Vec::new())
     }
 }
 
 impl crate::queue::Waitable for Process {
-    /// Ready once it has exited (its [`sentinel`](Process::sentinel)); never, before it
-    /// is started.
+    /// Ready once it has exited (its [`sentinel`](Process::sentinel)).
     fn wait_source(&self) -> WaitSource<'_> {
-        match &self.child {
-            Some(child) => WaitSource::fd(child.pidfd()),
-            None => WaitSource::never(),
-        }
+        WaitSource::fd(self.child.pidfd())
     }
 }
 
@@ -322,7 +325,7 @@ impl fmt::Debug for Process {
             .field("start_method", &self.method)
             .field("daemon", &self.daemon)
             .field("pid", &self.pid())
-            .field("status", &self.child.as_ref().and_then(Child::status))
+            .field("status", &self.child.status())
             .finish()
     }
 }

@@ -25,7 +25,8 @@
 //!   shm manager's address.
 //! - `child` — a started worker as the parent tracks it: its exit, its report, its
 //!   failure.
-//! - `handle` — [`Process`], the public handle of one worker.
+//! - `handle` — [`Process`], the public handle of one worker, and its
+//!   [`ProcessBuilder`].
 //! - `context` — [`spawn`], [`start_processes`], [`SpawnOptions`], [`ProcessContext`].
 //! - `init` — [`init`]: a started process's role (see `crate::role`) chooses its job.
 //! - `test_init` — [`test_init!`](crate::test_init), `init` for integration tests.
@@ -70,7 +71,7 @@ pub use context::{ProcessContext, SpawnOptions, spawn, start_processes};
 pub use current::{ChildProcess, CurrentProcess, active_children, cpu_count, current_process};
 pub use exit_status::ExitStatus;
 pub use forkserver::ensure_running;
-pub use handle::Process;
+pub use handle::{Process, ProcessBuilder};
 pub use init::init;
 pub(crate) use panic_hook::panic_text;
 pub use start_method::StartMethod;

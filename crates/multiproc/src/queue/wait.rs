@@ -66,11 +66,6 @@ pub(crate) mod source {
         pub(crate) fn fd(fd: BorrowedFd<'a>) -> Self {
             Source(super::Kind::Fd(fd))
         }
-
-        /// Never ready (a process not started).
-        pub(crate) fn never() -> Self {
-            Source(super::Kind::Never)
-        }
     }
 }
 
@@ -84,7 +79,6 @@ pub(crate) trait GetReady {
 pub(crate) enum Kind<'a> {
     Fd(BorrowedFd<'a>),
     Queue(&'a dyn GetReady),
-    Never,
 }
 
 impl<W: Waitable + ?Sized> Waitable for &W {
@@ -186,8 +180,7 @@ impl<T: Serialize + DeserializeOwned> Waitable for JoinableQueue<T> {
 /// fn main() -> multiproc::Result<()> {
 ///     multiproc::init();
 ///     let q = Queue::with_capacity(4)?;
-///     let mut p = Process::new(produce, 0, q.clone()).with_name("producer");
-///     p.start()?;
+///     let mut p = Process::builder(produce, 0, q.clone()).name("producer").start()?;
 ///     let ready = wait(&[&q as &dyn Waitable, &p], Some(Duration::from_secs(10)))?;
 ///     if ready.contains(&0) {
 ///         assert_eq!(q.get()?, 7); // still there: wait took nothing
@@ -219,7 +212,6 @@ pub fn wait<W: Waitable>(objects: &[W], timeout: Option<Duration>) -> Result<Vec
         match &s.0 {
             Kind::Fd(fd) => fds.push((i, *fd)),
             Kind::Queue(q) => queues.push((i, *q)),
-            Kind::Never => {}
         }
     }
     let ready = if queues.is_empty() {

@@ -27,8 +27,7 @@ pub fn warm_up() {
         tokio::time::sleep(Duration::from_millis(20)).await;
         e.set();
         waiter.await.unwrap().unwrap();
-        let mut p = Process::new(sleep_then_exit, 0, 50u64);
-        p.start().unwrap();
+        let mut p = Process::builder(sleep_then_exit, 0, 50u64).start().unwrap();
         tokio::time::timeout(WAIT, p.join_async())
             .await
             .unwrap()

@@ -349,10 +349,8 @@ impl Stats {
         }
     }
 
-    pub fn pid(&mut self, pid: Option<u32>) {
-        if let Some(p) = pid {
-            self.pids.insert(p);
-        }
+    pub fn pid(&mut self, pid: u32) {
+        self.pids.insert(pid);
     }
 }
 
@@ -397,7 +395,7 @@ pub fn kill_and_reap(p: &mut Process, stats: &mut Stats) {
     stats.kills += 1;
     let status = p
         .join_timeout(WAIT)
-        .unwrap_or_else(|e| panic!("worker {:?} was not joined after SIGKILL: {e}", p.pid()));
+        .unwrap_or_else(|e| panic!("worker {} was not joined after SIGKILL: {e}", p.pid()));
     assert_eq!(
         status.signal_name().as_deref(),
         Some("SIGKILL"),
