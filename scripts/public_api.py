@@ -36,6 +36,8 @@ TRAIT_IMPLS = re.compile(r'id="trait-implementations"')
 def text(fragment: str) -> str:
     """The fragment's code as plain text on one line."""
     fragment = re.sub(r"<summary[^>]*>.*?</summary>", "", fragment, flags=re.S)
+    # The "notable traits" marker after a return type.
+    fragment = re.sub(r'<a[^>]*class="tooltip"[^>]*>.*?</a>', "", fragment, flags=re.S)
     fragment = re.sub(r"<(span|div) class=\"where\">", " ", fragment)
     fragment = re.sub(r"<br\s*/?>", " ", fragment)
     fragment = re.sub(r"<[^>]+>", "", fragment)
