@@ -214,14 +214,25 @@ fn more_words_than_one_futex_waitv_takes_are_shared_among_reactor_threads() {
                     tokio::spawn(async move { e.wait_async().await })
                 })
                 .collect();
-            tokio::time::sleep(Duration::from_millis(200)).await;
+            // Every task parked (one registration each), then the shards they need
+            // (128 words per futex_waitv, the control word included): waited for, not
+            // slept for.
+            let parking = std::time::Instant::now();
+            loop {
+                let reactors = threads_named("multiproc-react");
+                if multiproc::__testing::parked_word_waits() >= EVENTS
+                    && reactors >= EVENTS.div_ceil(127)
+                {
+                    break;
+                }
+                assert!(
+                    parking.elapsed() < WAIT,
+                    "{} of {EVENTS} waits parked, {reactors} reactor threads",
+                    multiproc::__testing::parked_word_waits()
+                );
+                tokio::task::yield_now().await;
+            }
             assert!(tasks.iter().all(|t| !t.is_finished()));
-            // 128 words per futex_waitv, the control word included.
-            let reactors = threads_named("multiproc-react");
-            assert!(
-                reactors >= EVENTS.div_ceil(127),
-                "{reactors} reactor threads"
-            );
             // Set in an order unlike the registrations'.
             for e in events
                 .iter()
