@@ -395,7 +395,7 @@ fn address_of_tree_in(name: &str) -> String {
 
 /// A name whose last reference is in a message nobody received, in a tree whose manager
 /// was SIGKILLed: the root removes it as it exits normally (no manager is left), or a
-/// restarted manager does once the root has gone. It used to stay in /dev/shm forever.
+/// restarted manager does once the root has gone: it never stays in /dev/shm.
 #[test]
 fn names_only_in_flight_outlive_neither_a_killed_manager_nor_its_tree() {
     for restart in [false, true] {

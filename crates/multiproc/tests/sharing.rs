@@ -285,8 +285,8 @@ fn a_get_at_the_fd_limit_is_fd_limit_and_loses_nothing() {
 }
 
 /// A shared tensor larger than this process may still commit is an error naming the
-/// size, the limit and its source, for both strategies (it used to be the OOM killer's
-/// SIGKILL); a memfd's error does not talk about /dev/shm.
+/// size, the limit and its source, for both strategies (not the OOM killer's SIGKILL at
+/// the first touch of a page); a memfd's error does not talk about /dev/shm.
 #[test]
 fn a_shared_tensor_beyond_the_memory_limit_is_out_of_shared_memory() {
     common::run(secs(60), || {
