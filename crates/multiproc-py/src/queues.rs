@@ -223,9 +223,11 @@ impl NativeQueue {
         let Flavor::Joinable(q) = &self.flavor else {
             return Err(PyValueError::new_err("join is a JoinableQueue's"));
         };
-        let done = wait_in_slices(py, deadline(timeout)?, |slice| match q.join_timeout(slice) {
-            Err(e) if e.is_timeout() => Slice::Again,
-            other => Slice::Done(other),
+        let done = wait_in_slices(py, deadline(timeout)?, |slice| {
+            match q.join_timeout(slice) {
+                Err(e) if e.is_timeout() => Slice::Again,
+                other => Slice::Done(other),
+            }
         })?;
         match done {
             Some(r) => r.map(|()| true).map_err(to_py),
