@@ -16,7 +16,8 @@ TRAINER = os.path.join(REPO, "crates", "multiproc-py", "examples", "train_from_r
 
 @pytest.fixture(scope="module")
 def feeder():
-    # The features .ci/run's data tests build the library with: no second build of it.
+    # The features .ci/run's data tests build the library with (.ci/run removes its Rust
+    # builds before the Python step to make room for torch, so there this builds again).
     subprocess.run(["cargo", "build", "-q", "-p", "multiproc", "--features", "image,progress",
                     "--example", "png_feeder"], cwd=REPO, check=True, timeout=900)
     target = os.environ.get("CARGO_TARGET_DIR", os.path.join(REPO, "target"))
