@@ -55,9 +55,6 @@ pub struct Counters {
     pub host_unregistrations: u64,
 }
 
-/// Runs `f` while this process holds the lock of shelf `shelf` (0 or 1) of `queue`'s
-/// block custody: a test makes a holder that stops (SIGSTOP) inside it. Built with the
-/// `fuzzing` feature only.
 /// How many awaited waits (`get_async` and the like) are parked on a shared word in
 /// this process: a test waits for its tasks to park by this count, not by a sleep.
 #[cfg(feature = "async")]
@@ -65,6 +62,16 @@ pub fn parked_word_waits() -> usize {
     crate::sys::reactor::word_registrations()
 }
 
+/// How many awaited waits are parked on an fd (a full socket, a pidfd, a pipe) in this
+/// process.
+#[cfg(feature = "async")]
+pub fn parked_fd_waits() -> usize {
+    crate::sys::reactor::fd_registrations()
+}
+
+/// Runs `f` while this process holds the lock of shelf `shelf` (0 or 1) of `queue`'s
+/// block custody: a test makes a holder that stops (SIGSTOP) inside it. Built with the
+/// `fuzzing` feature only.
 #[cfg(feature = "fuzzing")]
 pub fn while_custody_locked<T: serde::Serialize + serde::de::DeserializeOwned, R>(
     queue: &crate::Queue<T>,

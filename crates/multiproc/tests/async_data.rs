@@ -22,84 +22,16 @@ use std::future::poll_fn;
 use std::pin::Pin;
 use std::time::{Duration, Instant};
 
+use common::async_rt::warm_up;
+use common::data::{Fault, Loader, Samples};
 use common::{alive, secs};
 use futures_core::Stream;
-use multiproc::data::{DataLoader, Dataset, EpochStream};
-use multiproc::{DType, Error, Event, Semaphore, Tensor};
+use multiproc::data::{DataLoader, EpochStream};
+use multiproc::{Error, Semaphore, Tensor};
 use serde::{Deserialize, Serialize};
 
 /// How long one awaited batch may take before the test fails.
 const WAIT: Duration = Duration::from_secs(30);
-/// How long a gated sample waits before it gives up.
-const GATE_WAIT: Duration = Duration::from_secs(60);
-
-#[derive(Clone, Copy, Serialize, Deserialize, Debug)]
-enum Fault {
-    Err,
-    Kill,
-    Hang,
-}
-
-/// Sample `i` is `([i; 4] as f32, i)`; sample `fault.0` misbehaves.
-#[derive(Clone, Serialize, Deserialize)]
-struct Samples {
-    n: usize,
-    fault: Option<(usize, Fault)>,
-    /// Every sample but 0 releases it; sample 0 first acquires it `hold_first` times.
-    finished: Option<Semaphore>,
-    hold_first: u32,
-    /// Each sample sleeps this long (so that an epoch can be dropped mid-way).
-    slow_ms: u64,
-}
-
-impl Samples {
-    fn new(n: usize) -> Self {
-        Samples {
-            n,
-            fault: None,
-            finished: None,
-            hold_first: 0,
-            slow_ms: 0,
-        }
-    }
-}
-
-impl Dataset for Samples {
-    type Item = (Tensor, i64);
-
-    fn len(&self) -> usize {
-        self.n
-    }
-
-    fn get(&self, i: usize) -> multiproc::Result<(Tensor, i64)> {
-        match self.fault {
-            Some((at, Fault::Err)) if at == i => {
-                return Err(Error::InvalidArgument(format!("sample {i} is corrupt")));
-            }
-            Some((at, Fault::Kill)) if at == i => {
-                // SAFETY: kill(2) on our own pid; no memory is involved.
-                unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
-            }
-            Some((at, Fault::Hang)) if at == i => std::thread::sleep(GATE_WAIT),
-            _ => {}
-        }
-        if let Some(sem) = &self.finished {
-            if i == 0 {
-                for _ in 0..self.hold_first {
-                    sem.acquire_timeout(GATE_WAIT)?;
-                }
-            } else {
-                sem.release()?;
-            }
-        }
-        if self.slow_ms > 0 {
-            std::thread::sleep(Duration::from_millis(self.slow_ms));
-        }
-        Ok((Tensor::full(&[4], i as f64, DType::F32)?, i as i64))
-    }
-}
-
-type Loader = DataLoader<Samples>;
 type Batch = (Tensor, Tensor);
 
 /// The labels of a batch, checking that its images match them.
@@ -137,21 +69,6 @@ fn runtime() -> tokio::runtime::Runtime {
         .enable_all()
         .build()
         .unwrap()
-}
-
-/// Starts the reactor thread (which lives as long as the process) before a test
-/// counts fds.
-fn warm_up() {
-    runtime().block_on(async {
-        let e = Event::new().unwrap();
-        let waiter = {
-            let e = e.clone();
-            tokio::spawn(async move { e.wait_async().await })
-        };
-        tokio::time::sleep(Duration::from_millis(20)).await;
-        e.set();
-        waiter.await.unwrap().unwrap();
-    });
 }
 
 fn late_first(n: usize) -> Samples {

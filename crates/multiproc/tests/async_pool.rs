@@ -222,8 +222,8 @@ fn failures_read_the_same_through_get_async_and_get() {
         let mut awaited = pool.apply_async(slow_square, (2, 10_000)).unwrap();
         let a = current_thread().block_on(async {
             let wait = awaited.get_async();
+            // `join!` polls `wait` first: it is parked when `terminate` runs.
             let terminate = async {
-                tokio::time::sleep(Duration::from_millis(200)).await;
                 pool.terminate();
             };
             let (a, ()) = tokio::time::timeout(WAIT, async { tokio::join!(wait, terminate) })

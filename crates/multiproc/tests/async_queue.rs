@@ -137,11 +137,12 @@ fn dropped_get_futures_lose_nothing_and_leak_no_place() {
                 assert!(cancelled.is_err(), "a put on a full queue completed");
             }
             // ... and one that waits completes when a place comes back.
+            let base = multiproc::__testing::parked_word_waits();
             let putter = {
                 let q = q.clone();
                 tokio::spawn(async move { q.put_async((7, 0, 0)).await.map_err(|e| e.error) })
             };
-            tokio::time::sleep(Duration::from_millis(50)).await;
+            until_parked(multiproc::__testing::parked_word_waits, base + 1).await;
             assert!(!putter.is_finished(), "put_async returned on a full queue");
             assert_eq!(q.get_async().await.unwrap(), (9, 0, 0));
             tokio::time::timeout(WAIT, putter)
@@ -180,11 +181,12 @@ fn put_async_waits_for_room_on_a_full_socket() {
                         .await;
                 assert!(dropped.is_err(), "a put on a full socket completed");
             }
+            let base = multiproc::__testing::parked_fd_waits();
             let putter = {
                 let q = q.clone();
                 tokio::spawn(async move { q.put_async(vec![0xFF; 8]).await.map_err(|e| e.error) })
             };
-            tokio::time::sleep(Duration::from_millis(50)).await;
+            until_parked(multiproc::__testing::parked_fd_waits, base + 1).await;
             assert!(!putter.is_finished(), "put_async returned on a full socket");
             let mut got = Vec::new();
             while got.len() < put {
@@ -252,11 +254,12 @@ fn disconnected_reaches_an_awaiting_task_when_the_only_producer_leaves() {
                 );
             }
             assert_eq!(got, [0, 1, 2]);
+            let base = multiproc::__testing::parked_word_waits();
             let getter = tokio::spawn(async move {
                 let r = q.get_async().await;
                 (r, Instant::now())
             });
-            tokio::time::sleep(Duration::from_millis(100)).await;
+            until_parked(multiproc::__testing::parked_word_waits, base + 1).await;
             assert!(
                 !getter.is_finished(),
                 "the get did not wait for the live producer"
@@ -298,6 +301,7 @@ fn disconnected_reaches_an_awaiting_task_when_the_only_producer_leaves() {
                     i
                 );
             }
+            let base = multiproc::__testing::parked_word_waits();
             let getter = {
                 let q = q.clone();
                 tokio::spawn(async move {
@@ -305,7 +309,7 @@ fn disconnected_reaches_an_awaiting_task_when_the_only_producer_leaves() {
                     (r, Instant::now())
                 })
             };
-            tokio::time::sleep(Duration::from_millis(100)).await;
+            until_parked(multiproc::__testing::parked_word_waits, base + 1).await;
             assert!(
                 !getter.is_finished(),
                 "the get did not wait for the live producer"

@@ -79,11 +79,12 @@ fn event_wait_async_and_process_join_async_across_processes() {
 
             // A semaphore's permit, given in another task.
             let sem = multiproc::Semaphore::new(0).unwrap();
+            let base = multiproc::__testing::parked_word_waits();
             let acquirer = {
                 let sem = sem.clone();
                 tokio::spawn(async move { sem.acquire_async().await })
             };
-            tokio::time::sleep(Duration::from_millis(50)).await;
+            until_parked(multiproc::__testing::parked_word_waits, base + 1).await;
             assert!(!acquirer.is_finished());
             // Futures dropped unfinished take no permit: one given meanwhile goes to
             // exactly one of them or the parked acquirer.
@@ -255,20 +256,30 @@ fn more_words_than_one_futex_waitv_takes_are_shared_among_reactor_threads() {
 }
 
 /// Awaits `go` and the item 42 on its own runtime (a `fork` child of a parent whose
-/// reactor threads run: the child starts its own).
-fn await_in_a_fork_child(_rank: usize, (go, q): (Event, Queue<u32>)) -> multiproc::Result<()> {
+/// reactor threads run: the child starts its own), telling the parent on `parked` each
+/// time its wait is parked.
+fn await_in_a_fork_child(
+    _rank: usize,
+    (go, q, parked): (Event, Queue<u32>, Queue<u8>),
+) -> multiproc::Result<()> {
     let late = |what: &str| multiproc::Error::InvalidArgument(format!("{what} never came"));
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .map_err(|e| multiproc::Error::InvalidArgument(format!("a runtime: {e}")))?;
+    let base = multiproc::__testing::parked_word_waits();
+    let parked = &parked;
+    let tell = |step: u8| async move {
+        until_parked(multiproc::__testing::parked_word_waits, base + 1).await;
+        parked.put(step)
+    };
     rt.block_on(async {
-        tokio::time::timeout(WAIT, go.wait_async())
-            .await
-            .map_err(|_| late("go"))??;
-        let item = tokio::time::timeout(WAIT, q.get_async())
-            .await
-            .map_err(|_| late("the item"))??;
+        let (woke, told) = tokio::join!(tokio::time::timeout(WAIT, go.wait_async()), tell(1));
+        told?;
+        woke.map_err(|_| late("go"))??;
+        let (item, told) = tokio::join!(tokio::time::timeout(WAIT, q.get_async()), tell(2));
+        told?;
+        let item = item.map_err(|_| late("the item"))??;
         if item == 42 {
             Ok(())
         } else {
@@ -282,21 +293,32 @@ fn a_fork_child_awaits_on_reactors_of_its_own() {
     warm_up();
     common::run(DEADLINE, || {
         let (go, q) = (Event::new().unwrap(), Queue::<u32>::new().unwrap());
+        let parked_q = Queue::<u8>::new().unwrap();
         let rt = runtime();
         rt.block_on(async {
             // The parent's reactor threads are busy with a parked wait of its own.
             let never = Event::new().unwrap();
+            let base = multiproc::__testing::parked_word_waits();
             let parked = {
                 let never = never.clone();
                 tokio::spawn(async move { never.wait_async().await })
             };
-            let mut child = Process::builder(await_in_a_fork_child, 0, (go.clone(), q.clone()))
+            until_parked(multiproc::__testing::parked_word_waits, base + 1).await;
+            let args = (go.clone(), q.clone(), parked_q.clone());
+            let mut child = Process::builder(await_in_a_fork_child, 0, args)
                 .start_method(StartMethod::Fork)
                 .start()
                 .unwrap();
-            tokio::time::sleep(Duration::from_millis(100)).await;
+            // Each wake-up reaches the child's wait while it is parked.
+            let step = tokio::time::timeout(WAIT, parked_q.get_async())
+                .await
+                .unwrap();
+            assert_eq!(step.unwrap(), 1, "the child parked on `go`");
             go.set();
-            tokio::time::sleep(Duration::from_millis(100)).await;
+            let step = tokio::time::timeout(WAIT, parked_q.get_async())
+                .await
+                .unwrap();
+            assert_eq!(step.unwrap(), 2, "the child parked on the queue");
             q.put(42).unwrap();
             let status = tokio::time::timeout(WAIT, child.join_async())
                 .await

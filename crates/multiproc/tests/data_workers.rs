@@ -5,17 +5,11 @@ multiproc::test_init!();
 
 mod common;
 
+use common::data::{Fault, misbehave};
 use common::secs;
 use multiproc::data::{DataLoader, Dataset, WorkerKind, worker_info};
 use multiproc::{Error, Event};
 use serde::{Deserialize, Serialize};
-
-#[derive(Clone, Copy, Debug, Serialize, Deserialize)]
-enum Fault {
-    Err,
-    Panic,
-    Kill,
-}
 
 /// Sample `i` is `(i, the id of the worker that loaded it)`; sample `fail_at` fails
 /// (once, when `once` is given: the first attempt sets it).
@@ -34,24 +28,7 @@ impl Dataset for Faulty {
     }
 
     fn get(&self, i: usize) -> multiproc::Result<(i64, i64)> {
-        if let Some((at, how)) = self.fault {
-            let armed = self.once.as_ref().is_none_or(|e| !e.is_set());
-            if i == at && armed {
-                if let Some(e) = &self.once {
-                    e.set();
-                }
-                match how {
-                    Fault::Err => {
-                        return Err(Error::InvalidArgument(format!("sample {i} is corrupt")));
-                    }
-                    Fault::Panic => panic!("decoder crashed on sample {i}"),
-                    Fault::Kill => {
-                        // SAFETY: kill(2) on our own pid; no memory is involved.
-                        unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
-                    }
-                }
-            }
-        }
+        misbehave(self.fault, self.once.as_ref(), i)?;
         let id = worker_info().map_or(-1, |w| w.id as i64);
         Ok((i as i64, id))
     }
@@ -145,7 +122,7 @@ fn both_kinds_report_an_error_and_a_panic_alike() {
                 );
                 let why = match how {
                     Fault::Err => "sample 7 is corrupt",
-                    Fault::Panic | Fault::Kill => "decoder crashed on sample 7",
+                    _ => "decoder crashed on sample 7",
                 };
                 assert!(message.contains(why), "{kind:?}: {message}");
                 let named = match kind {
@@ -155,7 +132,7 @@ fn both_kinds_report_an_error_and_a_panic_alike() {
                 assert!(message.contains(named), "{kind:?}: {message}");
                 if let Fault::Panic = how {
                     // Both name the place of the panic.
-                    assert!(message.contains("data_workers.rs:"), "{kind:?}: {message}");
+                    assert!(message.contains("common/data.rs:"), "{kind:?}: {message}");
                 }
                 reports.push((*batch, indices.clone()));
             }

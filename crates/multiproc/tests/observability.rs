@@ -16,6 +16,8 @@ use tracing::level_filters::LevelFilter;
 use tracing::span::{Attributes, Id, Record};
 use tracing::{Event, Level, Metadata, Subscriber};
 
+use common::workers::noop;
+
 const DEADLINE: Duration = Duration::from_secs(60);
 
 /// Every event this process saw, as `target level field=value ...`.
@@ -58,8 +60,6 @@ impl Subscriber for Recorder {
     fn enter(&self, _: &Id) {}
     fn exit(&self, _: &Id) {}
 }
-
-fn noop(_rank: usize, _: ()) {}
 
 fn log_something(rank: usize, answer: u32) {
     tracing::info!(answer, "hello from rank {rank}");

@@ -14,33 +14,8 @@ use std::time::{Duration, Instant};
 
 use multiproc::{Error, Event, Process, SimpleQueue, SpawnOptions, StartMethod, start_processes};
 
-fn secs(s: u64) -> Duration {
-    Duration::from_secs(s)
-}
-
-fn process_is_gone(pid: u32) -> bool {
-    !std::path::Path::new(&format!("/proc/{pid}")).exists()
-}
-
-fn noop(_rank: usize, _: ()) {}
-
-/// A worker that stands for work taking `millis` (not a synchronisation).
-fn sleep_then_ok(_rank: usize, millis: u64) {
-    std::thread::sleep(Duration::from_millis(millis));
-}
-
-fn put_rank(rank: usize, q: SimpleQueue<usize>) -> Result<(), multiproc::Error> {
-    q.put(rank)?;
-    Ok(())
-}
-
-/// `target` raises at once; the others sleep far longer than any test's deadline.
-fn raise_in(rank: usize, target: usize) {
-    if rank == target {
-        panic!("legitimate exception from process {rank}");
-    }
-    std::thread::sleep(secs(600));
-}
+use common::secs;
+use common::workers::{noop, process_is_gone, put_rank, raise_in, sleep_then_ok};
 
 const WAIT: Duration = Duration::from_secs(30);
 

@@ -17,31 +17,11 @@ use std::time::{Duration, Instant};
 
 use multiproc::{Error, SimpleQueue, SpawnOptions, StartMethod, spawn, start_processes};
 
-// ---------------------------------------------------------------------------------------
-// Harness.
-
-fn secs(s: u64) -> Duration {
-    Duration::from_secs(s)
-}
-
-fn process_is_gone(pid: u32) -> bool {
-    !std::path::Path::new(&format!("/proc/{pid}")).exists()
-}
+use common::secs;
+use common::workers::{noop, process_is_gone, put_rank, raise_in, sleep_then_ok};
 
 // ---------------------------------------------------------------------------------------
 // Workers (functions of this executable, found again by the spawned copies).
-
-fn noop(_rank: usize, _: ()) {}
-
-/// A worker that stands for work taking `millis` (not a synchronisation).
-fn sleep_then_ok(_rank: usize, millis: u64) {
-    std::thread::sleep(Duration::from_millis(millis));
-}
-
-fn put_rank(rank: usize, q: SimpleQueue<usize>) -> Result<(), multiproc::Error> {
-    q.put(rank)?;
-    Ok(())
-}
 
 /// Checks a large argument (it travels out of band, in a sealed memfd).
 fn check_big(rank: usize, (data, sum): (Vec<u8>, u64)) -> Result<(), String> {
@@ -54,16 +34,6 @@ fn check_big(rank: usize, (data, sum): (Vec<u8>, u64)) -> Result<(), String> {
             data.len()
         ))
     }
-}
-
-/// `target` raises at once; the others sleep (torch's `_test_exception_single_func`)
-/// far longer than any test's deadline: they never end on their own, so a sleeper's exit
-/// status tells whether the parent terminated it or waited for it.
-fn raise_in(rank: usize, target: usize) {
-    if rank == target {
-        panic!("legitimate exception from process {rank}");
-    }
-    std::thread::sleep(secs(600));
 }
 
 fn raise_all(rank: usize, _: ()) {
@@ -249,7 +219,7 @@ fn exception_in_one_process_while_the_other_sleeps() {
                     "{message}"
                 );
                 assert!(
-                    message.contains("tests/spawn.rs:"),
+                    message.contains("tests/common/workers.rs:"),
                     "location missing: {message}"
                 );
                 assert!(

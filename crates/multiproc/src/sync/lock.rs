@@ -379,11 +379,7 @@ impl Lock {
     /// reported).
     #[doc(alias = "acquire_nowait")]
     pub fn try_acquire(&self) -> Result<bool> {
-        match self.acquire_within(Some(Duration::ZERO)) {
-            Ok(()) => Ok(true),
-            Err(Error::Timeout { .. }) => Ok(false),
-            Err(e) => Err(e),
-        }
+        acquired_now(self.acquire_within(Some(Duration::ZERO)))
     }
 
     fn acquire_within(&self, timeout: Option<Duration>) -> Result<()> {
@@ -566,11 +562,7 @@ impl RLock {
     /// [`Error::OwnerDied`] as for [`Lock::acquire`].
     #[doc(alias = "acquire_nowait")]
     pub fn try_acquire(&self) -> Result<bool> {
-        match self.acquire_within(Some(Duration::ZERO)) {
-            Ok(()) => Ok(true),
-            Err(Error::Timeout { .. }) => Ok(false),
-            Err(e) => Err(e),
-        }
+        acquired_now(self.acquire_within(Some(Duration::ZERO)))
     }
 
     fn acquire_within(&self, timeout: Option<Duration>) -> Result<()> {
@@ -712,6 +704,17 @@ impl<'de> Deserialize<'de> for RLock {
 /// the table that the protocol's liveness check reads (as the kernel makes a dead pid's
 /// `/proc` entry a zombie or gone). `.ci/run` runs them in release:
 /// `cargo test --release -p multiproc --lib lock::model -- --ignored`.
+
+/// A `try_acquire`'s answer from a zero-timeout acquire: a timeout is "not now", any
+/// other error (a dead holder's lock taken over) is reported.
+fn acquired_now(got: Result<()>) -> Result<bool> {
+    match got {
+        Ok(()) => Ok(true),
+        Err(Error::Timeout { .. }) => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
 #[cfg(test)]
 mod model {
     use super::*;

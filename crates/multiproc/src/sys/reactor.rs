@@ -662,6 +662,15 @@ impl FdReactor {
 /// This process's fd reactor (a `fork` child starts without one).
 static FD_REACTOR: ForkLocal<Option<Arc<FdReactor>>> = ForkLocal::new();
 
+/// How many fd registrations this process's fd reactor holds (parked futures; tests).
+#[cfg(feature = "testing-internals")]
+pub(crate) fn fd_registrations() -> usize {
+    FD_REACTOR
+        .lock()
+        .as_ref()
+        .map_or(0, |r| lock(&r.registrations).entries.len())
+}
+
 /// Registers a duplicate of `fd` with the fd reactor, to wake `waker` when it is
 /// ready (or hung up).
 ///

@@ -1,5 +1,5 @@
 //! The data sets shared by the data loader tests (tests/data_loader.rs,
-//! tests/data_sampling.rs, tests/data_failures.rs): numbered samples whose hooks make
+//! tests/data_sampling.rs, tests/data_failures.rs, tests/async_data.rs): numbered samples whose hooks make
 //! chosen samples fail or wait, and a numbered stream.
 
 use std::time::Duration;
@@ -29,6 +29,9 @@ pub struct Samples {
     pub gate: Option<(usize, Event)>,
     /// Sample 0 waits for this event.
     pub first_waits: Option<Event>,
+    /// Each sample sleeps this long: stands for decoding work (so that an epoch can be
+    /// dropped mid-way), not a synchronisation.
+    pub slow_ms: u64,
 }
 
 #[derive(Clone, Copy, Serialize, Deserialize, Debug)]
@@ -37,6 +40,35 @@ pub enum Fault {
     Panic,
     Kill,
     Hang,
+}
+
+/// Sample `i`'s fault, if `fault` names it: an `Err`, a panic, a SIGKILL of this worker
+/// or a hang. With `once`, only while the event is clear, which the fault then sets (the
+/// first attempt fails, a retry succeeds).
+pub fn misbehave(
+    fault: Option<(usize, Fault)>,
+    once: Option<&Event>,
+    i: usize,
+) -> multiproc::Result<()> {
+    let Some((at, how)) = fault else {
+        return Ok(());
+    };
+    if i != at || once.is_some_and(|e| e.is_set()) {
+        return Ok(());
+    }
+    if let Some(e) = once {
+        e.set();
+    }
+    match how {
+        Fault::Err => return Err(Error::InvalidArgument(format!("sample {i} is corrupt"))),
+        Fault::Panic => panic!("decoder crashed on sample {i}"),
+        Fault::Kill => {
+            // SAFETY: kill(2) on our own pid; no memory is involved.
+            unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+        }
+        Fault::Hang => std::thread::sleep(GATE_WAIT),
+    }
+    Ok(())
 }
 
 impl Samples {
@@ -49,6 +81,7 @@ impl Samples {
             hold_first: 0,
             gate: None,
             first_waits: None,
+            slow_ms: 0,
         }
     }
 
@@ -71,28 +104,7 @@ impl Dataset for Samples {
     }
 
     fn get(&self, i: usize) -> multiproc::Result<(Tensor, i64)> {
-        if let Some((at, how)) = self.fault {
-            let armed = match &self.once {
-                None => true,
-                Some(e) => !e.is_set(),
-            };
-            if i == at && armed {
-                if let Some(e) = &self.once {
-                    e.set();
-                }
-                match how {
-                    Fault::Err => {
-                        return Err(Error::InvalidArgument(format!("sample {i} is corrupt")));
-                    }
-                    Fault::Panic => panic!("decoder crashed on sample {i}"),
-                    Fault::Kill => {
-                        // SAFETY: kill(2) on our own pid; no memory is involved.
-                        unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
-                    }
-                    Fault::Hang => std::thread::sleep(GATE_WAIT),
-                }
-            }
-        }
+        misbehave(self.fault, self.once.as_ref(), i)?;
         if let Some(sem) = &self.finished {
             if i == 0 {
                 for _ in 0..self.hold_first {
@@ -110,6 +122,9 @@ impl Dataset for Samples {
             if i >= *from {
                 event.wait_timeout(GATE_WAIT)?;
             }
+        }
+        if self.slow_ms > 0 {
+            std::thread::sleep(Duration::from_millis(self.slow_ms));
         }
         Ok((Tensor::full(&[4], i as f64, DType::F32)?, i as i64))
     }

@@ -15,12 +15,20 @@ pub mod cuda;
 pub mod data;
 pub mod faults;
 pub mod hostile;
+pub mod workers;
 
 use std::collections::BTreeSet;
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 static SERIAL: Mutex<()> = Mutex::new(());
+
+/// Holds off every leak-checked test body (and every other holder) of this binary: for
+/// set-up that runs before [`run`] and must not overlap a test (a warm-up that parks
+/// waits would skew another test's count of parked waits).
+pub fn one_at_a_time() -> MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
 
 /// Runs `body` with a deadline and a leak check. A leak fails the test; a body still
 /// running at the deadline aborts the test binary after naming the test and killing its
@@ -117,7 +125,7 @@ pub struct Guard {
 impl Guard {
     /// Serialises leak-checked tests and records the starting state.
     pub fn new() -> Self {
-        let serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+        let serial = one_at_a_time();
         warm_up();
         multiproc::__testing::flush_retained_segments();
         multiproc::__testing::release_idle_blocks();
