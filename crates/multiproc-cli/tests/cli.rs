@@ -20,6 +20,39 @@ fn multiproc(args: &[&str]) -> Command {
     c
 }
 
+/// How long one command may run before its test fails (a watchdog, not a timing).
+const DEADLINE: Duration = Duration::from_secs(120);
+
+/// Runs `c` to its end with its output captured, failing the test (and killing it) if it
+/// is still running after [`DEADLINE`]: a hung command fails its test instead of hanging
+/// the suite.
+fn output(c: &mut Command) -> Output {
+    let child = c
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    finish(child)
+}
+
+/// [`output`] for a command already started with piped output.
+fn finish(child: std::process::Child) -> Output {
+    let pid = child.id();
+    let (tx, rx) = std::sync::mpsc::channel();
+    // The pipes are read meanwhile (a child blocked on a full pipe would never end).
+    std::thread::spawn(move || tx.send(child.wait_with_output()));
+    match rx.recv_timeout(DEADLINE) {
+        Ok(out) => out.unwrap(),
+        Err(_) => {
+            let _ = rustix::process::kill_process(
+                rustix::process::Pid::from_raw(pid as i32).unwrap(),
+                rustix::process::Signal::KILL,
+            );
+            panic!("pid {pid} was still running after {DEADLINE:?}");
+        }
+    }
+}
+
 fn text(out: &Output) -> String {
     format!(
         "{}{}",
@@ -48,7 +81,7 @@ fn processes_with_env(needle: &str) -> Vec<u32> {
 #[test]
 fn doctor_starts_a_throwaway_manager_and_its_exit_code_matches_its_verdict() {
     let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
-    let out = multiproc(&["doctor"]).output().unwrap();
+    let out = output(&mut multiproc(&["doctor"]));
     let text = text(&out);
     let line = text
         .lines()
@@ -160,7 +193,7 @@ fn two_gc_runs_at_once_remove_each_stale_segment_once() {
     std::fs::write(&live, b"in use").unwrap();
 
     // --dry-run lists, removes nothing.
-    let dry = multiproc(&["gc", "--dry-run"]).output().unwrap();
+    let dry = output(&mut multiproc(&["gc", "--dry-run"]));
     assert!(dry.status.success(), "{}", text(&dry));
     assert!(stale.iter().all(|p| std::path::Path::new(p).exists()));
 
@@ -172,7 +205,7 @@ fn two_gc_runs_at_once_remove_each_stale_segment_once() {
             .unwrap()
     };
     let (a, b) = (start(), start());
-    let (a, b) = (a.wait_with_output().unwrap(), b.wait_with_output().unwrap());
+    let (a, b) = (finish(a), finish(b));
     let (ta, tb) = (text(&a), text(&b));
     assert!(a.status.success() && b.status.success(), "{ta}\n{tb}");
     assert!(
@@ -238,23 +271,13 @@ fn two_gc_runs_at_once_remove_each_stale_segment_once() {
 #[test]
 fn bench_floor_reports_the_futex_and_spin_round_trips_and_leaves_no_child() {
     let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
-    let mut run = multiproc(&["bench-floor", "--json", "--scale", "0.01"])
+    let run = multiproc(&["bench-floor", "--json", "--scale", "0.01"])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
     let pid = run.id();
-    // A watchdog, not a timing: a hung floor fails here instead of hanging the suite.
-    let until = Instant::now() + Duration::from_secs(120);
-    while run.try_wait().unwrap().is_none() {
-        if Instant::now() >= until {
-            let _ = run.kill();
-            let out = run.wait_with_output().unwrap();
-            panic!("bench-floor did not finish in 120 s:\n{}", text(&out));
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let out = run.wait_with_output().unwrap();
+    let out = finish(run);
     let all = text(&out);
     assert!(out.status.success(), "{all}");
     let figures: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)

@@ -20,7 +20,7 @@ multiproc::test_init!();
 
 mod common;
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use multiproc::{Error, Pool};
 
@@ -125,12 +125,15 @@ fn a_dropped_future_loses_no_result() {
             assert_eq!(one.get_timeout(WAIT).unwrap(), 36);
 
             // Dropped while parked, then the result arrives with no future to wake (the
-            // stale waker is woken and ignored); a fresh `get_async` finds it waiting.
+            // stale waker is woken and ignored); a fresh `get_async` then has it.
             let mut two = pool.apply_async(slow_square, (5, 200)).unwrap();
             let early = tokio::time::timeout(Duration::from_millis(20), two.get_async()).await;
             assert!(early.is_err());
-            // (Most likely arrived by then; `ready` is not asked, as it would take it.)
-            tokio::time::sleep(Duration::from_millis(400)).await;
+            let until = Instant::now() + WAIT;
+            while !two.ready() {
+                assert!(Instant::now() < until, "the result never arrived");
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
             let got = tokio::time::timeout(WAIT, two.get_async()).await.unwrap();
             assert_eq!(got.unwrap(), 25);
 
