@@ -625,7 +625,7 @@ pub use cuda::Device;
 #[cfg(target_os = "linux")]
 pub use dynamic::Dynamic;
 #[cfg(target_os = "linux")]
-pub use error::{Error, Failure, LockError, OsError, PutError, Result, UserError};
+pub use error::{Error, Failure, LockError, OsError, PutError, Result, TaskFailure, UserError};
 #[cfg(target_os = "linux")]
 pub use pool::{AsyncResult, Imap, MapResult, Pool, PoolBuilder};
 #[cfg(target_os = "linux")]

@@ -12,7 +12,8 @@ use std::time::{Duration, Instant};
 use common::Rng;
 use common::faults::*;
 use multiproc::{
-    DType, Error, Event, Lock, Pool, Process, SharingStrategy, SimpleQueue, Tensor, Value,
+    DType, Error, Event, Lock, Pool, Process, SharingStrategy, SimpleQueue, TaskFailure, Tensor,
+    Value,
 };
 
 #[test]
@@ -88,8 +89,13 @@ fn scenario_pool_worker_mid_task() {
                             seen_pids.push(pid);
                         }
                     }
-                    Err(Error::TaskFailed { index, message }) => {
+                    Err(Error::TaskFailed {
+                        index,
+                        reason,
+                        message,
+                    }) => {
                         assert_eq!(index, k);
+                        assert_eq!(reason, TaskFailure::WorkerDied, "{message}");
                         assert!(
                             message.contains("SIGKILL"),
                             "task {index} failed without saying its worker was killed: {message}"

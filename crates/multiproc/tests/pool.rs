@@ -8,7 +8,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use multiproc::{Error, Pool, StartMethod};
+use multiproc::{Error, Pool, StartMethod, TaskFailure};
 
 const DEADLINE: Duration = Duration::from_secs(90);
 const WAIT: Duration = Duration::from_secs(30);
@@ -54,15 +54,31 @@ fn a_panicking_task_fails_alone() {
         assert_eq!(results.len(), 100);
         for (i, r) in results.iter().enumerate() {
             match (i, r) {
-                (37, Err(Error::TaskFailed { index, message })) => {
+                (
+                    37,
+                    Err(Error::TaskFailed {
+                        index,
+                        reason,
+                        message,
+                    }),
+                ) => {
                     assert_eq!(*index, 37);
+                    assert_eq!(*reason, TaskFailure::Panicked, "{message}");
                     assert!(message.contains("task 37 refuses"), "{message}");
                     assert!(
                         message.contains("pool.rs"),
                         "the panic location is reported: {message}"
                     );
                 }
-                (73, Err(Error::TaskFailed { index: 73, message })) => {
+                (
+                    73,
+                    Err(Error::TaskFailed {
+                        index: 73,
+                        reason,
+                        message,
+                    }),
+                ) => {
+                    assert_eq!(*reason, TaskFailure::Returned, "{message}");
                     assert!(message.contains("task 73 returns an error"), "{message}")
                 }
                 (i, Ok(v)) => assert_eq!(*v as usize, i + 1),
@@ -228,9 +244,15 @@ fn a_worker_killed_mid_chunk_fails_only_the_running_task() {
             .map_chunked(square_but_7_kills_its_worker, items, 3)
             .expect_err("task 7 kills its worker");
         drop(pool);
-        let Error::TaskFailed { index, message } = &err else {
+        let Error::TaskFailed {
+            index,
+            reason,
+            message,
+        } = &err
+        else {
             panic!("expected TaskFailed, got {err:?}");
         };
+        assert_eq!(*reason, TaskFailure::WorkerDied, "{message}");
         assert_eq!(
             *index, 7,
             "the failure names the task that was running: {err}"
@@ -292,7 +314,7 @@ fn starmap_apply_map_async_and_initializer_arguments() {
         );
         let err = pool.starmap(power, [(2, 1), (2, 64)]).unwrap_err();
         assert!(
-            matches!(&err, Error::TaskFailed { index: 1, message } if message.contains("2^64 overflows")),
+            matches!(&err, Error::TaskFailed { index: 1, message, .. } if message.contains("2^64 overflows")),
             "{err}"
         );
         assert_eq!(pool.apply(square, 12).unwrap(), 144);
@@ -334,5 +356,71 @@ fn pool_join_times_out_while_a_task_runs_then_joins() {
             9,
             "a closed pool finishes its tasks"
         );
+    });
+}
+
+/// A result that refuses to be encoded.
+#[derive(Debug, serde::Deserialize)]
+struct Unsendable;
+
+impl serde::Serialize for Unsendable {
+    fn serialize<S: serde::Serializer>(&self, _: S) -> Result<S::Ok, S::Error> {
+        Err(serde::ser::Error::custom(
+            "this result refuses to be encoded",
+        ))
+    }
+}
+
+fn unsendable(_: u32) -> Result<Unsendable, String> {
+    Ok(Unsendable)
+}
+
+/// Task 1 of the chunk kills its worker; the chunk's arguments hold a shared handle.
+fn second_kills_its_worker((x, _handle): (u32, multiproc::Event)) -> Result<u32, String> {
+    if x == 1 {
+        // SAFETY: kill on our own pid has no memory-safety preconditions.
+        unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+    }
+    Ok(x)
+}
+
+/// `TaskFailed`'s reason tells each way a task fails apart: a result that cannot be
+/// encoded, a worker that died running it, and a task that never ran because its
+/// chunk's arguments (holding a shared handle) cannot be sent to a second worker.
+#[test]
+fn each_way_a_task_fails_has_its_reason() {
+    common::run(DEADLINE, || {
+        let pool = Pool::new(1).unwrap();
+        let err = pool.apply(unsendable, 1).unwrap_err();
+        let Error::TaskFailed {
+            reason, message, ..
+        } = &err
+        else {
+            panic!("expected TaskFailed, got {err:?}");
+        };
+        assert_eq!(*reason, TaskFailure::Result, "{message}");
+        // (postcard keeps no custom text of a serializer's error.)
+        assert!(message.contains("cannot encode its result"), "{message}");
+
+        let event = multiproc::Event::new().unwrap();
+        let items: Vec<_> = (0..3u32).map(|x| (x, event.clone())).collect();
+        let got: Vec<_> = pool
+            .imap_chunked(second_kills_its_worker, items, 3)
+            .collect();
+        assert_eq!(got.len(), 3);
+        assert_eq!(*got[0].as_ref().unwrap(), 0);
+        let reasons: Vec<_> = got[1..]
+            .iter()
+            .map(|r| match r {
+                Err(Error::TaskFailed { reason, .. }) => *reason,
+                other => panic!("expected TaskFailed, got {other:?}"),
+            })
+            .collect();
+        assert_eq!(
+            reasons,
+            [TaskFailure::WorkerDied, TaskFailure::NotRun],
+            "{got:?}"
+        );
+        assert_eq!(pool.apply(square, 5).unwrap(), 25, "the pool carries on");
     });
 }

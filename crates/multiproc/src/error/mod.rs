@@ -195,7 +195,12 @@ pub enum Error {
     TaskFailed {
         /// The task's index in the submitted items.
         index: usize,
-        /// What happened (the panic text, the error, or how the worker died).
+        /// Why, to match on: the task's `Err` and a panic are told apart from a dead
+        /// worker and from a task that never ran.
+        reason: TaskFailure,
+        /// What happened: the text of the task's error (a user's error type crosses
+        /// from the worker as its `Display` text), the panic text and place, or how the
+        /// worker died.
         message: String,
     },
     /// An argument was out of range or otherwise unusable.
@@ -267,6 +272,23 @@ impl From<Box<dyn std::error::Error + Send + Sync>> for Error {
     fn from(err: Box<dyn std::error::Error + Send + Sync>) -> Self {
         Error::User(UserError::new(Arc::from(err)))
     }
+}
+
+/// Why a pool task failed ([`Error::TaskFailed`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[non_exhaustive]
+pub enum TaskFailure {
+    /// The task returned `Err`.
+    Returned,
+    /// The task panicked.
+    Panicked,
+    /// Its worker process died while running it (killed, crashed, or exited).
+    WorkerDied,
+    /// It never ran: its chunk's arguments could not be decoded in the worker, or could
+    /// not be sent again after the worker running the chunk died.
+    NotRun,
+    /// It ran, but its result could not be encoded, sent or decoded.
+    Result,
 }
 
 impl Error {

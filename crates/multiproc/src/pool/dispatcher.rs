@@ -10,7 +10,7 @@ use super::builder::PoolBuilder;
 use super::protocol::{ChunkCall, PoolMsg, WorkerArgs};
 use super::state::{Pending, Shared, State};
 use super::worker::pool_worker;
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, TaskFailure};
 use crate::process::Process;
 use crate::process::code::Code;
 use crate::queue::{Connection, pipe};
@@ -235,7 +235,11 @@ impl Dispatcher {
                         continue;
                     }
                     running.next += 1;
-                    let result = outcome.map_err(|message| Error::TaskFailed { index, message });
+                    let result = outcome.map_err(|(reason, message)| Error::TaskFailed {
+                        index,
+                        reason,
+                        message,
+                    });
                     self.route(job, index, vec![result]);
                 }
                 Ok(Some(PoolMsg::Done {
@@ -257,7 +261,7 @@ impl Dispatcher {
                     let message = outcome
                         .err()
                         .unwrap_or_else(|| "its pool worker never reported it".into());
-                    self.fail_rest(&running, running.next, &message);
+                    self.fail_rest(&running, running.next, TaskFailure::NotRun, &message);
                     self.workers[i].chunks_done += 1;
                     if self
                         .options
@@ -285,8 +289,14 @@ impl Dispatcher {
         }
     }
 
-    /// Fails tasks `from..` of a chunk with `message`.
-    pub(super) fn fail_rest(&self, running: &Running, from: usize, message: &str) {
+    /// Fails tasks `from..` of a chunk with `reason` and `message`.
+    pub(super) fn fail_rest(
+        &self,
+        running: &Running,
+        from: usize,
+        reason: TaskFailure,
+        message: &str,
+    ) {
         let end = running.first + running.len;
         if from >= end {
             return;
@@ -295,6 +305,7 @@ impl Dispatcher {
             .map(|index| {
                 Err(Error::TaskFailed {
                     index,
+                    reason,
                     message: message.to_string(),
                 })
             })
@@ -320,7 +331,11 @@ impl Dispatcher {
                 self.route(
                     running.job,
                     index,
-                    vec![Err(Error::TaskFailed { index, message })],
+                    vec![Err(Error::TaskFailed {
+                        index,
+                        reason: TaskFailure::WorkerDied,
+                        message,
+                    })],
                 );
                 let rest = index + 1;
                 if rest < end {
@@ -340,6 +355,7 @@ impl Dispatcher {
                         None => self.fail_rest(
                             &running,
                             rest,
+                            TaskFailure::NotRun,
                             &format!(
                                 "not run: its pool worker died while running task {index} of \
                                  the same chunk, and its arguments hold shared handles, which \

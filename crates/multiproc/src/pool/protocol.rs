@@ -4,6 +4,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::init_call::InitCall;
+use crate::TaskFailure;
 use crate::process::code::{Code, CodeCall, Sink};
 use crate::queue::Connection;
 use crate::wire::Opaque;
@@ -21,12 +22,12 @@ pub(super) enum PoolMsg {
         call: ChunkCall,
         args: Opaque,
     },
-    /// The outcome of task `index` (of the whole job): its encoded result or the
-    /// failure text. Sent as soon as the task finishes.
+    /// The outcome of task `index` (of the whole job): its encoded result or why it
+    /// failed. Sent as soon as the task finishes.
     TaskDone {
         job: u64,
         index: usize,
-        outcome: std::result::Result<Opaque, String>,
+        outcome: TaskOutcome,
     },
     /// The chunk is over: every task reported, or (`Err`) the chunk could not run (its
     /// arguments could not be decoded) and the unreported tasks fail with the text.
@@ -39,9 +40,12 @@ pub(super) enum PoolMsg {
     Stop,
 }
 
+/// One task's encoded result, or why it failed and the text that says how.
+pub(super) type TaskOutcome = std::result::Result<Opaque, (TaskFailure, String)>;
+
 /// One finished task as a chunk trampoline reports it: `(position in the chunk,
 /// outcome)`.
-pub(super) type TaskReport = (usize, std::result::Result<Opaque, String>);
+pub(super) type TaskReport = (usize, TaskOutcome);
 
 /// Where a chunk trampoline reports each finished task; `false` back means stop (the
 /// parent is gone).

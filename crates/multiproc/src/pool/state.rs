@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use super::outcomes::OutcomeSender;
 use super::protocol::ChunkCall;
-use crate::error::Error;
+use crate::error::{Error, TaskFailure};
 use crate::queue::Connection;
 use crate::wire::Opaque;
 
@@ -58,6 +58,7 @@ pub(super) fn with_index(e: Error, index: usize) -> Error {
         Error::TaskFailed { .. } => e,
         other => Error::TaskFailed {
             index,
+            reason: TaskFailure::Result,
             message: other.to_string(),
         },
     }

@@ -10,8 +10,8 @@ use std::panic::AssertUnwindSafe;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use super::protocol::{ChunkCall, ChunkInput, PoolMsg, Report, WorkerArgs};
-use crate::error::Error;
+use super::protocol::{ChunkCall, ChunkInput, PoolMsg, Report, TaskOutcome, WorkerArgs};
+use crate::error::{Error, TaskFailure};
 use crate::wire::Opaque;
 
 /// Decodes a chunk of `A`, runs `f` under `catch_unwind` on each from item `skip` on,
@@ -41,14 +41,19 @@ where
 /// Runs one task under `catch_unwind` and encodes its result or says how it failed.
 pub(super) fn run_task<R: Serialize, E: Display>(
     task: impl FnOnce() -> std::result::Result<R, E>,
-) -> std::result::Result<Opaque, String> {
+) -> TaskOutcome {
     let _task = tracing::debug_span!("multiproc::pool_task").entered();
     match std::panic::catch_unwind(AssertUnwindSafe(task)) {
-        Ok(Ok(r)) => Opaque::encode(&r).map_err(|e| format!("cannot encode its result: {e}")),
-        Ok(Err(e)) => Err(format!("returned an error: {e}")),
-        Err(payload) => Err(format!(
-            "panicked: {}",
-            crate::process::panic_text(&*payload)
+        Ok(Ok(r)) => Opaque::encode(&r).map_err(|e| {
+            (
+                TaskFailure::Result,
+                format!("cannot encode its result: {e}"),
+            )
+        }),
+        Ok(Err(e)) => Err((TaskFailure::Returned, format!("returned an error: {e}"))),
+        Err(payload) => Err((
+            TaskFailure::Panicked,
+            format!("panicked: {}", crate::process::panic_text(&*payload)),
         )),
     }
 }
