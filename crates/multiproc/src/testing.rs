@@ -55,6 +55,12 @@ pub struct Counters {
     pub host_unregistrations: u64,
 }
 
+/// How many of `pool`'s jobs wait for task outcomes: an `apply_async` or `map_async`
+/// job is forgotten after its last outcome, read or not.
+pub fn pool_jobs_waiting(pool: &crate::Pool) -> usize {
+    pool.jobs_waiting()
+}
+
 /// How many awaited waits (`get_async` and the like) are parked on a shared word in
 /// this process: a test waits for its tasks to park by this count, not by a sleep.
 #[cfg(feature = "async")]

@@ -424,3 +424,35 @@ fn each_way_a_task_fails_has_its_reason() {
         assert_eq!(pool.apply(square, 5).unwrap(), 25, "the pool carries on");
     });
 }
+
+/// A long-lived pool forgets each `apply_async` and `map_async` job after its last
+/// outcome, whether its handle was read, dropped unread or dropped before the result
+/// came: its table of jobs does not grow with the number of calls.
+#[test]
+fn finished_async_jobs_are_forgotten_read_or_not() {
+    common::run(DEADLINE, || {
+        let pool = Pool::new(2).unwrap();
+        for i in 0..50u64 {
+            drop(pool.apply_async(square, i).unwrap());
+        }
+        drop(pool.map_async(square, 0..10u64).unwrap());
+        drop(pool.map_async(square, Vec::<u64>::new()).unwrap());
+        let mut read = pool.apply_async(square, 3).unwrap();
+        assert_eq!(read.get_timeout(WAIT).unwrap(), 9);
+        let mut mapped = pool.map_async(square, 0..4u64).unwrap();
+        assert_eq!(mapped.get_timeout(WAIT).unwrap(), [0, 1, 4, 9]);
+        let until = Instant::now() + WAIT;
+        loop {
+            let waiting = multiproc::__testing::pool_jobs_waiting(&pool);
+            if waiting == 0 {
+                break;
+            }
+            assert!(
+                Instant::now() < until,
+                "{waiting} jobs still waiting {WAIT:?} after every task was submitted"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(pool.apply(square, 5).unwrap(), 25, "the pool carries on");
+    });
+}

@@ -314,8 +314,19 @@ impl Dispatcher {
     }
 
     pub(super) fn route(&self, job: u64, first: usize, results: Vec<Result<Opaque>>) {
-        if let Some(tx) = self.lock().jobs.get(&job) {
-            tx.send((first, results));
+        let mut state = self.lock();
+        let Some(entry) = state.jobs.get_mut(&job) else {
+            return;
+        };
+        let n = results.len();
+        entry.tx.send((first, results));
+        if let Some(left) = &mut entry.left {
+            *left = left.saturating_sub(n);
+            if *left == 0 {
+                // Its last outcome is with the receiver (or freed with it, if the
+                // handle was dropped unread).
+                state.jobs.remove(&job);
+            }
         }
     }
 

@@ -72,7 +72,7 @@ impl Pool {
         let chunksize = n.div_ceil(self.processes * 4).max(1);
         let call = CodeCall::new(f, run_star_chunk::<A, B, R, E>);
         let _span = tracing::debug_span!("multiproc::pool_starmap", tasks = n, chunksize).entered();
-        let (job, rx) = self.new_job()?;
+        let (job, rx) = self.new_job(None)?;
         let queued = self.enqueue_code(job, call, items, 0, chunksize);
         let result = queued.and_then(|()| self.collect_all::<R>(&rx, n));
         self.end_job(job);
@@ -97,7 +97,7 @@ impl Pool {
         let items: Vec<A> = items.into_iter().collect();
         let n = items.len();
         let chunksize = n.div_ceil(self.processes * 4).max(1);
-        let (job, rx) = self.new_job()?;
+        let (job, rx) = self.new_job(Some(n))?;
         if let Err(e) = self.enqueue(job, f, items, 0, chunksize) {
             self.end_job(job);
             return Err(e);

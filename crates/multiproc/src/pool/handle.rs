@@ -16,7 +16,7 @@ use super::dispatcher::Dispatcher;
 use super::dispatcher::Worker;
 use super::outcomes::{self, OutcomeReceiver};
 use super::protocol::ChunkCall;
-use super::state::{Pending, Shared, State, dispatcher_gone, with_index};
+use super::state::{Job, Pending, Shared, State, dispatcher_gone, with_index};
 use super::worker::run_chunk;
 use crate::error::{Error, Result};
 use crate::process::StartMethod;
@@ -110,8 +110,10 @@ impl Pool {
         self.processes
     }
 
-    /// Registers a new job; its chunk outcomes arrive on the receiver.
-    pub(super) fn new_job(&self) -> Result<(u64, OutcomeReceiver)> {
+    /// Registers a new job; its chunk outcomes arrive on the receiver. With `tasks`,
+    /// the dispatcher forgets the job after that many outcomes; without, the caller
+    /// ends it ([`end_job`](Self::end_job)).
+    pub(super) fn new_job(&self, tasks: Option<usize>) -> Result<(u64, OutcomeReceiver)> {
         let job = self.shared.next_job.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = outcomes::channel();
         let mut state = self.lock();
@@ -120,7 +122,9 @@ impl Pool {
                 "the pool is closed: no new tasks are accepted".into(),
             ));
         }
-        state.jobs.insert(job, tx);
+        if tasks != Some(0) {
+            state.jobs.insert(job, Job { tx, left: tasks });
+        }
         Ok((job, rx))
     }
 
@@ -177,6 +181,12 @@ impl Pool {
         Ok(())
     }
 
+    /// How many jobs wait for outcomes (tests: a job is not kept past its last one).
+    #[cfg(feature = "testing-internals")]
+    pub(crate) fn jobs_waiting(&self) -> usize {
+        self.lock().jobs.len()
+    }
+
     /// Forgets a job whose caller no longer waits for it.
     pub(super) fn end_job(&self, job: u64) {
         self.lock().jobs.remove(&job);
@@ -224,7 +234,7 @@ impl Pool {
         let items: Vec<A> = items.into_iter().collect();
         let n = items.len();
         let _span = tracing::debug_span!("multiproc::pool_map", tasks = n, chunksize).entered();
-        let (job, rx) = self.new_job()?;
+        let (job, rx) = self.new_job(None)?;
         let queued = self.enqueue(job, f, items, 0, chunksize);
         let result = queued.and_then(|()| self.collect_all::<R>(&rx, n));
         self.end_job(job);
@@ -270,7 +280,7 @@ impl Pool {
         R: Serialize + DeserializeOwned,
         E: Display,
     {
-        let (job, rx) = self.new_job()?;
+        let (job, rx) = self.new_job(Some(1))?;
         if let Err(e) = self.enqueue(job, f, vec![arg], 0, 1) {
             self.end_job(job);
             return Err(e);

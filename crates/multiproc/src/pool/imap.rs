@@ -53,7 +53,7 @@ impl<'p, R: DeserializeOwned> Imap<'p, R> {
         I: Iterator<Item = A> + 'p,
     {
         let chunksize = chunksize.max(1);
-        let (job, failed) = match pool.new_job() {
+        let (job, failed) = match pool.new_job(None) {
             Ok(j) => (Some(j), None),
             Err(e) => (None, Some(e)),
         };

@@ -28,11 +28,20 @@ pub(super) struct Pending {
 #[derive(Default)]
 pub(super) struct State {
     pub(super) queue: VecDeque<Pending>,
-    pub(super) jobs: HashMap<u64, OutcomeSender>,
+    pub(super) jobs: HashMap<u64, Job>,
     pub(super) closed: bool,
     pub(super) terminate: bool,
     /// Set by the dispatcher when it has stopped every worker and exited.
     pub(super) finished: bool,
+}
+
+/// A job waiting for outcomes.
+pub(super) struct Job {
+    pub(super) tx: OutcomeSender,
+    /// Outcomes still to come, for a job the dispatcher forgets after its last one
+    /// (`apply_async`, `map_async`: their handles may be dropped unread, and nothing
+    /// else would end them); `None` for a job its caller ends (`end_job`).
+    pub(super) left: Option<usize>,
 }
 
 pub(super) struct Shared {
