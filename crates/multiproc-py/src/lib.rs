@@ -106,6 +106,22 @@ fn shm_manager_env() -> (&'static str, &'static str) {
     multiproc::maintenance::shm_manager_env()
 }
 
+/// multiproc's segments in /dev/shm, as `multiproc::maintenance::segments` reads
+/// them: `(name, creator pid, tree)` each, the tree being `(root pid, root start time,
+/// random part)` for a segment made in a process tree (file_system), else `None`.
+#[pyfunction]
+fn shm_segments() -> Vec<(String, u32, Option<(u32, u64, String)>)> {
+    multiproc::maintenance::segments()
+        .into_iter()
+        .map(|s| {
+            let tree = s
+                .tree()
+                .map(|t| (t.root(), t.root_start_time(), t.random().to_owned()));
+            (s.name().to_owned(), s.creator(), tree)
+        })
+        .collect()
+}
+
 /// For a process about to end without finalizing (a `fork` or `forkserver` child of
 /// `multiprocessing` leaves with `os._exit`): gives back the block uses of every tensor
 /// this process still holds through torch or numpy, which must not be read afterwards.
@@ -156,6 +172,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(get_sharing_strategy, m)?)?;
     m.add_function(wrap_pyfunction!(set_sharing_strategy, m)?)?;
     m.add_function(wrap_pyfunction!(shm_manager_env, m)?)?;
+    m.add_function(wrap_pyfunction!(shm_segments, m)?)?;
     m.add_function(wrap_pyfunction!(queues::native_pipe, m)?)?;
     m.add_function(wrap_pyfunction!(parcel::seal, m)?)?;
     m.add_function(wrap_pyfunction!(parcel::open_parcel, m)?)?;

@@ -32,16 +32,10 @@ def open_fds():
 
 def shm_segments(pids):
     """multiproc's segments in /dev/shm made by one of ``pids`` or by a process tree
-    rooted at one of them. A segment's name says both
-    (``multiproc_<creator pid>_<random>_<root pid>_…``); other programs on the machine
-    make and remove segments of their own meanwhile."""
-    found = set()
-    for n in os.listdir("/dev/shm"):
-        parts = n.split("_")
-        if parts[0] == "multiproc" and len(parts) >= 4:
-            if parts[1] in pids or parts[3] in pids:
-                found.add(n)
-    return found
+    rooted at one of them (other programs on the machine make and remove segments of
+    their own meanwhile)."""
+    return {name for name, creator, tree in multiproc.shm_segments()
+            if str(creator) in pids or (tree is not None and str(tree[0]) in pids)}
 
 
 def descendants():

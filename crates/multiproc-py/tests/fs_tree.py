@@ -9,8 +9,10 @@ import sys
 import multiproc as mp
 
 
-def tree_names(tag):
-    return sorted(n for n in os.listdir("/dev/shm") if n.startswith("multiproc_") and n.endswith(tag))
+def tree_names(root):
+    """The names of the tree rooted at ``root``, and who made each."""
+    return sorted((n, creator) for n, creator, tree in mp.shm_segments()
+                  if tree is not None and tree[0] == root)
 
 
 def child(t, q_in, q_out):
@@ -25,21 +27,20 @@ def child(t, q_in, q_out):
 if __name__ == "__main__":
     mp.set_sharing_strategy("file_system")
     addr = os.environ["MULTIPROC_SHM_MANAGER"]
-    _, _, uid, root, start, rnd = addr.split("-")
-    tag = f"_{root}_{start}_{rnd}"
+    root = os.getpid()  # this program starts a fresh tree
     ctx = multiprocessing.get_context(sys.argv[1])
     arg, sent = mp.full((1 << 18,), 1.0), mp.full((1000,), 2.0)
-    named = tree_names(tag)
-    assert any(n.startswith(f"multiproc_{os.getpid()}_") for n in named), named
+    named = tree_names(root)
+    assert any(creator == root for _, creator in named), named
     q_in, q_out = mp.Queue(), mp.Queue()
     p = ctx.Process(target=child, args=(arg, q_in, q_out))
     p.start()
     q_in.put(sent)
     pid, theirs = q_out.get(timeout=60)
     assert float(theirs.sum()) == 7.0 * 2000
-    assert any(n.startswith(f"multiproc_{pid}_") for n in tree_names(tag)), tree_names(tag)
+    assert any(creator == pid for _, creator in tree_names(root)), tree_names(root)
     q_in.put(None)
     p.join(60)
     assert p.exitcode == 0
     assert float(arg[0]) == 2.0 and float(sent[0]) == 3.0
-    print(json.dumps({"addr": addr, "tag": tag, "names": len(tree_names(tag))}))
+    print(json.dumps({"addr": addr, "root": root, "names": len(tree_names(root))}))

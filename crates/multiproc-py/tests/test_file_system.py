@@ -12,6 +12,8 @@ import time
 
 import pytest
 
+import multiproc as mp
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -45,7 +47,7 @@ def test_tensors_cross_by_name_and_the_tree_leaves_nothing(method):
     assert tree["names"] > 0  # the root's blocks were files in /dev/shm
     deadline = time.monotonic() + 30
     while True:
-        left = [n for n in os.listdir("/dev/shm") if n.endswith(tree["tag"])]
+        left = [n for n, _, t in mp.shm_segments() if t is not None and t[0] == tree["root"]]
         running = manager_running(tree["addr"])
         if not left and not running:
             break

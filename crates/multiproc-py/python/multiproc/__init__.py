@@ -112,8 +112,17 @@ __all__ = [
     "ProcessException", "ProcessExitedException", "ProcessRaisedException", "Queue",
     "RLock", "Semaphore", "SimpleQueue", "empty", "full", "get_all_sharing_strategies",
     "get_sharing_strategy", "open_parcel", "parcel_for_child", "set_sharing_strategy",
-    "share_memory_", "spawn", "start_processes", "zeros",
+    "share_memory_", "shm_segments", "spawn", "start_processes", "zeros",
 ]
+
+
+def shm_segments():
+    """multiproc's segments in /dev/shm (blocks and queue rings of file_system trees
+    and their headers), read as the ``multiproc gc`` command reads them: a list of
+    ``(name, creator_pid, tree)``, where ``tree`` is ``(root_pid, root_start_time,
+    random)`` for a segment that belongs to a process tree, else ``None``. For
+    monitoring and tests; the names' format is the library's to change."""
+    return _native.shm_segments()
 
 
 def get_all_sharing_strategies():
