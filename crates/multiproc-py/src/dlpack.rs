@@ -89,48 +89,13 @@ struct Exported {
 
 /// dtype names as torch and numpy spell them.
 pub fn dtype_name(d: DType) -> &'static str {
-    match d {
-        DType::F32 => "float32",
-        DType::F64 => "float64",
-        DType::F16 => "float16",
-        DType::BF16 => "bfloat16",
-        DType::I8 => "int8",
-        DType::I16 => "int16",
-        DType::I32 => "int32",
-        DType::I64 => "int64",
-        DType::U8 => "uint8",
-        DType::Bool => "bool",
-        DType::U16 => "uint16",
-        DType::U32 => "uint32",
-        DType::U64 => "uint64",
-    }
+    d.name()
 }
 
 /// The dtype named `name` (torch's or numpy's spelling).
 pub fn parse_dtype(name: &str) -> PyResult<DType> {
-    let name = name.strip_prefix("torch.").unwrap_or(name);
-    let d = match name {
-        "float32" | "float" => DType::F32,
-        "float64" | "double" => DType::F64,
-        "float16" | "half" => DType::F16,
-        "bfloat16" => DType::BF16,
-        "int8" => DType::I8,
-        "int16" | "short" => DType::I16,
-        "int32" | "int" => DType::I32,
-        "int64" | "long" => DType::I64,
-        "uint8" => DType::U8,
-        "bool" => DType::Bool,
-        "uint16" => DType::U16,
-        "uint32" => DType::U32,
-        "uint64" => DType::U64,
-        other => {
-            return Err(PyValueError::new_err(format!(
-                "multiproc has no dtype {other:?}: it has float32, float64, float16, bfloat16, \
-                 int8, int16, int32, int64, uint8, uint16, uint32, uint64 and bool"
-            )));
-        }
-    };
-    Ok(d)
+    name.parse::<DType>()
+        .map_err(|e| PyValueError::new_err(e.to_string()))
 }
 
 fn dl_dtype(d: DType) -> DLDataType {

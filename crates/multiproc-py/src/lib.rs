@@ -106,11 +106,15 @@ fn shm_manager_env() -> (&'static str, &'static str) {
     multiproc::maintenance::shm_manager_env()
 }
 
+/// A segment's process tree, as Python sees it: `(root pid, root start time, random
+/// part)`.
+type SegmentTree = (u32, u64, String);
+
 /// multiproc's segments in /dev/shm, as `multiproc::maintenance::segments` reads
 /// them: `(name, creator pid, tree)` each, the tree being `(root pid, root start time,
 /// random part)` for a segment made in a process tree (file_system), else `None`.
 #[pyfunction]
-fn shm_segments() -> Vec<(String, u32, Option<(u32, u64, String)>)> {
+fn shm_segments() -> Vec<(String, u32, Option<SegmentTree>)> {
     multiproc::maintenance::segments()
         .into_iter()
         .map(|s| {

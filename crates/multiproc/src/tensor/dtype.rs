@@ -115,6 +115,41 @@ impl fmt::Display for DType {
     }
 }
 
+/// Parses torch's or numpy's spelling of a dtype: [`DType::name`]'s (`"float32"`), with
+/// or without `torch.` in front, and torch's aliases (`float`, `double`, `half`,
+/// `short`, `int`, `long`).
+///
+/// ```
+/// use multiproc::DType;
+/// assert_eq!("torch.long".parse::<DType>().unwrap(), DType::I64);
+/// assert!("complex64".parse::<DType>().is_err());
+/// ```
+impl std::str::FromStr for DType {
+    type Err = crate::Error;
+
+    fn from_str(name: &str) -> crate::Result<DType> {
+        let bare = name.strip_prefix("torch.").unwrap_or(name);
+        let alias = match bare {
+            "float" => Some(DType::F32),
+            "double" => Some(DType::F64),
+            "half" => Some(DType::F16),
+            "short" => Some(DType::I16),
+            "int" => Some(DType::I32),
+            "long" => Some(DType::I64),
+            _ => None,
+        };
+        alias
+            .or_else(|| DType::ALL.into_iter().find(|d| d.name() == bare))
+            .ok_or_else(|| {
+                let known: Vec<&str> = DType::ALL.iter().map(|d| d.name()).collect();
+                crate::Error::InvalidArgument(format!(
+                    "multiproc has no dtype {name:?}: it has {}",
+                    known.join(", ")
+                ))
+            })
+    }
+}
+
 pub(crate) mod sealed {
     /// What the kernels need from an element type. Not implementable outside the crate.
     pub trait Sealed: Copy + Send + Sync + PartialEq + 'static {
