@@ -290,3 +290,44 @@ fn many_results_awaited_at_once() {
         });
     });
 }
+
+/// An `Imap` and its `next_async` future are `Send`: tasks of a multi-thread runtime
+/// (an axum or tonic handler) each await one, and may move between threads meanwhile.
+#[test]
+fn imaps_are_awaited_in_tasks_of_a_multi_thread_runtime() {
+    warm_up();
+    common::run(DEADLINE, || {
+        let pool = std::sync::Arc::new(Pool::new(2).unwrap());
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        let sums: Vec<u64> = rt.block_on(async {
+            let tasks: Vec<_> = (0..4u64)
+                .map(|k| {
+                    let pool = pool.clone();
+                    tokio::spawn(async move {
+                        let mut imap = pool.imap(square, k * 100..(k + 1) * 100);
+                        let mut sum = 0;
+                        while let Some(r) = imap.next_async().await {
+                            sum += r.unwrap();
+                            tokio::task::yield_now().await;
+                        }
+                        sum
+                    })
+                })
+                .collect();
+            let mut sums = Vec::new();
+            for t in tasks {
+                sums.push(tokio::time::timeout(WAIT, t).await.unwrap().unwrap());
+            }
+            sums
+        });
+        for (k, sum) in sums.iter().enumerate() {
+            let k = k as u64;
+            assert_eq!(*sum, (k * 100..(k + 1) * 100).map(|x| x * x).sum::<u64>());
+        }
+        drop(rt);
+    });
+}

@@ -17,13 +17,15 @@ use crate::wire::Opaque;
 /// Pulls at most `room` items from the caller's iterator and queues them on `pool` as
 /// tasks `first..` of `job`; returns how many it queued (0: the items are exhausted).
 /// It holds the task function and the items, so [`Imap`] needs neither's type.
-type Submit<'p> = Box<dyn FnMut(&Pool, u64, usize, usize) -> Result<usize> + 'p>;
+type Submit<'p> = Box<dyn FnMut(&Pool, u64, usize, usize) -> Result<usize> + Send + 'p>;
 
 /// The iterator of [`Pool::imap`] and [`Pool::imap_unordered`]: yields `Result<R>` per
 /// item (a failed task is an `Err` with its index; the others still come).
 ///
-/// Only the result type shows: the task function and the argument iterator are held
-/// type-erased. (So an `Imap` stays on the thread that made it: it is not `Send`.)
+/// Only the result type shows: the task function and the argument iterator (which must
+/// be `Send`) are held type-erased. An `Imap` is `Send`, and so is
+/// [`next_async`](Self::next_async)'s future: a task of a multi-thread runtime may
+/// await it.
 pub struct Imap<'p, R> {
     pool: &'p Pool,
     submit: Submit<'p>,
@@ -50,7 +52,7 @@ impl<'p, R: DeserializeOwned> Imap<'p, R> {
         A: Serialize + DeserializeOwned + 'p,
         R: Serialize + 'p,
         E: Display + 'p,
-        I: Iterator<Item = A> + 'p,
+        I: Iterator<Item = A> + Send + 'p,
     {
         let chunksize = chunksize.max(1);
         let (job, failed) = match pool.new_job(None) {
@@ -121,9 +123,7 @@ impl<R: DeserializeOwned> Imap<'_, R> {
     /// per wait, no timer.
     ///
     /// Cancel-safe: a future dropped before it completes has taken nothing; what
-    /// arrived meanwhile is kept in the `Imap` for the next call. (Like the `Imap`
-    /// itself, the future is not `Send`: await it on the thread that made the `Imap`,
-    /// e.g. in a current-thread runtime or a `LocalSet`.)
+    /// arrived meanwhile is kept in the `Imap` for the next call. The future is `Send`.
     ///
     /// # Errors
     /// Per item, as [`Pool::imap`].
@@ -229,7 +229,7 @@ impl Pool {
         R: Serialize + DeserializeOwned + 'p,
         E: Display + 'p,
         I: IntoIterator<Item = A>,
-        I::IntoIter: 'p,
+        I::IntoIter: Send + 'p,
     {
         Imap::new(self, f, items.into_iter(), true, 1)
     }
@@ -254,7 +254,7 @@ impl Pool {
         R: Serialize + DeserializeOwned + 'p,
         E: Display + 'p,
         I: IntoIterator<Item = A>,
-        I::IntoIter: 'p,
+        I::IntoIter: Send + 'p,
     {
         Imap::new(self, f, items.into_iter(), true, chunksize)
     }
@@ -275,7 +275,7 @@ impl Pool {
         R: Serialize + DeserializeOwned + 'p,
         E: Display + 'p,
         I: IntoIterator<Item = A>,
-        I::IntoIter: 'p,
+        I::IntoIter: Send + 'p,
     {
         Imap::new(self, f, items.into_iter(), false, 1)
     }
@@ -297,7 +297,7 @@ impl Pool {
         R: Serialize + DeserializeOwned + 'p,
         E: Display + 'p,
         I: IntoIterator<Item = A>,
-        I::IntoIter: 'p,
+        I::IntoIter: Send + 'p,
     {
         Imap::new(self, f, items.into_iter(), false, chunksize)
     }
