@@ -699,12 +699,6 @@ impl<'de> Deserialize<'de> for RLock {
     }
 }
 
-/// The lock's protocol under the loom model checker, over process-local words: threads
-/// stand for processes (each with a pid), and a process "dies" by setting its flag in
-/// the table that the protocol's liveness check reads (as the kernel makes a dead pid's
-/// `/proc` entry a zombie or gone). `.ci/run` runs them in release:
-/// `cargo test --release -p multiproc --lib lock::model -- --ignored`.
-
 /// A `try_acquire`'s answer from a zero-timeout acquire: a timeout is "not now", any
 /// other error (a dead holder's lock taken over) is reported.
 fn acquired_now(got: Result<()>) -> Result<bool> {
@@ -715,6 +709,11 @@ fn acquired_now(got: Result<()>) -> Result<bool> {
     }
 }
 
+/// The lock's protocol under the loom model checker, over process-local words: threads
+/// stand for processes (each with a pid), and a process "dies" by setting its flag in
+/// the table that the protocol's liveness check reads (as the kernel makes a dead pid's
+/// `/proc` entry a zombie or gone). `.ci/run` runs them in release:
+/// `cargo test --release -p multiproc --lib lock::model -- --ignored`.
 #[cfg(test)]
 mod model {
     use super::*;
