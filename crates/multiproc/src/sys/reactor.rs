@@ -61,8 +61,9 @@
 //! when it first parks (the parent's are the parent's, as `ForkLocal` says).
 //!
 //! Without `futex_waitv` (`ENOSYS`: kernels before 5.16) the word reactor falls back to
-//! looking at its words every [`FALLBACK_POLL`]: correct, but not free when idle (that
-//! path is not exercised by the tests, which run on newer kernels).
+//! looking at its words every [`FALLBACK_POLL`]: correct, but not free when idle
+//! (tests/async_old_kernel.rs runs the waits under a seccomp filter that answers
+//! `futex_waitv` with `ENOSYS`).
 
 use std::collections::HashMap;
 use std::os::fd::{BorrowedFd, OwnedFd};
