@@ -15,7 +15,8 @@ source (test modules left out: `tests.rs` files and everything from a `#[cfg(tes
 
 Usage: scripts/module_deps.py [--src crates/multiproc/src] [--quiet] [--check]
 
-With --check it exits with status 1 when there is a cycle (`.ci/run` runs it so).
+With --check it exits with status 1 when there is a cycle or an import through lib.rs's
+re-exports (`.ci/run` runs it so).
 """
 
 import argparse
@@ -300,9 +301,14 @@ def main():
 
     total = sum(len(v) for v in via_lib.values())
     print(f"\nImports through lib.rs re-exports: {total} in {len(via_lib)} files")
-    if not args.quiet:
+    if not args.quiet or args.check:
         for f in sorted(via_lib):
             print(f"  {f}: {', '.join(sorted(set(via_lib[f])))}")
+    if args.check and total:
+        raise SystemExit(
+            "module_deps: import these from the module that defines them, not through "
+            "lib.rs's re-exports (see above)"
+        )
 
 
 if __name__ == "__main__":

@@ -79,7 +79,7 @@ pub fn set_sharing_strategy(strategy: SharingStrategy) {
 /// Set it once per process, before the first `file_system` storage; setting the same
 /// command again is allowed, another one is [`Error::InvalidArgument`](crate::Error).
 /// Processes started afterwards do not inherit it: each host sets it for itself.
-pub fn set_shm_manager_command<P, A>(program: P, args: &[A]) -> crate::Result<()>
+pub fn set_shm_manager_command<P, A>(program: P, args: &[A]) -> crate::error::Result<()>
 where
     P: AsRef<std::ffi::OsStr>,
     A: AsRef<std::ffi::OsStr>,

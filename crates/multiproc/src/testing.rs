@@ -57,7 +57,7 @@ pub struct Counters {
 
 /// How many of `pool`'s jobs wait for task outcomes: an `apply_async` or `map_async`
 /// job is forgotten after its last outcome, read or not.
-pub fn pool_jobs_waiting(pool: &crate::Pool) -> usize {
+pub fn pool_jobs_waiting(pool: &crate::pool::Pool) -> usize {
     pool.jobs_waiting()
 }
 
@@ -80,10 +80,10 @@ pub fn parked_fd_waits() -> usize {
 /// `fuzzing` feature only.
 #[cfg(feature = "fuzzing")]
 pub fn while_custody_locked<T: serde::Serialize + serde::de::DeserializeOwned, R>(
-    queue: &crate::Queue<T>,
+    queue: &crate::queue::Queue<T>,
     shelf: usize,
     f: impl FnOnce() -> R,
-) -> crate::Result<R> {
+) -> crate::error::Result<R> {
     queue.while_custody_locked(shelf, f)
 }
 
@@ -92,10 +92,10 @@ pub fn while_custody_locked<T: serde::Serialize + serde::de::DeserializeOwned, R
 /// Built with the `fuzzing` feature only.
 #[cfg(feature = "fuzzing")]
 pub fn put_pausing_in_ring<T: serde::Serialize + serde::de::DeserializeOwned>(
-    queue: &crate::SimpleQueue<T>,
+    queue: &crate::queue::SimpleQueue<T>,
     item: &T,
     pause: impl FnOnce(),
-) -> crate::Result<()> {
+) -> crate::error::Result<()> {
     queue.put_pausing_in_ring(item, pause)
 }
 
@@ -104,8 +104,8 @@ pub fn put_pausing_in_ring<T: serde::Serialize + serde::de::DeserializeOwned>(
 /// (SIGSTOP) there. Built with the `fuzzing` feature only.
 #[cfg(feature = "fuzzing")]
 pub fn get_pausing_in_ring<T: serde::Serialize + serde::de::DeserializeOwned>(
-    queue: &crate::SimpleQueue<T>,
+    queue: &crate::queue::SimpleQueue<T>,
     pause: impl FnOnce(),
-) -> crate::Result<T> {
+) -> crate::error::Result<T> {
     queue.get_pausing_in_ring(pause)
 }

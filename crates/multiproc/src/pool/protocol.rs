@@ -4,7 +4,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::init_call::InitCall;
-use crate::TaskFailure;
+use crate::error::TaskFailure;
 use crate::process::code::{Code, CodeCall, Sink};
 use crate::queue::Connection;
 use crate::wire::Opaque;

@@ -125,9 +125,9 @@ impl fmt::Display for DType {
 /// assert!("complex64".parse::<DType>().is_err());
 /// ```
 impl std::str::FromStr for DType {
-    type Err = crate::Error;
+    type Err = crate::error::Error;
 
-    fn from_str(name: &str) -> crate::Result<DType> {
+    fn from_str(name: &str) -> crate::error::Result<DType> {
         let bare = name.strip_prefix("torch.").unwrap_or(name);
         let alias = match bare {
             "float" => Some(DType::F32),
@@ -142,7 +142,7 @@ impl std::str::FromStr for DType {
             .or_else(|| DType::ALL.into_iter().find(|d| d.name() == bare))
             .ok_or_else(|| {
                 let known: Vec<&str> = DType::ALL.iter().map(|d| d.name()).collect();
-                crate::Error::InvalidArgument(format!(
+                crate::error::Error::InvalidArgument(format!(
                     "multiproc has no dtype {name:?}: it has {}",
                     known.join(", ")
                 ))
