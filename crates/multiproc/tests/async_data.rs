@@ -22,12 +22,12 @@ use std::future::poll_fn;
 use std::pin::Pin;
 use std::time::{Duration, Instant};
 
-use common::async_rt::warm_up;
+use common::async_rt::{until_parked, warm_up};
 use common::data::{Fault, Loader, Samples};
 use common::{alive, secs};
 use futures_core::Stream;
 use multiproc::data::{DataLoader, EpochStream};
-use multiproc::{Error, Semaphore, Tensor};
+use multiproc::{Error, Event, Semaphore, Tensor};
 use serde::{Deserialize, Serialize};
 
 /// How long one awaited batch may take before the test fails.
@@ -162,6 +162,55 @@ fn a_failing_worker_reaches_the_stream_named() {
             }
             assert!(loader.worker_pids().is_empty());
         }
+    });
+}
+
+/// A worker SIGKILLed while the stream is parked wakes it through the worker's pidfd
+/// (the stream waits on the pidfds of the workers holding tasks beside the results
+/// queue), not at the queue's next re-check: the parked stream holds an fd
+/// registration, and the kill reaches it as a failure naming the worker.
+#[test]
+fn a_worker_killed_while_the_stream_is_parked_wakes_it_by_its_pidfd() {
+    warm_up();
+    common::run(secs(90), || {
+        let mut data = Samples::new(8);
+        let gate = Event::new().unwrap();
+        data.gate = Some((0, gate.clone()));
+        let mut loader = DataLoader::builder(data)
+            .batch_size(2)
+            .num_workers(2)
+            .build()
+            .unwrap();
+        let (err, killed) = runtime().block_on(async {
+            let before = common::children();
+            let mut stream = loader.stream();
+            let (words, fds) = (
+                multiproc::__testing::parked_word_waits(),
+                multiproc::__testing::parked_fd_waits(),
+            );
+            let (item, killed) = tokio::join!(next(&mut stream), async {
+                until_parked(multiproc::__testing::parked_word_waits, words + 1).await;
+                until_parked(multiproc::__testing::parked_fd_waits, fds + 1).await;
+                // One of the workers the epoch started (both hold a gated batch).
+                let victim = *common::children()
+                    .difference(&before)
+                    .next()
+                    .expect("the epoch's workers are children of this process");
+                // SAFETY: kill(2) takes no pointers.
+                assert_eq!(unsafe { libc::kill(victim as i32, libc::SIGKILL) }, 0);
+                victim
+            });
+            (item.unwrap().unwrap_err(), killed)
+        });
+        gate.set();
+        let message = err.to_string();
+        assert!(
+            matches!(err, Error::LoaderFailed { pid, .. } if pid == killed),
+            "{err:?}"
+        );
+        assert!(message.contains("SIGKILL"), "{message}");
+        assert!(!alive(killed));
+        assert!(loader.worker_pids().is_empty());
     });
 }
 

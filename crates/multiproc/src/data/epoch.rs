@@ -670,11 +670,11 @@ mod stream {
     /// thread on the workers' replies, `poll_next` parks on the results queue with the
     /// async reactor and returns `Pending`.
     ///
-    /// - Worker deaths that send no reply, and the loader's
-    ///   [`timeout`](crate::data::DataLoaderBuilder::timeout), are noticed at the
-    ///   parked get's re-check, once a second: up to a second later than the iterator
-    ///   does (it looks every 10 ms). A worker's `Err` or panic arrives as a reply and
-    ///   wakes the stream at once.
+    /// - A worker's `Err` or panic arrives as a reply, and a worker process that dies
+    ///   while it holds tasks wakes the stream through its pidfd: both at once. The
+    ///   loader's [`timeout`](crate::data::DataLoaderBuilder::timeout) is noticed at
+    ///   the parked get's re-check, once a second: up to a second later than the
+    ///   iterator does (it looks every 10 ms).
     /// - With `num_workers(0)` batches are loaded in `poll_next` itself, on the
     ///   executor's thread, as the iterator loads them in `next`.
     /// - `pin_memory` is applied as by the iterator; `prefetch_to` (copies ahead on a

@@ -734,8 +734,8 @@ mod stream {
     /// `Result<Batch>` (feature `async`), made by [`IterableDataLoader::stream`] or
     /// [`IterableEpoch::into_stream`]: what the iterator yields, parking on the
     /// workers' results queue where the iterator blocks. As
-    /// [`EpochStream`](crate::data::EpochStream): deaths without a reply and the
-    /// timeout are noticed within the parked get's one-second re-check, `num_workers(0)`
+    /// [`EpochStream`](crate::data::EpochStream): a worker's death wakes it at once, the
+    /// timeout is noticed within the parked get's one-second re-check, `num_workers(0)`
     /// loads in `poll_next`, and dropping the stream is dropping the epoch.
     pub struct IterableEpochStream<'a, D, C>
     where

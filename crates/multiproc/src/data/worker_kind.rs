@@ -117,6 +117,15 @@ impl Worker {
         }
     }
 
+    /// A process's pidfd, readable once it has exited (a thread has none).
+    #[cfg(feature = "async")]
+    pub(crate) fn pidfd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
+        match &self.handle {
+            Handle::Process(p) => Some(p.sentinel()),
+            Handle::Thread(_) => None,
+        }
+    }
+
     /// Its pid (a process) or tid (a thread).
     pub(crate) fn id(&self) -> u32 {
         match &self.handle {

@@ -255,10 +255,11 @@ impl<B: Serialize + DeserializeOwned> WorkerSet<B> {
 
     /// [`wait`](Self::wait) without blocking a thread (the data loader's stream):
     /// `Poll::Ready` with what `wait` would return, `Poll::Pending` with `parked`
-    /// registered on the results queue until a reply comes. Each try is `wait` with a
+    /// registered on the results queue and on the pidfds of the workers that hold
+    /// tasks, until a reply comes or one of them exits. Each try is `wait` with a
     /// deadline of now (everything queued taken in, dead workers looked for); the
     /// queue's registration asks for a re-check every `reactor::RECHECK`, which is when
-    /// a death that sent no reply and a passed `deadline` are noticed.
+    /// a passed `deadline` is noticed.
     #[cfg(feature = "async")]
     pub(crate) fn poll_wait(
         &mut self,
@@ -278,12 +279,32 @@ impl<B: Serialize + DeserializeOwned> WorkerSet<B> {
                 match self.wait(run, Some(now)) {
                     Ok(Some(arrival)) => Step::Done(Ok(Some(arrival))),
                     Ok(None) if deadline.is_some_and(|d| d <= now) => Step::Done(Ok(None)),
-                    Ok(None) => Step::Word(word),
+                    Ok(None) => match self.busy_pidfds() {
+                        Ok(fds) if fds.is_empty() => Step::Word(word),
+                        Ok(fds) => Step::WordOrFds(word, fds, reactor::Ready::Readable),
+                        Err(e) => Step::Done(Err(e)),
+                    },
                     Err(e) => Step::Done(Err(e)),
                 }
             },
             Err,
         )
+    }
+
+    /// Duplicates of the pidfds of the worker processes that hold tasks: a death
+    /// among them wakes a parked stream at once (a worker that holds none is not
+    /// waited for; thread workers report by reply).
+    #[cfg(feature = "async")]
+    fn busy_pidfds(&self) -> Result<Vec<std::os::fd::OwnedFd>> {
+        self.slots
+            .iter()
+            .filter(|s| !s.outstanding.is_empty())
+            .filter_map(|s| s.process.pidfd())
+            .map(|fd| {
+                fd.try_clone_to_owned()
+                    .map_err(|e| Error::os("duplicating a data loader worker's pidfd", e))
+            })
+            .collect()
     }
 
     /// Takes in one reply: an arrival if it answers a task of run `run`, nothing if it is

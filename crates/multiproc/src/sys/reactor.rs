@@ -33,7 +33,10 @@
 //! **fds.** A pidfd (a process's exit) and a full socket (a `put` whose packet goes on
 //! the queue's socket) are readiness, not words: a second thread, the **fd reactor**,
 //! `poll`s the registered fds (each a duplicate the registration owns) and an eventfd
-//! that tells it the set changed. It starts only when a future first needs it.
+//! that tells it the set changed. It starts only when a future first needs it. A
+//! future may park on a word and on fds at once (a data loader's stream: its results
+//! queue, and the pidfds of the workers that hold its tasks): two registrations in one
+//! [`Parked`], either of which wakes it.
 //!
 //! **Idle costs nothing.** Both threads sleep in the kernel without a timeout, except
 //! for registrations that ask for a *re-check* after [`RECHECK`]: a parked queue `get`
@@ -354,6 +357,9 @@ static SHARDS: ForkLocal<Vec<Arc<Shard>>> = ForkLocal::new();
 pub(crate) struct Parked {
     kind: ParkedKind,
     done: bool,
+    /// A second registration, on fds, beside a word's ([`Step::WordOrFds`]): either
+    /// one wakes the future.
+    fds: Option<Box<Parked>>,
 }
 
 enum ParkedKind {
@@ -385,6 +391,12 @@ impl Parked {
             Some((!w.will_wake(waker)).then(|| std::mem::replace(w, waker.clone())))
         }
         if self.done {
+            return false;
+        }
+        // Both parts are asked (each takes `waker`): the future stays parked only
+        // while neither has been woken.
+        let fds_wait = self.fds.as_ref().is_none_or(|f| f.still_waiting(waker));
+        if !fds_wait {
             return false;
         }
         let old = match &self.kind {
@@ -433,6 +445,12 @@ impl Parked {
         true
     }
 
+    /// Whether the fd part of a registration (if it has one) still waits, taking
+    /// `waker` as the one to wake.
+    fn fds_still_waiting(&self, waker: &Waker) -> bool {
+        self.fds.as_ref().is_none_or(|f| f.still_waiting(waker))
+    }
+
     /// Whether this registration waits on `wait`'s word for `wait`'s value.
     fn waits_for(&self, wait: &WordWait) -> bool {
         match &self.kind {
@@ -459,6 +477,8 @@ impl Parked {
         if std::mem::replace(&mut self.done, true) {
             return;
         }
+        // An fd registration has nothing to pass on: readiness is a level.
+        drop(self.fds.take());
         match &self.kind {
             ParkedKind::Word {
                 shard,
@@ -583,6 +603,7 @@ pub(crate) fn park_word(wait: WordWait, waker: &Waker) -> Result<Option<Parked>>
             state,
         },
         done: false,
+        fds: None,
     }))
 }
 
@@ -734,6 +755,7 @@ pub(crate) fn park_fds(fds: Vec<OwnedFd>, ready: Ready, waker: &Waker) -> Result
     Ok(Parked {
         kind: ParkedKind::Fd { reactor, key },
         done: false,
+        fds: None,
     })
 }
 
@@ -747,6 +769,9 @@ pub(crate) enum Step<'a, R> {
     Fd(BorrowedFd<'a>, Ready),
     /// Nothing yet: park until any of these fds is ready.
     Fds(Vec<OwnedFd>, Ready),
+    /// Nothing yet: park on this word (as [`Step::Word`]) and until any of these fds is
+    /// ready (a data loader's results queue, and its workers' pidfds).
+    WordOrFds(WordWait, Vec<OwnedFd>, Ready),
 }
 
 /// Tries before giving the executor back, when every try finds its word changed again.
@@ -776,6 +801,11 @@ pub(crate) fn poll_step<'a, R>(
                 // Nothing, and the word as registered: the registration goes on.
                 // (`wait` counts nowhere until it is parked: dropping it is all.)
                 Step::Word(wait) if p.waits_for(&wait) => return Poll::Pending,
+                Step::WordOrFds(wait, _, _)
+                    if p.waits_for(&wait) && p.fds_still_waiting(cx.waker()) =>
+                {
+                    return Poll::Pending;
+                }
                 other => first = Some(other),
             }
         }
@@ -789,6 +819,13 @@ pub(crate) fn poll_step<'a, R>(
             Step::Word(wait) => park_word(wait, cx.waker()),
             Step::Fd(fd, ready) => park_fd(fd, ready, cx.waker()).map(Some),
             Step::Fds(fds, ready) => park_fds(fds, ready, cx.waker()).map(Some),
+            Step::WordOrFds(wait, fds, ready) => match park_word(wait, cx.waker()) {
+                Ok(Some(mut p)) => park_fds(fds, ready, cx.waker()).map(|f| {
+                    p.fds = Some(Box::new(f));
+                    Some(p)
+                }),
+                other => other,
+            },
         };
         match registered {
             Ok(Some(p)) => {
