@@ -239,8 +239,9 @@
 //! [`Pool::apply`], [`Pool::apply_async`], [`Pool::map_async`], with an initializer
 //! ([`PoolBuilder::initializer_with`]) and worker recycling
 //! ([`PoolBuilder::max_tasks_per_child`]). A task that panics, or whose worker is
-//! killed, fails alone ([`Error::TaskFailed`] with its index); the pool replaces the
-//! worker and carries on.
+//! killed, fails alone ([`Error::TaskFailed`] with its index and a [`TaskFailure`]
+//! saying why: returned `Err`, panicked, worker died, never ran); the pool replaces
+//! the worker and carries on.
 //!
 //! ```no_run
 //! use multiproc::{DType, Pool, Tensor};
