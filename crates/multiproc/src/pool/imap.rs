@@ -23,9 +23,8 @@ type Submit<'p> = Box<dyn FnMut(&Pool, u64, usize, usize) -> Result<usize> + Sen
 /// item (a failed task is an `Err` with its index; the others still come).
 ///
 /// Only the result type shows: the task function and the argument iterator (which must
-/// be `Send`) are held type-erased. An `Imap` is `Send`, and so is
-/// [`next_async`](Self::next_async)'s future: a task of a multi-thread runtime may
-/// await it.
+/// be `Send`) are held type-erased. An `Imap` is `Send`, and so is `next_async`'s
+/// future (feature `async`): a task of a multi-thread runtime may await it.
 pub struct Imap<'p, R> {
     pool: &'p Pool,
     submit: Submit<'p>,
