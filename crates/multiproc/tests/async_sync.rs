@@ -75,7 +75,10 @@ fn event_wait_async_and_process_join_async_across_processes() {
                 "joined before the exit"
             );
             // Joining again returns the same status at once.
-            assert!(child.join_async().await.unwrap().success());
+            let again = tokio::time::timeout(Duration::from_millis(100), child.join_async())
+                .await
+                .expect("a second join waited");
+            assert_eq!(again.unwrap(), status);
 
             // A semaphore's permit, given in another task.
             let sem = multiproc::Semaphore::new(0).unwrap();

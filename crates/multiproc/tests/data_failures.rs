@@ -221,7 +221,7 @@ fn dropping_the_loader_mid_epoch_stops_the_workers_at_once() {
 }
 
 #[test]
-fn out_of_order_failures_come_as_they_happen_and_restart_too() {
+fn out_of_order_loading_restarts_a_killed_worker_and_loses_no_sample() {
     common::run(secs(60), || {
         let mut loader = DataLoader::builder(Samples::new(8).fault(5, Fault::Kill).once())
             .batch_size(2)
@@ -291,6 +291,7 @@ fn a_persistent_worker_killed_between_epochs_is_named_or_replaced() {
             while alive(pids[0]) && Instant::now() < until {
                 std::thread::sleep(Duration::from_millis(5));
             }
+            assert!(!alive(pids[0]), "worker 0 outlived its SIGKILL");
             let epoch: Vec<_> = loader.iter().collect();
             if restart {
                 assert_eq!(epoch.len(), 4);

@@ -244,24 +244,51 @@ fn workers_know_their_id_and_run_worker_init() {
     });
 }
 
-fn build_samples() -> multiproc::Result<Samples> {
-    Ok(Samples::new(6))
+/// Sample `i` is `(i, the pid of the process that built this copy of the data set)`.
+struct BuiltBy(u32);
+
+impl Dataset for BuiltBy {
+    type Item = (i64, i64);
+
+    fn len(&self) -> usize {
+        6
+    }
+
+    fn get(&self, i: usize) -> multiproc::Result<(i64, i64)> {
+        Ok((i as i64, i64::from(self.0)))
+    }
+}
+
+fn build_here() -> multiproc::Result<BuiltBy> {
+    Ok(BuiltBy(std::process::id()))
 }
 
 #[test]
 fn a_data_set_built_in_each_worker() {
     common::run(secs(60), || {
-        let data = FromFn::new(build_samples).unwrap();
+        let data = FromFn::new(build_here).unwrap();
+        assert_eq!(data.inner().0, std::process::id(), "built here too");
         let mut loader = DataLoader::builder(data)
-            .batch_size(4)
+            .batch_size(2)
             .num_workers(2)
             .build()
             .unwrap();
-        let got: Vec<i64> = loader
-            .iter()
-            .flat_map(|b| b.unwrap().1.to_vec::<i64>().unwrap())
-            .collect();
+        let mut epoch = loader.iter();
+        let first = epoch.next().unwrap();
+        let workers: BTreeSet<i64> = epoch.worker_pids().into_iter().map(i64::from).collect();
+        let (mut got, mut builders) = (Vec::new(), BTreeSet::new());
+        for b in std::iter::once(first).chain(epoch) {
+            let (i, by) = b.unwrap();
+            got.extend(i.to_vec::<i64>().unwrap());
+            builders.extend(by.to_vec::<i64>().unwrap());
+        }
         assert_eq!(got, (0..6).collect::<Vec<_>>());
+        // Whichever worker was free loaded a batch: each from the copy it built itself.
+        assert_eq!(workers.len(), 2, "{workers:?}");
+        assert!(
+            !builders.is_empty() && builders.is_subset(&workers),
+            "samples came from copies built by {builders:?}, not by the workers {workers:?}"
+        );
     });
 }
 

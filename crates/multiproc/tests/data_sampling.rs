@@ -124,9 +124,6 @@ fn distributed_sampler_reads_rank_and_world_size_from_the_environment() {
     });
 }
 
-/// Runs an epoch of a loader of 8 samples in batches of 2 whose sample 5 (batch 2,
-/// worker 0) misbehaves; returns what happened.
-
 #[test]
 fn a_sampler_outside_the_data_set_is_a_clear_error() {
     common::run(secs(30), || {

@@ -427,10 +427,16 @@ fn persistent_workers_resume_on_the_same_loader_without_stale_batches() {
             }
             let state = epoch.state_dict();
             drop(epoch);
+            let pids = loader.worker_pids();
             // The same epoch again, on workers that still hold its abandoned batches.
             loader.load_state_dict(&state).unwrap();
             got.extend(loader.iter().map(values));
             assert_eq!(sorted(got), want, "in_order {in_order}: each batch once");
+            assert_eq!(
+                loader.worker_pids(),
+                pids,
+                "in_order {in_order}: the same persistent workers resumed"
+            );
         }
     });
 }

@@ -145,13 +145,18 @@ fn both_kinds_report_an_error_and_a_panic_alike() {
 fn a_panicking_thread_worker_is_restarted_and_the_batch_retried() {
     common::run(secs(60), || {
         let (want, _) = epoch(&mut loader(clean(20), WorkerKind::Thread, false));
+        let panicked = Event::new().unwrap();
         let data = Faulty {
             fault: Some((7, Fault::Panic)),
-            once: Some(Event::new().unwrap()),
+            once: Some(panicked.clone()),
             ..clean(20)
         };
         let mut l = loader(data, WorkerKind::Thread, true);
         let (got, _) = epoch(&mut l);
+        assert!(
+            panicked.is_set(),
+            "sample 7 never panicked: nothing was retried"
+        );
         assert_eq!(got.unwrap(), want.unwrap());
     });
 }
@@ -309,9 +314,26 @@ fn a_shared_table_reaches_every_worker_of_either_kind() {
     });
 }
 
+/// This process's data loader worker threads (`multiproc-loader-<id>`, cut to the
+/// 15 bytes of a thread's name).
+fn loader_threads() -> usize {
+    std::fs::read_dir("/proc/self/task")
+        .map(|tasks| {
+            tasks
+                .filter_map(|t| t.ok())
+                .filter(|t| {
+                    std::fs::read_to_string(t.path().join("comm"))
+                        .is_ok_and(|c| c.starts_with("multiproc-load"))
+                })
+                .count()
+        })
+        .unwrap_or(0)
+}
+
 #[test]
 fn dropping_a_loader_of_busy_thread_workers_leaves_nothing_behind() {
     common::run(secs(60), || {
+        let before = loader_threads();
         for persistent in [false, true] {
             let mut l = DataLoader::builder(Slow(400))
                 .batch_size(4)
@@ -325,6 +347,16 @@ fn dropping_a_loader_of_busy_thread_workers_leaves_nothing_behind() {
             // The others are still loading their batches when the loader goes.
             drop(e);
             drop(l);
+        }
+        // A busy worker thread is left to finish its batch: then it ends too.
+        let until = std::time::Instant::now() + secs(10);
+        while loader_threads() > before {
+            assert!(
+                std::time::Instant::now() < until,
+                "{} worker threads still run 10 s after their loaders were dropped",
+                loader_threads() - before
+            );
+            std::thread::sleep(std::time::Duration::from_millis(10));
         }
     });
 }

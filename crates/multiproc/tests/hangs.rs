@@ -347,7 +347,10 @@ fn imap_chunked_yields_every_result_in_order() {
             assert_eq!(got.len(), 500, "chunksize {chunksize}");
             for (x, r) in got.into_iter().enumerate() {
                 match r {
-                    Ok(v) => assert_eq!(v, (x * x) as u64, "chunksize {chunksize}"),
+                    Ok(v) => {
+                        assert_ne!(x, 13, "chunksize {chunksize}: task 13 did not fail");
+                        assert_eq!(v, (x * x) as u64, "chunksize {chunksize}");
+                    }
                     Err(e) => assert!(
                         x == 13 && matches!(e, Error::TaskFailed { index: 13, .. }),
                         "chunksize {chunksize}, item {x}: {e}"

@@ -308,8 +308,13 @@ mod dlpack_interop {
             let (inbox, outbox) = (Queue::new().unwrap(), Queue::new().unwrap());
             inbox.put(t.clone()).map_err(|e| e.error).unwrap();
             assert!(t.is_shared(), "sending copied it into shared memory");
-            multiproc::spawn(sum_of, (inbox, outbox.clone()), 1).unwrap();
-            assert_eq!(outbox.get().unwrap(), 120.0);
+            let moved = t.data_ptr();
+            assert_ne!(moved as *const std::ffi::c_void, ptr as *const _, "copied");
+            // Sent again, it travels from the shared copy: no second copy.
+            inbox.put(t.clone()).map_err(|e| e.error).unwrap();
+            assert_eq!(t.data_ptr(), moved, "copied again to travel again");
+            multiproc::spawn(sum_of, (inbox, outbox.clone()), 2).unwrap();
+            assert_eq!([outbox.get().unwrap(), outbox.get().unwrap()], [120.0; 2]);
         });
     }
 

@@ -86,6 +86,10 @@ fn burst_then_idle(strategy: SharingStrategy, linger: bool) {
         peak >= baseline + BURST_MIB / 2,
         "the burst did not commit memory ({baseline} -> {peak} MiB): the check cannot tell"
     );
+    if !linger {
+        // Every producer has exited before the parent lets its tensors go.
+        ctx.join_timeout(WAIT).unwrap();
+    }
     drop(kept);
     let took = comes_back(
         baseline,
@@ -99,8 +103,15 @@ fn burst_then_idle(strategy: SharingStrategy, linger: bool) {
          after {took:?}",
         if linger { "alive and idle" } else { "exited" }
     );
-    go.set();
-    ctx.join_timeout(WAIT).unwrap();
+    if linger {
+        let pids = ctx.pids();
+        assert!(
+            pids.iter().all(|&p| common::alive(p)),
+            "{strategy}: a producer did not live on, idle, until its memory was freed: {pids:?}"
+        );
+        go.set();
+        ctx.join_timeout(WAIT).unwrap();
+    }
     // The parent still holds the queue (and so its custody) here.
     drop(q);
 }

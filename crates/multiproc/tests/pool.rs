@@ -124,7 +124,7 @@ fn a_worker_killed_mid_task_fails_that_task_and_is_replaced() {
                     std::fs::read_to_string(&pidfile).map(|s| s.parse::<i32>().unwrap())
                 {
                     kill_process(pid);
-                    return;
+                    return pid as u32;
                 }
                 assert!(Instant::now() < until, "the task never started");
                 std::thread::sleep(Duration::from_millis(10));
@@ -134,7 +134,7 @@ fn a_worker_killed_mid_task_fails_that_task_and_is_replaced() {
         for r in results.by_ref() {
             all.push(r);
         }
-        killer.join().unwrap();
+        let killed = killer.join().unwrap();
         assert_eq!(all.len(), 20);
         for (i, r) in all.into_iter().enumerate() {
             if i == 5 {
@@ -153,8 +153,25 @@ fn a_worker_killed_mid_task_fails_that_task_and_is_replaced() {
             vec![16],
             "the pool still works"
         );
+        // Two tasks that can only finish together run in two live workers: the killed
+        // one was replaced.
+        let barrier = multiproc::Barrier::new(2).unwrap();
+        let pids = pool
+            .map_chunked(meet_and_say_pid, [(0, barrier.clone()), (1, barrier)], 1)
+            .expect("two live workers");
+        assert!(
+            pids[0] != pids[1] && !pids.contains(&killed),
+            "the killed worker {killed} was not replaced: {pids:?}"
+        );
         std::fs::remove_dir_all(&dir).unwrap();
     });
+}
+
+/// Meets the other task at `barrier` (so the two run at once, in two workers) and
+/// answers its worker's pid.
+fn meet_and_say_pid((_, barrier): (u32, multiproc::Barrier)) -> Result<u32, String> {
+    barrier.wait_timeout(WAIT).map_err(|e| e.to_string())?;
+    Ok(std::process::id())
 }
 
 fn kill_process(pid: i32) {

@@ -1,9 +1,8 @@
 //! One worker at a time and who it is: `Process` (lifecycle, daemons, a worker started
 //! from a short-lived thread), the fork server (several threads at once, replaced when
 //! dead), `init` refusing a worker role without its socket, `current_process`,
-//! `active_children`, `cpu_count`, errors that cross a queue (user and OS errors), and
-//! the old trait names still accepted as bounds. Groups of workers (`spawn`,
-//! `start_processes`) are tests/spawn.rs.
+//! `active_children`, `cpu_count`, errors that cross a queue (user and OS errors).
+//! Groups of workers (`spawn`, `start_processes`) are tests/spawn.rs.
 
 multiproc::test_init!();
 

@@ -15,7 +15,7 @@ mod common;
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
-use multiproc::{Error, SimpleQueue, SpawnOptions, StartMethod, spawn, start_processes};
+use multiproc::{Error, Event, SimpleQueue, SpawnOptions, StartMethod, spawn, start_processes};
 
 use common::secs;
 use common::workers::{noop, process_is_gone, put_rank, raise_in, sleep_then_ok};
@@ -131,25 +131,32 @@ fn success_with_each_start_method() {
     });
 }
 
+/// Waits for `go`, then returns.
+fn wait_for_go(_rank: usize, go: Event) -> multiproc::Result<()> {
+    go.wait_timeout(secs(60))
+}
+
 // torch: test_success_non_blocking
 #[test]
 fn join_without_joining_until_true() {
     common::run(secs(120), || {
         for method in StartMethod::ALL {
-            let mut ctx = start_processes(sleep_then_ok, 50u64, 2, method).unwrap();
+            let go = Event::new().unwrap();
+            let mut ctx = start_processes(wait_for_go, go.clone(), 2, method).unwrap();
             assert_eq!(ctx.pids().len(), 2);
-            let mut rounds = 0;
+            // The workers wait for `go`: a join cannot be true yet.
+            let err = ctx
+                .join_timeout(Duration::from_millis(10))
+                .expect_err("joined workers that still wait");
+            assert!(err.is_timeout(), "{method}: {err}");
+            go.set();
             loop {
                 match ctx.join_timeout(Duration::from_millis(10)) {
                     Ok(()) => break,
-                    Err(e) if e.is_timeout() => rounds += 1,
+                    Err(e) if e.is_timeout() => {}
                     Err(e) => panic!("{method}: {e}"),
                 }
             }
-            assert!(
-                rounds > 0,
-                "{method}: the workers sleep 50 ms, a 10 ms join times out first"
-            );
             ctx.join().expect("repeated join stays true");
             ctx.join_timeout(Duration::ZERO).unwrap();
             assert!(
@@ -475,7 +482,11 @@ fn a_worker_ignoring_sigterm_is_killed_after_the_grace_period() {
             .grace_period(grace)
             .start(raise_while_one_ignores_sigterm, ready, 2)
             .unwrap();
+        let start = Instant::now();
         let err = ctx.join_timeout(secs(20)).expect_err("rank 0 raises");
+        // Rank 1 outlived its SIGTERM by the grace period at least.
+        let took = start.elapsed();
+        assert!(took >= grace, "the join returned after {took:?}");
         assert!(
             matches!(err, Error::ProcessRaised { error_index: 0, .. }),
             "{err:?}"
