@@ -182,6 +182,13 @@ impl SegmentTree {
     pub fn root_alive(&self) -> bool {
         self.0.root_alive()
     }
+
+    /// The tree's shm manager (this user's; whether or not it runs).
+    pub fn manager(&self) -> ShmManager {
+        ShmManager {
+            address: self.0.address(),
+        }
+    }
 }
 
 /// The multiproc segments in `/dev/shm` (of every process and user), sorted by name;

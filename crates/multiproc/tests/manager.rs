@@ -381,14 +381,11 @@ fn sigkill(pid: i32) {
 
 /// The manager address of the tree a segment name says it was made in.
 fn address_of_tree_in(name: &str) -> String {
-    let parts: Vec<&str> = name.split('_').collect();
-    let [_, _, _, root, start, random] = parts.as_slice() else {
-        panic!("{name} names no tree");
-    };
-    format!(
-        "multiproc-shm-{}-{root}-{start}-{random}",
-        rustix::process::getuid().as_raw()
-    )
+    let segment = multiproc::maintenance::Segment::parse(name).unwrap();
+    let tree = segment
+        .tree()
+        .unwrap_or_else(|| panic!("{name} names no tree"));
+    tree.manager().address().to_owned()
 }
 
 // ----- tests -----

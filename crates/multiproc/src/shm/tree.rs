@@ -131,6 +131,18 @@ impl Tree {
         Some((root.parse().ok()?, start.parse().ok()?))
     }
 
+    /// The address of this tree's manager, as this user's (a manager serves its own
+    /// user only).
+    pub(crate) fn address(&self) -> String {
+        format!(
+            "{ADDRESS_PREFIX}{}-{}-{}-{}",
+            crate::sys::process::current_uid(),
+            self.root,
+            self.start,
+            self.random
+        )
+    }
+
     /// The suffix of the names this tree makes: `<root>_<start>_<random>`.
     pub(crate) fn tag(&self) -> String {
         format!("{}_{}_{}", self.root, self.start, self.random)
@@ -164,5 +176,11 @@ mod tests {
             !gone.root_alive(),
             "a pid with another start time is another process"
         );
+    }
+
+    #[test]
+    fn a_tree_gives_back_the_address_it_was_read_from() {
+        let address = new_address();
+        assert_eq!(Tree::of_address(&address).unwrap().address(), address);
     }
 }
