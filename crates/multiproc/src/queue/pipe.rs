@@ -186,7 +186,7 @@ impl<T: Serialize + DeserializeOwned> Connection<T> {
     /// ```
     /// let (a, b) = multiproc::pipe::<u8>()?;
     /// assert!(!b.try_poll()?);
-    /// a.send(1).map_err(multiproc::Error::from)?;
+    /// a.send(1)?;
     /// assert!(b.try_poll()?);
     /// # Ok::<(), multiproc::Error>(())
     /// ```
