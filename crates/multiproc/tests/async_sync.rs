@@ -188,21 +188,6 @@ fn pipes_joinable_queues_and_process_contexts_are_awaitable() {
     });
 }
 
-/// The threads of this process named `name`.
-fn threads_named(name: &str) -> usize {
-    std::fs::read_dir("/proc/self/task")
-        .map(|tasks| {
-            tasks
-                .filter_map(|t| t.ok())
-                .filter(|t| {
-                    std::fs::read_to_string(t.path().join("comm"))
-                        .is_ok_and(|c| c.trim_end() == name)
-                })
-                .count()
-        })
-        .unwrap_or(0)
-}
-
 #[test]
 fn more_words_than_one_futex_waitv_takes_are_shared_among_reactor_threads() {
     warm_up();
@@ -223,7 +208,7 @@ fn more_words_than_one_futex_waitv_takes_are_shared_among_reactor_threads() {
             // slept for.
             let parking = std::time::Instant::now();
             loop {
-                let reactors = threads_named("multiproc-react");
+                let reactors = common::threads_named_like("multiproc-react");
                 if multiproc::__testing::parked_word_waits() >= EVENTS
                     && reactors >= EVENTS.div_ceil(127)
                 {

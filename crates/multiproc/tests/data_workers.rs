@@ -314,26 +314,10 @@ fn a_shared_table_reaches_every_worker_of_either_kind() {
     });
 }
 
-/// This process's data loader worker threads (`multiproc-loader-<id>`, cut to the
-/// 15 bytes of a thread's name).
-fn loader_threads() -> usize {
-    std::fs::read_dir("/proc/self/task")
-        .map(|tasks| {
-            tasks
-                .filter_map(|t| t.ok())
-                .filter(|t| {
-                    std::fs::read_to_string(t.path().join("comm"))
-                        .is_ok_and(|c| c.starts_with("multiproc-load"))
-                })
-                .count()
-        })
-        .unwrap_or(0)
-}
-
 #[test]
 fn dropping_a_loader_of_busy_thread_workers_leaves_nothing_behind() {
     common::run(secs(60), || {
-        let before = loader_threads();
+        let before = common::threads_named_like("multiproc-load");
         for persistent in [false, true] {
             let mut l = DataLoader::builder(Slow(400))
                 .batch_size(4)
@@ -350,11 +334,11 @@ fn dropping_a_loader_of_busy_thread_workers_leaves_nothing_behind() {
         }
         // A busy worker thread is left to finish its batch: then it ends too.
         let until = std::time::Instant::now() + secs(10);
-        while loader_threads() > before {
+        while common::threads_named_like("multiproc-load") > before {
             assert!(
                 std::time::Instant::now() < until,
                 "{} worker threads still run 10 s after their loaders were dropped",
-                loader_threads() - before
+                common::threads_named_like("multiproc-load") - before
             );
             std::thread::sleep(std::time::Duration::from_millis(10));
         }

@@ -299,6 +299,22 @@ pub fn alive(pid: u32) -> bool {
     }
 }
 
+/// How many threads of this process have a name starting with `prefix` (a thread's
+/// name is cut to 15 bytes: `multiproc-loader-0` reads `multiproc-loade`).
+pub fn threads_named_like(prefix: &str) -> usize {
+    std::fs::read_dir("/proc/self/task")
+        .map(|tasks| {
+            tasks
+                .filter_map(|t| t.ok())
+                .filter(|t| {
+                    std::fs::read_to_string(t.path().join("comm"))
+                        .is_ok_and(|c| c.starts_with(prefix))
+                })
+                .count()
+        })
+        .unwrap_or(0)
+}
+
 /// torch repeats its leak-prone sharing tests this many times.
 pub const TORCH_REPEATS: usize = 30;
 
