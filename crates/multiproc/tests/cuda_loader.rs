@@ -14,7 +14,7 @@ multiproc::test_init!();
 
 mod common;
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use common::cuda::*;
 use common::secs;
@@ -347,6 +347,8 @@ fn prefetched_batches_are_on_the_device_and_equal_the_cpu_batches_in_order() {
 fn an_epoch_dropped_with_copies_in_flight_waits_for_them_and_leaks_nothing() {
     warm_up_cuda();
     common::run(DEADLINE, || {
+        cuda::empty_cache();
+        let free_before = free_device_memory();
         let mut loader = DataLoader::builder(Ramp {
             n: 64,
             width: 1 << 16,
@@ -358,21 +360,28 @@ fn an_epoch_dropped_with_copies_in_flight_waits_for_them_and_leaks_nothing() {
         .unwrap();
         let started = Instant::now();
         let mut epoch = loader.iter();
-        let (x, _) = epoch.next().unwrap().unwrap();
-        check_ramp_batch(
-            &x,
-            &Tensor::arange(0.0, 4.0, 1.0, DType::I64).unwrap(),
-            0,
-            4,
-            1 << 16,
-        );
+        let (x, y) = epoch.next().unwrap().unwrap();
+        check_ramp_batch(&x, &y, 0, 4, 1 << 16);
         drop(epoch); // four batches still staged, their copies issued
-        drop(x);
-        // The next epoch starts where it should and is correct.
+        drop((x, y));
+        // The next epoch starts where it should and is correct: the dropped epoch's
+        // copies did not land in memory it handed back.
         let (x, y) = loader.iter().next().unwrap().unwrap();
         check_ramp_batch(&x, &y, 0, 4, 1 << 16);
         drop((x, y, loader));
         cuda::empty_cache();
+        // Every staged batch's device memory came back once its copy was done.
+        let slack = 16 * MIB;
+        let until = Instant::now() + secs(10);
+        let mut free = free_device_memory();
+        while free + slack < free_before && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(10));
+            free = free_device_memory();
+        }
+        assert!(
+            free + slack >= free_before,
+            "device memory free {free} after the loader, {free_before} before"
+        );
         assert!(started.elapsed() < secs(60));
     });
 }
