@@ -27,7 +27,7 @@ use common::data::{Fault, Loader, Samples};
 use common::{alive, secs};
 use futures_core::Stream;
 use multiproc::data::{DataLoader, EpochStream};
-use multiproc::{Error, Event, Semaphore, Tensor};
+use multiproc::{Error, Event, Tensor};
 use serde::{Deserialize, Serialize};
 
 /// How long one awaited batch may take before the test fails.
@@ -72,11 +72,8 @@ fn runtime() -> tokio::runtime::Runtime {
 }
 
 fn late_first(n: usize) -> Samples {
-    let mut data = Samples::new(n);
-    data.finished = Some(Semaphore::new(0).unwrap());
     // Worker 1's first batches finish before batch 0 can.
-    data.hold_first = 2;
-    data
+    Samples::new(n).first_finishing_after(2)
 }
 
 #[test]

@@ -22,10 +22,8 @@ use serde::{Deserialize, Serialize};
 #[test]
 fn in_order_yields_sampler_order_though_batch_0_finishes_late() {
     common::run(secs(60), || {
-        let mut data = Samples::new(8);
-        data.finished = Some(Semaphore::new(0).unwrap());
         // Batches 1 and 3 (worker 1's first two) finish before batch 0 can.
-        data.hold_first = 2;
+        let data = Samples::new(8).first_finishing_after(2);
         let mut loader = DataLoader::builder(data)
             .num_workers(2)
             .prefetch_factor(2)
@@ -40,9 +38,7 @@ fn in_order_yields_sampler_order_though_batch_0_finishes_late() {
 #[test]
 fn out_of_order_yields_batches_as_they_finish() {
     common::run(secs(60), || {
-        let mut data = Samples::new(8);
-        data.finished = Some(Semaphore::new(0).unwrap());
-        data.hold_first = 2;
+        let data = Samples::new(8).first_finishing_after(2);
         let mut loader = DataLoader::builder(data)
             .num_workers(2)
             .in_order(false)

@@ -90,6 +90,14 @@ impl Samples {
         self
     }
 
+    /// Sample 0 finishes only after `others` other samples have (so batch 0 is the
+    /// last of the first ones to arrive).
+    pub fn first_finishing_after(mut self, others: u32) -> Self {
+        self.finished = Some(Semaphore::new(0).unwrap());
+        self.hold_first = others;
+        self
+    }
+
     pub fn once(mut self) -> Self {
         self.once = Some(Event::new().unwrap());
         self
