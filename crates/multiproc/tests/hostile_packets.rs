@@ -147,17 +147,7 @@ fn more_or_fewer_fds_than_declared_and_indices_out_of_range() {
         assert_says(&refused(&here), &["fd #1 is not referred to"]);
         // A reference pointing past the fd table, and a handle past the references.
         let tensor = |reference: u32, entries: &[Reference]| WithReferences {
-            payload: payload(&TensorWire {
-                dtype: F32,
-                shape: vec![4],
-                strides: vec![1],
-                offset: 0,
-                storage: StorageWire::Segment(HandleWire {
-                    reference,
-                    offset: BLOCK_HEADER,
-                    nbytes: 16,
-                }),
-            }),
+            payload: payload(&f32_row(4, reference, BLOCK_HEADER, 16)),
             section: section(entries),
         };
         for index in [1u32, 252, u32::MAX] {
@@ -177,28 +167,8 @@ fn more_or_fewer_fds_than_declared_and_indices_out_of_range() {
         // Two handles naming one reference, and a reference no handle names.
         let two = WithReferences {
             payload: payload(&(
-                TensorWire {
-                    dtype: F32,
-                    shape: vec![4],
-                    strides: vec![1],
-                    offset: 0,
-                    storage: StorageWire::Segment(HandleWire {
-                        reference: 0,
-                        offset: BLOCK_HEADER,
-                        nbytes: 16,
-                    }),
-                },
-                TensorWire {
-                    dtype: F32,
-                    shape: vec![4],
-                    strides: vec![1],
-                    offset: 0,
-                    storage: StorageWire::Segment(HandleWire {
-                        reference: 0,
-                        offset: BLOCK_HEADER,
-                        nbytes: 16,
-                    }),
-                },
+                f32_row(4, 0, BLOCK_HEADER, 16),
+                f32_row(4, 0, BLOCK_HEADER, 16),
             )),
             section: section(&[Reference::Fd(0)]),
         };

@@ -42,17 +42,7 @@ fn memfd_segments_that_are_short_unsealed_or_not_memfds() {
         assert_says(&refused(&here), &["not a memfd"]);
         // A storage at an offset that runs past the segment, or overflows.
         let at = |offset: u64, nbytes: u64| WithReferences {
-            payload: payload(&TensorWire {
-                dtype: F32,
-                shape: vec![1],
-                strides: vec![1],
-                offset: 0,
-                storage: StorageWire::Segment(HandleWire {
-                    reference: 0,
-                    offset: BLOCK_HEADER + offset,
-                    nbytes,
-                }),
-            }),
+            payload: payload(&f32_row(1, 0, BLOCK_HEADER + offset, nbytes)),
             section: section(&[Reference::Fd(0)]),
         };
         send_raw(
@@ -420,17 +410,7 @@ fn a_forged_block_handle_over_a_huge_sparse_memfd_commits_only_the_tensor() {
         rustix::fs::fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)
             .unwrap();
         let body = WithReferences {
-            payload: payload(&TensorWire {
-                dtype: F32,
-                shape: vec![1024],
-                strides: vec![1],
-                offset: 0,
-                storage: StorageWire::Segment(HandleWire {
-                    reference: 0,
-                    offset: 4096,
-                    nbytes: 4096,
-                }),
-            }),
+            payload: payload(&f32_row(1024, 0, 4096, 4096)),
             section: section(&[Reference::Fd(0)]),
         };
         let start = Instant::now();

@@ -143,6 +143,22 @@ pub struct TensorWire {
     pub storage: StorageWire,
 }
 
+/// `numel` f32 in a row on reference `reference`'s block, `offset` bytes into it
+/// (the block header included), claiming `nbytes` of storage.
+pub fn f32_row(numel: u64, reference: u32, offset: u64, nbytes: u64) -> TensorWire {
+    TensorWire {
+        dtype: F32,
+        shape: vec![numel],
+        strides: vec![1],
+        offset: 0,
+        storage: StorageWire::Segment(HandleWire {
+            reference,
+            offset,
+            nbytes,
+        }),
+    }
+}
+
 /// A tensor on the block whose memfd is the packet's fd 0.
 pub fn fd_tensor(
     dtype: u8,
@@ -170,17 +186,7 @@ pub fn fd_tensor(
 /// A tensor of `numel` f32 at the start of named block `name`'s data.
 pub fn named_tensor(name: &str, numel: u64) -> WithReferences {
     WithReferences {
-        payload: payload(&TensorWire {
-            dtype: F32,
-            shape: vec![numel],
-            strides: vec![1],
-            offset: 0,
-            storage: StorageWire::Segment(HandleWire {
-                reference: 0,
-                offset: BLOCK_HEADER,
-                nbytes: numel * 4,
-            }),
-        }),
+        payload: payload(&f32_row(numel, 0, BLOCK_HEADER, numel * 4)),
         section: section(&[Reference::Name(name.to_owned())]),
     }
 }
