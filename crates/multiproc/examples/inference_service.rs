@@ -659,9 +659,18 @@ fn options() -> Result<Options, String> {
     Ok(o)
 }
 
-/// The process's open fds.
-fn open_fds() -> usize {
-    std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count())
+/// The process's open fds, each with what it refers to.
+fn open_fds() -> std::collections::BTreeMap<String, String> {
+    let Ok(dir) = std::fs::read_dir("/proc/self/fd") else {
+        return Default::default();
+    };
+    dir.flatten()
+        .map(|e| {
+            let what = std::fs::read_link(e.path())
+                .map_or_else(|e| e.to_string(), |t| t.display().to_string());
+            (e.file_name().to_string_lossy().into_owned(), what)
+        })
+        .collect()
 }
 
 fn main() -> multiproc::Result<()> {
@@ -726,11 +735,25 @@ fn serve_or_measure(o: Options) -> multiproc::Result<()> {
         if replaced != 1 {
             return Err(multiproc::Error::Tensor(format!("{replaced} workers replaced, expected 1")));
         }
-        let fds_after = open_fds();
-        if fds_after > fds_before {
+        // Blocks the parent pooled or kept mapped for reuse are let go after about a
+        // second without traffic (the library's idle decay): wait for that, with a deadline.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let left = loop {
+            let left: Vec<String> = open_fds()
+                .into_iter()
+                .filter(|(fd, what)| fds_before.get(fd) != Some(what))
+                .map(|(fd, what)| format!("{fd} -> {what}"))
+                .collect();
+            if left.is_empty() || Instant::now() > deadline {
+                break left;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        if !left.is_empty() {
             return Err(multiproc::Error::Tensor(format!(
-                "the stopped service left {} fds open",
-                fds_after - fds_before
+                "the stopped service left {} fds open: {}",
+                left.len(),
+                left.join(", ")
             )));
         }
         println!("the dead worker was replaced; every answer matched the parent's own prediction");

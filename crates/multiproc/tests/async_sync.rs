@@ -114,6 +114,44 @@ fn event_wait_async_and_process_join_async_across_processes() {
     });
 }
 
+/// Waits for `go`, then exits.
+fn exit_on(_rank: usize, go: Event) -> multiproc::Result<()> {
+    go.wait_timeout(WAIT)
+}
+
+#[test]
+fn a_finished_join_async_has_closed_the_fds_it_parked_on() {
+    warm_up();
+    common::run(DEADLINE, || {
+        let rt = runtime();
+        rt.block_on(async {
+            for _ in 0..20 {
+                let go = Event::new().unwrap();
+                let fds = common::open_fds();
+                let mut child = Process::builder(exit_on, 0, go.clone()).start().unwrap();
+                let base = multiproc::__testing::parked_fd_waits();
+                let join = tokio::spawn(async move {
+                    let status = child.join_async().await;
+                    drop(child);
+                    // Counted in the task, the moment the wait completes: the reactor's
+                    // duplicates of the child's fds must be closed by then.
+                    (status, common::open_fds())
+                });
+                until_parked(multiproc::__testing::parked_fd_waits, base + 1).await;
+                go.set();
+                let (status, after) = tokio::time::timeout(WAIT, join).await.unwrap().unwrap();
+                assert!(status.unwrap().success());
+                assert!(
+                    after <= fds,
+                    "{fds} fds before the child, {after} once its join returned: {}",
+                    common::fd_targets().join(", ")
+                );
+            }
+        });
+        drop(rt);
+    });
+}
+
 /// Takes every item of `jobs` (marking each done; each takes 20 ms of work, not a
 /// synchronisation), then, once `go` is set, answers on `answer` and exits.
 fn work_then_answer(

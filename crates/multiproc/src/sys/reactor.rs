@@ -60,7 +60,10 @@
 //! i.e. someone else took what the wake announced.
 //!
 //! **Lifetime.** The threads, once started, live as long as the process (asleep when
-//! nothing is parked); the fd reactor keeps one eventfd. A `fork` child starts its own
+//! nothing is parked); the fd reactor keeps one eventfd. A registration's duplicate fds
+//! are closed before its future is woken, so a completed wait leaves none open; a
+//! future dropped while parked rings the fd reactor, whose copy of them closes as soon
+//! as it wakes. A `fork` child starts its own
 //! when it first parks (the parent's are the parent's, as `ForkLocal` says).
 //!
 //! Without `futex_waitv` (`ENOSYS`: kernels before 5.16) the word reactor falls back to
@@ -674,6 +677,9 @@ impl FdReactor {
                     }
                 }
             }
+            // The woken registrations' fds close before their futures run again: a
+            // future that completes has left no duplicate open behind it.
+            drop(watched);
             for waker in wakers {
                 waker.wake();
             }
