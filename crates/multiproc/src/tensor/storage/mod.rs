@@ -525,38 +525,44 @@ impl Serialize for Storage {
     fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
         use serde::ser::Error as _;
         let enc = Encoder::current("a tensor").map_err(S::Error::custom)?;
-        if let Backing::Cuda { memory, offset } = &*self.backing() {
-            let handle =
-                cuda::send(&enc, memory, *offset, self.nbytes()).map_err(S::Error::custom)?;
-            return StorageWire::Cuda(handle).serialize(s);
+        // One look at the backing says what the message names. Bytes still private (put,
+        // not yet shared) move to shared memory first, like torch, and are looked at again.
+        for _ in 0..2 {
+            let nbytes = self.nbytes();
+            // (The backing's lock is let go at the end of this statement: sharing takes it
+            // to write.)
+            let wire = match &*self.backing() {
+                Backing::Cuda { memory, offset } => Some(StorageWire::Cuda(
+                    cuda::send(&enc, memory, *offset, nbytes).map_err(S::Error::custom)?,
+                )),
+                Backing::ReadOnlyFile { file, offset, name } => {
+                    Some(StorageWire::ReadOnlyFile(FileHandle {
+                        file: Arc::clone(file),
+                        offset: *offset as u64,
+                        nbytes: nbytes as u64,
+                        name: name.to_string(),
+                    }))
+                }
+                Backing::Empty { shared: true } => Some(StorageWire::Empty),
+                Backing::Shared { .. } if nbytes == 0 => Some(StorageWire::Empty),
+                Backing::Shared { segment, offset } => Some(StorageWire::Segment(SegmentHandle {
+                    segment: Arc::clone(segment),
+                    offset: *offset as u64,
+                    nbytes: nbytes as u64,
+                    brought: None,
+                })),
+                _ => None,
+            };
+            match wire {
+                Some(wire) => return wire.serialize(s),
+                None => self
+                    .share_memory_()
+                    .map_err(|e| S::Error::custom(enc.fail(e)))?,
+            }
         }
-        // Put, not yet shared: moved to shared memory now, like torch; the message then
-        // refers to the segment as any shared storage's does.
-        self.share_memory_()
-            .map_err(|e| S::Error::custom(enc.fail(e)))?;
-        let wire = if let Some((file, offset, name)) = self.file_with_name() {
-            StorageWire::ReadOnlyFile(FileHandle {
-                file,
-                offset: offset as u64,
-                nbytes: self.nbytes() as u64,
-                name,
-            })
-        } else if self.nbytes() == 0 {
-            StorageWire::Empty
-        } else {
-            let (segment, offset) = self.segment().ok_or_else(|| {
-                S::Error::custom(
-                    enc.fail(Error::Encode("a shared storage without a segment".into())),
-                )
-            })?;
-            StorageWire::Segment(SegmentHandle {
-                segment,
-                offset: offset as u64,
-                nbytes: self.nbytes() as u64,
-                brought: None,
-            })
-        };
-        wire.serialize(s)
+        Err(S::Error::custom(enc.fail(Error::Encode(
+            "a storage that stays private after share_memory_".into(),
+        ))))
     }
 }
 

@@ -145,14 +145,4 @@ impl Storage {
             _ => None,
         }
     }
-
-    /// The read-only file, offset and tensor name under a file-backed storage.
-    pub(super) fn file_with_name(&self) -> Option<(Arc<FileSegment>, usize, String)> {
-        match &*self.backing() {
-            Backing::ReadOnlyFile { file, offset, name } => {
-                Some((Arc::clone(file), *offset, name.to_string()))
-            }
-            _ => None,
-        }
-    }
 }
