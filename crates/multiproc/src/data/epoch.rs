@@ -672,9 +672,8 @@ mod stream {
     ///
     /// - A worker's `Err` or panic arrives as a reply, and a worker process that dies
     ///   while it holds tasks wakes the stream through its pidfd: both at once. The
-    ///   loader's [`timeout`](crate::data::DataLoaderBuilder::timeout) is noticed at
-    ///   the parked get's re-check, once a second: up to a second later than the
-    ///   iterator does (it looks every 10 ms).
+    ///   loader's [`timeout`](crate::data::DataLoaderBuilder::timeout) wakes the parked
+    ///   stream at its deadline, as the iterator gives up at it.
     /// - With `num_workers(0)` batches are loaded in `poll_next` itself, on the
     ///   executor's thread, as the iterator loads them in `next`.
     /// - `pin_memory` is applied as by the iterator; `prefetch_to` (copies ahead on a

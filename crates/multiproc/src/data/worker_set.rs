@@ -273,8 +273,10 @@ impl<B: Serialize + DeserializeOwned> WorkerSet<B> {
             cx,
             parked,
             || {
-                // Read before the try: a reply put after it changes the word.
-                let word = self.results.get_wait();
+                // Read before the try: a reply put after it changes the word. Woken at
+                // the loader's deadline too, to give up then.
+                let mut word = self.results.get_wait();
+                word.wake_by = deadline;
                 let now = Instant::now();
                 match self.wait(run, Some(now)) {
                     Ok(Some(arrival)) => Step::Done(Ok(Some(arrival))),

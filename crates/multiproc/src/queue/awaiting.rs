@@ -116,6 +116,7 @@ impl<T: Serialize + DeserializeOwned> Queue<T> {
                             expected: 0,
                             counted_in: Some(PLACE_WAITERS),
                             recheck: false,
+                            wake_by: None,
                         },
                         cx.waker(),
                     )
@@ -202,6 +203,7 @@ impl<T: Serialize + DeserializeOwned> JoinableQueue<T> {
                         expected: left,
                         counted_in: None,
                         recheck: false,
+                        wake_by: None,
                     }),
                 },
                 Err,

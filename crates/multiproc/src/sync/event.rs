@@ -120,6 +120,7 @@ impl Event {
                         expected: 0,
                         counted_in: None,
                         recheck: false,
+                        wake_by: None,
                     }),
                     _ => Step::Done(Ok(())),
                 },

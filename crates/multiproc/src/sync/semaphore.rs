@@ -160,6 +160,7 @@ impl Semaphore {
                         expected: seen,
                         counted_in: Some(SEM_WAITERS),
                         recheck: false,
+                        wake_by: None,
                     })
                 },
                 Err,

@@ -46,7 +46,9 @@
 //! within `RECHECK` (the blocking `get` looks every 20 ms). That costs one wake-up of
 //! the reactor per `RECHECK` while such futures are parked, and one try per future:
 //! a re-checked registration stays in place, so a try that finds nothing again
-//! re-registers nothing and rebuilds no `futex_waitv`.
+//! re-registers nothing and rebuilds no `futex_waitv`. A registration may also carry a
+//! deadline of its own (`WordWait::wake_by`, a data loader's timeout): it is woken at
+//! that moment the same way, so the timeout is not rounded up to a re-check.
 //!
 //! Re-checks fall on a process-wide grid of whole `RECHECK`s, so however many gets are
 //! parked the reactor wakes once per `RECHECK`. A future polled while its registration
@@ -111,6 +113,9 @@ pub(crate) struct WordWait {
     pub(crate) counted_in: Option<usize>,
     /// Whether to wake the future after [`RECHECK`] even if the word did not change.
     pub(crate) recheck: bool,
+    /// A deadline of the operation's own (a data loader's timeout): the future is woken
+    /// at it, changed word or not, to try once more and give up.
+    pub(crate) wake_by: Option<Instant>,
 }
 
 impl WordWait {
@@ -292,7 +297,7 @@ impl Shard {
                 if r.wait.changed() || woken == Some(address(r.wait.word())) {
                     keys.push(*key);
                 } else if r.due.is_some_and(|d| d <= now) {
-                    r.due = Some(recheck_due());
+                    r.due = r.wait.recheck.then(recheck_due);
                     r.state.store(RECHECKED, Ordering::SeqCst);
                     rechecked.push(r.waker.clone());
                 }
@@ -583,7 +588,12 @@ pub(crate) fn park_word(wait: WordWait, waker: &Waker) -> Result<Option<Parked>>
         let mut regs = lock(&shard.registrations);
         let key = regs.next_key;
         regs.next_key += 1;
-        let due = wait.recheck.then(recheck_due);
+        let due = wait
+            .recheck
+            .then(recheck_due)
+            .into_iter()
+            .chain(wait.wake_by)
+            .min();
         regs.entries.insert(
             key,
             Registration {

@@ -255,6 +255,7 @@ impl Ring {
             index: SEQ,
             counted_in: Some(GET_WAITERS),
             recheck: true,
+            wake_by: None,
         }
     }
 
