@@ -735,8 +735,8 @@ mod stream {
     /// [`IterableEpoch::into_stream`]: what the iterator yields, parking on the
     /// workers' results queue where the iterator blocks. As
     /// [`EpochStream`](crate::data::EpochStream): a worker's death wakes it at once, the
-    /// timeout is noticed within the parked get's one-second re-check, `num_workers(0)`
-    /// loads in `poll_next`, and dropping the stream is dropping the epoch.
+    /// timeout wakes it at its deadline, `num_workers(0)` loads in `poll_next`, and
+    /// dropping the stream is dropping the epoch.
     pub struct IterableEpochStream<'a, D, C>
     where
         D: IterableDataset + Serialize + DeserializeOwned + Clone + 'static,

@@ -258,8 +258,8 @@ impl<B: Serialize + DeserializeOwned> WorkerSet<B> {
     /// registered on the results queue and on the pidfds of the workers that hold
     /// tasks, until a reply comes or one of them exits. Each try is `wait` with a
     /// deadline of now (everything queued taken in, dead workers looked for); the
-    /// queue's registration asks for a re-check every `reactor::RECHECK`, which is when
-    /// a passed `deadline` is noticed.
+    /// queue's registration also wakes the future at `deadline` (`WordWait::wake_by`),
+    /// which is when the wait gives up.
     #[cfg(feature = "async")]
     pub(crate) fn poll_wait(
         &mut self,
