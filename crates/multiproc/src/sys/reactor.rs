@@ -403,8 +403,7 @@ impl Parked {
         }
         // Both parts are asked (each takes `waker`): the future stays parked only
         // while neither has been woken.
-        let fds_wait = self.fds.as_ref().is_none_or(|f| f.still_waiting(waker));
-        if !fds_wait {
+        if !self.fds_still_waiting(waker) {
             return false;
         }
         let old = match &self.kind {
