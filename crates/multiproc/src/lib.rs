@@ -341,9 +341,9 @@
 //! A [`DataLoader`](data::DataLoader)'s epoch is also a `futures_core::Stream` of
 //! batches: `DataLoader::stream` yields what [`iter`](data::DataLoader::iter) does
 //! (same order, failures naming the worker, timeout), parking on the workers' results
-//! queue instead of blocking a thread; see `data::EpochStream` for what it notices
-//! later than the iterator (a worker killed without a reply, the timeout: within the
-//! parked get's one-second look) and what it refuses (`prefetch_to`).
+//! queue (and its busy workers' pidfds, so a worker killed without a reply wakes it at
+//! once) instead of blocking a thread; the loader's timeout wakes it at its deadline.
+//! See `data::EpochStream` for what it refuses (`prefetch_to`).
 //!
 //! ```
 //! # #[cfg(feature = "async")]
