@@ -323,9 +323,11 @@
 //! `futex_waitv` on every word a parked future waits on (and a second one `poll`s the
 //! pidfds and sockets that the joins, `recv_async` and a `put_async` on a full socket
 //! wait for):
-//! a parked future costs no CPU, apart from a parked get's look every second (which is
-//! when it hears of a producer that was SIGKILLed; one that drops its handle wakes it at
-//! once). Every future is cancel-safe: it takes a message (or a bounded queue's place,
+//! a parked future costs no CPU, apart from a parked get's look every second (for a
+//! packet written on the queue's socket without a `put`). A parked get hears at once of
+//! the last other holder leaving, a SIGKILLed one too: the kernel closes a dead
+//! process's fds, and the fd reactor watches the queue's holder lease file for closes
+//! (inotify). Every future is cancel-safe: it takes a message (or a bounded queue's place,
 //! or a permit) only in a synchronous step whose result it returns at once, so a future
 //! dropped at any point loses nothing and leaks nothing. Kernels before 5.16 (no
 //! `futex_waitv`) fall back to looking every 10 ms.

@@ -4,7 +4,7 @@
 //!   producer processes put; every item arrives exactly once, and a bounded queue's
 //!   places all come back (a `put_async` parked on the full queue included);
 //! - `Disconnected` reaches an awaiting task when the only producer exits, and when it
-//!   is SIGKILLed.
+//!   is SIGKILLed: within 100 ms either way (a `Queue` and a `SimpleQueue`).
 //!
 //! Idle CPU is tests/async_idle.rs (a process of its own, so that nothing else runs
 //! while it reads the process's CPU time). Events, joins, pipes, joinable queues, process contexts and the reactor threads are
@@ -24,7 +24,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use common::async_rt::*;
-use multiproc::{Event, Process, Queue, StartMethod, start_processes};
+use multiproc::{Event, Process, Queue, SimpleQueue, StartMethod, start_processes};
 
 fn checksum(rank: u32, i: u32) -> u64 {
     (u64::from(rank) << 32 | u64::from(i)).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0xA5A5
@@ -324,10 +324,61 @@ fn disconnected_reaches_an_awaiting_task_when_the_only_producer_leaves() {
                 .unwrap()
                 .unwrap();
             assert!(!status.success());
+            let after = at.saturating_duration_since(killed);
             eprintln!(
-                "disconnect after a producer's SIGKILL reached the awaiting get after {:?}",
-                at.saturating_duration_since(killed)
+                "disconnect after a producer's SIGKILL reached the awaiting get after {after:?}"
             );
+            // The kernel closed the dead producer's holder lease, which the parked get
+            // watches: no wait for its one-second re-check.
+            assert!(after < Duration::from_millis(100), "{after:?}");
+        });
+        drop(rt);
+    });
+}
+
+/// Holds the queue, says so, and waits to be killed.
+fn hold_and_hang(_rank: usize, (q, ready): (SimpleQueue<u32>, Event)) -> multiproc::Result<()> {
+    ready.set();
+    std::thread::sleep(Duration::from_secs(600));
+    drop(q);
+    Ok(())
+}
+
+#[test]
+fn a_killed_last_holder_ends_an_awaited_simple_queue_get_at_once() {
+    warm_up();
+    common::run(DEADLINE, || {
+        let rt = runtime();
+        rt.block_on(async {
+            for _ in 0..3 {
+                let q = SimpleQueue::<u32>::new().unwrap();
+                let ready = Event::new().unwrap();
+                let mut holder = Process::builder(hold_and_hang, 0, (q.clone(), ready.clone()))
+                    .start()
+                    .unwrap();
+                tokio::time::timeout(WAIT, ready.wait_async())
+                    .await
+                    .unwrap()
+                    .unwrap();
+                let base = multiproc::__testing::parked_word_waits();
+                let getter = tokio::spawn(async move { (q.get_async().await, Instant::now()) });
+                until_parked(multiproc::__testing::parked_word_waits, base + 1).await;
+                assert!(
+                    !getter.is_finished(),
+                    "the get did not wait for the live holder"
+                );
+                holder.kill().unwrap();
+                let killed = Instant::now();
+                let (end, at) = tokio::time::timeout(WAIT, getter).await.unwrap().unwrap();
+                assert!(end.as_ref().is_err_and(|e| e.is_disconnected()), "{end:?}");
+                let after = at.saturating_duration_since(killed);
+                assert!(after < Duration::from_millis(100), "{after:?}");
+                let status = tokio::time::timeout(WAIT, holder.join_async())
+                    .await
+                    .unwrap()
+                    .unwrap();
+                assert!(!status.success());
+            }
         });
         drop(rt);
     });

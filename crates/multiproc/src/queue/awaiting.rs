@@ -9,25 +9,34 @@
 //! registration is removed by its drop (which passes on a wake-up it received and did
 //! not use, so no other waiter is left asleep beside a message).
 //!
+//! A get that parks also watches its queue's holder lease file (`channel`): every
+//! holder that leaves closes its description of it, a SIGKILLed one too (the kernel
+//! closes a dead process's fds), and the fd reactor's inotify instance wakes the get
+//! at each close (`reactor::CloseWatch`), which then asks afresh whether any other
+//! holder is left: [`Error::Disconnected`] at once. (One that drops its handle also
+//! rings the ring's `SEQ`.) The watch is made at the get's first park, before a last
+//! look, so a holder that leaves meanwhile is seen either way.
+//!
 //! A parked get also looks again every `reactor::RECHECK` (1 s), which is when it
-//! hears of a queue whose last other holder was SIGKILLed ([`Error::Disconnected`];
-//! one that drops its handle wakes it at once), of a packet that reached the socket
-//! without a `put`, and of a message kept back because the queue's custody was busy.
+//! hears of a packet that reached the socket without a `put`, and of a message kept
+//! back because the queue's custody was busy (and of a killed holder, where the kernel
+//! refused an inotify watch).
 
 use std::future::poll_fn;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::task::Poll;
+use std::task::{Context, Poll};
 
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use super::bounded::Queue;
+use super::channel::Channel;
 use super::joinable::JoinableQueue;
 use super::layout::{FREE_PLACES, PLACE_WAITERS, UNFINISHED};
 use super::simple::SimpleQueue;
 use crate::error::{Error, PutError, Result};
-use crate::sys::reactor::{self, Parked, Ready, Step, WordWait};
+use crate::sys::reactor::{self, CloseWatch, Parked, Ready, Step, WordWait};
 
 /// The step of an awaited get: `wait` read before the tries; `try_get(thorough)` takes
 /// the next item. The first try is a plain `try_get` (no system call when a message is
@@ -50,6 +59,45 @@ fn get_step<'a, T>(
     }
 }
 
+/// An awaited get's watch of its queue's holders (see the module docs): not made yet
+/// (`None`), made, or refused (`Some(None)`).
+#[derive(Default)]
+struct HolderWatch(Option<Option<CloseWatch>>);
+
+/// The poll of an awaited get on `channel`, whose tries are `try_get(thorough)`. At
+/// its first park it starts watching the queue's holders and tries thoroughly once
+/// more, so that a holder that left between its last look and the watch is seen.
+fn poll_get<T>(
+    cx: &mut Context<'_>,
+    parked: &mut Option<Parked>,
+    watch: &mut HolderWatch,
+    channel: &Channel,
+    mut try_get: impl FnMut(bool) -> Result<Option<T>>,
+) -> Poll<Result<T>> {
+    let rang = matches!(&watch.0, Some(Some(w)) if w.fired(cx.waker()));
+    let waker = cx.waker().clone();
+    reactor::poll_step_rung(
+        cx,
+        parked,
+        rang,
+        || {
+            let wait = channel.get_wait();
+            match get_step(wait, &mut try_get) {
+                Step::Word(wait) if watch.0.is_none() => {
+                    watch.0 = Some(reactor::watch_closes(channel.holder_file(), &waker));
+                    match try_get(true) {
+                        Ok(Some(item)) => Step::Done(Ok(item)),
+                        Ok(None) => Step::Word(wait),
+                        Err(e) => Step::Done(Err(e)),
+                    }
+                }
+                other => other,
+            }
+        },
+        Err,
+    )
+}
+
 impl<T: Serialize + DeserializeOwned> Queue<T> {
     /// Takes the next item, as [`get`](Self::get) does, without blocking a thread
     /// while the queue is empty (feature `async`; any executor).
@@ -58,19 +106,17 @@ impl<T: Serialize + DeserializeOwned> Queue<T> {
     ///
     /// # Errors
     /// As [`get`](Self::get). [`Error::Disconnected`] comes as soon as the last other
-    /// holder drops the queue, and within a second when it is killed.
+    /// holder drops the queue or is killed (see the crate docs, "Async").
     pub async fn get_async(&self) -> Result<T> {
         let mut parked: Option<Parked> = None;
+        let mut watch = HolderWatch::default();
         poll_fn(|cx| {
-            reactor::poll_step(
+            poll_get(
                 cx,
                 &mut parked,
-                || {
-                    get_step(self.shared.channel.get_wait(), |thorough| {
-                        self.shared.try_get_as(&|| self.others_here(), thorough)
-                    })
-                },
-                Err,
+                &mut watch,
+                &self.shared.channel,
+                |thorough| self.shared.try_get_as(&|| self.others_here(), thorough),
             )
         })
         .await
@@ -149,17 +195,11 @@ impl<T: Serialize + DeserializeOwned> SimpleQueue<T> {
     /// As [`Queue::get_async`].
     pub async fn get_async(&self) -> Result<T> {
         let mut parked: Option<Parked> = None;
+        let mut watch = HolderWatch::default();
         poll_fn(|cx| {
-            reactor::poll_step(
-                cx,
-                &mut parked,
-                || {
-                    get_step(self.channel.get_wait(), |thorough| {
-                        self.channel.try_get_as(&|| self.others_here(), thorough)
-                    })
-                },
-                Err,
-            )
+            poll_get(cx, &mut parked, &mut watch, &self.channel, |thorough| {
+                self.channel.try_get_as(&|| self.others_here(), thorough)
+            })
         })
         .await
     }

@@ -21,7 +21,8 @@
 //! channel value was dropped since (the ring's `LEFT` word): so a `try_get` on an
 //! empty queue asks the kernel at most once per 10 ms, and hears of a holder that
 //! dropped its handle at once, of one that was killed within 10 ms. An awaited get
-//! asks afresh before it parks.
+//! asks afresh before it parks, and hears of a holder that leaves (a killed one
+//! included) through a watch of the closes of this lease file (see `queue::awaiting`).
 
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
@@ -338,6 +339,13 @@ impl Channel {
     #[cfg(feature = "async")]
     pub(crate) fn get_wait(&self) -> crate::sys::reactor::WordWait {
         self.ring.get_wait()
+    }
+
+    /// This value's holder lease file, whose closes (any holder leaving, a killed one
+    /// included) an awaited get watches (see `queue::awaiting`).
+    #[cfg(feature = "async")]
+    pub(crate) fn holder_file(&self) -> std::os::fd::BorrowedFd<'_> {
+        self.holder.as_fd()
     }
 
     /// The sending socket: an awaited put whose packet found it full waits until it

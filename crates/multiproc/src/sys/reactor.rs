@@ -38,12 +38,23 @@
 //! queue, and the pidfds of the workers that hold its tasks): two registrations in one
 //! [`Parked`], either of which wakes it.
 //!
+//! **Closes.** The fd reactor also holds one inotify instance, in its `poll` set: a
+//! [`CloseWatch`] wakes its future at every close of one file, in any process, until
+//! it is dropped (it lasts across parks, and a future that finds it
+//! [`fired`](CloseWatch::fired) tries even though its word registration still
+//! waits). A parked queue get watches the queue's holder lease file, whose every
+//! holder closes its description when it leaves — the kernel does it for a SIGKILLed
+//! one — so the last holder's end reaches the get at once, although it wakes no
+//! futex (see `queue::awaiting`). A watch descriptor no watch uses any more is
+//! removed by the reactor thread when it next wakes, so that dropping a watch makes no
+//! system call. Without inotify (the user's 128 instances in use) a watch is refused
+//! and the re-checks below are what remains.
+//!
 //! **Idle costs nothing.** Both threads sleep in the kernel without a timeout, except
 //! for registrations that ask for a *re-check* after [`RECHECK`]: a parked queue `get`
-//! does, because two things wake no futex — the last other holder of the queue being
-//! SIGKILLed (a holder that drops the queue rings `SEQ`, see `queue::channel`), and a
-//! packet written on the socket by something other than a `put`. Those are noticed
-//! within `RECHECK` (the blocking `get` looks every 20 ms). That costs one wake-up of
+//! does, because a packet written on the socket by something other than a `put` wakes
+//! nobody (nor does a holder's end where the close watch was refused). Those are
+//! noticed within `RECHECK` (the blocking `get` looks every 20 ms). That costs one wake-up of
 //! the reactor per `RECHECK` while such futures are parked, and one try per future:
 //! a re-checked registration stays in place, so a try that finds nothing again
 //! re-registers nothing and rebuilds no `futex_waitv`. A registration may also carry a
@@ -637,11 +648,30 @@ struct FdRegistration {
 struct FdRegistrations {
     next_key: u64,
     entries: HashMap<u64, FdRegistration>,
+    /// The close watches ([`watch_closes`]), by key: their watch descriptor and what
+    /// they share with their future.
+    watches: HashMap<u64, (i32, Arc<WatchShared>)>,
+    /// How many close watches use each inotify watch descriptor; one at 0 is removed
+    /// by the reactor thread when it next wakes (not by the future's drop, which should
+    /// make no system call).
+    wds: HashMap<i32, usize>,
 }
 
-/// The fd reactor: a thread in `poll` over the registered fds and its eventfd.
+/// What a close watch shares with the reactor: whether a close was seen since the
+/// future last looked, and the waker to wake when one is.
+struct WatchShared {
+    fired: std::sync::atomic::AtomicBool,
+    waker: Mutex<Waker>,
+}
+
+/// The fd reactor: a thread in `poll` over the registered fds, its eventfd and its
+/// inotify instance (the close watches).
 struct FdReactor {
     doorbell: OwnedFd,
+    /// Close watches' inotify instance; `None` where the kernel refused one (the
+    /// user's 128 instances are in use): close watches are then refused, and their
+    /// futures rely on their re-checks.
+    inotify: Option<OwnedFd>,
     registrations: Mutex<FdRegistrations>,
 }
 
@@ -652,12 +682,30 @@ impl FdReactor {
 
     fn run(self: Arc<Self>) {
         loop {
-            let watched: Vec<(u64, Arc<OwnedFd>, PollFlags)> = lock(&self.registrations)
-                .entries
-                .iter()
-                .flat_map(|(k, r)| r.fds.iter().map(|fd| (*k, Arc::clone(fd), r.flags)))
-                .collect();
+            let watched: Vec<(u64, Arc<OwnedFd>, PollFlags)> = {
+                let mut regs = lock(&self.registrations);
+                if let Some(inotify) = &self.inotify {
+                    regs.wds.retain(|wd, users| {
+                        let keep = *users > 0;
+                        if !keep {
+                            let _ = rustix::fs::inotify::remove_watch(inotify, *wd);
+                        }
+                        keep
+                    });
+                }
+                regs.entries
+                    .iter()
+                    .flat_map(|(k, r)| r.fds.iter().map(|fd| (*k, Arc::clone(fd), r.flags)))
+                    .collect()
+            };
             let mut fds = vec![PollFd::new(&self.doorbell, PollFlags::IN)];
+            let first = match &self.inotify {
+                Some(inotify) => {
+                    fds.push(PollFd::new(inotify, PollFlags::IN));
+                    2
+                }
+                None => 1,
+            };
             fds.extend(
                 watched
                     .iter()
@@ -670,9 +718,13 @@ impl FdReactor {
                 let mut count = [0u8; 8];
                 let _ = rustix::io::read(&self.doorbell, &mut count);
             }
+            let closed = match &self.inotify {
+                Some(inotify) if !fds[1].revents().is_empty() => closes_seen(inotify),
+                _ => Closes::default(),
+            };
             let ready: Vec<u64> = watched
                 .iter()
-                .zip(&fds[1..])
+                .zip(&fds[first..])
                 .filter(|(_, p)| !p.revents().is_empty())
                 .map(|((k, _, _), _)| *k)
                 .collect();
@@ -683,6 +735,12 @@ impl FdReactor {
                 for key in ready {
                     if let Some(r) = regs.entries.remove(&key) {
                         wakers.push(r.waker);
+                    }
+                }
+                for (wd, shared) in regs.watches.values() {
+                    if closed.all || closed.wds.contains(wd) {
+                        shared.fired.store(true, Ordering::SeqCst);
+                        wakers.push(lock(&shared.waker).clone());
                     }
                 }
             }
@@ -708,6 +766,134 @@ pub(crate) fn fd_registrations() -> usize {
         .map_or(0, |r| lock(&r.registrations).entries.len())
 }
 
+/// This process's fd reactor, started on first use.
+///
+/// # Errors
+/// When its eventfd cannot be made or its thread cannot be started.
+fn fd_reactor() -> Result<Arc<FdReactor>> {
+    let mut slot = FD_REACTOR.lock();
+    if let Some(r) = &*slot {
+        return Ok(Arc::clone(r));
+    }
+    let doorbell = rustix::event::eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)
+        .map_err(|e| Error::os("making the async fd reactor's eventfd", e))?;
+    let inotify = rustix::fs::inotify::init(
+        rustix::fs::inotify::CreateFlags::CLOEXEC | rustix::fs::inotify::CreateFlags::NONBLOCK,
+    )
+    .inspect_err(|e| {
+        tracing::debug!(
+            "multiproc: no inotify instance for the async fd reactor ({e}): an awaited get \
+             hears of a killed queue holder at its re-check"
+        );
+    })
+    .ok();
+    let reactor = Arc::new(FdReactor {
+        doorbell,
+        inotify,
+        registrations: Mutex::new(FdRegistrations::default()),
+    });
+    let runner = Arc::clone(&reactor);
+    std::thread::Builder::new()
+        .name("multiproc-fd-reactor".into())
+        .spawn(move || runner.run())
+        .map_err(|e| Error::os("starting multiproc's async fd reactor thread", e))?;
+    *slot = Some(Arc::clone(&reactor));
+    Ok(reactor)
+}
+
+/// The watch descriptors whose files were closed, from the events queued on
+/// `inotify` (`all` when the queue overflowed and some were lost).
+#[derive(Default)]
+struct Closes {
+    wds: Vec<i32>,
+    all: bool,
+}
+
+fn closes_seen(inotify: &OwnedFd) -> Closes {
+    use rustix::fs::inotify::{ReadFlags, Reader};
+    let mut closes = Closes::default();
+    let mut buf = [std::mem::MaybeUninit::<u8>::uninit(); 4096];
+    let mut events = Reader::new(inotify, &mut buf);
+    while let Ok(event) = events.next() {
+        if event.events().contains(ReadFlags::QUEUE_OVERFLOW) {
+            closes.all = true;
+        } else if !closes.wds.contains(&event.wd()) {
+            closes.wds.push(event.wd());
+        }
+    }
+    closes
+}
+
+/// A watch of the closes of one file (any process's, its own included), with the fd
+/// reactor's inotify instance: the future it belongs to is woken at each, and finds it
+/// [`fired`](Self::fired). It lasts as long as the value, across parks. A queue's
+/// holder lease file is closed by every holder that leaves, a SIGKILLed one included,
+/// so an awaited get hears of the last one at once (see `queue::awaiting`).
+pub(crate) struct CloseWatch {
+    reactor: Arc<FdReactor>,
+    key: u64,
+    shared: Arc<WatchShared>,
+}
+
+impl CloseWatch {
+    /// Whether the file was closed since the last call; `waker` is the one to wake at
+    /// the next close.
+    pub(crate) fn fired(&self, waker: &Waker) -> bool {
+        let old = {
+            let mut w = lock(&self.shared.waker);
+            (!w.will_wake(waker)).then(|| std::mem::replace(&mut *w, waker.clone()))
+        };
+        drop(old); // outside the lock: dropping a waker may drop a task
+        self.shared.fired.swap(false, Ordering::SeqCst)
+    }
+}
+
+impl Drop for CloseWatch {
+    fn drop(&mut self) {
+        let mut regs = lock(&self.reactor.registrations);
+        if let Some((wd, _)) = regs.watches.remove(&self.key) {
+            if let Some(users) = regs.wds.get_mut(&wd) {
+                *users = users.saturating_sub(1);
+            }
+        }
+    }
+}
+
+/// Watches the closes of the file `file` refers to, waking `waker` at each (see
+/// [`CloseWatch`]); `None` when the kernel refuses (no inotify instance, or no watch
+/// left): the caller then relies on its re-checks.
+pub(crate) fn watch_closes(file: BorrowedFd<'_>, waker: &Waker) -> Option<CloseWatch> {
+    use std::os::fd::AsRawFd;
+    let reactor = fd_reactor().ok()?;
+    let inotify = reactor.inotify.as_ref()?;
+    let shared = Arc::new(WatchShared {
+        fired: std::sync::atomic::AtomicBool::new(false),
+        waker: Mutex::new(waker.clone()),
+    });
+    let key = {
+        // Under the lock the reactor thread removes unused watches under: a watch
+        // descriptor the kernel hands back here is not removed meanwhile.
+        let mut regs = lock(&reactor.registrations);
+        let wd = rustix::fs::inotify::add_watch(
+            inotify,
+            format!("/proc/self/fd/{}", file.as_raw_fd()),
+            rustix::fs::inotify::WatchFlags::CLOSE_WRITE
+                | rustix::fs::inotify::WatchFlags::CLOSE_NOWRITE,
+        )
+        .ok()?;
+        *regs.wds.entry(wd).or_default() += 1;
+        let key = regs.next_key;
+        regs.next_key += 1;
+        regs.watches.insert(key, (wd, Arc::clone(&shared)));
+        key
+    };
+    Some(CloseWatch {
+        reactor,
+        key,
+        shared,
+    })
+}
+
 /// Registers a duplicate of `fd` with the fd reactor, to wake `waker` when it is
 /// ready (or hung up).
 ///
@@ -726,28 +912,7 @@ pub(crate) fn park_fd(fd: BorrowedFd<'_>, ready: Ready, waker: &Waker) -> Result
 /// # Errors
 /// When the fd reactor cannot be started.
 pub(crate) fn park_fds(fds: Vec<OwnedFd>, ready: Ready, waker: &Waker) -> Result<Parked> {
-    let reactor = {
-        let mut slot = FD_REACTOR.lock();
-        match &*slot {
-            Some(r) => Arc::clone(r),
-            None => {
-                let doorbell =
-                    rustix::event::eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)
-                        .map_err(|e| Error::os("making the async fd reactor's eventfd", e))?;
-                let reactor = Arc::new(FdReactor {
-                    doorbell,
-                    registrations: Mutex::new(FdRegistrations::default()),
-                });
-                let runner = Arc::clone(&reactor);
-                std::thread::Builder::new()
-                    .name("multiproc-fd-reactor".into())
-                    .spawn(move || runner.run())
-                    .map_err(|e| Error::os("starting multiproc's async fd reactor thread", e))?;
-                *slot = Some(Arc::clone(&reactor));
-                reactor
-            }
-        }
-    };
+    let reactor = fd_reactor()?;
     let flags = match ready {
         Ready::Readable => PollFlags::IN,
         Ready::Writable => PollFlags::OUT,
@@ -799,15 +964,30 @@ const TRIES_PER_POLL: usize = 64;
 pub(crate) fn poll_step<'a, R>(
     cx: &mut Context<'_>,
     parked: &mut Option<Parked>,
+    step: impl FnMut() -> Step<'a, R>,
+    failed: impl FnOnce(Error) -> R,
+) -> Poll<R> {
+    poll_step_rung(cx, parked, false, step, failed)
+}
+
+/// [`poll_step`], when `rang` says that something besides the registration woke the
+/// future (an awaited get's [`CloseWatch`]): then it tries once even though its
+/// registration still waits, and keeps the registration when it finds nothing new, as
+/// after a re-check.
+pub(crate) fn poll_step_rung<'a, R>(
+    cx: &mut Context<'_>,
+    parked: &mut Option<Parked>,
+    rang: bool,
     mut step: impl FnMut() -> Step<'a, R>,
     failed: impl FnOnce(Error) -> R,
 ) -> Poll<R> {
     let mut first = None;
     if let Some(p) = parked.as_ref() {
-        if p.still_waiting(cx.waker()) {
+        let waiting = p.still_waiting(cx.waker());
+        if waiting && !rang {
             return Poll::Pending;
         }
-        if p.take_recheck(cx.waker()) {
+        if waiting || p.take_recheck(cx.waker()) {
             match step() {
                 Step::Done(r) => {
                     *parked = None; // deregisters
