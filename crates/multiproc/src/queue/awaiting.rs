@@ -9,13 +9,15 @@
 //! registration is removed by its drop (which passes on a wake-up it received and did
 //! not use, so no other waiter is left asleep beside a message).
 //!
-//! A get that parks also watches its queue's holder lease file (`channel`): every
-//! holder that leaves closes its description of it, a SIGKILLed one too (the kernel
-//! closes a dead process's fds), and the fd reactor's inotify instance wakes the get
-//! at each close (`reactor::CloseWatch`), which then asks afresh whether any other
-//! holder is left: [`Error::Disconnected`] at once. (One that drops its handle also
-//! rings the ring's `SEQ`.) The watch is made at the get's first park, before a last
-//! look, so a holder that leaves meanwhile is seen either way.
+//! A get that parks also waits on its queue's holder watch (`reactor::CloseWatch`,
+//! one per channel value in this process, made when a get first polls): every
+//! holder that leaves closes its description of the holder lease file, a SIGKILLed
+//! one too (the kernel closes a dead process's fds), and the fd reactor's inotify
+//! instance wakes the waiting gets at each close. Each then asks afresh whether any
+//! other holder is left: [`Error::Disconnected`] at once. (One that drops its handle
+//! also rings the ring's `SEQ`.) A get reads the watch's count of closes before its
+//! tries and checks it again once its waker is registered there, so a holder that
+//! leaves in between is seen either way.
 //!
 //! A parked get also looks again every `reactor::RECHECK` (1 s), which is when it
 //! hears of a packet that reached the socket without a `put`, and of a message kept
@@ -36,7 +38,7 @@ use super::joinable::JoinableQueue;
 use super::layout::{FREE_PLACES, PLACE_WAITERS, UNFINISHED};
 use super::simple::SimpleQueue;
 use crate::error::{Error, PutError, Result};
-use crate::sys::reactor::{self, CloseWatch, Parked, Ready, Step, WordWait};
+use crate::sys::reactor::{self, Parked, Ready, Step, WatchSeat, WordWait};
 
 /// The step of an awaited get: `wait` read before the tries; `try_get(thorough)` takes
 /// the next item. The first try is a plain `try_get` (no system call when a message is
@@ -59,40 +61,35 @@ fn get_step<'a, T>(
     }
 }
 
-/// An awaited get's watch of its queue's holders (see the module docs): not made yet
-/// (`None`), made, or refused (`Some(None)`).
-#[derive(Default)]
-struct HolderWatch(Option<Option<CloseWatch>>);
-
-/// The poll of an awaited get on `channel`, whose tries are `try_get(thorough)`. At
-/// its first park it starts watching the queue's holders and tries thoroughly once
-/// more, so that a holder that left between its last look and the watch is seen.
+/// The poll of an awaited get on `channel`, whose tries are `try_get(thorough)`; `seat`
+/// is its place among the waiters of the channel's holder watch. A get that parks
+/// waits on the watch too, and one that the watch woke tries even though its word
+/// registration still waits; a close that came between its look at the watch and its
+/// registration there is looked for once more before it parks.
 fn poll_get<T>(
     cx: &mut Context<'_>,
     parked: &mut Option<Parked>,
-    watch: &mut HolderWatch,
+    seat: &mut WatchSeat,
     channel: &Channel,
     mut try_get: impl FnMut(bool) -> Result<Option<T>>,
 ) -> Poll<Result<T>> {
-    let rang = matches!(&watch.0, Some(Some(w)) if w.fired(cx.waker()));
+    let watch = channel.holder_watch();
+    let rang = watch.is_some_and(|w| w.closed_since(seat));
     let waker = cx.waker().clone();
     reactor::poll_step_rung(
         cx,
         parked,
         rang,
-        || {
-            let wait = channel.get_wait();
-            match get_step(wait, &mut try_get) {
-                Step::Word(wait) if watch.0.is_none() => {
-                    watch.0 = Some(reactor::watch_closes(channel.holder_file(), &waker));
-                    match try_get(true) {
-                        Ok(Some(item)) => Step::Done(Ok(item)),
-                        Ok(None) => Step::Word(wait),
-                        Err(e) => Step::Done(Err(e)),
-                    }
-                }
-                other => other,
-            }
+        || match get_step(channel.get_wait(), &mut try_get) {
+            Step::Word(wait) => match watch {
+                Some(w) if !w.wait(seat, &waker) => match try_get(true) {
+                    Ok(Some(item)) => Step::Done(Ok(item)),
+                    Ok(None) => Step::Word(wait),
+                    Err(e) => Step::Done(Err(e)),
+                },
+                _ => Step::Word(wait),
+            },
+            other => other,
         },
         Err,
     )
@@ -109,12 +106,12 @@ impl<T: Serialize + DeserializeOwned> Queue<T> {
     /// holder drops the queue or is killed (see the crate docs, "Async").
     pub async fn get_async(&self) -> Result<T> {
         let mut parked: Option<Parked> = None;
-        let mut watch = HolderWatch::default();
+        let mut seat = WatchSeat::default();
         poll_fn(|cx| {
             poll_get(
                 cx,
                 &mut parked,
-                &mut watch,
+                &mut seat,
                 &self.shared.channel,
                 |thorough| self.shared.try_get_as(&|| self.others_here(), thorough),
             )
@@ -195,9 +192,9 @@ impl<T: Serialize + DeserializeOwned> SimpleQueue<T> {
     /// As [`Queue::get_async`].
     pub async fn get_async(&self) -> Result<T> {
         let mut parked: Option<Parked> = None;
-        let mut watch = HolderWatch::default();
+        let mut seat = WatchSeat::default();
         poll_fn(|cx| {
-            poll_get(cx, &mut parked, &mut watch, &self.channel, |thorough| {
+            poll_get(cx, &mut parked, &mut seat, &self.channel, |thorough| {
                 self.channel.try_get_as(&|| self.others_here(), thorough)
             })
         })

@@ -69,6 +69,10 @@ pub(crate) struct Channel {
     closed: AtomicBool,
     /// This value's peer lease on the channel's holder file.
     holder: OwnedFd,
+    /// The watch of the holder file's closes that awaited gets wait on (see
+    /// `queue::awaiting`), made when one first parks; `None` inside when refused.
+    #[cfg(feature = "async")]
+    holder_watch: std::sync::OnceLock<Option<crate::sys::reactor::CloseWatch>>,
     /// When other holders were last seen, in nanoseconds after [`epoch`] (0: never).
     others_seen_at: AtomicU64,
     /// The ring's count of departures when other holders were last seen.
@@ -104,6 +108,8 @@ impl Channel {
             holder: lease::create_peer("multiproc-queue-holders")?,
             others_seen_at: AtomicU64::new(0),
             others_seen_left: AtomicU32::new(0),
+            #[cfg(feature = "async")]
+            holder_watch: std::sync::OnceLock::new(),
         })
     }
 
@@ -341,11 +347,14 @@ impl Channel {
         self.ring.get_wait()
     }
 
-    /// This value's holder lease file, whose closes (any holder leaving, a killed one
-    /// included) an awaited get watches (see `queue::awaiting`).
+    /// The watch of this value's holder lease file, whose closes (any holder leaving,
+    /// a killed one included) awaited gets wait on (see `queue::awaiting`): made on
+    /// first use, kept as long as the value; `None` when the kernel refused it.
     #[cfg(feature = "async")]
-    pub(crate) fn holder_file(&self) -> std::os::fd::BorrowedFd<'_> {
-        self.holder.as_fd()
+    pub(crate) fn holder_watch(&self) -> Option<&crate::sys::reactor::CloseWatch> {
+        self.holder_watch
+            .get_or_init(|| crate::sys::reactor::watch_closes(self.holder.as_fd()))
+            .as_ref()
     }
 
     /// The sending socket: an awaited put whose packet found it full waits until it
@@ -491,6 +500,8 @@ impl<'de> Deserialize<'de> for Channel {
             holder,
             others_seen_at: AtomicU64::new(0),
             others_seen_left: AtomicU32::new(0),
+            #[cfg(feature = "async")]
+            holder_watch: std::sync::OnceLock::new(),
         })
     }
 }

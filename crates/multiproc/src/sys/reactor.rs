@@ -39,16 +39,15 @@
 //! [`Parked`], either of which wakes it.
 //!
 //! **Closes.** The fd reactor also holds one inotify instance, in its `poll` set: a
-//! [`CloseWatch`] wakes its future at every close of one file, in any process, until
-//! it is dropped (it lasts across parks, and a future that finds it
-//! [`fired`](CloseWatch::fired) tries even though its word registration still
-//! waits). A parked queue get watches the queue's holder lease file, whose every
-//! holder closes its description when it leaves — the kernel does it for a SIGKILLed
-//! one — so the last holder's end reaches the get at once, although it wakes no
-//! futex (see `queue::awaiting`). A watch descriptor no watch uses any more is
-//! removed by the reactor thread when it next wakes, so that dropping a watch makes no
-//! system call. Without inotify (the user's 128 instances in use) a watch is refused
-//! and the re-checks below are what remains.
+//! [`CloseWatch`] counts every close of one file, in any process, and wakes the
+//! futures waiting on it at each (a future that finds the count moved tries even
+//! though its word registration still waits). A queue's channel value keeps one on
+//! the queue's holder lease file, whose every holder closes its description when it
+//! leaves — the kernel does it for a SIGKILLed one — so the last holder's end reaches
+//! a parked get at once, although it wakes no futex (see `queue::awaiting`). A watch
+//! descriptor no watch uses any more is removed by the reactor thread when it next
+//! wakes. Without inotify (the user's 128 instances in use) a watch is refused and
+//! the re-checks below are what remains.
 //!
 //! **Idle costs nothing.** Both threads sleep in the kernel without a timeout, except
 //! for registrations that ask for a *re-check* after [`RECHECK`]: a parked queue `get`
@@ -86,7 +85,7 @@
 
 use std::collections::HashMap;
 use std::os::fd::{BorrowedFd, OwnedFd};
-use std::sync::atomic::{AtomicU8, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
@@ -657,11 +656,13 @@ struct FdRegistrations {
     wds: HashMap<i32, usize>,
 }
 
-/// What a close watch shares with the reactor: whether a close was seen since the
-/// future last looked, and the waker to wake when one is.
+/// What a close watch shares with the reactor: how many closes it has seen, and the
+/// wakers of the futures waiting for the next one, by their id.
+#[derive(Default)]
 struct WatchShared {
-    fired: std::sync::atomic::AtomicBool,
-    waker: Mutex<Waker>,
+    closes: AtomicU64,
+    waiting: Mutex<HashMap<u64, Waker>>,
+    next_id: AtomicU64,
 }
 
 /// The fd reactor: a thread in `poll` over the registered fds, its eventfd and its
@@ -739,8 +740,8 @@ impl FdReactor {
                 }
                 for (wd, shared) in regs.watches.values() {
                     if closed.all || closed.wds.contains(wd) {
-                        shared.fired.store(true, Ordering::SeqCst);
-                        wakers.push(lock(&shared.waker).clone());
+                        shared.closes.fetch_add(1, Ordering::SeqCst);
+                        wakers.extend(lock(&shared.waiting).values().cloned());
                     }
                 }
             }
@@ -825,26 +826,73 @@ fn closes_seen(inotify: &OwnedFd) -> Closes {
 }
 
 /// A watch of the closes of one file (any process's, its own included), with the fd
-/// reactor's inotify instance: the future it belongs to is woken at each, and finds it
-/// [`fired`](Self::fired). It lasts as long as the value, across parks. A queue's
-/// holder lease file is closed by every holder that leaves, a SIGKILLed one included,
-/// so an awaited get hears of the last one at once (see `queue::awaiting`).
+/// reactor's inotify instance: it counts them, and wakes the futures that
+/// [`wait`](Self::wait) on it at each. A queue's channel value keeps one on its holder
+/// lease file for as long as it lives (made when a get first parks): every holder
+/// that leaves closes its description of that file, a SIGKILLed one included, so an
+/// awaited get hears of the last one at once (see `queue::awaiting`).
 pub(crate) struct CloseWatch {
     reactor: Arc<FdReactor>,
     key: u64,
     shared: Arc<WatchShared>,
 }
 
+/// A future's place among a [`CloseWatch`]'s waiters: the count of closes it last
+/// saw, and its waker's id while one is registered (removed when the seat is dropped,
+/// with its future).
+#[derive(Default)]
+pub(crate) struct WatchSeat {
+    seen: Option<u64>,
+    waiting: Option<(Arc<WatchShared>, u64)>,
+}
+
+impl Drop for WatchSeat {
+    fn drop(&mut self) {
+        if let Some((shared, id)) = self.waiting.take() {
+            let old = lock(&shared.waiting).remove(&id);
+            drop(old); // outside the lock: dropping a waker may drop a task
+        }
+    }
+}
+
 impl CloseWatch {
-    /// Whether the file was closed since the last call; `waker` is the one to wake at
-    /// the next close.
-    pub(crate) fn fired(&self, waker: &Waker) -> bool {
+    /// Whether the file was closed since `seat` last looked (a first look only
+    /// records the count).
+    pub(crate) fn closed_since(&self, seat: &mut WatchSeat) -> bool {
+        let now = self.shared.closes.load(Ordering::SeqCst);
+        seat.seen.replace(now).is_some_and(|seen| seen != now)
+    }
+
+    /// Registers (or updates) `waker` as `seat`'s, to be woken at the next close;
+    /// `false` when a close came since `seat` last looked, which no wake-up may
+    /// announce (the caller looks again rather than wait).
+    pub(crate) fn wait(&self, seat: &mut WatchSeat, waker: &Waker) -> bool {
         let old = {
-            let mut w = lock(&self.shared.waker);
-            (!w.will_wake(waker)).then(|| std::mem::replace(&mut *w, waker.clone()))
+            let mut waiting = lock(&self.shared.waiting);
+            let id = match &seat.waiting {
+                Some((_, id)) => *id,
+                None => {
+                    let id = self.shared.next_id.fetch_add(1, Ordering::Relaxed);
+                    seat.waiting = Some((Arc::clone(&self.shared), id));
+                    id
+                }
+            };
+            match waiting.get_mut(&id) {
+                Some(w) if w.will_wake(waker) => None,
+                Some(w) => Some(std::mem::replace(w, waker.clone())),
+                None => waiting.insert(id, waker.clone()),
+            }
         };
         drop(old); // outside the lock: dropping a waker may drop a task
-        self.shared.fired.swap(false, Ordering::SeqCst)
+        seat.seen == Some(self.shared.closes.load(Ordering::SeqCst))
+    }
+}
+
+impl std::fmt::Debug for CloseWatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CloseWatch")
+            .field("closes", &self.shared.closes.load(Ordering::Relaxed))
+            .finish_non_exhaustive()
     }
 }
 
@@ -859,17 +907,14 @@ impl Drop for CloseWatch {
     }
 }
 
-/// Watches the closes of the file `file` refers to, waking `waker` at each (see
-/// [`CloseWatch`]); `None` when the kernel refuses (no inotify instance, or no watch
-/// left): the caller then relies on its re-checks.
-pub(crate) fn watch_closes(file: BorrowedFd<'_>, waker: &Waker) -> Option<CloseWatch> {
+/// Watches the closes of the file `file` refers to (see [`CloseWatch`]); `None` when
+/// the kernel refuses (no inotify instance, or no watch left): the caller then relies
+/// on its re-checks.
+pub(crate) fn watch_closes(file: BorrowedFd<'_>) -> Option<CloseWatch> {
     use std::os::fd::AsRawFd;
     let reactor = fd_reactor().ok()?;
     let inotify = reactor.inotify.as_ref()?;
-    let shared = Arc::new(WatchShared {
-        fired: std::sync::atomic::AtomicBool::new(false),
-        waker: Mutex::new(waker.clone()),
-    });
+    let shared = Arc::new(WatchShared::default());
     let key = {
         // Under the lock the reactor thread removes unused watches under: a watch
         // descriptor the kernel hands back here is not removed meanwhile.
@@ -971,7 +1016,7 @@ pub(crate) fn poll_step<'a, R>(
 }
 
 /// [`poll_step`], when `rang` says that something besides the registration woke the
-/// future (an awaited get's [`CloseWatch`]): then it tries once even though its
+/// future (a [`CloseWatch`] an awaited get waits on): then it tries once even though its
 /// registration still waits, and keeps the registration when it finds nothing new, as
 /// after a re-check.
 pub(crate) fn poll_step_rung<'a, R>(
