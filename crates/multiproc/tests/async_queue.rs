@@ -222,13 +222,18 @@ fn put_three_and_leave(_rank: usize, (q, go): (Queue<u32>, Event)) -> multiproc:
     go.wait_timeout(WAIT)
 }
 
+/// Says it is ready and waits to be killed.
+fn say_ready_and_hang(ready: &Event) {
+    ready.set();
+    std::thread::sleep(Duration::from_secs(600));
+}
+
 /// Puts three items, says so, and waits to be killed.
 fn put_three_and_hang(_rank: usize, (q, ready): (Queue<u32>, Event)) -> multiproc::Result<()> {
     for i in 0..3 {
         q.put(i)?;
     }
-    ready.set();
-    std::thread::sleep(Duration::from_secs(600));
+    say_ready_and_hang(&ready);
     Ok(())
 }
 
@@ -338,10 +343,32 @@ fn disconnected_reaches_an_awaiting_task_when_the_only_producer_leaves() {
 
 /// Holds the queue, says so, and waits to be killed.
 fn hold_and_hang(_rank: usize, (q, ready): (SimpleQueue<u32>, Event)) -> multiproc::Result<()> {
-    ready.set();
-    std::thread::sleep(Duration::from_secs(600));
+    say_ready_and_hang(&ready);
     drop(q);
     Ok(())
+}
+
+/// Parks a get on `q`, whose only other holder is `holder`, SIGKILLs `holder`, and
+/// requires `Disconnected` within 100 ms.
+async fn killing_the_holder_ends_a_parked_get(q: SimpleQueue<u32>, holder: &mut Process) {
+    let base = multiproc::__testing::parked_word_waits();
+    let getter = tokio::spawn(async move { (q.get_async().await, Instant::now()) });
+    until_parked(multiproc::__testing::parked_word_waits, base + 1).await;
+    assert!(
+        !getter.is_finished(),
+        "the get did not wait for the live holder"
+    );
+    holder.kill().unwrap();
+    let killed = Instant::now();
+    let (end, at) = tokio::time::timeout(WAIT, getter).await.unwrap().unwrap();
+    assert!(end.as_ref().is_err_and(|e| e.is_disconnected()), "{end:?}");
+    let after = at.saturating_duration_since(killed);
+    assert!(after < Duration::from_millis(100), "{after:?}");
+    let status = tokio::time::timeout(WAIT, holder.join_async())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(!status.success());
 }
 
 #[test]
@@ -360,25 +387,53 @@ fn a_killed_last_holder_ends_an_awaited_simple_queue_get_at_once() {
                     .await
                     .unwrap()
                     .unwrap();
-                let base = multiproc::__testing::parked_word_waits();
-                let getter = tokio::spawn(async move { (q.get_async().await, Instant::now()) });
-                until_parked(multiproc::__testing::parked_word_waits, base + 1).await;
-                assert!(
-                    !getter.is_finished(),
-                    "the get did not wait for the live holder"
-                );
-                holder.kill().unwrap();
-                let killed = Instant::now();
-                let (end, at) = tokio::time::timeout(WAIT, getter).await.unwrap().unwrap();
-                assert!(end.as_ref().is_err_and(|e| e.is_disconnected()), "{end:?}");
-                let after = at.saturating_duration_since(killed);
-                assert!(after < Duration::from_millis(100), "{after:?}");
-                let status = tokio::time::timeout(WAIT, holder.join_async())
-                    .await
-                    .unwrap()
-                    .unwrap();
-                assert!(!status.success());
+                killing_the_holder_ends_a_parked_get(q, &mut holder).await;
             }
+        });
+        drop(rt);
+    });
+}
+
+/// Drops the queue it inherited from its `fork` parent and returns.
+fn drop_in_a_fork_child(_rank: usize, q: SimpleQueue<u32>) -> multiproc::Result<()> {
+    drop(q);
+    Ok(())
+}
+
+#[test]
+fn a_fork_child_that_drops_an_inherited_queue_leaves_the_parents_holder_watch() {
+    warm_up();
+    common::run(DEADLINE, || {
+        let rt = runtime();
+        rt.block_on(async {
+            let q = SimpleQueue::<u32>::new().unwrap();
+            let ready = Event::new().unwrap();
+            let mut holder = Process::builder(hold_and_hang, 0, (q.clone(), ready.clone()))
+                .start()
+                .unwrap();
+            tokio::time::timeout(WAIT, ready.wait_async())
+                .await
+                .unwrap()
+                .unwrap();
+            // A get polled here makes this process's watch of the queue's holders.
+            assert!(
+                tokio::time::timeout(Duration::from_millis(20), q.get_async())
+                    .await
+                    .is_err()
+            );
+            // A fork child inherits the queue, watch included, and drops it: the watch
+            // stays the parent's (the child must not remove it from the inotify
+            // instance they share).
+            let mut child = Process::builder(drop_in_a_fork_child, 0, q.clone())
+                .start_method(StartMethod::Fork)
+                .start()
+                .unwrap();
+            let status = tokio::time::timeout(WAIT, child.join_async())
+                .await
+                .unwrap()
+                .unwrap();
+            assert!(status.success(), "{status:?} {:?}", child.error());
+            killing_the_holder_ends_a_parked_get(q, &mut holder).await;
         });
         drop(rt);
     });

@@ -70,7 +70,7 @@ pub(crate) struct Channel {
     /// This value's peer lease on the channel's holder file.
     holder: OwnedFd,
     /// The watch of the holder file's closes that awaited gets wait on (see
-    /// `queue::awaiting`), made when one first parks; `None` inside when refused.
+    /// `queue::awaiting`), made when one is first polled; `None` inside when refused.
     #[cfg(feature = "async")]
     holder_watch: std::sync::OnceLock<Option<crate::sys::reactor::CloseWatch>>,
     /// When other holders were last seen, in nanoseconds after [`epoch`] (0: never).
@@ -349,12 +349,15 @@ impl Channel {
 
     /// The watch of this value's holder lease file, whose closes (any holder leaving,
     /// a killed one included) awaited gets wait on (see `queue::awaiting`): made on
-    /// first use, kept as long as the value; `None` when the kernel refused it.
+    /// first use, kept as long as the value; `None` when the kernel refused it, and in
+    /// a `fork` child that inherited this value with its parent's watch (its gets rely
+    /// on their re-checks).
     #[cfg(feature = "async")]
     pub(crate) fn holder_watch(&self) -> Option<&crate::sys::reactor::CloseWatch> {
         self.holder_watch
             .get_or_init(|| crate::sys::reactor::watch_closes(self.holder.as_fd()))
             .as_ref()
+            .filter(|w| w.is_here())
     }
 
     /// The sending socket: an awaited put whose packet found it full waits until it

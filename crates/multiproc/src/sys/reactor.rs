@@ -44,9 +44,9 @@
 //! though its word registration still waits). A queue's channel value keeps one on
 //! the queue's holder lease file, whose every holder closes its description when it
 //! leaves — the kernel does it for a SIGKILLed one — so the last holder's end reaches
-//! a parked get at once, although it wakes no futex (see `queue::awaiting`). A watch
-//! descriptor no watch uses any more is removed by the reactor thread when it next
-//! wakes. Without inotify (the user's 128 instances in use) a watch is refused and
+//! a parked get at once, although it wakes no futex (see `queue::awaiting`). The last
+//! watch of a file removes its watch descriptor when it is dropped, with its channel
+//! value. Without inotify (the user's 128 instances in use) a watch is refused and
 //! the re-checks below are what remains.
 //!
 //! **Idle costs nothing.** Both threads sleep in the kernel without a timeout, except
@@ -648,11 +648,11 @@ struct FdRegistrations {
     next_key: u64,
     entries: HashMap<u64, FdRegistration>,
     /// The close watches ([`watch_closes`]), by key: their watch descriptor and what
-    /// they share with their future.
+    /// they share with the futures waiting on them.
     watches: HashMap<u64, (i32, Arc<WatchShared>)>,
-    /// How many close watches use each inotify watch descriptor; one at 0 is removed
-    /// by the reactor thread when it next wakes (not by the future's drop, which should
-    /// make no system call).
+    /// How many close watches use each inotify watch descriptor (two channel values
+    /// of one queue in this process watch the same file, and the kernel gives both the
+    /// same descriptor): the last one's drop removes it.
     wds: HashMap<i32, usize>,
 }
 
@@ -683,22 +683,11 @@ impl FdReactor {
 
     fn run(self: Arc<Self>) {
         loop {
-            let watched: Vec<(u64, Arc<OwnedFd>, PollFlags)> = {
-                let mut regs = lock(&self.registrations);
-                if let Some(inotify) = &self.inotify {
-                    regs.wds.retain(|wd, users| {
-                        let keep = *users > 0;
-                        if !keep {
-                            let _ = rustix::fs::inotify::remove_watch(inotify, *wd);
-                        }
-                        keep
-                    });
-                }
-                regs.entries
-                    .iter()
-                    .flat_map(|(k, r)| r.fds.iter().map(|fd| (*k, Arc::clone(fd), r.flags)))
-                    .collect()
-            };
+            let watched: Vec<(u64, Arc<OwnedFd>, PollFlags)> = lock(&self.registrations)
+                .entries
+                .iter()
+                .flat_map(|(k, r)| r.fds.iter().map(|fd| (*k, Arc::clone(fd), r.flags)))
+                .collect();
             let mut fds = vec![PollFd::new(&self.doorbell, PollFlags::IN)];
             let first = match &self.inotify {
                 Some(inotify) => {
@@ -828,13 +817,17 @@ fn closes_seen(inotify: &OwnedFd) -> Closes {
 /// A watch of the closes of one file (any process's, its own included), with the fd
 /// reactor's inotify instance: it counts them, and wakes the futures that
 /// [`wait`](Self::wait) on it at each. A queue's channel value keeps one on its holder
-/// lease file for as long as it lives (made when a get first parks): every holder
+/// lease file for as long as it lives (made when a get on it is first polled): every holder
 /// that leaves closes its description of that file, a SIGKILLed one included, so an
 /// awaited get hears of the last one at once (see `queue::awaiting`).
 pub(crate) struct CloseWatch {
     reactor: Arc<FdReactor>,
     key: u64,
     shared: Arc<WatchShared>,
+    /// The `fork` generation that made it: a `fork` child inherits the value (inside
+    /// a queue handle) but not the reactor thread behind it, and must neither wait on
+    /// it nor take its locks, which a parent's thread may have held at the fork.
+    generation: u64,
 }
 
 /// A future's place among a [`CloseWatch`]'s waiters: the count of closes it last
@@ -856,6 +849,12 @@ impl Drop for WatchSeat {
 }
 
 impl CloseWatch {
+    /// Whether this process made the watch (not its `fork` parent): only then may it
+    /// be waited on.
+    pub(crate) fn is_here(&self) -> bool {
+        self.generation == super::process::fork_generation()
+    }
+
     /// Whether the file was closed since `seat` last looked (a first look only
     /// records the count).
     pub(crate) fn closed_since(&self, seat: &mut WatchSeat) -> bool {
@@ -898,10 +897,21 @@ impl std::fmt::Debug for CloseWatch {
 
 impl Drop for CloseWatch {
     fn drop(&mut self) {
+        if !self.is_here() {
+            return; // a fork child's copy: the parent's reactor keeps the watch
+        }
         let mut regs = lock(&self.reactor.registrations);
-        if let Some((wd, _)) = regs.watches.remove(&self.key) {
-            if let Some(users) = regs.wds.get_mut(&wd) {
-                *users = users.saturating_sub(1);
+        let Some((wd, _)) = regs.watches.remove(&self.key) else {
+            return;
+        };
+        let users = regs.wds.entry(wd).or_default();
+        *users = users.saturating_sub(1);
+        if *users == 0 {
+            regs.wds.remove(&wd);
+            if let Some(inotify) = &self.reactor.inotify {
+                // Under the lock `watch_closes` adds under: nobody is handed this
+                // descriptor while it goes.
+                let _ = rustix::fs::inotify::remove_watch(inotify, wd);
             }
         }
     }
@@ -916,8 +926,8 @@ pub(crate) fn watch_closes(file: BorrowedFd<'_>) -> Option<CloseWatch> {
     let inotify = reactor.inotify.as_ref()?;
     let shared = Arc::new(WatchShared::default());
     let key = {
-        // Under the lock the reactor thread removes unused watches under: a watch
-        // descriptor the kernel hands back here is not removed meanwhile.
+        // Under the lock a last watch's drop removes its descriptor under: one the
+        // kernel hands back here is not removed meanwhile.
         let mut regs = lock(&reactor.registrations);
         let wd = rustix::fs::inotify::add_watch(
             inotify,
@@ -936,6 +946,7 @@ pub(crate) fn watch_closes(file: BorrowedFd<'_>) -> Option<CloseWatch> {
         reactor,
         key,
         shared,
+        generation: super::process::fork_generation(),
     })
 }
 
