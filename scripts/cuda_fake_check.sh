@@ -12,7 +12,7 @@ mkdir -p "$lib"
 cc -Wall -Wextra -O1 -shared -fPIC -o "$lib/libcuda.so.1" scripts/fake_libcuda.c
 ln -sf libcuda.so.1 "$lib/libcuda.so"
 LD_LIBRARY_PATH="$PWD/$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
-  cargo test -p multiproc --features cuda --test cuda_tensors --test cuda_sharing --test cuda_loader \
+  cargo test -p multiproc --features cuda,async --test cuda_tensors --test cuda_sharing --test cuda_loader --test cuda_async \
   -- --include-ignored \
   --skip write_cuda_inputs_into_the_corpus \
   --test-threads 1

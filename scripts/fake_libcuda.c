@@ -38,6 +38,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -553,6 +554,49 @@ int cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t n, void *strea
     }
     s->ops[s->len++] = (Copy){dst, src, n};
     pthread_mutex_unlock(&stream_lock);
+    return SUCCESS;
+}
+
+/* A stream callback runs on a thread of the stand-in's own, as the driver's do: 10 ms
+ * later (so a caller that awaits it really waits), after running the
+ * stream's queued copies (all of them, as cuEventSynchronize does). It is called
+ * exactly once, with CUDA_SUCCESS, also when the stream was destroyed meanwhile (its
+ * copies ran then). */
+typedef void (*StreamCallback)(void *stream, int status, void *user);
+
+typedef struct {
+    Stream *stream;
+    StreamCallback callback;
+    void *user;
+} PendingCallback;
+
+static void *run_callback(void *arg) {
+    PendingCallback *c = arg;
+    struct timespec later = {0, 10 * 1000000};
+    nanosleep(&later, NULL);
+    pthread_mutex_lock(&stream_lock);
+    if (known_stream(c->stream)) flush_locked(c->stream);
+    pthread_mutex_unlock(&stream_lock);
+    c->callback(c->stream, SUCCESS, c->user);
+    free(c);
+    return NULL;
+}
+
+int cuStreamAddCallback(void *stream, StreamCallback callback, void *user, unsigned flags) {
+    if (!callback || flags != 0) return INVALID_VALUE;
+    pthread_mutex_lock(&stream_lock);
+    int known = stream && known_stream(stream);
+    pthread_mutex_unlock(&stream_lock);
+    if (!known) return INVALID_HANDLE;
+    PendingCallback *c = malloc(sizeof *c);
+    if (!c) return OUT_OF_MEMORY;
+    *c = (PendingCallback){stream, callback, user};
+    pthread_t thread;
+    if (pthread_create(&thread, NULL, run_callback, c) != 0) {
+        free(c);
+        return OUT_OF_MEMORY;
+    }
+    pthread_detach(thread);
     return SUCCESS;
 }
 

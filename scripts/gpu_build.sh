@@ -17,8 +17,8 @@ mkdir -p "$out"
 # Every test target of tests/cuda_*.rs, as cuda_tests/<target>: scripts/gpu_check.sh runs
 # them all.
 cuda_targets=$(cd crates/multiproc/tests && ls cuda_*.rs | sed 's/\.rs$//')
-echo "== test binaries ($(echo $cuda_targets | tr ' ' ','), --features cuda)"
-tests=$(cargo test -p multiproc --features cuda $(printf -- '--test %s ' $cuda_targets) --no-run \
+echo "== test binaries ($(echo $cuda_targets | tr ' ' ','), --features cuda,async)"
+tests=$(cargo test -p multiproc --features cuda,async $(printf -- '--test %s ' $cuda_targets) --no-run \
   --message-format=json | python3 -c '
 import json, sys
 for line in sys.stdin:

@@ -345,7 +345,9 @@
 //! (same order, failures naming the worker, timeout), parking on the workers' results
 //! queue (and its busy workers' pidfds, so a worker killed without a reply wakes it at
 //! once) instead of blocking a thread; the loader's timeout wakes it at its deadline.
-//! See `data::EpochStream` for what it refuses (`prefetch_to`).
+//! With `prefetch_to` (feature `cuda`), the copies of the batches pulled ahead run on
+//! the device while the stream is parked, and the driver's callback wakes it when the
+//! oldest batch is on the device (see `data::EpochStream`).
 //!
 //! ```
 //! # #[cfg(feature = "async")]

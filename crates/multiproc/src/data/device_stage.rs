@@ -17,6 +17,8 @@
 //! Without the `cuda` feature the builder refuses both options, so no stage exists.
 
 use std::collections::VecDeque;
+#[cfg(feature = "async")]
+use std::task::Poll;
 
 use super::options::Options;
 use super::tensors::VisitTensors;
@@ -48,6 +50,17 @@ pub(super) struct Pending<B> {
 }
 
 impl<B> Pending<B> {
+    /// `Ready` once the batch's copies are done (see [`InFlight::poll_done`]).
+    #[cfg(feature = "async")]
+    fn poll_done(&self, cx: &mut std::task::Context<'_>) -> std::task::Poll<()> {
+        #[cfg(feature = "cuda")]
+        if let Some(copies) = &self.copies {
+            return copies.poll_done(cx);
+        }
+        let _ = cx;
+        std::task::Poll::Ready(())
+    }
+
     /// The batch, once its copies are complete.
     fn finish(self) -> Result<B> {
         #[cfg(feature = "cuda")]
@@ -169,19 +182,29 @@ impl<B> DeviceStage<B> {
         Ok(())
     }
 
-    /// Starts copying `batch` to the device (its host blocks pinned first).
-    fn start(&self, batch: B) -> Result<Pending<B>> {
+    /// Starts copying `batch` to the device (its host blocks pinned first); `awaited`
+    /// for a stream, which is told when the copies are done instead of blocking.
+    fn start(&self, batch: B, awaited: bool) -> Result<Pending<B>> {
         #[cfg(feature = "cuda")]
         {
             let mut batch = batch;
             let copies = match &self.copier {
-                Some(copier) => Some(copier.start(|f| (self.visit)(&mut batch, f))?),
+                Some(copier) => Some(copier.start(|f| (self.visit)(&mut batch, f), awaited)?),
                 None => None,
             };
             Ok(Pending { copies, batch })
         }
         #[cfg(not(feature = "cuda"))]
-        Ok(Pending { batch })
+        {
+            let _ = awaited;
+            Ok(Pending { batch })
+        }
+    }
+
+    /// Whether another batch may be pulled ahead: fewer than `ahead` are in flight
+    /// behind the next one handed over, and none of them is an error.
+    fn wants_more(&self, staged: &Staged<B>) -> bool {
+        staged.len() <= self.ahead && !staged.back().is_some_and(|(_, r)| r.is_err())
     }
 
     /// The next batch to hand over: pulls batches with `pull` (its number and the
@@ -193,13 +216,50 @@ impl<B> DeviceStage<B> {
         staged: &mut Staged<B>,
         mut pull: impl FnMut() -> Option<(Option<usize>, Result<B>)>,
     ) -> Option<(Option<usize>, Result<B>)> {
-        while staged.len() <= self.ahead && !staged.back().is_some_and(|(_, r)| r.is_err()) {
+        while self.wants_more(staged) {
             let Some((number, batch)) = pull() else {
                 break;
             };
-            staged.push_back((number, batch.and_then(|b| self.start(b))));
+            staged.push_back((number, batch.and_then(|b| self.start(b, false))));
         }
         let (number, pending) = staged.pop_front()?;
         Some((number, pending.and_then(Pending::finish)))
+    }
+
+    /// [`next`](Self::next) for a stream: `pull` is polled (`Pending` while the
+    /// workers have nothing: `cx` is woken by them), and the oldest batch's copies are
+    /// awaited (`cx` is woken by the driver), so no thread waits on either. A batch
+    /// whose copies are done is handed over even while `pull` is pending.
+    #[cfg(feature = "async")]
+    pub(super) fn poll_next(
+        &self,
+        staged: &mut Staged<B>,
+        cx: &mut std::task::Context<'_>,
+        mut pull: impl FnMut(&mut std::task::Context<'_>) -> Poll<Option<(Option<usize>, Result<B>)>>,
+    ) -> Poll<Option<(Option<usize>, Result<B>)>> {
+        let mut waiting = false;
+        while self.wants_more(staged) {
+            match pull(cx) {
+                Poll::Ready(Some((number, batch))) => {
+                    staged.push_back((number, batch.and_then(|b| self.start(b, true))));
+                }
+                Poll::Ready(None) => break,
+                Poll::Pending => {
+                    waiting = true;
+                    break;
+                }
+            }
+        }
+        match staged.front() {
+            None if waiting => return Poll::Pending,
+            None => return Poll::Ready(None),
+            Some((_, Ok(front))) if front.poll_done(cx).is_pending() => return Poll::Pending,
+            Some(_) => {}
+        }
+        Poll::Ready(
+            staged
+                .pop_front()
+                .map(|(number, pending)| (number, pending.and_then(Pending::finish))),
+        )
     }
 }

@@ -417,6 +417,15 @@ where
             Some((self.last_pulled.take(), batch))
         });
         self.staged = staged;
+        self.hand_over(next)
+    }
+
+    /// A batch the stage hands over, counted as yielded; its error (a failed copy)
+    /// ends the epoch like a worker's.
+    fn hand_over(
+        &mut self,
+        next: Option<(Option<usize>, Result<C::Batch>)>,
+    ) -> Option<Result<C::Batch>> {
         match next? {
             (number, Ok(batch)) => {
                 if let (Some(b), Some(p)) = (number, self.loader.progress.as_mut()) {
@@ -660,7 +669,7 @@ mod stream {
     use crate::data::collate::Collate;
     use crate::data::dataset::Dataset;
     use crate::data::worker_set::WorkerSet;
-    use crate::error::{Error, Result};
+    use crate::error::Result;
     use crate::sys::reactor::Parked;
 
     /// One epoch of a [`DataLoader`] as a [`futures_core::Stream`] of
@@ -676,9 +685,12 @@ mod stream {
     ///   stream at its deadline, as the iterator gives up at it.
     /// - With `num_workers(0)` batches are loaded in `poll_next` itself, on the
     ///   executor's thread, as the iterator loads them in `next`.
-    /// - `pin_memory` is applied as by the iterator; `prefetch_to` (copies ahead on a
-    ///   device stream) is not supported: the stream's first item is an
-    ///   [`Error::InvalidArgument`] saying so, and the epoch ends.
+    /// - `pin_memory` and `prefetch_to` are applied as by the iterator. With
+    ///   `prefetch_to`, the copies of the batches pulled ahead run on the device while
+    ///   the stream is parked, and the driver wakes it when the oldest batch's copies
+    ///   are done (no thread waits on them); a batch is handed over complete on the
+    ///   device. Dropping the stream with copies in flight waits for those copies (they
+    ///   read the batches' host memory), as dropping the iterator does.
     /// - Cancel-safe: dropping the stream (mid-epoch, or while a poll is pending) is
     ///   dropping the `Epoch`: its workers stop unless persistent, and a later epoch
     ///   starts afresh. A batch that arrived and was not yet yielded is dropped with it.
@@ -744,19 +756,23 @@ mod stream {
             let start = *this.since.get_or_insert_with(Instant::now);
             let epoch = &mut this.epoch;
             let stage = epoch.stage.clone();
-            let next = if stage.as_ref().is_some_and(|s| s.ahead() > 0) {
-                if epoch.finished {
-                    None
-                } else {
-                    epoch.fail(Error::InvalidArgument(
-                        "data loader: prefetch_to (copies ahead on a device stream) is not \
-                         supported by the async stream; use the Epoch iterator, or \
-                         pin_memory alone"
-                            .into(),
-                    ))
+            let parked = &mut this.parked;
+            let next = if let Some(stage) = stage.as_ref().filter(|s| s.ahead() > 0) {
+                let mut staged = std::mem::take(&mut epoch.staged);
+                let next = stage.poll_next(&mut staged, cx, |cx| {
+                    let mut wait = |set: &mut WorkerSet<C::Batch>, run, deadline| {
+                        set.poll_wait(cx, parked, run, deadline)
+                    };
+                    epoch
+                        .next_inner(&mut wait)
+                        .map(|next| Some((epoch.last_pulled.take(), next?)))
+                });
+                epoch.staged = staged;
+                match next {
+                    Poll::Ready(next) => epoch.hand_over(next),
+                    Poll::Pending => return Poll::Pending,
                 }
             } else {
-                let parked = &mut this.parked;
                 let mut wait = |set: &mut WorkerSet<C::Batch>, run, deadline| {
                     set.poll_wait(cx, parked, run, deadline)
                 };

@@ -71,6 +71,7 @@ const SYMBOLS: &[&str] = &[
     "cuEventRecord",
     "cuEventSynchronize",
     "cuEventDestroy_v2",
+    "cuStreamAddCallback",
 ];
 
 /// `cuMemHostRegister` calls that succeeded in this process, and registrations undone
@@ -393,6 +394,32 @@ impl Transfer {
         Ok(())
     }
 
+    /// A [`Landing`] the driver sets once the copies issued so far are complete (or
+    /// the context failed: [`wait`](Self::wait) then says why), from a thread of its
+    /// own (`cuStreamAddCallback`, which, unlike `cuLaunchHostFunc`, is called on a
+    /// device error too, so an awaited transfer cannot wait forever).
+    pub(crate) fn landing(&mut self) -> Result<std::sync::Arc<Landing>> {
+        driver()?.bind(self.stream.device)?;
+        let landing = std::sync::Arc::new(Landing::default());
+        let user = std::sync::Arc::into_raw(std::sync::Arc::clone(&landing));
+        // SAFETY: a live stream of this context; `landed` takes back the reference
+        // `user` carries, and the driver calls it exactly once (on success or error).
+        let r = unsafe {
+            sys::cuStreamAddCallback(
+                self.stream.raw as sys::CUstream,
+                Some(landed),
+                user.cast_mut().cast(),
+                0,
+            )
+        };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            // SAFETY: the driver refused the callback, so the reference is still ours.
+            drop(unsafe { std::sync::Arc::from_raw(user) });
+        }
+        check(r, || "cuStreamAddCallback".into())?;
+        Ok(landing)
+    }
+
     /// Waits until every copy issued is complete, then lets go of their host bytes.
     pub(crate) fn wait(&mut self) -> Result<()> {
         if self.held.is_empty() {
@@ -409,6 +436,50 @@ impl Transfer {
         check(r, || "waiting for host-to-device copies".into())?;
         self.held.clear();
         Ok(())
+    }
+}
+
+/// Whether the copies a [`Transfer::landing`] followed are complete, and who to wake
+/// when they are: what an awaited transfer parks on instead of blocking its thread.
+#[derive(Default)]
+pub(crate) struct Landing {
+    done: AtomicBool,
+    waker: std::sync::Mutex<Option<std::task::Waker>>,
+}
+
+impl Landing {
+    /// `Ready` once the driver has called back; until then `cx`'s waker is kept and
+    /// woken from the driver's thread.
+    pub(crate) fn poll(&self, cx: &mut std::task::Context<'_>) -> std::task::Poll<()> {
+        if self.done.load(Ordering::Acquire) {
+            return std::task::Poll::Ready(());
+        }
+        *self.waker_slot() = Some(cx.waker().clone());
+        // Checked again under the waker's registration: a callback between the load
+        // above and the store found no waker to wake.
+        if self.done.load(Ordering::Acquire) {
+            return std::task::Poll::Ready(());
+        }
+        std::task::Poll::Pending
+    }
+
+    fn waker_slot(&self) -> std::sync::MutexGuard<'_, Option<std::task::Waker>> {
+        self.waker
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+/// The driver's callback after a transfer's copies (`Transfer::landing`). It makes no
+/// CUDA call (the driver forbids it) and blocks the stream only for the wake-up.
+unsafe extern "C" fn landed(_stream: sys::CUstream, _status: sys::CUresult, user: *mut c_void) {
+    // SAFETY: `user` is the reference `Transfer::landing` gave up for this one call.
+    let landing = unsafe { std::sync::Arc::from_raw(user.cast_const().cast::<Landing>()) };
+    landing.done.store(true, Ordering::Release);
+    let waker = landing.waker_slot().take();
+    if let Some(waker) = waker {
+        // An executor's wake that panics must not unwind into the driver's thread.
+        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| waker.wake()));
     }
 }
 

@@ -7,14 +7,16 @@
 //! `tensor::storage::pinned`); a tensor in private memory is first moved into shared
 //! memory, as `share_memory_` does. A copy to the device is issued on a stream of the
 //! copier's own that does not wait for the default stream, from the held host bytes,
-//! into a fresh contiguous CUDA tensor; [`InFlight::wait`] returns once it is complete.
+//! into a fresh contiguous CUDA tensor; [`InFlight::wait`] returns once it is complete,
+//! and [`InFlight::poll_done`] (for copies started `awaited`) says so without blocking.
 
 use std::sync::Arc;
+use std::task::{Context, Poll};
 
 use super::Tensor;
 use crate::cuda::Device;
 use crate::error::Result;
-use crate::sys::cuda_driver::{self as driver, Stream, Transfer};
+use crate::sys::cuda_driver::{self as driver, Landing, Stream, Transfer};
 
 /// Page-locks the host bytes of `t` for every CUDA context of this process (registered
 /// with `device`'s context current), once per shared segment. A tensor in private
@@ -42,12 +44,27 @@ pub(crate) struct Copier {
 
 /// Copies issued by a [`Copier`]: complete once [`wait`](Self::wait) returns (or the
 /// value is dropped, which waits too). Holds the host bytes until then.
-pub(crate) struct InFlight(Transfer);
+pub(crate) struct InFlight {
+    transfer: Transfer,
+    /// Set by the driver when the copies are done (copies started `awaited`).
+    landing: Option<Arc<Landing>>,
+}
 
 impl InFlight {
-    /// Waits until every copy is complete.
+    /// Waits until every copy is complete (at once, for copies `poll_done` saw done),
+    /// and says whether they all succeeded.
     pub(crate) fn wait(mut self) -> Result<()> {
-        self.0.wait()
+        self.transfer.wait()
+    }
+
+    /// `Ready` once the copies are done (then [`wait`](Self::wait) does not block);
+    /// until then `cx` is woken by the driver when they are. Always `Ready` for copies
+    /// not started `awaited`.
+    pub(crate) fn poll_done(&self, cx: &mut Context<'_>) -> Poll<()> {
+        match &self.landing {
+            Some(landing) => landing.poll(cx),
+            None => Poll::Ready(()),
+        }
     }
 }
 
@@ -68,7 +85,8 @@ impl Copier {
     /// Replaces each tensor `visit` hands over with its copy on the device: host
     /// tensors are pinned ([`pin`]) and copied on the copier's stream; tensors already
     /// on the device stay; tensors on another device are copied there (waited for).
-    /// The copies are complete once the returned [`InFlight`] is waited for.
+    /// The copies are complete once the returned [`InFlight`] is waited for; with
+    /// `awaited`, the driver also tells it when they are ([`InFlight::poll_done`]).
     ///
     /// # Errors
     /// As [`pin`], out of device memory, or what the driver says; the copies issued
@@ -76,6 +94,7 @@ impl Copier {
     pub(crate) fn start(
         &self,
         visit: impl FnOnce(&mut dyn FnMut(&mut Tensor) -> Result<()>) -> Result<()>,
+        awaited: bool,
     ) -> Result<InFlight> {
         let d = driver::driver()?;
         let mut transfer = d.transfer(&self.stream)?;
@@ -110,6 +129,11 @@ impl Copier {
             Ok(())
         })?;
         transfer.record()?;
-        Ok(InFlight(transfer))
+        let landing = if awaited {
+            Some(transfer.landing()?)
+        } else {
+            None
+        };
+        Ok(InFlight { transfer, landing })
     }
 }

@@ -1,0 +1,275 @@
+//! A data loader's stream with `prefetch_to` (features `cuda` and `async`): the copies
+//! of the batches pulled ahead run on the device while the stream is parked, and the
+//! driver's stream callback wakes it when the oldest batch is on the device.
+//!
+//! - the stream yields the iterator's batches, on the device, in order, counting in
+//!   the state only the batches handed over, over two epochs;
+//! - a stream whose only wake-up can come from the driver (no workers: batches are
+//!   loaded in `poll_next` itself) parks on the copies and is woken when they are done;
+//! - a stream dropped with copies in flight leaves nothing behind on the device, and
+//!   the next epoch is whole.
+//!
+//! The tests are `#[ignore = "needs a CUDA device"]`: `scripts/gpu_check.sh` runs them
+//! on a GPU, and `scripts/cuda_fake_check.sh` against the stand-in libcuda (whose
+//! stream callbacks run on a thread of their own 10 ms later, as the driver's
+//! do). Every test runs under `common::run` (a deadline, and /dev/shm, fd and child
+//! counts unchanged at its end).
+
+multiproc::test_init!();
+
+mod common;
+
+use std::future::poll_fn;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::task::{Context, Poll, Wake, Waker};
+use std::time::{Duration, Instant};
+
+use common::cuda::*;
+use futures_core::Stream;
+use multiproc::data::{DataLoader, DataLoaderBuilder, Dataset};
+use multiproc::{DType, Device, Tensor, cuda};
+
+/// Sample `i` is `width` elements equal to `i`, labelled `i`.
+#[derive(Clone, serde::Serialize, serde::Deserialize)]
+struct Ramp {
+    n: usize,
+    width: usize,
+}
+
+impl Dataset for Ramp {
+    type Item = (Tensor, i64);
+
+    fn len(&self) -> usize {
+        self.n
+    }
+
+    fn get(&self, i: usize) -> multiproc::Result<(Tensor, i64)> {
+        Ok((Tensor::full(&[self.width], i as f64, DType::F32)?, i as i64))
+    }
+}
+
+/// How long one awaited batch may take before the test fails.
+const WAIT: Duration = Duration::from_secs(30);
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// The next item of `stream`, within `WAIT`.
+async fn next<S: Stream + Unpin>(stream: &mut S) -> Option<S::Item> {
+    tokio::time::timeout(WAIT, poll_fn(|cx| Pin::new(&mut *stream).poll_next(cx)))
+        .await
+        .expect("a batch within the wait")
+}
+
+/// Checks batch `(x, y)` (on the device) is the CPU batch `(wx, wy)`.
+fn same_batch(got: &(Tensor, Tensor), want: &(Tensor, Tensor), what: &str) {
+    let ((x, y), (wx, wy)) = (got, want);
+    assert_eq!(
+        (x.device(), y.device()),
+        (GPU, GPU),
+        "{what} is on the device"
+    );
+    assert_eq!((x.shape(), y.shape()), (wx.shape(), wy.shape()), "{what}");
+    let (hx, hy) = (x.to(Device::Cpu).unwrap(), y.to(Device::Cpu).unwrap());
+    assert_eq!(
+        hx.to_vec::<f32>().unwrap(),
+        wx.to_vec::<f32>().unwrap(),
+        "x of {what}"
+    );
+    assert_eq!(
+        hy.to_vec::<i64>().unwrap(),
+        wy.to_vec::<i64>().unwrap(),
+        "y of {what}"
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_prefetching_stream_yields_the_iterators_batches_on_the_device_in_order() {
+    warm_up_cuda();
+    common::async_rt::warm_up();
+    common::run(DEADLINE, || {
+        let data = Ramp { n: 90, width: 3000 };
+        let build =
+            |b: DataLoaderBuilder<Ramp>| b.batch_size(6).shuffle(7).num_workers(2).build().unwrap();
+        let mut cpu = build(DataLoader::builder(data.clone()));
+        let mut gpu = build(DataLoader::builder(data).prefetch_to(GPU, 3));
+        runtime().block_on(async {
+            for epoch in 0..2 {
+                let mut stream = gpu.stream();
+                let mut n = 0;
+                for (b, want) in cpu.iter().enumerate() {
+                    let got = next(&mut stream).await.expect("as many batches").unwrap();
+                    same_batch(&got, &want.unwrap(), &format!("batch {b} of epoch {epoch}"));
+                    // Batches pulled ahead are not counted as yielded.
+                    if b + 1 < 15 {
+                        assert_eq!(
+                            stream.epoch().state_dict().position(),
+                            Some((b + 1) * 6),
+                            "state after batch {b}"
+                        );
+                    }
+                    n += 1;
+                }
+                assert_eq!(n, 15);
+                assert!(next(&mut stream).await.is_none(), "no batch past the end");
+            }
+        });
+    });
+}
+
+/// A waker that counts its wake-ups and unparks the polling thread.
+struct Unpark {
+    woken: AtomicUsize,
+    thread: std::thread::Thread,
+}
+
+impl Wake for Unpark {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.woken.fetch_add(1, Ordering::SeqCst);
+        self.thread.unpark();
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_stream_parks_on_the_copies_and_the_driver_wakes_it() {
+    warm_up_cuda();
+    common::run(DEADLINE, || {
+        let (n, width, batch) = (24, 256, 4);
+        // No workers: every batch is loaded in poll_next, so a Pending can only be the
+        // copies', and only the driver's callback can wake the stream again.
+        let mut loader = DataLoader::builder(Ramp { n, width })
+            .batch_size(batch)
+            .prefetch_to(GPU, 2)
+            .build()
+            .unwrap();
+        let waker = Arc::new(Unpark {
+            woken: AtomicUsize::new(0),
+            thread: std::thread::current(),
+        });
+        let w = Waker::from(Arc::clone(&waker));
+        let mut cx = Context::from_waker(&w);
+        let mut stream = loader.stream();
+        let (mut pending, mut got) = (0, 0);
+        let deadline = Instant::now() + WAIT;
+        loop {
+            let woken = waker.woken.load(Ordering::SeqCst);
+            match Pin::new(&mut stream).poll_next(&mut cx) {
+                Poll::Ready(None) => break,
+                Poll::Ready(Some(b)) => {
+                    let (x, y) = b.unwrap();
+                    assert_eq!(x.device(), GPU);
+                    check_ramp(&x, &y, got * batch, batch, width);
+                    got += 1;
+                }
+                Poll::Pending => {
+                    pending += 1;
+                    // Parked: only a wake-up lets it go on.
+                    while waker.woken.load(Ordering::SeqCst) == woken {
+                        assert!(
+                            Instant::now() < deadline,
+                            "a stream parked on its copies was never woken ({got} batches in)"
+                        );
+                        std::thread::park_timeout(Duration::from_millis(100));
+                    }
+                }
+            }
+        }
+        assert_eq!(got, n / batch);
+        eprintln!("{got} batches, {pending} polls parked on copies");
+        if fake_driver() {
+            // The stand-in runs a stream's copies only in its callback, 10 ms
+            // after it is queued: the first batch cannot be ready at the first poll.
+            assert!(pending > 0, "the stream never parked on its copies");
+        }
+    });
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_stream_dropped_with_copies_in_flight_leaks_nothing() {
+    warm_up_cuda();
+    common::async_rt::warm_up();
+    common::run(DEADLINE, || {
+        cuda::empty_cache();
+        let free_before = free_device_memory();
+        let width = 1 << 16;
+        let mut loader = DataLoader::builder(Ramp { n: 64, width })
+            .batch_size(4)
+            .num_workers(2)
+            .prefetch_to(GPU, 4)
+            .build()
+            .unwrap();
+        runtime().block_on(async {
+            let mut stream = loader.stream();
+            let (x, y) = next(&mut stream).await.unwrap().unwrap();
+            check_ramp(&x, &y, 0, 4, width);
+            // The next poll pulls more batches and issues their copies; it may park.
+            let more = poll_fn(|cx| Poll::Ready(Pin::new(&mut stream).poll_next(cx))).await;
+            drop(more);
+            drop(stream); // batches staged, their copies issued
+            drop((x, y));
+            // The next epoch starts where it should and is correct: the dropped
+            // stream's copies did not land in memory it handed back.
+            let mut stream = loader.stream();
+            let (x, y) = next(&mut stream).await.unwrap().unwrap();
+            check_ramp(&x, &y, 0, 4, width);
+        });
+        drop(loader);
+        cuda::empty_cache();
+        // Every staged batch's device memory came back once its copy was done.
+        let slack = 16 * MIB;
+        let until = Instant::now() + Duration::from_secs(10);
+        let mut free = free_device_memory();
+        while free + slack < free_before && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(10));
+            free = free_device_memory();
+        }
+        assert!(
+            free + slack >= free_before,
+            "device memory free {free} after the loader, {free_before} before"
+        );
+    });
+}
+
+/// Checks batch `(x, y)` of `rows` samples of `len` elements is samples `first..`.
+fn check_ramp(x: &Tensor, y: &Tensor, first: usize, rows: usize, len: usize) {
+    assert_eq!(x.shape(), [rows, len]);
+    let xs = x.to(Device::Cpu).unwrap().to_vec::<f32>().unwrap();
+    let ys = y.to(Device::Cpu).unwrap().to_vec::<i64>().unwrap();
+    for r in 0..rows {
+        let want = (first + r) as f32;
+        assert_eq!(ys[r], want as i64, "label of row {r}");
+        assert!(
+            xs[r * len..(r + 1) * len].iter().all(|&v| v == want),
+            "row {r} of the batch from sample {first} is not all {want}"
+        );
+    }
+}
+
+/// Whether the loaded libcuda is the stand-in (scripts/fake_libcuda.c), which defines
+/// a symbol the real driver lacks.
+fn fake_driver() -> bool {
+    // SAFETY: RTLD_NOLOAD only finds a library already loaded (by the driver loader);
+    // the handle is closed below.
+    let lib = unsafe { libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD) };
+    if lib.is_null() {
+        return false;
+    }
+    // SAFETY: a live handle; looking a symbol up calls nothing.
+    let fake = !unsafe { libc::dlsym(lib, c"fake_cuda_host_counts".as_ptr()) }.is_null();
+    // SAFETY: the handle from dlopen above, closed once.
+    unsafe { libc::dlclose(lib) };
+    fake
+}
