@@ -450,6 +450,7 @@ pub(crate) struct Landing {
 impl Landing {
     /// `Ready` once the driver has called back; until then `cx`'s waker is kept and
     /// woken from the driver's thread.
+    #[cfg(feature = "async")]
     pub(crate) fn poll(&self, cx: &mut std::task::Context<'_>) -> std::task::Poll<()> {
         if self.done.load(Ordering::Acquire) {
             return std::task::Poll::Ready(());

@@ -11,6 +11,7 @@
 //! and [`InFlight::poll_done`] (for copies started `awaited`) says so without blocking.
 
 use std::sync::Arc;
+#[cfg(feature = "async")]
 use std::task::{Context, Poll};
 
 use super::Tensor;
@@ -46,7 +47,9 @@ pub(crate) struct Copier {
 /// value is dropped, which waits too). Holds the host bytes until then.
 pub(crate) struct InFlight {
     transfer: Transfer,
-    /// Set by the driver when the copies are done (copies started `awaited`).
+    /// Set by the driver when the copies are done (copies started `awaited`, which
+    /// only a stream does: feature `async`).
+    #[cfg_attr(not(feature = "async"), allow(dead_code))]
     landing: Option<Arc<Landing>>,
 }
 
@@ -60,6 +63,7 @@ impl InFlight {
     /// `Ready` once the copies are done (then [`wait`](Self::wait) does not block);
     /// until then `cx` is woken by the driver when they are. Always `Ready` for copies
     /// not started `awaited`.
+    #[cfg(feature = "async")]
     pub(crate) fn poll_done(&self, cx: &mut Context<'_>) -> Poll<()> {
         match &self.landing {
             Some(landing) => landing.poll(cx),
