@@ -68,6 +68,22 @@ pub fn parked_word_waits() -> usize {
     crate::sys::reactor::word_registrations()
 }
 
+/// How many times this process's async reactor threads have woken (from `futex_waitv`
+/// or `poll`) since it started: 0 over a window in which every awaited wait stayed
+/// parked means idle waits cost no timer.
+#[cfg(feature = "async")]
+pub fn reactor_wake_ups() -> u64 {
+    crate::sys::reactor::wake_ups()
+}
+
+/// Whether the word reactor threads have taken in every registration made so far (each
+/// sleeps on its current set): a test waits for this before it counts
+/// [`reactor_wake_ups`], so that a reactor still catching up is not counted.
+#[cfg(feature = "async")]
+pub fn reactors_settled() -> bool {
+    crate::sys::reactor::words_settled()
+}
+
 /// How many awaited waits are parked on an fd (a full socket, a pidfd, a pipe) in this
 /// process.
 #[cfg(feature = "async")]

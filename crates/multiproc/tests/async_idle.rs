@@ -29,7 +29,7 @@ fn a_hundred_idle_awaiting_tasks_cost_no_cpu() {
         let queues: Vec<SimpleQueue<u32>> =
             (0..TASKS).map(|_| SimpleQueue::new().unwrap()).collect();
         let rt = runtime();
-        let (used, parked_all) = rt.block_on(async {
+        let (used, parked_all, woke) = rt.block_on(async {
             let tasks: Vec<_> = queues
                 .iter()
                 .map(|q| {
@@ -45,9 +45,16 @@ fn a_hundred_idle_awaiting_tasks_cost_no_cpu() {
                 assert!(parking.elapsed() < WAIT, "the tasks did not all park");
                 tokio::task::yield_now().await;
             }
+            // And the reactor has taken them all in (it is not still catching up).
+            while !multiproc::__testing::reactors_settled() {
+                assert!(parking.elapsed() < WAIT, "the reactor never settled");
+                tokio::task::yield_now().await;
+            }
             let before = cpu_time();
+            let wake_ups = multiproc::__testing::reactor_wake_ups();
             tokio::time::sleep(WINDOW).await;
             let used = cpu_time() - before;
+            let woke = multiproc::__testing::reactor_wake_ups() - wake_ups;
             let parked_all = tasks.iter().all(|t| !t.is_finished());
             // And they were waiting, not dead: each takes its item.
             for (i, q) in queues.iter().enumerate() {
@@ -61,12 +68,20 @@ fn a_hundred_idle_awaiting_tasks_cost_no_cpu() {
                     .unwrap();
                 assert_eq!(got, i as u32);
             }
-            (used, parked_all)
+            (used, parked_all, woke)
         });
         drop(rt);
-        eprintln!("idle: {TASKS} tasks parked on empty queues for {WINDOW:?} used {used:?} of CPU");
+        eprintln!(
+            "idle: {TASKS} tasks parked on empty queues for {WINDOW:?} used {used:?} of CPU; \
+             the reactor threads woke {woke} times"
+        );
         assert!(parked_all, "a task returned from a get on an empty queue");
-        // One re-check per second per parked get (see sys::reactor), nothing else.
+        // No timer: nothing changed, so nothing woke (a re-check would be one wake-up a
+        // second).
+        assert_eq!(
+            woke, 0,
+            "the reactor threads woke while every get was parked"
+        );
         assert!(
             used < Duration::from_millis(50),
             "idle tasks used {used:?} of CPU"

@@ -4,7 +4,9 @@
 //!   producer processes put; every item arrives exactly once, and a bounded queue's
 //!   places all come back (a `put_async` parked on the full queue included);
 //! - `Disconnected` reaches an awaiting task when the only producer exits, and when it
-//!   is SIGKILLed: within 100 ms either way (a `Queue` and a `SimpleQueue`).
+//!   is SIGKILLed: within 100 ms either way (a `Queue` and a `SimpleQueue`);
+//! - a message kept back because two processes stopped inside the queue's custody
+//!   reaches a parked get once they resume (its one re-check of an idle queue).
 //!
 //! Idle CPU is tests/async_idle.rs (a process of its own, so that nothing else runs
 //! while it reads the process's CPU time). Events, joins, pipes, joinable queues, process contexts and the reactor threads are
@@ -24,7 +26,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use common::async_rt::*;
-use multiproc::{Event, Process, Queue, SimpleQueue, StartMethod, start_processes};
+use multiproc::{DType, Event, Process, Queue, SimpleQueue, StartMethod, Tensor, start_processes};
 
 fn checksum(rank: u32, i: u32) -> u64 {
     (u64::from(rank) << 32 | u64::from(i)).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0xA5A5
@@ -436,5 +438,85 @@ fn a_fork_child_that_drops_an_inherited_queue_leaves_the_parents_holder_watch() 
             killing_the_holder_ends_a_parked_get(q, &mut holder).await;
         });
         drop(rt);
+    });
+}
+
+/// Puts one fresh tensor (its block goes into the queue's custody, where a receiver
+/// that does not map it must look it up) and exits.
+fn put_a_tensor(_rank: usize, q: Queue<Tensor>) -> multiproc::Result<()> {
+    q.put(Tensor::full(&[1 << 12], 7.0, DType::F32)?)?;
+    Ok(())
+}
+
+/// Stops inside the lock of one shelf of the queue's custody (see
+/// `common::stopping`); once continued, lets go of it and stays, holding the queue,
+/// until `leave` is set (so that no holder's end wakes anyone meanwhile).
+fn stop_in_the_custody_then_stay(
+    rank: usize,
+    (q, shelf, holding, leave): (Queue<Tensor>, usize, Event, Event),
+) -> multiproc::Result<()> {
+    common::stopping::stop_inside_the_custody_lock(rank, (q.clone(), shelf, holding))?;
+    leave.wait_timeout(WAIT)?;
+    Ok(())
+}
+
+/// A message whose decode finds both shelves of the custody taken (each by a process
+/// stopped inside it) is kept back, and its holders let go of the shelves without a
+/// wake-up: the parked get must look again by itself (the one case of an idle queue
+/// where it re-checks), so it returns once they are continued, while they still hold
+/// the queue.
+#[test]
+fn an_awaited_get_whose_message_a_stopped_custody_kept_back_returns_once_it_resumes() {
+    use common::stopping::continue_process;
+    warm_up();
+    common::run(DEADLINE, || {
+        let q = Queue::<Tensor>::new().unwrap();
+        let leave = Event::new().unwrap();
+        let mut holders: Vec<(Process, Event)> = (0..2)
+            .map(|shelf| {
+                let holding = Event::new().unwrap();
+                let p = Process::builder(
+                    stop_in_the_custody_then_stay,
+                    0,
+                    (q.clone(), shelf, holding.clone(), leave.clone()),
+                )
+                .start()
+                .unwrap();
+                (p, holding)
+            })
+            .collect();
+        for (_, holding) in &holders {
+            holding.wait_timeout(WAIT).unwrap();
+        }
+        let mut producer = start_processes(put_a_tensor, q.clone(), 1, StartMethod::Spawn).unwrap();
+        producer.join_timeout(WAIT).unwrap();
+        let rt = runtime();
+        let got = rt.block_on(async {
+            let base = multiproc::__testing::parked_word_waits();
+            let getter = {
+                let q = q.clone();
+                tokio::spawn(async move { q.get_async().await })
+            };
+            // Its decode gave up on the custody (both shelves held), kept the message
+            // and parked.
+            until_parked(multiproc::__testing::parked_word_waits, base + 1).await;
+            let parked_first = !getter.is_finished();
+            for (p, _) in &holders {
+                continue_process(p);
+            }
+            let got = tokio::time::timeout(Duration::from_secs(10), getter).await;
+            (parked_first, got)
+        });
+        leave.set();
+        for (p, _) in &mut holders {
+            p.join_timeout(WAIT).unwrap();
+        }
+        let (parked_first, got) = got;
+        assert!(parked_first, "the get returned while the custody was held");
+        let t = got
+            .expect("the parked get looked again once the custody was free")
+            .unwrap()
+            .unwrap();
+        assert_eq!(t.sum().unwrap(), 7.0 * 4096.0);
     });
 }

@@ -11,25 +11,14 @@ multiproc::test_init!();
 
 mod common;
 
+use common::stopping::{continue_process, is_stopped, stop_inside_the_custody_lock};
+
 use std::time::Duration;
 
 use multiproc::{DType, Event, Process, Queue, SimpleQueue, StartMethod, Tensor, start_processes};
 
 const DEADLINE: Duration = Duration::from_secs(90);
 const WAIT: Duration = Duration::from_secs(30);
-
-/// Takes the lock of one shelf of the queue's block custody and stops itself inside it
-/// until it is continued (SIGCONT), then lets go and returns.
-fn stop_inside_the_custody_lock(
-    _rank: usize,
-    (q, shelf, holding): (Queue<Tensor>, usize, Event),
-) -> multiproc::Result<()> {
-    multiproc::__testing::while_custody_locked(&q, shelf, || {
-        holding.set();
-        rustix::process::kill_process(rustix::process::getpid(), rustix::process::Signal::STOP)
-            .map_err(|e| multiproc::Error::InvalidArgument(format!("SIGSTOP to itself: {e}")))
-    })?
-}
 
 /// Puts `count` fresh tensors (their blocks go into the queue's custody, where a
 /// receiver that does not map them yet must look them up) and exits.
@@ -42,16 +31,6 @@ fn put_tensors(rank: usize, (q, count): (Queue<Tensor>, usize)) -> multiproc::Re
         )?)?;
     }
     Ok(())
-}
-
-/// Whether process `pid` is stopped (`T` in /proc/pid/stat).
-fn is_stopped(pid: u32) -> bool {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    // The state follows the command's closing parenthesis.
-    stat.rsplit(')')
-        .next()
-        .and_then(|r| r.split_whitespace().next())
-        == Some("T")
 }
 
 /// A process stopped while it holds the lock of either shelf of the custody costs the
@@ -157,28 +136,6 @@ fn put_numbers(rank: usize, (q, count): (SimpleQueue<u64>, u64)) -> multiproc::R
         q.put(rank as u64 * 1_000_000 + i)?;
     }
     Ok(())
-}
-
-/// Continues a stopped process, once it has stopped: it sets its event just before it
-/// stops itself, and a SIGCONT sent in between would be lost, leaving it stopped.
-fn continue_process(process: &Process) {
-    let pid = process.pid();
-    let deadline = std::time::Instant::now() + WAIT;
-    loop {
-        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
-        // The state follows the command's closing parenthesis: `T` when stopped.
-        let state = stat.rsplit(')').next().unwrap().split_whitespace().next();
-        if state == Some("T") {
-            break;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "process {pid} did not stop (state {state:?})"
-        );
-        std::thread::yield_now();
-    }
-    let pid = rustix::process::Pid::from_raw(pid as i32).unwrap();
-    rustix::process::kill_process(pid, rustix::process::Signal::CONT).unwrap();
 }
 
 /// Gets `count` items on a thread, each within [`WAIT`]; what came (fewer when a get

@@ -281,11 +281,17 @@ impl<B: Serialize + DeserializeOwned> WorkerSet<B> {
                 match self.wait(run, Some(now)) {
                     Ok(Some(arrival)) => Step::Done(Ok(Some(arrival))),
                     Ok(None) if deadline.is_some_and(|d| d <= now) => Step::Done(Ok(None)),
-                    Ok(None) => match self.busy_pidfds() {
-                        Ok(fds) if fds.is_empty() => Step::Word(word),
-                        Ok(fds) => Step::WordOrFds(word, fds, reactor::Ready::Readable),
-                        Err(e) => Step::Done(Err(e)),
-                    },
+                    Ok(None) => {
+                        // A worker's death wakes it through its pidfd, a reply through
+                        // the word: it looks again unwoken only while a reply is kept
+                        // back (see `Channel::needs_recheck`).
+                        word.recheck = self.results.needs_recheck();
+                        match self.busy_pidfds() {
+                            Ok(fds) if fds.is_empty() => Step::Word(word),
+                            Ok(fds) => Step::WordOrFds(word, fds, reactor::Ready::Readable),
+                            Err(e) => Step::Done(Err(e)),
+                        }
+                    }
                     Err(e) => Step::Done(Err(e)),
                 }
             },

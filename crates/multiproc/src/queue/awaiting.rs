@@ -19,10 +19,14 @@
 //! tries and checks it again once its waker is registered there, so a holder that
 //! leaves in between is seen either way.
 //!
-//! A parked get also looks again every `reactor::RECHECK` (1 s), which is when it
-//! hears of a packet that reached the socket without a `put`, and of a message kept
-//! back because the queue's custody was busy (and of a killed holder, where the kernel
-//! refused an inotify watch).
+//! Nothing else wakes a parked get: idle, it costs nothing (no timer). It looks again
+//! after `reactor::RECHECK` (1 s) only when something it waits for wakes nobody: a
+//! message this value keeps back because the queue's custody was busy (its stopped
+//! holders let go without a wake-up), or a killed holder where the kernel refused an
+//! inotify watch. A packet that reached the socket without a `put` (something other
+//! than multiproc wrote it) wakes nobody either, and is met at the get's next wake-up
+//! (the next `put`, a holder leaving), in its place in the order, as a forged ring
+//! record is.
 
 use std::future::poll_fn;
 use std::sync::Arc;
@@ -44,8 +48,8 @@ use crate::sys::reactor::{self, Parked, Ready, Step, WatchSeat, WordWait};
 /// the next item. The first try is a plain `try_get` (no system call when a message is
 /// in the ring); a get that finds nothing tries once more thoroughly before it parks
 /// (the socket whatever the lane says, other holders asked afresh), so neither
-/// `Disconnected` nor a packet written on the socket without a `put` is missed past
-/// the next re-check.
+/// `Disconnected` nor a packet written on the socket without a `put` is missed at a
+/// wake-up.
 fn get_step<'a, T>(
     wait: WordWait,
     mut try_get: impl FnMut(bool) -> Result<Option<T>>,
@@ -81,14 +85,21 @@ fn poll_get<T>(
         parked,
         rang,
         || match get_step(channel.get_wait(), &mut try_get) {
-            Step::Word(wait) => match watch {
-                Some(w) if !w.wait(seat, &waker) => match try_get(true) {
-                    Ok(Some(item)) => Step::Done(Ok(item)),
-                    Ok(None) => Step::Word(wait),
-                    Err(e) => Step::Done(Err(e)),
-                },
-                _ => Step::Word(wait),
-            },
+            Step::Word(mut wait) => {
+                // Without a watch, a killed last holder is heard of only by looking.
+                wait.recheck = watch.is_none() || channel.needs_recheck();
+                match watch {
+                    Some(w) if !w.wait(seat, &waker) => match try_get(true) {
+                        Ok(Some(item)) => Step::Done(Ok(item)),
+                        Ok(None) => {
+                            wait.recheck |= channel.needs_recheck();
+                            Step::Word(wait)
+                        }
+                        Err(e) => Step::Done(Err(e)),
+                    },
+                    _ => Step::Word(wait),
+                }
+            }
             other => other,
         },
         Err,
@@ -208,6 +219,12 @@ impl<T> SimpleQueue<T> {
     /// own tries (which also look for dead workers) and parks here in between.
     pub(crate) fn get_wait(&self) -> WordWait {
         self.channel.get_wait()
+    }
+
+    /// Whether a wait that found nothing must be re-checked (see
+    /// `Channel::needs_recheck`), asked after the tries.
+    pub(crate) fn needs_recheck(&self) -> bool {
+        self.channel.needs_recheck()
     }
 }
 

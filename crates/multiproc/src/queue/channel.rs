@@ -201,9 +201,10 @@ impl Channel {
 
     /// [`try_get`](Self::try_get), or, when `thorough`, a try that also looks at the
     /// socket whatever the lane says and asks afresh whether other holders are left:
-    /// an awaited get's last try before it parks (and so its re-check every
-    /// `reactor::RECHECK`), which is how it hears of a packet written on the socket
-    /// without a `put` and of a last other holder that was killed.
+    /// an awaited get's last try before it parks (and its re-checks, see
+    /// [`needs_recheck`](Self::needs_recheck)), which is how it hears of a packet
+    /// written on the socket without a `put` and of a last other holder that was
+    /// killed.
     pub(crate) fn try_get_as<T: DeserializeOwned>(
         &self,
         others_here: OthersHere<'_>,
@@ -347,6 +348,18 @@ impl Channel {
         self.ring.get_wait()
     }
 
+    /// Whether an awaited get that found nothing must look again after
+    /// `reactor::RECHECK` even if nothing wakes it: when this value keeps a message
+    /// back (its decode met a busy custody, whose holders wake nobody when they let
+    /// go). Asked after the get's tries.
+    #[cfg(feature = "async")]
+    pub(crate) fn needs_recheck(&self) -> bool {
+        self.pending
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .is_some()
+    }
+
     /// The watch of this value's holder lease file, whose closes (any holder leaving,
     /// a killed one included) awaited gets wait on (see `queue::awaiting`): made on
     /// first use, kept as long as the value; `None` when the kernel refused it, and in
@@ -428,8 +441,8 @@ impl Drop for Channel {
         }
         let holder = self.holder.as_fd();
         let released = lease::release_peer(holder).is_ok();
-        // Getters that wait (awaited ones above all, which otherwise hear of it only
-        // at their next re-check) ask again whether anybody is left.
+        // Getters that wait ask again whether anybody is left (awaited ones hear of a
+        // killed holder through the holder watch instead).
         self.ring.holder_left();
         if !released || lease::others_hold(holder) {
             return;

@@ -51,12 +51,13 @@
 //!
 //! **Idle costs nothing.** Both threads sleep in the kernel without a timeout, except
 //! for registrations that ask for a *re-check* after [`RECHECK`]: a parked queue `get`
-//! does, because a packet written on the socket by something other than a `put` wakes
-//! nobody (nor does a holder's end where the close watch was refused). Those are
-//! noticed within `RECHECK` (the blocking `get` looks every 20 ms). That costs one wake-up of
-//! the reactor per `RECHECK` while such futures are parked, and one try per future:
-//! a re-checked registration stays in place, so a try that finds nothing again
-//! re-registers nothing and rebuilds no `futex_waitv`. A registration may also carry a
+//! does only while what it waits for wakes nobody — a message its channel value keeps
+//! back because the custody was busy, or a holder's end where the close watch was
+//! refused (see `queue::awaiting`). That costs one wake-up of the reactor per
+//! `RECHECK` while such futures are parked, and one try per future: a re-checked
+//! registration stays in place, so a try that finds nothing again re-registers
+//! nothing and rebuilds no `futex_waitv`. A future whose try now needs re-checks and
+//! whose registration has none registers anew. A registration may also carry a
 //! deadline of its own (`WordWait::wake_by`, a data loader's timeout): it is woken at
 //! that moment the same way, so the timeout is not rounded up to a re-check.
 //!
@@ -196,6 +197,9 @@ fn address(word: &AtomicU32) -> usize {
 struct Shard {
     /// Bumped (and woken) whenever the registrations change.
     control: AtomicU32,
+    /// One more than the `control` value of the thread's last `futex_waitv` (0: none
+    /// yet): equal to `control + 1`, it sleeps on every registration (tests).
+    slept_on: AtomicU64,
     registrations: Mutex<Registrations>,
 }
 
@@ -251,6 +255,8 @@ impl Shard {
             } else {
                 let deadline =
                     due.map(|d| monotonic_after(d.saturating_duration_since(Instant::now())));
+                self.slept_on
+                    .store(u64::from(control) + 1, Ordering::SeqCst);
                 match futex::waitv(
                     &waits,
                     futex::WaitvFlags::empty(),
@@ -276,6 +282,7 @@ impl Shard {
                     }
                 }
             };
+            WAKE_UPS.fetch_add(1, Ordering::Relaxed);
             self.fire(woken);
         }
     }
@@ -388,6 +395,8 @@ enum ParkedKind {
         index: usize,
         /// The value registered (a re-check that sees it again keeps the registration).
         expected: u32,
+        /// Whether the registration is re-checked (see [`WordWait::recheck`]).
+        recheck: bool,
         state: Arc<AtomicU8>,
     },
     Fd {
@@ -468,17 +477,21 @@ impl Parked {
         self.fds.as_ref().is_none_or(|f| f.still_waiting(waker))
     }
 
-    /// Whether this registration waits on `wait`'s word for `wait`'s value.
+    /// Whether this registration waits on `wait`'s word for `wait`'s value, re-checked
+    /// if `wait` asks for it.
     fn waits_for(&self, wait: &WordWait) -> bool {
         match &self.kind {
             ParkedKind::Word {
                 host,
                 index,
                 expected,
+                recheck,
                 ..
             } => {
                 address(host.host_word(*index)) == address(wait.word())
                     && *expected == wait.expected
+                    // A wait that now needs re-checks is registered anew with them.
+                    && (*recheck || !wait.recheck)
             }
             ParkedKind::Fd { .. } => false,
         }
@@ -536,6 +549,26 @@ impl Drop for Parked {
     }
 }
 
+/// How many times this process's reactor threads (word and fd) have come back from
+/// their sleep (the idle test: none while every future waits).
+static WAKE_UPS: AtomicU64 = AtomicU64::new(0);
+
+/// Whether every word reactor thread sleeps (or is about to) on its current set of
+/// registrations: no change is left for it to take in, so only a word, a deadline or a
+/// new change wakes it (tests).
+#[cfg(feature = "testing-internals")]
+pub(crate) fn words_settled() -> bool {
+    SHARDS.lock().iter().all(|s| {
+        s.slept_on.load(Ordering::SeqCst) == u64::from(s.control.load(Ordering::SeqCst)) + 1
+    })
+}
+
+/// [`WAKE_UPS`] (tests).
+#[cfg(feature = "testing-internals")]
+pub(crate) fn wake_ups() -> u64 {
+    WAKE_UPS.load(Ordering::Relaxed)
+}
+
 /// How many word registrations this process's reactors hold (parked futures; tests).
 #[cfg(feature = "testing-internals")]
 pub(crate) fn word_registrations() -> usize {
@@ -574,6 +607,7 @@ pub(crate) fn park_word(wait: WordWait, waker: &Waker) -> Result<Option<Parked>>
             None => {
                 let shard = Arc::new(Shard {
                     control: AtomicU32::new(0),
+                    slept_on: AtomicU64::new(0),
                     registrations: Mutex::new(Registrations::default()),
                 });
                 let runner = Arc::clone(&shard);
@@ -593,6 +627,7 @@ pub(crate) fn park_word(wait: WordWait, waker: &Waker) -> Result<Option<Parked>>
     let index = wait.index;
     let state = Arc::new(AtomicU8::new(WAITING));
     let expected = wait.expected;
+    let recheck = wait.recheck;
     let key = {
         let mut regs = lock(&shard.registrations);
         let key = regs.next_key;
@@ -622,6 +657,7 @@ pub(crate) fn park_word(wait: WordWait, waker: &Waker) -> Result<Option<Parked>>
             host,
             index,
             expected,
+            recheck,
             state,
         },
         done: false,
@@ -701,7 +737,9 @@ impl FdReactor {
                     .iter()
                     .map(|(_, fd, flags)| PollFd::new(&**fd, *flags)),
             );
-            if rustix::event::poll(&mut fds, None).is_err() {
+            let polled = rustix::event::poll(&mut fds, None);
+            WAKE_UPS.fetch_add(1, Ordering::Relaxed);
+            if polled.is_err() {
                 continue; // EINTR; anything else is looked at again
             }
             if !fds[0].revents().is_empty() {

@@ -15,6 +15,7 @@ pub mod cuda;
 pub mod data;
 pub mod faults;
 pub mod hostile;
+pub mod stopping;
 pub mod workers;
 
 use std::collections::BTreeSet;

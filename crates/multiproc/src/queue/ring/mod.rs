@@ -97,11 +97,10 @@ pub(crate) enum TryLook {
     /// lane is flagged, or before the end is declared); a busy head is revoked once it
     /// has stayed busy for [`REVOKE_AFTER`] across tries.
     Quick,
-    /// An awaited get about to park (and its re-checks): the socket too, for packets
-    /// written on it without a `put`, which flag nothing; and a busy head is waited
-    /// for (yielding) until [`REVOKE_AFTER`] and revoked, as a blocking get does: the
-    /// future would otherwise park on a word a stopped writer never changes until its
-    /// next re-check.
+    /// An awaited get about to park: the socket too, for packets written on it without
+    /// a `put`, which flag nothing; and a busy head is waited for (yielding) until
+    /// [`REVOKE_AFTER`] and revoked, as a blocking get does: the future would otherwise
+    /// park on a word a stopped writer never changes.
     Thorough,
     /// The last holder giving back what is queued: the socket too, and a busy head is
     /// revoked at once (no holder is left to write it).
@@ -245,8 +244,9 @@ impl Ring {
     }
 
     /// What an awaited get parks on (feature `async`): `SEQ` as it is now, read before
-    /// the get's try, counted in `GET_WAITERS` like a sleeping getter, and looked at
-    /// again after `reactor::RECHECK` (see the module docs of `sys::reactor`).
+    /// the get's try, counted in `GET_WAITERS` like a sleeping getter. Not re-checked:
+    /// the caller asks for that after its try when it needs it (a message kept back,
+    /// see `Channel::needs_recheck`).
     #[cfg(feature = "async")]
     pub(crate) fn get_wait(&self) -> crate::sys::reactor::WordWait {
         crate::sys::reactor::WordWait {
@@ -254,7 +254,7 @@ impl Ring {
             host: Arc::clone(&self.block) as _,
             index: SEQ,
             counted_in: Some(GET_WAITERS),
-            recheck: true,
+            recheck: false,
             wake_by: None,
         }
     }
