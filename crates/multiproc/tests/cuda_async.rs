@@ -7,7 +7,8 @@
 //! - a stream whose only wake-up can come from the driver (no workers: batches are
 //!   loaded in `poll_next` itself) parks on the copies and is woken when they are done;
 //! - a stream dropped with copies in flight leaves nothing behind on the device, and
-//!   the next epoch is whole.
+//!   the next epoch is whole;
+//! - an iterable loader's stream pins its batches (`pin_memory`).
 //!
 //! The tests are `#[ignore = "needs a CUDA device"]`: `scripts/gpu_check.sh` runs them
 //! on a GPU, and `scripts/cuda_fake_check.sh` against the stand-in libcuda (whose
@@ -272,4 +273,43 @@ fn fake_driver() -> bool {
     // SAFETY: the handle from dlopen above, closed once.
     unsafe { libc::dlclose(lib) };
     fake
+}
+
+/// `0..n`, as a stream.
+#[derive(Clone, serde::Serialize, serde::Deserialize)]
+struct Count(i64);
+
+impl multiproc::data::IterableDataset for Count {
+    type Item = i64;
+    type Iter = std::vec::IntoIter<multiproc::Result<i64>>;
+
+    fn iter(&self, _epoch: u64) -> Self::Iter {
+        (0..self.0).map(Ok).collect::<Vec<_>>().into_iter()
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn an_iterable_loaders_stream_pins_its_batches() {
+    warm_up_cuda();
+    common::async_rt::warm_up();
+    common::run(DEADLINE, || {
+        let mut loader = DataLoaderBuilder::new(Count(30))
+            .batch_size(5)
+            .num_workers(1)
+            .pin_memory(true)
+            .build_iterable()
+            .unwrap();
+        let seen = runtime().block_on(async {
+            let mut stream = loader.stream();
+            let mut seen = Vec::new();
+            while let Some(batch) = next(&mut stream).await {
+                let batch = batch.unwrap();
+                assert!(batch.is_pinned(), "batch {}", seen.len() / 5);
+                seen.extend(batch.to_vec::<i64>().unwrap());
+            }
+            seen
+        });
+        assert_eq!(seen, (0..30).collect::<Vec<i64>>());
+    });
 }

@@ -112,9 +112,9 @@ fn pin_memory_and_prefetch_to_refuse_bad_arguments_at_build() {
         );
         invalid(
             DataLoaderBuilder::new(Count(8))
-                .pin_memory(true)
+                .prefetch_to(GPU, 2)
                 .build_iterable(),
-            &["iterable"],
+            &["prefetch_to", "iterable", "pin_memory(true)"],
         );
         // Thread workers may be combined with either: no fork involved.
         let threads = DataLoader::builder(data.clone())
@@ -135,6 +135,13 @@ fn pin_memory_and_prefetch_to_refuse_bad_arguments_at_build() {
                         .build()
                         .map(drop),
                 ),
+                (
+                    "pin_memory(true)",
+                    DataLoaderBuilder::new(Count(8))
+                        .pin_memory(true)
+                        .build_iterable()
+                        .map(drop),
+                ),
             ] {
                 match r {
                     Err(Error::CudaUnavailable { reason }) => {
@@ -152,6 +159,45 @@ fn pin_memory_and_prefetch_to_refuse_bad_arguments_at_build() {
 }
 
 // ----- on a GPU -----
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn an_iterable_loaders_batches_are_pinned_from_workers_and_in_process() {
+    warm_up_cuda();
+    common::run(DEADLINE, || {
+        let before = fake_host_counts();
+        for workers in [0, 2] {
+            let mut loader = DataLoaderBuilder::new(Count(40))
+                .batch_size(5)
+                .num_workers(workers)
+                .pin_memory(true)
+                .build_iterable()
+                .unwrap();
+            let mut seen = Vec::new();
+            for (b, batch) in loader.iter().enumerate() {
+                let batch = batch.unwrap();
+                assert!(batch.is_pinned(), "{workers} workers: batch {b}");
+                seen.extend(batch.to_vec::<i64>().unwrap());
+            }
+            // Each worker streams the whole range (the data set does not split it).
+            seen.sort_unstable();
+            let want: Vec<i64> = (0..40)
+                .flat_map(|i| std::iter::repeat_n(i, workers.max(1)))
+                .collect();
+            assert_eq!(seen, want, "{workers} workers");
+        }
+        multiproc::__testing::flush_retained_segments();
+        multiproc::__testing::release_idle_blocks();
+        if let (Some(b), Some(a)) = (before, fake_host_counts()) {
+            assert!(a[0] > b[0], "no registration was made");
+            assert_eq!(a[2], b[2], "a block was registered twice");
+            assert_eq!(
+                a[3], b[3],
+                "a block was unmapped before it was unregistered"
+            );
+        }
+    });
+}
 
 /// The stand-in libcuda's counters of page-locked host memory (scripts/fake_libcuda.c):
 /// registrations made, undone, refused as registered already, undone after their

@@ -192,7 +192,7 @@ impl<D, C> DataLoaderBuilder<D, C> {
     /// Errors at [`build`](Self::build): without the `cuda` feature or a CUDA device,
     /// with a collate that does not say how to reach its batch's tensors
     /// ([`Collate::batch_tensors`]; the default collate does), or with `Fork` worker
-    /// processes. Not for iterable data sets yet.
+    /// processes. Iterable data sets too ([`build_iterable`](Self::build_iterable)).
     pub fn pin_memory(mut self, pin: bool) -> Self {
         self.options.pin_memory = pin;
         self
@@ -215,7 +215,9 @@ impl<D, C> DataLoaderBuilder<D, C> {
     /// overlaps less.
     ///
     /// Errors at [`build`](Self::build): as `pin_memory`, and for `n == 0`, a CPU
-    /// device, or a device index this process does not see.
+    /// device, or a device index this process does not see. Not for iterable data sets
+    /// yet ([`build_iterable`](Self::build_iterable) refuses it): pin their batches
+    /// and copy each in the loop.
     pub fn prefetch_to(mut self, device: Device, n: usize) -> Self {
         self.options.prefetch_to = Some((device, n));
         self
@@ -276,15 +278,17 @@ where
     /// A loader of an iterable data set: each worker batches its own stream.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] for a batch size or prefetch factor of 0, or when a
+    /// [`Error::InvalidArgument`] for a batch size or prefetch factor of 0, when a
     /// sampler or shuffle was set (a stream has no indices: shuffle inside the data
-    /// set, seeded by [`WorkerInfo::seed`](super::WorkerInfo)).
+    /// set, seeded by [`WorkerInfo::seed`](super::WorkerInfo)), or for `prefetch_to`
+    /// (not supported for streams yet); [`pin_memory`](Self::pin_memory)'s errors.
     pub fn build_iterable(mut self) -> Result<IterableDataLoader<D, C>> {
         self.options.check()?;
-        if self.options.pin_memory || self.options.prefetch_to.is_some() {
+        if self.options.prefetch_to.is_some() {
             return Err(Error::InvalidArgument(
-                "data loader: pin_memory and prefetch_to are not supported for iterable data sets \
-                 yet: leave them out, and pin or copy the batches in the training loop"
+                "data loader: prefetch_to is not supported for iterable data sets yet: leave \
+                 it out, keep pin_memory(true) (which is), and copy each batch to the device \
+                 in the training loop (Tensor::to)"
                     .into(),
             ));
         }
@@ -296,10 +300,12 @@ where
                     .into(),
             ));
         }
+        let stage = DeviceStage::new(&self.options, self.collate.batch_tensors())?;
         Ok(IterableDataLoader::new(
             self.dataset,
             self.collate,
             self.options,
+            stage,
         ))
     }
 }

@@ -22,6 +22,7 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
+use std::sync::Arc;
 use std::task::Poll;
 use std::time::Instant;
 
@@ -30,6 +31,7 @@ use serde::de::DeserializeOwned;
 
 use super::collate::Collate;
 use super::dataset::IterableDataset;
+use super::device_stage::DeviceStage;
 use super::epoch::{WaitFn, may_start};
 use super::options::Options;
 use super::state::{Cursor, EpochState, LoaderState, StreamEpochState, StreamState};
@@ -53,6 +55,8 @@ pub struct IterableDataLoader<D: IterableDataset, C: Collate<D::Item>> {
     resume: Option<StreamProgress>,
     /// Where the epoch's time went.
     stats: LoaderStats,
+    /// `pin_memory`: the blocks of each batch page-locked before it is handed over.
+    stage: Option<Arc<DeviceStage<C::Batch>>>,
 }
 
 /// An iterable epoch's standing: per worker, the cursor after its last yielded batch.
@@ -88,7 +92,14 @@ where
     D: IterableDataset + Serialize + DeserializeOwned + Clone + 'static,
     C: Collate<D::Item> + 'static,
 {
-    pub(crate) fn new(dataset: D, collate: C, options: Options) -> Self {
+    pub(super) fn new(
+        dataset: D,
+        collate: C,
+        options: Options,
+        stage: Option<DeviceStage<C::Batch>>,
+    ) -> Self {
+        // `build_iterable` refuses copies ahead: a stage here only pins.
+        debug_assert!(stage.as_ref().is_none_or(|s| s.ahead() == 0));
         IterableDataLoader {
             dataset,
             collate,
@@ -99,6 +110,7 @@ where
             progress: None,
             resume: None,
             stats: LoaderStats::default(),
+            stage: stage.map(Arc::new),
         }
     }
 
@@ -389,6 +401,21 @@ where
         Some(Err(error))
     }
 
+    /// A batch `next_inner` produced, page-locked when the loader pins
+    /// (`pin_memory`): a failure to pin ends the epoch like a worker's.
+    fn pinned(&mut self, next: Option<Result<C::Batch>>) -> Option<Result<C::Batch>> {
+        let Some(stage) = self.loader.stage.clone() else {
+            return next;
+        };
+        match next? {
+            Ok(mut batch) => match stage.pin(&mut batch) {
+                Ok(()) => Some(Ok(batch)),
+                Err(e) => self.fail(e),
+            },
+            Err(e) => Some(Err(e)),
+        }
+    }
+
     fn next_in_process(&mut self) -> Option<Result<C::Batch>> {
         if let Some(e) = self.open_error.take() {
             return self.fail(e);
@@ -541,7 +568,7 @@ where
         let mut wait =
             |set: &mut WorkerSet<C::Batch>, run, deadline| Poll::Ready(set.wait(run, deadline));
         let next = match self.next_inner(&mut wait) {
-            Poll::Ready(next) => next,
+            Poll::Ready(next) => self.pinned(next),
             // The blocking wait is always ready.
             Poll::Pending => self.fail(Error::Closed(
                 "data loader: a blocking wait came back empty (this is a multiproc bug)".into(),
@@ -735,8 +762,9 @@ mod stream {
     /// [`IterableEpoch::into_stream`]: what the iterator yields, parking on the
     /// workers' results queue where the iterator blocks. As
     /// [`EpochStream`](crate::data::EpochStream): a worker's death wakes it at once, the
-    /// timeout wakes it at its deadline, `num_workers(0)` loads in `poll_next`, and
-    /// dropping the stream is dropping the epoch.
+    /// timeout wakes it at its deadline, `num_workers(0)` loads in `poll_next`,
+    /// `pin_memory` pins each batch before it is yielded, and dropping the stream is
+    /// dropping the epoch.
     pub struct IterableEpochStream<'a, D, C>
     where
         D: IterableDataset + Serialize + DeserializeOwned + Clone + 'static,
@@ -800,7 +828,7 @@ mod stream {
                 set.poll_wait(cx, parked, run, deadline)
             };
             let next = match this.epoch.next_inner(&mut wait) {
-                Poll::Ready(next) => next,
+                Poll::Ready(next) => this.epoch.pinned(next),
                 Poll::Pending => return Poll::Pending,
             };
             this.since = None;
