@@ -2,7 +2,9 @@
 # Builds the bundle that scripts/gpu_check.sh runs on a GPU machine with no Rust
 # toolchain: the CUDA test binaries (tests/cuda_*.rs, feature `cuda`), the CUDA benchmark
 # (examples/cuda_bench.rs, release), the prefetch example (examples/prefetch_overlap.rs,
-# release) and the torch comparison script.
+# release), the torch comparison script, and the `multiproc` command (release), whose
+# CPU benchmarks gpu_check.sh also runs there: the GPU machine has many more cores than
+# a CI runner, which the wake-up and throughput figures depend on.
 #
 #     scripts/gpu_build.sh [DIR]      # default target/gpu-bundle
 #
@@ -35,9 +37,12 @@ cargo build -p multiproc --features cuda --release --example cuda_bench --exampl
 cp target/release/examples/cuda_bench "$out/cuda_bench"
 cp target/release/examples/prefetch_overlap "$out/prefetch_overlap"
 
+cargo build -p multiproc-cli --release
+cp target/release/multiproc "$out/multiproc"
+
 cp scripts/compare_torch_cuda.py "$out/"
 # Debug info is most of a test binary's size; the bundle travels (64 MiB at most).
-strip --strip-debug "$out"/cuda_tests/* "$out/cuda_bench" "$out/prefetch_overlap"
+strip --strip-debug "$out"/cuda_tests/* "$out/cuda_bench" "$out/prefetch_overlap" "$out/multiproc"
 git rev-parse HEAD >"$out/COMMIT"
 git status --porcelain --untracked-files=no | grep -q . && echo "(with uncommitted changes)" >>"$out/COMMIT"
 ls -la "$out"

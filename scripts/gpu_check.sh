@@ -3,7 +3,10 @@
 # has a timeout, 6 minutes in all at worst): every test of tests/cuda_*.rs (the GPU ones
 # are #[ignore]d on CPU CI), the CUDA benchmark (sharing, and host-to-device copies from
 # a data loader's batch, pinned and pageable) beside torch.multiprocessing's of the same
-# sizes, then the prefetch example (a training step with and without prefetch_to).
+# sizes, then the prefetch example (a training step with and without prefetch_to), then
+# the CPU benchmarks on this many-core machine (`multiproc bench --async`, the awaited
+# wake-up beside the blocking one, and `multiproc bench`'s small, ping and fresh 4 KiB
+# beside `bench-floor`), 3 runs each.
 #
 # Needs a bundle from scripts/gpu_build.sh (built where Rust is; this machine needs
 # only the NVIDIA driver, python3 and torch):
@@ -11,7 +14,7 @@
 #     scripts/gpu_check.sh [DIR]      # default target/gpu-bundle
 #
 # Logs go to $OUT (or /tmp/gpu-check): tests.log, multiproc.json, torch.log,
-# prefetch.json, summary.txt. Exit status: 0 when every test passed and the benchmarks
+# prefetch.log, cpu_bench.log, summary.txt. Exit status: 0 when every test passed and the benchmarks
 # and the example ran.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -54,6 +57,19 @@ echo "== example: prefetch_overlap (step time with and without prefetch_to)"
 timeout 45 "$bundle/prefetch_overlap" 2>&1 | tee "$logs/prefetch.log"
 prefetch_rc=${PIPESTATUS[0]}
 
+echo "== CPU benchmarks on this machine ($(nproc) CPUs), 3 runs each"
+: >"$logs/cpu_bench.log"
+if [ -x "$bundle/multiproc" ]; then
+  for i in 1 2 3; do
+    timeout 30 "$bundle/multiproc" bench --async 2>&1 | grep -E '^(wake|disconnect)'
+    timeout 40 "$bundle/multiproc" bench --scenario small --scenario ping --scenario fresh \
+      --bytes 4096 --strategy file_descriptor 2>&1 | grep -E '^(small|ping|fresh)'
+    timeout 30 "$bundle/multiproc" bench-floor 2>&1 | grep -E '^(spin-ping|fill\+sum +- +4 KiB)'
+  done | tee -a "$logs/cpu_bench.log"
+else
+  echo "(no multiproc binary in the bundle)" | tee -a "$logs/cpu_bench.log"
+fi
+
 {
   echo "== summary"
   grep -E '^test result:' "$logs/tests.log" | sed 's/^/  /'
@@ -63,6 +79,7 @@ prefetch_rc=${PIPESTATUS[0]}
   grep -E '^(cuda_fresh|cuda_ping|d2d_copy|h2d_pinned|h2d_pageable) ' "$logs/torch.log" | sed 's/^/  /'
   grep -E '"scenario":"h2d_' "$logs/multiproc.json" | sed 's/^/  /'
   grep -E '^(batch|mode|pageable|pinned|prefetch) ' "$logs/prefetch.log" | sed 's/^/  /'
+  sed 's/^/  /' "$logs/cpu_bench.log"
   echo "  tests exit $tests_rc, cuda_bench exit $bench_rc, torch script exit $torch_rc, prefetch_overlap exit $prefetch_rc"
 } | tee "$logs/summary.txt"
 [ "$tests_rc" = 0 ] && [ "$bench_rc" = 0 ] && [ "$torch_rc" = 0 ] && [ "$prefetch_rc" = 0 ]
