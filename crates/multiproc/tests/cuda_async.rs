@@ -8,7 +8,8 @@
 //!   loaded in `poll_next` itself) parks on the copies and is woken when they are done;
 //! - a stream dropped with copies in flight leaves nothing behind on the device, and
 //!   the next epoch is whole;
-//! - an iterable loader's stream pins its batches (`pin_memory`).
+//! - an iterable loader's stream pins its batches (`pin_memory`) or hands them over on
+//!   the device (`prefetch_to`), in order.
 //!
 //! The tests are `#[ignore = "needs a CUDA device"]`: `scripts/gpu_check.sh` runs them
 //! on a GPU, and `scripts/cuda_fake_check.sh` against the stand-in libcuda (whose
@@ -290,26 +291,43 @@ impl multiproc::data::IterableDataset for Count {
 
 #[test]
 #[ignore = "needs a CUDA device"]
-fn an_iterable_loaders_stream_pins_its_batches() {
+fn an_iterable_loaders_stream_pins_or_prefetches_its_batches() {
     warm_up_cuda();
     common::async_rt::warm_up();
     common::run(DEADLINE, || {
-        let mut loader = DataLoaderBuilder::new(Count(30))
-            .batch_size(5)
-            .num_workers(1)
-            .pin_memory(true)
+        for prefetch in [false, true] {
+            let builder = DataLoaderBuilder::new(Count(30))
+                .batch_size(5)
+                .num_workers(2);
+            let mut loader = if prefetch {
+                builder.prefetch_to(GPU, 2)
+            } else {
+                builder.pin_memory(true)
+            }
             .build_iterable()
             .unwrap();
-        let seen = runtime().block_on(async {
-            let mut stream = loader.stream();
-            let mut seen = Vec::new();
-            while let Some(batch) = next(&mut stream).await {
-                let batch = batch.unwrap();
-                assert!(batch.is_pinned(), "batch {}", seen.len() / 5);
-                seen.extend(batch.to_vec::<i64>().unwrap());
-            }
-            seen
-        });
-        assert_eq!(seen, (0..30).collect::<Vec<i64>>());
+            let seen = runtime().block_on(async {
+                let mut stream = loader.stream();
+                let mut seen = Vec::new();
+                while let Some(batch) = next(&mut stream).await {
+                    let batch = batch.unwrap();
+                    let what = format!("batch {} (prefetch {prefetch})", seen.len() / 5);
+                    let batch = if prefetch {
+                        assert_eq!(batch.device(), GPU, "{what}");
+                        batch.to(Device::Cpu).unwrap()
+                    } else {
+                        assert!(batch.is_pinned(), "{what}");
+                        batch
+                    };
+                    seen.extend(batch.to_vec::<i64>().unwrap());
+                }
+                seen
+            });
+            // Each of the two workers streams the whole range, in turn.
+            let want: Vec<i64> = (0..6)
+                .flat_map(|b| (0..2).flat_map(move |_| b * 5..b * 5 + 5))
+                .collect();
+            assert_eq!(seen, want, "prefetch {prefetch}");
+        }
     });
 }

@@ -55,6 +55,58 @@ impl IterableDataset for Count {
     }
 }
 
+/// `0..n` split over the workers (worker `k` of `m` streams `k, k + m, ...`), which
+/// reports where it stands: a stream a loader can resume mid-epoch.
+#[derive(Clone, serde::Serialize, serde::Deserialize)]
+struct Split(usize);
+
+/// [`Split`]'s iterator: the next value and the step.
+struct SplitIter {
+    next: usize,
+    step: usize,
+    n: usize,
+}
+
+impl Iterator for SplitIter {
+    type Item = multiproc::Result<i64>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        (self.next < self.n).then(|| {
+            let v = self.next;
+            self.next += self.step;
+            Ok(v as i64)
+        })
+    }
+}
+
+impl IterableDataset for Split {
+    type Item = i64;
+    type Iter = SplitIter;
+
+    fn iter(&self, _epoch: u64) -> SplitIter {
+        let (k, m) = multiproc::data::worker_info().map_or((0, 1), |w| (w.id, w.num_workers));
+        SplitIter {
+            next: k,
+            step: m,
+            n: self.0,
+        }
+    }
+
+    fn state(&self, iter: &SplitIter) -> Option<multiproc::data::StreamState> {
+        multiproc::data::StreamState::new(&iter.next).ok()
+    }
+
+    fn iter_from(
+        &self,
+        epoch: u64,
+        state: &multiproc::data::StreamState,
+    ) -> multiproc::Result<SplitIter> {
+        let mut it = self.iter(epoch);
+        it.next = state.get()?;
+        Ok(it)
+    }
+}
+
 /// A collate that does not say how to reach its batch's tensors.
 #[derive(Clone, serde::Serialize, serde::Deserialize)]
 struct Opaque;
@@ -110,12 +162,6 @@ fn pin_memory_and_prefetch_to_refuse_bad_arguments_at_build() {
                 .build(),
             &["Fork", "StartMethod::Spawn"],
         );
-        invalid(
-            DataLoaderBuilder::new(Count(8))
-                .prefetch_to(GPU, 2)
-                .build_iterable(),
-            &["prefetch_to", "iterable", "pin_memory(true)"],
-        );
         // Thread workers may be combined with either: no fork involved.
         let threads = DataLoader::builder(data.clone())
             .num_workers(1)
@@ -142,6 +188,13 @@ fn pin_memory_and_prefetch_to_refuse_bad_arguments_at_build() {
                         .build_iterable()
                         .map(drop),
                 ),
+                (
+                    "prefetch_to",
+                    DataLoaderBuilder::new(Count(8))
+                        .prefetch_to(GPU, 2)
+                        .build_iterable()
+                        .map(drop),
+                ),
             ] {
                 match r {
                     Err(Error::CudaUnavailable { reason }) => {
@@ -159,6 +212,64 @@ fn pin_memory_and_prefetch_to_refuse_bad_arguments_at_build() {
 }
 
 // ----- on a GPU -----
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn an_iterable_loaders_prefetched_batches_match_and_its_state_counts_only_handed_over() {
+    warm_up_cuda();
+    common::run(DEADLINE, || {
+        let build =
+            |b: DataLoaderBuilder<Split>| b.batch_size(4).num_workers(3).build_iterable().unwrap();
+        let mut cpu = build(DataLoaderBuilder::new(Split(70)));
+        let mut gpu = build(DataLoaderBuilder::new(Split(70)).prefetch_to(GPU, 3));
+        let mut want = cpu.iter();
+        let mut got = gpu.iter();
+        let mut saved = None;
+        let mut b = 0;
+        loop {
+            let (w, g) = (want.next(), got.next());
+            let (Some(w), Some(g)) = (w.as_ref(), g.as_ref()) else {
+                assert!(w.is_none() && g.is_none(), "as many batches (past {b})");
+                break;
+            };
+            let (w, g) = (w.as_ref().unwrap(), g.as_ref().unwrap());
+            assert_eq!(g.device(), GPU, "batch {b}");
+            let g = g.to(Device::Cpu).unwrap();
+            assert_eq!(
+                g.to_vec::<i64>().unwrap(),
+                w.to_vec::<i64>().unwrap(),
+                "batch {b}"
+            );
+            // Batches pulled ahead are not in the state: it is the unprefetched one's.
+            assert_eq!(got.state_dict(), want.state_dict(), "state after batch {b}");
+            if b == 5 {
+                saved = Some((got.state_dict(), b));
+            }
+            b += 1;
+        }
+        assert_eq!(got.state_dict(), want.state_dict(), "state at the end");
+        drop((want, got));
+        // Resumed from the state after batch 5, the prefetching loader yields what the
+        // plain one yielded after it.
+        let (state, at) = saved.expect("more than 6 batches");
+        let mut plain = build(DataLoaderBuilder::new(Split(70)));
+        let rest: Vec<Vec<i64>> = plain
+            .iter()
+            .skip(at + 1)
+            .map(|b| b.unwrap().to_vec::<i64>().unwrap())
+            .collect();
+        gpu.load_state_dict(&state).unwrap();
+        let resumed: Vec<Vec<i64>> = gpu
+            .iter()
+            .map(|b| {
+                let b = b.unwrap();
+                assert_eq!(b.device(), GPU);
+                b.to(Device::Cpu).unwrap().to_vec::<i64>().unwrap()
+            })
+            .collect();
+        assert_eq!(resumed, rest);
+    });
+}
 
 #[test]
 #[ignore = "needs a CUDA device"]

@@ -215,9 +215,9 @@ impl<D, C> DataLoaderBuilder<D, C> {
     /// overlaps less.
     ///
     /// Errors at [`build`](Self::build): as `pin_memory`, and for `n == 0`, a CPU
-    /// device, or a device index this process does not see. Not for iterable data sets
-    /// yet ([`build_iterable`](Self::build_iterable) refuses it): pin their batches
-    /// and copy each in the loop.
+    /// device, or a device index this process does not see. Iterable data sets too: the
+    /// state ([`IterableDataLoader::state_dict`](super::IterableDataLoader::state_dict))
+    /// then also counts only the batches handed over.
     pub fn prefetch_to(mut self, device: Device, n: usize) -> Self {
         self.options.prefetch_to = Some((device, n));
         self
@@ -280,18 +280,10 @@ where
     /// # Errors
     /// [`Error::InvalidArgument`] for a batch size or prefetch factor of 0, when a
     /// sampler or shuffle was set (a stream has no indices: shuffle inside the data
-    /// set, seeded by [`WorkerInfo::seed`](super::WorkerInfo)), or for `prefetch_to`
-    /// (not supported for streams yet); [`pin_memory`](Self::pin_memory)'s errors.
+    /// set, seeded by [`WorkerInfo::seed`](super::WorkerInfo)); the errors of
+    /// [`pin_memory`](Self::pin_memory) and [`prefetch_to`](Self::prefetch_to).
     pub fn build_iterable(mut self) -> Result<IterableDataLoader<D, C>> {
         self.options.check()?;
-        if self.options.prefetch_to.is_some() {
-            return Err(Error::InvalidArgument(
-                "data loader: prefetch_to is not supported for iterable data sets yet: leave \
-                 it out, keep pin_memory(true) (which is), and copy each batch to the device \
-                 in the training loop (Tensor::to)"
-                    .into(),
-            ));
-        }
         self.options.rank = self.rank.unwrap_or(0);
         if !matches!(self.order, Order::Sequential) {
             return Err(Error::InvalidArgument(

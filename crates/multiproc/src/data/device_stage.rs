@@ -7,9 +7,13 @@
 //! Invariants:
 //!
 //! - A batch handed to the caller is complete on the device: its copy's event was
-//!   waited for first (the same rule as every CUDA operation of this crate).
+//!   waited for first (the same rule as every CUDA operation of this crate), by the
+//!   iterator in its thread, by a stream through the driver's callback (see
+//!   `sys::cuda_driver::Landing`).
 //! - Batches come out in the order they were pulled, and an error after the batches
-//!   pulled before it; a resumed state counts only batches handed to the caller.
+//!   pulled before it; a resumed state counts only batches handed to the caller (each
+//!   staged batch carries the state changes its epoch makes at its hand-over: a
+//!   map-style batch's number, an iterable epoch's stream positions).
 //! - While a copy is in flight, its host batch is held (its blocks cannot be recycled)
 //!   and its device tensors are not reachable by the caller; dropping a staged batch
 //!   waits for its copy first.
@@ -71,9 +75,10 @@ impl<B> Pending<B> {
     }
 }
 
-/// Batches pulled ahead, with the number of each in the epoch's plan (`None` where the
-/// batch came from a stream that numbers none), oldest first.
-pub(super) type Staged<B> = VecDeque<(Option<usize>, Result<Pending<B>>)>;
+/// Batches pulled ahead, oldest first, each with what the epoch does to its state when
+/// the batch is handed over (`N`: a map-style epoch's batch number; an iterable
+/// epoch's stream positions).
+pub(super) type Staged<B, N> = VecDeque<(N, Result<Pending<B>>)>;
 
 impl<B> DeviceStage<B> {
     /// The stage the options ask for, or `None` when they ask for none. `visit` is the
@@ -203,19 +208,19 @@ impl<B> DeviceStage<B> {
 
     /// Whether another batch may be pulled ahead: fewer than `ahead` are in flight
     /// behind the next one handed over, and none of them is an error.
-    fn wants_more(&self, staged: &Staged<B>) -> bool {
+    fn wants_more<N>(&self, staged: &Staged<B, N>) -> bool {
         staged.len() <= self.ahead && !staged.back().is_some_and(|(_, r)| r.is_err())
     }
 
-    /// The next batch to hand over: pulls batches with `pull` (its number and the
-    /// batch, `None` at the end) and starts their copies until `ahead` are in flight
+    /// The next batch to hand over: pulls batches with `pull` (what to do to the
+    /// state at its hand-over, and the batch; `None` at the end) and starts their copies until `ahead` are in flight
     /// behind the one returned, or an error was pulled; then waits for the oldest.
-    /// Returns its number, for the caller to count it as yielded.
-    pub(super) fn next(
+    /// Returns its `N`, for the caller to count it as yielded.
+    pub(super) fn next<N>(
         &self,
-        staged: &mut Staged<B>,
-        mut pull: impl FnMut() -> Option<(Option<usize>, Result<B>)>,
-    ) -> Option<(Option<usize>, Result<B>)> {
+        staged: &mut Staged<B, N>,
+        mut pull: impl FnMut() -> Option<(N, Result<B>)>,
+    ) -> Option<(N, Result<B>)> {
         while self.wants_more(staged) {
             let Some((number, batch)) = pull() else {
                 break;
@@ -231,12 +236,12 @@ impl<B> DeviceStage<B> {
     /// awaited (`cx` is woken by the driver), so no thread waits on either. A batch
     /// whose copies are done is handed over even while `pull` is pending.
     #[cfg(feature = "async")]
-    pub(super) fn poll_next(
+    pub(super) fn poll_next<N>(
         &self,
-        staged: &mut Staged<B>,
+        staged: &mut Staged<B, N>,
         cx: &mut std::task::Context<'_>,
-        mut pull: impl FnMut(&mut std::task::Context<'_>) -> Poll<Option<(Option<usize>, Result<B>)>>,
-    ) -> Poll<Option<(Option<usize>, Result<B>)>> {
+        mut pull: impl FnMut(&mut std::task::Context<'_>) -> Poll<Option<(N, Result<B>)>>,
+    ) -> Poll<Option<(N, Result<B>)>> {
         let mut waiting = false;
         while self.wants_more(staged) {
             match pull(cx) {

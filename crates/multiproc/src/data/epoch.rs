@@ -66,7 +66,7 @@ where
     /// ahead. With copies ahead, a batch counts as yielded in the state only when it is
     /// handed over (`last_pulled` carries its number there).
     stage: Option<Arc<DeviceStage<C::Batch>>>,
-    staged: Staged<C::Batch>,
+    staged: Staged<C::Batch, Option<usize>>,
     last_pulled: Option<usize>,
     /// When the wait for the next arrival times out: kept across the polls of a
     /// stream that found nothing (so a re-poll does not push the timeout back), and

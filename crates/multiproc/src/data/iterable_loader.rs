@@ -31,7 +31,7 @@ use serde::de::DeserializeOwned;
 
 use super::collate::Collate;
 use super::dataset::IterableDataset;
-use super::device_stage::DeviceStage;
+use super::device_stage::{DeviceStage, Staged};
 use super::epoch::{WaitFn, may_start};
 use super::options::Options;
 use super::state::{Cursor, EpochState, LoaderState, StreamEpochState, StreamState};
@@ -55,7 +55,8 @@ pub struct IterableDataLoader<D: IterableDataset, C: Collate<D::Item>> {
     resume: Option<StreamProgress>,
     /// Where the epoch's time went.
     stats: LoaderStats,
-    /// `pin_memory`: the blocks of each batch page-locked before it is handed over.
+    /// `pin_memory` and `prefetch_to`: what is done to each batch before it is handed
+    /// over (see `device_stage`).
     stage: Option<Arc<DeviceStage<C::Batch>>>,
 }
 
@@ -98,8 +99,6 @@ where
         options: Options,
         stage: Option<DeviceStage<C::Batch>>,
     ) -> Self {
-        // `build_iterable` refuses copies ahead: a stage here only pins.
-        debug_assert!(stage.as_ref().is_none_or(|s| s.ahead() == 0));
         IterableDataLoader {
             dataset,
             collate,
@@ -287,6 +286,9 @@ where
             open_error,
             resume_from,
             deadline: None,
+            staged: Staged::new(),
+            deferred: None,
+            tail: Vec::new(),
         }
     }
 }
@@ -356,6 +358,24 @@ where
     /// When the wait for the next arrival times out, kept across a stream's polls
     /// that found nothing (as `Epoch`'s).
     deadline: Option<Option<Instant>>,
+    /// With `prefetch_to`: the batches pulled ahead, each with the state changes to
+    /// make when it is handed over (the state counts only batches handed over).
+    staged: Staged<C::Batch, Vec<Passage>>,
+    /// While a batch is being pulled ahead (across a stream's pending polls): the state
+    /// changes met meanwhile, which wait for its hand-over.
+    deferred: Option<Vec<Passage>>,
+    /// The state changes met by the pull that found the end: made once every staged
+    /// batch has been handed over.
+    tail: Vec<Passage>,
+}
+
+/// A change to an iterable epoch's state (`StreamProgress`), made when the batch it
+/// came with is handed over (see `IterableEpoch::deferred`).
+enum Passage {
+    /// A worker's answer (a batch, or its stream's end) was passed.
+    Passed(usize, Cursor),
+    /// Every stream ended.
+    Ended,
 }
 
 impl<D, C> IterableEpoch<'_, D, C>
@@ -381,18 +401,78 @@ where
 
     /// Worker `worker`'s answer was handed over (or skipped, for an end of stream).
     fn passed(&mut self, worker: usize, cursor: Cursor) {
-        if let Some(p) = self.loader.progress.as_mut() {
-            p.passed(worker, cursor);
-        }
+        self.record(Passage::Passed(worker, cursor));
     }
 
     /// The epoch ended with every stream.
     fn ended(&mut self) -> Option<Result<C::Batch>> {
         self.finished = true;
-        if let Some(p) = self.loader.progress.as_mut() {
-            p.ended = true;
-        }
+        self.record(Passage::Ended);
         None
+    }
+
+    /// Makes `passage` in the state, or keeps it for the hand-over of the batch being
+    /// pulled ahead.
+    fn record(&mut self, passage: Passage) {
+        match &mut self.deferred {
+            Some(kept) => kept.push(passage),
+            None => self.make(passage),
+        }
+    }
+
+    fn make(&mut self, passage: Passage) {
+        if let Some(p) = self.loader.progress.as_mut() {
+            match passage {
+                Passage::Passed(worker, cursor) => p.passed(worker, cursor),
+                Passage::Ended => p.ended = true,
+            }
+        }
+    }
+
+    /// What `pull` (the next batch, from the workers or in this process) found, with
+    /// the state changes it met kept for its hand-over (see [`staged`](Self::staged)),
+    /// or, at the end, for after the last one.
+    fn pull_ahead(
+        &mut self,
+        pull: impl FnOnce(&mut Self) -> Poll<Option<Result<C::Batch>>>,
+    ) -> Poll<Option<(Vec<Passage>, Result<C::Batch>)>> {
+        // Changes met by a pull that was pending are still kept: they go with the
+        // batch this one finds.
+        self.deferred.get_or_insert_with(Vec::new);
+        match pull(self) {
+            Poll::Ready(Some(batch)) => {
+                Poll::Ready(Some((self.deferred.take().unwrap_or_default(), batch)))
+            }
+            Poll::Ready(None) => {
+                let kept = self.deferred.take().unwrap_or_default();
+                self.tail.extend(kept);
+                Poll::Ready(None)
+            }
+            Poll::Pending => Poll::Pending,
+        }
+    }
+
+    /// A batch the stage hands over (with its state changes); after the last, the
+    /// changes of the end. An error of the stage (a failed copy) ends the epoch like
+    /// a worker's.
+    fn hand_over(
+        &mut self,
+        next: Option<(Vec<Passage>, Result<C::Batch>)>,
+    ) -> Option<Result<C::Batch>> {
+        let Some((passages, batch)) = next else {
+            for p in std::mem::take(&mut self.tail) {
+                self.make(p);
+            }
+            return None;
+        };
+        for p in passages {
+            self.make(p);
+        }
+        match batch {
+            Ok(batch) => Some(Ok(batch)),
+            Err(e) if self.finished => Some(Err(e)),
+            Err(e) => self.fail(e),
+        }
     }
 
     fn fail(&mut self, error: Error) -> Option<Result<C::Batch>> {
@@ -565,17 +645,44 @@ where
 
     fn next(&mut self) -> Option<Result<C::Batch>> {
         let start = Instant::now();
+        let next = match self.loader.stage.clone() {
+            Some(stage) if stage.ahead() > 0 => {
+                let mut staged = std::mem::take(&mut self.staged);
+                let next = stage.next(&mut staged, || {
+                    match self.pull_ahead(|epoch| Poll::Ready(epoch.next_blocking())) {
+                        Poll::Ready(next) => next,
+                        Poll::Pending => None, // a blocking pull is always ready
+                    }
+                });
+                self.staged = staged;
+                self.hand_over(next)
+            }
+            _ => {
+                let next = self.next_blocking();
+                self.pinned(next)
+            }
+        };
+        self.loader.stats.waiting += start.elapsed();
+        next
+    }
+}
+
+impl<D, C> IterableEpoch<'_, D, C>
+where
+    D: IterableDataset + Serialize + DeserializeOwned + Clone + 'static,
+    C: Collate<D::Item> + 'static,
+{
+    /// `next_inner` waiting on the workers' replies in this thread.
+    fn next_blocking(&mut self) -> Option<Result<C::Batch>> {
         let mut wait =
             |set: &mut WorkerSet<C::Batch>, run, deadline| Poll::Ready(set.wait(run, deadline));
-        let next = match self.next_inner(&mut wait) {
-            Poll::Ready(next) => self.pinned(next),
+        match self.next_inner(&mut wait) {
+            Poll::Ready(next) => next,
             // The blocking wait is always ready.
             Poll::Pending => self.fail(Error::Closed(
                 "data loader: a blocking wait came back empty (this is a multiproc bug)".into(),
             )),
-        };
-        self.loader.stats.waiting += start.elapsed();
-        next
+        }
     }
 }
 
@@ -763,8 +870,8 @@ mod stream {
     /// workers' results queue where the iterator blocks. As
     /// [`EpochStream`](crate::data::EpochStream): a worker's death wakes it at once, the
     /// timeout wakes it at its deadline, `num_workers(0)` loads in `poll_next`,
-    /// `pin_memory` pins each batch before it is yielded, and dropping the stream is
-    /// dropping the epoch.
+    /// `pin_memory` and `prefetch_to` are applied as by the iterator (the copies awaited
+    /// as `EpochStream` awaits them), and dropping the stream is dropping the epoch.
     pub struct IterableEpochStream<'a, D, C>
     where
         D: IterableDataset + Serialize + DeserializeOwned + Clone + 'static,
@@ -824,12 +931,31 @@ mod stream {
             let this = self.get_mut();
             let start = *this.since.get_or_insert_with(Instant::now);
             let parked = &mut this.parked;
-            let mut wait = |set: &mut WorkerSet<C::Batch>, run, deadline| {
-                set.poll_wait(cx, parked, run, deadline)
-            };
-            let next = match this.epoch.next_inner(&mut wait) {
-                Poll::Ready(next) => this.epoch.pinned(next),
-                Poll::Pending => return Poll::Pending,
+            let epoch = &mut this.epoch;
+            let next = match epoch.loader.stage.clone() {
+                Some(stage) if stage.ahead() > 0 => {
+                    let mut staged = std::mem::take(&mut epoch.staged);
+                    let next = stage.poll_next(&mut staged, cx, |cx| {
+                        let mut wait = |set: &mut WorkerSet<C::Batch>, run, deadline| {
+                            set.poll_wait(cx, parked, run, deadline)
+                        };
+                        epoch.pull_ahead(|epoch| epoch.next_inner(&mut wait))
+                    });
+                    epoch.staged = staged;
+                    match next {
+                        Poll::Ready(next) => epoch.hand_over(next),
+                        Poll::Pending => return Poll::Pending,
+                    }
+                }
+                _ => {
+                    let mut wait = |set: &mut WorkerSet<C::Batch>, run, deadline| {
+                        set.poll_wait(cx, parked, run, deadline)
+                    };
+                    match epoch.next_inner(&mut wait) {
+                        Poll::Ready(next) => epoch.pinned(next),
+                        Poll::Pending => return Poll::Pending,
+                    }
+                }
             };
             this.since = None;
             this.epoch.loader.stats.waiting += start.elapsed();

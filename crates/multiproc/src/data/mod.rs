@@ -115,9 +115,9 @@
 //! device, copied on a side stream `n` batches ahead, complete when handed over. Both
 //! reach a batch's tensors through [`Collate::batch_tensors`]: the default collate's
 //! batches (tensors, tuples of them) say how; a batch type of your own implements
-//! [`Tensors`]. `pin_memory` serves iterable data sets too; `prefetch_to` map-style
-//! ones only. Both work through the iterator and the async stream alike (the stream
-//! awaits the copies without blocking its thread).
+//! [`Tensors`]. Both serve map-style and iterable data sets, through the iterator and
+//! the async stream alike (the stream awaits the copies without blocking its thread);
+//! a loader's state counts only the batches handed over, not those pulled ahead.
 //!
 //! # Seeds
 //!
