@@ -369,6 +369,10 @@ where
     tail: Vec<Passage>,
 }
 
+/// A batch pulled ahead (or the error in its place), with the state changes that wait
+/// for its hand-over.
+type Pulled<B> = (Vec<Passage>, Result<B>);
+
 /// A change to an iterable epoch's state (`StreamProgress`), made when the batch it
 /// came with is handed over (see `IterableEpoch::deferred`).
 enum Passage {
@@ -435,7 +439,7 @@ where
     fn pull_ahead(
         &mut self,
         pull: impl FnOnce(&mut Self) -> Poll<Option<Result<C::Batch>>>,
-    ) -> Poll<Option<(Vec<Passage>, Result<C::Batch>)>> {
+    ) -> Poll<Option<Pulled<C::Batch>>> {
         // Changes met by a pull that was pending are still kept: they go with the
         // batch this one finds.
         self.deferred.get_or_insert_with(Vec::new);
@@ -457,7 +461,7 @@ where
     /// a worker's.
     fn hand_over(
         &mut self,
-        next: Option<(Vec<Passage>, Result<C::Batch>)>,
+        next: Option<Pulled<C::Batch>>,
     ) -> Option<Result<C::Batch>> {
         let Some((passages, batch)) = next else {
             for p in std::mem::take(&mut self.tail) {
