@@ -459,10 +459,7 @@ where
     /// A batch the stage hands over (with its state changes); after the last, the
     /// changes of the end. An error of the stage (a failed copy) ends the epoch like
     /// a worker's.
-    fn hand_over(
-        &mut self,
-        next: Option<Pulled<C::Batch>>,
-    ) -> Option<Result<C::Batch>> {
+    fn hand_over(&mut self, next: Option<Pulled<C::Batch>>) -> Option<Result<C::Batch>> {
         let Some((passages, batch)) = next else {
             for p in std::mem::take(&mut self.tail) {
                 self.make(p);
