@@ -131,7 +131,7 @@ pub(super) struct DecodeTable {
 impl DecodeTable {
     pub(super) fn new(
         fds: Vec<OwnedFd>,
-        references: Vec<Reference<'static>>,
+        references: Vec<(Reference<'static>, bool)>,
         returns: Arc<dyn GiveBack>,
     ) -> DecodeTable {
         static IDS: AtomicU64 = AtomicU64::new(1);
@@ -139,7 +139,7 @@ impl DecodeTable {
             error: None,
             used: vec![false; fds.len()],
             fds: fds.into_iter().map(Some).collect(),
-            references: references.into_iter().map(|r| (r, false)).collect(),
+            references,
             id: IDS.fetch_add(1, Ordering::Relaxed),
             deferred: Vec::new(),
             landed: Vec::new(),

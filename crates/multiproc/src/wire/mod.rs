@@ -315,11 +315,8 @@ fn decode_body<T: DeserializeOwned>(
     let parts = split_packet(bytes, &mut fds).map_err(|e| (e, false))?;
     // A section that cannot be read lists nothing to give back: the packet is not one
     // of ours.
-    let references = references::parse(&parts.section)
-        .map_err(|e| (e, false))?
-        .into_iter()
-        .map(Reference::into_owned)
-        .collect::<Vec<_>>();
+    let references = references::parse_into(&parts.section, |r| (r.into_owned(), false))
+        .map_err(|e| (e, false))?;
     let table = DecodeTable::new(fds, references, Arc::clone(returns));
     let (result, mut table) = decoding(table, || {
         match postcard::take_from_bytes::<T>(&parts.payload) {

@@ -72,6 +72,10 @@ impl std::fmt::Debug for dyn GiveBack {
     }
 }
 
+/// What a section being built reserves at its first entry: the count and a few
+/// entries (an inode entry is at most 21 bytes).
+const SECTION_CAPACITY: usize = 64;
+
 /// Most entries one section may declare: a section is read from a packet of at most
 /// a few hundred KiB, and an entry takes at least two bytes.
 const MAX_ENTRIES: usize = 1 << 20;
@@ -79,6 +83,15 @@ const MAX_ENTRIES: usize = 1 << 20;
 /// The entries of a references section (`section`: the bytes the header says it
 /// spans). Untrusted: every count and entry is checked.
 pub(crate) fn parse(section: &[u8]) -> Result<Vec<Reference<'_>>> {
+    parse_into(section, |r| r)
+}
+
+/// [`parse`], each entry made into what `into` returns, in one allocation (a decode
+/// keeps owned entries with a flag each).
+pub(crate) fn parse_into<'a, R>(
+    section: &'a [u8],
+    mut into: impl FnMut(Reference<'a>) -> R,
+) -> Result<Vec<R>> {
     if section.is_empty() {
         return Ok(Vec::new());
     }
@@ -100,7 +113,7 @@ pub(crate) fn parse(section: &[u8]) -> Result<Vec<Reference<'_>>> {
     for i in 0..count {
         let (entry, after) = postcard::take_from_bytes::<Reference<'_>>(rest)
             .map_err(|e| bad(format!("has a malformed entry #{i}: {e}")))?;
-        entries.push(entry);
+        entries.push(into(entry));
         rest = after;
     }
     if !rest.is_empty() {
@@ -112,6 +125,9 @@ pub(crate) fn parse(section: &[u8]) -> Result<Vec<Reference<'_>>> {
 /// Appends one entry to a section being built (`count` entries so far).
 pub(crate) fn push(section: &mut Vec<u8>, count: &mut u32, reference: &Reference<'_>) {
     if section.is_empty() {
+        // Room for the count and a few entries: growing from empty costs a
+        // reallocation per message.
+        section.reserve(SECTION_CAPACITY);
         section.extend_from_slice(&[0; 4]);
     }
     // Writing into a Vec cannot fail for these types.
