@@ -326,9 +326,11 @@ impl<'de> Deserialize<'de> for SegmentHandle {
             Reference::Name(name) => named_handle(&name, end).map_err(fail)?,
         };
         // The block's use came with the message; adopted only once it is mapped.
-        let landed = Arc::clone(&segment);
         let decode = dec
-            .adopt(reference, Box::new(move || landed.use_landed()))
+            .adopt(
+                reference,
+                Arc::clone(&segment) as Arc<dyn crate::wire::Landing>,
+            )
             .map_err(D::Error::custom)?;
         Ok(SegmentHandle {
             brought: Some(BlockUse::adopt(Arc::clone(&segment), decode)),

@@ -122,7 +122,7 @@ pub(super) struct DecodeTable {
     pub(super) deferred: Vec<Box<dyn Carried>>,
     /// What the adopting handles do once the decode has succeeded (a block's use then
     /// stops being in flight: see [`Decoder::adopt`]).
-    pub(super) landed: Vec<Box<dyn FnOnce() + Send>>,
+    pub(super) landed: Vec<Arc<dyn Landing>>,
     /// What gives back the references of a packet that will not be decoded: lent to
     /// the nested messages this decode makes ([`Decoder::give_back_to`]).
     pub(super) returns: Arc<dyn GiveBack>,
@@ -151,6 +151,14 @@ impl DecodeTable {
     pub(super) fn into_fds(self) -> Vec<OwnedFd> {
         self.fds.into_iter().flatten().collect()
     }
+}
+
+/// What holds a use that a message brought (a block), told once the decode that
+/// adopted it has succeeded (see [`Decoder::adopt`]). A trait object rather than a
+/// closure: the holder is already shared, so telling it costs no allocation.
+pub(crate) trait Landing: Send + Sync {
+    /// The decode that adopted the use succeeded: the use is this process's now.
+    fn landed(&self);
 }
 
 thread_local! {
@@ -494,13 +502,13 @@ impl<'w> Decoder<'w> {
 
     /// Records that the handle being decoded adopted entry `index` of the references
     /// section; returns this decode's id, for the adopted use (see the module docs).
-    /// `landed` runs once the whole decode has succeeded (never when it fails: the
+    /// `landed` is told once the whole decode has succeeded (never when it fails: the
     /// packet then still carries the use). An entry is adopted once: a second handle
     /// naming it is malformed.
     pub(crate) fn adopt(
         &self,
         index: u32,
-        landed: Box<dyn FnOnce() + Send>,
+        landed: Arc<dyn Landing>,
     ) -> std::result::Result<u64, String> {
         let what = self.what;
         self.with_table(|table| {

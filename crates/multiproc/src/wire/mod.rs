@@ -66,7 +66,7 @@ use serde::de::DeserializeOwned;
 use context::{
     AttachedFd, DecodeTable, EncodeTable, check_all_used, decoding, encoding, is_encoding,
 };
-pub(crate) use context::{Carried, Decoder, Encoder, defer_give_back, is_decoding};
+pub(crate) use context::{Carried, Decoder, Encoder, Landing, defer_give_back, is_decoding};
 pub(crate) use custody::{Custody, KeptBlock};
 pub(crate) use opaque::Opaque;
 use packet::read_sealed_payload;
@@ -336,7 +336,7 @@ fn decode_body<T: DeserializeOwned>(
     match result {
         Ok(value) => {
             // The adopted uses are this process's now, no longer the message's.
-            landed.into_iter().for_each(|land| land());
+            landed.iter().for_each(|l| l.landed());
             // Uses this process held already, or dropped by the value's own impls.
             drop(deferred);
             Ok(value)

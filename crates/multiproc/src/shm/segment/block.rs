@@ -343,3 +343,10 @@ impl Segment {
         h.pooled.load(Ordering::Acquire) == 0 || !self.creator_lives()
     }
 }
+
+impl crate::wire::Landing for Segment {
+    /// A decode adopted the use a message brought ([`Segment::use_landed`]).
+    fn landed(&self) {
+        self.use_landed();
+    }
+}
