@@ -9,7 +9,7 @@
 //! - A batch handed to the caller is complete on the device: its copy's event was
 //!   waited for first (the same rule as every CUDA operation of this crate), by the
 //!   iterator in its thread, by a stream through the driver's callback (see
-//!   `sys::cuda_driver::Landing`).
+//!   `sys::cuda_driver::CopiesDone`).
 //! - Batches come out in the order they were pulled, and an error after the batches
 //!   pulled before it; a resumed state counts only batches handed to the caller (each
 //!   staged batch carries the state changes its epoch makes at its hand-over: a

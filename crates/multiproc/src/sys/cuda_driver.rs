@@ -394,20 +394,20 @@ impl Transfer {
         Ok(())
     }
 
-    /// A [`Landing`] the driver sets once the copies issued so far are complete (or
+    /// A [`CopiesDone`] the driver sets once the copies issued so far are complete (or
     /// the context failed: [`wait`](Self::wait) then says why), from a thread of its
     /// own (`cuStreamAddCallback`, which, unlike `cuLaunchHostFunc`, is called on a
     /// device error too, so an awaited transfer cannot wait forever).
-    pub(crate) fn landing(&mut self) -> Result<std::sync::Arc<Landing>> {
+    pub(crate) fn copies_done(&mut self) -> Result<std::sync::Arc<CopiesDone>> {
         driver()?.bind(self.stream.device)?;
-        let landing = std::sync::Arc::new(Landing::default());
-        let user = std::sync::Arc::into_raw(std::sync::Arc::clone(&landing));
-        // SAFETY: a live stream of this context; `landed` takes back the reference
+        let signal = std::sync::Arc::new(CopiesDone::default());
+        let user = std::sync::Arc::into_raw(std::sync::Arc::clone(&signal));
+        // SAFETY: a live stream of this context; `on_copies_done` takes back the reference
         // `user` carries, and the driver calls it exactly once (on success or error).
         let r = unsafe {
             sys::cuStreamAddCallback(
                 self.stream.raw as sys::CUstream,
-                Some(landed),
+                Some(on_copies_done),
                 user.cast_mut().cast(),
                 0,
             )
@@ -417,7 +417,7 @@ impl Transfer {
             drop(unsafe { std::sync::Arc::from_raw(user) });
         }
         check(r, || "cuStreamAddCallback".into())?;
-        Ok(landing)
+        Ok(signal)
     }
 
     /// Waits until every copy issued is complete, then lets go of their host bytes.
@@ -439,15 +439,15 @@ impl Transfer {
     }
 }
 
-/// Whether the copies a [`Transfer::landing`] followed are complete, and who to wake
+/// Whether the copies a [`Transfer::copies_done`] followed are complete, and who to wake
 /// when they are: what an awaited transfer parks on instead of blocking its thread.
 #[derive(Default)]
-pub(crate) struct Landing {
+pub(crate) struct CopiesDone {
     done: AtomicBool,
     waker: std::sync::Mutex<Option<std::task::Waker>>,
 }
 
-impl Landing {
+impl CopiesDone {
     /// `Ready` once the driver has called back; until then `cx`'s waker is kept and
     /// woken from the driver's thread.
     #[cfg(feature = "async")]
@@ -471,13 +471,17 @@ impl Landing {
     }
 }
 
-/// The driver's callback after a transfer's copies (`Transfer::landing`). It makes no
+/// The driver's callback after a transfer's copies (`Transfer::copies_done`). It makes no
 /// CUDA call (the driver forbids it) and blocks the stream only for the wake-up.
-unsafe extern "C" fn landed(_stream: sys::CUstream, _status: sys::CUresult, user: *mut c_void) {
-    // SAFETY: `user` is the reference `Transfer::landing` gave up for this one call.
-    let landing = unsafe { std::sync::Arc::from_raw(user.cast_const().cast::<Landing>()) };
-    landing.done.store(true, Ordering::Release);
-    let waker = landing.waker_slot().take();
+unsafe extern "C" fn on_copies_done(
+    _stream: sys::CUstream,
+    _status: sys::CUresult,
+    user: *mut c_void,
+) {
+    // SAFETY: `user` is the reference `Transfer::copies_done` gave up for this one call.
+    let signal = unsafe { std::sync::Arc::from_raw(user.cast_const().cast::<CopiesDone>()) };
+    signal.done.store(true, Ordering::Release);
+    let waker = signal.waker_slot().take();
     if let Some(waker) = waker {
         // An executor's wake that panics must not unwind into the driver's thread.
         let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| waker.wake()));

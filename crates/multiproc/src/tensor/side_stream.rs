@@ -17,7 +17,7 @@ use std::task::{Context, Poll};
 use super::Tensor;
 use crate::cuda::Device;
 use crate::error::Result;
-use crate::sys::cuda_driver::{self as driver, Landing, Stream, Transfer};
+use crate::sys::cuda_driver::{self as driver, CopiesDone, Stream, Transfer};
 
 /// Page-locks the host bytes of `t` for every CUDA context of this process (registered
 /// with `device`'s context current), once per shared segment. A tensor in private
@@ -50,7 +50,7 @@ pub(crate) struct InFlight {
     /// Set by the driver when the copies are done (copies started `awaited`, which
     /// only a stream does: feature `async`).
     #[cfg_attr(not(feature = "async"), allow(dead_code))]
-    landing: Option<Arc<Landing>>,
+    done: Option<Arc<CopiesDone>>,
 }
 
 impl InFlight {
@@ -65,8 +65,8 @@ impl InFlight {
     /// not started `awaited`.
     #[cfg(feature = "async")]
     pub(crate) fn poll_done(&self, cx: &mut Context<'_>) -> Poll<()> {
-        match &self.landing {
-            Some(landing) => landing.poll(cx),
+        match &self.done {
+            Some(done) => done.poll(cx),
             None => Poll::Ready(()),
         }
     }
@@ -133,11 +133,11 @@ impl Copier {
             Ok(())
         })?;
         transfer.record()?;
-        let landing = if awaited {
-            Some(transfer.landing()?)
+        let done = if awaited {
+            Some(transfer.copies_done()?)
         } else {
             None
         };
-        Ok(InFlight { transfer, landing })
+        Ok(InFlight { transfer, done })
     }
 }
