@@ -30,27 +30,8 @@ use std::time::{Duration, Instant};
 
 use common::cuda::*;
 use futures_core::Stream;
-use multiproc::data::{DataLoader, DataLoaderBuilder, Dataset};
-use multiproc::{DType, Device, Tensor, cuda};
-
-/// Sample `i` is `width` elements equal to `i`, labelled `i`.
-#[derive(Clone, serde::Serialize, serde::Deserialize)]
-struct Ramp {
-    n: usize,
-    width: usize,
-}
-
-impl Dataset for Ramp {
-    type Item = (Tensor, i64);
-
-    fn len(&self) -> usize {
-        self.n
-    }
-
-    fn get(&self, i: usize) -> multiproc::Result<(Tensor, i64)> {
-        Ok((Tensor::full(&[self.width], i as f64, DType::F32)?, i as i64))
-    }
-}
+use multiproc::data::{DataLoader, DataLoaderBuilder};
+use multiproc::{Device, cuda};
 
 /// How long one awaited batch may take before the test fails.
 const WAIT: Duration = Duration::from_secs(30);
@@ -69,46 +50,24 @@ async fn next<S: Stream + Unpin>(stream: &mut S) -> Option<S::Item> {
         .expect("a batch within the wait")
 }
 
-/// Checks batch `(x, y)` (on the device) is the CPU batch `(wx, wy)`.
-fn same_batch(got: &(Tensor, Tensor), want: &(Tensor, Tensor), what: &str) {
-    let ((x, y), (wx, wy)) = (got, want);
-    assert_eq!(
-        (x.device(), y.device()),
-        (GPU, GPU),
-        "{what} is on the device"
-    );
-    assert_eq!((x.shape(), y.shape()), (wx.shape(), wy.shape()), "{what}");
-    let (hx, hy) = (x.to(Device::Cpu).unwrap(), y.to(Device::Cpu).unwrap());
-    assert_eq!(
-        hx.to_vec::<f32>().unwrap(),
-        wx.to_vec::<f32>().unwrap(),
-        "x of {what}"
-    );
-    assert_eq!(
-        hy.to_vec::<i64>().unwrap(),
-        wy.to_vec::<i64>().unwrap(),
-        "y of {what}"
-    );
-}
-
 #[test]
 #[ignore = "needs a CUDA device"]
 fn a_prefetching_stream_yields_the_iterators_batches_on_the_device_in_order() {
     warm_up_cuda();
     common::async_rt::warm_up();
     common::run(DEADLINE, || {
-        let data = Ramp { n: 90, width: 3000 };
-        let build =
-            |b: DataLoaderBuilder<Ramp>| b.batch_size(6).shuffle(7).num_workers(2).build().unwrap();
-        let mut cpu = build(DataLoader::builder(data.clone()));
-        let mut gpu = build(DataLoader::builder(data).prefetch_to(GPU, 3));
+        let (mut cpu, mut gpu) = ramp_loaders_without_and_with_prefetch();
         runtime().block_on(async {
             for epoch in 0..2 {
                 let mut stream = gpu.stream();
                 let mut n = 0;
                 for (b, want) in cpu.iter().enumerate() {
                     let got = next(&mut stream).await.expect("as many batches").unwrap();
-                    same_batch(&got, &want.unwrap(), &format!("batch {b} of epoch {epoch}"));
+                    same_batch_on_device(
+                        &got,
+                        &want.unwrap(),
+                        &format!("batch {b} of epoch {epoch}"),
+                    );
                     // Batches pulled ahead are not counted as yielded.
                     if b + 1 < 15 {
                         assert_eq!(
@@ -172,7 +131,7 @@ fn a_stream_parks_on_the_copies_and_the_driver_wakes_it() {
                 Poll::Ready(Some(b)) => {
                     let (x, y) = b.unwrap();
                     assert_eq!(x.device(), GPU);
-                    check_ramp(&x, &y, got * batch, batch, width);
+                    check_ramp_batch(&x, &y, got * batch, batch, width);
                     got += 1;
                 }
                 Poll::Pending => {
@@ -190,7 +149,7 @@ fn a_stream_parks_on_the_copies_and_the_driver_wakes_it() {
         }
         assert_eq!(got, n / batch);
         eprintln!("{got} batches, {pending} polls parked on copies");
-        if fake_driver() {
+        if fake_host_counts().is_some() {
             // The stand-in runs a stream's copies only in its callback, 10 ms
             // after it is queued: the first batch cannot be ready at the first poll.
             assert!(pending > 0, "the stream never parked on its copies");
@@ -216,7 +175,7 @@ fn a_stream_dropped_with_copies_in_flight_leaks_nothing() {
         runtime().block_on(async {
             let mut stream = loader.stream();
             let (x, y) = next(&mut stream).await.unwrap().unwrap();
-            check_ramp(&x, &y, 0, 4, width);
+            check_ramp_batch(&x, &y, 0, 4, width);
             // The next poll pulls more batches and issues their copies; it may park.
             let more = poll_fn(|cx| Poll::Ready(Pin::new(&mut stream).poll_next(cx))).await;
             drop(more);
@@ -226,67 +185,13 @@ fn a_stream_dropped_with_copies_in_flight_leaks_nothing() {
             // stream's copies did not land in memory it handed back.
             let mut stream = loader.stream();
             let (x, y) = next(&mut stream).await.unwrap().unwrap();
-            check_ramp(&x, &y, 0, 4, width);
+            check_ramp_batch(&x, &y, 0, 4, width);
         });
         drop(loader);
         cuda::empty_cache();
         // Every staged batch's device memory came back once its copy was done.
-        let slack = 16 * MIB;
-        let until = Instant::now() + Duration::from_secs(10);
-        let mut free = free_device_memory();
-        while free + slack < free_before && Instant::now() < until {
-            std::thread::sleep(Duration::from_millis(10));
-            free = free_device_memory();
-        }
-        assert!(
-            free + slack >= free_before,
-            "device memory free {free} after the loader, {free_before} before"
-        );
+        assert_device_memory_back(free_before);
     });
-}
-
-/// Checks batch `(x, y)` of `rows` samples of `len` elements is samples `first..`.
-fn check_ramp(x: &Tensor, y: &Tensor, first: usize, rows: usize, len: usize) {
-    assert_eq!(x.shape(), [rows, len]);
-    let xs = x.to(Device::Cpu).unwrap().to_vec::<f32>().unwrap();
-    let ys = y.to(Device::Cpu).unwrap().to_vec::<i64>().unwrap();
-    for r in 0..rows {
-        let want = (first + r) as f32;
-        assert_eq!(ys[r], want as i64, "label of row {r}");
-        assert!(
-            xs[r * len..(r + 1) * len].iter().all(|&v| v == want),
-            "row {r} of the batch from sample {first} is not all {want}"
-        );
-    }
-}
-
-/// Whether the loaded libcuda is the stand-in (scripts/fake_libcuda.c), which defines
-/// a symbol the real driver lacks.
-fn fake_driver() -> bool {
-    // SAFETY: RTLD_NOLOAD only finds a library already loaded (by the driver loader);
-    // the handle is closed below.
-    let lib = unsafe { libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD) };
-    if lib.is_null() {
-        return false;
-    }
-    // SAFETY: a live handle; looking a symbol up calls nothing.
-    let fake = !unsafe { libc::dlsym(lib, c"fake_cuda_host_counts".as_ptr()) }.is_null();
-    // SAFETY: the handle from dlopen above, closed once.
-    unsafe { libc::dlclose(lib) };
-    fake
-}
-
-/// `0..n`, as a stream.
-#[derive(Clone, serde::Serialize, serde::Deserialize)]
-struct Count(i64);
-
-impl multiproc::data::IterableDataset for Count {
-    type Item = i64;
-    type Iter = std::vec::IntoIter<multiproc::Result<i64>>;
-
-    fn iter(&self, _epoch: u64) -> Self::Iter {
-        (0..self.0).map(Ok).collect::<Vec<_>>().into_iter()
-    }
 }
 
 #[test]

@@ -14,46 +14,12 @@ multiproc::test_init!();
 
 mod common;
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use common::cuda::*;
 use common::secs;
-use multiproc::data::{
-    Collate, DataLoader, DataLoaderBuilder, Dataset, IterableDataset, WorkerKind,
-};
+use multiproc::data::{Collate, DataLoader, DataLoaderBuilder, IterableDataset, WorkerKind};
 use multiproc::{DType, Device, Error, StartMethod, Tensor, cuda};
-
-/// Sample `i` is `len` elements equal to `i`, labelled `i`.
-#[derive(Clone, serde::Serialize, serde::Deserialize)]
-struct Ramp {
-    n: usize,
-    width: usize,
-}
-
-impl Dataset for Ramp {
-    type Item = (Tensor, i64);
-
-    fn len(&self) -> usize {
-        self.n
-    }
-
-    fn get(&self, i: usize) -> multiproc::Result<(Tensor, i64)> {
-        Ok((Tensor::full(&[self.width], i as f64, DType::F32)?, i as i64))
-    }
-}
-
-/// A stream of `0..n`.
-#[derive(Clone, serde::Serialize, serde::Deserialize)]
-struct Count(i64);
-
-impl IterableDataset for Count {
-    type Item = i64;
-    type Iter = std::vec::IntoIter<multiproc::Result<i64>>;
-
-    fn iter(&self, _epoch: u64) -> Self::Iter {
-        (0..self.0).map(Ok).collect::<Vec<_>>().into_iter()
-    }
-}
 
 /// `0..n` split over the workers (worker `k` of `m` streams `k, k + m, ...`), which
 /// reports where it stands: a stream a loader can resume mid-epoch.
@@ -297,59 +263,8 @@ fn an_iterable_loaders_batches_are_pinned_from_workers_and_in_process() {
                 .collect();
             assert_eq!(seen, want, "{workers} workers");
         }
-        multiproc::__testing::flush_retained_segments();
-        multiproc::__testing::release_idle_blocks();
-        if let (Some(b), Some(a)) = (before, fake_host_counts()) {
-            assert!(a[0] > b[0], "no registration was made");
-            assert_eq!(a[2], b[2], "a block was registered twice");
-            assert_eq!(
-                a[3], b[3],
-                "a block was unmapped before it was unregistered"
-            );
-        }
+        assert_registered_once_each(before);
     });
-}
-
-/// The stand-in libcuda's counters of page-locked host memory (scripts/fake_libcuda.c):
-/// registrations made, undone, refused as registered already, undone after their
-/// memory was unmapped, and registered now. `None` on a real driver, which has no such
-/// symbol.
-fn fake_host_counts() -> Option<[i64; 5]> {
-    for name in [c"libcuda.so.1", c"libcuda.so"] {
-        // SAFETY: RTLD_NOLOAD only finds a library already loaded (by the driver
-        // loader); the handle is closed below.
-        let lib = unsafe { libc::dlopen(name.as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD) };
-        if lib.is_null() {
-            continue;
-        }
-        // SAFETY: a live handle; looking a symbol up calls nothing.
-        let sym = unsafe { libc::dlsym(lib, c"fake_cuda_host_counts".as_ptr()) };
-        let mut out = [0i64; 5];
-        if !sym.is_null() {
-            // SAFETY: the stand-in defines `void fake_cuda_host_counts(long long[5])`.
-            let f: extern "C" fn(*mut i64) = unsafe { std::mem::transmute(sym) };
-            f(out.as_mut_ptr());
-        }
-        // SAFETY: the handle from dlopen above, closed once.
-        unsafe { libc::dlclose(lib) };
-        return (!sym.is_null()).then_some(out);
-    }
-    None
-}
-
-/// Checks batch `(x, y)` of `rows` samples of `len` elements is samples `first..`.
-fn check_ramp_batch(x: &Tensor, y: &Tensor, first: usize, rows: usize, len: usize) {
-    assert_eq!(x.shape(), [rows, len]);
-    let xs = x.to(Device::Cpu).unwrap().to_vec::<f32>().unwrap();
-    let ys = y.to(Device::Cpu).unwrap().to_vec::<i64>().unwrap();
-    for r in 0..rows {
-        let want = (first + r) as f32;
-        assert_eq!(ys[r], want as i64, "label of row {r}");
-        assert!(
-            xs[r * len..(r + 1) * len].iter().all(|&v| v == want),
-            "row {r} of the batch from sample {first} is not all {want}"
-        );
-    }
 }
 
 #[test]
@@ -441,16 +356,7 @@ fn pin_memory_pins_batches_made_in_this_process_and_by_thread_workers() {
         let plain = Tensor::full(&[1000], 1.0, DType::F32).unwrap();
         assert!(!plain.is_pinned(), "a private tensor is not pinned");
         assert!(!arange_on_gpu(4).is_pinned(), "a CUDA tensor is not pinned");
-        multiproc::__testing::flush_retained_segments();
-        multiproc::__testing::release_idle_blocks();
-        if let (Some(b), Some(a)) = (before, fake_host_counts()) {
-            assert!(a[0] > b[0], "no registration was made");
-            assert_eq!(a[2], b[2], "a block was registered twice");
-            assert_eq!(
-                a[3], b[3],
-                "a block was unmapped before it was unregistered"
-            );
-        }
+        assert_registered_once_each(before);
     });
 }
 
@@ -459,30 +365,13 @@ fn pin_memory_pins_batches_made_in_this_process_and_by_thread_workers() {
 fn prefetched_batches_are_on_the_device_and_equal_the_cpu_batches_in_order() {
     warm_up_cuda();
     common::run(DEADLINE, || {
-        let data = Ramp { n: 90, width: 3000 };
-        let build =
-            |b: DataLoaderBuilder<Ramp>| b.batch_size(6).shuffle(7).num_workers(2).build().unwrap();
-        let mut cpu = build(DataLoader::builder(data.clone()));
-        let mut gpu = build(DataLoader::builder(data).prefetch_to(GPU, 3));
+        let (mut cpu, mut gpu) = ramp_loaders_without_and_with_prefetch();
         for epoch in 0..2 {
             let mut n = 0;
             let mut on_gpu = gpu.iter();
             for (b, want) in cpu.iter().enumerate() {
-                let (wx, wy) = want.unwrap();
-                let (x, y) = on_gpu.next().expect("as many batches").unwrap();
-                assert_eq!((x.device(), y.device()), (GPU, GPU), "batch {b}");
-                assert_eq!((x.shape(), y.shape()), (wx.shape(), wy.shape()));
-                let (hx, hy) = (x.to(Device::Cpu).unwrap(), y.to(Device::Cpu).unwrap());
-                assert_eq!(
-                    hx.to_vec::<f32>().unwrap(),
-                    wx.to_vec::<f32>().unwrap(),
-                    "x of batch {b} of epoch {epoch}"
-                );
-                assert_eq!(
-                    hy.to_vec::<i64>().unwrap(),
-                    wy.to_vec::<i64>().unwrap(),
-                    "y of batch {b} of epoch {epoch}"
-                );
+                let got = on_gpu.next().expect("as many batches").unwrap();
+                same_batch_on_device(&got, &want.unwrap(), &format!("batch {b} of epoch {epoch}"));
                 // Batches pulled ahead are not counted as yielded.
                 if b + 1 < 15 {
                     assert_eq!(
@@ -528,17 +417,7 @@ fn an_epoch_dropped_with_copies_in_flight_waits_for_them_and_leaks_nothing() {
         drop((x, y, loader));
         cuda::empty_cache();
         // Every staged batch's device memory came back once its copy was done.
-        let slack = 16 * MIB;
-        let until = Instant::now() + secs(10);
-        let mut free = free_device_memory();
-        while free + slack < free_before && Instant::now() < until {
-            std::thread::sleep(Duration::from_millis(10));
-            free = free_device_memory();
-        }
-        assert!(
-            free + slack >= free_before,
-            "device memory free {free} after the loader, {free_before} before"
-        );
+        assert_device_memory_back(free_before);
         assert!(started.elapsed() < secs(60));
     });
 }
