@@ -213,9 +213,10 @@ impl<B> DeviceStage<B> {
     }
 
     /// The next batch to hand over: pulls batches with `pull` (what to do to the
-    /// state at its hand-over, and the batch; `None` at the end) and starts their copies until `ahead` are in flight
-    /// behind the one returned, or an error was pulled; then waits for the oldest.
-    /// Returns its `N`, for the caller to count it as yielded.
+    /// state at its hand-over, and the batch; `None` at the end) and starts their
+    /// copies until `ahead` are in flight behind the one returned, or an error was
+    /// pulled; then waits for the oldest. Returns its `N` with it, for the caller to
+    /// count it as yielded.
     pub(super) fn next<N>(
         &self,
         staged: &mut Staged<B, N>,

@@ -424,6 +424,7 @@ where
         }
     }
 
+    /// Makes `passage` in the loader's state (what `state_dict` reports).
     fn make(&mut self, passage: Passage) {
         if let Some(p) = self.loader.progress.as_mut() {
             match passage {
