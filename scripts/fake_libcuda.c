@@ -557,7 +557,7 @@ int cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t n, void *strea
     return SUCCESS;
 }
 
-/* A stream callback runs on a thread of the stand-in's own, as the driver's do: 10 ms
+/* A stream callback runs on a thread of the stand-in's own, as the driver's do: 30 ms
  * later (so a caller that awaits it really waits), after running the
  * stream's queued copies (all of them, as cuEventSynchronize does). It is called
  * exactly once, with CUDA_SUCCESS, also when the stream was destroyed meanwhile (its
@@ -572,7 +572,7 @@ typedef struct {
 
 static void *run_callback(void *arg) {
     PendingCallback *c = arg;
-    struct timespec later = {0, 10 * 1000000};
+    struct timespec later = {0, 30 * 1000000};
     nanosleep(&later, NULL);
     pthread_mutex_lock(&stream_lock);
     if (known_stream(c->stream)) flush_locked(c->stream);
