@@ -4,7 +4,7 @@
 use super::Tensor;
 use super::dtype::sealed::Sealed;
 use super::dtype::{DType, Element, dispatch};
-use super::layout::{Layout, numel_of};
+use super::layout::{Dims, Layout, numel_of};
 use super::storage::Storage;
 use crate::error::{Error, Result};
 
@@ -179,8 +179,8 @@ impl Tensor {
         offset: usize,
     ) -> Result<Tensor> {
         let layout = Layout {
-            shape: shape.to_vec(),
-            strides: strides.to_vec(),
+            shape: Dims::from_slice(shape),
+            strides: Dims::from_slice(strides),
             offset,
         };
         Tensor::from_storage_and_layout(storage, dtype, layout)

@@ -3,7 +3,13 @@
 //! Invariant checked by [`Layout::check_bounds`]: every element the layout addresses
 //! lies inside the storage. All arithmetic on untrusted values is checked.
 
+use smallvec::SmallVec;
+
 use crate::error::{Error, Result};
+
+/// A shape or its strides: inline up to 4 dimensions, so making or receiving a tensor
+/// of the usual ranks allocates no `Vec` for them.
+pub(crate) type Dims = SmallVec<[usize; 4]>;
 
 /// Most dimensions a tensor may have (also a bound on what a message may claim).
 pub(crate) const MAX_DIMS: usize = 64;
@@ -11,14 +17,14 @@ pub(crate) const MAX_DIMS: usize = 64;
 /// Where a tensor's elements are in its storage.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct Layout {
-    pub(crate) shape: Vec<usize>,
-    pub(crate) strides: Vec<usize>,
+    pub(crate) shape: Dims,
+    pub(crate) strides: Dims,
     pub(crate) offset: usize,
 }
 
 /// Row-major strides for `shape`.
-pub(crate) fn contiguous_strides(shape: &[usize]) -> Vec<usize> {
-    let mut strides = vec![0; shape.len()];
+pub(crate) fn contiguous_strides(shape: &[usize]) -> Dims {
+    let mut strides = Dims::from_elem(0, shape.len());
     let mut acc = 1usize;
     for (s, &d) in strides.iter_mut().zip(shape).rev() {
         *s = acc;
@@ -50,7 +56,7 @@ impl Layout {
         }
         numel_of(shape)?;
         Ok(Layout {
-            shape: shape.to_vec(),
+            shape: Dims::from_slice(shape),
             strides: contiguous_strides(shape),
             offset: 0,
         })
@@ -148,7 +154,7 @@ impl Layout {
 
     /// The strides that view this layout's elements as `new_shape` without copying,
     /// if there are any (torch's `computeStride`).
-    pub(crate) fn view_strides(&self, new_shape: &[usize]) -> Option<Vec<usize>> {
+    pub(crate) fn view_strides(&self, new_shape: &[usize]) -> Option<Dims> {
         if self.numel() == 0 {
             return Some(contiguous_strides(new_shape));
         }
@@ -157,7 +163,7 @@ impl Layout {
         } else {
             (&self.shape, &self.strides)
         };
-        let mut new_strides = vec![0usize; new_shape.len()];
+        let mut new_strides = Dims::from_elem(0, new_shape.len());
         let mut view_d = new_shape.len() as isize - 1;
         let mut chunk_base_stride = *old_strides.last()?;
         let mut tensor_numel = 1usize;
@@ -194,16 +200,16 @@ mod tests {
 
     fn layout(shape: &[usize], strides: &[usize], offset: usize) -> Layout {
         Layout {
-            shape: shape.to_vec(),
-            strides: strides.to_vec(),
+            shape: Dims::from_slice(shape),
+            strides: Dims::from_slice(strides),
             offset,
         }
     }
 
     #[test]
     fn strides_and_contiguity() {
-        assert_eq!(contiguous_strides(&[2, 3, 4]), [12, 4, 1]);
-        assert_eq!(contiguous_strides(&[]), [0usize; 0]);
+        assert_eq!(contiguous_strides(&[2, 3, 4]).as_slice(), [12, 4, 1]);
+        assert_eq!(contiguous_strides(&[]).as_slice(), [0usize; 0]);
         assert!(layout(&[2, 3], &[3, 1], 5).is_contiguous());
         assert!(!layout(&[3, 2], &[1, 3], 0).is_contiguous());
         assert!(layout(&[3, 1], &[1, 99], 0).is_contiguous());
@@ -243,18 +249,21 @@ mod tests {
     #[test]
     fn views_follow_torch() {
         let c = Layout::contiguous(&[2, 3, 4]).unwrap();
-        assert_eq!(c.view_strides(&[6, 4]), Some(vec![4, 1]));
-        assert_eq!(c.view_strides(&[24]), Some(vec![1]));
-        assert_eq!(c.view_strides(&[1, 24, 1]), Some(vec![24, 1, 1]));
+        assert_eq!(c.view_strides(&[6, 4]).as_deref(), Some(&[4, 1][..]));
+        assert_eq!(c.view_strides(&[24]).as_deref(), Some(&[1][..]));
+        assert_eq!(
+            c.view_strides(&[1, 24, 1]).as_deref(),
+            Some(&[24, 1, 1][..])
+        );
         // The transpose of a 2x3 cannot be flattened without a copy.
         let t = layout(&[3, 2], &[1, 3], 0);
         assert_eq!(t.view_strides(&[6]), None);
         // But splitting a dimension of a transposed tensor can.
         let t = layout(&[4, 2], &[1, 4], 0);
-        assert_eq!(t.view_strides(&[2, 2, 2]), Some(vec![2, 1, 4]));
+        assert_eq!(t.view_strides(&[2, 2, 2]).as_deref(), Some(&[2, 1, 4][..]));
         // A scalar views as ones.
         let s = layout(&[], &[], 0);
-        assert_eq!(s.view_strides(&[1, 1]), Some(vec![1, 1]));
-        assert_eq!(s.view_strides(&[]), Some(vec![]));
+        assert_eq!(s.view_strides(&[1, 1]).as_deref(), Some(&[1, 1][..]));
+        assert_eq!(s.view_strides(&[]).as_deref(), Some(&[][..]));
     }
 }

@@ -80,7 +80,7 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 #[cfg(test)]
 use dtype::dispatch;
 pub use dtype::{DType, Element};
-use layout::{Layout, MAX_DIMS};
+use layout::{Dims, Layout, MAX_DIMS};
 use raw::Region;
 #[cfg(feature = "fuzzing")]
 pub(crate) use storage::ForgedStorageWire;
@@ -291,10 +291,37 @@ struct TensorWireOut<'a> {
 #[derive(Deserialize)]
 struct TensorWireIn {
     dtype: u8,
-    shape: Vec<usize>,
-    strides: Vec<usize>,
+    #[serde(deserialize_with = "received_dims")]
+    shape: Dims,
+    #[serde(deserialize_with = "received_dims")]
+    strides: Dims,
     offset: usize,
     storage: Storage,
+}
+
+/// A received shape or strides, as a sequence of `usize`. Room is made as elements
+/// arrive, never from the length the sender claims (smallvec's own impl reserves
+/// that much), so a forged length costs no memory; more than [`MAX_DIMS`] is refused
+/// by the caller, with the counts.
+fn received_dims<'de, D: Deserializer<'de>>(d: D) -> std::result::Result<Dims, D::Error> {
+    struct Visit;
+    impl<'de> serde::de::Visitor<'de> for Visit {
+        type Value = Dims;
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("a sequence of dimensions")
+        }
+        fn visit_seq<A: serde::de::SeqAccess<'de>>(
+            self,
+            mut seq: A,
+        ) -> std::result::Result<Dims, A::Error> {
+            let mut dims = Dims::new();
+            while let Some(d) = seq.next_element()? {
+                dims.push(d);
+            }
+            Ok(dims)
+        }
+    }
+    d.deserialize_seq(Visit)
 }
 
 impl Serialize for Tensor {

@@ -4,7 +4,7 @@
 
 use super::Tensor;
 use super::dtype::DType;
-use super::layout::{Layout, MAX_DIMS, numel_of};
+use super::layout::{Dims, Layout, MAX_DIMS, numel_of};
 use crate::error::{Error, Result};
 
 impl Tensor {
@@ -25,7 +25,7 @@ impl Tensor {
             ))
         })?;
         self.with_layout(Layout {
-            shape: shape.to_vec(),
+            shape: Dims::from_slice(shape),
             strides,
             offset: self.layout.offset,
         })
