@@ -39,8 +39,10 @@ use std::sync::Arc;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use smallvec::SmallVec;
+
 use super::Custody;
-use super::references::{GiveBack, Reference};
+use super::references::{Entries, GiveBack, Reference, Section};
 use crate::error::Error;
 
 /// A reference a message carries for its receiver (a use of a block, a name's
@@ -51,6 +53,10 @@ pub(crate) trait Carried: Send {
     /// go of it without giving it back.
     fn sent(self: Box<Self>);
 }
+
+/// The references one message carries: one or two inline, so a message with a tensor
+/// or two allocates no list for them.
+pub(crate) type CarriedList = SmallVec<[Box<dyn Carried>; 2]>;
 
 /// An fd in a message's side table: a duplicate the message owns, or a shared
 /// reference to the fd of a value that outlives nothing (a segment keeps its memfd in an
@@ -88,9 +94,9 @@ pub(super) struct EncodeTable {
     /// Which index each attached fd got (a message carries a handful: a list is
     /// cheaper than a hash map).
     index_of: Vec<(RawFd, u32)>,
-    pub(super) carried: Vec<Box<dyn Carried>>,
+    pub(super) carried: CarriedList,
     /// The packet's references section so far, and its number of entries.
-    pub(super) references: Vec<u8>,
+    pub(super) references: Section,
     reference_count: u32,
     /// The custody of the channel the message goes through, if it keeps its blocks'
     /// fds (see `custody`).
@@ -115,14 +121,14 @@ pub(super) struct DecodeTable {
     pub(super) fds: Vec<Option<OwnedFd>>,
     pub(super) used: Vec<bool>,
     /// The packet's references section, and whether a handle adopted each entry.
-    pub(super) references: Vec<(Reference<'static>, bool)>,
+    pub(super) references: Entries<(Reference<'static>, bool)>,
     /// This decode's id (see the module docs).
     id: u64,
     /// Uses adopted by this decode and dropped while it ran (see the module docs).
     pub(super) deferred: Vec<Box<dyn Carried>>,
     /// What the adopting handles do once the decode has succeeded (a block's use then
     /// stops being in flight: see [`Decoder::adopt`]).
-    pub(super) landed: Vec<Arc<dyn Landing>>,
+    pub(super) landed: SmallVec<[Arc<dyn Landing>; 2]>,
     /// What gives back the references of a packet that will not be decoded: lent to
     /// the nested messages this decode makes ([`Decoder::give_back_to`]).
     pub(super) returns: Arc<dyn GiveBack>,
@@ -131,7 +137,7 @@ pub(super) struct DecodeTable {
 impl DecodeTable {
     pub(super) fn new(
         fds: Vec<OwnedFd>,
-        references: Vec<(Reference<'static>, bool)>,
+        references: Entries<(Reference<'static>, bool)>,
         returns: Arc<dyn GiveBack>,
     ) -> DecodeTable {
         static IDS: AtomicU64 = AtomicU64::new(1);
@@ -142,7 +148,7 @@ impl DecodeTable {
             references,
             id: IDS.fetch_add(1, Ordering::Relaxed),
             deferred: Vec::new(),
-            landed: Vec::new(),
+            landed: SmallVec::new(),
             returns,
         }
     }

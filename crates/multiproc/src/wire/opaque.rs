@@ -108,7 +108,7 @@ impl Opaque {
             bytes,
             fds,
             // The references move to the Opaque.
-            carried: Arc::new(Mutex::new(std::mem::take(&mut inner.carried))),
+            carried: Arc::new(Mutex::new(std::mem::take(&mut inner.carried).into_vec())),
             unread: Arc::new(Mutex::new(None)),
         })
     }

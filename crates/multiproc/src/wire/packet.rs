@@ -5,7 +5,7 @@
 use std::cell::RefCell;
 use std::os::fd::BorrowedFd;
 
-use super::context::{AttachedFd, Carried};
+use super::context::{AttachedFd, CarriedList};
 use super::{FLAG_COUNTED, HEADER_LEN, INLINE_MAX, MAGIC, MEMFD_PAYLOAD_MAX, VERSION};
 use crate::error::{Error, Result};
 use crate::sys::memfd;
@@ -20,7 +20,7 @@ pub(crate) struct Encoded {
     pub(super) fds: Vec<AttachedFd>,
     /// The references taken for the receiver: handed over when the message is sent,
     /// given back when it is dropped unsent.
-    pub(super) carried: Vec<Box<dyn Carried>>,
+    pub(super) carried: CarriedList,
 }
 
 /// Clears a received packet's [`FLAG_COUNTED`]: its places were given back already,

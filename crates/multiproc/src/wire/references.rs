@@ -26,6 +26,7 @@ use std::os::fd::OwnedFd;
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
+use smallvec::SmallVec;
 
 use super::Custody;
 use crate::error::{Error, Result};
@@ -72,9 +73,12 @@ impl std::fmt::Debug for dyn GiveBack {
     }
 }
 
-/// What a section being built reserves at its first entry: the count and a few
-/// entries (an inode entry is at most 21 bytes).
-const SECTION_CAPACITY: usize = 64;
+/// A section being built: the count and a few entries are kept inline (an inode
+/// entry is at most 21 bytes), so a message with a tensor or two allocates none.
+pub(crate) type Section = SmallVec<[u8; 64]>;
+
+/// A section's entries as a decode keeps them: one or two inline.
+pub(crate) type Entries<R> = SmallVec<[R; 2]>;
 
 /// Most entries one section may declare: a section is read from a packet of at most
 /// a few hundred KiB, and an entry takes at least two bytes.
@@ -82,18 +86,18 @@ const MAX_ENTRIES: usize = 1 << 20;
 
 /// The entries of a references section (`section`: the bytes the header says it
 /// spans). Untrusted: every count and entry is checked.
-pub(crate) fn parse(section: &[u8]) -> Result<Vec<Reference<'_>>> {
+pub(crate) fn parse(section: &[u8]) -> Result<Entries<Reference<'_>>> {
     parse_into(section, |r| r)
 }
 
-/// [`parse`], each entry made into what `into` returns, in one allocation (a decode
-/// keeps owned entries with a flag each).
+/// [`parse`], each entry made into what `into` returns, with no allocation for one or
+/// two (a decode keeps owned entries with a flag each).
 pub(crate) fn parse_into<'a, R>(
     section: &'a [u8],
     mut into: impl FnMut(Reference<'a>) -> R,
-) -> Result<Vec<R>> {
+) -> Result<Entries<R>> {
     if section.is_empty() {
-        return Ok(Vec::new());
+        return Ok(Entries::new());
     }
     let bad = |what: String| Error::InvalidMessage(format!("the references section {what}"));
     let Some((count, mut rest)) = section.split_first_chunk::<4>() else {
@@ -109,7 +113,7 @@ pub(crate) fn parse_into<'a, R>(
             rest.len()
         )));
     }
-    let mut entries = Vec::with_capacity(count);
+    let mut entries = Entries::with_capacity(count);
     for i in 0..count {
         let (entry, after) = postcard::take_from_bytes::<Reference<'_>>(rest)
             .map_err(|e| bad(format!("has a malformed entry #{i}: {e}")))?;
@@ -123,16 +127,21 @@ pub(crate) fn parse_into<'a, R>(
 }
 
 /// Appends one entry to a section being built (`count` entries so far).
-pub(crate) fn push(section: &mut Vec<u8>, count: &mut u32, reference: &Reference<'_>) {
+pub(crate) fn push(section: &mut Section, count: &mut u32, reference: &Reference<'_>) {
     if section.is_empty() {
-        // Room for the count and a few entries: growing from empty costs a
-        // reallocation per message.
-        section.reserve(SECTION_CAPACITY);
         section.extend_from_slice(&[0; 4]);
     }
-    // Writing into a Vec cannot fail for these types.
-    if let Ok(out) = postcard::to_extend(reference, std::mem::take(section)) {
-        *section = out;
+    // Written into a buffer on the stack, then copied in one go: postcard's extending
+    // writer checks the section's room byte by byte. Only a long name needs more.
+    let mut entry = [0u8; 48];
+    match postcard::to_slice(reference, &mut entry) {
+        Ok(bytes) => section.extend_from_slice(bytes),
+        // Writing into a growable buffer cannot fail for these types.
+        Err(_) => {
+            if let Ok(out) = postcard::to_extend(reference, std::mem::take(section)) {
+                *section = out;
+            }
+        }
     }
     *count += 1;
     section[..4].copy_from_slice(&count.to_le_bytes());
@@ -169,12 +178,14 @@ mod tests {
                 ino: 1 << 40,
             },
             Reference::Name(Cow::Borrowed("mp-1-2-3")),
+            // Longer than the stack buffer an entry is first written into.
+            Reference::Name(Cow::Owned("n".repeat(100))),
         ];
-        let (mut section, mut count) = (Vec::new(), 0);
+        let (mut section, mut count) = (Section::new(), 0);
         for e in &entries {
             push(&mut section, &mut count, e);
         }
-        assert_eq!(parse(&section).unwrap(), entries);
+        assert_eq!(parse(&section).unwrap().as_slice(), entries);
         assert!(parse(&[]).unwrap().is_empty());
         assert!(parse(&[1, 0]).is_err());
         assert!(parse(&[9, 0, 0, 0, 0]).is_err());
