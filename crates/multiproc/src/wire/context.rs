@@ -27,7 +27,9 @@
 //! Invariant: the thread-local tables are set for exactly the duration of one
 //! `encode`/`decode` (reset on every exit path, panics included), and each method
 //! borrows them only for its own duration, so nested values' impls may call them in
-//! any order.
+//! any order. A table lives on the stack of the `encode` or `decode` that made it; the
+//! thread-local only lends it (`scoped_tls`), so a message's table is never moved in
+//! and out of thread-local storage.
 //!
 //! [`encode`]: super::encode
 //! [`decode`]: super::decode
@@ -154,8 +156,11 @@ impl DecodeTable {
     }
 
     /// The fds, all back in the table once the decode has ended.
-    pub(super) fn into_fds(self) -> Vec<OwnedFd> {
-        self.fds.into_iter().flatten().collect()
+    pub(super) fn take_fds(&mut self) -> Vec<OwnedFd> {
+        std::mem::take(&mut self.fds)
+            .into_iter()
+            .flatten()
+            .collect()
     }
 }
 
@@ -167,10 +172,8 @@ pub(crate) trait Landing: Send + Sync {
     fn landed(&self);
 }
 
-thread_local! {
-    static ENCODER: RefCell<Option<EncodeTable>> = const { RefCell::new(None) };
-    static DECODER: RefCell<Option<DecodeTable>> = const { RefCell::new(None) };
-}
+scoped_tls::scoped_thread_local!(static ENCODER: RefCell<EncodeTable>);
+scoped_tls::scoped_thread_local!(static DECODER: RefCell<DecodeTable>);
 
 /// The error a handle type gives when it is serialized outside a multiproc channel.
 fn outside_channel(what: &str) -> String {
@@ -180,74 +183,47 @@ fn outside_channel(what: &str) -> String {
     )
 }
 
-/// Runs `f` with `table` as this thread's encode context; returns what `f` returned and
-/// the table. The context is reset on every exit path, panics included.
-pub(super) fn encoding<R>(table: EncodeTable, f: impl FnOnce() -> R) -> (R, EncodeTable) {
-    with_table(&ENCODER, table, f)
+/// Runs `f` with `table` as this thread's encode context, and returns what `f`
+/// returned. The context is reset on every exit path, panics included.
+pub(super) fn encoding<R>(table: &RefCell<EncodeTable>, f: impl FnOnce() -> R) -> R {
+    ENCODER.set(table, f)
 }
 
 /// [`encoding`] for a decode.
-pub(super) fn decoding<R>(table: DecodeTable, f: impl FnOnce() -> R) -> (R, DecodeTable) {
-    with_table(&DECODER, table, f)
-}
-
-fn with_table<T: 'static, R>(
-    key: &'static std::thread::LocalKey<RefCell<Option<T>>>,
-    table: T,
-    f: impl FnOnce() -> R,
-) -> (R, T) {
-    struct Reset<T: 'static>(&'static std::thread::LocalKey<RefCell<Option<T>>>);
-    impl<T: 'static> Drop for Reset<T> {
-        fn drop(&mut self) {
-            let _ = self.0.try_with(|t| t.borrow_mut().take());
-        }
-    }
-    key.with(|t| *t.borrow_mut() = Some(table));
-    let reset = Reset(key);
-    let result = f();
-    let table = key.with(|t| t.borrow_mut().take());
-    drop(reset);
-    // `f` cannot take the table away: only this function sets or takes it.
-    match table {
-        Some(table) => (result, table),
-        None => unreachable!("the context table is set for the whole of `f`"),
-    }
+pub(super) fn decoding<R>(table: &RefCell<DecodeTable>, f: impl FnOnce() -> R) -> R {
+    DECODER.set(table, f)
 }
 
 /// Whether the decode with id `id` is running on this thread (see the module docs).
 pub(crate) fn is_decoding(id: u64) -> bool {
-    DECODER
-        .try_with(|d| {
-            d.try_borrow()
-                .is_ok_and(|t| t.as_ref().is_some_and(|t| t.id == id))
-        })
-        .unwrap_or(false)
+    DECODER.is_set() && DECODER.with(|d| d.try_borrow().is_ok_and(|t| t.id == id))
 }
 
 /// Defers giving back `reference`, a use adopted by the decode with id `id`, to that
 /// decode's end (see the module docs). Hands it back when that decode is not running
 /// on this thread: the caller gives it back now.
 pub(crate) fn defer_give_back(id: u64, reference: Box<dyn Carried>) -> Option<Box<dyn Carried>> {
-    let mut reference = Some(reference);
-    let _ = DECODER.try_with(|d| {
-        if let Ok(mut table) = d.try_borrow_mut() {
-            if let Some(table) = table.as_mut().filter(|t| t.id == id) {
-                table.deferred.extend(reference.take());
-            }
+    if !DECODER.is_set() {
+        return Some(reference);
+    }
+    DECODER.with(|d| match d.try_borrow_mut() {
+        Ok(mut table) if table.id == id => {
+            table.deferred.push(reference);
+            None
         }
-    });
-    reference
+        _ => Some(reference),
+    })
 }
 
 /// Whether every fd and every reference the message carried was named by a handle;
 /// what was not, as the error of a malformed message. Run at the end of a decode,
 /// inside it.
 pub(super) fn check_all_used() -> Result<(), Error> {
+    if !DECODER.is_set() {
+        return Ok(());
+    }
     DECODER.with(|d| {
-        let d = d.borrow();
-        let Some(table) = d.as_ref() else {
-            return Ok(());
-        };
+        let table = d.borrow();
         if let Some(i) = table.used.iter().position(|u| !u) {
             return Err(Error::InvalidMessage(format!(
                 "the message carried {} fds but fd #{i} is not referred to by its payload",
@@ -266,29 +242,27 @@ pub(super) fn check_all_used() -> Result<(), Error> {
 
 /// Whether this thread is encoding a message right now.
 pub(super) fn is_encoding() -> bool {
-    ENCODER.with(|e| e.borrow().is_some())
+    ENCODER.is_set()
 }
 
 /// Records `err` as why the current encode or decode fails (the first one counts) and
 /// returns its text, for `serde::ser::Error::custom` / `serde::de::Error::custom`.
-fn record(
-    key: &'static std::thread::LocalKey<RefCell<Option<impl ErrorSlot>>>,
-    err: Error,
-) -> String {
+fn record<T: ErrorSlot>(key: &'static scoped_tls::ScopedKey<RefCell<T>>, err: Error) -> String {
     let message = err.to_string();
-    key.with(|t| {
-        if let Some(table) = t.borrow_mut().as_mut() {
-            let slot = table.slot();
-            if slot.is_none() {
-                *slot = Some(Box::new(err));
+    if key.is_set() {
+        key.with(|t| {
+            if let Ok(mut table) = t.try_borrow_mut() {
+                let slot = table.slot();
+                if slot.is_none() {
+                    *slot = Some(Box::new(err));
+                }
             }
-        }
-    });
+        });
+    }
     message
 }
 
-/// Boxed, so that a table (moved in and out of its thread-local on every message)
-/// stays small.
+/// Boxed, so that a table (made on every message) stays small.
 trait ErrorSlot: 'static {
     fn slot(&mut self) -> &mut Option<Box<Error>>;
 }
@@ -389,12 +363,10 @@ impl<'w> Encoder<'w> {
         record(&ENCODER, err)
     }
 
+    /// An `Encoder` exists only while its table is set on this thread, and each
+    /// method borrows it for its own duration only.
     fn with_table<R>(&self, f: impl FnOnce(&mut EncodeTable) -> R) -> R {
-        ENCODER.with(|e| match e.borrow_mut().as_mut() {
-            Some(table) => f(table),
-            // An `Encoder` exists only while its table is set on this thread.
-            None => unreachable!("an Encoder outlived its encode"),
-        })
+        ENCODER.with(|e| f(&mut e.borrow_mut()))
     }
 }
 
@@ -426,7 +398,7 @@ impl<'w> Decoder<'w> {
     /// The decode running on this thread, for a handle that is `what`; outside one, the
     /// error that it can only be deserialized by a multiproc channel.
     pub(crate) fn current(what: &'w str) -> std::result::Result<Decoder<'w>, String> {
-        if DECODER.with(|d| d.borrow().is_some()) {
+        if DECODER.is_set() {
             Ok(Decoder {
                 what,
                 _this_thread: PhantomData,
@@ -549,12 +521,9 @@ impl<'w> Decoder<'w> {
         self.with_table(|table| Arc::clone(&table.returns))
     }
 
+    /// As `Encoder::with_table`.
     fn with_table<R>(&self, f: impl FnOnce(&mut DecodeTable) -> R) -> R {
-        DECODER.with(|d| match d.borrow_mut().as_mut() {
-            Some(table) => f(table),
-            // A `Decoder` exists only while its table is set on this thread.
-            None => unreachable!("a Decoder outlived its decode"),
-        })
+        DECODER.with(|d| f(&mut d.borrow_mut()))
     }
 }
 

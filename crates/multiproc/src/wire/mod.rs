@@ -57,6 +57,7 @@ mod packet;
 mod references;
 
 use std::borrow::Cow;
+use std::cell::RefCell;
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
 
@@ -115,7 +116,8 @@ pub(crate) fn encode_in<T: Serialize + ?Sized>(
     }
     // Room for a few tensors' handles up front: growing from empty costs several
     // reallocations per message.
-    let (bytes, table) = encoding(EncodeTable::new(custody.cloned()), || {
+    let table = RefCell::new(EncodeTable::new(custody.cloned()));
+    let bytes = encoding(&table, || {
         postcard::to_extend(value, Vec::with_capacity(ENCODE_CAPACITY))
     });
     let EncodeTable {
@@ -124,7 +126,7 @@ pub(crate) fn encode_in<T: Serialize + ?Sized>(
         error,
         references,
         ..
-    } = table;
+    } = table.into_inner();
     let mut encoded = Encoded {
         header: [0; HEADER_LEN],
         payload: Vec::new(),
@@ -317,8 +319,8 @@ fn decode_body<T: DeserializeOwned>(
     // of ours.
     let references = references::parse_into(&parts.section, |r| (r.into_owned(), false))
         .map_err(|e| (e, false))?;
-    let table = DecodeTable::new(fds, references, Arc::clone(returns));
-    let (result, mut table) = decoding(table, || {
+    let mut table = RefCell::new(DecodeTable::new(fds, references, Arc::clone(returns)));
+    let result = decoding(&table, || {
         match postcard::take_from_bytes::<T>(&parts.payload) {
             Ok((value, [])) => check_all_used().map(|()| value),
             // Dropped here, inside the decode, so that its uses are deferred.
@@ -331,6 +333,7 @@ fn decode_body<T: DeserializeOwned>(
             ))),
         }
     });
+    let table = table.get_mut();
     let deferred = std::mem::take(&mut table.deferred);
     let landed = std::mem::take(&mut table.landed);
     match result {
@@ -351,7 +354,7 @@ fn decode_body<T: DeserializeOwned>(
                 return Err((error, true));
             }
             let references = std::mem::take(&mut table.references);
-            let fds = table.into_fds();
+            let fds = table.take_fds();
             for (reference, _) in &references {
                 returns.give_back(reference, &fds);
             }
