@@ -158,7 +158,10 @@ impl SlotMemory for Ring {
         if len > RECORD_MAX {
             return None;
         }
-        let mut bytes = vec![0u8; len];
+        // Not `vec![0; len]`: that is `calloc`, whose blocks glibc never takes from its
+        // per-thread cache, so every record cost a slow allocation and a slow free.
+        let mut bytes = Vec::with_capacity(len);
+        bytes.resize(len, 0);
         self.block.read_bytes(at + RECORD_AT, &mut bytes);
         Some(bytes)
     }
@@ -377,8 +380,9 @@ impl Ring {
 
     /// Receives the oldest message, waiting until the deadline; `Ok(None)` when none
     /// came. `disconnected()` says whether no other holder of the channel is left; it is
-    /// asked on the first look and after each sleep, *before* the ring and the socket
-    /// are looked at, and when both are empty the answer is [`Error::Disconnected`].
+    /// asked when the first look, or the first after a sleep, finds nothing, and the
+    /// answer is [`Error::Disconnected`] only when a look at the ring and the socket
+    /// *after* it finds nothing too (as in [`try_recv`](Self::try_recv)).
     pub(crate) fn recv(
         &self,
         rx: BorrowedFd<'_>,
@@ -413,14 +417,22 @@ impl Ring {
         let mut busy: Option<(u64, Instant)> = None;
         let mut revoke = None;
         loop {
-            // Asked first: a holder that put and then left is gone before its messages
-            // are looked for, so they are found.
-            let alone = ask && disconnected();
             let seen = self.word(SEQ).load(Ordering::SeqCst);
             let mut until = None;
-            match self.look(rx, look_at_socket || alone, revoke.take(), &mut go_on)? {
+            // A message waiting is taken without asking who else holds the queue (the
+            // ask reads the clock and, now and then, asks the kernel).
+            let mut found = self.look(rx, look_at_socket, revoke.take(), &mut go_on)?;
+            if ask && matches!(found, Look::Nothing) && disconnected() {
+                // Looked at again, ring and socket, after the answer: a holder that put
+                // and then left is gone before its messages are looked for, so they
+                // are found.
+                match self.look(rx, true, None, &mut go_on)? {
+                    Look::Nothing => return Err(disconnected_error()),
+                    other => found = other,
+                }
+            }
+            match found {
                 Look::Packet(packet) => return Ok(Some(packet)),
-                Look::Nothing if alone => return Err(disconnected_error()),
                 Look::Nothing => busy = None,
                 Look::Busy(pos) => {
                     let since = match busy {
