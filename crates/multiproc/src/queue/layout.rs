@@ -8,7 +8,6 @@
 //! | words | owner | what |
 //! |---|---|---|
 //! | 0 | `shm::SharedWords` | the block's kind (`ring::KIND`) |
-//! | 8–9 | `ring` | `HEAD`: the position of the oldest record (64 bits, a hint) |
 //! | 10–11 | `ring` | `TAIL`: the position of the next record (64 bits, a hint) |
 //! | 12 | `ring` | `SEQ`: bumped by every publication; sleeping getters wait on it |
 //! | 13 | `ring` | `GET_WAITERS`: getters asleep on `SEQ` |
@@ -22,13 +21,17 @@
 //! | 37 | `counted` | `PLACE_WAITERS`: putters asleep on `FREE_PLACES` |
 //! | 38 | `counted` | `PLACE_DEBT`: places taken back from putters that timed out |
 //! | 39 | `ring` | `LEFT`: bumped by every channel value dropped (a holder leaving) |
+//! | 48–49 | `ring` | `HEAD`: the position of the oldest record (64 bits, a hint) |
 //!
-//! Words 1–7, 32 and 40 up are unused. The byte area after the page is [`SLOTS`] slots
+//! Words 1–9, 32, 40–47 and 50 up are unused. `HEAD`, which only getters write, has a
+//! cache line (16 words) of its own: on the line of `TAIL` and `SEQ`, which putters
+//! write, every get took the line away from the putters and every put took it back.
+//! (`SEQ` stays with `TAIL`: a getter reads it, and a put writes both.) The byte area after the page is [`SLOTS`] slots
 //! of [`SLOT_BYTES`] each: a 64-bit state word (`ring::slots`' protocol), a 32-bit
 //! length at [`LENGTH_AT`], and from [`RECORD_AT`] the record (a whole packet).
 
 /// Words of the ring (see the table).
-pub(super) const HEAD: usize = 8;
+pub(super) const HEAD: usize = 48;
 pub(super) const TAIL: usize = 10;
 pub(super) const SEQ: usize = 12;
 pub(super) const GET_WAITERS: usize = 13;
@@ -63,6 +66,7 @@ pub(super) const RECORD_AT: usize = 16;
 // Every word is on the page, and the slots' fields are in their slot.
 const _: () = assert!(
     PLACE_DEBT < crate::shm::FIRST_RESERVED_WORD
+        && HEAD + 1 < crate::shm::FIRST_RESERVED_WORD
         && LEFT < crate::shm::FIRST_RESERVED_WORD
         && SHELF_BASE[1] + SHELF_BYTES + 1 < FREE_PLACES
 );

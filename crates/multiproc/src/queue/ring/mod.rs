@@ -4,7 +4,7 @@
 //! than a slot, any message while the ring is full) and for packets that did not come
 //! through a `put` (forged ones, which a getter still receives and reports).
 //!
-//! **Layout.** One [`SharedWords`] (kind `RNG3`) whose byte area is `SLOTS` slots: each
+//! **Layout.** One [`SharedWords`] (kind `RNG4`) whose byte area is `SLOTS` slots: each
 //! a 64-bit state word, a 32-bit length and the record (a whole packet: wire header and
 //! inline payload, at most [`RECORD_MAX`] bytes). Words of the page: `HEAD` and `TAIL`
 //! (64-bit positions), `SEQ` (bumped by every publication; sleeping getters wait on
@@ -70,7 +70,7 @@ use crate::sys::{Deadline, Readiness, wait_fd};
 use crate::wire::{self, Decoder, Encoder};
 
 /// The kind word of a ring's block (the fuzzer's seeds recognise rings by it).
-pub(crate) const KIND: u32 = 0x524e_4733; // "RNG3"
+pub(crate) const KIND: u32 = 0x524e_4734; // "RNG4": `HEAD` moved (see `layout`)
 /// The largest packet that travels through the ring (a tensor's message is 30 to 60
 /// bytes); a larger one goes on the lane.
 const RECORD_MAX: usize = SLOT_BYTES - RECORD_AT;
