@@ -15,7 +15,8 @@
 //! [`Error::Disconnected`]: nothing can ever arrive. The holders are asked before the
 //! ring and the socket are looked at for the last time (a holder that put and left is
 //! gone before its messages are looked for, so they are found): by a `try_get` that
-//! found nothing, and by a waiting get on its first look and once per sleep. Both
+//! found nothing, and by a waiting get whose first look, or first after a sleep, found
+//! nothing (a message waiting is taken without asking). Both
 //! trust a sighting of other holders for [`HOLDERS_RECHECK`] (the answer costs a
 //! system call, and a get that finds the queue empty is on the hot path) unless a
 //! channel value was dropped since (the ring's `LEFT` word): so a `try_get` on an
