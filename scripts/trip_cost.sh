@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The instructions and heap allocations one tensor's put+get costs, counted (not
+# timed) with callgrind: deterministic where `multiproc bench` on a shared machine
+# varies by a fifth from run to run, so a change of a few percent shows.
+#
+# Builds examples/trip_cost, runs it under callgrind with 1,000 and 3,000 trips (spin
+# waits off: nothing waits in one process), and prints the difference per trip: the
+# trip alone, start-up excluded. One process plays both sides (see the example's doc
+# for what that leaves out). Needs valgrind (`apt install valgrind`).
+#
+# Usage: scripts/trip_cost.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+command -v valgrind >/dev/null || { echo "trip_cost: needs valgrind (apt install valgrind)" >&2; exit 2; }
+cargo build --release -q -p multiproc --example trip_cost
+exe=target/release/examples/trip_cost
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+for n in 1000 3000; do
+  MULTIPROC_SPIN_US=0 TRIPS=$n valgrind --tool=callgrind --callgrind-out-file="$work/$n.out" \
+    "$exe" >/dev/null 2>"$work/$n.log"
+done
+python3 - "$work" <<'PY'
+import re, sys
+work = sys.argv[1]
+def totals(n):
+    """Instructions, and calls into the allocator, of the run with n trips."""
+    names = {}  # callgrind names a function once, then by its number
+    def name(spec):
+        m = re.match(r"\((\d+)\)(?: (.*))?", spec.strip())
+        if not m:
+            return spec.strip()
+        if m.group(2):
+            names[m.group(1)] = m.group(2)
+        return names.get(m.group(1), "")
+    ir = calls = 0
+    cfn = None
+    for line in open(f"{work}/{n}.out"):
+        if line.startswith("summary:"):
+            ir = int(line.split()[1])
+        elif line.startswith("fn="):
+            name(line[3:])
+        elif line.startswith("cfn="):
+            cfn = name(line[4:])
+        elif line.startswith("calls=") and cfn is not None:
+            if cfn in ("malloc", "calloc", "realloc"):
+                calls += int(line[6:].split()[0])
+            cfn = None
+    return ir, calls
+(ir1, a1), (ir3, a3) = totals(1000), totals(3000)
+print(f"per put+get of a fresh 256-byte tensor: {(ir3 - ir1) / 2000:,.0f} instructions, "
+      f"{(a3 - a1) / 2000:.1f} allocations")
+PY
