@@ -150,6 +150,10 @@ impl SlotMemory for Ring {
         }
     }
 
+    #[allow(
+        clippy::slow_vector_initialization,
+        reason = "vec![0; len] is calloc, which glibc serves outside its per-thread cache"
+    )]
     fn read(&self, slot: usize) -> Option<Vec<u8>> {
         let at = slot * SLOT_BYTES;
         let mut len = [0u8; 4];
