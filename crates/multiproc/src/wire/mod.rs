@@ -434,6 +434,8 @@ mod tests {
     #[test]
     #[cfg_attr(miri, ignore = "sockets and named segments")]
     fn a_nested_message_that_fails_to_send_keeps_its_references() {
+        // Named blocks need the manager (the other tests that name blocks start it too).
+        crate::manager::serve_in_this_process();
         // A storage with a named block of its own, so the counts are this test's alone.
         let floats = crate::shm::allocate_small_max() / 4 + 1;
         let t = crate::tensor::Tensor::full(&[floats], 3.0, crate::tensor::DType::F32).unwrap();
