@@ -89,6 +89,45 @@ impl<K: Eq + Hash + Clone, V: ?Sized> IdentityCache<K, V> {
         Some((key, weak.upgrade()?))
     }
 
+    /// The live thing under `key` (`true`), or else `make()`'s, recorded under it
+    /// (`false`): one hash of the key for both, where [`get`](Self::get) then
+    /// [`insert`](Self::insert) cost two on a miss (every newly received storage).
+    pub(crate) fn get_or_insert_with(
+        &mut self,
+        key: K,
+        make: impl FnOnce() -> Arc<V>,
+    ) -> (Arc<V>, bool) {
+        use std::collections::hash_map::Entry;
+        if let Some((last, weak)) = &self.last {
+            if *last == key {
+                if let Some(live) = weak.upgrade() {
+                    return (live, true);
+                }
+            }
+        }
+        let value = match self.entries.entry(key.clone()) {
+            Entry::Occupied(mut entry) => {
+                if let Some(live) = entry.get().upgrade() {
+                    self.last = Some((key, Weak::clone(entry.get())));
+                    return (live, true);
+                }
+                let value = make();
+                entry.insert(Arc::downgrade(&value));
+                value
+            }
+            Entry::Vacant(entry) => {
+                let value = make();
+                entry.insert(Arc::downgrade(&value));
+                value
+            }
+        };
+        self.last = Some((key, Arc::downgrade(&value)));
+        if self.entries.len() >= self.sweep_at {
+            self.sweep();
+        }
+        (value, false)
+    }
+
     /// Records `value` under `key` (replacing what was there).
     pub(crate) fn insert(&mut self, key: K, value: &Arc<V>) {
         let weak = Arc::downgrade(value);
@@ -142,6 +181,21 @@ mod tests {
         drop(a);
         assert!(cache.get(&1).is_none());
         assert!(cache.last().is_none());
+    }
+
+    #[test]
+    fn get_or_insert_with_makes_only_on_a_miss_and_replaces_a_dead_entry() {
+        let mut cache: IdentityCache<u32, String> = IdentityCache::default();
+        let (a, found) = cache.get_or_insert_with(1, || Arc::new("a".to_owned()));
+        assert!(!found);
+        let (again, found) = cache.get_or_insert_with(1, || unreachable!("a hit makes nothing"));
+        assert!(found && Arc::ptr_eq(&a, &again));
+        cache.insert(2, &Arc::new("gone".to_owned()));
+        let (b, found) = cache.get_or_insert_with(2, || Arc::new("b".to_owned()));
+        assert!(!found, "a dead entry is a miss");
+        assert_eq!(cache.get(&2).as_deref().map(String::as_str), Some("b"));
+        drop((a, again, b));
+        assert!(cache.get(&1).is_none() && cache.get(&2).is_none());
     }
 
     #[test]

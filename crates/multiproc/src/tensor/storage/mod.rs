@@ -233,26 +233,26 @@ impl Storage {
         // The use given back (or the inherited one let go) after the cache's lock is
         // released: the last use of a named block unlinks its name.
         let mut unneeded = None;
+        let mut brought = brought;
         let storage = with_storage_cache(|c| {
-            if let Some(inner) = c.get(&key) {
-                if let Some(brought) = brought {
-                    let mut held = inner
-                        .block_use
-                        .lock()
-                        .unwrap_or_else(PoisonError::into_inner);
-                    // Keep the brought use unless this process holds one already (a
-                    // storage inherited through `fork` holds its parent's, not ours).
-                    unneeded = if held.as_ref().is_some_and(BlockUse::is_held_here) {
-                        Some(brought)
-                    } else {
-                        held.replace(brought)
-                    };
-                }
-                return Storage { inner };
+            let (inner, _) = c.get_or_insert_with(key, || {
+                Storage::with_use(nbytes, Backing::Shared { segment, offset }, brought.take()).inner
+            });
+            // Still here only when the storage was found (a new one took it).
+            if let Some(brought) = brought.take() {
+                let mut held = inner
+                    .block_use
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner);
+                // Keep the brought use unless this process holds one already (a storage
+                // inherited through `fork` holds its parent's, not ours).
+                unneeded = if held.as_ref().is_some_and(BlockUse::is_held_here) {
+                    Some(brought)
+                } else {
+                    held.replace(brought)
+                };
             }
-            let storage = Storage::with_use(nbytes, Backing::Shared { segment, offset }, brought);
-            c.insert(key, &storage.inner);
-            storage
+            Storage { inner }
         });
         drop(unneeded);
         Ok(storage)
