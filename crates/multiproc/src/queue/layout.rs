@@ -26,9 +26,11 @@
 //! Words 1–9, 32, 40–47 and 50 up are unused. `HEAD`, which only getters write, has a
 //! cache line (16 words) of its own: on the line of `TAIL` and `SEQ`, which putters
 //! write, every get took the line away from the putters and every put took it back.
-//! (`SEQ` stays with `TAIL`: a getter reads it, and a put writes both.) The byte area after the page is [`SLOTS`] slots
-//! of [`SLOT_BYTES`] each: a 64-bit state word (`ring::slots`' protocol), a 32-bit
-//! length at [`LENGTH_AT`], and from [`RECORD_AT`] the record (a whole packet).
+//! (`SEQ` stays with `TAIL`: a getter reads it, and a put writes both.)
+//!
+//! The byte area after the page is [`SLOTS`] slots of [`SLOT_BYTES`] each: a 64-bit
+//! state word (`ring::slots`' protocol), a 32-bit length at [`LENGTH_AT`], and from
+//! [`RECORD_AT`] the record (a whole packet).
 
 /// Words of the ring (see the table).
 pub(super) const HEAD: usize = 48;
