@@ -71,7 +71,9 @@ pub(crate) use context::{Carried, Decoder, Encoder, Landing, defer_give_back, is
 pub(crate) use custody::{Custody, KeptBlock};
 pub(crate) use opaque::Opaque;
 use packet::read_sealed_payload;
-pub(crate) use packet::{Encoded, is_counted, recv_packet, try_recv_packet, uncount};
+pub(crate) use packet::{
+    Encoded, buffer as packet_buffer, is_counted, recv_packet, try_recv_packet, uncount,
+};
 pub(crate) use references::{GiveBack, Reference, give_back_unread};
 
 use crate::error::{Error, Result};
@@ -118,7 +120,7 @@ pub(crate) fn encode_in<T: Serialize + ?Sized>(
     // reallocations per message.
     let table = RefCell::new(EncodeTable::new(custody.cloned()));
     let bytes = encoding(&table, || {
-        postcard::to_extend(value, Vec::with_capacity(ENCODE_CAPACITY))
+        postcard::to_extend(value, packet::buffer(ENCODE_CAPACITY))
     });
     let EncodeTable {
         mut fds,
@@ -200,7 +202,10 @@ pub(crate) fn decode_or_keep<T: DeserializeOwned>(
         return decode(packet, returns);
     }
     match decode_body(&packet.bytes, Vec::new(), returns, true) {
-        Ok(value) => Ok(value),
+        Ok(value) => {
+            packet::recycle(packet.bytes);
+            Ok(value)
+        }
         Err((e, keep)) => {
             if keep {
                 *kept = Some(packet);

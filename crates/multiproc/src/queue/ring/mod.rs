@@ -150,10 +150,6 @@ impl SlotMemory for Ring {
         }
     }
 
-    #[allow(
-        clippy::slow_vector_initialization,
-        reason = "vec![0; len] is calloc, which glibc serves outside its per-thread cache"
-    )]
     fn read(&self, slot: usize) -> Option<Vec<u8>> {
         let at = slot * SLOT_BYTES;
         let mut len = [0u8; 4];
@@ -162,9 +158,8 @@ impl SlotMemory for Ring {
         if len > RECORD_MAX {
             return None;
         }
-        // Not `vec![0; len]`: that is `calloc`, whose blocks glibc never takes from its
-        // per-thread cache, so every record cost a slow allocation and a slow free.
-        let mut bytes = Vec::with_capacity(len);
+        // The thread's spare packet buffer, which the decode gives back.
+        let mut bytes = crate::wire::packet_buffer(len);
         bytes.resize(len, 0);
         self.block.read_bytes(at + RECORD_AT, &mut bytes);
         Some(bytes)
