@@ -5,9 +5,9 @@
 //!
 //! | scenario | what one iteration is | sizes (count at `--scale 1`) | figure |
 //! |---|---|---|---|
-//! | `fresh` | the worker makes a new shared f32 tensor (`Tensor::empty_shared`), fills it and `put`s it on a queue of capacity 4; the parent `get`s it and sums it | 4 KiB (20,000), 1 MiB (500), 64 MiB (40), 256 MiB (40) | tensors/s and GB/s |
-//! | `small` | as `fresh`, with 64 f32 (256 bytes) per tensor: the per-message cost | 256 B (20,000) | tensors/s |
-//! | `ping` | the parent `put`s one shared tensor, the worker sends it straight back, the parent `get`s it: a round trip of the same storage | 4 KiB and 64 MiB (2,000 each) | µs per round trip |
+//! | `fresh` | the worker makes a new shared f32 tensor (`Tensor::empty_shared`), fills it and `put`s it on a queue of capacity 4; the parent `get`s it and sums it | 4 KiB (200,000), 1 MiB (500), 64 MiB (40), 256 MiB (40) | tensors/s and GB/s |
+//! | `small` | as `fresh`, with 64 f32 (256 bytes) per tensor: the per-message cost | 256 B (200,000) | tensors/s |
+//! | `ping` | the parent `put`s one shared tensor, the worker sends it straight back, the parent `get`s it: a round trip of the same storage | 4 KiB and 64 MiB (20,000 each) | µs per round trip |
 //! | `spawn` | `multiproc::spawn` of 4 no-op workers and their join, after one warm-up | 4 workers (median of 10) | seconds |
 //! | `memory` | 8 workers each `put` 50 fresh 64 MiB tensors (scaled) on one queue and exit; the parent `get`s and drops each, then holds the queue, idle | 8 × 50 × 64 MiB | the machine's committed shared memory (`Shmem`) before, at the end of the burst, and every 100 ms for 2 s after (one row each) |
 //! | `stopped` | 8 producers and 8 consumers of plain numbers on one `SimpleQueue`; one of them is stopped (SIGSTOP, as a debugger or Ctrl-Z does) at whatever point it is at, for 2 s, then continued; a producer, then a consumer (runs only when named) | 16 processes, 3 s before, 2 s stopped, 2 s after, per victim | the others' messages/s in each window; the run fails if a message was lost or duplicated or a `get` without deadline returned |
@@ -556,8 +556,11 @@ pub fn run(plan: &Plan, mut report: impl FnMut(&Figure)) -> multiproc::Result<Ve
                 // Counts large enough that a new worker's first blocks (the
                 // kernel allocating and zeroing their pages, which recycling saves
                 // every later tensor) are amortised, as in a producer that makes
-                // more than a handful: 4 KiB as many as its fill+sum floor.
-                (4u64 << 10, 20_000u64),
+                // more than a handful, and that the small sizes run for a few
+                // tenths of a second: at 20,000 they ran for 25 ms, which one other
+                // process starting up on a shared machine could halve. 4 KiB as many
+                // as its fill+sum floor.
+                (4u64 << 10, 200_000u64),
                 (1 << 20, 500),
                 (64 << 20, 40),
                 (256 << 20, 40),
@@ -572,14 +575,19 @@ pub fn run(plan: &Plan, mut report: impl FnMut(&Figure)) -> multiproc::Result<Ve
             }
         }
         if wanted("small") {
-            record(fresh(strategy, 256, scaled(20_000), "small")?, &mut figures);
+            record(
+                fresh(strategy, 256, scaled(200_000), "small")?,
+                &mut figures,
+            );
         }
         if wanted("ping") {
             for bytes in [4u64 << 10, 64 << 20] {
                 if !size_wanted(bytes) {
                     continue;
                 }
-                record(ping(strategy, bytes, scaled(2000))?, &mut figures);
+                // 20,000 round trips of a few µs (the tensor travels by handle,
+                // whatever its size): a tenth of a second, like the rest.
+                record(ping(strategy, bytes, scaled(20_000))?, &mut figures);
             }
         }
     }

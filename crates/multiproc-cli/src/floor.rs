@@ -392,7 +392,8 @@ pub fn run(scale: f64) -> std::io::Result<Vec<Figure>> {
         word_ping(Waiting::Spin, scaled(20_000))?,
     ];
     for (bytes, count) in [
-        (4u64 << 10, 20_000u64),
+        // As many as `bench`'s fresh 4 KiB tensors.
+        (4u64 << 10, 200_000u64),
         (1 << 20, 500),
         (64 << 20, 20),
         (256 << 20, 5),
