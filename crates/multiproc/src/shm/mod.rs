@@ -45,7 +45,7 @@
 //! once no process uses them any more. Small storages are carved out of shared 1 MiB
 //! arena blocks, so a handle names a segment *and* an offset in it; a large storage has
 //! a block of its own. A handle to a block (`HandleWire::Block`) carries one use, as a
-//! [`InFlightUse`] the message holds (see `reference`), which the receiving storage adopts
+//! `wire::InFlightUse` the message holds (see `reference`), which the receiving storage adopts
 //! and keeps as long as it lives. A recycled block that both sides keep mapped costs a
 //! tensor no zeroing, faulting in or unmapping of its pages on either side.
 //! `file_system` storages live in named blocks, alike (see `segment::block`).
@@ -108,7 +108,7 @@ pub(crate) use recycler::allocate;
 pub(crate) use recycler::release_idle as release_idle_blocks;
 #[cfg(test)]
 pub(crate) use recycler::small_max as allocate_small_max;
-pub(crate) use reference::{BlockUse, InFlightUse, Returns};
+pub(crate) use reference::{BlockUse, Returns};
 #[cfg(any(test, feature = "fuzzing"))]
 pub(crate) use segment::BLOCK_MAGIC_BYTES;
 pub(crate) use segment::{BLOCK_HEADER_LEN, Segment};
@@ -118,7 +118,7 @@ pub(crate) use words::{FIRST_RESERVED_WORD, SharedWords};
 
 use self::strategy::SharingStrategy;
 use crate::error::{Error, Result};
-use crate::wire::{Custody, Decoder, Encoder, KeptBlock, Reference};
+use crate::wire::{self, Custody, Decoder, Encoder, KeptBlock, Reference};
 
 /// Creates a plain segment (not a block) of `len > 0` bytes with `strategy`, already in
 /// this process's map cache. Storages live in blocks (see `recycler`); only tests make
@@ -288,7 +288,8 @@ impl Serialize for SegmentHandle {
             ));
         };
         // The receiver adopts this use (or gives it back when it already holds one).
-        let reference = enc.carry_reference(&reference, Box::new(InFlightUse::take(&self.segment)));
+        let carried = wire::InFlightUse::take(Arc::clone(&self.segment) as _);
+        let reference = enc.carry_reference(&reference, wire::CarriedRef::Use(carried));
         HandleWire {
             reference,
             offset: self.offset,

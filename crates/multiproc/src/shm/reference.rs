@@ -1,6 +1,7 @@
 //! References to shared memory as values: a [`BlockUse`] is one use of a block held by
 //! a value of this process (a storage; see `segment::block`; a named block's use holds
-//! its name too), an [`InFlightUse`] one that a message carries for its receiver.
+//! its name too); a message carries one for its receiver as a `wire::InFlightUse` of
+//! the block (a [`Segment`] is a `wire::InFlightBlock`).
 //! Whoever holds one gives it back by dropping it; a message that is sent hands its
 //! use to its receiver instead ([`Carried::sent`]), who adopts it as a value of its own
 //! ([`BlockUse::adopt`]).
@@ -97,38 +98,13 @@ impl Carried for BlockUse {
     }
 }
 
-/// The use of a block that a message carries for its receiver: counted as in flight
-/// (see `segment::block`) until the receiver's decode succeeds; given back if the
-/// message is dropped unsent.
-#[derive(Debug)]
-pub(crate) struct InFlightUse {
-    block: Arc<Segment>,
-    /// The process that took it, 0 once it was sent.
-    owner: u32,
-}
-
-impl InFlightUse {
-    /// Takes a use of `block` (a block) for a message.
-    pub(crate) fn take(block: &Arc<Segment>) -> InFlightUse {
-        block.take_in_flight_use();
-        InFlightUse {
-            block: Arc::clone(block),
-            owner: this_process(),
-        }
+impl crate::wire::InFlightBlock for Segment {
+    fn take_in_flight_use(&self) {
+        Segment::take_in_flight_use(self);
     }
-}
 
-impl Drop for InFlightUse {
-    fn drop(&mut self) {
-        if self.owner == this_process() {
-            self.block.give_back_in_flight_use();
-        }
-    }
-}
-
-impl Carried for InFlightUse {
-    fn sent(mut self: Box<Self>) {
-        self.owner = 0;
+    fn give_back_in_flight_use(&self) {
+        Segment::give_back_in_flight_use(self);
     }
 }
 

@@ -350,7 +350,10 @@ impl Serialize for ForgedFd {
         use serde::ser::Error as _;
         let enc = wire::Encoder::current("a forged tensor").map_err(S::Error::custom)?;
         let index = enc.attach_fd(self.0.as_fd()).map_err(S::Error::custom)?;
-        let reference = enc.carry_reference(&wire::Reference::Fd(index), Box::new(NoUse));
+        let reference = enc.carry_reference(
+            &wire::Reference::Fd(index),
+            wire::CarriedRef::Other(Box::new(NoUse)),
+        );
         ForgedStorage::Segment(ForgedHandle {
             reference,
             offset: self.2.saturating_add(crate::shm::BLOCK_HEADER_LEN as u64),
@@ -373,9 +376,11 @@ impl Serialize for ForgedName {
     fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
         use serde::ser::Error as _;
         let enc = wire::Encoder::current("a forged tensor").map_err(S::Error::custom)?;
-        let carried: Box<dyn wire::Carried> = match &self.block {
-            Some(block) => Box::new(crate::shm::InFlightUse::take(block)),
-            None => Box::new(NoUse),
+        let carried = match &self.block {
+            Some(block) => {
+                wire::CarriedRef::Use(wire::InFlightUse::take(std::sync::Arc::clone(block) as _))
+            }
+            None => wire::CarriedRef::Other(Box::new(NoUse)),
         };
         let reference = enc.carry_reference(
             &wire::Reference::Name(std::borrow::Cow::Borrowed(&self.name)),

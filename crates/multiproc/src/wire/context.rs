@@ -56,9 +56,71 @@ pub(crate) trait Carried: Send {
     fn sent(self: Box<Self>);
 }
 
+/// A shared block whose uses messages carry for their receivers (`shm`'s blocks). A
+/// message holds the block itself with each use ([`InFlightUse`]), so carrying the use
+/// of a tensor's block costs no allocation.
+pub(crate) trait InFlightBlock: Send + Sync {
+    /// Takes a use for a message about to be sent (counted as in flight until its
+    /// receiver's decode succeeds).
+    fn take_in_flight_use(&self);
+    /// Gives back a use taken for a message that was never received.
+    fn give_back_in_flight_use(&self);
+}
+
+/// One use of a block that a message carries for its receiver: given back if the
+/// message is dropped unsent — in the process that took it only, since a `fork` child
+/// inherits unsent messages but not their uses.
+pub(crate) struct InFlightUse {
+    block: Arc<dyn InFlightBlock>,
+    /// The process that took it, 0 once it was sent.
+    owner: u32,
+}
+
+impl InFlightUse {
+    /// Takes a use of `block` for a message.
+    pub(crate) fn take(block: Arc<dyn InFlightBlock>) -> InFlightUse {
+        block.take_in_flight_use();
+        InFlightUse {
+            block,
+            owner: crate::sys::process::cached_pid(),
+        }
+    }
+}
+
+impl Drop for InFlightUse {
+    fn drop(&mut self) {
+        if self.owner == crate::sys::process::cached_pid() {
+            self.block.give_back_in_flight_use();
+        }
+    }
+}
+
+/// A reference a message carries: a block's use (every tensor's), held inline, or
+/// any other [`Carried`], boxed.
+pub(crate) enum CarriedRef {
+    Use(InFlightUse),
+    Other(Box<dyn Carried>),
+}
+
+impl CarriedRef {
+    /// The message went out: the receiver adopts the reference (see [`Carried::sent`]).
+    pub(crate) fn sent(self) {
+        match self {
+            CarriedRef::Use(mut used) => used.owner = 0,
+            CarriedRef::Other(other) => other.sent(),
+        }
+    }
+}
+
+impl From<Box<dyn Carried>> for CarriedRef {
+    fn from(other: Box<dyn Carried>) -> Self {
+        CarriedRef::Other(other)
+    }
+}
+
 /// The references one message carries: one or two inline, so a message with a tensor
-/// or two allocates no list for them.
-pub(crate) type CarriedList = SmallVec<[Box<dyn Carried>; 2]>;
+/// or two allocates nothing for them.
+pub(crate) type CarriedList = SmallVec<[CarriedRef; 2]>;
 
 /// An fd in a message's side table: a duplicate the message owns, or a shared
 /// reference to the fd of a value that outlives nothing (a segment keeps its memfd in an
@@ -332,7 +394,7 @@ impl<'w> Encoder<'w> {
 
     /// Gives the message a reference it carries for its receiver (see [`Carried`]).
     pub(crate) fn carry(&self, reference: Box<dyn Carried>) {
-        self.with_table(|table| table.carried.push(reference));
+        self.with_table(|table| table.carried.push(CarriedRef::Other(reference)));
     }
 
     /// The custody of the channel the message goes through, if it keeps its blocks'
@@ -344,11 +406,7 @@ impl<'w> Encoder<'w> {
     /// Gives the message a block use it carries for its receiver (`carried`), listed
     /// in the packet's references section as `reference`; returns the entry's index,
     /// which the handle writes.
-    pub(crate) fn carry_reference(
-        &self,
-        reference: &Reference<'_>,
-        carried: Box<dyn Carried>,
-    ) -> u32 {
+    pub(crate) fn carry_reference(&self, reference: &Reference<'_>, carried: CarriedRef) -> u32 {
         self.with_table(|table| {
             let index = table.reference_count;
             super::references::push(&mut table.references, &mut table.reference_count, reference);

@@ -67,7 +67,10 @@ use serde::de::DeserializeOwned;
 use context::{
     AttachedFd, DecodeTable, EncodeTable, check_all_used, decoding, encoding, is_encoding,
 };
-pub(crate) use context::{Carried, Decoder, Encoder, Landing, defer_give_back, is_decoding};
+pub(crate) use context::{
+    Carried, CarriedRef, Decoder, Encoder, InFlightBlock, InFlightUse, Landing, defer_give_back,
+    is_decoding,
+};
 pub(crate) use custody::{Custody, KeptBlock};
 pub(crate) use opaque::Opaque;
 use packet::read_sealed_payload;

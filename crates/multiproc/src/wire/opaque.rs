@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use super::context::{AttachedFd, Carried, Decoder, Encoder};
+use super::context::{AttachedFd, Carried, CarriedRef, Decoder, Encoder};
 use super::references::{GiveBack, give_back_unread};
 use super::{HEADER_LEN, decode, encode};
 use crate::error::{Error, Result};
@@ -26,7 +26,7 @@ pub(crate) struct Opaque {
     /// adopts them; if it is not (a failed send hands the `Opaque` back to its caller,
     /// who may send it again), they come back here. Dropping an `Opaque` that holds
     /// them releases them.
-    carried: Arc<Mutex<Vec<Box<dyn Carried>>>>,
+    carried: Arc<Mutex<Vec<CarriedRef>>>,
     /// For a received `Opaque`, whose uses are in its packet: what gives them back if
     /// it is dropped unread. Lent, like `carried`, to an outer message it is sent in.
     unread: Arc<Mutex<Option<Arc<dyn GiveBack>>>>,
@@ -68,8 +68,8 @@ impl Drop for Opaque {
 
 /// An `Opaque`'s references, lent to the outer message it was serialized into.
 struct Lent {
-    references: Vec<Box<dyn Carried>>,
-    home: std::sync::Weak<Mutex<Vec<Box<dyn Carried>>>>,
+    references: Vec<CarriedRef>,
+    home: std::sync::Weak<Mutex<Vec<CarriedRef>>>,
 }
 
 impl Carried for Lent {
@@ -146,7 +146,7 @@ impl Opaque {
         })
     }
 
-    fn carried_list(&self) -> MutexGuard<'_, Vec<Box<dyn Carried>>> {
+    fn carried_list(&self) -> MutexGuard<'_, Vec<CarriedRef>> {
         self.carried.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
@@ -161,7 +161,7 @@ impl Serialize for Opaque {
         }
         // The outer message now carries the receiver's references; if it is never
         // sent they return to this `Opaque` (or, if it is gone, are released).
-        let references: Vec<Box<dyn Carried>> = self.carried_list().drain(..).collect();
+        let references: Vec<CarriedRef> = self.carried_list().drain(..).collect();
         if !references.is_empty() {
             enc.carry(Box::new(Lent {
                 references,
