@@ -111,37 +111,41 @@ impl Layout {
                 self.shape, self.strides, self.offset
             )))
         };
-        if self.shape.len() != self.strides.len() {
+        let (shape, strides) = (&self.shape[..], &self.strides[..]);
+        if shape.len() != strides.len() {
             return outside(format!(
                 "disagree: {} dimensions but {} strides",
-                self.shape.len(),
-                self.strides.len()
+                shape.len(),
+                strides.len()
             ));
         }
-        if self.shape.len() > MAX_DIMS {
+        if shape.len() > MAX_DIMS {
             return outside(format!("have more than {MAX_DIMS} dimensions"));
         }
-        let capacity = nbytes / elem_size;
+        // One pass (every tensor operation checks its layout): the element count, and
+        // the last element addressed (meaningful only when no dimension is 0).
+        let mut numel = Some(1usize);
+        let mut last = Some(self.offset);
+        for (&d, &s) in shape.iter().zip(strides) {
+            numel = numel.and_then(|n| n.checked_mul(d));
+            last = last.and_then(|l| d.checked_sub(1)?.checked_mul(s)?.checked_add(l));
+        }
         // Even a layout that revisits elements (a zero stride) must describe no more
         // bytes than one buffer can hold, so that copying it out is an allocation that
         // can be attempted rather than an arithmetic overflow.
-        let fits = numel_of(&self.shape)
-            .ok()
+        let fits = numel
             .and_then(|n| n.checked_mul(elem_size))
             .is_some_and(|b| b <= isize::MAX as usize);
         if !fits {
             return outside("address more elements than memory can hold".into());
         }
-        if self.numel() == 0 {
+        let capacity = nbytes / elem_size;
+        if numel == Some(0) {
             return if self.offset <= capacity {
                 Ok(())
             } else {
                 outside("start past the end of the storage".into())
             };
-        }
-        let mut last = Some(self.offset);
-        for (&d, &s) in self.shape.iter().zip(&self.strides) {
-            last = last.and_then(|l| (d - 1).checked_mul(s).and_then(|x| l.checked_add(x)));
         }
         match last {
             Some(l) if l < capacity => Ok(()),
