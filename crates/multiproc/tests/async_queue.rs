@@ -493,26 +493,33 @@ fn an_awaited_get_whose_message_a_stopped_custody_kept_back_returns_once_it_resu
         let rt = runtime();
         let got = rt.block_on(async {
             let base = multiproc::__testing::parked_word_waits();
+            let spawned = Instant::now();
             let getter = {
                 let q = q.clone();
                 tokio::spawn(async move { q.get_async().await })
             };
             // Its decode gave up on the custody (both shelves held), kept the message
-            // and parked.
+            // and parked, without holding up its executor thread for long: its tries
+            // look up the custody briefly (they used to wait half a second each).
             until_parked(multiproc::__testing::parked_word_waits, base + 1).await;
+            let to_park = spawned.elapsed();
             let parked_first = !getter.is_finished();
             for (p, _) in &holders {
                 continue_process(p);
             }
             let got = tokio::time::timeout(Duration::from_secs(10), getter).await;
-            (parked_first, got)
+            (parked_first, to_park, got)
         });
         leave.set();
         for (p, _) in &mut holders {
             p.join_timeout(WAIT).unwrap();
         }
-        let (parked_first, got) = got;
+        let (parked_first, to_park, got) = got;
         assert!(parked_first, "the get returned while the custody was held");
+        assert!(
+            to_park < Duration::from_millis(400),
+            "the get's tries held its thread for {to_park:?} before it parked"
+        );
         let t = got
             .expect("the parked get looked again once the custody was free")
             .unwrap()

@@ -13,7 +13,7 @@ mod common;
 
 use common::stopping::{continue_process, is_stopped, stop_inside_the_custody_lock};
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use multiproc::{DType, Event, Process, Queue, SimpleQueue, StartMethod, Tensor, start_processes};
 
@@ -99,6 +99,80 @@ fn a_process_stopped_inside_the_first_custody_shelf_holds_nobody_up() {
 #[test]
 fn a_process_stopped_inside_the_second_custody_shelf_holds_nobody_up() {
     a_stopped_custody_holder_holds_nobody_up(1);
+}
+
+/// Two processes stopped while each holds one shelf of the custody, so that a lookup
+/// finds neither free: a `try_get` does not wait for them and a `get_timeout` returns
+/// at its deadline (both used to wait half a second for the custody, twice for
+/// `get_timeout`), the message they could not decode is kept, and once the holders
+/// resume every message arrives.
+#[test]
+fn gets_keep_their_deadlines_while_stopped_processes_hold_both_custody_shelves() {
+    common::run(DEADLINE, || {
+        let q = Queue::<Tensor>::new().unwrap();
+        let mut holders: Vec<Process> = (0..2)
+            .map(|shelf| {
+                let holding = Event::new().unwrap();
+                let p = Process::builder(
+                    stop_inside_the_custody_lock,
+                    0,
+                    (q.clone(), shelf, holding.clone()),
+                )
+                .start()
+                .unwrap();
+                holding.wait_timeout(WAIT).unwrap();
+                p
+            })
+            .collect();
+        let mut producers =
+            start_processes(put_tensors, (q.clone(), 2), 1, StartMethod::Spawn).unwrap();
+        producers.join_timeout(WAIT).unwrap();
+        // The parent maps neither tensor's block: each must be looked up in the
+        // custody, which nobody can look through now.
+        let start = Instant::now();
+        let tried = q.try_get().map(|t| t.is_some());
+        let try_took = start.elapsed();
+        let start = Instant::now();
+        let timed = q
+            .get_timeout(Duration::from_millis(50))
+            .map(|t| t.sum().unwrap());
+        let timed_took = start.elapsed();
+        let still_stopped = holders.iter().all(|h| is_stopped(h.pid()));
+        for h in &holders {
+            continue_process(h);
+        }
+        let mut sums: Vec<f64> = (0..2)
+            .map(|_| q.get_timeout(WAIT).expect("nothing lost").sum().unwrap())
+            .collect();
+        for h in &mut holders {
+            h.join_timeout(WAIT).unwrap();
+        }
+        assert!(
+            still_stopped,
+            "a holder was continued before the gets were judged"
+        );
+        assert!(
+            matches!(tried, Ok(false)),
+            "try_get with both shelves held: {tried:?}"
+        );
+        assert!(
+            matches!(timed, Err(multiproc::Error::Timeout { .. })),
+            "get_timeout with both shelves held: {timed:?}"
+        );
+        // Far below the half second a lookup used to wait, and far above what these
+        // calls take (milliseconds), so that a busy machine does not fail it.
+        let bound = Duration::from_millis(400);
+        assert!(
+            try_took < bound,
+            "try_get waited {try_took:?} for the custody"
+        );
+        assert!(
+            timed_took < bound,
+            "get_timeout(50 ms) returned after {timed_took:?}"
+        );
+        sums.sort_by(f64::total_cmp);
+        assert_eq!(sums, [0.0, 65536.0]);
+    });
 }
 
 /// What the stopped writer puts (no producer below puts it).

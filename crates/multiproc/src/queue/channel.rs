@@ -87,6 +87,18 @@ pub(crate) fn busy_custody_with_time_left(e: &Error, deadline: Deadline) -> bool
     e.is_timeout() && deadline.is_none_or(|d| Instant::now() < d)
 }
 
+/// How long the decode of a get that may block waits for the custody's shelves (see
+/// `wire::Custody::find`): `wire::LOOKUP_PATIENCE`, or less when the get's deadline
+/// comes sooner. A get that must not block passes `wire::TRY_PATIENCE` instead.
+pub(crate) fn lookup_patience(deadline: Deadline) -> Duration {
+    match deadline {
+        None => wire::LOOKUP_PATIENCE,
+        Some(d) => d
+            .saturating_duration_since(Instant::now())
+            .min(wire::LOOKUP_PATIENCE),
+    }
+}
+
 /// The instant `Channel::others_seen_at` counts from.
 fn epoch() -> Instant {
     static EPOCH: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
@@ -184,7 +196,7 @@ impl Channel {
             let Some(packet) = self.recv(deadline, others_here)? else {
                 return Ok(None);
             };
-            match self.decode(packet) {
+            match self.decode(packet, lookup_patience(deadline)) {
                 Err(e) if busy_custody_with_time_left(&e, deadline) => continue,
                 other => return other.map(Some),
             }
@@ -213,7 +225,7 @@ impl Channel {
     ) -> Result<Option<T>> {
         match self
             .try_recv_as(others_here, thorough)?
-            .map(|p| self.decode(p))
+            .map(|p| self.decode(p, wire::TRY_PATIENCE))
         {
             // Kept for the next get: nothing is ready now.
             Some(Err(Error::Timeout { .. })) => Ok(None),
@@ -235,12 +247,17 @@ impl Channel {
     /// debugger, Ctrl-Z — or slow) is kept, uncounted, as this process's next message:
     /// like a socket packet whose fds do not fit, it waits instead of being lost. The
     /// failed decode adopted none of the uses the packet carries, so its next try finds
-    /// them all. [`get`](Self::get) tries again until its deadline.
-    pub(crate) fn decode<T: DeserializeOwned>(&self, packet: Packet) -> Result<T> {
+    /// them all. [`get`](Self::get) tries again until its deadline. A lookup in the
+    /// custody waits `patience` at most (see [`lookup_patience`]).
+    pub(crate) fn decode<T: DeserializeOwned>(
+        &self,
+        packet: Packet,
+        patience: Duration,
+    ) -> Result<T> {
         // Once this holder goes quiet, the custody is swept of dead blocks.
         self.custody.wake_idle_job();
         let mut kept = None;
-        let decoded = wire::decode_or_keep(packet, &self.returns, &mut kept);
+        let decoded = wire::decode_or_keep(packet, &self.returns, &mut kept, patience);
         if let Some(mut packet) = kept {
             wire::uncount(&mut packet);
             *self.pending.lock().unwrap_or_else(PoisonError::into_inner) = Some(packet);
@@ -418,7 +435,7 @@ impl Channel {
                 pause,
             )?
             .ok_or_else(|| Error::timeout("a get without deadline", None))?;
-        self.decode(packet)
+        self.decode(packet, wire::LOOKUP_PATIENCE)
     }
 
     /// The sending socket, for tests that inject raw packets.

@@ -39,7 +39,7 @@ use std::time::Duration;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use super::channel::{Channel, OthersHere, busy_custody_with_time_left};
+use super::channel::{Channel, OthersHere, busy_custody_with_time_left, lookup_patience};
 use crate::error::{Error, PutError, Result};
 use crate::shm::SharedWords;
 use crate::sync::counter::FutexCount;
@@ -193,15 +193,17 @@ impl Shared {
     }
 
     /// Decodes a taken packet, taking back its place if it turns out to be forged.
+    /// `patience`: how long a lookup in the custody may wait (see `Channel::decode`).
     pub(super) fn finish_get<T: DeserializeOwned>(
         &self,
         packet: Result<Option<Packet>>,
         taken: Taken,
+        patience: Duration,
     ) -> Result<Option<T>> {
         let Some(packet) = packet? else {
             return Ok(None);
         };
-        let value = self.channel.decode(packet);
+        let value = self.channel.decode(packet, patience);
         if let Err(Error::InvalidMessage(_)) = &value {
             self.untake(taken);
         }
@@ -218,7 +220,7 @@ impl Shared {
             // (The channel spins briefly for an item before it sleeps.)
             let packet = self.channel.recv(deadline, others_here);
             let taken = self.taken(&packet);
-            match self.finish_get(packet, taken) {
+            match self.finish_get(packet, taken, lookup_patience(deadline)) {
                 // Kept as this process's next message (uncounted): try again.
                 Err(e) if busy_custody_with_time_left(&e, deadline) => continue,
                 other => return other,
@@ -241,7 +243,7 @@ impl Shared {
     ) -> Result<Option<T>> {
         let packet = self.channel.try_recv_as(others_here, thorough);
         let taken = self.taken(&packet);
-        match self.finish_get(packet, taken) {
+        match self.finish_get(packet, taken, wire::TRY_PATIENCE) {
             // Kept for the next get: nothing is ready now.
             Err(Error::Timeout { .. }) => Ok(None),
             other => other,

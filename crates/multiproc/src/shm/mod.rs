@@ -322,7 +322,9 @@ impl<'de> Deserialize<'de> for SegmentHandle {
                 .map_err(D::Error::custom)?
                 .map_err(fail)?,
             Reference::Inode { dev, ino } => {
-                receive_by_inode(dec.custody().as_deref(), dev, ino, end).map_err(fail)?
+                let custody = dec.custody();
+                let custody = custody.as_ref().map(|(c, patience)| (&**c, *patience));
+                receive_by_inode(custody, dev, ino, end).map_err(fail)?
             }
             Reference::Name(name) => named_handle(&name, end).map_err(fail)?,
         };
@@ -386,15 +388,16 @@ fn receive_fd(fd: BorrowedFd<'_>, end: u64) -> Result<Arc<Segment>> {
 }
 
 /// Finds the block a `Reference::Inode` names: mapped here already (no system call), or
-/// mapped from the duplicate of its fd that the channel's custody holds. Like a `Block`
-/// handle's, it must cover the claimed range.
+/// mapped from the duplicate of its fd that the channel's custody holds (looked for
+/// with the given patience, see `wire::Custody::find`). Like a `Block` handle's, it must
+/// cover the claimed range.
 fn receive_by_inode(
-    custody: Option<&dyn Custody>,
+    custody: Option<(&dyn Custody, std::time::Duration)>,
     dev: u64,
     ino: u64,
     end: u64,
 ) -> Result<Arc<Segment>> {
-    let Some(custody) = custody else {
+    let Some((custody, patience)) = custody else {
         return Err(Error::InvalidMessage(
             "a received tensor's handle names a block by inode, which only a queue that keeps \
              its blocks' fds can resolve, but it did not arrive through one"
@@ -402,7 +405,7 @@ fn receive_by_inode(
         ));
     };
     let (segment, _) = cache::get_or_try_insert(CacheKey::Inode { dev, ino }, || {
-        let fd = custody.find(dev, ino)?.ok_or_else(|| {
+        let fd = custody.find(dev, ino, patience)?.ok_or_else(|| {
             Error::InvalidMessage(format!(
                 "a received tensor names block {dev}:{ino}, which its queue does not hold: \
                  the message was not made by a multiproc put (or the queue's sockets were \

@@ -142,7 +142,12 @@ impl GiveBack for Returns {
                 None => return,
             },
             Reference::Inode { dev, ino } => match &self.custody {
-                Some(c) => super::receive_by_inode(Some(&**c), *dev, *ino, end),
+                Some(c) => super::receive_by_inode(
+                    Some((&**c, crate::wire::LOOKUP_PATIENCE)),
+                    *dev,
+                    *ino,
+                    end,
+                ),
                 None => return,
             },
             Reference::Name(name) => super::named_handle(name, end),

@@ -40,6 +40,7 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::sync::Arc;
 
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
 use smallvec::SmallVec;
 
@@ -196,6 +197,8 @@ pub(super) struct DecodeTable {
     /// What gives back the references of a packet that will not be decoded: lent to
     /// the nested messages this decode makes ([`Decoder::give_back_to`]).
     pub(super) returns: Arc<dyn GiveBack>,
+    /// How long a lookup in the channel's custody may wait (see [`Custody::find`]).
+    patience: Duration,
 }
 
 impl DecodeTable {
@@ -203,6 +206,7 @@ impl DecodeTable {
         fds: Vec<OwnedFd>,
         references: Entries<(Reference<'static>, bool)>,
         returns: Arc<dyn GiveBack>,
+        patience: Duration,
     ) -> DecodeTable {
         static IDS: AtomicU64 = AtomicU64::new(1);
         DecodeTable {
@@ -214,6 +218,7 @@ impl DecodeTable {
             deferred: Vec::new(),
             landed: SmallVec::new(),
             returns,
+            patience,
         }
     }
 
@@ -568,9 +573,9 @@ impl<'w> Decoder<'w> {
     }
 
     /// The custody of the channel the packet came through, if it keeps its blocks'
-    /// fds (see `custody`).
-    pub(crate) fn custody(&self) -> Option<Arc<dyn Custody>> {
-        self.with_table(|table| table.returns.custody().cloned())
+    /// fds (see `custody`), with how long a lookup in it may wait for this decode.
+    pub(crate) fn custody(&self) -> Option<(Arc<dyn Custody>, Duration)> {
+        self.with_table(|table| Some((table.returns.custody()?.clone(), table.patience)))
     }
 
     /// What gives back the references of a packet this decode makes but does not

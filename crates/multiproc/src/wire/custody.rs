@@ -28,6 +28,7 @@
 use std::any::Any;
 use std::os::fd::{BorrowedFd, OwnedFd};
 use std::sync::Arc;
+use std::time::Duration;
 
 use crate::error::Result;
 
@@ -52,6 +53,24 @@ pub(crate) trait Custody: Send + Sync {
     fn keep(&self, block: &KeptBlock<'_>) -> bool;
 
     /// A duplicate of the fd of the block with this device and inode, `None` when the
-    /// custody holds no such block.
-    fn find(&self, dev: u64, ino: u64) -> Result<Option<OwnedFd>>;
+    /// custody holds no such block. Other processes may be looking through it (see
+    /// `queue::custody`): the lookup waits for them `patience` at most, then fails with
+    /// [`Error::Timeout`](crate::Error::Timeout), and the caller keeps its message for
+    /// another try.
+    fn find(&self, dev: u64, ino: u64, patience: Duration) -> Result<Option<OwnedFd>>;
 }
+
+/// How long a lookup waits for other processes looking through a custody when it may
+/// block (a blocking get with time left; giving back an unread message's uses): long
+/// enough for any running process's pass, short enough that one stopped while it looks
+/// (a debugger, Ctrl-Z) costs a get half a second, after which it keeps its message for
+/// another try.
+pub(crate) const LOOKUP_PATIENCE: Duration = Duration::from_millis(500);
+
+/// How long a lookup waits when the call must not block: a `try_get`, the poll of an
+/// awaited get (which runs on an executor's thread). A running process's pass over a
+/// shelf takes microseconds, or a few milliseconds for a sweep of a long one, so this
+/// still finds the block unless both shelves' holders are stopped; then the message is
+/// kept for a later try (an awaited get's next wake-up or re-check) instead of holding
+/// up the caller's thread for half a second.
+pub(crate) const TRY_PATIENCE: Duration = Duration::from_millis(10);

@@ -60,6 +60,7 @@ use std::borrow::Cow;
 use std::cell::RefCell;
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
+use std::time::Duration;
 
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -71,7 +72,7 @@ pub(crate) use context::{
     Carried, CarriedRef, Decoder, Encoder, InFlightBlock, InFlightUse, Landing, defer_give_back,
     is_decoding,
 };
-pub(crate) use custody::{Custody, KeptBlock};
+pub(crate) use custody::{Custody, KeptBlock, LOOKUP_PATIENCE, TRY_PATIENCE};
 pub(crate) use opaque::Opaque;
 use packet::read_sealed_payload;
 pub(crate) use packet::{
@@ -188,23 +189,26 @@ pub(crate) fn decode<T: DeserializeOwned>(
     returns: &Arc<dyn GiveBack>,
 ) -> Result<T> {
     let Packet { bytes, fds } = packet;
-    decode_body(&bytes, fds, returns, false).map_err(|(e, _)| e)
+    decode_body(&bytes, fds, returns, false, LOOKUP_PATIENCE).map_err(|(e, _)| e)
 }
 
 /// [`decode`] of a packet that its caller keeps for another try when the decode fails
 /// for a reason that may pass — [`Error::FdLimit`] (a block it names had to be mapped,
 /// with no fd left to do it) or [`Error::Timeout`] — and it carries no fds: then the
 /// packet is put in `kept`, still carrying every use it brought (the decode adopted
-/// none of them). After any other failure it is consumed.
+/// none of them). After any other failure it is consumed. A block it names by inode is
+/// looked for in the channel's custody with `patience` (see [`Custody::find`]).
 pub(crate) fn decode_or_keep<T: DeserializeOwned>(
     packet: Packet,
     returns: &Arc<dyn GiveBack>,
     kept: &mut Option<Packet>,
+    patience: Duration,
 ) -> Result<T> {
     if !packet.fds.is_empty() {
-        return decode(packet, returns);
+        let Packet { bytes, fds } = packet;
+        return decode_body(&bytes, fds, returns, false, patience).map_err(|(e, _)| e);
     }
-    match decode_body(&packet.bytes, Vec::new(), returns, true) {
+    match decode_body(&packet.bytes, Vec::new(), returns, true, patience) {
         Ok(value) => {
             packet::recycle(packet.bytes);
             Ok(value)
@@ -316,6 +320,7 @@ fn decode_body<T: DeserializeOwned>(
     mut fds: Vec<OwnedFd>,
     returns: &Arc<dyn GiveBack>,
     may_keep: bool,
+    patience: Duration,
 ) -> std::result::Result<T, (Error, bool)> {
     tracing::trace!(
         bytes = bytes.len(),
@@ -327,7 +332,12 @@ fn decode_body<T: DeserializeOwned>(
     // of ours.
     let references = references::parse_into(&parts.section, |r| (r.into_owned(), false))
         .map_err(|e| (e, false))?;
-    let mut table = RefCell::new(DecodeTable::new(fds, references, Arc::clone(returns)));
+    let mut table = RefCell::new(DecodeTable::new(
+        fds,
+        references,
+        Arc::clone(returns),
+        patience,
+    ));
     let result = decoding(&table, || {
         match postcard::take_from_bytes::<T>(&parts.payload) {
             Ok((value, [])) => check_all_used().map(|()| value),

@@ -73,10 +73,13 @@ use protocol::{ENTRY_LEN, Lookup, SHELVES, Shelves};
 /// Sweep thresholds before any sweep has run (see the module docs).
 const SWEEP_ENTRIES: u32 = 64;
 const SWEEP_BYTES: u64 = 512 << 20;
-/// How long a lookup waits for both shelves' rotations by other processes to end (a
-/// holder of each stopped or slow): a lookup that gives up keeps its message for
-/// another try, see `Channel::decode`. One stopped process holds one shelf at most.
-const LOCK_WAIT: Duration = Duration::from_millis(500);
+/// How long a test holding a shelf (`while_locked`) waits for it. A lookup waits as
+/// its decode says (`wire::LOOKUP_PATIENCE` or `wire::TRY_PATIENCE`) for both shelves'
+/// rotations by other processes to end (a holder of each stopped or slow), and one that
+/// gives up keeps its message for another try, see `Channel::decode`. One stopped
+/// process holds one shelf at most.
+#[cfg(any(test, feature = "fuzzing"))]
+const LOCK_WAIT: Duration = crate::wire::LOOKUP_PATIENCE;
 /// How long a lookup waits on one taken shelf before it looks at the other again.
 const SHELF_SLICE: Duration = Duration::from_millis(2);
 /// Ticks of the idle thread without a publication or a lookup before a sweep.
@@ -199,7 +202,7 @@ impl Custody {
             Acquired::Yes | Acquired::FromDeadOwner(_) => Ok(Held(lock)),
             Acquired::TimedOut => Err(Error::timeout(
                 "waiting for other processes to finish looking through a queue's blocks",
-                Some(LOCK_WAIT),
+                deadline.map(|d| d.saturating_duration_since(Instant::now())),
             )),
         }
     }
@@ -344,16 +347,16 @@ impl WireCustody for Custody {
         true
     }
 
-    fn find(&self, dev: u64, ino: u64) -> Result<Option<OwnedFd>> {
+    fn find(&self, dev: u64, ino: u64, patience: Duration) -> Result<Option<OwnedFd>> {
         self.activity.fetch_add(1, Ordering::Relaxed);
-        let give_up = Instant::now() + LOCK_WAIT;
+        let give_up = Instant::now() + patience;
         let patient = || Instant::now() < give_up;
         match protocol::find(self, (dev, ino), sentinel, patient, &mut || true)? {
             Lookup::Found(fd) => Ok(Some(fd)),
             Lookup::Missing => Ok(None),
             Lookup::GaveUp | Lookup::Stopped => Err(Error::timeout(
                 "waiting for other processes to finish looking through a queue's blocks",
-                Some(LOCK_WAIT),
+                Some(patience),
             )),
         }
     }
