@@ -1,7 +1,7 @@
 //! References to shared memory as values: a [`BlockUse`] is one use of a block held by
 //! a value of this process (a storage; see `segment::block`; a named block's use holds
 //! its name too); a message carries one for its receiver as a `wire::InFlightUse` of
-//! the block (a [`Segment`] is a `wire::InFlightBlock`).
+//! the block (a [`Segment`] is a `wire::InFlightBlock`, see `segment::block`).
 //! Whoever holds one gives it back by dropping it; a message that is sent hands its
 //! use to its receiver instead ([`Carried::sent`]), who adopts it as a value of its own
 //! ([`BlockUse::adopt`]).
@@ -95,16 +95,6 @@ impl Carried for BlockUse {
             self.block.local_uses_forget();
         }
         self.owner = 0;
-    }
-}
-
-impl crate::wire::InFlightBlock for Segment {
-    fn take_in_flight_use(&self) {
-        Segment::take_in_flight_use(self);
-    }
-
-    fn give_back_in_flight_use(&self) {
-        Segment::give_back_in_flight_use(self);
     }
 }
 

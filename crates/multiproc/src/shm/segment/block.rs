@@ -350,3 +350,13 @@ impl crate::wire::Landing for Segment {
         self.use_landed();
     }
 }
+
+impl crate::wire::InFlightBlock for Segment {
+    fn take_in_flight_use(&self) {
+        Segment::take_in_flight_use(self);
+    }
+
+    fn give_back_in_flight_use(&self) {
+        Segment::give_back_in_flight_use(self);
+    }
+}
