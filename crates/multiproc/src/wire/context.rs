@@ -113,12 +113,6 @@ impl CarriedRef {
     }
 }
 
-impl From<Box<dyn Carried>> for CarriedRef {
-    fn from(other: Box<dyn Carried>) -> Self {
-        CarriedRef::Other(other)
-    }
-}
-
 /// The references one message carries: one or two inline, so a message with a tensor
 /// or two allocates nothing for them.
 pub(crate) type CarriedList = SmallVec<[CarriedRef; 2]>;
