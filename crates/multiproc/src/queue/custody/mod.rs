@@ -198,11 +198,12 @@ impl Custody {
     /// Takes the lock of `shelf`, waiting until `deadline` at most.
     fn hold(&self, shelf: usize, deadline: Option<Instant>) -> Result<Held<'_>> {
         let lock = &self.shelves[shelf].lock;
+        let start = Instant::now();
         match lock.acquire(deadline)? {
             Acquired::Yes | Acquired::FromDeadOwner(_) => Ok(Held(lock)),
             Acquired::TimedOut => Err(Error::timeout(
                 "waiting for other processes to finish looking through a queue's blocks",
-                deadline.map(|d| d.saturating_duration_since(Instant::now())),
+                Some(start.elapsed()),
             )),
         }
     }
