@@ -320,3 +320,70 @@ fn try_get_on_an_empty_queue_makes_no_system_call() {
         drop((clones, report_rx, report_tx));
     });
 }
+
+/// A value whose `Serialize` impl fails (postcard, the wire codec, keeps no text of
+/// a custom serde error).
+#[derive(Debug, Deserialize)]
+struct Unsendable;
+
+impl Serialize for Unsendable {
+    fn serialize<S: serde::Serializer>(&self, _: S) -> Result<S::Ok, S::Error> {
+        Err(serde::ser::Error::custom(
+            "this value refuses to be encoded",
+        ))
+    }
+}
+
+/// A value whose `Deserialize` impl refuses odd numbers.
+#[derive(Debug, Serialize)]
+struct EvenOnly(u32);
+
+impl<'de> Deserialize<'de> for EvenOnly {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let n = u32::deserialize(d)?;
+        if n % 2 == 1 {
+            return Err(serde::de::Error::custom("an odd number"));
+        }
+        Ok(EvenOnly(n))
+    }
+}
+
+fn put_odd_then_even(_rank: usize, q: Queue<EvenOnly>) -> multiproc::Result<()> {
+    q.put(EvenOnly(3))?;
+    q.put(EvenOnly(4))?;
+    Ok(())
+}
+
+/// A user type's own serde error says whose impl failed and how to see its text —
+/// not postcard's bare "Serde Serialization Error" — and the queue stays usable: the
+/// value that cannot be encoded comes back to the caller, the message that cannot be
+/// decoded is reported and the next one arrives.
+#[test]
+fn a_user_types_serde_error_says_whose_impl_failed() {
+    common::run(DEADLINE, || {
+        let q = Queue::<Unsendable>::new().unwrap();
+        let err = q.put(Unsendable).unwrap_err();
+        assert!(matches!(err.item, Unsendable));
+        let text = err.error.to_string();
+        assert!(
+            text.contains("a Serialize impl in the value returned an error")
+                && text.contains("serde_json"),
+            "{text}"
+        );
+
+        let q = Queue::<EvenOnly>::new().unwrap();
+        let mut ctx = start_processes(put_odd_then_even, q.clone(), 1, StartMethod::Spawn).unwrap();
+        ctx.join_timeout(WAIT).unwrap();
+        let err = q.get_timeout(WAIT).unwrap_err();
+        assert!(
+            matches!(&err, Error::InvalidMessage(m)
+                if m.contains("a Deserialize impl of the receiving type returned an error")),
+            "{err}"
+        );
+        assert_eq!(
+            q.get_timeout(WAIT).unwrap().0,
+            4,
+            "the next message arrives"
+        );
+    });
+}

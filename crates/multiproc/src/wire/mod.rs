@@ -139,7 +139,8 @@ pub(crate) fn encode_in<T: Serialize + ?Sized>(
         fds: Vec::new(),
         carried,
     };
-    let mut body = bytes.map_err(|e| error.map_or_else(|| Error::Encode(e.to_string()), |e| *e))?;
+    let mut body =
+        bytes.map_err(|e| error.map_or_else(|| Error::Encode(codec_error(&e)), |e| *e))?;
     let nfds = fds.len();
     if nfds > MAX_FDS_PER_PACKET - 1 {
         return Err(Error::Encode(format!(
@@ -219,6 +220,23 @@ pub(crate) fn decode_or_keep<T: DeserializeOwned>(
             }
             Err(e)
         }
+    }
+}
+
+/// What a postcard error says, in words a user can act on: a `Serialize` or
+/// `Deserialize` impl's own error reaches postcard as `custom`, whose text postcard
+/// does not keep (it says only "Serde Serialization Error").
+fn codec_error(e: &postcard::Error) -> String {
+    match e {
+        postcard::Error::SerdeSerCustom => "a Serialize impl in the value returned an error (the \
+             wire codec, postcard, keeps no text of it: serializing the value with \
+             serde_json shows it)"
+            .into(),
+        postcard::Error::SerdeDeCustom => "a Deserialize impl of the receiving type returned an \
+             error (the wire codec, postcard, keeps no text of it): do both sides use the \
+             same type?"
+            .into(),
+        other => other.to_string(),
     }
 }
 
@@ -347,7 +365,8 @@ fn decode_body<T: DeserializeOwned>(
                 rest.len()
             ))),
             Err(e) => Err(Error::InvalidMessage(format!(
-                "cannot decode the payload: {e}"
+                "cannot decode the payload: {}",
+                codec_error(&e)
             ))),
         }
     });
