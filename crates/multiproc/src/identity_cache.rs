@@ -52,12 +52,8 @@ impl<K, V: ?Sized> Default for IdentityCache<K, V> {
 impl<K: Eq + Hash + Clone, V: ?Sized> IdentityCache<K, V> {
     /// The live thing under `key`, if there is one.
     pub(crate) fn get(&mut self, key: &K) -> Option<Arc<V>> {
-        if let Some((last, weak)) = &self.last {
-            if last == key {
-                if let Some(live) = weak.upgrade() {
-                    return Some(live);
-                }
-            }
+        if let Some(live) = self.last_hit(key) {
+            return Some(live);
         }
         let weak = self.entries.get(key)?;
         let live = weak.upgrade()?;
@@ -89,53 +85,59 @@ impl<K: Eq + Hash + Clone, V: ?Sized> IdentityCache<K, V> {
         Some((key, weak.upgrade()?))
     }
 
-    /// The live thing under `key` (`true`), or else `make()`'s, recorded under it
-    /// (`false`): one hash of the key for both, where [`get`](Self::get) then
-    /// [`insert`](Self::insert) cost two on a miss (every newly received storage).
-    pub(crate) fn get_or_insert_with(
-        &mut self,
-        key: K,
-        make: impl FnOnce() -> Arc<V>,
-    ) -> (Arc<V>, bool) {
+    /// The live thing under `key`, or else `make()`'s, recorded under it: one hash of
+    /// the key for both, where [`get`](Self::get) then [`insert`](Self::insert) cost two
+    /// on a miss (every newly received storage).
+    pub(crate) fn get_or_insert_with(&mut self, key: K, make: impl FnOnce() -> Arc<V>) -> Arc<V> {
         use std::collections::hash_map::Entry;
-        if let Some((last, weak)) = &self.last {
-            if *last == key {
-                if let Some(live) = weak.upgrade() {
-                    return (live, true);
-                }
-            }
+        if let Some(live) = self.last_hit(&key) {
+            return live;
         }
-        let value = match self.entries.entry(key.clone()) {
-            Entry::Occupied(mut entry) => {
-                if let Some(live) = entry.get().upgrade() {
+        let (value, weak) = match self.entries.entry(key.clone()) {
+            Entry::Occupied(mut entry) => match entry.get().upgrade() {
+                Some(live) => {
                     self.last = Some((key, Weak::clone(entry.get())));
-                    return (live, true);
+                    return live;
                 }
-                let value = make();
-                entry.insert(Arc::downgrade(&value));
-                value
-            }
+                None => {
+                    let value = make();
+                    entry.insert(Arc::downgrade(&value));
+                    (value, Weak::clone(entry.get()))
+                }
+            },
             Entry::Vacant(entry) => {
                 let value = make();
                 entry.insert(Arc::downgrade(&value));
-                value
+                let weak = Arc::downgrade(&value);
+                (value, weak)
             }
         };
-        self.last = Some((key, Arc::downgrade(&value)));
+        self.recorded(key, weak);
+        value
+    }
+
+    /// The entry found or made last, when it is `key`'s and alive: a stream from one
+    /// arena is found without hashing.
+    fn last_hit(&self, key: &K) -> Option<Arc<V>> {
+        let (last, weak) = self.last.as_ref()?;
+        if last == key { weak.upgrade() } else { None }
+    }
+
+    /// `weak` was just recorded under `key`: it is the last entry, and the table is
+    /// swept when it has doubled.
+    #[inline]
+    fn recorded(&mut self, key: K, weak: Weak<V>) {
+        self.last = Some((key, weak));
         if self.entries.len() >= self.sweep_at {
             self.sweep();
         }
-        (value, false)
     }
 
     /// Records `value` under `key` (replacing what was there).
     pub(crate) fn insert(&mut self, key: K, value: &Arc<V>) {
         let weak = Arc::downgrade(value);
-        self.last = Some((key.clone(), Weak::clone(&weak)));
-        self.entries.insert(key, weak);
-        if self.entries.len() >= self.sweep_at {
-            self.sweep();
-        }
+        self.entries.insert(key.clone(), Weak::clone(&weak));
+        self.recorded(key, weak);
     }
 
     /// Drops the dead entries now.
@@ -186,13 +188,19 @@ mod tests {
     #[test]
     fn get_or_insert_with_makes_only_on_a_miss_and_replaces_a_dead_entry() {
         let mut cache: IdentityCache<u32, String> = IdentityCache::default();
-        let (a, found) = cache.get_or_insert_with(1, || Arc::new("a".to_owned()));
-        assert!(!found);
-        let (again, found) = cache.get_or_insert_with(1, || unreachable!("a hit makes nothing"));
-        assert!(found && Arc::ptr_eq(&a, &again));
+        let mut made = 0;
+        let a = cache.get_or_insert_with(1, || {
+            made += 1;
+            Arc::new("a".to_owned())
+        });
+        let again = cache.get_or_insert_with(1, || unreachable!("a hit makes nothing"));
+        assert!(Arc::ptr_eq(&a, &again));
         cache.insert(2, &Arc::new("gone".to_owned()));
-        let (b, found) = cache.get_or_insert_with(2, || Arc::new("b".to_owned()));
-        assert!(!found, "a dead entry is a miss");
+        let b = cache.get_or_insert_with(2, || {
+            made += 1;
+            Arc::new("b".to_owned())
+        });
+        assert_eq!(made, 2, "a dead entry is a miss");
         assert_eq!(cache.get(&2).as_deref().map(String::as_str), Some("b"));
         drop((a, again, b));
         assert!(cache.get(&1).is_none() && cache.get(&2).is_none());

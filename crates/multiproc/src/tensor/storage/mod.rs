@@ -235,7 +235,7 @@ impl Storage {
         let mut unneeded = None;
         let mut brought = brought;
         let storage = with_storage_cache(|c| {
-            let (inner, _) = c.get_or_insert_with(key, || {
+            let inner = c.get_or_insert_with(key, || {
                 Storage::with_use(nbytes, Backing::Shared { segment, offset }, brought.take()).inner
             });
             // Still here only when the storage was found (a new one took it).
