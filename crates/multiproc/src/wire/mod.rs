@@ -189,8 +189,17 @@ pub(crate) fn decode<T: DeserializeOwned>(
     packet: Packet,
     returns: &Arc<dyn GiveBack>,
 ) -> Result<T> {
+    decode_with(packet, returns, LOOKUP_PATIENCE)
+}
+
+/// [`decode`], a block named by inode looked for in the custody with `patience`.
+fn decode_with<T: DeserializeOwned>(
+    packet: Packet,
+    returns: &Arc<dyn GiveBack>,
+    patience: Duration,
+) -> Result<T> {
     let Packet { bytes, fds } = packet;
-    decode_body(&bytes, fds, returns, false, LOOKUP_PATIENCE).map_err(|(e, _)| e)
+    decode_body(&bytes, fds, returns, false, patience).map_err(|(e, _)| e)
 }
 
 /// [`decode`] of a packet that its caller keeps for another try when the decode fails
@@ -206,8 +215,7 @@ pub(crate) fn decode_or_keep<T: DeserializeOwned>(
     patience: Duration,
 ) -> Result<T> {
     if !packet.fds.is_empty() {
-        let Packet { bytes, fds } = packet;
-        return decode_body(&bytes, fds, returns, false, patience).map_err(|(e, _)| e);
+        return decode_with(packet, returns, patience);
     }
     match decode_body(&packet.bytes, Vec::new(), returns, true, patience) {
         Ok(value) => {
