@@ -208,6 +208,11 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl Shard {
+    /// Announces a change of the registrations to the thread. Called with the
+    /// registrations' lock held, so that whoever sees the change (a count of parked
+    /// waits, taken under that lock) sees it announced too: a test that counts its
+    /// tasks parked and the reactor settled does not then meet the wake-up of a
+    /// registration that was in place but not yet announced.
     fn changed(&self) {
         self.control.fetch_add(1, Ordering::SeqCst);
         let _ = futex::wake(&self.control, futex::Flags::PRIVATE, 1);
@@ -521,13 +526,15 @@ impl Parked {
                 let removed = if state.load(Ordering::SeqCst) == FIRED {
                     None // the reactor removed it (and uncounted it)
                 } else {
-                    lock(&shard.registrations).entries.remove(key)
-                };
-                match removed {
-                    Some(r) => {
-                        r.wait.uncount();
+                    let mut regs = lock(&shard.registrations);
+                    let removed = regs.entries.remove(key);
+                    if removed.is_some() {
                         shard.changed();
                     }
+                    removed
+                };
+                match removed {
+                    Some(r) => r.wait.uncount(),
                     None if pass_on => {
                         super::futex::wake(host.host_word(*index), 1);
                     }
@@ -535,7 +542,8 @@ impl Parked {
                 }
             }
             ParkedKind::Fd { reactor, key } => {
-                if lock(&reactor.registrations).entries.remove(key).is_some() {
+                let mut regs = lock(&reactor.registrations);
+                if regs.entries.remove(key).is_some() {
                     reactor.changed();
                 }
             }
@@ -647,9 +655,9 @@ pub(crate) fn park_word(wait: WordWait, waker: &Waker) -> Result<Option<Parked>>
                 state: Arc::clone(&state),
             },
         );
+        shard.changed();
         key
     };
-    shard.changed();
     Ok(Some(Parked {
         kind: ParkedKind::Word {
             shard,
@@ -1023,9 +1031,9 @@ pub(crate) fn park_fds(fds: Vec<OwnedFd>, ready: Ready, waker: &Waker) -> Result
                 waker: waker.clone(),
             },
         );
+        reactor.changed();
         key
     };
-    reactor.changed();
     Ok(Parked {
         kind: ParkedKind::Fd { reactor, key },
         done: false,
