@@ -228,7 +228,7 @@ fn is_free(m: &Arc<CudaMemory>) -> bool {
 pub(crate) fn allocate(device: u32, nbytes: usize) -> Result<(Arc<CudaUse>, usize)> {
     let d = driver::driver()?;
     d.check_device(device, "a new CUDA tensor")?;
-    let pid = crate::sys::process::cached_pid();
+    let pid = crate::sys::fork_local::cached_pid();
     let mut guard = POOL.lock().unwrap_or_else(PoisonError::into_inner);
     let pool = match guard.as_mut() {
         Some(p) if p.pid == pid => p,

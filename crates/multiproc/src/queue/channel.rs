@@ -65,7 +65,7 @@ pub(crate) struct Channel {
     /// an fd limit loses nothing (see [`decode`](Self::decode)).
     pending: Mutex<Option<Packet>>,
     /// What gives back the block uses of a packet dropped unread (see
-    /// `wire::references`), with the custody to find their blocks in.
+    /// `wire::context`), with the custody to find their blocks in.
     returns: Arc<dyn wire::GiveBack>,
     closed: AtomicBool,
     /// This value's peer lease on the channel's holder file.

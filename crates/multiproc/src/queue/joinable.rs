@@ -1,6 +1,6 @@
 //! [`JoinableQueue`]: a [`Queue`](super::Queue) that also counts unfinished tasks. Its
 //! `put`s count a task, `task_done`/`join` use the count in the channel's block (see
-//! `counted`); its taking and inspecting operations are a `Queue`'s own, forwarded to
+//! `bounded`'s counters); its taking and inspecting operations are a `Queue`'s own, forwarded to
 //! the queue inside (a `JoinableQueue` is not a `Queue`, so it does not deref to one:
 //! a plain `put` through one would skip the count).
 
@@ -11,8 +11,8 @@ use std::time::Duration;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
+use super::bounded::Wait;
 use super::bounded::{Queue, QueueIter, QueueTryIter};
-use super::counted::Wait;
 use super::layout::UNFINISHED;
 use crate::error::{Error, PutError, Result};
 use crate::sys::deadline_after;

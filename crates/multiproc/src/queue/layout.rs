@@ -14,12 +14,12 @@
 //! | 14–15 | `ring` | `LANE`: the socket lane's generation and flag (64 bits) |
 //! | 16–23 | `custody` | shelf 0: its lock (4 words), `ENTRIES` (+4), `BYTES` (+6, 64 bits) |
 //! | 24–31 | `custody` | shelf 1, the same |
-//! | 33 | `counted` | `FREE_PLACES`: places a bounded queue has free |
-//! | 34 | `counted` | `ITEMS`: messages put and not yet taken (`len`) |
-//! | 35 | `counted` | `UNFINISHED`: a joinable queue's tasks not yet done |
-//! | 36 | `counted` | `CAPACITY`: a bounded queue's `maxsize` (0: unbounded) |
-//! | 37 | `counted` | `PLACE_WAITERS`: putters asleep on `FREE_PLACES` |
-//! | 38 | `counted` | `PLACE_DEBT`: places taken back from putters that timed out |
+//! | 33 | `bounded` | `FREE_PLACES`: places a bounded queue has free |
+//! | 34 | `bounded` | `ITEMS`: messages put and not yet taken (`len`) |
+//! | 35 | `bounded` | `UNFINISHED`: a joinable queue's tasks not yet done |
+//! | 36 | `bounded` | `CAPACITY`: a bounded queue's `maxsize` (0: unbounded) |
+//! | 37 | `bounded` | `PLACE_WAITERS`: putters asleep on `FREE_PLACES` |
+//! | 38 | `bounded` | `PLACE_DEBT`: places taken back from putters that timed out |
 //! | 39 | `ring` | `LEFT`: bumped by every channel value dropped (a holder leaving) |
 //! | 48–49 | `ring` | `HEAD`: the position of the oldest record (64 bits, a hint) |
 //!

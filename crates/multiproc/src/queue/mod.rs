@@ -48,7 +48,6 @@
 mod awaiting;
 mod bounded;
 mod channel;
-mod counted;
 mod custody;
 mod joinable;
 mod layout;

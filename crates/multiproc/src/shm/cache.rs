@@ -20,7 +20,7 @@
 //! large block's pages takes milliseconds, which no receiving thread should wait for.
 //! Plain named segments are never retained (the
 //! mapping holds a reference, and their name must go away with their last tensor); a
-//! named block's mapping holds none (see `segment::block`), so keeping it does not keep
+//! named block's mapping holds none (see `segment`'s blocks), so keeping it does not keep
 //! its name. Blocks this process created are kept by its recycler instead.
 //!
 //! A `fork` child does not inherit the table (it is a `ForkLocal`): the segments in the

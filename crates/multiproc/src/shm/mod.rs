@@ -48,7 +48,7 @@
 //! `wire::InFlightUse` the message holds (see `reference`), which the receiving storage adopts
 //! and keeps as long as it lives. A recycled block that both sides keep mapped costs a
 //! tensor no zeroing, faulting in or unmapping of its pages on either side.
-//! `file_system` storages live in named blocks, alike (see `segment::block`).
+//! `file_system` storages live in named blocks, alike (see `segment`'s blocks).
 //!
 //! Invariant of the map cache: a process maps each segment at most once while it is
 //! alive (keyed by device+inode for memfds, by name for named segments), so the same

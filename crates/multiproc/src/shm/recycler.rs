@@ -21,7 +21,7 @@
 //! block costs no page fault and no `mmap` on either side. A process that crashes while
 //! holding uses cannot give them back: once no live process maps the block and no
 //! message names it, this process takes them back (on its idle ticks, and before it lets
-//! a block go; see `segment::block`), so a crash never pins a block for good.
+//! a block go; see `segment`'s blocks), so a crash never pins a block for good.
 //!
 //! Bounds: at most [`MAX_RETIRED`] full arenas and [`MAX_LARGE`] large blocks are kept
 //! waiting for their uses to end, and idle large blocks (no uses) are kept only up to
@@ -31,7 +31,7 @@
 //! its whole arena (1 MiB) alive.
 //!
 //! A named block's name stays in `/dev/shm` while the block is pooled or used (see
-//! `segment::block`): it goes with the last tensor on it once its creator stops
+//! `segment`'s blocks): it goes with the last tensor on it once its creator stops
 //! pooling it — when the pool lets it go (the bounds above, or a full `/dev/shm`), when
 //! a worker ends, and when this process exits through `exit` (an `atexit` handler).
 //! After a crash the shm manager removes what is left; a killed manager is restarted
@@ -148,7 +148,7 @@ fn release(block: Arc<Segment>) {
 
 /// Runs `f` on this process's pool for `strategy`.
 fn with_pool<R>(strategy: SharingStrategy, f: impl FnOnce(&mut Pool) -> R) -> R {
-    let pid = crate::sys::process::cached_pid();
+    let pid = crate::sys::fork_local::cached_pid();
     let mut guard = POOLS.lock();
     let pools = match guard.as_mut() {
         Some(p) if p.pid == pid => p,
@@ -245,7 +245,7 @@ pub(crate) fn unpool_named_before_exit() {
         return;
     };
     if let Some(pools) = guard.as_ref() {
-        if pools.pid == crate::sys::process::cached_pid() {
+        if pools.pid == crate::sys::fork_local::cached_pid() {
             pools.named.blocks().for_each(|b| b.unpool());
         }
     }

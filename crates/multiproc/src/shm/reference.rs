@@ -1,7 +1,7 @@
 //! References to shared memory as values: a [`BlockUse`] is one use of a block held by
-//! a value of this process (a storage; see `segment::block`; a named block's use holds
+//! a value of this process (a storage; see `segment`'s blocks; a named block's use holds
 //! its name too); a message carries one for its receiver as a `wire::InFlightUse` of
-//! the block (a [`Segment`] is a `wire::InFlightBlock`, see `segment::block`).
+//! the block (a [`Segment`] is a `wire::InFlightBlock`, see `segment`'s blocks).
 //! Whoever holds one gives it back by dropping it; a message that is sent hands its
 //! use to its receiver instead ([`Carried::sent`]), who adopts it as a value of its own
 //! ([`BlockUse::adopt`]).
@@ -18,7 +18,7 @@ use crate::wire::{Carried, Custody, GiveBack, Reference};
 
 /// The pid a reference belongs to, 0 once it has been handed to a receiver.
 fn this_process() -> u32 {
-    crate::sys::process::cached_pid()
+    crate::sys::fork_local::cached_pid()
 }
 
 /// One use of a block: the block is not handed out again while it lives.
@@ -99,7 +99,7 @@ impl Carried for BlockUse {
 }
 
 /// Gives back the block uses of messages that are dropped unread (see
-/// `wire::references`): finds each block — mapped here already, or mapped now from the
+/// `wire::context`): finds each block — mapped here already, or mapped now from the
 /// packet's fd, the channel's custody or its name — and gives its use back.
 pub(crate) struct Returns {
     /// The custody of the channel the packets came through, for blocks named by inode.

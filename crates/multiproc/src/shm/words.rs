@@ -182,7 +182,7 @@ impl SharedWords {
             } + 1;
             let entry = FIRST_RESERVED_WORD + 2 * (id as usize % HOLDER_PIDS);
             self.word(entry + 1)
-                .store(crate::sys::process::cached_pid(), Ordering::Release);
+                .store(crate::sys::fork_local::cached_pid(), Ordering::Release);
             self.word(entry).store(id, Ordering::Release);
             let marked =
                 crate::sys::lease::marked_description(self.fd.as_fd(), i64::from(id), false)?;
@@ -213,12 +213,12 @@ impl SharedWords {
     /// The holder id this value remembers from this process, if any.
     fn cached_id(&self) -> Option<u32> {
         let tagged = self.holder.load(Ordering::Acquire);
-        (tagged >> 32 == u64::from(crate::sys::process::cached_pid()) && tagged as u32 != 0)
+        (tagged >> 32 == u64::from(crate::sys::fork_local::cached_pid()) && tagged as u32 != 0)
             .then_some(tagged as u32)
     }
 
     fn cache_id(&self, id: u32) {
-        let pid = u64::from(crate::sys::process::cached_pid());
+        let pid = u64::from(crate::sys::fork_local::cached_pid());
         self.holder
             .store(pid << 32 | u64::from(id), Ordering::Release);
     }
@@ -226,7 +226,7 @@ impl SharedWords {
     /// This process's mark entry for the page, with this value counted in it (once per
     /// process: a value a `fork` child inherited is counted there on its first use).
     fn count_in<'m>(&self, markers: &'m mut Markers) -> &'m mut Marker {
-        let pid = crate::sys::process::cached_pid();
+        let pid = crate::sys::fork_local::cached_pid();
         let mark = markers
             .get_or_insert_with(HashMap::new)
             .entry(self.identity)
@@ -388,7 +388,7 @@ impl SharedWords {
 
 impl Drop for SharedWords {
     fn drop(&mut self) {
-        if *self.counted_by.get_mut() != crate::sys::process::cached_pid() {
+        if *self.counted_by.get_mut() != crate::sys::fork_local::cached_pid() {
             return;
         }
         let gone = {

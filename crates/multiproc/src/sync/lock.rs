@@ -45,7 +45,7 @@ pub(crate) const RAW_LOCK_WORDS: usize = 4;
 
 fn my_pid() -> u32 {
     // Without a system call: a queue's custody takes a lock per lookup.
-    crate::sys::process::cached_pid()
+    crate::sys::fork_local::cached_pid()
 }
 
 /// This thread's id, without a system call after the thread's first ask (every acquire
@@ -55,7 +55,7 @@ fn my_tid() -> u32 {
     thread_local! {
         static TID: Cell<(u64, u32)> = const { Cell::new((u64::MAX, 0)) };
     }
-    let generation = crate::sys::process::fork_generation();
+    let generation = crate::sys::fork_local::fork_generation();
     TID.try_with(|cached| {
         let (seen_in, tid) = cached.get();
         if seen_in == generation {

@@ -293,7 +293,7 @@ pub(crate) struct HostRegistration {
 
 impl Drop for HostRegistration {
     fn drop(&mut self) {
-        if self.pid != super::process::cached_pid() {
+        if self.pid != super::fork_local::cached_pid() {
             return;
         }
         if let Ok(d) = driver() {
@@ -534,7 +534,7 @@ impl Driver {
             ptr: bytes.as_ptr() as usize,
             len,
             device,
-            pid: super::process::cached_pid(),
+            pid: super::fork_local::cached_pid(),
         })
     }
 

@@ -3,7 +3,8 @@
 //! # Safety
 //!
 //! Dereferences a pointer that came from `Box::into_raw` and is never freed (a slot
-//! lives for the rest of the process), so it is valid for `'static`.
+//! lives for the rest of the process), so it is valid for `'static`; registers a
+//! `pthread_atfork` child handler that only stores to atomics.
 //!
 //! A child forked from a multithreaded parent holds copies of the parent's mutexes in
 //! whatever state the parent's *other* threads left them: one that another thread held
@@ -11,7 +12,7 @@
 //! hangs on it. And what those mutexes guard (the map cache, the pools of blocks this
 //! process recycles, its connection to the shm manager, its launcher thread) belongs
 //! to the parent anyway. A [`ForkLocal`] therefore keys its state by the fork
-//! generation (`process::fork_generation`, counted by an atfork handler): the first use
+//! generation ([`fork_generation`], counted by an atfork handler): the first use
 //! in a new generation puts a fresh, default value in a new slot, and the parent's
 //! slot is left untouched (it may be locked, and its contents are the parent's) and
 //! never freed: one small leak per fork generation that uses it, never a hang.
@@ -20,7 +21,49 @@ use std::ptr;
 use std::sync::atomic::{AtomicPtr, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError, TryLockError};
 
-use super::process::fork_generation;
+/// This process's pid, without a system call after the first: the hot path asks for it
+/// several times per message (whose reference a value holds, which pool is whose).
+/// A `fork` child resets the cache (a `pthread_atfork` handler), so it never sees its
+/// parent's pid. A child made by a raw `clone` system call, bypassing libc, would; none
+/// is made here.
+pub(crate) fn cached_pid() -> u32 {
+    let cached = CACHED_PID.load(std::sync::atomic::Ordering::Relaxed);
+    if cached != 0 {
+        return cached;
+    }
+    watch_forks();
+    let pid = std::process::id();
+    CACHED_PID.store(pid, std::sync::atomic::Ordering::Relaxed);
+    pid
+}
+
+/// How many `fork`s separate this process from the first process of its line that
+/// asked (0 there; a `fork` child sees one more than its parent did). Process-local
+/// state keyed by it is rebuilt in a child (see `fork_local`), which would otherwise
+/// inherit mutexes that other threads of its parent held at the fork, and hang.
+pub(crate) fn fork_generation() -> u64 {
+    watch_forks();
+    FORK_GENERATION.load(std::sync::atomic::Ordering::Acquire)
+}
+
+/// Registers (once) the `fork` child handler that forgets the cached pid and counts the
+/// fork.
+fn watch_forks() {
+    static REGISTER: std::sync::Once = std::sync::Once::new();
+    REGISTER.call_once(|| {
+        // SAFETY: registers a handler that only stores to atomics, which is
+        // async-signal-safe as the child side of fork requires.
+        let _ = unsafe { libc::pthread_atfork(None, None, Some(after_fork_in_child)) };
+    });
+}
+
+static CACHED_PID: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+static FORK_GENERATION: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+extern "C" fn after_fork_in_child() {
+    CACHED_PID.store(0, std::sync::atomic::Ordering::Relaxed);
+    FORK_GENERATION.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+}
 
 /// A `Mutex<T>` whose value a `fork` child starts afresh (`T::default()`).
 pub(crate) struct ForkLocal<T> {

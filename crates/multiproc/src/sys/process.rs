@@ -1,13 +1,14 @@
 //! Processes at the system level: re-executing ourselves, forking, pidfds, waiting,
 //! signals, the parent-death signal, the few environment and name changes a new
 //! worker makes to itself, and who we are (pid, parent's pid, uid, thread id) and whether another
-//! process still lives (`/proc`).
+//! process still lives (`/proc`). (The pid a hot path asks for, cached, and the fork
+//! generation are `fork_local`'s: an atfork handler keeps both.)
 //!
 //! # Safety
 //!
 //! `fork` (only where the process is single-threaded, or followed at once by
 //! `exec`/`_exit` with async-signal-safe calls in between), `setenv` while
-//! single-threaded, `pthread_atfork` with a handler that only stores to an atomic, and
+//! single-threaded, and
 //! taking ownership of an inherited fd number after checking it is open and claimed by
 //! nothing else.
 //!
@@ -325,50 +326,6 @@ pub(crate) fn current_tid() -> u32 {
     rustix::thread::gettid().as_raw_nonzero().get() as u32
 }
 
-/// This process's pid, without a system call after the first: the hot path asks for it
-/// several times per message (whose reference a value holds, which pool is whose).
-/// A `fork` child resets the cache (a `pthread_atfork` handler), so it never sees its
-/// parent's pid. A child made by a raw `clone` system call, bypassing libc, would; none
-/// is made here.
-pub(crate) fn cached_pid() -> u32 {
-    let cached = CACHED_PID.load(std::sync::atomic::Ordering::Relaxed);
-    if cached != 0 {
-        return cached;
-    }
-    watch_forks();
-    let pid = std::process::id();
-    CACHED_PID.store(pid, std::sync::atomic::Ordering::Relaxed);
-    pid
-}
-
-/// How many `fork`s separate this process from the first process of its line that
-/// asked (0 there; a `fork` child sees one more than its parent did). Process-local
-/// state keyed by it is rebuilt in a child (see `fork_local`), which would otherwise
-/// inherit mutexes that other threads of its parent held at the fork, and hang.
-pub(crate) fn fork_generation() -> u64 {
-    watch_forks();
-    FORK_GENERATION.load(std::sync::atomic::Ordering::Acquire)
-}
-
-/// Registers (once) the `fork` child handler that forgets the cached pid and counts the
-/// fork.
-fn watch_forks() {
-    static REGISTER: std::sync::Once = std::sync::Once::new();
-    REGISTER.call_once(|| {
-        // SAFETY: registers a handler that only stores to atomics, which is
-        // async-signal-safe as the child side of fork requires.
-        let _ = unsafe { libc::pthread_atfork(None, None, Some(after_fork_in_child)) };
-    });
-}
-
-static CACHED_PID: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-static FORK_GENERATION: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-
-extern "C" fn after_fork_in_child() {
-    CACHED_PID.store(0, std::sync::atomic::Ordering::Relaxed);
-    FORK_GENERATION.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
-}
-
 /// The start time of process `pid` (clock ticks since boot, `/proc/<pid>/stat` field
 /// 22), or `None` when it does not exist or is a zombie.
 pub(crate) fn start_time(pid: u32) -> Option<u64> {
@@ -432,6 +389,7 @@ mod tests {
     #[test]
     #[cfg_attr(miri, ignore = "fork is a foreign function Miri cannot run")]
     fn the_cached_pid_is_reset_in_a_fork_child() {
+        use crate::sys::fork_local::cached_pid;
         let parent = cached_pid();
         assert_eq!(parent, std::process::id());
         let pid = fork_child(|| i32::from(cached_pid() == std::process::id())).unwrap();

@@ -898,7 +898,7 @@ impl CloseWatch {
     /// Whether this process made the watch (not its `fork` parent): only then may it
     /// be waited on.
     pub(crate) fn is_here(&self) -> bool {
-        self.generation == super::process::fork_generation()
+        self.generation == super::fork_local::fork_generation()
     }
 
     /// Whether the file was closed since `seat` last looked (a first look only
@@ -992,7 +992,7 @@ pub(crate) fn watch_closes(file: BorrowedFd<'_>) -> Option<CloseWatch> {
         reactor,
         key,
         shared,
-        generation: super::process::fork_generation(),
+        generation: super::fork_local::fork_generation(),
     })
 }
 

@@ -185,28 +185,4 @@ impl Tensor {
         };
         Tensor::from_storage_and_layout(storage, dtype, layout)
     }
-
-    /// [`from_storage`](Self::from_storage) with the layout taken over (checked).
-    pub(super) fn from_storage_and_layout(
-        storage: Storage,
-        dtype: DType,
-        layout: Layout,
-    ) -> Result<Tensor> {
-        layout.check_bounds(dtype.size(), storage.nbytes())?;
-        Ok(Tensor {
-            storage,
-            dtype,
-            layout,
-        })
-    }
-
-    /// A new tensor on the same storage with another layout (checked).
-    pub(super) fn with_layout(&self, layout: Layout) -> Result<Tensor> {
-        layout.check_bounds(self.dtype.size(), self.storage.nbytes())?;
-        Ok(Tensor {
-            storage: self.storage.clone(),
-            dtype: self.dtype,
-            layout,
-        })
-    }
 }

@@ -38,7 +38,8 @@
 //! `constructors`, `views`, `in_place`, `reductions` (the operations, by kind),
 //! `copy_in` (host data in), `device` (CPU or CUDA), `interop_*` (the features: ndarray,
 //! candle, DLPack, burn); this
-//! file: [`Tensor`] itself, its accessors, `Debug` and wire form.
+//! file: [`Tensor`] itself, the two checked doors every tensor comes through, its
+//! accessors, `Debug` and wire form.
 
 #[allow(unsafe_code)]
 pub(crate) mod bulk;
@@ -144,6 +145,35 @@ fn read_two<'a>(a: &'a Storage, b: &'a Storage) -> (StorageRead<'a>, StorageRead
     } else {
         let rb = b.read();
         (a.read(), rb)
+    }
+}
+
+/// The two doors every tensor comes through, each checking the invariant that its
+/// layout addresses no byte outside its storage (the constructors, the views and the
+/// wire form all build on them).
+impl Tensor {
+    /// [`from_storage`](Self::from_storage) with the layout taken over (checked).
+    pub(super) fn from_storage_and_layout(
+        storage: Storage,
+        dtype: DType,
+        layout: Layout,
+    ) -> Result<Tensor> {
+        layout.check_bounds(dtype.size(), storage.nbytes())?;
+        Ok(Tensor {
+            storage,
+            dtype,
+            layout,
+        })
+    }
+
+    /// A new tensor on the same storage with another layout (checked).
+    pub(super) fn with_layout(&self, layout: Layout) -> Result<Tensor> {
+        layout.check_bounds(self.dtype.size(), self.storage.nbytes())?;
+        Ok(Tensor {
+            storage: self.storage.clone(),
+            dtype: self.dtype,
+            layout,
+        })
     }
 }
 

@@ -27,7 +27,7 @@
 //! | 7 | zero |
 //! | 8..12 | number of fds the payload uses (not counting the payload memfd) |
 //! | 12..16 | payload length in bytes |
-//! | 16..20 | references section length in bytes (see `references`) |
+//! | 16..20 | references section length in bytes (see `context`) |
 //!
 //! The *body* — the payload, then the references section — follows the header (kind 0)
 //! or fills the payload memfd (kind 1). The section lists the block uses the message
@@ -44,8 +44,9 @@
 //! Files: this one holds the codec's entry points ([`encode`], [`decode`]) and the
 //! packet constants; `packet` the framing ([`Encoded`], sending, receiving, the
 //! payload memfd); `context` the encoder and decoder that handles' impls talk to (the
-//! fd side table, the references a message carries, the error it failed with);
-//! `opaque` nested messages ([`Opaque`]); `references` the references section.
+//! fd side table, the references a message carries and the references section that
+//! lists them, the error it failed with); `custody` the custody trait a channel lends
+//! the codec; `opaque` nested messages ([`Opaque`]).
 //!
 //! Invariant: decoding never panics and never trusts the sender. Every length, count
 //! and index is checked; anything malformed is [`Error::InvalidMessage`] saying what.
@@ -54,7 +55,6 @@ mod context;
 mod custody;
 mod opaque;
 mod packet;
-mod references;
 
 use std::borrow::Cow;
 use std::cell::RefCell;
@@ -72,13 +72,13 @@ pub(crate) use context::{
     Carried, CarriedRef, Decoder, Encoder, InFlightBlock, InFlightUse, Landing, defer_give_back,
     is_decoding,
 };
+pub(crate) use context::{GiveBack, Reference, give_back_unread};
 pub(crate) use custody::{Custody, KeptBlock, LOOKUP_PATIENCE, TRY_PATIENCE};
 pub(crate) use opaque::Opaque;
 use packet::read_sealed_payload;
 pub(crate) use packet::{
     Encoded, buffer as packet_buffer, is_counted, recv_packet, try_recv_packet, uncount,
 };
-pub(crate) use references::{GiveBack, Reference, give_back_unread};
 
 use crate::error::{Error, Result};
 use crate::sys::memfd;
@@ -356,8 +356,8 @@ fn decode_body<T: DeserializeOwned>(
     let parts = split_packet(bytes, &mut fds).map_err(|e| (e, false))?;
     // A section that cannot be read lists nothing to give back: the packet is not one
     // of ours.
-    let references = references::parse_into(&parts.section, |r| (r.into_owned(), false))
-        .map_err(|e| (e, false))?;
+    let references =
+        context::parse_into(&parts.section, |r| (r.into_owned(), false)).map_err(|e| (e, false))?;
     let mut table = RefCell::new(DecodeTable::new(
         fds,
         references,

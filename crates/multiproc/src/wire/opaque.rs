@@ -7,7 +7,7 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use super::context::{AttachedFd, Carried, CarriedRef, Decoder, Encoder};
-use super::references::{GiveBack, give_back_unread};
+use super::context::{GiveBack, give_back_unread};
 use super::{HEADER_LEN, decode, encode};
 use crate::error::{Error, Result};
 use crate::sys::socket::Packet;

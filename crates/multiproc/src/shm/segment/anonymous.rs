@@ -1,11 +1,11 @@
 //! The anonymous backend: a sealed memfd, created here or received (checked before it
-//! is mapped). A memfd block (see `block`) is one of these with a block header.
+//! is mapped). A memfd block (see the blocks of `segment`) is one of these with a block header.
 
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
 use std::sync::atomic::AtomicU32;
 
-use super::block::{ARENA_LEN, BLOCK_HEADER_LEN};
+use super::{ARENA_LEN, BLOCK_HEADER_LEN};
 use super::{Attachment, Backing, Segment};
 use crate::error::{Error, Result};
 use crate::sys::mmap::SharedMapping;
@@ -49,7 +49,7 @@ impl Segment {
     }
 
     /// Creates a block: an anonymous segment of `len > BLOCK_HEADER_LEN` bytes that
-    /// starts with a block header (see `block`) with no uses, pooled by this process,
+    /// starts with a block header (see the blocks of `segment`) with no uses, pooled by this process,
     /// and mapped with this process's creator mark.
     pub(crate) fn create_anonymous_block(len: usize) -> Result<Segment> {
         let mut segment = Segment::create_anonymous_marked(
@@ -111,7 +111,7 @@ impl Segment {
             ))
         })?;
         // A block is mapped through a description of this process's own that carries
-        // its holder mark (see `block`); the received fd, which it may send on, none.
+        // its holder mark (see the blocks of `segment`); the received fd, which it may send on, none.
         let mapping = if as_block {
             let marked = lease::marked_description(fd.as_fd(), lease::MARK_HOLDER, false)?;
             SharedMapping::map(marked.as_fd(), len)?

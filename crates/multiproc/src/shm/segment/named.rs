@@ -21,7 +21,7 @@ const HEADER_MAGIC: u64 = u64::from_le_bytes(*b"MPSHMSEG");
 const HEADER_VERSION: u32 = 1;
 /// [`Header::kind`] of a plain named segment.
 const KIND_PLAIN: u32 = 0;
-/// [`Header::kind`] of a named block (see `block`).
+/// [`Header::kind`] of a named block (see the blocks of `segment`).
 const KIND_BLOCK: u32 = 1;
 
 /// The header at the start of a named segment. All fields are atomics because every
@@ -75,7 +75,7 @@ impl Segment {
             },
         )
         .and_then(|()| {
-            // A block's creator maps it with its creator mark (see `block`); the fd is
+            // A block's creator maps it with its creator mark (see the blocks of `segment`); the fd is
             // this process's own description, opened here and never sent.
             if headers > HEADER_LEN {
                 lease::marked_description(fd.as_fd(), lease::MARK_CREATOR, true).map(drop)?;
@@ -111,7 +111,7 @@ impl Segment {
         Ok(segment)
     }
 
-    /// Marks a named segment this process just created as a block (see `block`): its
+    /// Marks a named segment this process just created as a block (see the blocks of `segment`): its
     /// header says so, and this value holds no reference (the pool's is the one).
     pub(super) fn mark_named_block(&self) {
         if let Backing::Named { owner_pid, .. } = &self.backing {
@@ -126,7 +126,7 @@ impl Segment {
     /// 0600, with our header, holding at least `claimed` bytes of data). The
     /// in-flight reference the sender took becomes this process's reference; for a
     /// block (`as_block`, from the handle's kind) the message's use holds it instead
-    /// (see `block`), and this value holds none.
+    /// (see the blocks of `segment`), and this value holds none.
     pub(crate) fn open_named(name: SegmentName, claimed: u64, as_block: bool) -> Result<Segment> {
         let path = shm_path(&name);
         let fd = match fs::open_shm_file(&path, false) {
@@ -172,7 +172,7 @@ impl Segment {
             Error::InvalidMessage(format!("segment {path} of {size} bytes cannot be mapped"))
         })?;
         if as_block {
-            // Mapped with this process's holder mark (see `block`): the description was
+            // Mapped with this process's holder mark (see the blocks of `segment`): the description was
             // opened here, by name, and is never sent.
             lease::marked_description(fd.as_fd(), lease::MARK_HOLDER, true).map(drop)?;
         }
@@ -353,7 +353,7 @@ impl Segment {
     /// end without running destructors (a worker leaving with `_exit`, whose memory
     /// still holds copies of its parent's handles after a `fork`) leaves no count
     /// behind, and stops pooling a named block it created (its pool's reference goes;
-    /// see `block`). The mapping stays valid until the process ends.
+    /// see the blocks of `segment`). The mapping stays valid until the process ends.
     pub(crate) fn release_before_exit(&self) {
         if let Backing::Named { owner_pid, .. } = &self.backing {
             if self.is_own_block() {

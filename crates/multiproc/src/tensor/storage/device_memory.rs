@@ -11,8 +11,8 @@
 use std::sync::Arc;
 
 use super::backing::Backing;
-use super::received_cache::{StorageKey, with_storage_cache};
 use super::{Storage, StorageRead};
+use super::{StorageKey, with_storage_cache};
 use crate::cuda::{self, CudaUse};
 use crate::error::{Error, Result};
 use crate::sys::shared_bytes::SharedBytes;

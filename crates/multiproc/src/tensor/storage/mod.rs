@@ -20,9 +20,11 @@
 //!
 //! Files: `backing` (where the bytes are, and the state every handle shares),
 //! `private_buf` (heap bytes), `initial_bytes` (how new shared bytes start out),
-//! `received_cache` (a received handle finds the storage this process already has),
 //! `read_only` (a file's pages), `device_memory` (CUDA memory and the copies that reach
-//! it); this file: the [`Storage`] handle, its read guard and its wire form.
+//! it); this file: the [`Storage`] handle, its read guard, its wire form, and this
+//! process's shared storages by where their bytes are (a received handle naming bytes
+//! this process already has finds the same [`Storage`], so aliasing survives a round
+//! trip).
 
 mod backing;
 mod device_memory;
@@ -31,7 +33,6 @@ mod initial_bytes;
 mod pinned;
 mod private_buf;
 mod read_only;
-mod received_cache;
 
 use std::fmt;
 use std::ptr::NonNull;
@@ -43,10 +44,10 @@ use backing::{Backing, StorageInner};
 pub(crate) use device_memory::copy_bytes;
 use initial_bytes::{Init, write_shared};
 use private_buf::PrivateBuf;
-use received_cache::{StorageKey, with_storage_cache};
 
 use crate::cuda::{self, CudaHandle, Device};
 use crate::error::{Error, Result};
+use crate::identity_cache::IdentityCache;
 use crate::sharing::{SharingStrategy, get_sharing_strategy};
 use crate::shm::file::FileHandle;
 use crate::shm::{self, BlockUse, Segment, SegmentHandle};
@@ -613,4 +614,25 @@ impl<'de> Deserialize<'de> for Storage {
             }
         }
     }
+}
+
+/// Where a shared storage's bytes are: its segment (by address: an entry is alive only
+/// while its storage, and so its segment, is), offset and length.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+struct StorageKey(usize, usize, usize);
+
+impl StorageKey {
+    fn new(segment: &Arc<Segment>, offset: usize, nbytes: usize) -> StorageKey {
+        StorageKey(Arc::as_ptr(segment) as usize, offset, nbytes)
+    }
+}
+
+/// This process's shared storages, so a received handle finds the `Storage` it names.
+type StorageCache = IdentityCache<StorageKey, StorageInner>;
+
+static STORAGES: crate::sys::fork_local::ForkLocal<StorageCache> =
+    crate::sys::fork_local::ForkLocal::new();
+
+fn with_storage_cache<R>(f: impl FnOnce(&mut StorageCache) -> R) -> R {
+    f(&mut STORAGES.lock())
 }

@@ -8,7 +8,7 @@ use std::sync::{Arc, PoisonError};
 
 use super::Storage;
 use super::backing::Backing;
-use super::received_cache::{StorageKey, with_storage_cache};
+use super::{StorageKey, with_storage_cache};
 use crate::error::{Error, Result};
 use crate::shm::file::FileSegment;
 
