@@ -377,3 +377,59 @@ fn every_dtype_round_trips_through_to_vec() {
         });
     }
 }
+
+/// `fill_` and `sum` on a contiguous run take whole 16-byte vectors where they can
+/// (`raw`'s lanes) and single elements at the ends: at every start (so every alignment)
+/// and every length, they touch exactly the run and agree with the element loop.
+#[test]
+#[cfg_attr(
+    miri,
+    ignore = "the lanes it checks never run under Miri (no assembly)"
+)]
+fn fill_and_sum_agree_at_every_alignment_and_length() {
+    const N: usize = 80;
+    let sum_of = |from: usize, to: usize| (from..to).map(|v| v as f64).sum::<f64>();
+    for dtype in [
+        DType::F32,
+        DType::F64,
+        DType::I64,
+        DType::I32,
+        DType::I16,
+        DType::U8,
+    ] {
+        for start in 0..9 {
+            for len in 0..N - start {
+                let whole = Tensor::arange(0.0, N as f64, 1.0, dtype).unwrap();
+                let run = whole.narrow(0, start, len).unwrap();
+                assert_eq!(
+                    run.sum().unwrap(),
+                    sum_of(start, start + len),
+                    "{dtype} sum of {len} from {start}"
+                );
+                run.fill_(3.0).unwrap();
+                assert_eq!(
+                    run.sum().unwrap(),
+                    3.0 * len as f64,
+                    "{dtype} fill_ of {len} from {start}"
+                );
+                let before = whole.narrow(0, 0, start).unwrap();
+                let after = whole.narrow(0, start + len, N - start - len).unwrap();
+                assert_eq!(
+                    before.sum().unwrap(),
+                    sum_of(0, start),
+                    "{dtype}: before the run"
+                );
+                assert_eq!(
+                    after.sum().unwrap(),
+                    sum_of(start + len, N),
+                    "{dtype}: after the run"
+                );
+            }
+        }
+    }
+    // A shared tensor (a block's memory) takes the same path.
+    let shared = Tensor::empty_shared(&[1027], DType::F32).unwrap();
+    shared.fill_(0.5).unwrap();
+    assert_eq!(shared.sum().unwrap(), 513.5);
+    assert!(shared.to_vec::<f32>().unwrap().iter().all(|&v| v == 0.5));
+}
