@@ -417,10 +417,11 @@ mod lanes {
         size: usize,
     ) -> (usize, usize) {
         let at = base as usize + start * size;
-        // Elements are aligned to their size, which divides 16: a whole number of them
-        // reaches the next 16-byte boundary.
+        // Elements are aligned to their size (every element type's alignment is its
+        // size), which divides 16: a whole number of them reaches the next 16-byte
+        // boundary. Checked all the same: a misaligned chunk would fault.
         let head = start + (at.next_multiple_of(16) - at) / size;
-        if head >= end {
+        if head >= end || at % size != 0 {
             return (end, 0);
         }
         (head, (end - head) * size / 16)
@@ -435,17 +436,16 @@ mod lanes {
     /// elements the caller's region addresses; [`available`] said yes.
     #[cfg(all(target_arch = "x86_64", not(miri)))]
     pub(super) unsafe fn fill(at: *mut u8, chunks: usize, bits: u64) {
+        // SAFETY: plain bits into a register type.
+        let v: std::arch::x86_64::__m128i = unsafe { std::mem::transmute([bits, bits]) };
         for k in 0..chunks {
             // SAFETY: the caller's contract: chunk `k` is aligned, in bounds and mapped;
             // one aligned 16-byte store, atomic with AVX (see the module docs).
             unsafe {
                 std::arch::asm!(
-                    "movq {v}, {bits}",
-                    "punpcklqdq {v}, {v}",
                     "movdqa xmmword ptr [{p}], {v}",
                     p = in(reg) at.add(k * 16),
-                    bits = in(reg) bits,
-                    v = out(xmm_reg) _,
+                    v = in(xmm_reg) v,
                     options(nostack, preserves_flags),
                 );
             }
