@@ -32,24 +32,11 @@ fn a_settled_reactor_stays_asleep(rt: &tokio::runtime::Runtime) {
         let queues: Vec<SimpleQueue<u32>> =
             (0..TASKS).map(|_| SimpleQueue::new().unwrap()).collect();
         let woke = rt.block_on(async {
-            let tasks: Vec<_> = queues
-                .iter()
-                .map(|q| {
-                    let q = q.clone();
-                    tokio::spawn(async move { q.get_async().await })
-                })
-                .collect();
-            settle(TASKS).await;
+            let tasks = park_gets(&queues).await;
             let wake_ups = multiproc::__testing::reactor_wake_ups();
             tokio::time::sleep(Duration::from_millis(5)).await;
             let woke = multiproc::__testing::reactor_wake_ups() - wake_ups;
-            for (i, q) in queues.iter().enumerate() {
-                q.put(i as u32).unwrap();
-            }
-            for (i, t) in tasks.into_iter().enumerate() {
-                let got = tokio::time::timeout(WAIT, t).await.unwrap().unwrap();
-                assert_eq!(got.unwrap(), i as u32);
-            }
+            deliver(&queues, tasks).await;
             woke
         });
         assert_eq!(
@@ -57,6 +44,34 @@ fn a_settled_reactor_stays_asleep(rt: &tokio::runtime::Runtime) {
             "round {round}: the reactor woke after its {TASKS} gets were parked and it \
              had settled"
         );
+    }
+}
+
+type Get = tokio::task::JoinHandle<multiproc::Result<u32>>;
+
+/// One task awaiting a get on each of `queues`, once all are parked and the reactor
+/// threads have taken them all in. Each queue's clone stays with the caller: the queue
+/// has another holder, so the get waits instead of reporting Disconnected.
+async fn park_gets(queues: &[SimpleQueue<u32>]) -> Vec<Get> {
+    let tasks = queues
+        .iter()
+        .map(|q| {
+            let q = q.clone();
+            tokio::spawn(async move { q.get_async().await })
+        })
+        .collect();
+    settle(queues.len()).await;
+    tasks
+}
+
+/// Puts `i` on queue `i` and checks that task `i` gets it.
+async fn deliver(queues: &[SimpleQueue<u32>], tasks: Vec<Get>) {
+    for (i, q) in queues.iter().enumerate() {
+        q.put(i as u32).unwrap();
+    }
+    for (i, t) in tasks.into_iter().enumerate() {
+        let got = tokio::time::timeout(WAIT, t).await.unwrap().unwrap();
+        assert_eq!(got.unwrap(), i as u32);
     }
 }
 
@@ -85,16 +100,7 @@ fn a_hundred_idle_awaiting_tasks_cost_no_cpu() {
             (0..TASKS).map(|_| SimpleQueue::new().unwrap()).collect();
         let rt = runtime();
         let (used, parked_all, woke) = rt.block_on(async {
-            let tasks: Vec<_> = queues
-                .iter()
-                .map(|q| {
-                    // The clone stays here: the queue has another holder, so the get
-                    // waits instead of reporting Disconnected.
-                    let q = q.clone();
-                    tokio::spawn(async move { q.get_async().await })
-                })
-                .collect();
-            settle(TASKS).await;
+            let tasks = park_gets(&queues).await;
             let before = cpu_time();
             let wake_ups = multiproc::__testing::reactor_wake_ups();
             tokio::time::sleep(WINDOW).await;
@@ -102,17 +108,7 @@ fn a_hundred_idle_awaiting_tasks_cost_no_cpu() {
             let woke = multiproc::__testing::reactor_wake_ups() - wake_ups;
             let parked_all = tasks.iter().all(|t| !t.is_finished());
             // And they were waiting, not dead: each takes its item.
-            for (i, q) in queues.iter().enumerate() {
-                q.put(i as u32).unwrap();
-            }
-            for (i, t) in tasks.into_iter().enumerate() {
-                let got = tokio::time::timeout(WAIT, t)
-                    .await
-                    .unwrap()
-                    .unwrap()
-                    .unwrap();
-                assert_eq!(got, i as u32);
-            }
+            deliver(&queues, tasks).await;
             (used, parked_all, woke)
         });
         drop(rt);
