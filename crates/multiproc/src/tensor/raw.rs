@@ -23,8 +23,8 @@
 //! AMD APM vol. 2 §7.3.2, "Access Atomicity"): every element in it is read or written
 //! whole, exactly as the relaxed atomic of its width would be, so the assembly does
 //! nothing the atomic loop does not. The only other memory instruction is a
-//! `PREFETCHT0` a few lines ahead of a sum, a hint that reads nothing the program sees
-//! and never faults, even past the end of a mapping. Without AVX, under Miri, or on
+//! `PREFETCHT0` a few lines ahead of a sum, inside the run it sums: a hint that reads
+//! nothing the program sees and never faults. Without AVX, under Miri, or on
 //! another architecture the element loop runs.
 
 use std::marker::PhantomData;
@@ -475,7 +475,7 @@ mod lanes {
             // rest works on registers.
             unsafe {
                 std::arch::asm!(
-                    "prefetcht0 byte ptr [{p} + 512]",
+                    "prefetcht0 byte ptr [{ahead}]",
                     "movaps {t}, xmmword ptr [{p}]",
                     "movaps {u}, xmmword ptr [{p} + 16]",
                     "cvtps2pd {x}, {t}",
@@ -489,6 +489,7 @@ mod lanes {
                     "addpd {a2}, {x}",
                     "addpd {a3}, {u}",
                     p = in(reg) at.add(k * 32),
+                    ahead = in(reg) at.add(ahead(k, chunks)),
                     t = out(xmm_reg) _,
                     u = out(xmm_reg) _,
                     x = out(xmm_reg) _,
@@ -509,6 +510,15 @@ mod lanes {
             total += last.iter().map(|&v| f64::from(v)).sum::<f64>();
         }
         total
+    }
+
+    /// Where the sum's step `k` (of 32 bytes) prefetches: 512 bytes ahead, but never
+    /// past the run's last chunk. Past it lie other tensors' bytes — the next ones a
+    /// producer writes into the same arena — and pulling their lines here would make
+    /// that producer take them back.
+    #[cfg(all(target_arch = "x86_64", not(miri)))]
+    fn ahead(k: usize, chunks: usize) -> usize {
+        (k * 32 + 512).min((chunks - 1) * 16)
     }
 
     /// One aligned 16-byte chunk, loaded at once.
@@ -552,12 +562,13 @@ mod lanes {
             // SAFETY: as in `sum_f32`.
             unsafe {
                 std::arch::asm!(
-                    "prefetcht0 byte ptr [{p} + 512]",
+                    "prefetcht0 byte ptr [{ahead}]",
                     "movapd {t}, xmmword ptr [{p}]",
                     "movapd {u}, xmmword ptr [{p} + 16]",
                     "addpd {a0}, {t}",
                     "addpd {a1}, {u}",
                     p = in(reg) at.add(k * 32),
+                    ahead = in(reg) at.add(ahead(k, chunks)),
                     t = out(xmm_reg) _,
                     u = out(xmm_reg) _,
                     a0 = inout(xmm_reg) acc[0],
