@@ -15,10 +15,10 @@
 //! further checks, which keeps contiguous loops at memory speed.
 //!
 //! **Whole vectors.** The compiler never vectorises atomics, so a contiguous `fill` and
-//! an `f32`/`f64` `sum` — the two kernels a producer and a consumer of fresh tensors run
-//! on every tensor — move 16 bytes per instruction through inline assembly instead
-//! (`lanes`, x86-64 only). Each such access is one `MOVAPS`, `MOVAPD` or `MOVDQA` of
-//! 16 aligned bytes (the ends are done element by element), which a processor with AVX
+//! an `f32` `sum` — the two kernels a producer and a consumer of fresh tensors run on
+//! every tensor — move 16 bytes per instruction through inline assembly instead
+//! (`lanes`, x86-64 only; an `f64` sum gains little over the element loop's eight
+//! accumulators). Each such access is one `MOVAPS` or `MOVDQA` of 16 aligned bytes (the ends are done element by element), which a processor with AVX
 //! carries out atomically (Intel SDM vol. 3A §9.1.1, "Guaranteed Atomic Operations";
 //! AMD APM vol. 2 §7.3.2, "Access Atomicity"): every element in it is read or written
 //! whole, exactly as the relaxed atomic of its width would be, so the assembly does
@@ -346,24 +346,17 @@ pub(crate) fn all_pairs<T: Element, U: Element>(
 /// independent accumulators so the loop runs at memory speed rather than at the
 /// latency of one floating-point add.
 pub(crate) fn sum<T: Element>(r: &Region<'_, T>) -> f64 {
-    let floats = matches!(T::DTYPE, DType::F32 | DType::F64);
-    if r.contiguous && floats && lanes::available() {
-        let size = std::mem::size_of::<T>();
+    if r.contiguous && T::DTYPE == DType::F32 && lanes::available() {
         let (start, end) = (r.layout.offset, r.layout.offset + r.numel);
-        let (head, body) = lanes::aligned_body(r.base, start, end, size);
-        let tail = head + body * 16 / size;
+        let (head, chunks) = lanes::aligned_body(r.base, start, end, 4);
+        // Whole pairs of chunks (32 bytes, 8 elements); what is left joins the tail.
+        let pairs = chunks / 2;
+        let tail = head + pairs * 8;
         let mut total = 0.0;
         // SAFETY: indices in `start..end` are the contiguous layout's.
         (start..head).for_each(|i| total += unsafe { r.load(i) }.to_f64());
-        // SAFETY: as in `fill`; the elements are `T`, an `f32` or an `f64` as asked.
-        total += unsafe {
-            let at = r.base.add(head * size);
-            if T::DTYPE == DType::F32 {
-                lanes::sum_f32(at, body)
-            } else {
-                lanes::sum_f64(at, body)
-            }
-        };
+        // SAFETY: as in `fill`; the elements are `f32`s, as asked.
+        total += unsafe { lanes::sum_f32(r.base.add(head * 4), pairs) };
         // SAFETY: as the head.
         (tail..end).for_each(|i| total += unsafe { r.load(i) }.to_f64());
         return total;
@@ -457,19 +450,18 @@ mod lanes {
         unreachable!("no lanes on this architecture")
     }
 
-    /// The sum, in `f64`, of the `f32`s in `chunks` 16-byte chunks from `at`.
+    /// The sum, in `f64`, of the `f32`s in `pairs` pairs of 16-byte chunks from `at`.
     ///
     /// # Safety
     ///
     /// As [`fill`], for reading.
     #[cfg(all(target_arch = "x86_64", not(miri)))]
-    pub(super) unsafe fn sum_f32(at: *const u8, chunks: usize) -> f64 {
+    pub(super) unsafe fn sum_f32(at: *const u8, pairs: usize) -> f64 {
         use std::arch::x86_64::__m128d;
         // Four independent pairs of sums, two chunks a step: the adds overlap instead of
         // waiting on one another.
         // SAFETY: plain bits into a register type.
         let mut acc: [__m128d; 4] = unsafe { std::mem::transmute([0f64; 8]) };
-        let pairs = chunks / 2;
         for k in 0..pairs {
             // SAFETY: as in `fill`: two aligned 16-byte loads, each atomic with AVX; the
             // rest works on registers.
@@ -489,7 +481,7 @@ mod lanes {
                     "addpd {a2}, {x}",
                     "addpd {a3}, {u}",
                     p = in(reg) at.add(k * 32),
-                    ahead = in(reg) at.add(ahead(k, chunks)),
+                    ahead = in(reg) at.add(ahead(k, pairs)),
                     t = out(xmm_reg) _,
                     u = out(xmm_reg) _,
                     x = out(xmm_reg) _,
@@ -503,93 +495,20 @@ mod lanes {
         }
         // SAFETY: register bits back into plain values.
         let sums: [f64; 8] = unsafe { std::mem::transmute(acc) };
-        let mut total = sums.iter().sum::<f64>();
-        if chunks % 2 == 1 {
-            // SAFETY: as above, the last chunk.
-            let last: [f32; 4] = unsafe { load_chunk(at.add(pairs * 32)) };
-            total += last.iter().map(|&v| f64::from(v)).sum::<f64>();
-        }
-        total
+        sums.iter().sum()
     }
 
     /// Where the sum's step `k` (of 32 bytes) prefetches: 512 bytes ahead, but never
-    /// past the run's last chunk. Past it lie other tensors' bytes — the next ones a
-    /// producer writes into the same arena — and pulling their lines here would make
-    /// that producer take them back.
+    /// past the last of its `pairs` steps. Past them lie other tensors' bytes — the
+    /// next ones a producer writes into the same arena — and pulling their lines here
+    /// would make that producer take them back.
     #[cfg(all(target_arch = "x86_64", not(miri)))]
-    fn ahead(k: usize, chunks: usize) -> usize {
-        (k * 32 + 512).min((chunks - 1) * 16)
-    }
-
-    /// One aligned 16-byte chunk, loaded at once.
-    ///
-    /// # Safety
-    ///
-    /// As [`fill`], for reading; `T` is 16 bytes of plain values.
-    #[cfg(all(target_arch = "x86_64", not(miri)))]
-    unsafe fn load_chunk<T: Copy>(at: *const u8) -> T {
-        const { assert!(std::mem::size_of::<T>() == 16) };
-        let x: std::arch::x86_64::__m128d;
-        // SAFETY: the caller's contract; one aligned 16-byte load, atomic with AVX.
-        unsafe {
-            std::arch::asm!(
-                "movapd {x}, xmmword ptr [{p}]",
-                p = in(reg) at,
-                x = out(xmm_reg) x,
-                options(nostack, preserves_flags, readonly),
-            );
-            std::mem::transmute_copy(&x)
-        }
+    fn ahead(k: usize, pairs: usize) -> usize {
+        (k * 32 + 512).min((pairs - 1) * 32)
     }
 
     #[cfg(any(not(target_arch = "x86_64"), miri))]
     pub(super) unsafe fn sum_f32(_: *const u8, _: usize) -> f64 {
-        unreachable!("no lanes on this architecture")
-    }
-
-    /// The sum of the `f64`s in `chunks` 16-byte chunks from `at`.
-    ///
-    /// # Safety
-    ///
-    /// As [`fill`], for reading.
-    #[cfg(all(target_arch = "x86_64", not(miri)))]
-    pub(super) unsafe fn sum_f64(at: *const u8, chunks: usize) -> f64 {
-        use std::arch::x86_64::__m128d;
-        // SAFETY: plain bits into a register type.
-        let mut acc: [__m128d; 2] = unsafe { std::mem::transmute([0f64; 4]) };
-        let pairs = chunks / 2;
-        for k in 0..pairs {
-            // SAFETY: as in `sum_f32`.
-            unsafe {
-                std::arch::asm!(
-                    "prefetcht0 byte ptr [{ahead}]",
-                    "movapd {t}, xmmword ptr [{p}]",
-                    "movapd {u}, xmmword ptr [{p} + 16]",
-                    "addpd {a0}, {t}",
-                    "addpd {a1}, {u}",
-                    p = in(reg) at.add(k * 32),
-                    ahead = in(reg) at.add(ahead(k, chunks)),
-                    t = out(xmm_reg) _,
-                    u = out(xmm_reg) _,
-                    a0 = inout(xmm_reg) acc[0],
-                    a1 = inout(xmm_reg) acc[1],
-                    options(nostack, preserves_flags, readonly),
-                );
-            }
-        }
-        // SAFETY: register bits back into plain values.
-        let sums: [f64; 4] = unsafe { std::mem::transmute(acc) };
-        let mut total = (sums[0] + sums[2]) + (sums[1] + sums[3]);
-        if chunks % 2 == 1 {
-            // SAFETY: as above, the last chunk.
-            let last: [f64; 2] = unsafe { load_chunk(at.add(pairs * 32)) };
-            total += last[0] + last[1];
-        }
-        total
-    }
-
-    #[cfg(any(not(target_arch = "x86_64"), miri))]
-    pub(super) unsafe fn sum_f64(_: *const u8, _: usize) -> f64 {
         unreachable!("no lanes on this architecture")
     }
 }
