@@ -347,6 +347,9 @@ pub(super) struct Shared {
     pub(super) channel: Channel,
     /// The channel's ring block, where the counters live.
     pub(super) block: Arc<SharedWords>,
+    /// Whether the queue has a capacity, read once: `CAPACITY` never changes, and its
+    /// line is the one the putters and getters keep writing.
+    bounded: bool,
 }
 
 impl Shared {
@@ -367,11 +370,15 @@ impl Shared {
         let block = Arc::clone(channel.block());
         block.word(CAPACITY).store(capacity, Ordering::Release);
         block.word(FREE_PLACES).store(capacity, Ordering::Release);
-        Ok(Self { channel, block })
+        Ok(Self {
+            channel,
+            block,
+            bounded: capacity != 0,
+        })
     }
 
     pub(super) fn bounded(&self) -> bool {
-        self.block.word(CAPACITY).load(Ordering::Relaxed) != 0
+        self.bounded
     }
 
     /// Takes one free place, waiting until the deadline. `Ok(false)` on timeout.
@@ -592,8 +599,7 @@ pub(super) struct Taken {
 
 /// Decrements without going below zero; returns the previous value.
 pub(super) fn saturating_dec(word: &AtomicU32) -> u32 {
-    word.fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| v.checked_sub(1))
-        .unwrap_or(0)
+    crate::shm::update_word(word, |v| v.checked_sub(1)).unwrap_or(0)
 }
 
 impl Serialize for Shared {
@@ -606,6 +612,11 @@ impl<'de> Deserialize<'de> for Shared {
     fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
         let channel = Channel::deserialize(d)?;
         let block = Arc::clone(channel.block());
-        Ok(Self { channel, block })
+        let bounded = block.word(CAPACITY).load(Ordering::Acquire) != 0;
+        Ok(Self {
+            channel,
+            block,
+            bounded,
+        })
     }
 }

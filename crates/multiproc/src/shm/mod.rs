@@ -114,7 +114,7 @@ pub(crate) use segment::BLOCK_MAGIC_BYTES;
 pub(crate) use segment::{BLOCK_HEADER_LEN, Segment};
 #[cfg(test)]
 pub(crate) use words::WORDS;
-pub(crate) use words::{FIRST_RESERVED_WORD, SharedWords};
+pub(crate) use words::{FIRST_RESERVED_WORD, SharedWords, update_word};
 
 use self::strategy::SharingStrategy;
 use crate::error::{Error, Result};

@@ -62,6 +62,27 @@ type Markers = Option<HashMap<(u64, u64), Marker>>;
 static MARKERS: crate::sys::fork_local::ForkLocal<Markers> =
     crate::sys::fork_local::ForkLocal::new();
 
+/// `AtomicU32::fetch_update` for a word that other cores write: its first read is a
+/// read-modify-write (`fetch_add(0)`), not a load. A word another core wrote last is a
+/// cache miss either way, but a load then a compare-and-swap fetches its line twice —
+/// shared to read it, then exclusive to write it — while a read-modify-write fetches it
+/// once, exclusive, so the compare-and-swap after it finds the line here. (A use count
+/// or a queue's count that the putter and the getter both write pays this on every
+/// message.)
+pub(crate) fn update_word(
+    word: &AtomicU32,
+    mut f: impl FnMut(u32) -> Option<u32>,
+) -> std::result::Result<u32, u32> {
+    let mut current = word.fetch_add(0, Ordering::AcqRel);
+    while let Some(next) = f(current) {
+        match word.compare_exchange_weak(current, next, Ordering::AcqRel, Ordering::Acquire) {
+            Ok(previous) => return Ok(previous),
+            Err(actual) => current = actual,
+        }
+    }
+    Err(current)
+}
+
 /// One page of process-shared atomic words, backed by a sealed memfd.
 ///
 /// Sync primitives and queue counters live in these. The block travels between

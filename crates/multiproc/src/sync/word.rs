@@ -58,7 +58,10 @@ impl Word for AtomicU32 {
         fetch: Ordering,
         f: impl FnMut(u32) -> Option<u32>,
     ) -> std::result::Result<u32, u32> {
-        AtomicU32::fetch_update(self, set, fetch, f)
+        // A read-modify-write first, not a load (see `shm::update_word`); its orders
+        // are the strongest any caller passes.
+        let _ = (set, fetch);
+        crate::shm::update_word(self, f)
     }
 
     fn fetch_add(&self, n: u32, order: Ordering) -> u32 {
