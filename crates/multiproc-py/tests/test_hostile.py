@@ -13,8 +13,8 @@ import multiproc as mp
 HEADER = b"MPW\x01"
 
 
-def packet(payload, nfds=0, version=3, kind=0, declared=None, section=b""):
-    """A packet of wire version 3: the 20-byte header, the payload, then the
+def packet(payload, nfds=0, version=4, kind=0, declared=None, section=b""):
+    """A packet of wire version 4: the 20-byte header, the payload, then the
     references section (the block uses the message carries; none unless given)."""
     length = len(payload) if declared is None else declared
     return (HEADER + bytes([version, kind, 0, 0])

@@ -41,7 +41,7 @@ fn wrong_magic_version_and_kind() {
                     p.extend(&body);
                     p
                 },
-                &["wire version 0", "version 3"],
+                &["wire version 0", "version 4"],
             ),
             (
                 {

@@ -27,7 +27,7 @@ fn memfd_segments_that_are_short_unsealed_or_not_memfds() {
         let send = |fd: BorrowedFd<'_>| send_raw(there.as_fd(), &packet(1, &body), &[fd]);
         // Smaller than claimed.
         send(block(4095).as_fd());
-        assert_says(&refused(&here), &["claims 4160 bytes", "holds 4159"]);
+        assert_says(&refused(&here), &["claims 4224 bytes", "holds 4223"]);
         // Not sealed: it could shrink under us and SIGBUS the receiver.
         send(memfd(4096, SealFlags::empty()).as_fd());
         assert_says(&refused(&here), &["not a memfd sealed against shrinking"]);
@@ -50,7 +50,7 @@ fn memfd_segments_that_are_short_unsealed_or_not_memfds() {
             &packet(1, &at(4000, 200)),
             &[block(4096).as_fd()],
         );
-        assert_says(&refused(&here), &["claims 4264 bytes", "holds 4160"]);
+        assert_says(&refused(&here), &["claims 4328 bytes", "holds 4224"]);
         send_raw(
             there.as_fd(),
             &packet(1, &at(u64::MAX - BLOCK_HEADER, 4)),
@@ -373,12 +373,12 @@ fn named_segments_that_lie_or_shrank_after_they_were_sent() {
         ctx.join_timeout(WAIT)
             .expect("the receiver did not finish cleanly");
         let err = |i: usize| got[i].clone().expect_err("a hostile handle was accepted");
-        assert_says(&err(0), &["claims 2097216 bytes", "holds 1048576"]);
+        assert_says(&err(0), &["claims 2097280 bytes", "holds 1048576"]);
         assert_says(&err(1), &["no longer exists"]);
         assert_says(&err(2), &["not a multiproc segment name"]);
         assert_says(&err(3), &["symbolic link"]);
         assert_says(&err(4), &["wire version 1 is not supported"]);
-        assert_says(&err(5), &["claims 4194368 bytes", "holds 16"]);
+        assert_says(&err(5), &["claims 4194432 bytes", "holds 16"]);
         assert_eq!(got[6], Ok(250.0));
         assert_eq!(got[7], Ok(8.0));
         // Clean up what the hostile cases left: the link, and the shrunk segment, whose
@@ -406,7 +406,7 @@ fn a_forged_block_handle_over_a_huge_sparse_memfd_commits_only_the_tensor() {
         let (here, there) = pipe::<Tensor>().unwrap();
         let fd = memfd(0, SealFlags::empty());
         rustix::fs::ftruncate(&fd, SPARSE).unwrap();
-        rustix::io::pwrite(&fd, b"MPBLOCK1", 0).unwrap();
+        rustix::io::pwrite(&fd, b"MPBLOCK2", 0).unwrap();
         rustix::fs::fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)
             .unwrap();
         let body = WithReferences {

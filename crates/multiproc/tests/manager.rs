@@ -498,11 +498,11 @@ fn a_small_dev_shm_is_a_clear_error_and_memfds_are_not_bounded_by_it() {
         .unwrap_or_else(|| panic!("expected OutOfSharedMemory, got {line}"));
     // The size asked counts the headers the segment adds (its own and its block's).
     assert!(
-        msg.starts_with(&format!("{} /dev/shm ", (32u64 << 20) + 128)),
+        msg.starts_with(&format!("{} /dev/shm ", (32u64 << 20) + 192)),
         "{msg:?}"
     );
     for part in [
-        "32.0 MiB of data plus its 128-byte header",
+        "32.0 MiB of data plus its 192-byte header",
         "/dev/shm has",
         "of 16.0 MiB",
         "--shm-size",

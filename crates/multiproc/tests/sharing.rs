@@ -317,7 +317,7 @@ fn a_shared_tensor_beyond_the_memory_limit_is_out_of_shared_memory() {
                     )
                 }
                 SharingStrategy::FileSystem => {
-                    assert!(message.contains("128-byte header"), "{message}")
+                    assert!(message.contains("192-byte header"), "{message}")
                 }
             }
         });

@@ -82,8 +82,11 @@ fn small_storages_share_arenas_and_large_ones_do_not() {
         big.storage().segment().unwrap(),
     );
     // A large storage has a block of its own, after the block header.
-    assert_eq!(obig, 64);
-    assert_eq!(sbig.len(), big.storage().nbytes() + 64);
+    assert_eq!(obig, crate::shm::BLOCK_HEADER_LEN);
+    assert_eq!(
+        sbig.len(),
+        big.storage().nbytes() + crate::shm::BLOCK_HEADER_LEN
+    );
     assert_eq!(oa % 64, 0);
     assert_eq!(ob % 64, 0);
     if std::sync::Arc::ptr_eq(&sa, &sb) {
@@ -451,7 +454,7 @@ fn forged_handles_are_errors_not_crashes() {
     // A length bigger than the segment.
     check(
         forged(ForgedFd(sealed_memfd(4096), 1 << 20, 0), 0, &[16], &[1], 0),
-        "claims 1048640 bytes but its segment holds 4160",
+        "claims 1048704 bytes but its segment holds 4224",
     );
     // A memfd that can shrink under us.
     let unsealed = crate::sys::memfd::create("forged", 4096).unwrap();
@@ -482,7 +485,7 @@ fn forged_handles_are_errors_not_crashes() {
     // A slice past the end of its segment, and one whose end overflows.
     check(
         forged(ForgedFd(sealed_memfd(4096), 64, 4090), 0, &[1], &[1], 0),
-        "claims 4218 bytes",
+        "claims 4282 bytes",
     );
     check(
         forged(
@@ -501,7 +504,7 @@ fn forged_handles_are_errors_not_crashes() {
     // Named segments: a name that is not ours, one that does not exist.
     let named = |name: &str| ForgedName {
         name: name.to_string(),
-        offset: 64,
+        offset: 128,
         nbytes: 64,
         block: None,
     };
@@ -538,7 +541,7 @@ fn a_forged_length_on_a_real_named_segment_is_an_error() {
     let e = forged(
         ForgedName {
             name: name.clone(),
-            offset: 64,
+            offset: 128,
             nbytes: 1 << 30,
             block: Some(std::sync::Arc::clone(&seg)),
         },
@@ -547,7 +550,7 @@ fn a_forged_length_on_a_real_named_segment_is_an_error() {
         &[1],
         0,
     );
-    assert!(e.to_string().contains("claims 1073741888 bytes"), "{e}");
+    assert!(e.to_string().contains("claims 1073741952 bytes"), "{e}");
     assert_eq!(
         (seg.uses(), seg.refcount()),
         counts,

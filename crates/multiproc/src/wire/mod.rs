@@ -88,8 +88,10 @@ use crate::sys::socket::{MAX_FDS_PER_PACKET, Packet};
 pub(super) const MAGIC: [u8; 4] = *b"MPW\x01";
 /// The wire format version; a packet of another version is refused. Version 2: only
 /// blocks travel (the plain `Fd` and `Named` segment handles are gone). Version 3: the
-/// references section, which block handles name by index.
-pub(crate) const VERSION: u8 = 3;
+/// references section, which block handles name by index. Version 4: a block's header
+/// is two cache lines of counts that only grow (`shm`'s blocks), and its data starts
+/// 128 bytes in.
+pub(crate) const VERSION: u8 = 4;
 pub(super) const HEADER_LEN: usize = 20;
 pub(super) const KIND_INLINE: u8 = 0;
 pub(super) const KIND_MEMFD: u8 = 1;

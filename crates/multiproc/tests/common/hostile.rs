@@ -19,7 +19,7 @@ pub const WAIT: Duration = Duration::from_secs(20);
 // ----- the wire, from the outside -----
 
 pub const MAGIC: [u8; 4] = *b"MPW\x01";
-pub const VERSION: u8 = 3;
+pub const VERSION: u8 = 4;
 pub const INLINE: u8 = 0;
 pub const MEMFD: u8 = 1;
 pub const F32: u8 = 0; // DType::ALL[0]
@@ -112,7 +112,7 @@ pub enum Reference {
 }
 
 /// Where a block's data starts (after its use-counting header).
-pub const BLOCK_HEADER: u64 = 64;
+pub const BLOCK_HEADER: u64 = 128;
 
 #[derive(Serialize)]
 pub enum StorageWire {
@@ -258,7 +258,7 @@ pub fn sealed(len: u64) -> OwnedFd {
 /// header (what a `Block` handle names).
 pub fn block(data: u64) -> OwnedFd {
     let fd = memfd(BLOCK_HEADER + data, SealFlags::empty());
-    rustix::io::pwrite(&fd, b"MPBLOCK1", 0).unwrap();
+    rustix::io::pwrite(&fd, b"MPBLOCK2", 0).unwrap();
     rustix::fs::fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)
         .unwrap();
     fd

@@ -44,6 +44,7 @@ impl Segment {
                 ino: st.ino,
             },
             is_block: false,
+            creator: 0,
             local_uses: AtomicU32::new(0),
         })
     }
@@ -118,7 +119,7 @@ impl Segment {
         } else {
             SharedMapping::map(fd.as_fd(), len)?
         };
-        let segment = Segment {
+        let mut segment = Segment {
             attachment: Attachment::default(),
             mapping,
             data_offset: 0,
@@ -129,9 +130,10 @@ impl Segment {
                 ino: st.ino,
             },
             is_block: as_block,
+            creator: 0,
             local_uses: AtomicU32::new(0),
         };
-        if as_block && !segment.is_block() {
+        if as_block && !segment.read_block_header() {
             return Err(Error::InvalidMessage(
                 "a received tensor's handle names a pooled block, but its segment has no \
                  block header"

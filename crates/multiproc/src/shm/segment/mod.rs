@@ -1,8 +1,9 @@
 //! A mapped shared-memory segment, one backend per file: `anonymous` (a sealed memfd)
 //! and `named` (a file in `/dev/shm` with a 64-byte header holding a cross-process
 //! refcount). This file holds what both share: the type, its accessors and its drop,
-//! and what makes either a *block* that its creator recycles (a use-counting header at
-//! the start of the data, see `recycler`), which every tensor's trip reads and writes.
+//! and what makes either a *block* that its creator recycles (a use-counting header of
+//! two cache lines at the start of the data, see `recycler`), which every tensor's trip
+//! reads and writes.
 //!
 //! # Blocks
 //!
@@ -14,6 +15,22 @@
 //! Uses: one per storage on the block, in any process, plus one per message in flight
 //! that names it (those are also counted apart, `in_flight`). The creator hands the
 //! block out again only at 0 uses.
+//!
+//! **Two lines of counts.** The header is two cache lines: the creator's process writes
+//! only the first, every other process only the second. A producer makes tensors on an
+//! arena while its consumer drops the ones before; with one line of counts both would
+//! write it for every tensor, and it would cross between their cores twice per message
+//! (the largest cost of a 4 KiB trip after the bytes themselves). So each line holds
+//! counts that only grow — uses taken and given back, messages sent and settled
+//! (received or given back unread) — and `uses` is the sum of what both sides took
+//! less the sum of what both gave back, the given-back counts read first. A use is
+//! given back after it was taken, so any use whose giving back that read sees has its
+//! taking in the counts read after it: the difference is never below what is held, and
+//! 0 means that nothing was held when the given-back counts were read. (Counts that
+//! can go down, one per side, would not do: a use taken on one side and given back on
+//! the other can make the two reads add up to 0 while a use is held.) The creator is
+//! the one reader that acts on 0, and it reads the other line once per arena it hands
+//! out again, not per tensor.
 //!
 //! **Who still maps a block is the kernel's to say** (see `sys::lease`, marks): every
 //! process that maps a block maps it through a description of its own that carries a
@@ -98,6 +115,11 @@ pub(crate) struct Segment {
     /// creator, or a receiver from the *handle's* kind — never from bytes in the
     /// mapping, which a peer may have written.
     is_block: bool,
+    /// The pid of a block's creator, as its header said when this value was made (0
+    /// for other segments): whether this process writes the creator's counts or the
+    /// others' (see the module docs' blocks) is decided without reading the header's
+    /// line, which the creator keeps writing.
+    creator: u32,
     /// The block's uses held by values of this process (its storages; see the module docs' blocks).
     local_uses: AtomicU32,
 }
@@ -209,35 +231,99 @@ impl Drop for Segment {
 
 // Blocks (see the module docs).
 
-/// Bytes at the start of a block's data (its header).
-pub(crate) const BLOCK_HEADER_LEN: usize = 64;
+/// Bytes at the start of a block's data (its header: two cache lines).
+pub(crate) const BLOCK_HEADER_LEN: usize = 128;
 /// Size of one arena block (header included; see `recycler`). A received block no
 /// larger than this may be an arena, so it is mapped whole.
 pub(crate) const ARENA_LEN: usize = 1 << 20;
 /// The first bytes of a block.
-pub(crate) const BLOCK_MAGIC_BYTES: [u8; 8] = *b"MPBLOCK1";
+pub(crate) const BLOCK_MAGIC_BYTES: [u8; 8] = *b"MPBLOCK2";
 /// [`BLOCK_MAGIC_BYTES`] as a little-endian u64.
 const BLOCK_MAGIC: u64 = u64::from_le_bytes(BLOCK_MAGIC_BYTES);
 
-/// The header of a block. All fields are atomics; a process that lies about them can
-/// only make its creator keep a block too long or reuse a block whose bytes that
-/// process still reads.
+/// One side's counts of a block (see the module docs' blocks): four counters that only
+/// ever grow, so that a sum over both sides read in the right order is never too low.
+/// Generic over the atomic so that the model checker runs this code (`model`, below).
 #[repr(C)]
+struct Counts<C = AtomicU64> {
+    /// Uses taken (a storage made or received, a message sent).
+    taken: C,
+    /// Uses given back.
+    given: C,
+    /// Messages sent that name the block.
+    sent: C,
+    /// Messages that named it and were received (their use became a storage) or given
+    /// back unread.
+    settled: C,
+}
+
+/// What [`Counts`] needs of a 64-bit atomic.
+trait Count {
+    fn load(&self, order: Ordering) -> u64;
+}
+
+impl Count for AtomicU64 {
+    fn load(&self, order: Ordering) -> u64 {
+        AtomicU64::load(self, order)
+    }
+}
+
+impl<C: Count> Counts<C> {
+    /// Uses taken and not given back on both sides (`[creator, others]`). The given-back
+    /// counts are read first: a use given back was taken before, so its taking is in the
+    /// counts read after; 0 means that no use was held when the given-back counts were
+    /// read (and none can be taken but by a holder). A peer that wrote the counts makes
+    /// it anything, never less than 0.
+    fn uses(sides: [&Self; 2]) -> u64 {
+        Self::difference(sides, |c| &c.taken, |c| &c.given)
+    }
+
+    /// Messages in flight that name the block, on both sides (read as [`uses`](Self::uses)).
+    fn in_flight(sides: [&Self; 2]) -> u64 {
+        Self::difference(sides, |c| &c.sent, |c| &c.settled)
+    }
+
+    /// `up` less `down`, summed over both sides, every `down` read before any `up`.
+    fn difference(sides: [&Self; 2], up: impl Fn(&Self) -> &C, down: impl Fn(&Self) -> &C) -> u64 {
+        let [a, b] = sides;
+        let down = (down(a).load(Ordering::Acquire)).wrapping_add(down(b).load(Ordering::Acquire));
+        let up = (up(a).load(Ordering::Acquire)).wrapping_add(up(b).load(Ordering::Acquire));
+        up.saturating_sub(down)
+    }
+}
+
+/// The header of a block: the creator's line (what never changes, `pooled`, and the
+/// creator's counts), then the others' line (every other process's counts). All
+/// fields are atomics; a process that lies about them can only make its creator keep a
+/// block too long or reuse a block whose bytes that process still reads.
+#[repr(C, align(64))]
 struct BlockHeader {
     magic: AtomicU64,
-    /// Uses (see the module docs).
-    uses: AtomicU32,
-    /// 1 while the creator keeps the block for reuse: receivers then keep it mapped too.
-    pooled: AtomicU32,
     /// Pid of the creator (who made it, for `multiproc gc` and diagnostics; whether it
     /// lives is told by its mark).
     creator_pid: AtomicU32,
-    /// The uses held by messages in flight (counted in `uses` too).
-    in_flight: AtomicU32,
-    _reserved: [AtomicU32; 10],
+    /// 1 while the creator keeps the block for reuse: receivers then keep it mapped too.
+    pooled: AtomicU32,
+    /// Written by the creator's process only.
+    creator: Counts,
+    _creator_line: [AtomicU64; 2],
+    /// Written by every other process (a `fork` child of the creator included).
+    others: Counts,
+    _others_line: [AtomicU64; 4],
 }
 
 const _: () = assert!(std::mem::size_of::<BlockHeader>() == BLOCK_HEADER_LEN);
+const _: () = assert!(std::mem::offset_of!(BlockHeader, others) == 64);
+
+impl BlockHeader {
+    fn uses(&self) -> u64 {
+        Counts::uses([&self.creator, &self.others])
+    }
+
+    fn in_flight(&self) -> u64 {
+        Counts::in_flight([&self.creator, &self.others])
+    }
+}
 
 impl Segment {
     /// Creates the named block `name` of `len > BLOCK_HEADER_LEN` bytes of data (block
@@ -261,14 +347,32 @@ impl Segment {
     pub(super) fn init_block(&mut self) {
         debug_assert!(self.len > BLOCK_HEADER_LEN);
         self.is_block = true;
+        self.creator = pid() as u32;
         if let Some(h) = self.header_unchecked() {
-            h.uses.store(0, Ordering::Relaxed);
-            h.in_flight.store(0, Ordering::Relaxed);
+            for counts in [&h.creator, &h.others] {
+                for count in [&counts.taken, &counts.given, &counts.sent, &counts.settled] {
+                    count.store(0, Ordering::Relaxed);
+                }
+            }
             h.pooled.store(1, Ordering::Relaxed);
-            h.creator_pid.store(pid() as u32, Ordering::Relaxed);
+            h.creator_pid.store(self.creator, Ordering::Relaxed);
             h.magic.store(BLOCK_MAGIC, Ordering::Release);
         }
         self.mapping.populate();
+    }
+
+    /// Reads the header of a segment received by a block handle: whether it carries the
+    /// block magic, and its creator. Once per value: the header's first line is the
+    /// one its creator keeps writing.
+    fn read_block_header(&mut self) -> bool {
+        let Some(h) = self.header_unchecked() else {
+            return false;
+        };
+        if h.magic.load(Ordering::Acquire) != BLOCK_MAGIC {
+            return false;
+        }
+        self.creator = h.creator_pid.load(Ordering::Relaxed);
+        true
     }
 
     /// The block header's place, when this value was made or received as a block.
@@ -285,10 +389,21 @@ impl Segment {
     }
 
     /// The block header, when this is a block: made as one here, or received by a block
-    /// handle, and still carrying the block magic.
+    /// handle whose header carried the block magic when it was mapped. The magic is not
+    /// read again: a peer that rewrote it could do no more than write the counts.
     fn block(&self) -> Option<&BlockHeader> {
         self.header_unchecked()
-            .filter(|h| h.magic.load(Ordering::Acquire) == BLOCK_MAGIC)
+    }
+
+    /// The counts this process writes: the creator's in the creator's process, the
+    /// others' anywhere else (see the module docs' blocks).
+    fn own_counts(&self) -> Option<&Counts> {
+        let h = self.block()?;
+        Some(if self.is_own_block() {
+            &h.creator
+        } else {
+            &h.others
+        })
     }
 
     /// Whether this is a block.
@@ -296,10 +411,10 @@ impl Segment {
         self.block().is_some()
     }
 
-    /// Takes one use of a block (saturating; nothing for other segments). A named
-    /// block's name gains a reference first, so it outlives the use.
+    /// Takes one use of a block (nothing for other segments). A named block's name
+    /// gains a reference first, so it outlives the use.
     pub(crate) fn acquire_use(&self) {
-        let Some(h) = self.block() else {
+        let Some(counts) = self.own_counts() else {
             return;
         };
         if let Some(named) = self.named_refcount() {
@@ -309,24 +424,17 @@ impl Segment {
                 tracing::warn!("a named block has no references left while in use");
             }
         }
-        let _ = h
-            .uses
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| v.checked_add(1));
+        counts.taken.fetch_add(1, Ordering::AcqRel);
     }
 
-    /// Gives one use of a block back (never below zero; nothing for other segments). A
-    /// named block's name then loses the use's reference, and the last one unlinks it.
+    /// Gives one use of a block back (nothing for other segments). A named block's name
+    /// then loses the use's reference, and the last one unlinks it.
     pub(crate) fn release_use(&self) {
-        let Some(h) = self.block() else {
+        let Some(counts) = self.own_counts() else {
             return;
         };
-        let released = h
-            .uses
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| v.checked_sub(1))
-            .is_ok();
-        if released {
-            self.drop_block_reference();
-        }
+        counts.given.fetch_add(1, Ordering::AcqRel);
+        self.drop_block_reference();
     }
 
     /// Takes a use for a value of this process (a storage): counted in the block and
@@ -337,7 +445,7 @@ impl Segment {
     }
 
     /// A use a message brought becomes this process's: counted here (the block counts
-    /// it already). Its `in_flight` count goes once the decode has succeeded
+    /// it already). Its message counts as received once the decode has succeeded
     /// ([`use_landed`](Self::use_landed)).
     pub(crate) fn adopt_local_use(&self) {
         self.local_uses.fetch_add(1, Ordering::AcqRel);
@@ -365,18 +473,19 @@ impl Segment {
     /// receiver's decode succeeds ([`use_landed`](Self::use_landed)) or it is given
     /// back unread ([`give_back_in_flight_use`](Self::give_back_in_flight_use)).
     pub(crate) fn take_in_flight_use(&self) {
-        if let Some(h) = self.block() {
-            h.in_flight.fetch_add(1, Ordering::AcqRel);
-        }
+        let Some(counts) = self.own_counts() else {
+            return;
+        };
+        // Sent before taken, as `in_flight` reads them after `uses`' counts: a use
+        // that a message brings is never seen without its message.
+        counts.sent.fetch_add(1, Ordering::AcqRel);
         self.acquire_use();
     }
 
     /// The use a message brought has been adopted by a decode that succeeded here.
     pub(crate) fn use_landed(&self) {
-        if let Some(h) = self.block() {
-            let _ = h
-                .in_flight
-                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| v.checked_sub(1));
+        if let Some(counts) = self.own_counts() {
+            counts.settled.fetch_add(1, Ordering::AcqRel);
         }
     }
 
@@ -397,25 +506,30 @@ impl Segment {
     /// receiving a message that names it (the caller keeps it out of its pool's
     /// allocations): such a message is counted in flight until its use has become
     /// local, and another process's holder mark is in place before its decode counts
-    /// its message landed — so the checks below, in this order, can never miss a use
+    /// its message received — so the checks below, in this order, can never miss a use
     /// that someone alive still holds.
     pub(crate) fn reclaim_stale_uses(&self) -> u32 {
         let Some(h) = self.block() else {
             return 0;
         };
-        let uses = h.uses.load(Ordering::Acquire);
-        if uses == 0 || !self.is_own_block() || h.in_flight.load(Ordering::Acquire) != 0 {
+        let given = h.creator.given.load(Ordering::Acquire);
+        let uses = h.uses();
+        if uses == 0 || !self.is_own_block() || h.in_flight() != 0 {
             return 0;
         }
         if self.holders_elsewhere() || self.local_uses.load(Ordering::Acquire) != 0 {
             return 0;
         }
-        if h.uses
-            .compare_exchange(uses, 0, Ordering::AcqRel, Ordering::Acquire)
-            .is_err()
+        // Given back on the creator's side, unless a count moved meanwhile.
+        if h.uses() != uses
+            || h.creator
+                .given
+                .compare_exchange(given, given + uses, Ordering::AcqRel, Ordering::Acquire)
+                .is_err()
         {
             return 0;
         }
+        let uses = u32::try_from(uses).unwrap_or(u32::MAX);
         tracing::debug!(
             uses,
             "took back the uses of a block that only dead processes held"
@@ -456,18 +570,18 @@ impl Segment {
 
     /// The uses of a block (`None` for other segments).
     pub(crate) fn uses(&self) -> Option<u32> {
-        self.block().map(|h| h.uses.load(Ordering::Acquire))
+        self.block()
+            .map(|h| u32::try_from(h.uses()).unwrap_or(u32::MAX))
     }
 
     /// Whether this process created the block.
     pub(crate) fn is_own_block(&self) -> bool {
-        self.block()
-            .is_some_and(|h| h.creator_pid.load(Ordering::Relaxed) == pid() as u32)
+        self.is_block && self.creator == pid() as u32
     }
 
-    /// The pid of the block's creator, as its header says.
+    /// The pid of the block's creator, as its header said when this value was made.
     pub(crate) fn block_creator(&self) -> Option<u32> {
-        self.block().map(|h| h.creator_pid.load(Ordering::Relaxed))
+        self.is_block.then_some(self.creator)
     }
 
     /// Says the creator no longer keeps the block for reuse (once: later calls do
@@ -505,7 +619,7 @@ impl Segment {
         let Some(h) = self.block() else {
             return false;
         };
-        if h.uses.load(Ordering::Acquire) != 0 {
+        if h.uses() != 0 {
             return false;
         }
         h.pooled.load(Ordering::Acquire) == 0 || !self.creator_lives()
@@ -526,5 +640,157 @@ impl crate::wire::InFlightBlock for Segment {
 
     fn give_back_in_flight_use(&self) {
         Segment::give_back_in_flight_use(self);
+    }
+}
+
+/// The block counts under the loom model checker, over process-local words: threads
+/// stand for processes, an `UnsafeCell` for the block's bytes. The creator hands the
+/// block out again (writes its bytes) only when [`Counts::uses`] and
+/// [`Counts::in_flight`] say 0, so a use that is still held when it does is a data race
+/// that loom reports. `.ci/run` runs it in release:
+/// `cargo test --release -p multiproc --lib segment::model -- --ignored --nocapture`.
+#[cfg(test)]
+mod model {
+    use super::*;
+    use crate::sync::word::model::explore;
+    use loom::cell::UnsafeCell;
+    use loom::sync::Arc;
+    use loom::sync::atomic::{AtomicBool, AtomicU64 as LoomU64};
+
+    impl Count for LoomU64 {
+        fn load(&self, order: Ordering) -> u64 {
+            LoomU64::load(self, order)
+        }
+    }
+
+    fn counts(taken: u64, given: u64, sent: u64, settled: u64) -> Counts<LoomU64> {
+        Counts {
+            taken: LoomU64::new(taken),
+            given: LoomU64::new(given),
+            sent: LoomU64::new(sent),
+            settled: LoomU64::new(settled),
+        }
+    }
+
+    /// Two sides' counts, the block's bytes, and a mailbox for one message.
+    struct Block {
+        creator: Counts<LoomU64>,
+        others: Counts<LoomU64>,
+        bytes: UnsafeCell<u64>,
+        mailbox: AtomicBool,
+    }
+
+    impl Block {
+        fn sides(&self) -> [&Counts<LoomU64>; 2] {
+            [&self.creator, &self.others]
+        }
+
+        /// A holder reads the bytes.
+        fn read(&self) -> u64 {
+            // SAFETY: loom checks this access against the creator's write below.
+            self.bytes.with(|p| unsafe { *p })
+        }
+
+        /// The creator's recycler: hands the block out again when nothing uses it.
+        fn recycle_if_free(&self) -> bool {
+            let free = Counts::uses(self.sides()) == 0 && Counts::in_flight(self.sides()) == 0;
+            if free {
+                // SAFETY: as in `read`.
+                self.bytes.with_mut(|p| unsafe { *p = 1 });
+            }
+            free
+        }
+    }
+
+    fn add(c: &LoomU64) {
+        c.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// A use moves from a consumer back to the creator while the creator's recycler
+    /// looks: the consumer (`others`) holds the use its message brought, sends the
+    /// tensor back (a message taken on its side) and drops its own; the creator receives
+    /// it (settled on its side), reads it and drops it. A use taken on one side and
+    /// given back on the other: summed in the other order (taken first), the recycler
+    /// can read 0 while the creator still holds the tensor, and loom finds the race.
+    #[test]
+    #[ignore = "model checker: .ci/run runs it in release (cargo test --release --lib segment::model -- --ignored)"]
+    fn a_block_goes_back_to_its_creator_while_its_recycler_looks() {
+        let runs = explore(|| {
+            // The creator sent one message; the consumer received it.
+            let block = Arc::new(Block {
+                creator: counts(1, 0, 1, 0),
+                others: counts(0, 0, 0, 1),
+                bytes: UnsafeCell::new(0),
+                mailbox: AtomicBool::new(false),
+            });
+            let consumer = {
+                let b = Arc::clone(&block);
+                loom::thread::spawn(move || {
+                    b.read();
+                    add(&b.others.sent);
+                    add(&b.others.taken);
+                    b.mailbox.store(true, Ordering::Release);
+                    b.read();
+                    add(&b.others.given);
+                })
+            };
+            let receiver = {
+                let b = Arc::clone(&block);
+                loom::thread::spawn(move || {
+                    while !b.mailbox.load(Ordering::Acquire) {
+                        loom::thread::yield_now();
+                    }
+                    add(&b.creator.settled);
+                    b.read();
+                    add(&b.creator.given);
+                })
+            };
+            block.recycle_if_free();
+            consumer.join().unwrap();
+            receiver.join().unwrap();
+            assert!(block.recycle_if_free(), "every use was given back");
+        });
+        eprintln!("block counts model, a use back to its creator: {runs} interleavings");
+        assert!(runs > 1);
+    }
+
+    /// The fresh-tensor trip: the creator makes a tensor on the block, sends it and
+    /// drops its own; two consumers each receive one such message, read and drop it;
+    /// the recycler looks meanwhile. It may hand the block out again only after both.
+    #[test]
+    #[ignore = "model checker: .ci/run runs it in release (cargo test --release --lib segment::model -- --ignored)"]
+    fn two_consumers_drop_what_one_producer_sent_while_its_recycler_looks() {
+        let runs = explore(|| {
+            let block = Arc::new(Block {
+                creator: counts(0, 0, 0, 0),
+                others: counts(0, 0, 0, 0),
+                bytes: UnsafeCell::new(0),
+                mailbox: AtomicBool::new(false),
+            });
+            // The producer's two tensors, sent: a use each for the messages.
+            for _ in 0..2 {
+                add(&block.creator.taken);
+                add(&block.creator.sent);
+                add(&block.creator.taken);
+                add(&block.creator.given);
+            }
+            let consumers: Vec<_> = (0..2)
+                .map(|_| {
+                    let b = Arc::clone(&block);
+                    loom::thread::spawn(move || {
+                        add(&b.others.settled);
+                        b.read();
+                        add(&b.others.given);
+                    })
+                })
+                .collect();
+            block.recycle_if_free();
+            for c in consumers {
+                c.join().unwrap();
+            }
+            assert!(block.recycle_if_free(), "every use was given back");
+        });
+        eprintln!("block counts model, 1 producer x 2 consumers: {runs} interleavings");
+        assert!(runs > 1);
     }
 }

@@ -99,6 +99,7 @@ impl Segment {
                 owner_pid: AtomicI32::new(pid()),
             },
             is_block: false,
+            creator: 0,
             local_uses: AtomicU32::new(0),
         };
         if let Some(h) = segment.named_header() {
@@ -189,6 +190,7 @@ impl Segment {
                 owner_pid: AtomicI32::new(0),
             },
             is_block: false,
+            creator: 0,
             local_uses: AtomicU32::new(0),
         };
         let h = segment
@@ -234,7 +236,7 @@ impl Segment {
         segment.len = data_len as usize;
         if as_block {
             segment.is_block = true;
-            if !segment.is_block() {
+            if !segment.read_block_header() {
                 return Err(Error::InvalidMessage(format!(
                     "a received tensor's handle names a pooled block, but {path} has no block \
                      header"
