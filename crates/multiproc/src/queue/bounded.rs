@@ -5,7 +5,8 @@
 //! # Counters
 //!
 //! What [`Queue`] and [`JoinableQueue`](super::JoinableQueue) share: a channel plus
-//! counters in the block of its ring (words 32 and up, which the ring and the custody leave free).
+//! counters in the block of its ring (where: `layout`, which also says which cache line
+//! each is on and why).
 //!
 //! Words (their offsets in `layout`): `FREE_PLACES` — free places left (a semaphore; only when bounded),
 //! `ITEMS` — messages put and not yet taken (approximate: `len`), `UNFINISHED` — items
@@ -393,7 +394,9 @@ impl Shared {
 
     pub(super) fn release_slot(&self) {
         // A place owed (given back for a forged packet) is paid before one is freed.
-        if saturating_dec(self.block.word(PLACE_DEBT)) > 0 {
+        // (Read first: a debt is rare, and the read finds the line here.)
+        let debt = self.block.word(PLACE_DEBT);
+        if debt.load(Ordering::Acquire) > 0 && saturating_dec(debt) > 0 {
             return;
         }
         self.slots().give(None);
