@@ -40,7 +40,7 @@
 //!   every write of the getter's, so the getter writes it once per message and
 //!   nothing else there. `ITEMS` and `UNFINISHED` have one, and the words only a
 //!   sleeper or a forged packet writes (`PLACE_WAITERS`, `PLACE_DEBT`) another.
-
+//!
 //! The byte area after the page is [`SLOTS`] slots of [`SLOT_BYTES`] each: a 64-bit
 //! state word (`ring::slots`' protocol), a 32-bit length at [`LENGTH_AT`], and from
 //! [`RECORD_AT`] the record (a whole packet).
