@@ -9,7 +9,9 @@
 //! each is on and why).
 //!
 //! Words (their offsets in `layout`): `FREE_PLACES` — free places left (a semaphore; only when bounded),
-//! `ITEMS` — messages put and not yet taken (approximate: `len`), `UNFINISHED` — items
+//! `ITEMS` — messages put and not yet taken, of an unbounded queue (approximate: `len`;
+//! a bounded queue's `len` is its places not free, so that a put and a get each write
+//! one count the other side writes too, not two), `UNFINISHED` — items
 //! put and not yet marked done (for `JoinableQueue::join`), `CAPACITY` (0 = unbounded),
 //! `PLACE_DEBT` — places given back for packets that turned out not to have taken one.
 //!
@@ -235,7 +237,7 @@ impl<T: Serialize + DeserializeOwned> Queue<T> {
     /// others may put or get at the same moment.
     #[doc(alias = "qsize")]
     pub fn len(&self) -> usize {
-        self.shared.block.word(ITEMS).load(Ordering::Acquire) as usize
+        self.shared.items()
     }
 
     /// Whether no item is waiting right now: `len() == 0` (approximate, like
@@ -313,10 +315,7 @@ impl<'a, T: Serialize + DeserializeOwned> IntoIterator for &'a Queue<T> {
 impl<T> fmt::Debug for Queue<T> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Queue")
-            .field(
-                "len",
-                &self.shared.block.word(ITEMS).load(Ordering::Relaxed),
-            )
+            .field("len", &self.shared.items())
             .field(
                 "capacity",
                 &self.shared.block.word(CAPACITY).load(Ordering::Relaxed),
@@ -382,6 +381,19 @@ impl Shared {
         self.bounded
     }
 
+    /// Messages put and not yet taken (approximate: see the module docs). A bounded
+    /// queue's are its places not free (less the places owed): its putters and getters
+    /// then write one shared count per message, not two.
+    pub(super) fn items(&self) -> usize {
+        if !self.bounded {
+            return self.block.word(ITEMS).load(Ordering::Acquire) as usize;
+        }
+        let capacity = self.block.word(CAPACITY).load(Ordering::Acquire);
+        let free = self.block.word(FREE_PLACES).load(Ordering::Acquire);
+        let owed = self.block.word(PLACE_DEBT).load(Ordering::Acquire);
+        capacity.saturating_sub(free.saturating_sub(owed)) as usize
+    }
+
     /// Takes one free place, waiting until the deadline. `Ok(false)` on timeout.
     pub(super) fn acquire_slot(&self, deadline: Deadline) -> Result<bool> {
         self.slots().take(deadline)
@@ -431,7 +443,9 @@ impl Shared {
         if joinable {
             self.block.word(UNFINISHED).fetch_add(1, Ordering::AcqRel);
         }
-        self.block.word(ITEMS).fetch_add(1, Ordering::AcqRel);
+        if !self.bounded() {
+            self.block.word(ITEMS).fetch_add(1, Ordering::AcqRel);
+        }
         match self.channel.send(&mut encoded, deadline) {
             Ok(()) => Ok(()),
             Err(error) => {
@@ -439,7 +453,9 @@ impl Shared {
                     Error::Timeout { .. } => wait.no_room("a queue whose socket buffer is full"),
                     other => other,
                 };
-                saturating_dec(self.block.word(ITEMS));
+                if !self.bounded() {
+                    saturating_dec(self.block.word(ITEMS));
+                }
                 if joinable {
                     self.task_done_unchecked();
                 }
@@ -474,12 +490,15 @@ impl Shared {
         if !counted {
             return Taken::default();
         }
-        let item = saturating_dec(self.block.word(ITEMS)) > 0;
-        let slot = self.bounded();
-        if slot {
+        if self.bounded() {
             self.release_slot();
+            return Taken {
+                item: false,
+                slot: true,
+            };
         }
-        Taken { item, slot }
+        let item = saturating_dec(self.block.word(ITEMS)) > 0;
+        Taken { item, slot: false }
     }
 
     /// Takes back what [`taken`](Self::taken) gave for a packet that then failed to
