@@ -652,7 +652,6 @@ impl crate::wire::InFlightBlock for Segment {
 #[cfg(test)]
 mod model {
     use super::*;
-    use crate::sync::word::model::explore;
     use loom::cell::UnsafeCell;
     use loom::sync::Arc;
     use loom::sync::atomic::{AtomicBool, AtomicU64 as LoomU64};
@@ -700,6 +699,21 @@ mod model {
             }
             free
         }
+    }
+
+    /// Runs `f` under loom (preemption bound 3: every interleaving these few steps
+    /// have) and returns how many interleavings it explored. (`sync::word`'s models
+    /// have a driver of their own, a layer up.)
+    fn explore(f: impl Fn() + Sync + Send + 'static) -> usize {
+        let runs = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counted = std::sync::Arc::clone(&runs);
+        let mut builder = loom::model::Builder::new();
+        builder.preemption_bound = Some(3);
+        builder.check(move || {
+            counted.fetch_add(1, Ordering::SeqCst);
+            f();
+        });
+        runs.load(Ordering::SeqCst)
     }
 
     fn add(c: &LoomU64) {
