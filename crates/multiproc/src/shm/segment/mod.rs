@@ -28,9 +28,10 @@
 //! taking in the counts read after it: the difference is never below what is held, and
 //! 0 means that nothing was held when the given-back counts were read. (Counts that
 //! can go down, one per side, would not do: a use taken on one side and given back on
-//! the other can make the two reads add up to 0 while a use is held.) The creator is
-//! the one reader that acts on 0, and it reads the other line once per arena it hands
-//! out again, not per tensor.
+//! the other can make the two reads add up to 0 while a use is held.) The readers that
+//! act on 0 — the creator's recycler, a receiver or a custody letting a dead block go —
+//! read the other side's line when they decide, once per arena handed out again, not
+//! per tensor.
 //!
 //! **Who still maps a block is the kernel's to say** (see `sys::lease`, marks): every
 //! process that maps a block maps it through a description of its own that carries a
@@ -476,8 +477,8 @@ impl Segment {
         let Some(counts) = self.own_counts() else {
             return;
         };
-        // Sent before taken, as `in_flight` reads them after `uses`' counts: a use
-        // that a message brings is never seen without its message.
+        // Sent before taken: `reclaim_stale_uses` reads the taken counts before the
+        // sent ones, so a use a message took is never seen there without its message.
         counts.sent.fetch_add(1, Ordering::AcqRel);
         self.acquire_use();
     }
