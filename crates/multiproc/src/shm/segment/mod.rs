@@ -349,7 +349,7 @@ impl Segment {
         debug_assert!(self.len > BLOCK_HEADER_LEN);
         self.is_block = true;
         self.creator = pid() as u32;
-        if let Some(h) = self.header_unchecked() {
+        if let Some(h) = self.block() {
             for counts in [&h.creator, &h.others] {
                 for count in [&counts.taken, &counts.given, &counts.sent, &counts.settled] {
                     count.store(0, Ordering::Relaxed);
@@ -366,7 +366,7 @@ impl Segment {
     /// block magic, and its creator. Once per value: the header's first line is the
     /// one its creator keeps writing.
     fn read_block_header(&mut self) -> bool {
-        let Some(h) = self.header_unchecked() else {
+        let Some(h) = self.block() else {
             return false;
         };
         if h.magic.load(Ordering::Acquire) != BLOCK_MAGIC {
@@ -376,8 +376,11 @@ impl Segment {
         true
     }
 
-    /// The block header's place, when this value was made or received as a block.
-    fn header_unchecked(&self) -> Option<&BlockHeader> {
+    /// The block header, when this value was made as a block here or received by a
+    /// block handle (whose header carried the block magic when it was mapped: see
+    /// `read_block_header`). The magic is not read again on each use: a peer that
+    /// rewrote it could do no more than write the counts.
+    fn block(&self) -> Option<&BlockHeader> {
         if !self.is_block || self.len <= BLOCK_HEADER_LEN {
             return None;
         }
@@ -387,13 +390,6 @@ impl Segment {
         // as long as `&self`; BlockHeader is all atomics, valid for any bit pattern and
         // for concurrent access from other processes.
         Some(unsafe { &*ptr })
-    }
-
-    /// The block header, when this is a block: made as one here, or received by a block
-    /// handle whose header carried the block magic when it was mapped. The magic is not
-    /// read again: a peer that rewrote it could do no more than write the counts.
-    fn block(&self) -> Option<&BlockHeader> {
-        self.header_unchecked()
     }
 
     /// The counts this process writes: the creator's in the creator's process, the
@@ -464,9 +460,7 @@ impl Segment {
     pub(crate) fn release_local_use(&self) {
         // Before the block's count: `uses` never reads below what this process holds
         // (see `reclaim_stale_uses`).
-        let _ = self
-            .local_uses
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| v.checked_sub(1));
+        self.local_uses_forget();
         self.release_use();
     }
 
