@@ -76,12 +76,14 @@ pub fn reactor_wake_ups() -> u64 {
     crate::sys::reactor::wake_ups()
 }
 
-/// Whether the word reactor threads have taken in every registration made so far (each
-/// sleeps on its current set): a test waits for this before it counts
+/// Whether the reactor threads have taken in everything so far: each word reactor
+/// sleeps on its current set of registrations, and the fd reactor sleeps with no
+/// doorbell and no close event left unread (the closes of a test's own queue handles,
+/// dropped just before, included). A test waits for this before it counts
 /// [`reactor_wake_ups`], so that a reactor still catching up is not counted.
 #[cfg(feature = "async")]
 pub fn reactors_settled() -> bool {
-    crate::sys::reactor::words_settled()
+    crate::sys::reactor::words_settled() && crate::sys::reactor::fd_settled()
 }
 
 /// How many awaited waits are parked on an fd (a full socket, a pidfd, a pipe) in this

@@ -86,7 +86,7 @@
 
 use std::collections::HashMap;
 use std::os::fd::{BorrowedFd, OwnedFd};
-use std::sync::atomic::{AtomicU8, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
@@ -571,6 +571,34 @@ pub(crate) fn words_settled() -> bool {
     })
 }
 
+/// Whether the fd reactor (if this process has one) sleeps in `poll` with nothing left
+/// to take in: no doorbell rung and no inotify event (a close of a watched file, this
+/// process's own included) queued that it has not read. Its registered fds are not
+/// looked at: their readiness is the caller's to know (tests).
+///
+/// Why both: the thread clears `polling` as soon as `poll` returns, before it reads
+/// the events that woke it, so whenever what woke it has been read the flag is already
+/// down; and while the flag is up, anything that would wake it is still queued, which
+/// the `poll` here (a zero timeout: it consumes nothing) sees.
+#[cfg(feature = "testing-internals")]
+pub(crate) fn fd_settled() -> bool {
+    let Some(reactor) = FD_REACTOR.lock().as_ref().map(Arc::clone) else {
+        return true;
+    };
+    if !reactor.polling.load(Ordering::SeqCst) {
+        return false;
+    }
+    let mut fds = vec![PollFd::new(&reactor.doorbell, PollFlags::IN)];
+    if let Some(inotify) = &reactor.inotify {
+        fds.push(PollFd::new(inotify, PollFlags::IN));
+    }
+    let zero = rustix::time::Timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    matches!(rustix::event::poll(&mut fds, Some(&zero)), Ok(0))
+}
+
 /// [`WAKE_UPS`] (tests).
 #[cfg(feature = "testing-internals")]
 pub(crate) fn wake_ups() -> u64 {
@@ -718,6 +746,10 @@ struct FdReactor {
     /// futures rely on their re-checks.
     inotify: Option<OwnedFd>,
     registrations: Mutex<FdRegistrations>,
+    /// Set while the thread is (about to be) in `poll`, cleared as soon as `poll`
+    /// returns, before it counts the wake-up or reads what woke it (tests: see
+    /// [`fd_settled`]).
+    polling: AtomicBool,
 }
 
 impl FdReactor {
@@ -745,7 +777,9 @@ impl FdReactor {
                     .iter()
                     .map(|(_, fd, flags)| PollFd::new(&**fd, *flags)),
             );
+            self.polling.store(true, Ordering::SeqCst);
             let polled = rustix::event::poll(&mut fds, None);
+            self.polling.store(false, Ordering::SeqCst);
             WAKE_UPS.fetch_add(1, Ordering::Relaxed);
             if polled.is_err() {
                 continue; // EINTR; anything else is looked at again
@@ -827,6 +861,7 @@ fn fd_reactor() -> Result<Arc<FdReactor>> {
         doorbell,
         inotify,
         registrations: Mutex::new(FdRegistrations::default()),
+        polling: AtomicBool::new(false),
     });
     let runner = Arc::clone(&reactor);
     std::thread::Builder::new()
