@@ -135,6 +135,8 @@ def value(f):
 def size(b):
     if b is None:
         return "-"
+    if b == 0:
+        return "a number"  # multiproc's ping of a message without a tensor
     return "%d MiB" % (b >> 20) if b >= 1 << 20 else "%d KiB" % (b >> 10) if b >= 1 << 10 else "%d B" % b
 
 

@@ -6,7 +6,9 @@
 # Builds examples/trip_cost, runs it under callgrind with 1,000 and 3,000 trips (spin
 # waits off: nothing waits in one process), and prints the difference per trip: the
 # trip alone, start-up excluded. One process plays both sides (see the example's doc
-# for what that leaves out). Needs valgrind (`apt install valgrind`).
+# for what that leaves out). It does so for a tensor, then for a `u64`: what any
+# message costs, so that the difference is what the tensor adds. Needs valgrind
+# (`apt install valgrind`).
 #
 # Usage: scripts/trip_cost.sh
 set -euo pipefail
@@ -16,14 +18,16 @@ cargo build --release -q -p multiproc --example trip_cost
 exe=target/release/examples/trip_cost
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-for n in 1000 3000; do
-  MULTIPROC_SPIN_US=0 TRIPS=$n valgrind --tool=callgrind --callgrind-out-file="$work/$n.out" \
-    "$exe" >/dev/null 2>"$work/$n.log"
+for message in tensor u64; do
+  for n in 1000 3000; do
+    MESSAGE=$message MULTIPROC_SPIN_US=0 TRIPS=$n valgrind --tool=callgrind \
+      --callgrind-out-file="$work/$message-$n.out" "$exe" >/dev/null 2>"$work/$message-$n.log"
+  done
 done
 python3 - "$work" <<'PY'
 import re, sys
 work = sys.argv[1]
-def totals(n):
+def totals(message, n):
     """Instructions, and calls into the allocator, of the run with n trips."""
     names = {}  # callgrind names a function once, then by its number
     def name(spec):
@@ -35,7 +39,7 @@ def totals(n):
         return names.get(m.group(1), "")
     ir = calls = 0
     cfn = None
-    for line in open(f"{work}/{n}.out"):
+    for line in open(f"{work}/{message}-{n}.out"):
         if line.startswith("summary:"):
             ir = int(line.split()[1])
         elif line.startswith("fn="):
@@ -47,7 +51,13 @@ def totals(n):
                 calls += int(line[6:].split()[0])
             cfn = None
     return ir, calls
-(ir1, a1), (ir3, a3) = totals(1000), totals(3000)
-print(f"per put+get of a fresh 256-byte tensor: {(ir3 - ir1) / 2000:,.0f} instructions, "
-      f"{(a3 - a1) / 2000:.1f} allocations")
+per = {}
+for message in ("tensor", "u64"):
+    (ir1, a1), (ir3, a3) = totals(message, 1000), totals(message, 3000)
+    per[message] = ((ir3 - ir1) / 2000, (a3 - a1) / 2000)
+print(f"per put+get of a fresh 256-byte tensor: {per['tensor'][0]:,.0f} instructions, "
+      f"{per['tensor'][1]:.1f} allocations")
+print(f"per put+get of a u64:                   {per['u64'][0]:,.0f} instructions, "
+      f"{per['u64'][1]:.1f} allocations")
+print(f"what the tensor adds:                   {per['tensor'][0] - per['u64'][0]:,.0f} instructions")
 PY

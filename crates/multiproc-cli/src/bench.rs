@@ -7,7 +7,7 @@
 //! |---|---|---|---|
 //! | `fresh` | the worker makes a new shared f32 tensor (`Tensor::empty_shared`), fills it and `put`s it on a queue of capacity 4; the parent `get`s it and sums it | 4 KiB (200,000), 1 MiB (500), 64 MiB (40), 256 MiB (40) | tensors/s and GB/s |
 //! | `small` | as `fresh`, with 64 f32 (256 bytes) per tensor: the per-message cost | 256 B (200,000) | tensors/s |
-//! | `ping` | the parent `put`s one shared tensor, the worker sends it straight back, the parent `get`s it: a round trip of the same storage | 4 KiB and 64 MiB (20,000 each) | µs per round trip |
+//! | `ping` | the parent `put`s one shared tensor, the worker sends it straight back, the parent `get`s it: a round trip of the same storage; at size 0, a number instead of a tensor (what any message costs, the tensor's handling being the difference) | 0 (a number), 4 KiB and 64 MiB (20,000 each) | µs per round trip |
 //! | `spawn` | `multiproc::spawn` of 4 no-op workers and their join, after one warm-up | 4 workers (median of 10) | seconds |
 //! | `memory` | 8 workers each `put` 50 fresh 64 MiB tensors (scaled) on one queue and exit; the parent `get`s and drops each, then holds the queue, idle | 8 × 50 × 64 MiB | the machine's committed shared memory (`Shmem`) before, at the end of the burst, and every 100 ms for 2 s after (one row each) |
 //! | `stopped` | 8 producers and 8 consumers of plain numbers on one `SimpleQueue`; one of them is stopped (SIGSTOP, as a debugger or Ctrl-Z does) at whatever point it is at, for 2 s, then continued; a producer, then a consumer (runs only when named) | 16 processes, 3 s before, 2 s stopped, 2 s after, per victim | the others' messages/s in each window; the run fails if a message was lost or duplicated or a `get` without deadline returned |
@@ -98,6 +98,8 @@ impl Figure {
 enum Msg {
     Ready,
     Tensor(Tensor),
+    /// `ping`'s message without a tensor (`--bytes 0`).
+    Number(u64),
 }
 
 /// Worker of `fresh` and `small`: makes `count` new tensors of `floats` f32, fills
@@ -166,9 +168,9 @@ fn fresh(
     for _ in 0..count {
         match q.get_timeout(Duration::from_secs(120))? {
             Msg::Tensor(t) => total += t.sum()?,
-            Msg::Ready => {
+            _ => {
                 return Err(multiproc::Error::InvalidMessage(
-                    "the producer said it was ready twice".into(),
+                    "the producer sent something other than a tensor after it was ready".into(),
                 ));
             }
         }
@@ -201,19 +203,32 @@ fn ping(strategy: SharingStrategy, bytes: u64, count: u64) -> multiproc::Result<
         StartMethod::Spawn,
     )?;
     expect_ready(&back)?;
-    let mut t = Tensor::zeros(&[(bytes / 4) as usize], DType::F32)?;
-    t.share_memory_()?;
-    let start = Instant::now();
-    for _ in 0..count {
-        there.put(Msg::Tensor(t))?;
-        t = match back.get_timeout(Duration::from_secs(60))? {
-            Msg::Tensor(t) => t,
-            Msg::Ready => {
-                return Err(multiproc::Error::InvalidMessage(
-                    "the ping partner said it was ready twice".into(),
-                ));
+    let unexpected = || {
+        multiproc::Error::InvalidMessage(
+            "the ping partner sent back something other than what it was sent".into(),
+        )
+    };
+    let start;
+    if bytes == 0 {
+        start = Instant::now();
+        for i in 0..count {
+            there.put(Msg::Number(i))?;
+            match back.get_timeout(Duration::from_secs(60))? {
+                Msg::Number(n) if n == i => {}
+                _ => return Err(unexpected()),
             }
-        };
+        }
+    } else {
+        let mut t = Tensor::zeros(&[(bytes / 4) as usize], DType::F32)?;
+        t.share_memory_()?;
+        start = Instant::now();
+        for _ in 0..count {
+            there.put(Msg::Tensor(t))?;
+            t = match back.get_timeout(Duration::from_secs(60))? {
+                Msg::Tensor(t) => t,
+                _ => return Err(unexpected()),
+            };
+        }
     }
     let seconds = start.elapsed().as_secs_f64();
     ctx.join_timeout(Duration::from_secs(60))?;
@@ -581,7 +596,9 @@ pub fn run(plan: &Plan, mut report: impl FnMut(&Figure)) -> multiproc::Result<Ve
             );
         }
         if wanted("ping") {
-            for bytes in [4u64 << 10, 64 << 20] {
+            // 0: a number, no tensor — what the message path costs alone, so that the
+            // difference is what a tensor's handling adds.
+            for bytes in [0, 4u64 << 10, 64 << 20] {
                 if !size_wanted(bytes) {
                     continue;
                 }
@@ -684,6 +701,8 @@ pub fn header() -> String {
 pub fn row(f: &Figure) -> String {
     let size = if f.scenario == "memory" {
         "64 MiB".to_string()
+    } else if f.scenario == "ping" && f.bytes == Some(0) {
+        "a number".to_string()
     } else {
         f.bytes.map_or("-".to_string(), human)
     };
