@@ -598,6 +598,8 @@ mod idle;
 pub mod maintenance;
 #[cfg(target_os = "linux")]
 mod manager;
+#[cfg(all(test, target_os = "linux"))]
+mod model_check;
 #[cfg(target_os = "linux")]
 pub mod parcel;
 #[cfg(target_os = "linux")]

@@ -98,7 +98,8 @@ impl<'a, W: Word> FutexCount<'a, W> {
 #[cfg(test)]
 mod model {
     use super::*;
-    use crate::sync::word::model::{ModelWord, explore};
+    use crate::model_check::explore;
+    use crate::sync::word::model::ModelWord;
     use loom::sync::Arc;
     use loom::sync::atomic::AtomicU32 as LoomU32;
 
@@ -109,7 +110,7 @@ mod model {
     #[test]
     #[ignore = "model checker: .ci/run runs it in release (cargo test --release --lib counter::model -- --ignored)"]
     fn two_takers_and_two_givers_lose_no_place_and_no_wake_up() {
-        let runs = explore(|| {
+        let runs = explore(2, || {
             let w = words(0);
             let takers: Vec<_> = (0..2)
                 .map(|_| {
@@ -140,7 +141,7 @@ mod model {
     #[test]
     #[ignore = "model checker: .ci/run runs it in release (cargo test --release --lib counter::model -- --ignored)"]
     fn a_bounded_count_never_passes_its_bound_and_each_place_goes_once() {
-        let runs = explore(|| {
+        let runs = explore(2, || {
             // Capacity 2 (the bound is one past the most places): two free places,
             // two takers that try once, and a giver that gives back what it can.
             let w = words(2);
@@ -183,7 +184,7 @@ mod model {
         // lock: the other taker and the giver finish whatever it did. Here it stops
         // after its first step of `take` (it may have taken a place, or counted itself
         // a sleeper); loom tries every point of the others around it.
-        let runs = explore(|| {
+        let runs = explore(2, || {
             let w = words(1);
             let stopped = {
                 let w = Arc::clone(&w);

@@ -717,7 +717,8 @@ fn acquired_now(got: Result<()>) -> Result<bool> {
 #[cfg(test)]
 mod model {
     use super::*;
-    use crate::sync::word::model::{ModelWord, explore};
+    use crate::model_check::explore;
+    use crate::sync::word::model::ModelWord;
     use loom::sync::Arc;
     use loom::sync::atomic::{AtomicBool, AtomicU32 as LoomU32};
 
@@ -758,7 +759,7 @@ mod model {
     #[test]
     #[ignore = "model checker: .ci/run runs it in release"]
     fn two_processes_are_never_inside_at_once() {
-        let runs = explore(|| {
+        let runs = explore(2, || {
             let m = Model::new();
             let inside = Arc::new(LoomU32::new(0));
             let processes: Vec<_> = (1..=2)
@@ -789,7 +790,7 @@ mod model {
         // names the dead holder, and the lock is taken over at most once. (A third
         // process made loom's paths too long: in the model a liveness slice is a
         // yield, so a waiter's turns are steps to explore.)
-        let runs = explore(|| {
+        let runs = explore(2, || {
             let m = Model::new();
             let killed = {
                 let m = Arc::clone(&m);
@@ -834,7 +835,7 @@ mod model {
     fn a_waiter_killed_after_counting_itself_holds_nobody_up() {
         // Process 3 counts itself a waiter and dies there (its count never taken back):
         // the holder's release and the next acquirer carry on.
-        let runs = explore(|| {
+        let runs = explore(2, || {
             let m = Model::new();
             assert!(matches!(m.acquire(1), Acquired::Yes));
             let killed = {

@@ -99,13 +99,12 @@ impl Word for AtomicU32 {
     }
 }
 
-/// The model checker's word and its driver (tests only).
+/// The model checker's word (tests only; the driver is `crate::model_check`).
 #[cfg(test)]
 pub(crate) mod model {
     use super::*;
     use loom::sync::atomic::AtomicU32 as LoomU32;
     use loom::sync::{Condvar, Mutex};
-    use std::sync::atomic::AtomicUsize;
 
     /// A shared word in the model: a loom atomic, and a futex emulated with a mutex and
     /// a condition variable (a waiter checks the value under the mutex, a waker takes
@@ -187,19 +186,5 @@ pub(crate) mod model {
         fn spin_until(&self, _deadline: Deadline, _ready: impl FnMut() -> bool) -> bool {
             false
         }
-    }
-
-    /// Runs `f` under loom (preemption bound 2) and returns how many interleavings it
-    /// explored.
-    pub(crate) fn explore(f: impl Fn() + Sync + Send + 'static) -> usize {
-        static RUNS: AtomicUsize = AtomicUsize::new(0);
-        RUNS.store(0, std::sync::atomic::Ordering::SeqCst);
-        let mut builder = loom::model::Builder::new();
-        builder.preemption_bound = Some(2);
-        builder.check(move || {
-            RUNS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-            f();
-        });
-        RUNS.load(std::sync::atomic::Ordering::SeqCst)
     }
 }

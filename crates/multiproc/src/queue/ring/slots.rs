@@ -318,7 +318,8 @@ mod model {
     use super::*;
     use loom::sync::Arc;
     use loom::sync::atomic::AtomicU64 as LoomU64;
-    use std::sync::atomic::AtomicUsize;
+
+    use crate::model_check::explore;
 
     impl SlotWord for LoomU64 {
         fn load(&self) -> u64 {
@@ -426,24 +427,6 @@ mod model {
             asked += 1;
             asked < step
         }
-    }
-
-    /// Runs `f` under loom, preempting each thread at most `preemptions` times (loom's
-    /// bound; every interleaving within it is explored); how many interleavings it
-    /// explored.
-    fn explore(preemptions: usize, f: impl Fn() + Sync + Send + 'static) -> usize {
-        static RUNS: AtomicUsize = AtomicUsize::new(0);
-        RUNS.store(0, std::sync::atomic::Ordering::SeqCst);
-        let mut builder = loom::model::Builder::new();
-        builder.preemption_bound = Some(preemptions);
-        builder.check(move || {
-            let runs = RUNS.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
-            if runs % 100_000 == 0 {
-                eprintln!("  ... {runs} interleavings");
-            }
-            f();
-        });
-        RUNS.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// Pops at most `tries` times, revoking a writer found busy twice at one position;

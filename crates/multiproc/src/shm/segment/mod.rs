@@ -651,6 +651,8 @@ mod model {
     use loom::sync::Arc;
     use loom::sync::atomic::{AtomicBool, AtomicU64 as LoomU64};
 
+    use crate::model_check::explore;
+
     impl Count for LoomU64 {
         fn load(&self, order: Ordering) -> u64 {
             LoomU64::load(self, order)
@@ -696,21 +698,6 @@ mod model {
         }
     }
 
-    /// Runs `f` under loom (preemption bound 3: every interleaving these few steps
-    /// have) and returns how many interleavings it explored. (`sync::word`'s models
-    /// have a driver of their own, a layer up.)
-    fn explore(f: impl Fn() + Sync + Send + 'static) -> usize {
-        let runs = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
-        let counted = std::sync::Arc::clone(&runs);
-        let mut builder = loom::model::Builder::new();
-        builder.preemption_bound = Some(3);
-        builder.check(move || {
-            counted.fetch_add(1, Ordering::SeqCst);
-            f();
-        });
-        runs.load(Ordering::SeqCst)
-    }
-
     fn add(c: &LoomU64) {
         c.fetch_add(1, Ordering::AcqRel);
     }
@@ -724,7 +711,7 @@ mod model {
     #[test]
     #[ignore = "model checker: .ci/run runs it in release (cargo test --release --lib segment::model -- --ignored)"]
     fn a_block_goes_back_to_its_creator_while_its_recycler_looks() {
-        let runs = explore(|| {
+        let runs = explore(3, || {
             // The creator sent one message; the consumer received it.
             let block = Arc::new(Block {
                 creator: counts(1, 0, 1, 0),
@@ -769,7 +756,7 @@ mod model {
     #[test]
     #[ignore = "model checker: .ci/run runs it in release (cargo test --release --lib segment::model -- --ignored)"]
     fn two_consumers_drop_what_one_producer_sent_while_its_recycler_looks() {
-        let runs = explore(|| {
+        let runs = explore(3, || {
             let block = Arc::new(Block {
                 creator: counts(0, 0, 0, 0),
                 others: counts(0, 0, 0, 0),

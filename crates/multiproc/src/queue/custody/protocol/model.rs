@@ -16,7 +16,7 @@ use loom::sync::{Arc, Mutex};
 use std::sync::atomic::Ordering;
 
 use super::*;
-use crate::sync::word::model::explore;
+use crate::model_check::explore;
 
 /// A model entry's fd: the block (device, inode) it stands for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -221,7 +221,7 @@ const STEPS: usize = 16;
 #[test]
 #[ignore = "model checker: .ci/run runs it in release"]
 fn two_lookups_find_their_blocks_beside_a_publication_and_lose_no_entry() {
-    let runs = explore(|| {
+    let runs = explore(2, || {
         let custody = Custody::holding(&[A, B]);
         let looking = [(1, A), (2, B)].map(|(me, block)| {
             let custody = Arc::clone(&custody);
@@ -258,7 +258,7 @@ fn two_lookups_find_their_blocks_beside_a_publication_and_lose_no_entry() {
 fn a_lookup_stopped_for_good_at_any_step_holds_nobody_up() {
     let mut total = 0;
     for step in 1..=STEPS {
-        total += explore(move || {
+        total += explore(2, move || {
             let custody = Custody::holding(&[A, B]);
             let stopped = {
                 let custody = Arc::clone(&custody);
@@ -284,7 +284,7 @@ fn a_lookup_stopped_for_good_at_any_step_holds_nobody_up() {
 fn a_lookup_killed_at_any_step_loses_no_entry_and_is_cleaned_up_after() {
     let mut total = 0;
     for step in 1..=STEPS {
-        total += explore(move || {
+        total += explore(2, move || {
             let custody = Custody::holding(&[A, B]);
             let killed = {
                 let custody = Arc::clone(&custody);
