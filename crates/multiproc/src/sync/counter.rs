@@ -34,9 +34,7 @@ impl<'a, W: Word> FutexCount<'a, W> {
 
     /// Takes one place if one is free now.
     pub(crate) fn try_take(&self) -> bool {
-        self.value
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| v.checked_sub(1))
-            .is_ok()
+        self.value.update(|v| v.checked_sub(1)).is_ok()
     }
 
     /// Takes one place, waiting until the deadline; `false` when none came. Spins
@@ -67,7 +65,7 @@ impl<'a, W: Word> FutexCount<'a, W> {
     pub(crate) fn give(&self, bound: Option<u32>) -> bool {
         let given = self
             .value
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| {
+            .update(|v| {
                 let next = v.checked_add(1)?;
                 bound.is_none_or(|b| next < b).then_some(next)
             })

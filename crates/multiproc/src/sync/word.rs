@@ -18,13 +18,9 @@ pub(crate) trait Word: Sync {
     const SPINS: bool = true;
     /// The value.
     fn load(&self, order: Ordering) -> u32;
-    /// `AtomicU32::fetch_update`.
-    fn fetch_update(
-        &self,
-        set: Ordering,
-        fetch: Ordering,
-        f: impl FnMut(u32) -> Option<u32>,
-    ) -> std::result::Result<u32, u32>;
+    /// `AtomicU32::fetch_update` with `AcqRel` on success and `Acquire` on failure,
+    /// what every protocol here needs (so there are no orders to pass and ignore).
+    fn update(&self, f: impl FnMut(u32) -> Option<u32>) -> std::result::Result<u32, u32>;
     /// `AtomicU32::fetch_add`.
     fn fetch_add(&self, n: u32, order: Ordering) -> u32;
     /// `AtomicU32::fetch_sub`.
@@ -52,15 +48,9 @@ impl Word for AtomicU32 {
         AtomicU32::load(self, order)
     }
 
-    fn fetch_update(
-        &self,
-        set: Ordering,
-        fetch: Ordering,
-        f: impl FnMut(u32) -> Option<u32>,
-    ) -> std::result::Result<u32, u32> {
-        // A read-modify-write first, not a load (see `shm::update_word`); its orders
-        // are the strongest any caller passes.
-        let _ = (set, fetch);
+    fn update(&self, f: impl FnMut(u32) -> Option<u32>) -> std::result::Result<u32, u32> {
+        // A read-modify-write first, not a load (see `shm::update_word`), with these
+        // orders.
         crate::shm::update_word(self, f)
     }
 
@@ -135,13 +125,9 @@ pub(crate) mod model {
             self.value.load(order)
         }
 
-        fn fetch_update(
-            &self,
-            set: Ordering,
-            fetch: Ordering,
-            f: impl FnMut(u32) -> Option<u32>,
-        ) -> std::result::Result<u32, u32> {
-            self.value.fetch_update(set, fetch, f)
+        fn update(&self, f: impl FnMut(u32) -> Option<u32>) -> std::result::Result<u32, u32> {
+            self.value
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, f)
         }
 
         fn fetch_add(&self, n: u32, order: Ordering) -> u32 {
