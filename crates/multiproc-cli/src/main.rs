@@ -45,8 +45,8 @@ enum Command {
         /// Only this sharing strategy (file_descriptor or file_system).
         #[arg(long)]
         strategy: Option<multiproc::SharingStrategy>,
-        /// Only the sizes of fresh and ping with this many bytes (4096, 1048576, ...);
-        /// repeatable.
+        /// Only the sizes of fresh and ping with this many bytes (4096, 1048576, ...;
+        /// 0 is ping's message of a number, no tensor); repeatable.
         #[arg(long = "bytes")]
         sizes: Vec<u64>,
         /// Instead: all_reduce_ of 64 MiB f32 across 2 local ranks beside the memory
