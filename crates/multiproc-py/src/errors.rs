@@ -101,14 +101,18 @@ pub fn queue_error(py: Python<'_>, name: &str, text: &str) -> PyErr {
 /// How long one slice of a blocking wait lasts: Ctrl-C is noticed within it.
 const SLICE: Duration = Duration::from_millis(50);
 
-/// A Python timeout: `None` or negative waits forever.
+/// A Python timeout: `None`, negative, NaN, infinite, or too long for the clock to
+/// represent waits forever.
 pub fn deadline(timeout: Option<f64>) -> PyResult<Option<Instant>> {
-    match timeout {
-        None => Ok(None),
-        Some(t) if t < 0.0 => Ok(None),
-        Some(t) if t.is_finite() => Ok(Some(Instant::now() + Duration::from_secs_f64(t))),
-        Some(_) => Ok(None),
-    }
+    Ok(timeout_duration(timeout).and_then(|t| Instant::now().checked_add(t)))
+}
+
+/// A Python timeout as a `Duration`: `None` for one that waits forever (see
+/// [`deadline`]).
+pub fn timeout_duration(timeout: Option<f64>) -> Option<Duration> {
+    timeout
+        .filter(|t| *t >= 0.0)
+        .and_then(|t| Duration::try_from_secs_f64(t).ok())
 }
 
 /// What one slice of a wait did.

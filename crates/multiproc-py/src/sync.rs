@@ -230,7 +230,7 @@ impl PyBarrier {
     /// slices, and Ctrl-C is seen when the wait returns.
     #[pyo3(signature = (timeout=None))]
     fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<usize> {
-        let timeout = timeout.filter(|t| *t >= 0.0).map(Duration::from_secs_f64);
+        let timeout = crate::errors::timeout_duration(timeout);
         py.allow_threads(|| match timeout {
             Some(t) => self.inner.wait_timeout(t),
             None => self.inner.wait(),

@@ -55,46 +55,88 @@ pub enum Dynamic {
     /// `bytes` (or a `bytearray`, received as `bytes`).
     Bytes(#[serde(with = "as_bytes")] Vec<u8>),
     /// A `list`.
-    List(#[serde(deserialize_with = "nested")] Vec<Dynamic>),
+    List(#[serde(serialize_with = "nested_ser", deserialize_with = "nested")] Vec<Dynamic>),
     /// A `tuple`.
-    Tuple(#[serde(deserialize_with = "nested")] Vec<Dynamic>),
+    Tuple(#[serde(serialize_with = "nested_ser", deserialize_with = "nested")] Vec<Dynamic>),
     /// A `dict`: its items, in insertion order.
-    Dict(#[serde(deserialize_with = "nested")] Vec<(Dynamic, Dynamic)>),
+    Dict(
+        #[serde(serialize_with = "nested_ser", deserialize_with = "nested")]
+        Vec<(Dynamic, Dynamic)>,
+    ),
     /// A tensor, by handle.
     Tensor(Tensor),
     /// Any other Python object, pickled (protocol 5 or lower).
     Pickled(#[serde(with = "as_bytes")] Vec<u8>),
 }
 
-/// How deep a received value may nest: deeper is an invalid message, not a stack
+/// How deep a value may nest (lists, tuples and dicts inside one another): deeper is
+/// refused when it is sent, and an invalid message when it is received, never a stack
 /// overflow (a forged packet of a few kilobytes could otherwise nest thousands deep).
 pub const MAX_NESTING: u32 = 128;
 
 thread_local! {
-    static NESTING: Cell<u32> = const { Cell::new(0) };
+    /// How many containers deep the serialization running on this thread is.
+    static SER_NESTING: Cell<u32> = const { Cell::new(0) };
+    /// How many containers deep the deserialization running on this thread is.
+    static DE_NESTING: Cell<u32> = const { Cell::new(0) };
 }
 
-/// Leaves one level of nesting when dropped.
-struct Level;
+/// One level of nesting in `counter`, left when dropped.
+struct Level(&'static std::thread::LocalKey<Cell<u32>>);
+
+impl Level {
+    /// Enters a level; `None` (the level not entered) past [`MAX_NESTING`].
+    fn enter(counter: &'static std::thread::LocalKey<Cell<u32>>) -> Option<Level> {
+        let depth = counter.with(|n| n.get()) + 1;
+        if depth > MAX_NESTING {
+            return None;
+        }
+        counter.with(|n| n.set(depth));
+        Some(Level(counter))
+    }
+}
 
 impl Drop for Level {
     fn drop(&mut self) {
-        NESTING.with(|n| n.set(n.get().saturating_sub(1)));
+        self.0.with(|n| n.set(n.get().saturating_sub(1)));
     }
+}
+
+/// Serializes a container one level deeper, refusing to go past [`MAX_NESTING`]: so a
+/// value the receiver would refuse is not sent (inside a channel's encode, `put` or
+/// `send` returns [`Error::Encode`](crate::Error::Encode) and nothing is sent).
+fn nested_ser<S: Serializer, T: Serialize>(v: &T, s: S) -> Result<S::Ok, S::Error> {
+    use serde::ser::Error as _;
+    let Some(_level) = Level::enter(&SER_NESTING) else {
+        let why = format!(
+            "a Dynamic value nests deeper than {MAX_NESTING} levels (lists, tuples and \
+             dicts inside one another), more than a receiver accepts: flatten it, or send \
+             it pickled (Dynamic::Pickled)"
+        );
+        return Err(S::Error::custom(
+            match crate::wire::Encoder::current("a Dynamic value") {
+                Ok(enc) => enc.fail(crate::Error::Encode(why)),
+                Err(_) => why,
+            },
+        ));
+    };
+    v.serialize(s)
 }
 
 /// Deserializes a container one level deeper, refusing to go past [`MAX_NESTING`].
 fn nested<'de, D: Deserializer<'de>, T: Deserialize<'de>>(d: D) -> Result<T, D::Error> {
-    let depth = NESTING.with(|n| {
-        n.set(n.get() + 1);
-        n.get()
-    });
-    let _level = Level;
-    if depth > MAX_NESTING {
-        return Err(de::Error::custom(format!(
-            "a Dynamic value nests deeper than {MAX_NESTING} levels"
-        )));
-    }
+    let Some(_level) = Level::enter(&DE_NESTING) else {
+        let why = format!(
+            "a Dynamic value nests deeper than {MAX_NESTING} levels (lists, tuples and \
+             dicts inside one another): the sender must flatten it"
+        );
+        return Err(de::Error::custom(
+            match crate::wire::Decoder::current("a Dynamic value") {
+                Ok(dec) => dec.fail(crate::Error::InvalidMessage(why)),
+                Err(_) => why,
+            },
+        ));
+    };
     T::deserialize(d)
 }
 
@@ -262,6 +304,33 @@ mod tests {
         assert!(deep(100_000).is_err());
         // The count is back at zero after an error: the next value decodes.
         assert!(deep(3).is_ok());
+    }
+
+    #[test]
+    fn a_value_nested_past_the_limit_is_refused_by_put_and_nothing_is_sent() {
+        let deep = |levels: usize| {
+            (0..levels).fold(Dynamic::Int(7), |inner, _| Dynamic::List(vec![inner]))
+        };
+        let q: crate::Queue<Dynamic> = crate::Queue::new().unwrap();
+        // A second holder: a lone handle's empty queue is `Disconnected`, not empty.
+        let _other = q.clone();
+        let err = q.put(deep(MAX_NESTING as usize + 1)).unwrap_err();
+        assert!(
+            matches!(&err.error, crate::Error::Encode(why) if why.contains("deeper than 128 levels")),
+            "{err:?}"
+        );
+        // The value comes back whole; nothing was sent.
+        assert!(matches!(err.item, Dynamic::List(_)), "{err:?}");
+        assert!(q.try_get().unwrap().is_none());
+        // The count is back at zero after the refusal: the deepest value allowed goes.
+        q.put(deep(MAX_NESTING as usize)).unwrap();
+        let mut back = q.try_get().unwrap().unwrap();
+        let mut levels = 0;
+        while let Dynamic::List(mut items) = back {
+            back = items.pop().unwrap();
+            levels += 1;
+        }
+        assert_eq!((levels, back.as_int()), (MAX_NESTING, Some(7)));
     }
 
     #[test]

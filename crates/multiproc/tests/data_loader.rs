@@ -111,6 +111,22 @@ fn at_most_workers_times_prefetch_batches_are_in_flight() {
 }
 
 #[test]
+fn a_huge_timeout_and_prefetch_factor_load_as_usual() {
+    common::run(secs(60), || {
+        // Too long for the clock: no deadline. Too many to count: every batch may be
+        // in flight (the product saturates).
+        let mut loader = DataLoader::builder(Samples::new(6))
+            .num_workers(2)
+            .timeout(Duration::MAX)
+            .prefetch_factor(usize::MAX)
+            .build()
+            .unwrap();
+        let got: Vec<i64> = labels_of_epoch(&mut loader).concat();
+        assert_eq!(got, (0..6).collect::<Vec<_>>());
+    });
+}
+
+#[test]
 fn persistent_workers_are_reused_across_epochs() {
     common::run(secs(60), || {
         let mut loader = DataLoader::builder(Samples::new(12))

@@ -233,6 +233,42 @@ fn initializer_apply_async_close_join_and_fork() {
     });
 }
 
+fn initializer_that_panics() {
+    panic!("cannot load the model file /models/a.bin");
+}
+
+#[test]
+fn an_initializer_that_panics_is_named_with_its_message_and_a_huge_timeout_waits() {
+    common::run(DEADLINE, || {
+        let pool = Pool::builder()
+            .processes(1)
+            .initializer(initializer_that_panics)
+            .build()
+            .unwrap();
+        let err = pool.map(square, 0..2u64).unwrap_err();
+        let text = err.to_string();
+        assert!(
+            matches!(
+                &err,
+                Error::TaskFailed {
+                    reason: TaskFailure::WorkerDied,
+                    ..
+                }
+            ) && text.contains("the pool's initializer panicked")
+                && text.contains("cannot load the model file /models/a.bin"),
+            "{err:?}"
+        );
+        // A timeout too long for the clock waits without a deadline (no overflow).
+        let mut pool = Pool::new(1).unwrap();
+        let mut r = pool.apply_async(slow_square, 4).unwrap();
+        assert_eq!(r.get_timeout(Duration::MAX).unwrap(), 16);
+        let mut m = pool.map_async(square, 0..3u64).unwrap();
+        assert_eq!(m.get_timeout(Duration::MAX).unwrap(), [0, 1, 4]);
+        pool.close();
+        pool.join_timeout(Duration::MAX).unwrap();
+    });
+}
+
 /// Task 7 SIGKILLs its own worker; every other task records that it ran in `dir`
 /// (plain-data arguments, so tasks that had not started can be rerun).
 fn square_but_7_kills_its_worker((x, dir): (u64, String)) -> Result<u64, String> {

@@ -420,3 +420,68 @@ fn condition_guard_waits_for_another_process() {
         ctx.join_timeout(WAIT).unwrap();
     });
 }
+
+/// Waits for the word to go, then sets the event and says so on the queue.
+fn answer_late(_rank: usize, (go, event, said): (SimpleQueue<u8>, Event, SimpleQueue<u8>)) {
+    go.get().expect("the word to go");
+    event.set();
+    said.put(7).expect("put");
+}
+
+#[test]
+fn a_timeout_too_long_for_the_clock_waits_without_a_deadline() {
+    common::run(DEADLINE, || {
+        let (go, event, said) = (
+            SimpleQueue::new().unwrap(),
+            Event::new().unwrap(),
+            SimpleQueue::new().unwrap(),
+        );
+        let mut ctx = start_processes(
+            answer_late,
+            (go.clone(), event.clone(), said.clone()),
+            1,
+            StartMethod::Spawn,
+        )
+        .unwrap();
+        go.put(1).unwrap();
+        // Neither is ready when the wait starts, or may not be: each waits, then returns.
+        event.wait_timeout(Duration::MAX).unwrap();
+        assert_eq!(said.get_timeout(Duration::MAX).unwrap(), 7);
+        ctx.join_timeout(Duration::MAX).unwrap();
+        let lock = Lock::new().unwrap();
+        lock.acquire_timeout(Duration::MAX).unwrap();
+        lock.release().unwrap();
+        drop(lock.lock_timeout(Duration::from_secs(u64::MAX)).unwrap());
+        let sem = Semaphore::new(1).unwrap();
+        sem.acquire_timeout(Duration::MAX).unwrap();
+        let rlock = RLock::new().unwrap();
+        rlock.acquire_timeout(Duration::MAX).unwrap();
+        rlock.release().unwrap();
+    });
+}
+
+fn update_once(_rank: usize, counter: Value<u64>) {
+    counter.update(|n| n + 1).expect("update");
+}
+
+#[test]
+fn a_panic_inside_value_update_releases_the_lock() {
+    common::run(DEADLINE, || {
+        let counter = Value::new(5u64).unwrap();
+        let caught = std::panic::catch_unwind(|| {
+            counter
+                .update(|_| panic!("the update's closure panics"))
+                .ok();
+        });
+        assert!(caught.is_err());
+        assert!(
+            !counter.get_lock().is_locked(),
+            "the lock outlived the panic"
+        );
+        assert_eq!(counter.get(), 5, "a panicking update stores nothing");
+        // Another process updates as usual: it is not left waiting.
+        let mut ctx = start_processes(update_once, counter.clone(), 1, StartMethod::Spawn).unwrap();
+        ctx.join_timeout(WAIT).unwrap();
+        assert_eq!(counter.get(), 6);
+    });
+}

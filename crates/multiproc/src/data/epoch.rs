@@ -204,7 +204,7 @@ where
     /// had started at once.)
     fn fill(&mut self) -> Result<()> {
         let o = &self.loader.options;
-        let window = o.num_workers * o.prefetch_factor;
+        let window = o.num_workers.saturating_mul(o.prefetch_factor);
         let per_worker = o.prefetch_factor;
         let epoch = self.epoch;
         if self.loader.workers.is_none() {
@@ -508,7 +508,7 @@ where
                 let timeout = self.loader.options.timeout;
                 *self
                     .deadline
-                    .get_or_insert_with(|| timeout.map(|t| Instant::now() + t))
+                    .get_or_insert_with(|| crate::sys::socket::deadline_after(timeout))
             };
             let arrival = match wait(set, self.run, deadline) {
                 Poll::Ready(arrival) => arrival,

@@ -580,7 +580,7 @@ where
         }
         // Only this run's tasks count: a persistent worker may still hold an abandoned
         // run's, which it answers first and which are dropped.
-        let window = n * o.prefetch_factor;
+        let window = n.saturating_mul(o.prefetch_factor);
         let run = self.run;
         let busy = |set: &WorkerSet<C::Batch>, w: usize| {
             set.outstanding_in_run(w, run) >= o.prefetch_factor
@@ -748,7 +748,7 @@ where
                 let timeout = self.loader.options.timeout;
                 *self
                     .deadline
-                    .get_or_insert_with(|| timeout.map(|t| Instant::now() + t))
+                    .get_or_insert_with(|| crate::sys::socket::deadline_after(timeout))
             };
             let arrival = match wait(set, epoch, deadline) {
                 Poll::Ready(arrival) => arrival,

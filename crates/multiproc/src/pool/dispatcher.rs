@@ -73,7 +73,9 @@ impl Worker {
             Ok(status) => match self.process.error() {
                 // It exited 0 without a report: say why (a missing `init`).
                 Some(e) if status.success() => format!("pool worker (pid {pid}): {e}"),
-                _ => format!("pool worker (pid {pid}) {status} while running it"),
+                // What it raised says what it was doing (the task, or its initializer).
+                Some(e) => format!("pool worker (pid {pid}) {status}: {e}"),
+                None => format!("pool worker (pid {pid}) {status} while running it"),
             },
             Err(e) if e.is_timeout() => {
                 let _ = self.process.kill();

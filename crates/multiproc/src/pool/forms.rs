@@ -187,7 +187,7 @@ impl<R: DeserializeOwned> MapResult<R> {
 
     fn get_within(&mut self, timeout: Option<Duration>) -> Result<Vec<R>> {
         self.not_taken()?;
-        let deadline = timeout.map(|t| Instant::now() + t);
+        let deadline = crate::sys::socket::deadline_after(timeout);
         while self.arrived < self.results.len() {
             let outcome = match deadline {
                 None => self.rx.recv().map_err(|_| dispatcher_gone())?,

@@ -331,7 +331,7 @@ impl Pool {
                 ));
             }
         }
-        let deadline = timeout.map(|t| Instant::now() + t);
+        let deadline = crate::sys::socket::deadline_after(timeout);
         let mut state = self.lock();
         while !state.finished {
             match deadline {

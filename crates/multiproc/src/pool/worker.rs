@@ -60,11 +60,20 @@ pub(super) fn run_task<R: Serialize, E: Display>(
 
 /// The body of every pool worker process.
 pub(super) fn pool_worker(_rank: usize, args: WorkerArgs) -> std::result::Result<(), String> {
+    // An initializer's panic is this worker's error, said to be the initializer's: the
+    // pool reports it for the task the worker had taken (the task itself never ran).
+    let initializer_panicked = |payload: Box<dyn std::any::Any + Send>| {
+        format!(
+            "the pool's initializer panicked: {}",
+            crate::process::panic_text(&*payload)
+        )
+    };
     if let Some(init) = args.initializer {
-        init.get()?();
+        std::panic::catch_unwind(init.get()?).map_err(initializer_panicked)?;
     }
     if let Some(call) = args.init_with {
-        call.run()?;
+        std::panic::catch_unwind(AssertUnwindSafe(|| call.run()))
+            .map_err(initializer_panicked)??;
     }
     let mut done = 0u64;
     loop {

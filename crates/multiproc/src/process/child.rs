@@ -505,12 +505,12 @@ impl Child {
         let waited = waited.as_secs();
         let advice = match self.owner {
             Owner::Process => {
-                "to not wait, join it with a timeout (`join(Some(..))`) and then \
+                "to not wait, join it with a timeout (`join_timeout(..)`) and then \
                  `terminate()` or `kill()` it, or make it a daemon (`.daemon(true)`), \
                  which dropping kills"
             }
             Owner::Context => {
-                "to not wait, join the context with a timeout (`join(Some(..))`), or start \
+                "to not wait, join the context with a timeout (`join_timeout(..)`), or start \
                  it with `SpawnOptions::daemon(true)`, whose workers dropping kills"
             }
         };

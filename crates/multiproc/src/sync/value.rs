@@ -9,7 +9,7 @@ use std::sync::atomic::Ordering;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use super::lock::{Lock, RawLock};
-use crate::error::{Error, Result};
+use crate::error::{LockError, Result};
 use crate::shm::SharedWords;
 
 /// Plain data that fits in 64 bits — the types a [`Value`] can hold: each round-trips
@@ -135,17 +135,24 @@ impl<T: Bits64> Value<T> {
     /// Replaces the value with `f(value)` under the lock; returns the new value.
     ///
     /// # Errors
-    /// [`Error::OwnerDied`] when the lock was taken over from a dead holder; the update
+    /// [`Error::OwnerDied`](crate::Error::OwnerDied) when the lock was taken over from a dead holder; the update
     /// is still made.
+    ///
+    /// A panic in `f` releases the lock as it unwinds and leaves the value as it was
+    /// (`f` runs before anything is stored), so a caught panic does not leave every
+    /// other updater waiting.
     pub fn update(&self, f: impl FnOnce(T) -> T) -> Result<T> {
-        let died = match self.lock.acquire() {
-            Ok(_) => None,
-            Err(e @ Error::OwnerDied { .. }) => Some(e),
-            Err(e) => return Err(e),
+        let (guard, died) = match self.lock.lock() {
+            Ok(guard) => (guard, None),
+            Err(LockError {
+                error,
+                guard: Some(guard),
+            }) => (guard, Some(error)),
+            Err(e) => return Err(e.error),
         };
         let new = f(self.get());
         self.set(new);
-        self.lock.release()?;
+        drop(guard);
         match died {
             Some(e) => Err(e),
             None => Ok(new),

@@ -30,9 +30,10 @@ pub(crate) const MAX_FDS_PER_PACKET: usize = 253;
 /// When a blocking operation gives up: `None` waits forever.
 pub(crate) type Deadline = Option<Instant>;
 
-/// Turns an optional timeout into a deadline measured from now.
+/// Turns an optional timeout into a deadline measured from now. A timeout too long for
+/// the clock to represent (`Duration::MAX`, say) waits forever, as `None` does.
 pub(crate) fn deadline_after(timeout: Option<Duration>) -> Deadline {
-    timeout.map(|t| Instant::now() + t)
+    timeout.and_then(|t| Instant::now().checked_add(t))
 }
 
 /// What [`wait_fd`] waits for.

@@ -90,7 +90,11 @@ impl Tensor {
         }
         let mut layout = self.layout.clone();
         layout.shape[dim] = length;
-        if length > 0 {
+        // An empty view keeps the offset, as no element of it is ever addressed: the
+        // start may lie past the end of an empty tensor's storage (torch accepts
+        // `narrow(0, 1, 1)` of a 2×0 tensor). A non-empty one lies inside this
+        // tensor's elements, so the sum cannot overflow.
+        if layout.numel() > 0 {
             layout.offset += start * layout.strides[dim];
         }
         self.with_layout(layout)
@@ -111,9 +115,12 @@ impl Tensor {
             )));
         }
         let mut layout = self.layout.clone();
-        layout.offset += index * layout.strides[dim];
+        let stride = layout.strides.remove(dim);
         layout.shape.remove(dim);
-        layout.strides.remove(dim);
+        // As in `narrow`: an empty view (another dimension is 0) keeps the offset.
+        if layout.numel() > 0 {
+            layout.offset += index * stride;
+        }
         self.with_layout(layout)
     }
 

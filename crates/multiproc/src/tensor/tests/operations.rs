@@ -147,6 +147,30 @@ fn views_address_the_expected_elements() {
 }
 
 #[test]
+fn views_of_empty_tensors_are_empty_views_as_in_torch() {
+    // Another dimension is 0: every index below a dimension's size is valid, and the
+    // view addresses nothing (the start may lie past the end of the empty storage).
+    let t = Tensor::zeros(&[2, 0, 3], DType::F32).unwrap();
+    let s = t.select(0, 1).unwrap();
+    assert_eq!((s.shape(), s.numel()), (&[0, 3][..], 0));
+    let n = t.narrow(0, 1, 1).unwrap();
+    assert_eq!((n.shape(), n.numel()), (&[1, 0, 3][..], 0));
+    assert_eq!(t.narrow(2, 1, 2).unwrap().shape(), [2, 0, 2]);
+    assert_eq!(t.select(2, 2).unwrap().shape(), [2, 0]);
+    let u = Tensor::zeros(&[4, 0], DType::I64).unwrap();
+    assert_eq!(u.select(0, 3).unwrap().shape(), [0]);
+    assert_eq!(u.select(0, 3).unwrap().sum().unwrap(), 0.0);
+    // Sizes whose strides overflow a product with the index: still an empty view.
+    let huge = 1usize << 33;
+    let h = Tensor::zeros(&[0, huge, huge], DType::U8).unwrap();
+    assert_eq!(h.select(1, huge - 1).unwrap().shape(), [0, huge]);
+    assert_eq!(h.narrow(2, huge - 1, 1).unwrap().shape(), [0, huge, 1]);
+    // An index at or past the size is still refused.
+    is_tensor_error(t.select(0, 2));
+    is_tensor_error(t.narrow(0, 2, 1));
+}
+
+#[test]
 fn view_refuses_what_needs_a_copy_and_reshape_copies() {
     let t = grid().transpose(0, 1).unwrap();
     assert!(is_tensor_error(t.view(&[12])).contains("reshape"));
