@@ -100,7 +100,12 @@ impl ToDynamic {
             return Ok(Dynamic::Float(f.value()));
         }
         if let Ok(s) = obj.downcast_exact::<PyString>() {
-            return Ok(Dynamic::Str(s.to_cow()?.into_owned()));
+            return match s.to_cow() {
+                Ok(s) => Ok(Dynamic::Str(s.into_owned())),
+                // Not valid UTF-8 (lone surrogates, as `os.fsdecode` makes of a file
+                // name that is not UTF-8): pickled, which carries it exactly.
+                Err(_) => self.other(obj),
+            };
         }
         if let Ok(b) = obj.downcast_exact::<PyBytes>() {
             return Ok(Dynamic::Bytes(b.as_bytes().to_vec()));
@@ -165,6 +170,17 @@ impl ToDynamic {
         let shape = usizes(&obj.getattr(intern!(py, "shape"))?)?;
         let strides = usizes(&obj.call_method0(intern!(py, "stride"))?)?;
         let offset: usize = obj.call_method0(intern!(py, "storage_offset"))?.extract()?;
+        // Not in a multiproc block, and in torch's shared memory (`share_memory_()`) or
+        // requiring grad: the Python layer sends it as torch does (shared, not copied;
+        // `requires_grad` kept).
+        if self.find(addr, nbytes, dtype.size()).is_none()
+            && (storage
+                .call_method0(intern!(py, "is_shared"))?
+                .is_truthy()?
+                || obj.getattr(intern!(py, "requires_grad"))?.is_truthy()?)
+        {
+            return Ok(None);
+        }
         // `storage` keeps the bytes alive while they are found or copied.
         self.tensor_from_memory(addr, nbytes, dtype, &shape, &strides, offset)
             .map(Some)
@@ -203,6 +219,15 @@ impl ToDynamic {
     /// A tensor over `nbytes` at `addr` (a torch storage or a numpy array's extent): by
     /// handle when those bytes lie in a block this process exported, else copied once
     /// into a new shared block (once per message for one storage).
+    /// The storage that holds `nbytes` at `addr` when it is already in a block: one
+    /// this message copied, or a multiproc block (with the byte offset in it).
+    fn find(&self, addr: usize, nbytes: usize, size: usize) -> Option<(Storage, usize)> {
+        self.copied
+            .get(&addr)
+            .map(|s| (s.clone(), 0))
+            .or_else(|| find_exported(addr, nbytes).filter(|(_, off)| off % size == 0))
+    }
+
     fn tensor_from_memory(
         &mut self,
         addr: usize,
@@ -213,12 +238,7 @@ impl ToDynamic {
         offset: usize,
     ) -> PyResult<Tensor> {
         let size = dtype.size();
-        let found = self
-            .copied
-            .get(&addr)
-            .map(|s| (s.clone(), 0))
-            .or_else(|| find_exported(addr, nbytes).filter(|(_, off)| off % size == 0));
-        let (storage, byte_offset) = match found {
+        let (storage, byte_offset) = match self.find(addr, nbytes, size) {
             Some(f) => f,
             None => {
                 let copy = if nbytes == 0 {

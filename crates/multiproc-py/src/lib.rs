@@ -164,6 +164,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
         .map_err(to_py)?;
     }
     m.add_function(wrap_pyfunction!(_give_back_at_exit, m)?)?;
+    m.add_function(wrap_pyfunction!(errors::_interpreter_ending, m)?)?;
     m.add_function(wrap_pyfunction!(_run_shm_manager, m)?)?;
     m.add_function(wrap_pyfunction!(convert::_set_hooks, m)?)?;
     m.add_function(wrap_pyfunction!(convert::_torch_storage_table, m)?)?;

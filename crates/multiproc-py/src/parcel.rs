@@ -116,9 +116,7 @@ fn handle_of(obj: &Bound<'_, PyAny>) -> PyResult<HandleOut> {
 #[pyfunction]
 pub fn seal(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<Parcel> {
     let handle = handle_of(obj)?;
-    let fd = py
-        .allow_threads(|| multiproc::parcel::seal(&handle))
-        .map_err(to_py)?;
+    let fd = crate::errors::without_gil(py, || multiproc::parcel::seal(&handle)).map_err(to_py)?;
     Ok(Parcel {
         fd: Mutex::new(Some(fd)),
     })
@@ -135,9 +133,8 @@ pub fn open_parcel(py: Python<'_>, fd: RawFd) -> PyResult<PyObject> {
     // SAFETY: the Python layer passes an fd that it owns and hands over here
     // (`DupFd.detach()` returns a new fd for the caller to close); nothing else closes it.
     let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-    let handle: Handle = py
-        .allow_threads(|| multiproc::parcel::open(fd))
-        .map_err(to_py)?;
+    let handle: Handle =
+        crate::errors::without_gil(py, || multiproc::parcel::open(fd)).map_err(to_py)?;
     let obj = match handle {
         Handle::Queue(q) => Bound::new(py, NativeQueue::received(Flavor::Queue(q)))?.into_any(),
         Handle::Joinable(q) => {
@@ -161,21 +158,20 @@ pub fn open_parcel(py: Python<'_>, fd: RawFd) -> PyResult<PyObject> {
 #[pyfunction]
 pub fn seal_bare(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<Parcel> {
     let handle = handle_of(obj)?;
-    let fd = py
-        .allow_threads(|| match &handle {
-            HandleOut::Queue(h) => multiproc::parcel::seal(h),
-            HandleOut::Joinable(h) => multiproc::parcel::seal(h),
-            HandleOut::Simple(h) => multiproc::parcel::seal(h),
-            HandleOut::Connection(h) => multiproc::parcel::seal(h),
-            HandleOut::Event(h) => multiproc::parcel::seal(h),
-            HandleOut::Lock(h) => multiproc::parcel::seal(h),
-            HandleOut::RLock(h) => multiproc::parcel::seal(h),
-            HandleOut::Semaphore(h) => multiproc::parcel::seal(h),
-            HandleOut::Condition(h) => multiproc::parcel::seal(h),
-            HandleOut::Barrier(h) => multiproc::parcel::seal(h),
-            HandleOut::Tensor(h) => multiproc::parcel::seal(h),
-        })
-        .map_err(to_py)?;
+    let fd = crate::errors::without_gil(py, || match &handle {
+        HandleOut::Queue(h) => multiproc::parcel::seal(h),
+        HandleOut::Joinable(h) => multiproc::parcel::seal(h),
+        HandleOut::Simple(h) => multiproc::parcel::seal(h),
+        HandleOut::Connection(h) => multiproc::parcel::seal(h),
+        HandleOut::Event(h) => multiproc::parcel::seal(h),
+        HandleOut::Lock(h) => multiproc::parcel::seal(h),
+        HandleOut::RLock(h) => multiproc::parcel::seal(h),
+        HandleOut::Semaphore(h) => multiproc::parcel::seal(h),
+        HandleOut::Condition(h) => multiproc::parcel::seal(h),
+        HandleOut::Barrier(h) => multiproc::parcel::seal(h),
+        HandleOut::Tensor(h) => multiproc::parcel::seal(h),
+    })
+    .map_err(to_py)?;
     Ok(Parcel {
         fd: Mutex::new(Some(fd)),
     })
@@ -193,8 +189,7 @@ pub fn open_bare(py: Python<'_>, fd: RawFd, kind: &str) -> PyResult<PyObject> {
     // SAFETY: as in `open_parcel`: the caller hands over an fd it owns.
     let fd = unsafe { OwnedFd::from_raw_fd(fd) };
     fn open<T: serde::de::DeserializeOwned + Send>(py: Python<'_>, fd: OwnedFd) -> PyResult<T> {
-        py.allow_threads(|| multiproc::parcel::open(fd))
-            .map_err(to_py)
+        crate::errors::without_gil(py, || multiproc::parcel::open(fd)).map_err(to_py)
     }
     let obj = match kind {
         "queue" => Bound::new(py, NativeQueue::received(Flavor::Queue(open(py, fd)?)))?.into_any(),

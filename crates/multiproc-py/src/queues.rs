@@ -124,7 +124,7 @@ impl NativeQueue {
     ) -> PyResult<()> {
         let item = ToDynamic::default().convert(obj)?;
         if !block {
-            return match py.allow_threads(|| self.flavor.try_put(item)) {
+            return match crate::errors::without_gil(py, || self.flavor.try_put(item)) {
                 Ok(()) => Ok(()),
                 Err(e) if matches!(e.error, Error::Full(_)) => {
                     Err(queue_error(py, "Full", "the queue is full"))
@@ -167,7 +167,7 @@ impl NativeQueue {
             })?
         } else {
             // Non-blocking: a disconnected queue is empty now, as `queue.Empty` says.
-            match py.allow_threads(|| self.flavor.try_get()) {
+            match crate::errors::without_gil(py, || self.flavor.try_get()) {
                 Err(e) if e.is_disconnected() => None,
                 other => other.transpose(),
             }

@@ -1,7 +1,7 @@
 //! Process-shared events, locks, semaphores, conditions and barriers, with the Python
 //! `threading`/`multiprocessing` method names.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use multiproc::{Barrier, Condition, Event, Lock, RLock, Semaphore};
 use pyo3::exceptions::PyRuntimeError;
@@ -225,17 +225,48 @@ impl PyBarrier {
             inner: Barrier::new(parties).map_err(to_py)?,
         })
     }
-    /// Waits for every party; returns this party's index (0..parties). One wait, the
-    /// GIL released: a barrier that timed out is broken, so it is not waited on in
-    /// slices, and Ctrl-C is seen when the wait returns.
+    /// Waits for every party; returns this party's index (0..parties). Waited on in
+    /// slices with the GIL released: Ctrl-C raises `KeyboardInterrupt` within a slice
+    /// and breaks the barrier (`abort`), so the other parties are not left waiting for
+    /// this one; a timeout breaks it too, as Python's does.
     #[pyo3(signature = (timeout=None))]
     fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<usize> {
-        let timeout = crate::errors::timeout_duration(timeout);
-        py.allow_threads(|| match timeout {
-            Some(t) => self.inner.wait_timeout(t),
-            None => self.inner.wait(),
-        })
-        .map_err(to_py)
+        let given = crate::errors::timeout_duration(timeout)?;
+        let deadline = deadline(timeout)?;
+        let arrival = match crate::errors::without_gil(py, || self.inner.arrive()).map_err(to_py)? {
+            Ok(index) => return Ok(index),
+            Err(arrival) => arrival,
+        };
+        let waited = wait_in_slices(py, deadline, |slice| {
+            match self
+                .inner
+                .await_arrival(&arrival, Some(Instant::now() + slice))
+            {
+                Ok(None) => Slice::Again,
+                other => Slice::Done(other),
+            }
+        });
+        match waited {
+            // `Done` holds an index or an error: a slice that passed is `Again`.
+            Ok(Some(r)) => r.map(|index| index.unwrap_or_default()).map_err(to_py),
+            Ok(None) => Err(to_py(self.inner.time_out(given))),
+            Err(interrupted) => {
+                self.inner.abort();
+                Err(interrupted)
+            }
+        }
+    }
+    /// Breaks the barrier: current and later waits raise `BrokenBarrierError`.
+    fn abort(&self) {
+        self.inner.abort();
+    }
+    #[getter]
+    fn broken(&self) -> bool {
+        self.inner.is_broken()
+    }
+    #[getter]
+    fn n_waiting(&self) -> usize {
+        self.inner.n_waiting()
     }
     #[getter]
     fn parties(&self) -> usize {

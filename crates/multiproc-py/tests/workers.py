@@ -3,6 +3,7 @@ forkserver start methods)."""
 
 import os
 import signal
+import sys
 
 
 
@@ -49,6 +50,10 @@ def kill_self_on(rank, bad_rank, q):
 
 def exit_with(rank, code):
     os._exit(code)
+
+
+def sys_exit_with(rank, code):
+    sys.exit(code)
 
 
 def block_forever(rank, started, ev):
@@ -126,3 +131,20 @@ def keep_until_exit(t, q_in, q):
     KEPT.append(t)
     KEPT.append(q_in.get())
     q.put(float(t[0]) + float(KEPT[1][0]))
+
+
+def add_one_from_queue(rank, q, done):
+    msg = q.get(timeout=60)
+    msg["t"] += 1
+    done.put("added")
+
+
+def add_one_to(rank, t):
+    with torch_no_grad():
+        t += 1
+
+
+def torch_no_grad():
+    import torch
+
+    return torch.no_grad()

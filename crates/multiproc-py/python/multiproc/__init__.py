@@ -15,6 +15,7 @@ values (str, int, float, bool, None, bytes); any other object goes by pickle. A 
 process reads the same queue as ``Queue<multiproc::Dynamic>``.
 """
 
+import atexit
 import multiprocessing
 import multiprocessing.util
 import os
@@ -35,6 +36,7 @@ from ._tensors import empty, full, share_memory_, zeros
 from ._tensors import _decode_tensor, _encode_other, _view_tensor
 from ._handles import (
     Barrier,
+    BrokenBarrierError,
     Condition,
     Connection,
     Event,
@@ -58,6 +60,10 @@ from .spawn import (
 )
 
 _native._set_hooks(_encode_other, _decode_tensor, _view_tensor)
+# Before the interpreter finalizes: a thread still waiting in a multiproc call (a daemon
+# thread in `get`, say) then stays parked when its wait ends, instead of taking the GIL
+# back during finalization, which would abort the process.
+atexit.register(_native._interpreter_ending)
 
 
 def _give_back_before_os_exit():
@@ -105,7 +111,8 @@ class DisconnectedError(MultiprocError, EOFError, _queue.Empty):
     non-blocking ``get`` raises plain ``queue.Empty``."""
 
 __all__ = [
-    "Barrier", "ClosedError", "Condition", "Connection", "DisconnectedError", "Event",
+    "Barrier", "BrokenBarrierError", "ClosedError", "Condition", "Connection",
+    "DisconnectedError", "Event",
     "FdLimitError",
     "InvalidMessageError", "JoinableQueue", "Lock", "MultiprocError",
     "OutOfSharedMemoryError", "OwnerDiedError", "Pipe", "ProcessContext",

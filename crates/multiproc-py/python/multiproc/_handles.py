@@ -18,6 +18,7 @@ import multiprocessing.reduction
 import multiprocessing.resource_sharer
 import os
 import sys
+import threading
 import time
 
 from . import _native
@@ -30,9 +31,11 @@ class _Handle:
 
     def __reduce__(self):
         raise RuntimeError(
-            f"a multiproc {type(self).__name__} travels to another process as an argument "
-            "of a multiprocessing.Process (spawn or forkserver), through a multiproc "
-            "queue or pipe, or with multiproc.parcel_for_child; plain pickle cannot carry it"
+            f"a multiproc {type(self).__name__} cannot be pickled or put in a message (a "
+            "queue's or pipe's message carries tensors and plain values): pass it to the "
+            "other process when it starts, as an argument of multiproc.spawn or of a "
+            "multiprocessing.Process (spawn or forkserver), or hand it over with "
+            "multiproc.parcel_for_child"
         )
 
 
@@ -363,8 +366,16 @@ class Event(_Handle):
         return self._h.wait(timeout)
 
 
+class BrokenBarrierError(_native.MultiprocError, threading.BrokenBarrierError):
+    """A ``Barrier`` wait that timed out, or found (or was in) a broken barrier. It is
+    a ``threading.BrokenBarrierError``, what code ported from torch catches."""
+
+
 class Barrier(_Handle):
-    """A process-shared barrier for ``parties`` processes."""
+    """A process-shared barrier for ``parties`` processes. ``wait`` raises
+    ``BrokenBarrierError`` when it times out (breaking the barrier, as
+    ``threading.Barrier`` does) or the barrier is broken; Ctrl-C during a wait breaks
+    it too, so the other parties do not wait forever for this one."""
 
     __slots__ = ()
 
@@ -372,7 +383,24 @@ class Barrier(_Handle):
         self._h = _native.Barrier(parties)
 
     def wait(self, timeout=None):
-        return self._h.wait(timeout)
+        try:
+            return self._h.wait(timeout)
+        except _native.MultiprocError as e:
+            if isinstance(e, _native.OwnerDiedError):
+                raise
+            raise BrokenBarrierError(str(e)) from None
+
+    def abort(self):
+        """Breaks the barrier: current and later waits raise ``BrokenBarrierError``."""
+        self._h.abort()
+
+    @property
+    def broken(self):
+        return self._h.broken
+
+    @property
+    def n_waiting(self):
+        return self._h.n_waiting
 
     @property
     def parties(self):
@@ -418,6 +446,14 @@ def _rebuild_tensor(dupfd, requires_grad):
 
 
 def _reduce_tensor(t):
+    s = t.untyped_storage() if t.is_cpu else None
+    if s is not None and s.is_shared() and not _native.is_shared_block(s.data_ptr(),
+                                                                        s.nbytes()):
+        # In torch's shared memory (`share_memory_()`): torch's own reduction keeps it
+        # shared with the child, where a copy would lose the child's writes.
+        from torch.multiprocessing import reductions
+
+        return reductions.reduce_tensor(t)
     native = _native.as_native(t.detach())
     return _rebuild_tensor, (_pass_fd(_native.seal(native)), t.requires_grad)
 

@@ -1,5 +1,6 @@
 """Tensors: made in shared blocks, sent by handle, received without a copy (DLPack)."""
 
+import operator
 import pickle
 import sys
 
@@ -92,14 +93,65 @@ def _numpy_memory(a):
     return (addr, extent, a.dtype.name, tuple(a.shape), strides, 0, a)
 
 
+def _goes_as_torch_sends_it(t):
+    """Whether a CPU tensor travels by torch's own reductions rather than by a
+    multiproc handle or copy: one outside multiproc's blocks that torch already shares
+    (``share_memory_()``: a copy would lose the receiver's writes), a ``Parameter`` or
+    a tensor that requires grad (torch keeps both). torch then shares its storage,
+    moving it into shared memory in place if need be, as ``torch.multiprocessing``
+    does."""
+    torch = _torch_module()
+    if not t.is_cpu or t.layout is not torch.strided:
+        return False  # refused, with the reason, by `_torch_memory`
+    s = t.untyped_storage()
+    if _native.is_shared_block(s.data_ptr(), s.nbytes()):
+        return False
+    return s.is_shared() or t.requires_grad or type(t) is not torch.Tensor
+
+
+_torch_pickler = None  # multiprocessing's pickler with torch's tensor reductions
+
+
+def _torch_pickle(t):
+    """``t`` pickled as ``torch.multiprocessing``'s queues pickle it: its storage by
+    torch's fd (or file name), shared with the receiver, which unpickles it (a Rust
+    receiver gets ``Dynamic::Pickled``). The package registers its own reduction for
+    tensors on ``ForkingPickler`` itself, so torch's is put back on a subclass."""
+    global _torch_pickler
+    if _torch_pickler is None:
+        from multiprocessing.reduction import ForkingPickler
+
+        from torch.multiprocessing import reductions
+
+        torch = _torch_module()
+
+        class TorchPickler(ForkingPickler):
+            _extra_reducers = {**ForkingPickler._extra_reducers,
+                               torch.Tensor: reductions.reduce_tensor,
+                               torch.nn.Parameter: reductions.reduce_tensor}
+
+        _torch_pickler = TorchPickler
+        # Importing torch.multiprocessing may have put torch's reduction back on
+        # ForkingPickler: multiproc's goes first there (process arguments).
+        from ._handles import register_torch_reducers
+
+        register_torch_reducers()
+    return bytes(_torch_pickler.dumps(t, pickle.HIGHEST_PROTOCOL))
+
+
 def _encode_other(obj):
     """What the native layer does with a value it has no rule for: a tensor's memory
     (address, bytes, dtype, shape, strides, offset, owner), or the object's pickle."""
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(obj, torch.Tensor):
+        if _goes_as_torch_sends_it(obj):
+            return _torch_pickle(obj)
         return _torch_memory(obj, torch)
     numpy = sys.modules.get("numpy")
-    if numpy is not None and isinstance(obj, numpy.ndarray):
+    masked = sys.modules.get("numpy.ma")
+    # A masked array is more than its data: it goes pickled, mask and all.
+    if (numpy is not None and isinstance(obj, numpy.ndarray)
+            and not (masked is not None and isinstance(obj, masked.MaskedArray))):
         memory = _numpy_memory(obj)
         if memory is not None:
             return memory
@@ -126,9 +178,30 @@ def _dtype_name(dtype):
 
 
 def _shape(shape):
-    if isinstance(shape, int):
-        return [shape]
-    return [int(n) for n in shape]
+    """A shape as a list of sizes: an int, or a sequence of ints (a torch.Size, numpy
+    integers); a float, a string or a negative size is refused, as torch refuses it."""
+    if isinstance(shape, (str, bytes)):
+        raise TypeError(f"a shape is an int or a sequence of ints, not {shape!r}")
+    try:
+        dims = [operator.index(shape)]
+    except TypeError:
+        try:
+            dims = list(shape)
+        except TypeError:
+            raise TypeError(
+                f"a shape is an int or a sequence of ints, not {type(shape).__name__} "
+                f"{shape!r}") from None
+    sizes = []
+    for n in dims:
+        try:
+            n = operator.index(n)
+        except TypeError:
+            raise TypeError(
+                f"shape {shape!r}: size {n!r} is a {type(n).__name__}, not an int") from None
+        if n < 0:
+            raise ValueError(f"shape {shape!r}: size {n} is negative; a size is 0 or more")
+        sizes.append(n)
+    return sizes
 
 
 def empty(*shape, dtype=None):
@@ -146,8 +219,20 @@ def zeros(*shape, dtype=None):
 
 
 def full(shape, fill_value, dtype=None):
-    """A tensor filled with ``fill_value`` in a new shared block: it travels by handle."""
-    return _native.new_python_tensor(_shape(shape), _dtype_name(dtype), float(fill_value))
+    """A tensor filled with ``fill_value`` in a new shared block: it travels by handle.
+    Without ``dtype``, as torch's ``full``: ``bool`` for a bool, ``int64`` for an int,
+    ``float32`` otherwise. The value is stored exactly (an int64 above 2**53 too)."""
+    if dtype is None:
+        if isinstance(fill_value, bool):
+            dtype = "bool"
+        elif isinstance(fill_value, int):
+            dtype = "int64"
+    tensor = _native.new_python_tensor(_shape(shape), _dtype_name(dtype), None)
+    if hasattr(tensor, "fill_"):
+        tensor.fill_(fill_value)  # torch
+    else:
+        tensor.fill(fill_value)  # numpy
+    return tensor
 
 
 def share_memory_(tensor):

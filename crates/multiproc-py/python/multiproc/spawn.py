@@ -70,7 +70,9 @@ def _wrap(fn, i, args, error_queue):
         fn(i, *args)
     except KeyboardInterrupt:
         pass  # the parent was interrupted too, and stops every worker
-    except BaseException:
+    except Exception:
+        # As torch's: `sys.exit(n)` is not an error raised but an exit (code 0 a
+        # success, another code a `ProcessExitedException`), so `SystemExit` passes.
         error_queue.put((i, os.getpid(), traceback.format_exc()))
         sys.exit(1)
 

@@ -5,7 +5,7 @@
 use std::fmt;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
@@ -90,51 +90,115 @@ impl Barrier {
         self.wait_until(Some(timeout))
     }
 
-    fn wait_until(&self, timeout: Option<Duration>) -> Result<usize> {
-        let deadline = deadline_after(timeout);
-        let broken = self.block.word(BAR_BROKEN);
+    /// Breaks the barrier, as Python's `Barrier.abort`: every current and later
+    /// [`wait`](Self::wait) fails with [`Error::Closed`]. For a party that gives up (an
+    /// interrupted wait) without leaving the others waiting for it forever.
+    pub fn abort(&self) {
+        self.block.word(BAR_BROKEN).store(1, Ordering::Release);
+        futex::wake_all(self.block.word(BAR_GENERATION));
+    }
+
+    /// Whether the barrier is broken (a wait timed out, or [`abort`](Self::abort)).
+    pub fn is_broken(&self) -> bool {
+        self.block.word(BAR_BROKEN).load(Ordering::Acquire) != 0
+    }
+
+    /// How many parties are waiting now, as Python's `Barrier.n_waiting`.
+    pub fn n_waiting(&self) -> usize {
+        self.block.word(BAR_ARRIVED).load(Ordering::Acquire) as usize
+    }
+
+    fn check_broken(&self) -> Result<()> {
+        if self.is_broken() {
+            Err(Error::Closed(
+                "the barrier is broken (a party timed out or aborted it)".into(),
+            ))
+        } else {
+            Ok(())
+        }
+    }
+
+    /// Arrives at the barrier: `Ok(index)` for the last party (it releases the others),
+    /// else the arrival to wait on with [`await_arrival`](Self::await_arrival). For a
+    /// caller that waits in slices (the Python package, which checks for Ctrl-C between
+    /// them); [`wait`](Self::wait) is both steps.
+    ///
+    /// # Errors
+    /// [`Error::Closed`] when the barrier is broken.
+    #[doc(hidden)]
+    pub fn arrive(&self) -> Result<std::result::Result<usize, BarrierArrival>> {
+        self.check_broken()?;
         let generation = self.block.word(BAR_GENERATION);
-        let check_broken = || -> Result<()> {
-            if broken.load(Ordering::Acquire) != 0 {
-                Err(Error::Closed(
-                    "the barrier is broken (a party timed out)".into(),
-                ))
-            } else {
-                Ok(())
-            }
-        };
-        check_broken()?;
         let gen_now = generation.load(Ordering::Acquire);
         let index = self.block.word(BAR_ARRIVED).fetch_add(1, Ordering::AcqRel);
-        let parties = self.parties_word();
-        let arrived = index as usize;
-        if index.wrapping_add(1) == parties {
+        if index.wrapping_add(1) == self.parties_word() {
             self.block.word(BAR_ARRIVED).store(0, Ordering::Release);
             generation.fetch_add(1, Ordering::AcqRel);
             futex::wake_all(generation);
-            return Ok(arrived);
+            return Ok(Ok(index as usize));
         }
+        Ok(Err(BarrierArrival {
+            generation: gen_now,
+            index: index as usize,
+        }))
+    }
+
+    /// Waits until every party has arrived (`Some(index)`) or `until` passes (`None`:
+    /// the caller may wait again, or give up with [`abort`](Self::abort)).
+    ///
+    /// # Errors
+    /// [`Error::Closed`] when the barrier is broken.
+    #[doc(hidden)]
+    pub fn await_arrival(&self, arrival: &BarrierArrival, until: Option<Instant>) -> Result<Option<usize>> {
+        let generation = self.block.word(BAR_GENERATION);
         loop {
-            if generation.load(Ordering::Acquire) != gen_now {
-                return Ok(arrived);
+            if generation.load(Ordering::Acquire) != arrival.generation {
+                return Ok(Some(arrival.index));
             }
-            check_broken()?;
-            if !futex::wait(generation, gen_now, deadline)? {
-                if generation.load(Ordering::Acquire) != gen_now {
-                    return Ok(arrived);
+            self.check_broken()?;
+            if !futex::wait(generation, arrival.generation, until)? {
+                if generation.load(Ordering::Acquire) != arrival.generation {
+                    return Ok(Some(arrival.index));
                 }
-                broken.store(1, Ordering::Release);
-                futex::wake_all(generation);
-                return Err(Error::timeout(
-                    format!(
-                        "a barrier wait with {} of {parties} parties arrived",
-                        self.block.word(BAR_ARRIVED).load(Ordering::Acquire)
-                    ),
-                    timeout,
-                ));
+                return Ok(None);
             }
         }
     }
+
+    fn wait_until(&self, timeout: Option<Duration>) -> Result<usize> {
+        let deadline = deadline_after(timeout);
+        let arrival = match self.arrive()? {
+            Ok(index) => return Ok(index),
+            Err(arrival) => arrival,
+        };
+        if let Some(index) = self.await_arrival(&arrival, deadline)? {
+            return Ok(index);
+        }
+        Err(self.time_out(timeout))
+    }
+
+    /// Breaks the barrier for a wait whose `timeout` passed, as Python's does, and says
+    /// so.
+    #[doc(hidden)]
+    pub fn time_out(&self, timeout: Option<Duration>) -> Error {
+        let arrived = self.n_waiting();
+        self.abort();
+        Error::timeout(
+            format!(
+                "a barrier wait with {arrived} of {} parties arrived",
+                self.parties_word()
+            ),
+            timeout,
+        )
+    }
+}
+
+/// A party's arrival at a [`Barrier`], waited on with [`Barrier::await_arrival`].
+#[doc(hidden)]
+#[derive(Debug)]
+pub struct BarrierArrival {
+    generation: u32,
+    index: usize,
 }
 
 impl fmt::Debug for Barrier {

@@ -36,7 +36,7 @@ mod condition;
 mod semaphore;
 mod value;
 
-pub use barrier::Barrier;
+pub use barrier::{Barrier, BarrierArrival};
 pub use bounded_semaphore::BoundedSemaphore;
 pub use condition::{Condition, ConditionGuard};
 pub use event::Event;
