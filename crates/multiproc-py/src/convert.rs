@@ -61,8 +61,9 @@ fn hooks(py: Python<'_>) -> PyResult<&Hooks> {
     })
 }
 
-/// How deep messages may nest (a self-containing list stops here, not in a crash).
-const MAX_DEPTH: usize = 100;
+/// How deep messages may nest (a self-containing list stops here, not in a crash): as
+/// deep as a receiver accepts (`Dynamic::MAX_NESTING` containers inside one another).
+const MAX_DEPTH: usize = Dynamic::MAX_NESTING as usize;
 
 /// One message's conversion: storages copied into shared memory so far, by address, so
 /// that two views of one storage arrive sharing memory.

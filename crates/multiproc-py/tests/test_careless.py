@@ -3,6 +3,7 @@ left waiting at exit, `sys.exit` in a worker, shapes and fill values, masked arr
 odd strings, a barrier that breaks, handles put in a message."""
 
 import math
+import multiprocessing
 import os
 import queue
 import signal
@@ -246,3 +247,52 @@ def test_a_handle_put_in_a_message_is_refused_with_what_to_do():
     for handle in (mp.Lock(), mp.Event(), mp.Queue()):
         with pytest.raises(RuntimeError, match="pass it to the other process when it starts"):
             q.put(handle)
+
+
+# ----- parcels and porting -----
+
+def test_a_parcel_opened_as_another_queue_type_is_refused_saying_which():
+    jq = mp.JoinableQueue()
+    fd, parcel = mp.parcel_for_child(jq)
+    try:
+        with pytest.raises(mp.InvalidMessageError, match="received as a Queue is a JoinableQueue"):
+            mp.open_parcel(os.dup(fd), mp.Queue)
+    finally:
+        parcel.close()
+    fd, parcel = mp.parcel_for_child(mp.Queue())
+    try:
+        with pytest.raises(mp.InvalidMessageError, match="received as an Event is not"):
+            mp.open_parcel(os.dup(fd), mp.Event)
+    finally:
+        parcel.close()
+    fd, parcel = mp.parcel_for_child(jq)
+    try:
+        view = mp.open_parcel(os.dup(fd), mp.JoinableQueue)
+    finally:
+        parcel.close()
+    view.put("job")
+    assert jq.get(timeout=30) == "job"
+    jq.task_done()
+    assert jq.join(30) is not False
+
+
+def test_the_rest_of_multiprocessing_is_there_as_in_torch():
+    for name in ("Process", "Pool", "Manager", "get_context", "set_start_method",
+                 "cpu_count", "current_process", "active_children"):
+        assert getattr(mp, name) is getattr(multiprocessing, name), name
+        assert name in mp.__all__
+    assert mp.Queue is not multiprocessing.Queue  # multiproc's own stay
+
+
+def test_a_message_may_nest_as_deep_as_a_rust_receiver_accepts():
+    q = mp.Queue()
+    deep = 7
+    for _ in range(128):
+        deep = [deep]
+    q.put(deep)
+    got = q.get(timeout=30)
+    for _ in range(128):
+        got = got[0]
+    assert got == 7
+    with pytest.raises(RecursionError, match="deeper than 128"):
+        q.put([deep])

@@ -69,10 +69,8 @@ pub enum Dynamic {
     Pickled(#[serde(with = "as_bytes")] Vec<u8>),
 }
 
-/// How deep a value may nest (lists, tuples and dicts inside one another): deeper is
-/// refused when it is sent, and an invalid message when it is received, never a stack
-/// overflow (a forged packet of a few kilobytes could otherwise nest thousands deep).
-pub const MAX_NESTING: u32 = 128;
+/// See [`Dynamic::MAX_NESTING`].
+const MAX_NESTING: u32 = Dynamic::MAX_NESTING;
 
 thread_local! {
     /// How many containers deep the serialization running on this thread is.
@@ -115,7 +113,7 @@ fn nested_ser<S: Serializer, T: Serialize>(v: &T, s: S) -> Result<S::Ok, S::Erro
         );
         return Err(S::Error::custom(
             match crate::wire::Encoder::current("a Dynamic value") {
-                Ok(enc) => enc.fail(crate::Error::Encode(why)),
+                Ok(enc) => enc.fail(crate::error::Error::Encode(why)),
                 Err(_) => why,
             },
         ));
@@ -132,7 +130,7 @@ fn nested<'de, D: Deserializer<'de>, T: Deserialize<'de>>(d: D) -> Result<T, D::
         );
         return Err(de::Error::custom(
             match crate::wire::Decoder::current("a Dynamic value") {
-                Ok(dec) => dec.fail(crate::Error::InvalidMessage(why)),
+                Ok(dec) => dec.fail(crate::error::Error::InvalidMessage(why)),
                 Err(_) => why,
             },
         ));
@@ -141,6 +139,12 @@ fn nested<'de, D: Deserializer<'de>, T: Deserialize<'de>>(d: D) -> Result<T, D::
 }
 
 impl Dynamic {
+    /// How deep a value may nest (lists, tuples and dicts inside one another): deeper
+    /// is refused when it is sent ([`Error::Encode`](crate::Error::Encode), nothing
+    /// sent), and an invalid message when it is received, never a stack overflow (a
+    /// forged packet of a few kilobytes could otherwise nest thousands deep).
+    pub const MAX_NESTING: u32 = 128;
+
     /// The value of a `Dict`'s entry whose key is the string `key`.
     pub fn get(&self, key: &str) -> Option<&Dynamic> {
         match self {

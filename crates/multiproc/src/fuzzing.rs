@@ -159,7 +159,7 @@ fn exercise(m: FuzzMessage, depth: usize) -> Result<String> {
 /// | 3 | one end of a `SOCK_SEQPACKET` pair (a queue or pipe end) |
 /// | 4 | an [`Event`]'s shared block |
 /// | 5 | a [`Lock`]'s shared block |
-/// | 6 | a [`Queue`]'s ring (its shared block) |
+/// | 6 | a queue's ring (its shared block): a [`Queue`]'s for `arg % 3 == 0`, a [`SimpleQueue`]'s for 1, a `JoinableQueue`'s for 2 |
 /// | 7 | one end of a `SOCK_STREAM` pair (a socket of the wrong kind) |
 ///
 /// An fd that cannot be made (fd limit) is left out.
@@ -195,7 +195,13 @@ fn make_fd(kind: u8, arg: u64, blob: &[u8]) -> Result<OwnedFd> {
         6 => {
             // A queue travels as its sockets, its ring (where its counters live), then
             // the sockets of its block custody.
-            let mut fds = wire::encode(&Queue::<u32>::new()?)?.into_packet().fds;
+            let mut fds = match arg % 3 {
+                0 => wire::encode(&Queue::<u32>::new()?),
+                1 => wire::encode(&SimpleQueue::<u32>::new()?),
+                _ => wire::encode(&crate::queue::JoinableQueue::<u32>::new()?),
+            }?
+            .into_packet()
+            .fds;
             if fds.len() < 3 {
                 return Err(Error::Encode("a queue without a ring".into()));
             }
@@ -312,10 +318,13 @@ fn classify(fd: std::os::fd::BorrowedFd<'_>, blob: &mut Vec<u8>) -> Result<u8> {
         *blob = bytes;
         return Ok(2);
     }
-    let mut kind = [0u8; 4];
-    let _ = memfd::read_at_start(fd, &mut kind);
-    if u32::from_ne_bytes(kind) == crate::queue::RING_KIND {
-        return Ok(6); // a queue's ring
+    // A queue's ring: its kind word, and the queue type that made it (see `make_fd`).
+    let mut words = [0u8; 4 * (crate::queue::RING_FLAVOR_WORD + 1)];
+    let _ = memfd::read_at_start(fd, &mut words);
+    if u32::from_ne_bytes([words[0], words[1], words[2], words[3]]) == crate::queue::RING_KIND {
+        let at = 4 * crate::queue::RING_FLAVOR_WORD;
+        let flavor = u32::from_ne_bytes([words[at], words[at + 1], words[at + 2], words[at + 3]]);
+        return Ok(6 + 8 * [0u8, 2, 1][flavor.clamp(1, 3) as usize - 1]);
     }
     if size == 4096 {
         let mut kind = [0u8; 4];

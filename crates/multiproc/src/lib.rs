@@ -662,15 +662,15 @@ pub mod connection {
 pub use sharing::{
     SharingStrategy, get_all_sharing_strategies, get_sharing_strategy, set_sharing_strategy,
 };
-#[cfg(target_os = "linux")]
-pub use sync::{
-    Barrier, Bits64, BoundedSemaphore, Condition, ConditionGuard, Event, Lock, LockGuard, RLock,
-    RLockGuard, Semaphore, SemaphoreGuard, Value,
-};
 /// A party's arrival at a [`Barrier`], for a caller that waits in slices (the Python
 /// package): see `Barrier::arrive`.
 #[cfg(target_os = "linux")]
 #[doc(hidden)]
 pub use sync::BarrierArrival;
+#[cfg(target_os = "linux")]
+pub use sync::{
+    Barrier, Bits64, BoundedSemaphore, Condition, ConditionGuard, Event, Lock, LockGuard, RLock,
+    RLockGuard, Semaphore, SemaphoreGuard, Value,
+};
 #[cfg(target_os = "linux")]
 pub use tensor::{DType, Element, Storage, Tensor};

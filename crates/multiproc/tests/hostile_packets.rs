@@ -206,7 +206,7 @@ fn queue_event_and_lock_handles_whose_fd_is_of_the_wrong_kind() {
             &packet(6, &body),
             &with([&m, &m, &raw[2], &raw[3], &raw[4], &raw[5]]),
         );
-        assert_says(&refused(&here), &["queue end is not a socket"]);
+        assert_says(&refused(&here), &["queue or pipe end is not a socket"]);
         let (s1, _s2) = std::os::unix::net::UnixStream::pair().unwrap();
         let s1 = OwnedFd::from(s1);
         send_raw(
@@ -231,14 +231,17 @@ fn queue_event_and_lock_handles_whose_fd_is_of_the_wrong_kind() {
         );
         assert_says(
             &refused(&here),
-            &["queue ring handle is not a sealed multiproc memfd"],
+            &["received as a queue's ring is not a sealed multiproc memfd"],
         );
         send_raw(
             there.as_fd(),
             &packet(6, &body),
             &with([&raw[0], &raw[1], &m, &raw[3], &raw[4], &raw[5]]),
         );
-        assert_says(&refused(&here), &["queue ring segment holds 4096 bytes"]);
+        assert_says(
+            &refused(&here),
+            &["received as a queue's ring is 4096 bytes"],
+        );
         // Big enough, but not a ring (its kind word says so).
         let not_a_ring = sealed(4096 + (1 << 20));
         send_raw(
@@ -275,10 +278,10 @@ fn queue_event_and_lock_handles_whose_fd_is_of_the_wrong_kind() {
         send_raw(there.as_fd(), &packet(1, &idx), &[a.as_fd()]);
         assert_says(
             &refused(&here),
-            &["Event handle is not a sealed multiproc memfd"],
+            &["received as an Event is not a sealed multiproc memfd"],
         );
         send_raw(there.as_fd(), &packet(1, &idx), &[sealed(100).as_fd()]);
-        assert_says(&refused(&here), &["holds 100 bytes", "fewer than"]);
+        assert_says(&refused(&here), &["is 100 bytes, fewer than", "fewer than"]);
         send_raw(there.as_fd(), &packet(1, &idx), &[lock_fds[0].as_fd()]);
         assert_says(&refused(&here), &["another kind"]);
         send_raw(there.as_fd(), &packet(1, &idx), &[event_fds[0].as_fd()]);

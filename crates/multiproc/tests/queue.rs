@@ -11,7 +11,8 @@ use std::time::{Duration, Instant};
 
 use common::secs;
 use multiproc::{
-    DType, Error, JoinableQueue, Queue, SimpleQueue, StartMethod, Tensor, Value, start_processes,
+    DType, Error, JoinableQueue, Queue, SimpleQueue, StartMethod, Tensor, Value, parcel,
+    start_processes,
 };
 use serde::{Deserialize, Serialize};
 
@@ -386,4 +387,64 @@ fn a_user_types_serde_error_says_whose_impl_failed() {
             "the next message arrives"
         );
     });
+}
+
+/// A queue handle opened as another queue type (a parcel sealed as one type, opened as
+/// another: the decode a receiver runs) is refused, saying what it is; `JoinableQueue`
+/// counts tasks where `Queue` does not, so a mistaken view would miscount.
+#[test]
+fn a_queue_received_as_another_queue_type_is_refused_saying_which() {
+    common::run(DEADLINE, || {
+        let joinable: JoinableQueue<u32> = JoinableQueue::new().unwrap();
+        let plain: Queue<u32> = Queue::new().unwrap();
+        let simple: SimpleQueue<u32> = SimpleQueue::new().unwrap();
+        let refused = |got: multiproc::Result<()>, says: &str| {
+            let err = got.unwrap_err();
+            assert!(
+                matches!(&err, Error::InvalidMessage(m) if m.contains(says)),
+                "{err}"
+            );
+        };
+        let seal = |q: &dyn erased::Sealable| q.seal();
+        refused(
+            parcel::open::<Queue<u32>>(seal(&joinable)).map(drop),
+            "received as a Queue is a JoinableQueue",
+        );
+        refused(
+            parcel::open::<SimpleQueue<u32>>(seal(&joinable)).map(drop),
+            "received as a SimpleQueue is a JoinableQueue",
+        );
+        refused(
+            parcel::open::<JoinableQueue<u32>>(seal(&plain)).map(drop),
+            "received as a JoinableQueue is a Queue",
+        );
+        refused(
+            parcel::open::<Queue<u32>>(seal(&simple)).map(drop),
+            "received as a Queue is a SimpleQueue",
+        );
+        // Opened as what it is, a JoinableQueue counts what is put through it.
+        let view: JoinableQueue<u32> = parcel::open(seal(&joinable)).unwrap();
+        view.put(5).unwrap();
+        assert_eq!(joinable.get_timeout(WAIT).unwrap(), 5);
+        joinable.task_done().unwrap();
+        joinable.join_timeout(WAIT).unwrap();
+        let view: Queue<u32> = parcel::open(seal(&plain)).unwrap();
+        view.put(6).unwrap();
+        assert_eq!(plain.get_timeout(WAIT).unwrap(), 6);
+    });
+}
+
+/// Sealing any of the queue types into a parcel, behind one signature.
+mod erased {
+    use std::os::fd::OwnedFd;
+
+    pub trait Sealable {
+        fn seal(&self) -> OwnedFd;
+    }
+
+    impl<T: serde::Serialize> Sealable for T {
+        fn seal(&self) -> OwnedFd {
+            multiproc::parcel::seal(self).unwrap()
+        }
+    }
 }

@@ -122,6 +122,15 @@ __all__ = [
     "share_memory_", "shm_segments", "spawn", "start_processes", "zeros",
 ]
 
+# As torch.multiprocessing does: the rest of multiprocessing's names (Process, Pool,
+# Manager, get_context, set_start_method, cpu_count...), so that porting stays renaming
+# an import. Handles and tensors travel as arguments of its processes (see _handles).
+for _name in multiprocessing.__all__:
+    if _name not in globals():
+        globals()[_name] = getattr(multiprocessing, _name)
+        __all__.append(_name)
+del _name
+
 
 def shm_segments():
     """multiproc's segments in /dev/shm (blocks and queue rings of file_system trees

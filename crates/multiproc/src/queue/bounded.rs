@@ -50,7 +50,7 @@ use std::time::Duration;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use super::channel::{Channel, OthersHere, busy_custody_with_time_left, lookup_patience};
+use super::channel::{Channel, Flavor, OthersHere, busy_custody_with_time_left, lookup_patience};
 use super::layout::{CAPACITY, FREE_PLACES, ITEMS, PLACE_DEBT, PLACE_WAITERS, UNFINISHED};
 use crate::error::{Error, PutError, Result};
 use crate::shm::SharedWords;
@@ -110,8 +110,16 @@ impl<T: Serialize + DeserializeOwned> Queue<T> {
     }
 
     fn build(capacity: Option<usize>) -> Result<Self> {
+        Self::build_as(capacity, Flavor::Queue)
+    }
+
+    /// A queue of `capacity` whose channel says it was made by a `flavor` (a
+    /// `JoinableQueue` is a `Queue` inside).
+    pub(super) fn build_as(capacity: Option<usize>, flavor: Flavor) -> Result<Self> {
+        let shared = Shared::new(capacity)?;
+        shared.channel.set_flavor(flavor);
         Ok(Self {
-            shared: Arc::new(Shared::new(capacity)?),
+            shared: Arc::new(shared),
             _items: PhantomData,
         })
     }
@@ -330,12 +338,24 @@ impl<T> Serialize for Queue<T> {
     }
 }
 
-impl<'de, T> Deserialize<'de> for Queue<T> {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+impl<T> Queue<T> {
+    /// A received queue, which must have been made as a `flavor`.
+    pub(super) fn deserialize_as<'de, D: Deserializer<'de>>(
+        d: D,
+        flavor: Flavor,
+    ) -> std::result::Result<Self, D::Error> {
+        let shared = Shared::deserialize(d)?;
+        shared.channel.check_flavor(flavor)?;
         Ok(Self {
-            shared: Arc::new(Shared::deserialize(d)?),
+            shared: Arc::new(shared),
             _items: PhantomData,
         })
+    }
+}
+
+impl<'de, T> Deserialize<'de> for Queue<T> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        Self::deserialize_as(d, Flavor::Queue)
     }
 }
 

@@ -42,6 +42,33 @@ use crate::sys::lease;
 use crate::sys::socket::{Packet, seqpacket_pair};
 use crate::wire::{self, Decoder, Encoder};
 
+/// Which queue type made a channel (its block's `FLAVOR` word): a `Queue`, a
+/// `JoinableQueue` and a `SimpleQueue` share a wire form, but not their counts (a
+/// `JoinableQueue` counts each put as a task, a `Queue` does not), so a receiver
+/// expecting another type refuses the handle instead of miscounting.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Flavor {
+    Queue = 1,
+    Joinable = 2,
+    Simple = 3,
+}
+
+impl Flavor {
+    fn name(self) -> &'static str {
+        match self {
+            Flavor::Queue => "a Queue",
+            Flavor::Joinable => "a JoinableQueue",
+            Flavor::Simple => "a SimpleQueue",
+        }
+    }
+
+    fn of_word(word: u32) -> Option<Flavor> {
+        [Flavor::Queue, Flavor::Joinable, Flavor::Simple]
+            .into_iter()
+            .find(|f| *f as u32 == word)
+    }
+}
+
 /// How long a get trusts an answer that other holders exist before it asks again.
 const HOLDERS_RECHECK: Duration = Duration::from_millis(10);
 
@@ -231,6 +258,45 @@ impl Channel {
             Some(Err(Error::Timeout { .. })) => Ok(None),
             other => other.transpose(),
         }
+    }
+
+    /// Marks the channel as made by a queue of type `flavor` (once, when it is made).
+    pub(super) fn set_flavor(&self, flavor: Flavor) {
+        self.block()
+            .word(super::layout::FLAVOR)
+            .store(flavor as u32, Ordering::Release);
+    }
+
+    /// Checks that a received channel was made by a queue of type `expected`.
+    pub(super) fn check_flavor<E: serde::de::Error>(
+        &self,
+        expected: Flavor,
+    ) -> std::result::Result<(), E> {
+        let word = self
+            .block()
+            .word(super::layout::FLAVOR)
+            .load(Ordering::Acquire);
+        if word == expected as u32 {
+            return Ok(());
+        }
+        let why = match Flavor::of_word(word) {
+            Some(found) => format!(
+                "the queue received as {} is {}: receive it as that type (the two count \
+                 their items differently)",
+                expected.name(),
+                found.name()
+            ),
+            None => format!(
+                "the queue received as {} names no queue type ({word}): was it made by \
+                 another multiproc build?",
+                expected.name()
+            ),
+        };
+        let err = Error::InvalidMessage(why);
+        Err(E::custom(match Decoder::current("a queue") {
+            Ok(dec) => dec.fail(err),
+            Err(_) => err.to_string(),
+        }))
     }
 
     /// The block the channel's ring lives in (a queue keeps its counters there too).
@@ -544,9 +610,16 @@ impl<'de> Deserialize<'de> for Channel {
 /// make every later get fail in confusing ways.
 pub(crate) fn check_seqpacket(fd: &OwnedFd) -> std::result::Result<(), String> {
     crate::sys::socket::is_seqpacket(fd.as_fd())
-        .map_err(|e| format!("a received queue end is not a socket ({e})"))?
+        .map_err(|e| {
+            format!(
+                "a handle received as a queue or pipe end is not a socket ({e}): did the \
+                 sender send another type?"
+            )
+        })?
         .then_some(())
         .ok_or_else(|| {
-            "a received queue end is a socket of another type, not SEQPACKET".to_string()
+            "a handle received as a queue or pipe end is a socket of another type, not \
+             SEQPACKET"
+                .to_string()
         })
 }

@@ -13,6 +13,7 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use super::bounded::Wait;
 use super::bounded::{Queue, QueueIter, QueueTryIter};
+use super::channel::Flavor;
 use super::layout::UNFINISHED;
 use crate::error::{Error, PutError, Result};
 use crate::sys::deadline_after;
@@ -113,7 +114,7 @@ impl<T: Serialize + DeserializeOwned> JoinableQueue<T> {
     /// As [`Queue::new`].
     pub fn new() -> Result<Self> {
         Ok(Self {
-            queue: Queue::new()?,
+            queue: Queue::build_as(None, Flavor::Joinable)?,
         })
     }
 
@@ -123,7 +124,7 @@ impl<T: Serialize + DeserializeOwned> JoinableQueue<T> {
     /// As [`Queue::with_capacity`].
     pub fn with_capacity(capacity: usize) -> Result<Self> {
         Ok(Self {
-            queue: Queue::with_capacity(capacity)?,
+            queue: Queue::build_as(Some(capacity), Flavor::Joinable)?,
         })
     }
 
@@ -233,7 +234,7 @@ impl<T> Serialize for JoinableQueue<T> {
 impl<'de, T> Deserialize<'de> for JoinableQueue<T> {
     fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
         Ok(Self {
-            queue: Queue::deserialize(d)?,
+            queue: Queue::deserialize_as(d, Flavor::Joinable)?,
         })
     }
 }

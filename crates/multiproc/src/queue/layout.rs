@@ -15,6 +15,7 @@
 //! | 24–31 | `custody` | shelf 1, the same |
 //! | 33 | `bounded` | `FREE_PLACES`: places a bounded queue has free |
 //! | 36 | `bounded` | `CAPACITY`: a bounded queue's `maxsize` (0: unbounded) |
+//! | 37 | `channel` | `FLAVOR`: the queue type that made the channel, which a receiver checks |
 //! | 48–49 | `ring` | `HEAD`: the position of the oldest record (64 bits, a hint) |
 //! | 64–65 | `ring` | `LANE`: the socket lane's generation and flag (64 bits) |
 //! | 66 | `ring` | `LEFT`: bumped by every channel value dropped (a holder leaving) |
@@ -23,7 +24,7 @@
 //! | 96 | `bounded` | `PLACE_WAITERS`: putters asleep on `FREE_PLACES` |
 //! | 97 | `bounded` | `PLACE_DEBT`: places taken back from putters that timed out |
 //!
-//! Words 1–9, 14–15, 32, 34–35, 37–47, 50–63, 67–79, 82–95 and 98 up are unused.
+//! Words 1–9, 14–15, 32, 34–35, 38–47, 50–63, 67–79, 82–95 and 98 up are unused.
 //!
 //! **Cache lines.** A line is 16 words. What a put and a get both write, and the other
 //! side then reads or writes, crosses between their cores once per message at least;
@@ -64,6 +65,9 @@ pub(super) const SHELF_BYTES: usize = 6;
 /// Words of a queue's counters (see the table).
 pub(super) const FREE_PLACES: usize = 33;
 pub(super) const CAPACITY: usize = 36;
+/// Word of the queue type that made the channel (see `channel::Flavor`): on the line of
+/// `CAPACITY`, written once when the queue is made.
+pub(crate) const FLAVOR: usize = 37;
 pub(super) const ITEMS: usize = 80;
 pub(super) const UNFINISHED: usize = 81;
 pub(super) const PLACE_WAITERS: usize = 96;

@@ -54,6 +54,8 @@ mod layout;
 mod pipe;
 mod ring;
 #[cfg(feature = "fuzzing")]
+pub(crate) use layout::FLAVOR as RING_FLAVOR_WORD;
+#[cfg(feature = "fuzzing")]
 pub(crate) use ring::KIND as RING_KIND;
 mod simple;
 mod wait;

@@ -8,7 +8,7 @@ use std::time::Duration;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use super::channel::Channel;
+use super::channel::{Channel, Flavor};
 use crate::error::{Error, PutError, Result};
 use crate::sys::deadline_after;
 
@@ -44,8 +44,10 @@ impl<T: Serialize + DeserializeOwned> SimpleQueue<T> {
     /// # Errors
     /// When the socket pair cannot be made (usually the fd limit).
     pub fn new() -> Result<Self> {
+        let channel = Channel::new()?;
+        channel.set_flavor(Flavor::Simple);
         Ok(Self {
-            channel: Arc::new(Channel::new()?),
+            channel: Arc::new(channel),
             _items: PhantomData,
         })
     }
@@ -153,8 +155,10 @@ impl<T> Serialize for SimpleQueue<T> {
 
 impl<'de, T> Deserialize<'de> for SimpleQueue<T> {
     fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        let channel = Channel::deserialize(d)?;
+        channel.check_flavor(Flavor::Simple)?;
         Ok(Self {
-            channel: Arc::new(Channel::deserialize(d)?),
+            channel: Arc::new(channel),
             _items: PhantomData,
         })
     }

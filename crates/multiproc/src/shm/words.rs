@@ -129,15 +129,16 @@ impl SharedWords {
     fn open(fd: OwnedFd, kind: u32, bytes: usize, what: &str) -> Result<Self> {
         if !memfd::is_shrink_sealed(fd.as_fd()) {
             return Err(Error::InvalidMessage(format!(
-                "the {what} handle is not a sealed multiproc memfd"
+                "the handle received as {what} is not a sealed multiproc memfd: did the \
+                 sender send another type?"
             )));
         }
         let total = BLOCK_BYTES + bytes;
-        let st = crate::sys::fs::status(fd.as_fd(), &format!("the received {what}"))?;
+        let st = crate::sys::fs::status(fd.as_fd(), &format!("the handle received as {what}"))?;
         let size = st.size;
         if size < total as u64 {
             return Err(Error::InvalidMessage(format!(
-                "the {what} segment holds {size} bytes, fewer than the {total} it needs"
+                "the handle received as {what} is {size} bytes, fewer than the {total} it needs"
             )));
         }
         let map = SharedMapping::map(fd.as_fd(), total)?;

@@ -149,7 +149,11 @@ impl Barrier {
     /// # Errors
     /// [`Error::Closed`] when the barrier is broken.
     #[doc(hidden)]
-    pub fn await_arrival(&self, arrival: &BarrierArrival, until: Option<Instant>) -> Result<Option<usize>> {
+    pub fn await_arrival(
+        &self,
+        arrival: &BarrierArrival,
+        until: Option<Instant>,
+    ) -> Result<Option<usize>> {
         let generation = self.block.word(BAR_GENERATION);
         loop {
             if generation.load(Ordering::Acquire) != arrival.generation {

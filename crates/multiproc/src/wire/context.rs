@@ -498,7 +498,7 @@ impl<'w> Decoder<'w> {
         self.what
     }
 
-    /// The same decode, for a part of the handle that is `what` ("queue ring"), so
+    /// The same decode, for a part of the handle that is `what` ("a queue's ring"), so
     /// that errors name the part.
     pub(crate) fn about<'p>(&self, what: &'p str) -> Decoder<'p> {
         Decoder {

@@ -574,8 +574,13 @@ impl Ring {
         dec: &Decoder<'_>,
         index: u32,
     ) -> std::result::Result<Self, String> {
-        SharedWords::open_received(&dec.about("queue ring"), index, KIND, SLOTS * SLOT_BYTES)
-            .map(Self::from_block)
+        SharedWords::open_received(
+            &dec.about("a queue's ring"),
+            index,
+            KIND,
+            SLOTS * SLOT_BYTES,
+        )
+        .map(Self::from_block)
     }
 }
 
