@@ -296,3 +296,15 @@ def test_a_message_may_nest_as_deep_as_a_rust_receiver_accepts():
     assert got == 7
     with pytest.raises(RecursionError, match="deeper than 128"):
         q.put([deep])
+
+
+def test_negative_counts_are_clear_errors_or_nothing_as_in_threading():
+    with pytest.raises(ValueError, match="semaphore initial value must be >= 0"):
+        mp.Semaphore(-1)
+    for parties in (0, -1):
+        with pytest.raises(ValueError, match="at least 1 party"):
+            mp.Barrier(parties)
+    for cond in (mp.Condition(), mp.Condition(mp.Lock())):
+        with cond:
+            cond.notify(-1)  # wakes nobody, as threading's
+            assert cond.wait(0) is False

@@ -16,6 +16,7 @@ refuses them: a handle is a kernel object, not bytes.
 import multiprocessing.context
 import multiprocessing.reduction
 import multiprocessing.resource_sharer
+import operator
 import os
 import sys
 import threading
@@ -200,6 +201,8 @@ class Semaphore(_Lockish):
     __slots__ = ()
 
     def __init__(self, value=1):
+        if operator.index(value) < 0:
+            raise ValueError(f"semaphore initial value must be >= 0, not {value}")
         self._h = _native.Semaphore(value)
 
     def get_value(self):
@@ -255,8 +258,8 @@ class Condition(_Lockish):
         return result
 
     def notify(self, n=1):
-        """Wakes up to ``n`` waiters (the lock held)."""
-        self._h.notify(n)
+        """Wakes up to ``n`` waiters (the lock held); none for ``n`` <= 0."""
+        self._h.notify(max(operator.index(n), 0))
 
     def notify_all(self):
         self._h.notify_all()
@@ -380,6 +383,8 @@ class Barrier(_Handle):
     __slots__ = ()
 
     def __init__(self, parties):
+        if operator.index(parties) < 1:
+            raise ValueError(f"a barrier needs at least 1 party, not {parties}")
         self._h = _native.Barrier(parties)
 
     def wait(self, timeout=None):
