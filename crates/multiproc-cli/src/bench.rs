@@ -551,7 +551,34 @@ pub struct Plan {
 }
 
 /// Runs the plan, reporting each figure as it comes; returns them all.
+/// `fresh`'s sizes and counts at `--scale 1`: counts large enough that a new worker's
+/// first blocks (the kernel allocating and zeroing their pages, which recycling saves
+/// every later tensor) are amortised, as in a producer that makes more than a handful,
+/// and that the small sizes run for a few tenths of a second: at 20,000 they ran for
+/// 25 ms, which one other process starting up on a shared machine could halve. 4 KiB
+/// as many as its fill+sum floor.
+const FRESH: [(u64, u64); 4] = [
+    (4 << 10, 200_000),
+    (1 << 20, 500),
+    (64 << 20, 40),
+    (256 << 20, 40),
+];
+/// `ping`'s sizes; 0: a number, no tensor — what the message path costs alone, so that
+/// the difference is what a tensor's handling adds.
+const PING: [u64; 3] = [0, 4 << 10, 64 << 20];
+
 pub fn run(plan: &Plan, mut report: impl FnMut(&Figure)) -> multiproc::Result<Vec<Figure>> {
+    if let Some(b) = plan
+        .sizes
+        .iter()
+        .find(|b| !FRESH.iter().any(|(f, _)| f == *b) && !PING.contains(b))
+    {
+        return Err(multiproc::Error::InvalidArgument(format!(
+            "--bytes {b} is none of the sizes the scenarios run: fresh runs {:?}, ping {:?}",
+            FRESH.map(|(f, _)| f),
+            PING
+        )));
+    }
     let scaled = |n: u64| ((n as f64 * plan.scale).round() as u64).max(2);
     let wanted = |s: &str| plan.only.is_empty() || plan.only.iter().any(|o| o == s);
     let size_wanted = |b: u64| plan.sizes.is_empty() || plan.sizes.contains(&b);
@@ -567,19 +594,7 @@ pub fn run(plan: &Plan, mut report: impl FnMut(&Figure)) -> multiproc::Result<Ve
     for &strategy in &strategies {
         multiproc::set_sharing_strategy(strategy);
         if wanted("fresh") {
-            for (bytes, count) in [
-                // Counts large enough that a new worker's first blocks (the
-                // kernel allocating and zeroing their pages, which recycling saves
-                // every later tensor) are amortised, as in a producer that makes
-                // more than a handful, and that the small sizes run for a few
-                // tenths of a second: at 20,000 they ran for 25 ms, which one other
-                // process starting up on a shared machine could halve. 4 KiB as many
-                // as its fill+sum floor.
-                (4u64 << 10, 200_000u64),
-                (1 << 20, 500),
-                (64 << 20, 40),
-                (256 << 20, 40),
-            ] {
+            for (bytes, count) in FRESH {
                 if !size_wanted(bytes) {
                     continue;
                 }
@@ -596,9 +611,7 @@ pub fn run(plan: &Plan, mut report: impl FnMut(&Figure)) -> multiproc::Result<Ve
             );
         }
         if wanted("ping") {
-            // 0: a number, no tensor — what the message path costs alone, so that the
-            // difference is what a tensor's handling adds.
-            for bytes in [0, 4u64 << 10, 64 << 20] {
+            for bytes in PING {
                 if !size_wanted(bytes) {
                     continue;
                 }

@@ -34,13 +34,13 @@ enum Command {
         /// One JSON object per line instead of a table.
         #[arg(long)]
         json: bool,
-        /// Scale every count by this factor (0.1 for a quick look).
-        #[arg(long, default_value_t = 1.0)]
+        /// Scale every count by this factor (0.1 for a quick look; above 0, at most 100).
+        #[arg(long, default_value_t = 1.0, value_parser = parse_scale)]
         scale: f64,
         /// Run only these scenarios (fresh, small, ping, spawn, disconnect; memory, the
         /// burst-then-idle curve, and stopped, 16 processes with one stopped, run only
         /// when named); repeatable.
-        #[arg(long = "scenario")]
+        #[arg(long = "scenario", value_parser = clap::builder::PossibleValuesParser::new(SCENARIOS))]
         only: Vec<String>,
         /// Only this sharing strategy (file_descriptor or file_system).
         #[arg(long)]
@@ -65,8 +65,8 @@ enum Command {
         /// One JSON object per line instead of a table.
         #[arg(long)]
         json: bool,
-        /// Scale every count by this factor.
-        #[arg(long, default_value_t = 1.0)]
+        /// Scale every count by this factor (above 0, at most 100).
+        #[arg(long, default_value_t = 1.0, value_parser = parse_scale)]
         scale: f64,
     },
     /// Run the shm manager daemon in the foreground (normally started for you).
@@ -79,6 +79,30 @@ enum Command {
         /// The pid of the `bench-floor` run that started it.
         parent: i32,
     },
+}
+
+/// What `bench --scenario` takes.
+const SCENARIOS: [&str; 7] = [
+    "fresh",
+    "small",
+    "ping",
+    "spawn",
+    "disconnect",
+    "memory",
+    "stopped",
+];
+
+/// A `--scale`: a number above 0 and at most 100 (a count scaled past that runs for
+/// hours; NaN or infinity would run for ever).
+fn parse_scale(s: &str) -> Result<f64, String> {
+    let scale: f64 = s
+        .parse()
+        .map_err(|e| format!("{s:?} is not a number ({e})"))?;
+    if scale.is_finite() && scale > 0.0 && scale <= 100.0 {
+        Ok(scale)
+    } else {
+        Err(format!("{s} is not above 0 and at most 100"))
+    }
 }
 
 fn main() {

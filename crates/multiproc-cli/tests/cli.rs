@@ -341,3 +341,36 @@ fn alive(pid: u32) -> bool {
             .is_some_and(|c| c != 'Z' && c != 'X')
     })
 }
+
+#[test]
+fn bench_refuses_values_it_cannot_run_naming_the_valid_ones() {
+    for (args, says) in [
+        (
+            &["bench", "--scenario", "bogus"][..],
+            "possible values: fresh",
+        ),
+        (&["bench", "--scale", "inf"], "not above 0 and at most 100"),
+        (&["bench", "--scale", "nan"], "not above 0 and at most 100"),
+        (&["bench", "--scale", "0"], "not above 0 and at most 100"),
+        (
+            &["bench-floor", "--scale", "1e300"],
+            "not above 0 and at most 100",
+        ),
+        (
+            &[
+                "bench",
+                "--scenario",
+                "fresh",
+                "--bytes",
+                "3",
+                "--scale",
+                "0.01",
+            ],
+            "fresh runs [4096",
+        ),
+    ] {
+        let out = output(&mut multiproc(args));
+        assert!(!out.status.success(), "{args:?} succeeded: {}", text(&out));
+        assert!(text(&out).contains(says), "{args:?}: {}", text(&out));
+    }
+}

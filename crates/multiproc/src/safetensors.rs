@@ -241,10 +241,13 @@ pub fn load(path: impl AsRef<Path>) -> Result<BTreeMap<String, Tensor>> {
         .collect()
 }
 
+/// Row-major strides, saturating: a header may describe an empty tensor whose other
+/// sizes multiply past `usize` (its strides then address nothing, as `Tensor::zeros`'s
+/// do), which must be an error or a tensor, never an overflow.
 fn contiguous_strides(shape: &[usize]) -> Vec<usize> {
-    let mut strides = vec![1; shape.len()];
+    let mut strides = vec![1usize; shape.len()];
     for d in (0..shape.len().saturating_sub(1)).rev() {
-        strides[d] = strides[d + 1] * shape[d + 1].max(1);
+        strides[d] = strides[d + 1].saturating_mul(shape[d + 1].max(1));
     }
     strides
 }

@@ -123,6 +123,10 @@ fn a_huge_timeout_and_prefetch_factor_load_as_usual() {
             .unwrap();
         let got: Vec<i64> = labels_of_epoch(&mut loader).concat();
         assert_eq!(got, (0..6).collect::<Vec<_>>());
+        // The last epoch number there is: the one after it is 0 again.
+        loader.set_epoch(u64::MAX);
+        assert_eq!(labels_of_epoch(&mut loader).concat().len(), 6);
+        assert_eq!(loader.state_dict().epoch(), 0);
     });
 }
 

@@ -336,6 +336,15 @@ fn half_an_epoch_on_2_ranks_resumed_on_3_covers_the_epoch_exactly_once() {
         alone.sort_unstable();
         rest.sort_unstable();
         assert_eq!(alone, rest);
+        // Another seed at another world size and batch size orders the epoch otherwise:
+        // refused, where carrying the position over would repeat and skip samples.
+        let mut reseeded = DataLoader::builder(Ramp { n, epoch: 0 })
+            .batch_size(3)
+            .sampler(DistributedSampler::new(n, 0, 3).unwrap().shuffle(12))
+            .build()
+            .unwrap();
+        let e = reseeded.load_state_dict(&state).unwrap_err().to_string();
+        assert!(e.contains("otherwise"), "{e}");
     });
 }
 

@@ -468,3 +468,143 @@ fn send_and_recv_around_a_ring() {
         multiproc::spawn(ring, ProcessGroup::new_local(4).unwrap(), 4).unwrap();
     });
 }
+
+/// Each rank makes calls that disagree with the other rank's in one way at a time (the
+/// dtype, the size, the collective), each refused on both ranks, the group going on
+/// after each; then empty all-reduces between full ones, which keep the ranks in step.
+fn disagree_then_agree(rank: usize, group: ProcessGroup) -> Result<(), String> {
+    let e = |e: Error| e.to_string();
+    let refused = |got: multiproc::Result<()>, says: &str| -> Result<(), String> {
+        match got {
+            Err(Error::Tensor(m)) if m.contains(says) => Ok(()),
+            other => Err(format!(
+                "rank {rank}: expected a refusal saying {says:?}: {other:?}"
+            )),
+        }
+    };
+    // all_gather: the dtype, then the size.
+    let dtype = if rank == 0 { DType::F32 } else { DType::I32 };
+    let (inp, out) = (
+        Tensor::ones(&[2], dtype).map_err(e)?,
+        Tensor::zeros(&[4], dtype).map_err(e)?,
+    );
+    refused(group.all_gather(&out, &inp), "2 elements of int32")?;
+    let n = 2 + rank;
+    let (inp, out) = (
+        Tensor::ones(&[n], DType::F64).map_err(e)?,
+        Tensor::zeros(&[2 * n], DType::F64).map_err(e)?,
+    );
+    refused(group.all_gather(&out, &inp), "all_gather of 3 elements")?;
+    // reduce_scatter's size.
+    let (inp, out) = (
+        Tensor::ones(&[4 * (rank + 1)], DType::F64).map_err(e)?,
+        Tensor::zeros(&[2 * (rank + 1)], DType::F64).map_err(e)?,
+    );
+    refused(
+        group.reduce_scatter(&out, &inp, ReduceOp::Sum),
+        "reduce_scatter (Sum) of 8",
+    )?;
+    // Different collectives at the same point: a barrier beside an all_gather.
+    if rank == 0 {
+        refused(group.barrier(), "all_gather")?;
+    } else {
+        let (inp, out) = (
+            Tensor::ones(&[1], DType::F32).map_err(e)?,
+            Tensor::zeros(&[2], DType::F32).map_err(e)?,
+        );
+        refused(group.all_gather(&out, &inp), "called barrier")?;
+    }
+    // The group goes on: an all_gather that agrees.
+    let inp = Tensor::full(&[2], rank as f64 + 1.0, DType::F32).map_err(e)?;
+    let out = Tensor::zeros(&[4], DType::F32).map_err(e)?;
+    group.all_gather(&out, &inp).map_err(e)?;
+    if out.to_vec::<f32>().map_err(e)? != [1.0, 1.0, 2.0, 2.0] {
+        return Err(format!(
+            "rank {rank}: all_gather gave {:?}",
+            out.to_vec::<f32>()
+        ));
+    }
+    // Empty all-reduces between full ones, and empty sends.
+    let empty = Tensor::zeros(&[0], DType::F32).map_err(e)?;
+    for round in 0..200 {
+        group.all_reduce_(&empty, ReduceOp::Sum).map_err(e)?;
+        let t = Tensor::full(&[6], (rank + round) as f64, DType::I32).map_err(e)?;
+        group.all_reduce_(&t, ReduceOp::Sum).map_err(e)?;
+        let want = (2 * round + 1) as i32;
+        if t.to_vec::<i32>().map_err(e)? != [want; 6] {
+            return Err(format!(
+                "rank {rank} round {round}: {:?}",
+                t.to_vec::<i32>()
+            ));
+        }
+    }
+    if rank == 0 {
+        group.send(&empty, 1).map_err(e)?;
+    } else {
+        group.recv(&empty, 0).map_err(e)?;
+    }
+    group.barrier().map_err(e)
+}
+
+#[test]
+fn calls_that_disagree_are_refused_on_every_rank_and_empty_ones_keep_step() {
+    common::run(secs(120), || {
+        let group = ProcessGroup::new_local(2).unwrap();
+        SpawnOptions::new()
+            .start(disagree_then_agree, group, 2)
+            .unwrap()
+            .join_timeout(secs(100))
+            .unwrap();
+    });
+}
+
+/// Rank 1 stops itself (SIGSTOP) inside the loop after telling the parent; rank 0's
+/// all-reduce then times out, and every later call on the group, rank 1's after it is
+/// continued included, fails naming the rank that ended it, never passing a barrier
+/// with a rank missing.
+fn stop_then_try_again(
+    rank: usize,
+    (group, q): (ProcessGroup, SimpleQueue<String>),
+) -> Result<(), String> {
+    group.set_timeout(Some(Duration::from_millis(300)));
+    let t = Tensor::zeros(&[1024], DType::F32).map_err(|e| e.to_string())?;
+    group
+        .all_reduce_(&t, ReduceOp::Sum)
+        .map_err(|e| e.to_string())?;
+    if rank == 1 {
+        q.put("stopping".into()).map_err(|e| e.to_string())?;
+        // SAFETY: raise(2) takes a plain signal number.
+        unsafe { libc::raise(libc::SIGSTOP) };
+    }
+    let first = group.all_reduce_(&t, ReduceOp::Sum);
+    let mut said = format!("rank {rank}: first {}", first.is_ok());
+    for _ in 0..3 {
+        match group.barrier() {
+            Err(Error::RankDied {
+                rank: 0, message, ..
+            }) if message.contains("ended by rank 0") => {}
+            other => said.push_str(&format!("; a later barrier gave {other:?}")),
+        }
+    }
+    q.put(said).map_err(|e| e.to_string())?;
+    Ok(())
+}
+
+#[test]
+fn a_collective_that_times_out_ends_the_group_for_every_rank() {
+    common::run(secs(120), || {
+        let group = ProcessGroup::new_local(2).unwrap();
+        let q = SimpleQueue::new().unwrap();
+        let mut ctx = SpawnOptions::new()
+            .start(stop_then_try_again, (group, q.clone()), 2)
+            .unwrap();
+        assert_eq!(q.get().unwrap(), "stopping");
+        let victim = ctx.pids()[1] as i32;
+        // Rank 0 times out (300 ms) while rank 1 is stopped; then rank 1 goes on.
+        assert_eq!(q.get_timeout(secs(60)).unwrap(), "rank 0: first false");
+        // SAFETY: kill(2) takes plain integers; the pid is our unreaped child.
+        assert_eq!(unsafe { libc::kill(victim, libc::SIGCONT) }, 0);
+        assert_eq!(q.get_timeout(secs(60)).unwrap(), "rank 1: first false");
+        ctx.join_timeout(secs(60)).unwrap();
+    });
+}

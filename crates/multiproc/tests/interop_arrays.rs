@@ -101,6 +101,14 @@ mod ndarray_interop {
             assert!(err.contains("shared"), "{err}");
             let err = t.array_view::<f32>().unwrap_err().to_string();
             assert!(err.contains("shared"), "{err}");
+            // An empty tensor whose other sizes pass what ndarray can hold: an error,
+            // where ndarray's precondition would be broken.
+            let mut huge = Tensor::zeros(&[0, 1 << 33, 1 << 33], DType::U8).unwrap();
+            let err = huge.array_view::<u8>().unwrap_err().to_string();
+            assert!(err.contains("isize::MAX"), "{err}");
+            assert!(huge.array_view_mut::<u8>().is_err());
+            let mut empty = Tensor::zeros(&[0, 3], DType::U8).unwrap();
+            assert_eq!(empty.array_view::<u8>().unwrap().shape(), [0, 3]);
         });
     }
 

@@ -175,6 +175,18 @@ mod safetensors_interop {
                 .unwrap_err()
                 .to_string();
             assert!(err.contains("missing"), "{err}");
+            // An empty tensor whose other sizes multiply past usize: a tensor of
+            // nothing (as the format allows), not an overflow.
+            let header =
+                r#"{"x":{"dtype":"F32","shape":[1,0,8589934592,8589934592],"data_offsets":[0,0]}}"#;
+            // Padded with spaces (as the format allows) so that the data is aligned.
+            let header = format!("{header:<width$}", width = header.len().next_multiple_of(8));
+            let mut empty = (header.len() as u64).to_le_bytes().to_vec();
+            empty.extend_from_slice(header.as_bytes());
+            write_file(&bad, &empty);
+            let loaded = multiproc::safetensors::load(&bad).unwrap();
+            assert_eq!(loaded["x"].numel(), 0);
+            assert_eq!(loaded["x"].shape(), [1, 0, 1 << 33, 1 << 33]);
         });
     }
 

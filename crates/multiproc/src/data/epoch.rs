@@ -605,7 +605,7 @@ where
             Some(p) => (p.epoch, p.start, p.done),
             None => (self.next_epoch, 0, Done::default()),
         };
-        self.next_epoch = epoch + 1;
+        self.next_epoch = epoch.wrapping_add(1);
         self.dataset.set_epoch(epoch);
         let plan = batch_plan(
             self.sampler.indices_from(epoch, start),
@@ -621,6 +621,7 @@ where
             samples: plan.iter().map(Vec::len).sum(),
             done,
             fingerprint: fingerprint(&plan),
+            order: self.sampler.global_order_hash(epoch),
         });
         #[cfg(feature = "progress")]
         let bar = self

@@ -237,7 +237,7 @@ where
             None => StreamProgress::fresh(self.next_epoch, self.streams()),
         };
         let epoch = progress.epoch;
-        self.next_epoch = epoch + 1;
+        self.next_epoch = epoch.wrapping_add(1);
         let mut open_error = None;
         let in_process = if self.options.num_workers == 0 {
             match &progress.cursors[0] {

@@ -186,6 +186,7 @@ where
                 drop_last: self.options.drop_last,
                 dataset_len: self.dataset.len(),
                 fingerprint: p.fingerprint,
+                order: p.order,
             }),
         )
     }
@@ -263,7 +264,8 @@ where
             drop_last,
         );
         let print = fingerprint(&plan);
-        if exact && print != m.fingerprint {
+        let order = self.sampler.global_order_hash(state.epoch());
+        if (exact && print != m.fingerprint) || (m.order != 0 && order != m.order) {
             return Err(Error::InvalidArgument(format!(
                 "data loader state: this loader's sampler orders epoch {} otherwise than the \
                  one the state was taken with (another seed, sampler or data set?): resume \
@@ -299,6 +301,7 @@ where
             samples: plan.iter().map(Vec::len).sum(),
             done,
             fingerprint: print,
+            order,
         });
         Ok(())
     }

@@ -52,6 +52,16 @@ pub trait Sampler: Send {
     fn shard(&self) -> Option<(usize, usize)> {
         None
     }
+
+    /// A hash of epoch `epoch`'s global order (every rank's indices together, before
+    /// sharding): a resume at another shard or batch size checks it, so that a state is
+    /// not carried over to a sampler that orders the epoch otherwise (another seed),
+    /// which would repeat some samples and skip others. Default: the hash of
+    /// `indices(epoch)`, the whole order of a sampler without ranks; a sharding sampler
+    /// hashes the order it shards.
+    fn global_order_hash(&self, epoch: u64) -> u64 {
+        super::state::order_hash(&self.indices(epoch))
+    }
 }
 
 /// `0, 1, …, len - 1`, every epoch (torch's `SequentialSampler`).
@@ -149,6 +159,10 @@ impl WeightedRandomSampler {
                  of positive weight: draw fewer, or pass replacement = true"
             )));
         }
+        // Relative to the largest: the same draws, and sums that stay finite however
+        // large the weights (three of f64::MAX would sum to infinity).
+        let top = weights.iter().copied().fold(0.0, f64::max);
+        let weights: Vec<f64> = weights.iter().map(|w| w / top).collect();
         let cumulative = weights
             .iter()
             .scan(0.0, |sum, w| {
@@ -327,6 +341,13 @@ impl Sampler for DistributedSampler {
     fn shard(&self) -> Option<(usize, usize)> {
         Some((self.rank, self.world_size))
     }
+
+    fn global_order_hash(&self, epoch: u64) -> u64 {
+        match self.shuffle {
+            Some(seed) => super::state::order_hash(&permutation(self.len, seed, epoch)),
+            None => super::state::order_hash(&(0..self.len).collect::<Vec<_>>()),
+        }
+    }
 }
 
 /// The rank and world size from `RANK` and `WORLD_SIZE`.
@@ -424,6 +445,16 @@ mod tests {
         let err = WeightedRandomSampler::new(vec![1.0, 0.0], 2, false, 1).unwrap_err();
         assert!(err.to_string().contains("without replacement"), "{err}");
         assert!(WeightedRandomSampler::new(vec![-1.0], 1, true, 1).is_err());
+        // Weights whose sum passes f64::MAX draw as equal ones do.
+        let huge = WeightedRandomSampler::new(vec![f64::MAX; 3], 3000, true, 1).unwrap();
+        let drawn = huge.indices(0);
+        for i in 0..3 {
+            let n = drawn.iter().filter(|&&d| d == i).count();
+            assert!(
+                (800..1200).contains(&n),
+                "index {i} drawn {n} times of 3000"
+            );
+        }
     }
 
     #[test]

@@ -103,6 +103,12 @@ pub(crate) struct MapState {
     /// A hash of the epoch's plan (its sample indices in order), to refuse resuming
     /// with a sampler that orders the epoch otherwise.
     pub fingerprint: u64,
+    /// The sampler's [`global_order_hash`](super::Sampler::global_order_hash) of the
+    /// epoch, to refuse a resume at another shard or batch size (where the plans
+    /// differ) with a sampler that orders the epoch otherwise; 0 in a state saved
+    /// before it was recorded (not checked).
+    #[serde(default)]
+    pub order: u64,
 }
 
 /// An iterable epoch in progress.
@@ -269,19 +275,29 @@ pub(crate) struct MapProgress {
     pub done: Done,
     /// [`fingerprint`] of the plan.
     pub fingerprint: u64,
+    /// The sampler's global order hash of the epoch (see `MapState::order`).
+    pub order: u64,
+}
+
+/// A hash of a sequence of sample indices.
+pub(crate) fn order_hash(order: &[usize]) -> u64 {
+    fnv1a(order.iter().copied())
 }
 
 /// A hash of an epoch's plan: its sample indices in order, and where batches end.
 pub(crate) fn fingerprint(plan: &[Vec<usize>]) -> u64 {
-    // FNV-1a over the indices, with a marker between batches.
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for batch in plan {
-        for &i in batch.iter().chain(std::iter::once(&usize::MAX)) {
-            h ^= i as u64;
-            h = h.wrapping_mul(0x0000_0100_0000_01b3);
-        }
-    }
-    h
+    // The indices, with a marker after each batch.
+    fnv1a(
+        plan.iter()
+            .flat_map(|batch| batch.iter().copied().chain(std::iter::once(usize::MAX))),
+    )
+}
+
+/// FNV-1a over `items`.
+fn fnv1a(items: impl Iterator<Item = usize>) -> u64 {
+    items.fold(0xcbf2_9ce4_8422_2325, |h: u64, i| {
+        (h ^ i as u64).wrapping_mul(0x0000_0100_0000_01b3)
+    })
 }
 
 /// A seed for worker `worker` of rank `rank` in epoch `epoch`, from the loader's base

@@ -98,6 +98,9 @@ pub(crate) enum Note {
     SendFailed = 9,
     /// 1 when this rank received every fresh peer's storage, else 0.
     Received = 10,
+    /// The barrier epoch at which this rank made its call (see `zero_copy::Call`):
+    /// ranks in step made their calls at the same one.
+    Epoch = 11,
 }
 
 /// Words per rank note: a cache line.
@@ -297,7 +300,7 @@ impl Arena {
                 return Ok(());
             }
             if let Some(rank) = self.aborted_by() {
-                return Err(self.died(rank, "its failure ended the group"));
+                return Err(self.ended_by(rank));
             }
             if let Some(rank) = dead_peer() {
                 // A peer that ended this wait (the last to arrive at a barrier) may exit
@@ -360,13 +363,35 @@ impl Arena {
     /// every [`LIVENESS_TICK`].
     pub(crate) fn check_peers(&self, dead_peer: impl FnOnce() -> Option<usize>) -> Result<()> {
         if let Some(rank) = self.aborted_by() {
-            return Err(self.died(rank, "its failure ended the group"));
+            return Err(self.ended_by(rank));
         }
         if let Some(rank) = dead_peer() {
             self.abort(rank);
             return Err(self.died(rank, "it exited"));
         }
         Ok(())
+    }
+
+    /// Fails the group because this rank's wait failed (`e`: a peer died or a wait timed
+    /// out), and returns `e`: the ranks no longer agree on where they are.
+    pub(crate) fn fail(&self, me: usize, e: Error) -> Error {
+        self.abort(me);
+        e
+    }
+
+    /// The error of a call on a group that `rank` ended (see [`abort`](Self::abort)).
+    pub(crate) fn ended_by(&self, rank: usize) -> Error {
+        let pid = self.pid(rank);
+        Error::RankDied {
+            rank,
+            pid: (pid != 0).then_some(pid),
+            message: format!(
+                "the process group was ended by rank {rank} (pid {pid}), whose collective \
+                 failed (a peer died or stopped answering, a wait timed out, or the ranks \
+                 fell out of step): the group cannot be used again; see that rank's own \
+                 error, then restart the job"
+            ),
+        }
     }
 
     fn died(&self, rank: usize, how: &str) -> Error {

@@ -13,14 +13,14 @@ use std::sync::atomic::Ordering;
 
 use super::arena::{Arena, Mail, SLOT_BYTES};
 use super::group::{Inner, ReduceOp, State};
-use super::zero_copy::{Kind, Outcome};
+use super::zero_copy::{Call, Kind, Outcome, announce};
 use crate::cuda::Device;
 use crate::error::{Error, Result};
 use crate::sys::Deadline;
 use crate::sys::futex;
 use crate::sys::shared_bytes::SharedBytes;
-use crate::tensor::Tensor;
 use crate::tensor::bulk::{self, Combine, HostBytes};
+use crate::tensor::{DType, Tensor};
 
 impl ReduceOp {
     /// The elementwise operation of the kernels.
@@ -49,6 +49,7 @@ impl Inner {
     pub(super) fn send(&self, st: &mut State, t: &Tensor, dst: usize) -> Result<()> {
         let me = self.my_rank()?;
         self.check_peer(me, dst, "send to")?;
+        self.check_not_ended()?;
         let view = host_bytes(t, "send")?;
         let bytes = view.bytes();
         let deadline = Self::deadline(st);
@@ -59,7 +60,7 @@ impl Inner {
         for (off, len) in chunks(bytes.len()) {
             let s = sent.load(Ordering::Acquire);
             // The previous chunk must be taken before the slot is reused.
-            wait_taken(arena, me, dst, s, deadline, peers)?;
+            wait_taken(arena, me, dst, s, deadline, peers).map_err(|e| arena.fail(me, e))?;
             // Our slot of set 0 is free (taken == sent, and this rank runs one operation
             // at a time).
             slot.range(0, len)?.copy_from(&bytes.range(off, len)?)?;
@@ -78,11 +79,32 @@ impl Inner {
             deadline,
             peers,
         )
+        .map_err(|e| arena.fail(me, e))
+    }
+
+    /// Fails when the group was ended (see `sync`).
+    fn check_not_ended(&self) -> Result<()> {
+        match self.arena.aborted_by() {
+            Some(rank) => Err(self.arena.ended_by(rank)),
+            None => Ok(()),
+        }
+    }
+
+    /// A barrier, checked like every collective's first (see `zero_copy::Call`): every
+    /// rank must be at a barrier too.
+    pub(super) fn barrier(&self, st: &mut State) -> Result<()> {
+        let me = self.my_rank()?;
+        self.check_not_ended()?;
+        let call = Call::Barrier;
+        announce(&self.arena, me, st.epoch, call, DType::U8, 0);
+        self.sync(st)?;
+        self.check_calls(st, me, call.word(DType::U8), 0)
     }
 
     pub(super) fn recv(&self, st: &mut State, t: &Tensor, src: usize) -> Result<()> {
         let me = self.my_rank()?;
         self.check_peer(me, src, "recv from")?;
+        self.check_not_ended()?;
         check(t, "recv", true)?;
         let view = host_bytes(t, "recv")?;
         let bytes = view.bytes();
@@ -93,9 +115,11 @@ impl Inner {
         let slot = arena.slot(0, src)?;
         for (off, len) in chunks(bytes.len()) {
             let k = taken.load(Ordering::Acquire);
-            arena.wait_mail((src, me, Mail::Sent), k, deadline, || {
-                Self::dead_peer(arena, me, peers)
-            })?;
+            arena
+                .wait_mail((src, me, Mail::Sent), k, deadline, || {
+                    Self::dead_peer(arena, me, peers)
+                })
+                .map_err(|e| arena.fail(me, e))?;
             let sent_len = arena.mail(src, me, Mail::Len).load(Ordering::Relaxed) as usize;
             if sent_len != len {
                 arena.abort(me);
@@ -207,6 +231,9 @@ impl Inner {
         let out_view = host_bytes(out, "all_gather output")?;
         let (i, o) = (in_view.bytes(), out_view.bytes());
         check_pair(out, inp, o.len(), i.len() * p, "all_gather", "output", p)?;
+        let call = Call::AllGather;
+        let numel = inp.numel() as u64;
+        announce(&self.arena, me, st.epoch, call, inp.dtype(), numel);
         for (k, (off, len)) in chunks(i.len()).enumerate() {
             let set = k % 2;
             // As in `all_reduce`.
@@ -215,6 +242,9 @@ impl Inner {
                 .range(0, len)?
                 .copy_from(&i.range(off, len)?)?;
             self.sync(st)?;
+            if k == 0 {
+                self.check_calls(st, me, call.word(inp.dtype()), numel)?;
+            }
             for r in 0..p {
                 // Every slot is read-only until the next barrier.
                 o.range(r * i.len() + off, len)?
@@ -242,6 +272,9 @@ impl Inner {
         let size = inp.dtype().size();
         let (mine_lo, mine_hi) = (me * o.len(), (me + 1) * o.len());
         let arena = &self.arena;
+        let call = Call::ReduceScatter(op);
+        let numel = inp.numel() as u64;
+        announce(arena, me, st.epoch, call, inp.dtype(), numel);
         for (k, (off, len)) in chunks(i.len()).enumerate() {
             let set = k % 2;
             // As in `all_reduce`.
@@ -250,6 +283,9 @@ impl Inner {
                 .range(0, len)?
                 .copy_from(&i.range(off, len)?)?;
             self.sync(st)?;
+            if k == 0 {
+                self.check_calls(st, me, call.word(inp.dtype()), numel)?;
+            }
             let n = len / size;
             let (lo, hi) = (me * n / p, (me + 1) * n / p);
             // As in `all_reduce`.
@@ -350,7 +386,10 @@ fn check_pair(
 
 /// `(offset, length)` of each chunk of a `len`-byte transfer.
 fn chunks(len: usize) -> impl Iterator<Item = (usize, usize)> {
-    (0..len)
+    // One chunk at least, empty for an empty tensor: every rank passes the same
+    // barriers whatever its size, so a collective of nothing still keeps the ranks in
+    // step (and a send of nothing still waits for its recv).
+    (0..len.max(1))
         .step_by(SLOT_BYTES)
         .map(move |off| (off, SLOT_BYTES.min(len - off)))
 }

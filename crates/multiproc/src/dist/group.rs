@@ -237,7 +237,7 @@ impl ProcessGroup {
     /// [`Error::RankDied`] naming a rank that exited while the others waited;
     /// [`Error::Timeout`] past the group's timeout.
     pub fn barrier(&self) -> Result<()> {
-        self.submit(|inner, st| inner.sync(st)).wait()
+        self.submit(|inner, st| inner.barrier(st)).wait()
     }
 
     /// Sets `tensor` on every rank to its value on rank `src`.
@@ -445,16 +445,34 @@ impl Inner {
         })
     }
 
-    /// One barrier among all ranks, watching the peers.
+    /// One barrier among all ranks, watching the peers. A barrier that fails (a peer
+    /// died, or the wait timed out) fails the group: the ranks no longer agree on how
+    /// many barriers each has passed, so no later collective could pair them up again.
+    /// Every later call then fails with the rank that ended it, instead of passing a
+    /// barrier with a rank missing.
     pub(super) fn sync(&self, st: &mut State) -> Result<()> {
         let me = self.my_rank()?;
+        let arena = &self.arena;
+        if let Some(rank) = arena.aborted_by() {
+            return Err(arena.ended_by(rank));
+        }
         let deadline = Self::deadline(st);
         let epoch = st.epoch;
-        let arena = &self.arena;
         let peers = &mut st.peers;
         let result = arena.barrier(epoch, deadline, || Self::dead_peer(arena, me, peers));
         st.epoch = epoch.wrapping_add(1);
-        result
+        match result {
+            // Passed, unless the group failed meanwhile (this rank may have been the
+            // last to arrive at a barrier that the others had given up on).
+            Ok(()) => match arena.aborted_by() {
+                Some(rank) => Err(arena.ended_by(rank)),
+                None => Ok(()),
+            },
+            Err(e) => {
+                arena.abort(me);
+                Err(e)
+            }
+        }
     }
 }
 

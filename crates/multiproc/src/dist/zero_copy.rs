@@ -83,6 +83,68 @@ impl Kind {
     }
 }
 
+impl Kind {
+    fn call(self) -> Call {
+        match self {
+            Kind::AllReduce(op) => Call::AllReduce(op),
+            Kind::Broadcast(src) => Call::Broadcast(src),
+        }
+    }
+}
+
+/// What a rank called, as its note says: the collective and its argument (the reduce
+/// op, or the broadcast's source), beside the tensor's dtype (the note's `DType` word)
+/// and its size (`Numel`) and the barrier epoch of the call (`Epoch`). Every collective
+/// announces its call before its first barrier and checks every rank's after it
+/// ([`Inner::check_calls`]): ranks that made different calls fail alike, and ranks out
+/// of step fail the group, instead of reading each other's slots as if they agreed.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Call {
+    Barrier,
+    AllReduce(ReduceOp),
+    Broadcast(usize),
+    AllGather,
+    ReduceScatter(ReduceOp),
+}
+
+impl Call {
+    /// The note's `DType` word: the dtype's code, the call (4 bits) and its argument.
+    pub(super) fn word(self, dtype: DType) -> u32 {
+        let (call, arg) = match self {
+            Call::Barrier => (0, 0),
+            Call::AllReduce(op) => (1, op as u32),
+            Call::Broadcast(src) => (2, src as u32),
+            Call::AllGather => (3, 0),
+            Call::ReduceScatter(op) => (4, op as u32),
+        };
+        u32::from(dtype.code()) | call << 8 | arg << 12
+    }
+
+    /// A note's `DType` word and size in words: "all_reduce_ (Sum) of 6 float32".
+    fn describe(word: u32, numel: u64) -> String {
+        let arg = word >> 12;
+        let op = |a: u32| {
+            ["Sum", "Mean", "Max", "Min"]
+                .get(a as usize)
+                .copied()
+                .unwrap_or("an unknown op")
+        };
+        let dtype = u8::try_from(word & 0xff)
+            .ok()
+            .and_then(DType::from_code)
+            .map_or_else(|| format!("dtype #{}", word & 0xff), |d| d.to_string());
+        let tensor = format!("{numel} elements of {dtype}");
+        match (word >> 8) & 0xf {
+            0 => "barrier".into(),
+            1 => format!("all_reduce_ ({}) of {tensor}", op(arg)),
+            2 => format!("broadcast_ from rank {arg} of {tensor}"),
+            3 => format!("all_gather of {tensor}"),
+            4 => format!("reduce_scatter ({}) of {tensor}", op(arg)),
+            k => format!("an unknown collective (#{k})"),
+        }
+    }
+}
+
 /// What a call did.
 pub(crate) enum Outcome {
     /// The tensor holds the reduction.
@@ -113,6 +175,22 @@ fn read_note(arena: &Arena, r: usize) -> NoteView {
         slot: w(Note::Slot) as usize,
         fresh: w(Note::Fresh) == 1,
     }
+}
+
+/// Writes this rank's note for a collective that takes the arena path from the start
+/// (every one but `zero_copy`, which writes its own): its call, on `numel` elements of
+/// `dtype`, at barrier `epoch`.
+pub(super) fn announce(arena: &Arena, me: usize, epoch: u32, call: Call, dtype: DType, numel: u64) {
+    let note = NoteView {
+        ready: false,
+        dtype: call.word(dtype),
+        numel,
+        offset: 0,
+        slot: 0,
+        fresh: false,
+    };
+    write_note(arena, me, &note, 0);
+    arena.note(me, Note::Epoch).store(epoch, Ordering::Relaxed);
 }
 
 fn write_note(arena: &Arena, me: usize, n: &NoteView, evicted: u32) {
@@ -166,7 +244,7 @@ impl Inner {
         };
         let mine = NoteView {
             ready,
-            dtype: u32::from(t.dtype().code()),
+            dtype: kind.call().word(t.dtype()),
             numel: t.numel() as u64,
             offset: (t.storage_offset() * size) as u64,
             slot,
@@ -177,7 +255,11 @@ impl Inner {
             arena.pieces().store(0, Ordering::Relaxed);
         }
         write_note(arena, me, &mine, evicted);
+        arena
+            .note(me, Note::Epoch)
+            .store(st.epoch, Ordering::Relaxed);
         self.sync(st)?;
+        self.check_calls(st, me, mine.dtype, mine.numel)?;
 
         // Step 2: a snapshot, as a peer may write its next note once this call is over.
         let notes: Vec<NoteView> = (0..p).map(|r| read_note(arena, r)).collect();
@@ -191,27 +273,6 @@ impl Inner {
                         *s = None;
                     }
                 }
-            }
-        }
-        for (r, n) in notes.iter().enumerate() {
-            if n.dtype != mine.dtype || n.numel != mine.numel {
-                let dtype = |c: u32| {
-                    u8::try_from(c)
-                        .ok()
-                        .and_then(DType::from_code)
-                        .map_or_else(|| format!("dtype #{c}"), |d| d.to_string())
-                };
-                // Every rank sees the same notes and fails here; the barrier keeps a
-                // fast one from writing its next note before a slow one has read this.
-                self.sync(st)?;
-                return Err(Error::Tensor(format!(
-                    "{what}: rank {r} passed {} elements of {}, rank {me} {} of {}: every \
-                     rank must pass a tensor of the same size and dtype",
-                    n.numel,
-                    dtype(n.dtype),
-                    mine.numel,
-                    dtype(mine.dtype)
-                )));
             }
         }
         if !notes.iter().all(|n| n.ready) {
@@ -290,6 +351,50 @@ impl Inner {
         drop(views);
         self.sync(st)?;
         Ok(Outcome::Done)
+    }
+
+    /// Step 2's check, after the first barrier of every collective: each rank's note
+    /// must name the call this rank made (`word`, on `numel` elements) at the same
+    /// barrier epoch. Different calls at the same epoch: every rank sees the same notes
+    /// and fails alike, after one more barrier (so that a fast rank does not write its
+    /// next note before a slow one has read this one), and the group goes on. Different
+    /// epochs: the ranks are out of step (one of them called a collective the others did
+    /// not), which no barrier can mend: the group is failed.
+    pub(super) fn check_calls(
+        &self,
+        st: &mut State,
+        me: usize,
+        word: u32,
+        numel: u64,
+    ) -> Result<()> {
+        let arena = &self.arena;
+        // The epoch this call's first barrier had (`sync` has counted it since).
+        let epoch = st.epoch.wrapping_sub(1);
+        for r in 0..arena.world_size() {
+            let n = read_note(arena, r);
+            let theirs = arena.note(r, Note::Epoch).load(Ordering::Relaxed);
+            if theirs != epoch {
+                arena.abort(me);
+                return Err(Error::InvalidArgument(format!(
+                    "collective on rank {me}: rank {r} is out of step (its call, {}, came at \
+                     barrier {theirs}, this rank's, {}, at barrier {epoch}): every rank must \
+                     make the same collective calls in the same order; the group is now failed",
+                    Call::describe(n.dtype, n.numel),
+                    Call::describe(word, numel)
+                )));
+            }
+            if n.dtype != word || n.numel != numel {
+                self.sync(st)?;
+                return Err(Error::Tensor(format!(
+                    "collective on rank {me}: rank {r} called {}, rank {me} {}: every rank must \
+                     make the same call (the same collective and argument, on a tensor of the \
+                     same size and dtype)",
+                    Call::describe(n.dtype, n.numel),
+                    Call::describe(word, numel)
+                )));
+            }
+        }
+        Ok(())
     }
 
     /// Step 3: the fresh ranks send their storages, every rank receives the others';

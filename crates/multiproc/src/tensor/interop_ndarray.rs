@@ -287,6 +287,18 @@ impl Tensor {
         Region::<T>::new(&read, &self.layout)?;
         drop(read);
         let shape = self.shape().to_vec();
+        // ndarray's own precondition: the sizes other than 0 multiply to at most
+        // isize::MAX (an empty tensor's other sizes may not: [0, 2^33, 2^33]).
+        let nonzero = shape
+            .iter()
+            .filter(|&&n| n != 0)
+            .try_fold(1usize, |acc, &n| acc.checked_mul(n));
+        if nonzero.is_none_or(|n| n > isize::MAX as usize) {
+            return Err(Error::Tensor(format!(
+                "an ndarray view of shape {shape:?}: ndarray cannot hold sizes whose \
+                 product passes isize::MAX, even in an empty array"
+            )));
+        }
         if self.numel() == 0 {
             let strides = vec![0; shape.len()];
             return Ok((IxDyn(&shape).strides(IxDyn(&strides)), NonNull::dangling()));
