@@ -70,9 +70,21 @@ const MAX_DEPTH: usize = Dynamic::MAX_NESTING as usize;
 #[derive(Default)]
 pub struct ToDynamic {
     copied: HashMap<usize, Storage>,
+    /// Every tensor becomes a multiproc block, copied if need be, even one that a
+    /// message would send as torch does (see `torch_tensor`): what `as_native` (an
+    /// explicit `share_memory_`, a process argument) asks for.
+    into_blocks: bool,
 }
 
 impl ToDynamic {
+    /// A conversion that makes every tensor a multiproc block (see `into_blocks`).
+    pub fn into_blocks() -> Self {
+        Self {
+            into_blocks: true,
+            ..Self::default()
+        }
+    }
+
     /// Converts `obj` (and everything in it).
     pub fn convert(&mut self, obj: &Bound<'_, PyAny>) -> PyResult<Dynamic> {
         self.value(obj, 0)
@@ -174,7 +186,8 @@ impl ToDynamic {
         // Not in a multiproc block, and in torch's shared memory (`share_memory_()`) or
         // requiring grad: the Python layer sends it as torch does (shared, not copied;
         // `requires_grad` kept).
-        if self.find(addr, nbytes, dtype.size()).is_none()
+        if !self.into_blocks
+            && self.find(addr, nbytes, dtype.size()).is_none()
             && (storage
                 .call_method0(intern!(py, "is_shared"))?
                 .is_truthy()?

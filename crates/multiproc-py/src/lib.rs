@@ -55,7 +55,7 @@ fn new_python_tensor(
 /// is a multiproc block, else copied once into a new shared block.
 #[pyfunction]
 fn as_native(obj: &Bound<'_, PyAny>) -> PyResult<NativeTensor> {
-    match convert::ToDynamic::default().convert(obj)? {
+    match convert::ToDynamic::into_blocks().convert(obj)? {
         multiproc::Dynamic::Tensor(t) => NativeTensor::new(t),
         _ => Err(pyo3::exceptions::PyTypeError::new_err(format!(
             "a {} is not a tensor",

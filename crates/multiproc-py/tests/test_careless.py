@@ -308,3 +308,30 @@ def test_negative_counts_are_clear_errors_or_nothing_as_in_threading():
         with cond:
             cond.notify(-1)  # wakes nobody, as threading's
             assert cond.wait(0) is False
+
+
+def test_share_memory_moves_parameters_and_tensors_torch_shares():
+    model = torch.nn.Linear(2, 2)
+    leaf = torch.ones(3, requires_grad=True)
+    shared = torch.zeros(2)
+    shared.share_memory_()
+    for t in (*model.parameters(), leaf, shared):
+        kind, grad = type(t), t.requires_grad
+        assert mp.share_memory_(t) is t
+        s = t.untyped_storage()
+        assert mp._native.is_shared_block(s.data_ptr(), s.nbytes())
+        assert (type(t), t.requires_grad) == (kind, grad)
+    q = mp.Queue()
+    q.put(leaf.detach())  # now by handle
+    got = q.get(timeout=30)
+    assert got.data_ptr() == leaf.data_ptr()
+
+
+def test_a_plain_tensor_passed_to_a_process_is_shared_as_torch_shares_it():
+    # As torch.multiprocessing does: moved into shared memory in place, so the
+    # worker's writes reach this process (importing multiproc changes nothing there).
+    t = torch.zeros(3)
+    view = t[1:]
+    mp.spawn(workers.add_one_to, args=(t,), nprocs=1)
+    assert t.tolist() == [1.0, 1.0, 1.0]
+    assert view.tolist() == [1.0, 1.0], "the storage itself moved: views follow"

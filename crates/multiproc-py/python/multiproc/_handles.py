@@ -451,16 +451,23 @@ def _rebuild_tensor(dupfd, requires_grad):
 
 
 def _reduce_tensor(t):
-    s = t.untyped_storage() if t.is_cpu else None
-    if s is not None and s.is_shared() and not _native.is_shared_block(s.data_ptr(),
-                                                                        s.nbytes()):
-        # In torch's shared memory (`share_memory_()`): torch's own reduction keeps it
-        # shared with the child, where a copy would lose the child's writes.
+    s = t.untyped_storage() if t.is_cpu and t.layout is _torch_strided() else None
+    if s is None or not _native.is_shared_block(s.data_ptr(), s.nbytes()):
+        # Not in a multiproc block: as torch.multiprocessing sends it (its storage
+        # moved into shared memory in place, so the child's writes reach this process;
+        # a tensor torch shares already stays shared), whether or not multiproc is used
+        # here: importing it does not change what torch's own processes do.
         from torch.multiprocessing import reductions
 
         return reductions.reduce_tensor(t)
     native = _native.as_native(t.detach())
     return _rebuild_tensor, (_pass_fd(_native.seal(native)), t.requires_grad)
+
+
+def _torch_strided():
+    import torch
+
+    return torch.strided
 
 
 def _rebuild_condition_over(lock, sleeping, woken, wake):

@@ -242,7 +242,9 @@ def share_memory_(tensor):
     torch = _torch_module()
     if torch is None or not isinstance(tensor, torch.Tensor):
         raise TypeError("share_memory_ takes a torch.Tensor")
-    shared = _native.to_python(_native.as_native(tensor))
+    # detach(): a Parameter or a tensor that requires grad is moved as its data (the
+    # tensor itself keeps its type and grad; `set_` below swaps only its storage).
+    shared = _native.to_python(_native.as_native(tensor.detach()))
     with torch.no_grad():
         tensor.set_(shared.untyped_storage(), shared.storage_offset(), shared.shape,
                     shared.stride())
