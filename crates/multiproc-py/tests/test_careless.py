@@ -335,3 +335,24 @@ def test_a_plain_tensor_passed_to_a_process_is_shared_as_torch_shares_it():
     mp.spawn(workers.add_one_to, args=(t,), nprocs=1)
     assert t.tolist() == [1.0, 1.0, 1.0]
     assert view.tolist() == [1.0, 1.0], "the storage itself moved: views follow"
+
+
+def test_a_fork_child_that_inherited_a_queue_holds_it_as_its_own():
+    # The queue went to a spawn worker (so it is not this process's alone any more),
+    # which exited; a fork child inherits it (not pickled: a copy of this memory) and
+    # puts once told to. The get below must wait for it, not raise DisconnectedError.
+    q, go = mp.Queue(), mp.Event()
+    s = multiprocessing.get_context("spawn").Process(target=workers.put_one, args=(q, "s"))
+    s.start()
+    s.join(60)
+    assert q.get(timeout=30) == "s"
+    f = multiprocessing.get_context("fork").Process(target=workers.put_when_told,
+                                                    args=(q, go))
+    f.start()
+    threading.Timer(0.3, go.set).start()  # late: the get below is already waiting
+    assert q.get() == ("from the fork child", 0)
+    f.join(60)
+    assert [q.get(timeout=30) for _ in range(2)] == [("from the fork child", 1),
+                                                      ("from the fork child", 2)]
+    with pytest.raises(mp.DisconnectedError):
+        q.get()

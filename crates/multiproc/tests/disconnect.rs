@@ -219,3 +219,40 @@ fn queues_sent_together_in_one_message_each_keep_their_own_handle() {
         assert!(b.get().unwrap_err().is_disconnected());
     });
 }
+
+/// A `fork` child inherits the queue, not by message but as the copy of the parent's
+/// memory: it is a holder of its own all the same (it could put), so the parent's get
+/// waits for it, and, once it has put and exited, gets its item and then
+/// `Disconnected`. The child checks from its side too: the parent's holder is another.
+#[test]
+fn a_fork_child_that_inherited_a_queue_is_a_holder_of_its_own() {
+    common::run(DEADLINE, || {
+        let q = Queue::<u32>::new().unwrap();
+        let back = Queue::<u32>::new().unwrap();
+        // SAFETY: fork(2); the child uses the library (fork-safe: `sys::fork_local`,
+        // `sys::peer_lease`) and leaves with `_exit`.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork failed");
+        if pid == 0 {
+            // Late, so that the parent is already waiting in its get.
+            std::thread::sleep(Duration::from_millis(300));
+            let code = match (q.put(7), back.get_timeout(WAIT)) {
+                (Ok(()), Ok(8)) => 0,
+                _ => 1,
+            };
+            // SAFETY: ends the forked child without running the parent's destructors.
+            unsafe { libc::_exit(code) };
+        }
+        assert_eq!(q.get().unwrap(), 7, "the get waited for the fork child");
+        back.put(8).unwrap();
+        let mut status = 0;
+        // SAFETY: waitpid(2) on our own child, with a valid pointer.
+        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+        assert!(
+            libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+            "{status}"
+        );
+        let err = q.get().unwrap_err();
+        assert!(err.is_disconnected(), "{err:?}");
+    });
+}

@@ -10,6 +10,8 @@
 //! sender made for it. So the kernel counts the channel's holders in other processes
 //! and in messages in flight (a lease inside an unreceived message, a worker's
 //! arguments), and forgets a holder the moment its last fd closes, a SIGKILL included.
+//! A `fork` child, which inherits the value rather than receiving it, gets a lease of
+//! its own at the fork (`sys::peer_lease`).
 //! Handles in this process share one channel value; the queue types say whether
 //! another exists (`others_here`). A get that finds the queue empty with neither is
 //! [`Error::Disconnected`]: nothing can ever arrive. The holders are asked before the
@@ -39,6 +41,7 @@ use super::ring::{Ring, TryLook};
 use crate::error::{Error, PutError, Result};
 use crate::sys::Deadline;
 use crate::sys::lease;
+use crate::sys::peer_lease::PeerLease;
 use crate::sys::socket::{Packet, seqpacket_pair};
 use crate::wire::{self, Decoder, Encoder};
 
@@ -95,8 +98,9 @@ pub(crate) struct Channel {
     /// `wire::context`), with the custody to find their blocks in.
     returns: Arc<dyn wire::GiveBack>,
     closed: AtomicBool,
-    /// This value's peer lease on the channel's holder file.
-    holder: OwnedFd,
+    /// This value's peer lease on the channel's holder file (a `fork` child's copy of
+    /// the value gets a lease of its own: see `sys::peer_lease`).
+    holder: PeerLease,
     /// The watch of the holder file's closes that awaited gets wait on (see
     /// `queue::awaiting`), made when one is first polled; `None` inside when refused.
     #[cfg(feature = "async")]
@@ -145,7 +149,7 @@ impl Channel {
             rx,
             pending: Mutex::new(None),
             closed: AtomicBool::new(false),
-            holder: lease::create_peer("multiproc-queue-holders")?,
+            holder: PeerLease::new(lease::create_peer("multiproc-queue-holders")?),
             others_seen_at: AtomicU64::new(0),
             others_seen_left: AtomicU32::new(0),
             #[cfg(feature = "async")]
@@ -597,7 +601,7 @@ impl<'de> Deserialize<'de> for Channel {
             rx,
             pending: Mutex::new(None),
             closed: AtomicBool::new(false),
-            holder,
+            holder: PeerLease::new(holder),
             others_seen_at: AtomicU64::new(0),
             others_seen_left: AtomicU32::new(0),
             #[cfg(feature = "async")]

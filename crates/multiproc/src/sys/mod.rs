@@ -32,6 +32,7 @@ pub(crate) mod memfd;
 pub(crate) mod memlimit;
 pub(crate) mod mmap;
 mod os_errors;
+pub(crate) mod peer_lease;
 pub(crate) mod process;
 // The wake-up path of the `*_async` futures (feature `async`).
 #[cfg(feature = "async")]
