@@ -242,13 +242,13 @@ impl PyBarrier {
                 .inner
                 .await_arrival(&arrival, Some(Instant::now() + slice))
             {
+                Ok(Some(index)) => Slice::Done(Ok(index)),
                 Ok(None) => Slice::Again,
-                other => Slice::Done(other),
+                Err(e) => Slice::Done(Err(e)),
             }
         });
         match waited {
-            // `Done` holds an index or an error: a slice that passed is `Again`.
-            Ok(Some(r)) => r.map(|index| index.unwrap_or_default()).map_err(to_py),
+            Ok(Some(r)) => r.map_err(to_py),
             Ok(None) => Err(to_py(self.inner.time_out(given))),
             Err(interrupted) => {
                 self.inner.abort();

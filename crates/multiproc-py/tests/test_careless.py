@@ -23,6 +23,12 @@ import workers
 HERE = os.path.dirname(__file__)
 
 
+def sleeping_state(pid):
+    """The one-letter state of process `pid` ('S' while it sleeps in a wait)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
 def run_script(source, timeout=60):
     """Runs `source` in a fresh interpreter; its exit status, stdout and stderr."""
     p = subprocess.run([sys.executable, "-c", textwrap.dedent(source)], cwd=HERE,
@@ -231,7 +237,11 @@ def test_ctrl_c_interrupts_a_barrier_wait_and_breaks_it():
     """)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert p.stdout.readline().strip() == "ready"
-        time.sleep(0.2)
+        # Interrupt it once it sleeps in the wait (its state 'S' in /proc), not before.
+        until = time.monotonic() + 30
+        while sleeping_state(p.pid) != "S":
+            assert time.monotonic() < until, "the barrier wait never started"
+            time.sleep(0.01)
         os.kill(p.pid, signal.SIGINT)
         out, err = p.communicate(timeout=30)
     finally:

@@ -23,6 +23,7 @@ import threading
 import time
 
 from . import _native
+from ._tensors import _torch_module
 
 
 class _Handle:
@@ -451,7 +452,7 @@ def _rebuild_tensor(dupfd, requires_grad):
 
 
 def _reduce_tensor(t):
-    s = t.untyped_storage() if t.is_cpu and t.layout is _torch_strided() else None
+    s = t.untyped_storage() if t.is_cpu and t.layout is _torch_module().strided else None
     if s is None or not _native.is_shared_block(s.data_ptr(), s.nbytes()):
         # Not in a multiproc block: as torch.multiprocessing sends it (its storage
         # moved into shared memory in place, so the child's writes reach this process;
@@ -462,12 +463,6 @@ def _reduce_tensor(t):
         return reductions.reduce_tensor(t)
     native = _native.as_native(t.detach())
     return _rebuild_tensor, (_pass_fd(_native.seal(native)), t.requires_grad)
-
-
-def _torch_strided():
-    import torch
-
-    return torch.strided
 
 
 def _rebuild_condition_over(lock, sleeping, woken, wake):
